@@ -1,0 +1,468 @@
+//! Fake device memory: address space per device, physical chunks backed by host pages only
+//! once written, and mappings from addresses to chunks (the virtual-memory API's model; a
+//! plain `malloc` is a chunk mapped at a fresh address).
+use crate::DriverError;
+use ferrocuda_types::{DeviceIndex, DevicePtr};
+use std::collections::{BTreeMap, HashMap};
+
+/// Host page size used to back touched device memory.
+const PAGE: u64 = 64 * 1024;
+/// Address-space bits per device: device `d` owns `[(d+1) << 44, (d+2) << 44)`.
+const DEVICE_SPAN_BITS: u32 = 44;
+/// Allocation and mapping granularity, as on H100/H200.
+pub(crate) const GRANULARITY: u64 = 2 << 20;
+
+pub(crate) fn device_of(ptr: DevicePtr) -> Option<DeviceIndex> {
+    let slot = ptr.0 >> DEVICE_SPAN_BITS;
+    slot.checked_sub(1)
+        .and_then(|d| u16::try_from(d).ok())
+        .map(DeviceIndex)
+}
+
+struct Chunk {
+    device: DeviceIndex,
+    bytes: u64,
+    pages: HashMap<u64, Box<[u8]>>,
+    mappings: u32,
+    released: bool,
+}
+
+struct Mapping {
+    len: u64,
+    chunk: u64,
+    accessible: bool,
+}
+
+struct DeviceSpace {
+    capacity: u64,
+    used: u64,
+    next_va: u64,
+    mappings: BTreeMap<u64, Mapping>,
+    reservations: BTreeMap<u64, u64>,
+    mallocs: HashMap<u64, u64>,
+}
+
+/// All fake device memory of one [`FakeDriver`](crate::FakeDriver).
+pub(crate) struct Memory {
+    devices: Vec<DeviceSpace>,
+    chunks: HashMap<u64, Chunk>,
+    next_chunk: u64,
+    backing: bool,
+}
+
+fn round_up(v: u64, to: u64) -> u64 {
+    v.div_ceil(to) * to
+}
+
+impl Memory {
+    pub(crate) fn new(devices: usize, capacity: u64, backing: bool) -> Memory {
+        let devices = (0..devices as u64)
+            .map(|d| DeviceSpace {
+                capacity,
+                used: 0,
+                next_va: (d + 1) << DEVICE_SPAN_BITS,
+                mappings: BTreeMap::new(),
+                reservations: BTreeMap::new(),
+                mallocs: HashMap::new(),
+            })
+            .collect();
+        Memory {
+            devices,
+            chunks: HashMap::new(),
+            next_chunk: 1,
+            backing,
+        }
+    }
+
+    fn space(&mut self, dev: DeviceIndex) -> Result<&mut DeviceSpace, DriverError> {
+        self.devices
+            .get_mut(dev.as_usize())
+            .ok_or(DriverError::INVALID_DEVICE)
+    }
+
+    pub(crate) fn info(&self, dev: DeviceIndex) -> Result<(u64, u64), DriverError> {
+        let s = self
+            .devices
+            .get(dev.as_usize())
+            .ok_or(DriverError::INVALID_DEVICE)?;
+        Ok((s.capacity.saturating_sub(s.used), s.capacity))
+    }
+
+    pub(crate) fn capacity(&self, dev: DeviceIndex) -> u64 {
+        self.devices.get(dev.as_usize()).map_or(0, |s| s.capacity)
+    }
+
+    fn take_va(space: &mut DeviceSpace, bytes: u64, align: u64) -> DevicePtr {
+        let base = round_up(space.next_va, align);
+        space.next_va = base + round_up(bytes.max(1), align);
+        DevicePtr(base)
+    }
+
+    /// Physical memory for the virtual-memory API (`cuMemCreate`).
+    pub(crate) fn create_chunk(
+        &mut self,
+        dev: DeviceIndex,
+        bytes: u64,
+    ) -> Result<u64, DriverError> {
+        let space = self.space(dev)?;
+        if bytes == 0 {
+            return Err(DriverError::INVALID_VALUE);
+        }
+        let accounted = round_up(bytes, GRANULARITY);
+        if space.used + accounted > space.capacity {
+            return Err(DriverError::OUT_OF_MEMORY);
+        }
+        space.used += accounted;
+        let id = self.next_chunk;
+        self.next_chunk += 1;
+        self.chunks.insert(
+            id,
+            Chunk {
+                device: dev,
+                bytes,
+                pages: HashMap::new(),
+                mappings: 0,
+                released: false,
+            },
+        );
+        Ok(id)
+    }
+
+    pub(crate) fn chunk_device(&self, chunk: u64) -> Option<DeviceIndex> {
+        self.chunks
+            .get(&chunk)
+            .filter(|c| !c.released)
+            .map(|c| c.device)
+    }
+
+    fn drop_chunk_if_unused(&mut self, chunk: u64) {
+        let Some(c) = self.chunks.get(&chunk) else {
+            return;
+        };
+        if c.released && c.mappings == 0 {
+            let (dev, bytes) = (c.device, round_up(c.bytes, GRANULARITY));
+            self.chunks.remove(&chunk);
+            if let Some(s) = self.devices.get_mut(dev.as_usize()) {
+                s.used -= bytes;
+            }
+        }
+    }
+
+    pub(crate) fn release_chunk(&mut self, chunk: u64) -> Result<(), DriverError> {
+        let c = self.chunks.get_mut(&chunk).filter(|c| !c.released);
+        let c = c.ok_or(DriverError::INVALID_HANDLE)?;
+        c.released = true;
+        self.drop_chunk_if_unused(chunk);
+        Ok(())
+    }
+
+    pub(crate) fn reserve(
+        &mut self,
+        dev: DeviceIndex,
+        bytes: u64,
+    ) -> Result<DevicePtr, DriverError> {
+        let space = self.space(dev)?;
+        if bytes == 0 || bytes % GRANULARITY != 0 {
+            return Err(DriverError::INVALID_VALUE);
+        }
+        let base = Self::take_va(space, bytes, GRANULARITY);
+        space.reservations.insert(base.0, bytes);
+        Ok(base)
+    }
+
+    pub(crate) fn unreserve(
+        &mut self,
+        dev: DeviceIndex,
+        base: DevicePtr,
+        bytes: u64,
+    ) -> Result<(), DriverError> {
+        let space = self.space(dev)?;
+        if space.reservations.get(&base.0) != Some(&bytes) {
+            return Err(DriverError::INVALID_VALUE);
+        }
+        if space
+            .mappings
+            .range(base.0..base.0 + bytes)
+            .next()
+            .is_some()
+        {
+            return Err(DriverError::INVALID_VALUE);
+        }
+        space.reservations.remove(&base.0);
+        Ok(())
+    }
+
+    /// Maps the whole chunk at `at`, which must lie inside a reservation and overlap nothing.
+    pub(crate) fn map(
+        &mut self,
+        at: DevicePtr,
+        chunk: u64,
+        accessible: bool,
+    ) -> Result<(), DriverError> {
+        let dev = device_of(at).ok_or(DriverError::INVALID_VALUE)?;
+        let len = self
+            .chunks
+            .get(&chunk)
+            .filter(|c| !c.released && c.device == dev);
+        let len = len.ok_or(DriverError::INVALID_HANDLE)?.bytes;
+        let space = self.space(dev)?;
+        if at.0 % GRANULARITY != 0 || len % GRANULARITY != 0 {
+            return Err(DriverError::INVALID_VALUE);
+        }
+        let inside = space
+            .reservations
+            .range(..=at.0)
+            .next_back()
+            .is_some_and(|(&b, &l)| at.0 + len <= b + l);
+        if !inside || Self::overlaps(space, at.0, len) {
+            return Err(DriverError::INVALID_VALUE);
+        }
+        space.mappings.insert(
+            at.0,
+            Mapping {
+                len,
+                chunk,
+                accessible,
+            },
+        );
+        if let Some(c) = self.chunks.get_mut(&chunk) {
+            c.mappings += 1;
+        }
+        Ok(())
+    }
+
+    fn overlaps(space: &DeviceSpace, start: u64, len: u64) -> bool {
+        let before = space.mappings.range(..start).next_back();
+        before.is_some_and(|(&s, m)| s + m.len > start)
+            || space.mappings.range(start..start + len).next().is_some()
+    }
+
+    /// The mappings that exactly tile `[at, at + bytes)`, or an error.
+    fn tiling(space: &DeviceSpace, at: u64, bytes: u64) -> Result<Vec<u64>, DriverError> {
+        let mut starts = Vec::new();
+        let mut cursor = at;
+        for (&s, m) in space.mappings.range(at..at + bytes) {
+            if s != cursor {
+                return Err(DriverError::INVALID_VALUE);
+            }
+            starts.push(s);
+            cursor = s + m.len;
+        }
+        if cursor != at + bytes || bytes == 0 {
+            return Err(DriverError::INVALID_VALUE);
+        }
+        Ok(starts)
+    }
+
+    pub(crate) fn set_access(&mut self, at: DevicePtr, bytes: u64) -> Result<(), DriverError> {
+        let dev = device_of(at).ok_or(DriverError::INVALID_VALUE)?;
+        let space = self.space(dev)?;
+        for s in Self::tiling(space, at.0, bytes)? {
+            if let Some(m) = space.mappings.get_mut(&s) {
+                m.accessible = true;
+            }
+        }
+        Ok(())
+    }
+
+    pub(crate) fn unmap(&mut self, at: DevicePtr, bytes: u64) -> Result<(), DriverError> {
+        let dev = device_of(at).ok_or(DriverError::INVALID_VALUE)?;
+        let space = self.space(dev)?;
+        let starts = Self::tiling(space, at.0, bytes)?;
+        let chunks: Vec<u64> = starts
+            .iter()
+            .filter_map(|s| space.mappings.remove(s))
+            .map(|m| m.chunk)
+            .collect();
+        for chunk in chunks {
+            if let Some(c) = self.chunks.get_mut(&chunk) {
+                c.mappings -= 1;
+            }
+            self.drop_chunk_if_unused(chunk);
+        }
+        Ok(())
+    }
+
+    /// `cuMemAlloc`: a chunk mapped at a fresh 512-byte aligned address.
+    pub(crate) fn malloc(
+        &mut self,
+        dev: DeviceIndex,
+        bytes: u64,
+    ) -> Result<DevicePtr, DriverError> {
+        let chunk = self.create_chunk(dev, bytes)?;
+        let space = self.space(dev)?;
+        let at = Self::take_va(space, round_up(bytes, GRANULARITY), GRANULARITY);
+        space.mappings.insert(
+            at.0,
+            Mapping {
+                len: round_up(bytes, GRANULARITY),
+                chunk,
+                accessible: true,
+            },
+        );
+        space.mallocs.insert(at.0, chunk);
+        if let Some(c) = self.chunks.get_mut(&chunk) {
+            c.mappings = 1;
+            c.released = true;
+        }
+        Ok(at)
+    }
+
+    pub(crate) fn free(&mut self, dev: DeviceIndex, ptr: DevicePtr) -> Result<(), DriverError> {
+        let space = self.space(dev)?;
+        let chunk = space
+            .mallocs
+            .remove(&ptr.0)
+            .ok_or(DriverError::INVALID_VALUE)?;
+        space.mappings.remove(&ptr.0);
+        if let Some(c) = self.chunks.get_mut(&chunk) {
+            c.mappings = 0;
+        }
+        self.drop_chunk_if_unused(chunk);
+        Ok(())
+    }
+
+    /// Splits `[ptr, ptr + len)` into `(chunk, offset, len)` pieces, or `ILLEGAL_ADDRESS`.
+    fn pieces(&self, ptr: DevicePtr, len: u64) -> Result<Vec<(u64, u64, u64)>, DriverError> {
+        let dev = device_of(ptr).ok_or(DriverError::ILLEGAL_ADDRESS)?;
+        let space = self
+            .devices
+            .get(dev.as_usize())
+            .ok_or(DriverError::ILLEGAL_ADDRESS)?;
+        let mut out = Vec::new();
+        let (mut at, end) = (ptr.0, ptr.0 + len);
+        while at < end {
+            let (&start, m) = space
+                .mappings
+                .range(..=at)
+                .next_back()
+                .ok_or(DriverError::ILLEGAL_ADDRESS)?;
+            if at >= start + m.len || !m.accessible {
+                return Err(DriverError::ILLEGAL_ADDRESS);
+            }
+            let chunk_len = self.chunks.get(&m.chunk).map_or(0, |c| c.bytes);
+            let offset = at - start;
+            if offset >= chunk_len {
+                return Err(DriverError::ILLEGAL_ADDRESS);
+            }
+            let take = (end - at).min(chunk_len - offset).min(start + m.len - at);
+            out.push((m.chunk, offset, take));
+            at += take;
+        }
+        Ok(out)
+    }
+
+    /// Whether `[ptr, ptr + len)` is mapped, accessible memory.
+    pub(crate) fn check(&self, ptr: DevicePtr, len: u64) -> Result<(), DriverError> {
+        self.pieces(ptr, len).map(|_| ())
+    }
+
+    pub(crate) fn read(&self, ptr: DevicePtr, dst: &mut [u8]) -> Result<(), DriverError> {
+        let mut done = 0usize;
+        for (chunk, offset, len) in self.pieces(ptr, dst.len() as u64)? {
+            let pages = self.chunks.get(&chunk).map(|c| &c.pages);
+            let (mut o, end) = (offset, offset + len);
+            while o < end {
+                let (page, within) = (o / PAGE, (o % PAGE) as usize);
+                let n = ((PAGE - within as u64).min(end - o)) as usize;
+                let out = &mut dst[done..done + n];
+                match pages.and_then(|p| p.get(&page)) {
+                    Some(bytes) => out.copy_from_slice(&bytes[within..within + n]),
+                    None => out.fill(0),
+                }
+                done += n;
+                o += n as u64;
+            }
+        }
+        Ok(())
+    }
+
+    /// Writes `len` bytes produced by `byte_at(i)` for `i` in `0..len`.
+    fn write_with(
+        &mut self,
+        ptr: DevicePtr,
+        len: u64,
+        byte_at: impl Fn(u64) -> u8,
+    ) -> Result<(), DriverError> {
+        let pieces = self.pieces(ptr, len)?;
+        if !self.backing {
+            return Ok(());
+        }
+        let mut done = 0u64;
+        for (chunk, offset, len) in pieces {
+            let Some(c) = self.chunks.get_mut(&chunk) else {
+                continue;
+            };
+            let (mut o, end) = (offset, offset + len);
+            while o < end {
+                let (page, within) = (o / PAGE, o % PAGE);
+                let n = (PAGE - within).min(end - o);
+                let bytes = c
+                    .pages
+                    .entry(page)
+                    .or_insert_with(|| vec![0u8; PAGE as usize].into());
+                for k in 0..n {
+                    bytes[(within + k) as usize] = byte_at(done + k);
+                }
+                done += n;
+                o += n;
+            }
+        }
+        Ok(())
+    }
+
+    pub(crate) fn write(&mut self, ptr: DevicePtr, src: &[u8]) -> Result<(), DriverError> {
+        self.write_with(ptr, src.len() as u64, |i| src[i as usize])
+    }
+
+    pub(crate) fn fill(
+        &mut self,
+        ptr: DevicePtr,
+        pattern: &[u8],
+        count: u64,
+    ) -> Result<(), DriverError> {
+        let width = pattern.len() as u64;
+        self.write_with(ptr, width * count, |i| pattern[(i % width) as usize])
+    }
+
+    /// Host bytes currently backing device memory (for tests of lazy backing).
+    pub(crate) fn backed_bytes(&self) -> u64 {
+        self.chunks
+            .values()
+            .map(|c| c.pages.len() as u64 * PAGE)
+            .sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn untouched_memory_costs_no_host_pages() {
+        let mut m = Memory::new(1, 80 << 30, true);
+        let p = m.malloc(DeviceIndex(0), 60 << 30).unwrap_or_default();
+        assert_eq!(m.backed_bytes(), 0);
+        assert!(m.write(p.offset(5 << 30), &[7; 10]).is_ok());
+        assert_eq!(m.backed_bytes(), PAGE);
+        let mut back = [0u8; 12];
+        assert!(m.read(p.offset((5 << 30) - 1), &mut back).is_ok());
+        assert_eq!(back, [0, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 0]);
+    }
+
+    #[test]
+    fn capacity_and_addresses() {
+        let mut m = Memory::new(2, 8 << 20, true);
+        let a = m.malloc(DeviceIndex(1), 6 << 20);
+        assert!(a.is_ok_and(|p| device_of(p) == Some(DeviceIndex(1))));
+        assert_eq!(
+            m.malloc(DeviceIndex(1), 4 << 20),
+            Err(DriverError::OUT_OF_MEMORY)
+        );
+        assert_eq!(m.info(DeviceIndex(1)), Ok((2 << 20, 8 << 20)));
+        assert_eq!(
+            m.malloc(DeviceIndex(2), 1),
+            Err(DriverError::INVALID_DEVICE)
+        );
+    }
+}

@@ -1,0 +1,250 @@
+//! The seam between ferrocuda and a CUDA device: the [`Driver`] trait and its two backends.
+//!
+//! This is the only crate that touches CUDA. Everything above it (streams, the caching
+//! allocator, graphs, autocast) asks a `dyn Driver` for one driver act at a time, so the
+//! same code and the same test suite run on a real GPU ([`CudaDriver`]) and on a fake device
+//! kept in host memory ([`FakeDriver`]).
+//!
+//! # Design choices
+//! - **One method per driver act.** No method hides policy (caching, retries, ordering):
+//!   policy lives in the layers above, where it can be tested on the fake device.
+//! - **Handles are names, not owners.** Methods take `Copy` handles from `ferrocuda-types`;
+//!   the layers above own lifetimes. Both backends still check every handle they are given
+//!   against the objects they created, so a handle used after its object was destroyed (or
+//!   one made up) is a typed `CUDA_ERROR_INVALID_HANDLE`, never undefined behaviour.
+//! - **No driver is data.** [`CudaDriver::new`] never fails: without libcuda, or without a
+//!   device, it reports zero devices and every call returns a [`DriverError`].
+//! - **Errors format from a static table** ([`DriverError`]): printing an error never calls
+//!   the driver.
+//! - **The fake is a real backend** (after wgpu's no-op backend): device memory is address
+//!   space backed by host pages only once touched, streams are in-order queues, events
+//!   complete when a test says so (manual mode) or at once (eager mode), capture records work
+//!   into graphs and enforces the driver's capture rules with the driver's error codes, the
+//!   virtual-memory API maps physical chunks at 2 MiB granularity, out-of-memory comes from a
+//!   capacity or is injected at the N-th call, and every call is counted.
+//! - `unsafe` lives here only, each block with a `// SAFETY:` note.
+//!
+//! # What the layer above must do
+//! - Never use a handle after destroying its object (it gets an error, not the object).
+//! - Order work between streams itself (events); the driver does no implicit syncing beyond
+//!   CUDA's own.
+//! - Not hold its own locks across driver calls that can block (synchronize, free).
+
+mod cuda;
+mod error;
+pub mod fake;
+
+pub use cuda::CudaDriver;
+pub use error::{CompileError, DriverError};
+pub use fake::{Completion, FakeDriver, FakeDriverBuilder, KernelContext};
+
+use ferrocuda_types::{
+    CaptureMode, CaptureStatus, DeviceIndex, DeviceProperties, DevicePtr, EventFlags, EventHandle,
+    FunctionHandle, GraphExecHandle, GraphHandle, HostPtr, KernelArg, LaunchConfig, MemsetValue,
+    ModuleHandle, PhysHandle, StreamFlags, StreamHandle, VaRange,
+};
+use std::path::Path;
+
+/// Everything the layers above may ask of a device: one method per driver act.
+///
+/// Implementations validate handles and device indices (a bad one is an error), but apply
+/// no policy. Every method may be called from any thread.
+pub trait Driver: Send + Sync + std::fmt::Debug + 'static {
+    /// A short name of the backend: `"cuda"` or `"fake"`.
+    fn backend(&self) -> &'static str;
+
+    // ---- devices -------------------------------------------------------------------------
+    /// Devices visible to this process; 0 when there is no driver or no device.
+    fn device_count(&self) -> Result<usize, DriverError>;
+    /// Name, capability, memory and SM count of `dev`.
+    fn device_properties(&self, dev: DeviceIndex) -> Result<DeviceProperties, DriverError>;
+    /// `(free, total)` device memory in bytes (`cuMemGetInfo`).
+    fn mem_get_info(&self, dev: DeviceIndex) -> Result<(u64, u64), DriverError>;
+    /// Waits for all work on `dev` (`cuCtxSynchronize`).
+    fn device_synchronize(&self, dev: DeviceIndex) -> Result<(), DriverError>;
+    /// `(least, greatest)` stream priority; greatest is the most negative number.
+    fn stream_priority_range(&self, dev: DeviceIndex) -> Result<(i32, i32), DriverError>;
+
+    // ---- memory --------------------------------------------------------------------------
+    /// Allocates device memory (`cuMemAlloc`).
+    fn malloc(&self, dev: DeviceIndex, bytes: u64) -> Result<DevicePtr, DriverError>;
+    /// Frees memory from [`Driver::malloc`] (`cuMemFree`).
+    fn free(&self, dev: DeviceIndex, ptr: DevicePtr) -> Result<(), DriverError>;
+    /// Allocates page-locked host memory (`cuMemHostAlloc`).
+    fn host_alloc(&self, bytes: u64) -> Result<HostPtr, DriverError>;
+    /// Frees page-locked host memory (`cuMemFreeHost`).
+    fn host_free(&self, ptr: HostPtr) -> Result<(), DriverError>;
+    /// Reads page-locked host memory. Bytes a pending copy will write are unspecified.
+    fn host_read(&self, src: HostPtr, offset: u64, dst: &mut [u8]) -> Result<(), DriverError>;
+    /// Writes page-locked host memory.
+    fn host_write(&self, dst: HostPtr, offset: u64, src: &[u8]) -> Result<(), DriverError>;
+    /// Fills `count` elements at `dst` with `value`, ordered on `stream`.
+    fn memset_async(
+        &self,
+        dst: DevicePtr,
+        value: MemsetValue,
+        count: u64,
+        stream: StreamHandle,
+    ) -> Result<(), DriverError>;
+    /// Copies host bytes to the device, ordered on `stream`. `src` has been consumed when
+    /// this returns (it may be dropped at once); the device write completes in stream order.
+    fn memcpy_htod_async(
+        &self,
+        dst: DevicePtr,
+        src: &[u8],
+        stream: StreamHandle,
+    ) -> Result<(), DriverError>;
+    /// Copies device bytes to the host in `stream` order and waits for the copy.
+    fn memcpy_dtoh(
+        &self,
+        dst: &mut [u8],
+        src: DevicePtr,
+        stream: StreamHandle,
+    ) -> Result<(), DriverError>;
+    /// Copies between two regions of the stream's device, ordered on `stream`.
+    fn memcpy_dtod_async(
+        &self,
+        dst: DevicePtr,
+        src: DevicePtr,
+        bytes: u64,
+        stream: StreamHandle,
+    ) -> Result<(), DriverError>;
+    /// Copies between devices (`cuMemcpyPeerAsync`), ordered on `stream`.
+    fn memcpy_peer_async(
+        &self,
+        dst: (DeviceIndex, DevicePtr),
+        src: (DeviceIndex, DevicePtr),
+        bytes: u64,
+        stream: StreamHandle,
+    ) -> Result<(), DriverError>;
+    /// Copies page-locked host memory to the device, truly asynchronously.
+    fn memcpy_htod_pinned_async(
+        &self,
+        dst: DevicePtr,
+        src: (HostPtr, u64),
+        bytes: u64,
+        stream: StreamHandle,
+    ) -> Result<(), DriverError>;
+    /// Copies device memory into page-locked host memory, truly asynchronously.
+    fn memcpy_dtoh_pinned_async(
+        &self,
+        dst: (HostPtr, u64),
+        src: DevicePtr,
+        bytes: u64,
+        stream: StreamHandle,
+    ) -> Result<(), DriverError>;
+
+    // ---- streams -------------------------------------------------------------------------
+    /// Creates a stream (`cuStreamCreateWithPriority`).
+    fn stream_create(
+        &self,
+        dev: DeviceIndex,
+        flags: StreamFlags,
+    ) -> Result<StreamHandle, DriverError>;
+    /// Destroys a stream; work already enqueued still runs.
+    fn stream_destroy(&self, stream: StreamHandle) -> Result<(), DriverError>;
+    /// Whether all work enqueued on `stream` has completed.
+    fn stream_query(&self, stream: StreamHandle) -> Result<bool, DriverError>;
+    /// Waits for all work enqueued on `stream`.
+    fn stream_synchronize(&self, stream: StreamHandle) -> Result<(), DriverError>;
+    /// Makes future work on `stream` wait for the event's last record.
+    fn stream_wait_event(
+        &self,
+        stream: StreamHandle,
+        event: EventHandle,
+    ) -> Result<(), DriverError>;
+
+    // ---- events --------------------------------------------------------------------------
+    /// Creates an event.
+    fn event_create(&self, dev: DeviceIndex, flags: EventFlags)
+    -> Result<EventHandle, DriverError>;
+    /// Destroys an event.
+    fn event_destroy(&self, event: EventHandle) -> Result<(), DriverError>;
+    /// Records the event at the current end of `stream`.
+    fn event_record(&self, event: EventHandle, stream: StreamHandle) -> Result<(), DriverError>;
+    /// Whether the work before the event's last record has completed.
+    fn event_query(&self, event: EventHandle) -> Result<bool, DriverError>;
+    /// Waits for the event's last record.
+    fn event_synchronize(&self, event: EventHandle) -> Result<(), DriverError>;
+    /// Milliseconds between two completed timing events.
+    fn event_elapsed_ms(&self, start: EventHandle, end: EventHandle) -> Result<f32, DriverError>;
+
+    // ---- kernels -------------------------------------------------------------------------
+    /// What compiled images for `dev` depend on (compiler version and target), for cache
+    /// keys; `None` when images must not be cached.
+    fn compile_target(&self, dev: DeviceIndex) -> Result<Option<String>, DriverError>;
+    /// Compiles CUDA C++ source for `dev` into an image [`Driver::module_load`] accepts.
+    fn compile_source(
+        &self,
+        dev: DeviceIndex,
+        source: &str,
+        name: &str,
+    ) -> Result<Vec<u8>, CompileError>;
+    /// Loads a compiled image (`cuModuleLoadData`).
+    fn module_load(&self, dev: DeviceIndex, image: &[u8]) -> Result<ModuleHandle, DriverError>;
+    /// Unloads a module; its functions become invalid.
+    fn module_unload(&self, module: ModuleHandle) -> Result<(), DriverError>;
+    /// Looks up a kernel by its (`extern "C"`) name.
+    fn module_function(
+        &self,
+        module: ModuleHandle,
+        name: &str,
+    ) -> Result<FunctionHandle, DriverError>;
+    /// Launches a kernel on `stream` (`cuLaunchKernel`).
+    fn launch(
+        &self,
+        function: FunctionHandle,
+        config: &LaunchConfig,
+        args: &[KernelArg<'_>],
+        stream: StreamHandle,
+    ) -> Result<(), DriverError>;
+
+    // ---- capture and graphs --------------------------------------------------------------
+    /// Starts capturing `stream` into a graph (`cuStreamBeginCapture_v2`).
+    fn stream_begin_capture(
+        &self,
+        stream: StreamHandle,
+        mode: CaptureMode,
+    ) -> Result<(), DriverError>;
+    /// Ends the capture begun on `stream` and returns its graph (`cuStreamEndCapture`).
+    fn stream_end_capture(&self, stream: StreamHandle) -> Result<GraphHandle, DriverError>;
+    /// The capture status of `stream`, with the capture id when active.
+    fn stream_capture_status(&self, stream: StreamHandle) -> Result<CaptureStatus, DriverError>;
+    /// Sets the calling thread's capture mode and returns the previous one
+    /// (`cuThreadExchangeStreamCaptureMode`).
+    fn exchange_capture_mode(&self, mode: CaptureMode) -> Result<CaptureMode, DriverError>;
+    /// Number of nodes in a graph.
+    fn graph_node_count(&self, graph: GraphHandle) -> Result<usize, DriverError>;
+    /// Instantiates a graph (`cuGraphInstantiateWithFlags`, auto-free-on-launch).
+    fn graph_instantiate(&self, graph: GraphHandle) -> Result<GraphExecHandle, DriverError>;
+    /// Stages an instantiated graph on the device (`cuGraphUpload`).
+    fn graph_upload(&self, exec: GraphExecHandle, stream: StreamHandle) -> Result<(), DriverError>;
+    /// Launches an instantiated graph on `stream` (`cuGraphLaunch`).
+    fn graph_launch(&self, exec: GraphExecHandle, stream: StreamHandle) -> Result<(), DriverError>;
+    /// Destroys an instantiated graph; launches in flight finish.
+    fn graph_exec_destroy(&self, exec: GraphExecHandle) -> Result<(), DriverError>;
+    /// Destroys a graph.
+    fn graph_destroy(&self, graph: GraphHandle) -> Result<(), DriverError>;
+    /// Writes the graph as Graphviz DOT (`cuGraphDebugDotPrint`).
+    fn graph_debug_dot(&self, graph: GraphHandle, path: &Path) -> Result<(), DriverError>;
+
+    // ---- virtual memory ------------------------------------------------------------------
+    /// The granularity of physical chunks and mappings (`cuMemGetAllocationGranularity`).
+    fn vm_granularity(&self, dev: DeviceIndex) -> Result<u64, DriverError>;
+    /// Reserves a range of virtual addresses (`cuMemAddressReserve`).
+    fn vm_reserve(&self, dev: DeviceIndex, bytes: u64) -> Result<VaRange, DriverError>;
+    /// Gives back a reserved range; nothing may be mapped in it (`cuMemAddressFree`).
+    fn vm_release(&self, range: VaRange) -> Result<(), DriverError>;
+    /// Creates physical device memory (`cuMemCreate`).
+    fn vm_create(&self, dev: DeviceIndex, bytes: u64) -> Result<PhysHandle, DriverError>;
+    /// Releases physical memory; it is freed once unmapped everywhere (`cuMemRelease`).
+    fn vm_destroy(&self, handle: PhysHandle) -> Result<(), DriverError>;
+    /// Maps all of `handle` at `at` (`cuMemMap`).
+    fn vm_map(&self, at: DevicePtr, handle: PhysHandle) -> Result<(), DriverError>;
+    /// Makes `[at, at + bytes)` readable and writable by `dev` (`cuMemSetAccess`).
+    fn vm_set_access(&self, dev: DeviceIndex, at: DevicePtr, bytes: u64)
+    -> Result<(), DriverError>;
+    /// Unmaps `[at, at + bytes)` (`cuMemUnmap`).
+    fn vm_unmap(&self, dev: DeviceIndex, at: DevicePtr, bytes: u64) -> Result<(), DriverError>;
+}
+pub use fake::Call;

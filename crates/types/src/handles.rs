@@ -1,0 +1,132 @@
+//! Ids and opaque handles.
+use serde::{Deserialize, Serialize};
+use std::fmt;
+
+/// Index of a CUDA device, as `torch.cuda` numbers them (after `CUDA_VISIBLE_DEVICES`).
+#[derive(
+    Copy, Clone, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize,
+)]
+#[serde(transparent)]
+pub struct DeviceIndex(pub u16);
+
+impl DeviceIndex {
+    /// The index as a `usize`, for indexing per-device tables.
+    #[inline]
+    pub fn as_usize(self) -> usize {
+        usize::from(self.0)
+    }
+}
+
+impl fmt::Display for DeviceIndex {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "cuda:{}", self.0)
+    }
+}
+
+/// A device address. Transparent over `u64` so it can be a kernel argument as is.
+#[derive(
+    Copy,
+    Clone,
+    Debug,
+    Default,
+    PartialEq,
+    Eq,
+    Hash,
+    PartialOrd,
+    Ord,
+    Serialize,
+    Deserialize,
+    bytemuck::Pod,
+    bytemuck::Zeroable,
+)]
+#[repr(transparent)]
+#[serde(transparent)]
+pub struct DevicePtr(pub u64);
+
+impl DevicePtr {
+    /// The address `bytes` past this one.
+    #[inline]
+    pub fn offset(self, bytes: u64) -> DevicePtr {
+        DevicePtr(self.0 + bytes)
+    }
+}
+
+impl fmt::Display for DevicePtr {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:#x}", self.0)
+    }
+}
+
+/// A page-locked host allocation made by the driver (`cuMemHostAlloc`).
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct HostPtr {
+    /// The host address (real driver) or a fake address (fake driver).
+    pub raw: u64,
+    /// Its size in bytes.
+    pub bytes: u64,
+}
+
+/// A reserved range of device virtual addresses (`cuMemAddressReserve`).
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct VaRange {
+    /// The device the range was reserved for.
+    pub device: DeviceIndex,
+    /// First address.
+    pub base: DevicePtr,
+    /// Length in bytes.
+    pub bytes: u64,
+}
+
+macro_rules! device_handle {
+    ($(#[$doc:meta])* $name:ident) => {
+        $(#[$doc])*
+        #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+        pub struct $name {
+            /// The device (context) the object belongs to.
+            pub device: DeviceIndex,
+            /// The backend's raw value: a CUDA pointer or a fake table key.
+            pub raw: u64,
+        }
+    };
+}
+
+device_handle!(
+    /// A stream. `raw == 0` is the device's legacy default stream.
+    StreamHandle
+);
+device_handle!(
+    /// An event.
+    EventHandle
+);
+device_handle!(
+    /// A loaded module.
+    ModuleHandle
+);
+device_handle!(
+    /// A kernel inside a loaded module.
+    FunctionHandle
+);
+device_handle!(
+    /// A captured or built graph (`CUgraph`).
+    GraphHandle
+);
+device_handle!(
+    /// An instantiated graph (`CUgraphExec`).
+    GraphExecHandle
+);
+device_handle!(
+    /// Physical device memory created for the virtual-memory API (`cuMemCreate`).
+    PhysHandle
+);
+
+impl StreamHandle {
+    /// The legacy default stream of `device`.
+    pub const fn legacy(device: DeviceIndex) -> StreamHandle {
+        StreamHandle { device, raw: 0 }
+    }
+
+    /// Whether this names the legacy default stream.
+    pub const fn is_legacy(&self) -> bool {
+        self.raw == 0
+    }
+}

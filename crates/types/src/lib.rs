@@ -1,0 +1,33 @@
+//! Plain data shared by every ferrocuda layer.
+//!
+//! This crate holds the values that cross layer boundaries: device indices, the opaque handles
+//! a [`Driver`](https://docs.rs/ferrocuda-driver) hands out, element types, launch and capture
+//! descriptions. It has no behaviour beyond parsing and formatting, so every layer (and a
+//! user's own tools, through serde) can depend on it without pulling in CUDA.
+//!
+//! # Design choices
+//! - Handles are `Copy` values that carry their device next to the backend's raw `u64`. The
+//!   real driver stores the CUDA pointer there, the fake driver a table index: no lookup
+//!   on the launch path, and a handle always knows which context it belongs to.
+//! - [`DevicePtr`] is a transparent `u64` and [`bytemuck::Pod`], so it can be passed to a
+//!   kernel as an argument without conversion.
+//! - Nothing here validates handles; the layers above own lifetimes and validation.
+//!
+//! # What the layers above must do
+//! Keep handles alive only as long as the object they name: a handle is a name, not an owner.
+#![forbid(unsafe_code)]
+
+mod device;
+mod dtype;
+mod handles;
+mod launch;
+
+pub use device::{Device, DeviceKind, DeviceParseError, DeviceProperties};
+pub use dtype::{DType, Element};
+pub use handles::{
+    DeviceIndex, DevicePtr, EventHandle, FunctionHandle, GraphExecHandle, GraphHandle, HostPtr,
+    ModuleHandle, PhysHandle, StreamHandle, VaRange,
+};
+pub use launch::{
+    CaptureMode, CaptureStatus, EventFlags, KernelArg, LaunchConfig, MemsetValue, StreamFlags,
+};
