@@ -1,1 +1,47 @@
-//! placeholder
+//! `torch.cuda`'s device, stream, event and kernel semantics over a [`Driver`].
+//!
+//! A [`Runtime`] wraps one driver (real or fake) and provides what `torch.cuda` users know:
+//! the current device per thread and [`DeviceGuard`] (`with torch.cuda.device(i)`), the
+//! legacy default stream, a round-robin pool of 32 streams per priority, the current stream
+//! per (thread, device) and [`StreamGuard`] (`with torch.cuda.stream(s)`), events with
+//! timing, kernels compiled from CUDA C++ with an on-disk cache, and a minimal typed
+//! [`DeviceBuffer`].
+//!
+//! # Design choices
+//! - **`Arc<dyn Driver>`, not generics.** The backend is chosen at run time (GPU when
+//!   present, the fake device otherwise); one virtual call per driver act costs nothing next
+//!   to a launch.
+//! - **Thread-local current state, keyed by runtime.** Several runtimes (a fake one in a test
+//!   beside a real one) never see each other's current device or stream.
+//! - **Lazy events**, as PyTorch: an event is created on the device of its first record;
+//!   querying or waiting on an unrecorded event is a no-op.
+//! - **Ownership decides destruction**: streams made by [`Runtime::new_stream`] die with
+//!   their last clone; pool, default and external streams are never destroyed by us.
+//! - **`CUDA_LAUNCH_BLOCKING=1`** is honoured by the drivers themselves (libcuda reads it at
+//!   init; the fake driver reads it when built).
+//! - Device mismatch is checked here, once, not in the driver: a launch whose buffer argument
+//!   lives on another device is [`StreamError::DeviceMismatch`].
+//!
+//! # What the layers above must do
+//! - Keep allocations alive until the streams using them are done (the caching allocator's
+//!   `record_stream` does this for the buffer in the next layer).
+//! - Not use guards across threads (they are `!Send`).
+#![forbid(unsafe_code)]
+
+mod buffer;
+mod error;
+mod event;
+mod module;
+mod runtime;
+mod stream;
+
+#[cfg(feature = "conformance")]
+pub mod conformance;
+
+pub use buffer::DeviceBuffer;
+pub use error::{Result, StreamError};
+pub use event::Event;
+pub use ferrocuda_driver::Driver;
+pub use module::{CacheOutcome, Function, KernelCache, Module};
+pub use runtime::{DeviceGuard, Runtime, STREAMS_PER_POOL, StreamGuard};
+pub use stream::Stream;

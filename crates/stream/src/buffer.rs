@@ -1,0 +1,187 @@
+//! A minimal typed device buffer. It allocates straight from the driver for now; the caching
+//! allocator takes over its allocation path in the next layer.
+use crate::{Result, Runtime, Stream, StreamError};
+use ferrocuda_types::{DeviceIndex, DevicePtr, Element, KernelArg, MemsetValue};
+use std::marker::PhantomData;
+use std::sync::Arc;
+
+/// `len` elements of `T` on one device. Operations run on the current stream of the
+/// buffer's device, as PyTorch's tensor operations do.
+#[derive(Debug)]
+pub struct DeviceBuffer<T: Element> {
+    runtime: Arc<Runtime>,
+    device: DeviceIndex,
+    ptr: DevicePtr,
+    len: usize,
+    _element: PhantomData<T>,
+}
+
+impl<T: Element> Drop for DeviceBuffer<T> {
+    fn drop(&mut self) {
+        if self.len > 0 {
+            let _ = self.runtime.driver().free(self.device, self.ptr);
+        }
+    }
+}
+
+impl<T: Element> DeviceBuffer<T> {
+    /// Uninitialized memory for `len` elements on `dev`.
+    pub fn uninit(runtime: &Arc<Runtime>, dev: DeviceIndex, len: usize) -> Result<DeviceBuffer<T>> {
+        runtime.check_device(dev)?;
+        let bytes = (len * size_of::<T>()) as u64;
+        let ptr = if len == 0 {
+            DevicePtr(0)
+        } else {
+            runtime.driver().malloc(dev, bytes)?
+        };
+        Ok(DeviceBuffer {
+            runtime: runtime.clone(),
+            device: dev,
+            ptr,
+            len,
+            _element: PhantomData,
+        })
+    }
+
+    /// A copy of `values` on `dev`.
+    pub fn from_slice(
+        runtime: &Arc<Runtime>,
+        dev: DeviceIndex,
+        values: &[T],
+    ) -> Result<DeviceBuffer<T>> {
+        let buf = DeviceBuffer::uninit(runtime, dev, values.len())?;
+        buf.copy_from_host(values)?;
+        Ok(buf)
+    }
+
+    /// `len` copies of `value` on `dev`.
+    pub fn filled(
+        runtime: &Arc<Runtime>,
+        dev: DeviceIndex,
+        len: usize,
+        value: T,
+    ) -> Result<DeviceBuffer<T>> {
+        let buf = DeviceBuffer::uninit(runtime, dev, len)?;
+        buf.fill(value)?;
+        Ok(buf)
+    }
+
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    /// Whether it holds no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    /// The device it lives on.
+    pub fn device(&self) -> DeviceIndex {
+        self.device
+    }
+    /// Its device address.
+    pub fn ptr(&self) -> DevicePtr {
+        self.ptr
+    }
+    /// Its size in bytes.
+    pub fn bytes(&self) -> u64 {
+        (self.len * size_of::<T>()) as u64
+    }
+    /// The buffer as a kernel argument (a device pointer that knows its device).
+    pub fn arg(&self) -> KernelArg<'static> {
+        KernelArg::Ptr {
+            device: self.device,
+            ptr: self.ptr,
+        }
+    }
+
+    fn stream(&self) -> Result<Stream> {
+        self.runtime.current_stream(self.device)
+    }
+
+    /// Sets every element to `value`.
+    pub fn fill(&self, value: T) -> Result<()> {
+        if self.len == 0 {
+            return Ok(());
+        }
+        let bytes = bytemuck::bytes_of(&value);
+        let pattern = match bytes.len() {
+            1 => Some(MemsetValue::U8(bytes[0])),
+            2 => Some(MemsetValue::U16(u16::from_le_bytes([bytes[0], bytes[1]]))),
+            4 => Some(MemsetValue::U32(u32::from_le_bytes([
+                bytes[0], bytes[1], bytes[2], bytes[3],
+            ]))),
+            _ => None,
+        };
+        match pattern {
+            Some(p) => Ok(self.runtime.driver().memset_async(
+                self.ptr,
+                p,
+                self.len as u64,
+                self.stream()?.handle(),
+            )?),
+            // No 8-byte memset in the driver API: stage the pattern from the host.
+            None => self.copy_from_host(&vec![value; self.len]),
+        }
+    }
+
+    /// Copies `values` (exactly `len` of them) into the buffer, in stream order.
+    pub fn copy_from_host(&self, values: &[T]) -> Result<()> {
+        if values.len() != self.len {
+            return Err(StreamError::LengthMismatch {
+                expected: self.len,
+                found: values.len(),
+            });
+        }
+        if self.len == 0 {
+            return Ok(());
+        }
+        let stream = self.stream()?;
+        Ok(self.runtime.driver().memcpy_htod_async(
+            self.ptr,
+            bytemuck::cast_slice(values),
+            stream.handle(),
+        )?)
+    }
+
+    /// The buffer's contents, after the work enqueued on its current stream.
+    pub fn to_host(&self) -> Result<Vec<T>> {
+        let mut out = vec![T::zeroed(); self.len];
+        if self.len > 0 {
+            let stream = self.stream()?;
+            self.runtime.driver().memcpy_dtoh(
+                bytemuck::cast_slice_mut(&mut out),
+                self.ptr,
+                stream.handle(),
+            )?;
+        }
+        Ok(out)
+    }
+
+    /// Copies `src` into this buffer on the current stream of this buffer's device; across
+    /// devices this is an explicit peer copy.
+    pub fn copy_from(&self, src: &DeviceBuffer<T>) -> Result<()> {
+        if src.len != self.len {
+            return Err(StreamError::LengthMismatch {
+                expected: self.len,
+                found: src.len,
+            });
+        }
+        if self.len == 0 {
+            return Ok(());
+        }
+        let stream = self.stream()?;
+        let driver = self.runtime.driver();
+        if src.device == self.device {
+            Ok(driver.memcpy_dtod_async(self.ptr, src.ptr, self.bytes(), stream.handle())?)
+        } else {
+            // The source's pending work must finish first: order on its current stream.
+            stream.wait_stream(&src.stream()?)?;
+            Ok(driver.memcpy_peer_async(
+                (self.device, self.ptr),
+                (src.device, src.ptr),
+                self.bytes(),
+                stream.handle(),
+            )?)
+        }
+    }
+}

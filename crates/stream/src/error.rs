@@ -1,0 +1,65 @@
+//! Errors of the stream layer.
+use ferrocuda_driver::{CompileError, DriverError};
+use ferrocuda_types::{DeviceIndex, DeviceParseError};
+
+/// What can go wrong with devices, streams, events, kernels and buffers.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum StreamError {
+    /// A driver call failed.
+    #[error("CUDA driver error: {0}")]
+    Driver(#[from] DriverError),
+    /// No CUDA device can be used (no driver, no device).
+    #[error("CUDA is not available: {reason}")]
+    NotAvailable {
+        /// Why, from the driver.
+        reason: DriverError,
+    },
+    /// A device index past the last device.
+    #[error("invalid device ordinal {index}: {count} CUDA device(s) available")]
+    InvalidDevice {
+        /// The index asked for.
+        index: u16,
+        /// Devices present.
+        count: usize,
+    },
+    /// A device string did not parse.
+    #[error(transparent)]
+    Parse(#[from] DeviceParseError),
+    /// A CUDA device was needed and the CPU was named.
+    #[error("expected a CUDA device, got cpu")]
+    NotCuda,
+    /// An operation mixed objects of two devices.
+    #[error("{what} is on {found} but the operation runs on {expected}")]
+    DeviceMismatch {
+        /// The device the operation runs on.
+        expected: DeviceIndex,
+        /// The device of the offending object.
+        found: DeviceIndex,
+        /// What the offending object is.
+        what: &'static str,
+    },
+    /// `elapsed_time` on an event that was never recorded.
+    #[error("both events must be recorded before calculating elapsed time")]
+    EventNotRecorded,
+    /// `elapsed_time` on an event created without timing.
+    #[error("both events must be created with enable_timing=true to calculate elapsed time")]
+    TimingDisabled,
+    /// An interprocess event must have timing disabled (a CUDA rule).
+    #[error("an interprocess event cannot have timing enabled")]
+    InterprocessTiming,
+    /// Compiling a kernel failed.
+    #[error(transparent)]
+    Compile(#[from] CompileError),
+    /// Host and device lengths differ.
+    #[error("length mismatch: expected {expected} elements, got {found}")]
+    LengthMismatch {
+        /// The buffer's length.
+        expected: usize,
+        /// The other side's length.
+        found: usize,
+    },
+}
+
+/// Result alias of this crate.
+pub type Result<T, E = StreamError> = std::result::Result<T, E>;

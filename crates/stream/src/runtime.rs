@@ -1,0 +1,368 @@
+//! The runtime: one driver, its devices, the per-thread current device and streams.
+use crate::{Event, Result, Stream, StreamError};
+use ferrocuda_driver::{Driver, DriverError};
+use ferrocuda_types::{
+    Device, DeviceIndex, DeviceKind, DeviceProperties, EventFlags, StreamFlags, StreamHandle,
+};
+use parking_lot::Mutex;
+use std::cell::RefCell;
+use std::marker::PhantomData;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
+
+/// Streams per priority in a device's pool, as PyTorch keeps them.
+pub const STREAMS_PER_POOL: usize = 32;
+
+static NEXT_RUNTIME_ID: AtomicU64 = AtomicU64::new(1);
+
+/// Round-robin pool of streams of one priority, created on first use.
+#[derive(Debug, Default)]
+struct StreamPool {
+    streams: OnceLock<Vec<Stream>>,
+    next: AtomicUsize,
+}
+
+#[derive(Debug)]
+struct DeviceState {
+    default_stream: Stream,
+    pools: [StreamPool; 2],
+    properties: OnceLock<DeviceProperties>,
+    priority_range: Mutex<Option<(i32, i32)>>,
+}
+
+/// Per-thread state for one runtime: current device and current stream per device.
+struct ThreadState {
+    runtime: u64,
+    device: DeviceIndex,
+    streams: Vec<Option<Stream>>,
+}
+
+thread_local! {
+    static THREAD: RefCell<Vec<ThreadState>> = const { RefCell::new(Vec::new()) };
+}
+
+/// `torch.cuda` for one driver: devices, streams, events and kernels.
+///
+/// Most programs use one runtime (the facade's global one); tests make one per backend.
+#[derive(Debug)]
+pub struct Runtime {
+    id: u64,
+    driver: Arc<dyn Driver>,
+    devices: Vec<DeviceState>,
+    unavailable: Option<DriverError>,
+    pub(crate) kernel_cache: crate::module::KernelCache,
+}
+
+impl Runtime {
+    /// A runtime over `driver`, with the kernel cache configured from the environment.
+    pub fn new(driver: Arc<dyn Driver>) -> Arc<Runtime> {
+        Runtime::with_kernel_cache(driver, crate::module::KernelCache::from_env())
+    }
+
+    /// A runtime with an explicit kernel cache (`None`: no cache).
+    pub fn with_kernel_cache(
+        driver: Arc<dyn Driver>,
+        cache: crate::module::KernelCache,
+    ) -> Arc<Runtime> {
+        let (count, unavailable) = match driver.device_count() {
+            Ok(0) => (0, Some(DriverError::NO_DEVICE)),
+            Ok(n) => (n, None),
+            Err(e) => (0, Some(e)),
+        };
+        let devices = (0..count.min(usize::from(u16::MAX)) as u16)
+            .map(|d| DeviceState {
+                default_stream: Stream::wrap(
+                    driver.clone(),
+                    StreamHandle::legacy(DeviceIndex(d)),
+                    0,
+                    false,
+                ),
+                pools: Default::default(),
+                properties: OnceLock::new(),
+                priority_range: Mutex::new(None),
+            })
+            .collect();
+        Arc::new(Runtime {
+            id: NEXT_RUNTIME_ID.fetch_add(1, Ordering::Relaxed),
+            driver,
+            devices,
+            unavailable,
+            kernel_cache: cache,
+        })
+    }
+
+    /// The driver underneath.
+    pub fn driver(&self) -> &Arc<dyn Driver> {
+        &self.driver
+    }
+
+    /// Whether at least one device can be used (`torch.cuda.is_available()`).
+    pub fn is_available(&self) -> bool {
+        !self.devices.is_empty()
+    }
+
+    /// Number of devices (`torch.cuda.device_count()`); 0 without a driver.
+    pub fn device_count(&self) -> usize {
+        self.devices.len()
+    }
+
+    /// Checks a device index.
+    pub fn check_device(&self, dev: DeviceIndex) -> Result<DeviceIndex> {
+        if dev.as_usize() < self.devices.len() {
+            return Ok(dev);
+        }
+        match self.unavailable {
+            Some(reason) => Err(StreamError::NotAvailable { reason }),
+            None => Err(StreamError::InvalidDevice {
+                index: dev.0,
+                count: self.devices.len(),
+            }),
+        }
+    }
+
+    /// Resolves a [`Device`] to an index: `cuda` means the current device; `cpu` is an error.
+    pub fn resolve(&self, device: &Device) -> Result<DeviceIndex> {
+        match (device.kind, device.index) {
+            (DeviceKind::Cpu, _) => Err(StreamError::NotCuda),
+            (DeviceKind::Cuda, Some(i)) => self.check_device(i),
+            (DeviceKind::Cuda, None) => self.check_device(self.current_device()),
+        }
+    }
+
+    fn device_state(&self, dev: DeviceIndex) -> Result<&DeviceState> {
+        self.check_device(dev)?;
+        self.devices
+            .get(dev.as_usize())
+            .ok_or(StreamError::InvalidDevice {
+                index: dev.0,
+                count: self.devices.len(),
+            })
+    }
+
+    fn with_thread<R>(&self, f: impl FnOnce(&mut ThreadState) -> R) -> R {
+        THREAD.with(|t| {
+            let mut states = t.borrow_mut();
+            let i = match states.iter().position(|s| s.runtime == self.id) {
+                Some(i) => i,
+                None => {
+                    states.push(ThreadState {
+                        runtime: self.id,
+                        device: DeviceIndex(0),
+                        streams: Vec::new(),
+                    });
+                    states.len() - 1
+                }
+            };
+            f(&mut states[i])
+        })
+    }
+
+    // ---- devices -------------------------------------------------------------------------
+
+    /// This thread's current device (`torch.cuda.current_device()`); device 0 at first.
+    pub fn current_device(&self) -> DeviceIndex {
+        self.with_thread(|t| t.device)
+    }
+
+    /// Sets this thread's current device (`torch.cuda.set_device`).
+    pub fn set_device(&self, dev: DeviceIndex) -> Result<()> {
+        self.check_device(dev)?;
+        self.with_thread(|t| t.device = dev);
+        Ok(())
+    }
+
+    /// Makes `dev` current until the guard drops (`with torch.cuda.device(dev)`). Guards nest.
+    pub fn device_guard(&self, dev: DeviceIndex) -> Result<DeviceGuard<'_>> {
+        let previous = self.current_device();
+        self.set_device(dev)?;
+        Ok(DeviceGuard {
+            runtime: self,
+            previous,
+            _not_send: PhantomData,
+        })
+    }
+
+    /// Name, capability, memory and SMs (`torch.cuda.get_device_properties`).
+    pub fn device_properties(&self, dev: DeviceIndex) -> Result<DeviceProperties> {
+        let state = self.device_state(dev)?;
+        if let Some(p) = state.properties.get() {
+            return Ok(p.clone());
+        }
+        let p = self.driver.device_properties(dev)?;
+        Ok(state.properties.get_or_init(|| p).clone())
+    }
+
+    /// `(free, total)` bytes (`torch.cuda.mem_get_info`).
+    pub fn mem_get_info(&self, dev: DeviceIndex) -> Result<(u64, u64)> {
+        self.check_device(dev)?;
+        Ok(self.driver.mem_get_info(dev)?)
+    }
+
+    /// Waits for all work on `dev` (`torch.cuda.synchronize`).
+    pub fn synchronize(&self, dev: DeviceIndex) -> Result<()> {
+        self.check_device(dev)?;
+        Ok(self.driver.device_synchronize(dev)?)
+    }
+
+    // ---- streams -------------------------------------------------------------------------
+
+    /// The legacy default stream of `dev`.
+    pub fn default_stream(&self, dev: DeviceIndex) -> Result<Stream> {
+        Ok(self.device_state(dev)?.default_stream.clone())
+    }
+
+    /// This thread's current stream on `dev`; the default stream unless set.
+    pub fn current_stream(&self, dev: DeviceIndex) -> Result<Stream> {
+        let state = self.device_state(dev)?;
+        let set = self.with_thread(|t| t.streams.get(dev.as_usize()).cloned().flatten());
+        Ok(set.unwrap_or_else(|| state.default_stream.clone()))
+    }
+
+    /// Sets this thread's current stream on the stream's device (`torch.cuda.set_stream`).
+    pub fn set_stream(&self, stream: &Stream) -> Result<()> {
+        let dev = self.check_device(stream.device())?;
+        self.with_thread(|t| {
+            if t.streams.len() <= dev.as_usize() {
+                t.streams.resize(dev.as_usize() + 1, None);
+            }
+            t.streams[dev.as_usize()] = Some(stream.clone());
+        });
+        Ok(())
+    }
+
+    /// Makes `stream` current, and its device current, until the guard drops
+    /// (`with torch.cuda.stream(s)`).
+    pub fn stream_guard(&self, stream: &Stream) -> Result<StreamGuard<'_>> {
+        let dev = stream.device();
+        let previous_stream = self.current_stream(dev)?;
+        let device = self.device_guard(dev)?;
+        self.set_stream(stream)?;
+        Ok(StreamGuard {
+            runtime: self,
+            previous_stream,
+            _device: device,
+        })
+    }
+
+    /// The stream priority range of `dev` as `(least, greatest)`; greatest is most negative.
+    pub fn priority_range(&self, dev: DeviceIndex) -> Result<(i32, i32)> {
+        let state = self.device_state(dev)?;
+        let mut cached = state.priority_range.lock();
+        if let Some(r) = *cached {
+            return Ok(r);
+        }
+        let r = self.driver.stream_priority_range(dev)?;
+        *cached = Some(r);
+        Ok(r)
+    }
+
+    /// A new stream owned by the caller, destroyed when the last clone drops. The priority is
+    /// clamped into the device's range (lower is higher, as in CUDA).
+    pub fn new_stream(&self, dev: DeviceIndex, priority: i32) -> Result<Stream> {
+        let (least, greatest) = self.priority_range(dev)?;
+        let priority = priority.clamp(greatest, least);
+        let handle = self.driver.stream_create(
+            dev,
+            StreamFlags {
+                non_blocking: true,
+                priority,
+            },
+        )?;
+        Ok(Stream::wrap(self.driver.clone(), handle, priority, true))
+    }
+
+    /// A stream from the device's pool (`torch.cuda.Stream()` in PyTorch): 32 per priority,
+    /// handed out round robin, never destroyed.
+    pub fn stream_from_pool(&self, dev: DeviceIndex, high_priority: bool) -> Result<Stream> {
+        let state = self.device_state(dev)?;
+        let (least, greatest) = self.priority_range(dev)?;
+        let (pool, priority) = if high_priority {
+            (&state.pools[1], greatest.max(-1))
+        } else {
+            (&state.pools[0], least)
+        };
+        let streams = match pool.streams.get() {
+            Some(s) => s,
+            None => {
+                let made = (0..STREAMS_PER_POOL)
+                    .map(|_| {
+                        let flags = StreamFlags {
+                            non_blocking: true,
+                            priority,
+                        };
+                        let h = self.driver.stream_create(dev, flags)?;
+                        Ok(Stream::wrap(self.driver.clone(), h, priority, true))
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                // A racing thread may have won; its pool is kept and ours dropped (destroyed).
+                pool.streams.get_or_init(|| made)
+            }
+        };
+        let i = pool.next.fetch_add(1, Ordering::Relaxed) % STREAMS_PER_POOL;
+        Ok(streams[i].clone())
+    }
+
+    /// Wraps a stream created outside ferrocuda (`torch.cuda.ExternalStream`). It is not
+    /// destroyed by ferrocuda. The handle must name a live stream of this driver.
+    pub fn external_stream(&self, handle: StreamHandle) -> Result<Stream> {
+        self.check_device(handle.device)?;
+        // Validates the handle before anything is built on it.
+        self.driver.stream_query(handle)?;
+        Ok(Stream::wrap(self.driver.clone(), handle, 0, false))
+    }
+
+    // ---- events --------------------------------------------------------------------------
+
+    /// A new event (`torch.cuda.Event(enable_timing, blocking, interprocess)`), created on
+    /// the driver at its first record.
+    pub fn new_event(&self, flags: EventFlags) -> Result<Event> {
+        if flags.interprocess && flags.timing {
+            return Err(StreamError::InterprocessTiming);
+        }
+        Ok(Event::new(self.driver.clone(), flags))
+    }
+}
+
+/// Restores the previous current device when dropped. Not `Send`: it belongs to its thread.
+#[derive(Debug)]
+#[must_use = "the device is restored when the guard drops"]
+pub struct DeviceGuard<'a> {
+    runtime: &'a Runtime,
+    previous: DeviceIndex,
+    _not_send: PhantomData<*const ()>,
+}
+
+impl DeviceGuard<'_> {
+    /// The device that was current before the guard.
+    pub fn previous(&self) -> DeviceIndex {
+        self.previous
+    }
+}
+
+impl Drop for DeviceGuard<'_> {
+    fn drop(&mut self) {
+        let previous = self.previous;
+        self.runtime.with_thread(|t| t.device = previous);
+    }
+}
+
+/// Restores the previous current stream (and device) when dropped.
+#[derive(Debug)]
+#[must_use = "the stream is restored when the guard drops"]
+pub struct StreamGuard<'a> {
+    runtime: &'a Runtime,
+    previous_stream: Stream,
+    _device: DeviceGuard<'a>,
+}
+
+impl Drop for StreamGuard<'_> {
+    fn drop(&mut self) {
+        let dev = self.previous_stream.device();
+        let previous = self.previous_stream.clone();
+        self.runtime.with_thread(|t| {
+            if let Some(slot) = t.streams.get_mut(dev.as_usize()) {
+                *slot = Some(previous);
+            }
+        });
+    }
+}

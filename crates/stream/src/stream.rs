@@ -1,0 +1,157 @@
+//! Streams.
+use crate::{Event, Function, Result, StreamError};
+use ferrocuda_driver::Driver;
+use ferrocuda_types::{DeviceIndex, EventFlags, KernelArg, LaunchConfig, StreamHandle};
+use std::sync::Arc;
+
+#[derive(Debug)]
+struct StreamInner {
+    driver: Arc<dyn Driver>,
+    handle: StreamHandle,
+    priority: i32,
+    owned: bool,
+}
+
+impl Drop for StreamInner {
+    fn drop(&mut self) {
+        if self.owned {
+            // Work already enqueued still runs; an error here has no one to go to.
+            let _ = self.driver.stream_destroy(self.handle);
+        }
+    }
+}
+
+/// A CUDA stream: an in-order queue of device work (`torch.cuda.Stream`).
+///
+/// Cheap to clone; streams the caller created are destroyed when the last clone drops.
+/// Streams compare equal when they name the same driver stream.
+#[derive(Clone, Debug)]
+pub struct Stream {
+    inner: Arc<StreamInner>,
+}
+
+impl PartialEq for Stream {
+    fn eq(&self, other: &Stream) -> bool {
+        self.inner.handle == other.inner.handle
+    }
+}
+
+impl Eq for Stream {}
+
+impl Stream {
+    pub(crate) fn wrap(
+        driver: Arc<dyn Driver>,
+        handle: StreamHandle,
+        priority: i32,
+        owned: bool,
+    ) -> Stream {
+        Stream {
+            inner: Arc::new(StreamInner {
+                driver,
+                handle,
+                priority,
+                owned,
+            }),
+        }
+    }
+
+    /// The driver handle.
+    pub fn handle(&self) -> StreamHandle {
+        self.inner.handle
+    }
+
+    /// The device the stream belongs to.
+    pub fn device(&self) -> DeviceIndex {
+        self.inner.handle.device
+    }
+
+    /// The stream's priority (lower runs first).
+    pub fn priority(&self) -> i32 {
+        self.inner.priority
+    }
+
+    /// Whether this is the device's legacy default stream.
+    pub fn is_default(&self) -> bool {
+        self.inner.handle.is_legacy()
+    }
+
+    pub(crate) fn driver(&self) -> &Arc<dyn Driver> {
+        &self.inner.driver
+    }
+
+    /// Whether all work enqueued so far has completed (`Stream.query()`).
+    pub fn query(&self) -> Result<bool> {
+        Ok(self.inner.driver.stream_query(self.inner.handle)?)
+    }
+
+    /// Waits for all work enqueued so far (`Stream.synchronize()`).
+    pub fn synchronize(&self) -> Result<()> {
+        Ok(self.inner.driver.stream_synchronize(self.inner.handle)?)
+    }
+
+    /// Makes later work on this stream wait for `event` (`Stream.wait_event`). An event
+    /// that was never recorded is a no-op, as in PyTorch.
+    pub fn wait_event(&self, event: &Event) -> Result<()> {
+        event.wait(self)
+    }
+
+    /// Makes later work on this stream wait for all work enqueued on `other` so far
+    /// (`Stream.wait_stream`).
+    pub fn wait_stream(&self, other: &Stream) -> Result<()> {
+        if other == self {
+            return Ok(());
+        }
+        let event = Event::new(self.inner.driver.clone(), EventFlags::default());
+        event.record(other)?;
+        event.wait(self)
+    }
+
+    /// Records `event` (or a new one) at the current end of this stream
+    /// (`Stream.record_event`).
+    pub fn record_event(&self, event: Option<&Event>) -> Result<Event> {
+        match event {
+            Some(e) => {
+                e.record(self)?;
+                Ok(e.clone())
+            }
+            None => {
+                let e = Event::new(self.inner.driver.clone(), EventFlags::default());
+                e.record(self)?;
+                Ok(e)
+            }
+        }
+    }
+
+    /// Launches `function` on this stream. Every device-pointer argument and the function
+    /// must belong to this stream's device, else [`StreamError::DeviceMismatch`].
+    pub fn launch(
+        &self,
+        function: &Function,
+        config: &LaunchConfig,
+        args: &[KernelArg<'_>],
+    ) -> Result<()> {
+        let dev = self.inner.handle.device;
+        if function.device() != dev {
+            return Err(StreamError::DeviceMismatch {
+                expected: dev,
+                found: function.device(),
+                what: "the kernel",
+            });
+        }
+        for arg in args {
+            if let KernelArg::Ptr { device, .. } = arg {
+                if *device != dev {
+                    return Err(StreamError::DeviceMismatch {
+                        expected: dev,
+                        found: *device,
+                        what: "a buffer argument",
+                    });
+                }
+            }
+        }
+        Ok(self
+            .inner
+            .driver
+            .launch(function.handle(), config, args, self.inner.handle)?)
+    }
+}
