@@ -1,1 +1,84 @@
-fn main() {}
+//! Eager launch of a tiny kernel: through `Stream::launch` vs a raw cudarc
+//! `result::launch_kernel`, same kernel, same process, one run. Prints the ratio.
+//!
+//! Needs a GPU. Without one it says it was skipped, and fails when `FERROCUDA_REQUIRE_GPU=1`
+//! (the GPU bundle sets it).
+use criterion::{Criterion, criterion_group};
+use ferrocuda::driver::{CudaDriver, Driver, RawLaunch};
+use ferrocuda::stream::{DeviceBuffer, Module, Runtime, conformance::KERNELS};
+use ferrocuda::types::{DeviceIndex, LaunchConfig};
+use std::sync::Arc;
+use std::time::Duration;
+
+const DEV: DeviceIndex = DeviceIndex(0);
+
+fn launch_overhead(c: &mut Criterion) {
+    let driver = Arc::new(CudaDriver::new());
+    if let Some(reason) = driver.unavailable_reason() {
+        eprintln!("launch bench skipped: no usable GPU ({reason})");
+        if std::env::var("FERROCUDA_REQUIRE_GPU").is_ok_and(|v| v == "1") {
+            std::process::exit(1);
+        }
+        return;
+    }
+    let rt = Runtime::new(driver.clone());
+    let module = Module::from_cuda_source(&rt, DEV, "bench", KERNELS).expect("compile");
+    let tiny = module.function("tiny").expect("tiny kernel");
+    let x = DeviceBuffer::<f32>::filled(&rt, DEV, 1, 0.0).expect("buffer");
+    let stream = rt.new_stream(DEV, 0).expect("stream");
+    let config = LaunchConfig {
+        grid: (1, 1, 1),
+        block: (32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let image = driver
+        .compile_source(DEV, KERNELS, "bench_raw")
+        .expect("compile raw");
+    let mut raw = RawLaunch::new(driver.clone(), DEV, &image, "tiny", config, &[x.ptr().0])
+        .expect("raw launch");
+
+    let mut group = c.benchmark_group("launch");
+    group.bench_function("raw_cudarc", |b| {
+        b.iter(|| raw.launch().expect("raw launch"))
+    });
+    driver.stream_synchronize(raw.stream()).expect("sync");
+    group.bench_function("ferrocuda_stream", |b| {
+        b.iter(|| stream.launch(&tiny, &config, &[x.arg()]).expect("launch"))
+    });
+    stream.synchronize().expect("sync");
+    group.finish();
+}
+
+/// Reads criterion's median estimate for `launch/<name>` in nanoseconds.
+fn median_ns(name: &str) -> Option<f64> {
+    let home = std::env::var("CRITERION_HOME").unwrap_or_else(|_| "target/criterion".into());
+    let path = std::path::Path::new(&home)
+        .join("launch")
+        .join(name)
+        .join("new/estimates.json");
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(path).ok()?).ok()?;
+    json["median"]["point_estimate"].as_f64()
+}
+
+criterion_group! {
+    name = benches;
+    config = Criterion::default()
+        .warm_up_time(Duration::from_secs(1))
+        .measurement_time(Duration::from_secs(4))
+        .sample_size(40);
+    targets = launch_overhead
+}
+
+fn main() {
+    benches();
+    Criterion::default().configure_from_args().final_summary();
+    if let (Some(ours), Some(raw)) = (median_ns("ferrocuda_stream"), median_ns("raw_cudarc")) {
+        println!(
+            "launch overhead: ferrocuda Stream::launch {:.1} ns, raw cudarc launch_kernel {:.1} ns, ratio {:.3} (target <= 1.05)",
+            ours,
+            raw,
+            ours / raw
+        );
+    }
+}

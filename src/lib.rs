@@ -1,1 +1,68 @@
-//! placeholder
+//! ferrocuda: the CUDA runtime layer of PyTorch (`torch.cuda`), in Rust.
+//!
+//! This facade re-exports the layers and holds the process-wide runtime:
+//! - [`types`]: plain data (device indices, handles, dtypes, launch and capture descriptions);
+//! - [`driver`]: the [`Driver`](driver::Driver) seam with the real CUDA backend and the fake
+//!   device;
+//! - [`stream`]: devices, streams, events, kernels and buffers with `torch.cuda` semantics.
+//!
+//! # Design choices
+//! - One global [`Runtime`](stream::Runtime), made on first use: the real driver, unless
+//!   `FERROCUDA_BACKEND=fake` asks for the fake device. Without a driver the runtime exists
+//!   and reports `is_available() == false`, as `torch.cuda` does.
+//! - Programs and tests that want a particular backend build their own runtime with
+//!   [`stream::Runtime::new`]; nothing here is hidden state they depend on.
+//!
+//! # What users are responsible for
+//! Keeping buffers alive until the streams that use them are done (until the caching
+//! allocator's `record_stream` arrives).
+#![forbid(unsafe_code)]
+
+pub use ferrocuda_driver as driver;
+pub use ferrocuda_stream as stream;
+pub use ferrocuda_types as types;
+
+use std::sync::{Arc, OnceLock};
+
+/// Which backend the global runtime uses.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum Backend {
+    /// The real CUDA driver (libcuda, loaded at run time).
+    Cuda,
+    /// The fake device in host memory (eager completion).
+    Fake,
+}
+
+impl Backend {
+    /// From `FERROCUDA_BACKEND` (`cuda`, the default, or `fake`).
+    pub fn from_env() -> Backend {
+        match std::env::var("FERROCUDA_BACKEND").as_deref() {
+            Ok("fake") => Backend::Fake,
+            _ => Backend::Cuda,
+        }
+    }
+
+    /// A new runtime over this backend.
+    pub fn runtime(self) -> Arc<stream::Runtime> {
+        match self {
+            Backend::Cuda => stream::Runtime::new(Arc::new(driver::CudaDriver::new())),
+            Backend::Fake => stream::Runtime::new(Arc::new(driver::FakeDriver::default())),
+        }
+    }
+}
+
+/// The process-wide runtime (see [`Backend::from_env`]).
+pub fn runtime() -> &'static Arc<stream::Runtime> {
+    static RUNTIME: OnceLock<Arc<stream::Runtime>> = OnceLock::new();
+    RUNTIME.get_or_init(|| Backend::from_env().runtime())
+}
+
+/// `torch.cuda.is_available()` for the global runtime.
+pub fn is_available() -> bool {
+    runtime().is_available()
+}
+
+/// `torch.cuda.device_count()` for the global runtime.
+pub fn device_count() -> usize {
+    runtime().device_count()
+}

@@ -1,1 +1,175 @@
-fn main() {}
+//! Project tasks, run as `cargo xtask <task>`:
+//! - `ci`: format check, clippy with `-D warnings`, every test, the docs (what `.ci/run` runs);
+//! - `gpu-bundle`: builds release test and bench binaries into `gpu-bundle/` (git-ignored)
+//!   with a `run.sh` that runs them against the real driver, fails on any skip, and ends with
+//!   `N passed, N failed`;
+//! - `bench`: the criterion benches (they need a GPU; without one they say they skipped).
+#![forbid(unsafe_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitCode, Stdio};
+
+/// Test binaries that go into the GPU bundle.
+const GPU_TESTS: &[&str] = &["conformance_cuda"];
+/// Bench binaries that go into the GPU bundle.
+const GPU_BENCHES: &[&str] = &["launch"];
+
+fn main() -> ExitCode {
+    let task = std::env::args().nth(1).unwrap_or_default();
+    let result = match task.as_str() {
+        "ci" => ci(),
+        "gpu-bundle" => gpu_bundle(),
+        "bench" => cargo(&["bench", "--workspace"]),
+        _ => Err("usage: cargo xtask <ci|gpu-bundle|bench>".into()),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("xtask {task}: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .map_or_else(|| PathBuf::from("."), Path::to_path_buf)
+}
+
+fn cargo(args: &[&str]) -> Result<(), String> {
+    cargo_with_env(args, ("FERROCUDA_XTASK", "1"))
+}
+
+fn cargo_with_env(args: &[&str], (key, value): (&str, &str)) -> Result<(), String> {
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    eprintln!("+ {key}={value} cargo {}", args.join(" "));
+    let status = Command::new(cargo)
+        .args(args)
+        .env(key, value)
+        .current_dir(root())
+        .status()
+        .map_err(|e| e.to_string())?;
+    if status.success() {
+        Ok(())
+    } else {
+        Err(format!("cargo {} failed ({status})", args.join(" ")))
+    }
+}
+
+fn ci() -> Result<(), String> {
+    cargo(&["fmt", "--all", "--check"])?;
+    cargo(&[
+        "clippy",
+        "--workspace",
+        "--all-targets",
+        "--",
+        "-D",
+        "warnings",
+    ])?;
+    cargo(&["test", "--workspace"])?;
+    // Broken intra-doc links and other rustdoc warnings fail the build.
+    cargo_with_env(
+        &["doc", "--workspace", "--no-deps"],
+        ("RUSTDOCFLAGS", "-D warnings"),
+    )
+}
+
+/// Builds `args` with JSON messages and returns the executables of the named targets.
+fn built_executables(args: &[&str], names: &[&str]) -> Result<Vec<(String, PathBuf)>, String> {
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    eprintln!("+ cargo {} --message-format=json", args.join(" "));
+    let out = Command::new(cargo)
+        .args(args)
+        .arg("--message-format=json")
+        .current_dir(root())
+        .stderr(Stdio::inherit())
+        .output()
+        .map_err(|e| e.to_string())?;
+    if !out.status.success() {
+        return Err(format!("cargo {} failed", args.join(" ")));
+    }
+    let mut found = Vec::new();
+    for line in String::from_utf8_lossy(&out.stdout).lines() {
+        let Ok(msg) = serde_json::from_str::<serde_json::Value>(line) else {
+            continue;
+        };
+        let name = msg["target"]["name"].as_str().unwrap_or_default();
+        if let (Some(exe), true) = (msg["executable"].as_str(), names.contains(&name)) {
+            found.push((name.to_owned(), PathBuf::from(exe)));
+        }
+    }
+    for n in names {
+        if !found.iter().any(|(f, _)| f == n) {
+            return Err(format!("no executable was built for {n}"));
+        }
+    }
+    Ok(found)
+}
+
+fn gpu_bundle() -> Result<(), String> {
+    let dir = root().join("gpu-bundle");
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+    let mut tests =
+        built_executables(&["test", "--release", "--no-run", "--workspace"], GPU_TESTS)?;
+    tests.extend(built_executables(
+        &["bench", "--no-run", "--workspace"],
+        GPU_BENCHES,
+    )?);
+    for (name, exe) in &tests {
+        let prefix = if GPU_BENCHES.contains(&name.as_str()) {
+            "bench_"
+        } else {
+            "test_"
+        };
+        std::fs::copy(exe, dir.join(format!("{prefix}{name}")))
+            .map_err(|e| format!("{}: {e}", exe.display()))?;
+    }
+    let script = dir.join("run.sh");
+    std::fs::write(&script, RUN_SH).map_err(|e| e.to_string())?;
+    let status = Command::new("chmod")
+        .arg("+x")
+        .arg(&script)
+        .status()
+        .map_err(|e| e.to_string())?;
+    if !status.success() {
+        return Err("chmod failed".into());
+    }
+    eprintln!(
+        "bundle ready in {}: run gpu-bundle/run.sh on the GPU machine",
+        dir.display()
+    );
+    Ok(())
+}
+
+const RUN_SH: &str = r#"#!/usr/bin/env bash
+# Runs the bundled tests and benches against the real CUDA driver. A skipped (ignored) test,
+# a missing GPU, or a failed bench counts as a failure. Last line: "N passed, N failed".
+set -u -o pipefail
+cd "$(dirname "$0")"
+OUT=${OUT:-$PWD/out}
+mkdir -p "$OUT"
+export FERROCUDA_REQUIRE_GPU=1 CRITERION_HOME="$OUT/criterion"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || echo "nvidia-smi: not found"
+passed=0; failed=0
+for t in test_*; do
+  echo "=== $t"
+  ./"$t" --include-ignored --test-threads=1 2>&1 | tee "$OUT/$t.log"
+  rc=${PIPESTATUS[0]}
+  line=$(grep -E '^test result:' "$OUT/$t.log" | tail -n 1)
+  p=$(echo "$line" | sed -nE 's/.* ([0-9]+) passed.*/\1/p'); p=${p:-0}
+  f=$(echo "$line" | sed -nE 's/.* ([0-9]+) failed.*/\1/p'); f=${f:-0}
+  i=$(echo "$line" | sed -nE 's/.* ([0-9]+) ignored.*/\1/p'); i=${i:-0}
+  if [ "$i" != 0 ]; then echo "$t: $i test(s) skipped: a skip is a failure here"; f=$((f + i)); fi
+  if [ "$rc" != 0 ] && [ "$f" = 0 ]; then f=1; fi
+  passed=$((passed + p)); failed=$((failed + f))
+done
+for b in bench_*; do
+  echo "=== $b"
+  if ./"$b" --bench 2>&1 | tee "$OUT/$b.log"; then passed=$((passed + 1)); else echo "$b failed"; failed=$((failed + 1)); fi
+done
+grep -h 'ratio' "$OUT"/bench_*.log 2>/dev/null
+echo "$passed passed, $failed failed"
+[ "$failed" = 0 ]
+"#;

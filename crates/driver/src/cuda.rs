@@ -269,34 +269,97 @@ impl CudaDriver {
         prop.location.id = slot.device;
         Ok(prop)
     }
+}
 
-    /// The raw baseline for launch-overhead benchmarks: launches `function` with
-    /// already-prepared parameters through `cudarc::driver::result::launch_kernel`, with no
-    /// validation at all. `args` are the values of each argument.
-    pub fn raw_launch_baseline(
-        &self,
-        function: FunctionHandle,
-        config: &LaunchConfig,
-        args: &mut [u64],
-        stream: StreamHandle,
-    ) -> Result<(), DriverError> {
-        let mut params: Vec<*mut c_void> = args
+/// The raw baseline for launch-overhead benchmarks: one kernel launch prepared once and
+/// issued through `cudarc::driver::result::launch_kernel` with no validation and no
+/// allocation, as a hand-written cudarc program would. It owns its module and stream, so
+/// nothing it launches on can be destroyed under it.
+pub struct RawLaunch {
+    driver: std::sync::Arc<CudaDriver>,
+    module: ModuleHandle,
+    stream: StreamHandle,
+    function: sys::CUfunction,
+    config: LaunchConfig,
+    /// The argument values; `params` points into this boxed slice (stable addresses).
+    _args: Box<[u64]>,
+    params: Box<[*mut c_void]>,
+}
+
+impl std::fmt::Debug for RawLaunch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RawLaunch")
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
+}
+
+impl RawLaunch {
+    /// Loads `image` on `dev`, looks up `kernel` (whose parameters must all be 8 bytes
+    /// wide, e.g. pointers) and prepares its launch with `args` on a new stream.
+    pub fn new(
+        driver: std::sync::Arc<CudaDriver>,
+        dev: DeviceIndex,
+        image: &[u8],
+        kernel: &str,
+        config: LaunchConfig,
+        args: &[u64],
+    ) -> Result<RawLaunch, DriverError> {
+        let module = driver.module_load(dev, image)?;
+        let function = driver.module_function(module, kernel)?;
+        let stream = driver.stream_create(
+            dev,
+            StreamFlags {
+                non_blocking: true,
+                priority: 0,
+            },
+        )?;
+        let mut args: Box<[u64]> = args.into();
+        let params = args
             .iter_mut()
             .map(|a| a as *mut u64 as *mut c_void)
             .collect();
-        // SAFETY: callers pass handles this driver created; params point at live u64s for the
-        // whole call, and the kernel takes that many 8-byte arguments (the bench's contract).
+        Ok(RawLaunch {
+            driver,
+            module,
+            stream,
+            function: function.raw as sys::CUfunction,
+            config,
+            _args: args,
+            params,
+        })
+    }
+
+    /// The stream the launches go to.
+    pub fn stream(&self) -> StreamHandle {
+        self.stream
+    }
+
+    /// Issues the launch.
+    pub fn launch(&mut self) -> Result<(), DriverError> {
+        let c = &self.config;
+        // SAFETY: the function and stream belong to this object and live until it drops;
+        // `params` points at `_args`, also owned here. The caller's device pointers can at
+        // worst fault on the device, never on the host.
         unsafe {
             cudarc::driver::result::launch_kernel(
-                function.raw as sys::CUfunction,
-                config.grid,
-                config.block,
-                config.shared_mem_bytes,
-                stream.raw as sys::CUstream,
-                &mut params,
+                self.function,
+                c.grid,
+                c.block,
+                c.shared_mem_bytes,
+                self.stream.raw as sys::CUstream,
+                &mut self.params,
             )
         }
         .map_err(|e| DriverError::from_code(e.0 as i32))
+    }
+}
+
+impl Drop for RawLaunch {
+    fn drop(&mut self) {
+        let _ = self.driver.stream_synchronize(self.stream);
+        let _ = self.driver.stream_destroy(self.stream);
+        let _ = self.driver.module_unload(self.module);
     }
 }
 
