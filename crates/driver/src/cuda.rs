@@ -377,7 +377,7 @@ impl Driver for CudaDriver {
     }
 
     fn device_count(&self) -> Result<usize, DriverError> {
-        Ok(self.loaded.as_ref().map_or(0, |l| l.devices.len()))
+        Ok(self.loaded()?.devices.len())
     }
 
     fn device_properties(&self, dev: DeviceIndex) -> Result<DeviceProperties, DriverError> {

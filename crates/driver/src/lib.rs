@@ -54,7 +54,8 @@ pub trait Driver: Send + Sync + std::fmt::Debug + 'static {
     fn backend(&self) -> &'static str;
 
     // ---- devices -------------------------------------------------------------------------
-    /// Devices visible to this process; 0 when there is no driver or no device.
+    /// Devices visible to this process. Without a driver, the reason (the runtime above
+    /// reports 0 devices then, as `torch.cuda.device_count()` does).
     fn device_count(&self) -> Result<usize, DriverError>;
     /// Name, capability, memory and SM count of `dev`.
     fn device_properties(&self, dev: DeviceIndex) -> Result<DeviceProperties, DriverError>;

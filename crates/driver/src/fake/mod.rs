@@ -721,9 +721,8 @@ impl State {
         if cap.origin != key {
             return Err(DriverError::STREAM_CAPTURE_UNMATCHED);
         }
-        if cap.mode != CaptureMode::Relaxed && cap.thread != std::thread::current().id() {
-            return Err(DriverError::STREAM_CAPTURE_WRONG_THREAD);
-        }
+        let wrong_thread =
+            cap.mode != CaptureMode::Relaxed && cap.thread != std::thread::current().id();
         let Some(cap) = self.captures.remove(&link.id) else {
             return Err(DriverError::ILLEGAL_STATE);
         };
@@ -741,6 +740,10 @@ impl State {
                 }
                 s.capture = None;
             }
+        }
+        // The real driver refuses an end from the wrong thread but ends the capture anyway.
+        if wrong_thread {
+            return Err(DriverError::STREAM_CAPTURE_WRONG_THREAD);
         }
         if cap.invalidated {
             return Err(DriverError::STREAM_CAPTURE_INVALIDATED);
@@ -1274,6 +1277,8 @@ impl Driver for FakeDriver {
             .remove(&module.raw)
             .ok_or(DriverError::INVALID_HANDLE)?;
         st.functions.retain(|_, f| f.module != module.raw);
+        // cuModuleUnload waits for the device's running kernels (seen on an H100).
+        let _ = st.drain_device(module.device);
         Ok(())
     }
 
