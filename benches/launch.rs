@@ -3,6 +3,9 @@
 //!
 //! Needs a GPU. Without one it says it was skipped, and fails when `FERROCUDA_REQUIRE_GPU=1`
 //! (the GPU bundle sets it).
+// A benchmark has no caller to report to: setup failures abort it, loudly.
+#![allow(clippy::expect_used)]
+
 use criterion::{Criterion, criterion_group};
 use ferrocuda::driver::{CudaDriver, Driver, RawLaunch};
 use ferrocuda::stream::{DeviceBuffer, Module, Runtime, conformance::KERNELS};

@@ -201,8 +201,7 @@ pub fn device_guards_and_invalid_devices(h: &Harness) -> TestResult {
     let bad = DeviceIndex(count);
     let err = rt
         .device_guard(bad)
-        .err()
-        .expect("guard on a missing device");
+        .expect_err("guard on a missing device");
     assert_eq!(
         err,
         StreamError::InvalidDevice {
@@ -655,8 +654,7 @@ pub fn out_of_memory_is_a_typed_error(h: &Harness) -> TestResult {
     let (_, total) = d.mem_get_info(DEV)?;
     let err = d
         .malloc(DEV, total * 2)
-        .err()
-        .expect("twice the device's memory");
+        .expect_err("twice the device's memory");
     assert!(err.is_out_of_memory(), "{err}");
     assert_eq!(err.to_string(), "CUDA_ERROR_OUT_OF_MEMORY (2)");
     let p = d.malloc(DEV, 1 << 20)?;

@@ -163,8 +163,8 @@ impl Module {
         } else {
             CacheOutcome::Disabled
         };
-        if let Some(path) = &path {
-            if path.exists() {
+        if let Some(path) = &path
+            && path.exists() {
                 match KernelCache::read(path).map(|image| driver.module_load(dev, &image)) {
                     Some(Ok(handle)) => {
                         return Ok(Module::wrap(driver.clone(), handle, CacheOutcome::Hit));
@@ -172,7 +172,6 @@ impl Module {
                     _ => outcome = CacheOutcome::Repaired,
                 }
             }
-        }
         let image = driver.compile_source(dev, source, name)?;
         let handle = driver.module_load(dev, &image)?;
         if let Some(path) = &path {

@@ -162,7 +162,7 @@ impl Memory {
         bytes: u64,
     ) -> Result<DevicePtr, DriverError> {
         let space = self.space(dev)?;
-        if bytes == 0 || bytes % GRANULARITY != 0 {
+        if bytes == 0 || !bytes.is_multiple_of(GRANULARITY) {
             return Err(DriverError::INVALID_VALUE);
         }
         let base = Self::take_va(space, bytes, GRANULARITY);
@@ -206,7 +206,7 @@ impl Memory {
             .filter(|c| !c.released && c.device == dev);
         let len = len.ok_or(DriverError::INVALID_HANDLE)?.bytes;
         let space = self.space(dev)?;
-        if at.0 % GRANULARITY != 0 || len % GRANULARITY != 0 {
+        if !at.0.is_multiple_of(GRANULARITY) || len % GRANULARITY != 0 {
             return Err(DriverError::INVALID_VALUE);
         }
         let inside = space

@@ -587,8 +587,8 @@ impl State {
             let Some(front) = stream.queue.front() else {
                 break;
             };
-            if let Work::Wait { stream: other, seq } = *front {
-                if !self.is_done(other, seq) {
+            if let Work::Wait { stream: other, seq } = *front
+                && !self.is_done(other, seq) {
                     if !force || other == key {
                         break;
                     }
@@ -597,7 +597,6 @@ impl State {
                         break;
                     }
                 }
-            }
             let Some(stream) = self.streams.get_mut(&key) else {
                 break;
             };
@@ -622,18 +621,15 @@ impl State {
                     },
                 ..
             }) = self.events.get_mut(event)
-            {
-                if g == generation {
+                && g == generation {
                     *at = Some(Instant::now());
                 }
-            }
             return;
         }
-        if let Err(e) = execute(work, &mut self.memory, &mut self.hosts) {
-            if let Some(slot) = self.sticky.get_mut(device.as_usize()) {
+        if let Err(e) = execute(work, &mut self.memory, &mut self.hosts)
+            && let Some(slot) = self.sticky.get_mut(device.as_usize()) {
                 slot.get_or_insert(e);
             }
-        }
     }
 
     /// Completes everything on `key` (a host-blocking wait).
@@ -1517,7 +1513,7 @@ impl Driver for FakeDriver {
 
     fn vm_create(&self, dev: DeviceIndex, bytes: u64) -> Result<PhysHandle, DriverError> {
         let mut st = self.enter(Call::VmCreate)?;
-        if bytes % GRANULARITY != 0 {
+        if !bytes.is_multiple_of(GRANULARITY) {
             return Err(DriverError::INVALID_VALUE);
         }
         let raw = st.memory.create_chunk(dev, bytes)?;
