@@ -19,7 +19,12 @@ extern "C" __global__ void saxpy(float* y, const float* x, float a, unsigned int
 fn fake_runtime() -> Arc<Runtime> {
     let fake = FakeDriver::default();
     fake.register_kernel("saxpy", |k| {
-        let (y, x, a, n) = (k.arg(0)?, k.arg(1)?, k.arg::<f32>(2)?, k.arg::<u32>(3)? as usize);
+        let (y, x, a, n) = (
+            k.arg(0)?,
+            k.arg(1)?,
+            k.arg::<f32>(2)?,
+            k.arg::<u32>(3)? as usize,
+        );
         let (xs, ys) = (k.read::<f32>(x, n)?, k.read::<f32>(y, n)?);
         let out: Vec<f32> = xs.iter().zip(&ys).map(|(x, y)| a * x + y).collect();
         k.write(y, &out)
@@ -32,7 +37,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let rt = if gpu.is_available() {
         gpu
     } else {
-        let why = gpu.driver().device_count().err().map_or("no device".into(), |e| e.to_string());
+        let why = gpu
+            .driver()
+            .device_count()
+            .err()
+            .map_or("no device".into(), |e| e.to_string());
         println!("no usable GPU ({why}): running on the fake device");
         fake_runtime()
     };
@@ -50,7 +59,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     );
 
     let module = Module::from_cuda_source(&rt, dev, "tour_saxpy", SAXPY)?;
-    println!("kernel: saxpy ({:?} in the kernel cache)", module.cache_outcome());
+    println!(
+        "kernel: saxpy ({:?} in the kernel cache)",
+        module.cache_outcome()
+    );
     let saxpy = module.function("saxpy")?;
 
     let n = 1 << 20;
@@ -61,27 +73,51 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     // Work on a side stream, ordered after the current stream's uploads, timed with events.
     let side = rt.stream_from_pool(dev, false)?;
     side.wait_stream(&rt.current_stream(dev)?)?;
-    let timing = EventFlags { timing: true, ..EventFlags::default() };
+    let timing = EventFlags {
+        timing: true,
+        ..EventFlags::default()
+    };
     let (start, end) = (rt.new_event(timing)?, rt.new_event(timing)?);
     {
         let _on_side = rt.stream_guard(&side)?;
         let s = rt.current_stream(dev)?;
         start.record(&s)?;
         let (a, len) = (2.0f32, n as u32);
-        let args = [y.arg(), x.arg(), KernelArg::value(&a), KernelArg::value(&len)];
+        let args = [
+            y.arg(),
+            x.arg(),
+            KernelArg::value(&a),
+            KernelArg::value(&len),
+        ];
         s.launch(&saxpy, &LaunchConfig::for_elements(n, 256), &args)?;
         end.record(&s)?;
     }
     rt.current_stream(dev)?.wait_stream(&side)?;
     let out = y.to_host()?;
-    let wrong = out.iter().enumerate().filter(|(i, v)| **v != 2.0 * *i as f32 + 1.0).count();
-    println!("saxpy over {n} floats: {} wrong, {:.3} ms between events", wrong, start.elapsed_time(&end)?);
+    let wrong = out
+        .iter()
+        .enumerate()
+        .filter(|(i, v)| **v != 2.0 * *i as f32 + 1.0)
+        .count();
+    println!(
+        "saxpy over {n} floats: {} wrong, {:.3} ms between events",
+        wrong,
+        start.elapsed_time(&end)?
+    );
     let (free, total) = rt.mem_get_info(dev)?;
-    println!("memory: {:.1} GiB free of {:.1} GiB", free as f64 / (1u64 << 30) as f64, total as f64 / (1u64 << 30) as f64);
+    println!(
+        "memory: {:.1} GiB free of {:.1} GiB",
+        free as f64 / (1u64 << 30) as f64,
+        total as f64 / (1u64 << 30) as f64
+    );
     if wrong > 0 {
         return Err(format!("{wrong} wrong results").into());
     }
-    let place = if rt.driver().backend() == "cuda" { "the GPU" } else { "the fake device" };
+    let place = if rt.driver().backend() == "cuda" {
+        "the GPU"
+    } else {
+        "the fake device"
+    };
     println!("tour done on {place}");
     Ok(())
 }

@@ -13,6 +13,8 @@ use std::process::{Command, ExitCode, Stdio};
 const GPU_TESTS: &[&str] = &["conformance_cuda"];
 /// Bench binaries that go into the GPU bundle.
 const GPU_BENCHES: &[&str] = &["launch"];
+/// Examples that go into the GPU bundle (each must succeed and say it ran on the GPU).
+const GPU_EXAMPLES: &[&str] = &["tour"];
 
 fn main() -> ExitCode {
     let task = std::env::args().nth(1).unwrap_or_default();
@@ -111,20 +113,28 @@ fn gpu_bundle() -> Result<(), String> {
     let dir = root().join("gpu-bundle");
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
-    let mut tests =
-        built_executables(&["test", "--release", "--no-run", "--workspace"], GPU_TESTS)?;
-    tests.extend(built_executables(
-        &["bench", "--no-run", "--workspace"],
-        GPU_BENCHES,
-    )?);
-    for (name, exe) in &tests {
-        let prefix = if GPU_BENCHES.contains(&name.as_str()) {
-            "bench_"
-        } else {
-            "test_"
-        };
-        std::fs::copy(exe, dir.join(format!("{prefix}{name}")))
-            .map_err(|e| format!("{}: {e}", exe.display()))?;
+    let groups = [
+        (
+            vec!["test", "--release", "--no-run", "--workspace"],
+            GPU_TESTS,
+            "test_",
+        ),
+        (
+            vec!["bench", "--no-run", "--workspace"],
+            GPU_BENCHES,
+            "bench_",
+        ),
+        (
+            vec!["build", "--release", "--examples"],
+            GPU_EXAMPLES,
+            "example_",
+        ),
+    ];
+    for (args, names, prefix) in groups {
+        for (name, exe) in built_executables(&args, names)? {
+            std::fs::copy(&exe, dir.join(format!("{prefix}{name}")))
+                .map_err(|e| format!("{}: {e}", exe.display()))?;
+        }
     }
     let script = dir.join("run.sh");
     std::fs::write(&script, RUN_SH).map_err(|e| e.to_string())?;
@@ -164,6 +174,14 @@ for t in test_*; do
   if [ "$i" != 0 ]; then echo "$t: $i test(s) skipped: a skip is a failure here"; f=$((f + i)); fi
   if [ "$rc" != 0 ] && [ "$f" = 0 ]; then f=1; fi
   passed=$((passed + p)); failed=$((failed + f))
+done
+for e in example_*; do
+  echo "=== $e"
+  if ./"$e" 2>&1 | tee "$OUT/$e.log" && grep -q 'on the GPU' "$OUT/$e.log"; then
+    passed=$((passed + 1))
+  else
+    echo "$e failed (or did not run on the GPU)"; failed=$((failed + 1))
+  fi
 done
 for b in bench_*; do
   echo "=== $b"

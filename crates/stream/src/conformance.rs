@@ -199,9 +199,7 @@ pub fn device_guards_and_invalid_devices(h: &Harness) -> TestResult {
     }
     assert_eq!(rt.current_device(), DEV);
     let bad = DeviceIndex(count);
-    let err = rt
-        .device_guard(bad)
-        .expect_err("guard on a missing device");
+    let err = rt.device_guard(bad).expect_err("guard on a missing device");
     assert_eq!(
         err,
         StreamError::InvalidDevice {

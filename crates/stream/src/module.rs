@@ -164,14 +164,15 @@ impl Module {
             CacheOutcome::Disabled
         };
         if let Some(path) = &path
-            && path.exists() {
-                match KernelCache::read(path).map(|image| driver.module_load(dev, &image)) {
-                    Some(Ok(handle)) => {
-                        return Ok(Module::wrap(driver.clone(), handle, CacheOutcome::Hit));
-                    }
-                    _ => outcome = CacheOutcome::Repaired,
+            && path.exists()
+        {
+            match KernelCache::read(path).map(|image| driver.module_load(dev, &image)) {
+                Some(Ok(handle)) => {
+                    return Ok(Module::wrap(driver.clone(), handle, CacheOutcome::Hit));
                 }
+                _ => outcome = CacheOutcome::Repaired,
             }
+        }
         let image = driver.compile_source(dev, source, name)?;
         let handle = driver.module_load(dev, &image)?;
         if let Some(path) = &path {

@@ -140,13 +140,14 @@ impl Stream {
         }
         for arg in args {
             if let KernelArg::Ptr { device, .. } = arg
-                && *device != dev {
-                    return Err(StreamError::DeviceMismatch {
-                        expected: dev,
-                        found: *device,
-                        what: "a buffer argument",
-                    });
-                }
+                && *device != dev
+            {
+                return Err(StreamError::DeviceMismatch {
+                    expected: dev,
+                    found: *device,
+                    what: "a buffer argument",
+                });
+            }
         }
         Ok(self
             .inner

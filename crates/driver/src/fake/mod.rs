@@ -588,15 +588,16 @@ impl State {
                 break;
             };
             if let Work::Wait { stream: other, seq } = *front
-                && !self.is_done(other, seq) {
-                    if !force || other == key {
-                        break;
-                    }
-                    self.run(other, Some(seq), usize::MAX, true);
-                    if !self.is_done(other, seq) {
-                        break;
-                    }
+                && !self.is_done(other, seq)
+            {
+                if !force || other == key {
+                    break;
                 }
+                self.run(other, Some(seq), usize::MAX, true);
+                if !self.is_done(other, seq) {
+                    break;
+                }
+            }
             let Some(stream) = self.streams.get_mut(&key) else {
                 break;
             };
@@ -621,15 +622,17 @@ impl State {
                     },
                 ..
             }) = self.events.get_mut(event)
-                && g == generation {
-                    *at = Some(Instant::now());
-                }
+                && g == generation
+            {
+                *at = Some(Instant::now());
+            }
             return;
         }
         if let Err(e) = execute(work, &mut self.memory, &mut self.hosts)
-            && let Some(slot) = self.sticky.get_mut(device.as_usize()) {
-                slot.get_or_insert(e);
-            }
+            && let Some(slot) = self.sticky.get_mut(device.as_usize())
+        {
+            slot.get_or_insert(e);
+        }
     }
 
     /// Completes everything on `key` (a host-blocking wait).
