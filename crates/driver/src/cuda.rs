@@ -17,7 +17,8 @@ use ferrocuda_types::{
     ModuleHandle, PhysHandle, StreamFlags, StreamHandle, VaRange,
 };
 use parking_lot::RwLock;
-use std::collections::{BTreeMap, HashMap, HashSet};
+use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
+use std::collections::BTreeMap;
 use std::ffi::{CString, c_void};
 use std::path::Path;
 use std::sync::OnceLock;
@@ -872,12 +873,15 @@ impl Driver for CudaDriver {
         if args.len() > MAX_KERNEL_ARGS {
             return Err(DriverError::INVALID_VALUE);
         }
+        let param = |arg: &KernelArg<'_>| match arg {
+            KernelArg::Value(bytes) => bytes.as_ptr() as *mut c_void,
+            KernelArg::Ptr { ptr, .. } => ptr as *const DevicePtr as *mut c_void,
+        };
+        // Most kernels take a handful of arguments: fill only what is used.
         let mut params = [std::ptr::null_mut::<c_void>(); MAX_KERNEL_ARGS];
-        for (slot, arg) in params.iter_mut().zip(args) {
-            *slot = match arg {
-                KernelArg::Value(bytes) => bytes.as_ptr() as *mut c_void,
-                KernelArg::Ptr { ptr, .. } => ptr as *const DevicePtr as *mut c_void,
-            };
+        let used = &mut params[..args.len()];
+        for (slot, arg) in used.iter_mut().zip(args) {
+            *slot = param(arg);
         }
         let (g, b) = (config.grid, config.block);
         // SAFETY: handles are live (registry); each parameter points at its argument's bytes,

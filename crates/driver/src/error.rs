@@ -16,9 +16,9 @@ pub struct DriverError {
 
 /// Every `CUresult` of CUDA 13.0 with its name.
 static TABLE: &[(i32, &str)] = &[
-    (-1, "FERROCUDA_DRIVER_LIBRARY_NOT_FOUND"),
-    (-2, "FERROCUDA_KERNEL_NOT_REGISTERED"),
     (-3, "FERROCUDA_NVRTC_LIBRARY_NOT_FOUND"),
+    (-2, "FERROCUDA_KERNEL_NOT_REGISTERED"),
+    (-1, "FERROCUDA_DRIVER_LIBRARY_NOT_FOUND"),
     (0, "CUDA_SUCCESS"),
     (1, "CUDA_ERROR_INVALID_VALUE"),
     (2, "CUDA_ERROR_OUT_OF_MEMORY"),
