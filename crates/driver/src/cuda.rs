@@ -67,7 +67,8 @@ struct Loaded {
     nvrtc_version: OnceLock<Result<(i32, i32), DriverError>>,
 }
 
-/// The real CUDA driver. See the [module docs](self).
+/// The real CUDA driver: libcuda loaded at run time, primary contexts bound lazily, every
+/// handle checked against a registry of the objects this driver created.
 pub struct CudaDriver {
     loaded: Result<Loaded, DriverError>,
 }

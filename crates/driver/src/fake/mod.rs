@@ -1,6 +1,6 @@
 //! The fake device: a real [`Driver`] backend kept in host memory.
 //!
-//! Streams are in-order queues of [`Work`]. In [`Completion::Eager`] mode work completes as it
+//! Streams are in-order queues of work items. In [`Completion::Eager`] mode work completes as it
 //! is enqueued; in [`Completion::Manual`] mode it completes only when a test calls
 //! [`FakeDriver::advance`] (or when the host blocks on it: a synchronize completes what it
 //! waits for, as a real GPU eventually would). Capture turns enqueued work into graph nodes
@@ -294,7 +294,7 @@ thread_local! {
 /// Image prefix of "compiled" fake modules.
 const FAKE_IMAGE_MAGIC: &[u8] = b"// ferrocuda fake image\n";
 
-/// A device kept in host memory. See the [module docs](self).
+/// A device kept in host memory. See the [module docs](crate::fake).
 pub struct FakeDriver {
     calls: [AtomicU64; CALL_KINDS],
     launch_blocking: bool,
