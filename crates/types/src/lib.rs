@@ -17,11 +17,15 @@
 //! Keep handles alive only as long as the object they name: a handle is a name, not an owner.
 #![forbid(unsafe_code)]
 
+mod config;
 mod device;
 mod dtype;
 mod handles;
 mod launch;
 
+pub use config::{
+    AllocatorConfig, Backend as AllocatorBackend, ConfigError, ROUNDUP_INTERVALS, ReserveSize,
+};
 pub use device::{Device, DeviceKind, DeviceParseError, DeviceProperties};
 pub use dtype::{DType, Element};
 pub use handles::{

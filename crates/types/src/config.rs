@@ -1,0 +1,893 @@
+//! The allocator configuration string (`FERROCUDA_ALLOC_CONF` / `PYTORCH_CUDA_ALLOC_CONF`)
+//! with PyTorch's grammar (allocator spec §5): `key:value` pairs separated by `,`, list
+//! values in brackets. Stricter than PyTorch where PyTorch is sloppy: a number must be all
+//! digits (`40MB` is an error, not 40), and every error names the offending token and its
+//! character position.
+use serde::{Deserialize, Serialize};
+use std::fmt;
+
+const MIB: u64 = 1 << 20;
+/// Entries of the `roundup_power2_divisions` table: intervals `[2^(20+k), 2^(21+k))`.
+pub const ROUNDUP_INTERVALS: usize = 16;
+
+/// Which allocator serves device memory.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Backend {
+    /// The caching allocator.
+    #[default]
+    Native,
+    /// The driver's stream-ordered allocator (accepted for compatibility; not built yet).
+    CudaMallocAsync,
+}
+
+/// Every option of the allocator configuration, with PyTorch's defaults.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct AllocatorConfig {
+    /// `large_segment_size_mb`, in bytes (default 20 MiB).
+    pub large_segment_size: u64,
+    /// `max_split_size_mb`, in bytes; `None` is unlimited (the default).
+    pub max_split_size: Option<u64>,
+    /// `max_non_split_rounding_mb`, in bytes (default: the large segment size).
+    pub max_non_split_rounding: u64,
+    /// `garbage_collection_threshold` in (0, 1); 0 is off (the default).
+    pub garbage_collection_threshold: f64,
+    /// `roundup_power2_divisions` per interval; 0 or 1 mean plain 512-byte rounding.
+    pub roundup_power2_divisions: [u64; ROUNDUP_INTERVALS],
+    /// `expandable_segments`.
+    pub expandable_segments: bool,
+    /// `backend`.
+    pub backend: Backend,
+    /// `release_lock_on_cudamalloc` (ferrocuda never holds its lock across driver calls).
+    pub release_lock_on_cudamalloc: bool,
+    /// `per_process_memory_fraction` in [0, 1] (default 1: no limit).
+    pub per_process_memory_fraction: f64,
+    /// `graph_capture_record_stream_reuse`.
+    pub graph_capture_record_stream_reuse: bool,
+    /// `throw_on_cudamalloc_oom`.
+    pub throw_on_cudamalloc_oom: bool,
+    /// `pinned_use_cuda_host_register`.
+    pub pinned_use_cuda_host_register: bool,
+    /// `pinned_num_register_threads` (power of two, at most 128; default 1).
+    pub pinned_num_register_threads: u64,
+    /// `pinned_use_background_threads`.
+    pub pinned_use_background_threads: bool,
+    /// `pinned_reserve_segment_size_mb`, in bytes (0: off).
+    pub pinned_reserve_segment_size: u64,
+    /// `pinned_max_round_threshold_mb`, in bytes (`None`: unlimited).
+    pub pinned_max_round_threshold: Option<u64>,
+    /// `pinned_max_cached_size_mb`, in bytes (`None`: unlimited).
+    pub pinned_max_cached_size: Option<u64>,
+    /// `pinned_free_catch_all`.
+    pub pinned_free_catch_all: bool,
+    /// `expandable_segments_reserve`: a fraction of device memory or a size in bytes.
+    pub expandable_segments_reserve: Option<ReserveSize>,
+    /// `expandable_segments_reserve_by_class`: `(class, reserve)` pairs.
+    pub expandable_segments_reserve_by_class: Vec<(String, ReserveSize)>,
+}
+
+/// A virtual-address reserve: a fraction of device memory, or bytes (`12G`).
+#[derive(Copy, Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum ReserveSize {
+    /// Times the device's memory.
+    Fraction(f64),
+    /// Bytes.
+    Bytes(u64),
+}
+
+impl Default for AllocatorConfig {
+    fn default() -> Self {
+        AllocatorConfig {
+            large_segment_size: 20 * MIB,
+            max_split_size: None,
+            max_non_split_rounding: 20 * MIB,
+            garbage_collection_threshold: 0.0,
+            roundup_power2_divisions: [0; ROUNDUP_INTERVALS],
+            expandable_segments: false,
+            backend: Backend::Native,
+            release_lock_on_cudamalloc: false,
+            per_process_memory_fraction: 1.0,
+            graph_capture_record_stream_reuse: false,
+            throw_on_cudamalloc_oom: false,
+            pinned_use_cuda_host_register: false,
+            pinned_num_register_threads: 1,
+            pinned_use_background_threads: false,
+            pinned_reserve_segment_size: 0,
+            pinned_max_round_threshold: None,
+            pinned_max_cached_size: None,
+            pinned_free_catch_all: false,
+            expandable_segments_reserve: None,
+            expandable_segments_reserve_by_class: Vec::new(),
+        }
+    }
+}
+
+/// A configuration string that does not parse or validate.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("invalid allocator config at character {position} ('{token}'): {message}")]
+pub struct ConfigError {
+    /// Character offset of the offending token in the string.
+    pub position: usize,
+    /// The offending token (empty at the end of the string).
+    pub token: String,
+    /// What is wrong, in PyTorch's words where PyTorch has them.
+    pub message: String,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+struct Token {
+    text: String,
+    position: usize,
+}
+
+fn tokenize(s: &str) -> Vec<Token> {
+    let mut out: Vec<Token> = Vec::new();
+    let mut word: Option<Token> = None;
+    for (i, c) in s.chars().enumerate() {
+        if c.is_whitespace() {
+            continue;
+        }
+        if matches!(c, ',' | ':' | '[' | ']') {
+            out.extend(word.take());
+            out.push(Token {
+                text: c.to_string(),
+                position: i,
+            });
+        } else {
+            word.get_or_insert(Token {
+                text: String::new(),
+                position: i,
+            })
+            .text
+            .push(c);
+        }
+    }
+    out.extend(word);
+    out
+}
+
+struct Parser {
+    tokens: Vec<Token>,
+    at: usize,
+    end: usize,
+}
+
+impl Parser {
+    fn err(&self, tok: Option<&Token>, message: impl Into<String>) -> ConfigError {
+        ConfigError {
+            position: tok.map_or(self.end, |t| t.position),
+            token: tok.map_or(String::new(), |t| t.text.clone()),
+            message: message.into(),
+        }
+    }
+
+    fn next(&mut self, what: &str) -> Result<Token, ConfigError> {
+        let t = self.tokens.get(self.at).cloned();
+        self.at += 1;
+        t.ok_or_else(|| {
+            self.err(
+                None,
+                format!("expected {what} but reached the end of the config"),
+            )
+        })
+    }
+
+    fn expect(&mut self, symbol: &str) -> Result<(), ConfigError> {
+        let t = self.next(&format!("'{symbol}'"))?;
+        if t.text == symbol {
+            Ok(())
+        } else {
+            Err(self.err(Some(&t), format!("expected '{symbol}'")))
+        }
+    }
+
+    fn value(&mut self) -> Result<Token, ConfigError> {
+        let t = self.next("a value")?;
+        if matches!(t.text.as_str(), "," | ":" | "[" | "]") {
+            return Err(self.err(Some(&t), "expected a value"));
+        }
+        Ok(t)
+    }
+
+    fn peek_is(&self, symbol: &str) -> bool {
+        self.tokens.get(self.at).is_some_and(|t| t.text == symbol)
+    }
+
+    /// `[ key : value (, key : value)* ]`, the opening bracket already consumed.
+    fn list(&mut self) -> Result<Vec<(Token, Token)>, ConfigError> {
+        let mut items = Vec::new();
+        loop {
+            let key = self.value()?;
+            self.expect(":")?;
+            items.push((key, self.value()?));
+            let sep = self.next("',' or ']'")?;
+            match sep.text.as_str() {
+                "," => continue,
+                "]" => return Ok(items),
+                _ => return Err(self.err(Some(&sep), "expected ',' or closing bracket ']'")),
+            }
+        }
+    }
+}
+
+fn bool_value(t: &Token) -> Result<bool, ConfigError> {
+    match t.text.as_str() {
+        "True" => Ok(true),
+        "False" => Ok(false),
+        _ => Err(ConfigError {
+            position: t.position,
+            token: t.text.clone(),
+            message: format!("Expected 'True' or 'False' but got '{}'", t.text),
+        }),
+    }
+}
+
+fn uint_value(t: &Token) -> Result<u64, ConfigError> {
+    let bad = |m: &str| ConfigError {
+        position: t.position,
+        token: t.text.clone(),
+        message: m.into(),
+    };
+    if t.text.is_empty() || !t.text.bytes().all(|b| b.is_ascii_digit()) {
+        return Err(bad("expected a whole number"));
+    }
+    t.text.parse::<u64>().map_err(|_| bad("number too large"))
+}
+
+fn float_value(t: &Token) -> Result<f64, ConfigError> {
+    let v: f64 = t.text.parse().map_err(|_| ConfigError {
+        position: t.position,
+        token: t.text.clone(),
+        message: "expected a number".into(),
+    })?;
+    if v.is_finite() {
+        Ok(v)
+    } else {
+        Err(ConfigError {
+            position: t.position,
+            token: t.text.clone(),
+            message: "expected a finite number".into(),
+        })
+    }
+}
+
+fn mib_value(t: &Token) -> Result<u64, ConfigError> {
+    // Values above what fits in bytes are clamped, as PyTorch clamps to SIZE_MAX.
+    Ok(uint_value(t)?.saturating_mul(MIB))
+}
+
+fn reserve_value(t: &Token) -> Result<ReserveSize, ConfigError> {
+    if let Some(g) = t.text.strip_suffix('G') {
+        let n = uint_value(&Token {
+            text: g.into(),
+            position: t.position,
+        })?;
+        return Ok(ReserveSize::Bytes(n.saturating_mul(1 << 30)));
+    }
+    let f = float_value(t)?;
+    if f > 0.0 {
+        Ok(ReserveSize::Fraction(f))
+    } else {
+        Err(ConfigError {
+            position: t.position,
+            token: t.text.clone(),
+            message: "reserve must be a positive fraction or NG".into(),
+        })
+    }
+}
+
+fn is_pow2(v: u64) -> bool {
+    v.is_power_of_two()
+}
+
+impl AllocatorConfig {
+    /// Parses `s` over the defaults.
+    pub fn parse(s: &str) -> Result<AllocatorConfig, ConfigError> {
+        let mut c = AllocatorConfig::default();
+        c.update(s)?;
+        Ok(c)
+    }
+
+    /// Applies `s` as PyTorch's runtime re-parse does: `max_split_size_mb`,
+    /// `max_non_split_rounding_mb`, `roundup_power2_divisions` and
+    /// `garbage_collection_threshold` return to their defaults first; other options keep
+    /// their values unless named. All or nothing: on error nothing changes.
+    pub fn update(&mut self, s: &str) -> Result<(), ConfigError> {
+        let mut c = self.clone();
+        c.max_split_size = None;
+        c.roundup_power2_divisions = [0; ROUNDUP_INTERVALS];
+        c.garbage_collection_threshold = 0.0;
+        let tokens = tokenize(s);
+        let end = s.chars().count();
+        // Pass 1: `large_segment_size_mb` first, since other bounds depend on it.
+        let mut p = Parser {
+            tokens: tokens.clone(),
+            at: 0,
+            end,
+        };
+        let pairs = parse_pairs(&mut p)?;
+        c.large_segment_size = 20 * MIB;
+        for (key, value) in &pairs {
+            if key.text == "large_segment_size_mb" {
+                let v = single(&p, key, value)?;
+                let mb = uint_value(v)?;
+                if mb <= 10 {
+                    return Err(p.err(
+                        Some(v),
+                        "CachingAllocator option large_segment_size_mb must be > 10 MB",
+                    ));
+                }
+                c.large_segment_size = mb.saturating_mul(MIB);
+            }
+        }
+        c.max_non_split_rounding = c.large_segment_size;
+        for (key, value) in &pairs {
+            c.apply(&p, key, value)?;
+        }
+        *self = c;
+        Ok(())
+    }
+
+    fn apply(&mut self, p: &Parser, key: &Token, value: &Value) -> Result<(), ConfigError> {
+        let min_mb = self.large_segment_size / MIB;
+        match key.text.as_str() {
+            "large_segment_size_mb" => {}
+            "max_split_size_mb" | "max_non_split_rounding_mb" => {
+                let v = single(p, key, value)?;
+                let bytes = mib_value(v)?;
+                if bytes < self.large_segment_size {
+                    return Err(p.err(
+                        Some(v),
+                        format!(
+                            "CachingAllocator option {} too small, must be >= {min_mb}",
+                            key.text
+                        ),
+                    ));
+                }
+                if key.text == "max_split_size_mb" {
+                    self.max_split_size = Some(bytes);
+                } else {
+                    self.max_non_split_rounding = bytes;
+                }
+            }
+            "garbage_collection_threshold" => {
+                let v = single(p, key, value)?;
+                let f = float_value(v)?;
+                if !(f > 0.0 && f < 1.0) {
+                    return Err(p.err(
+                        Some(v),
+                        "garbage_collect_threshold is invalid, set it in (0.0, 1.0)",
+                    ));
+                }
+                self.garbage_collection_threshold = f;
+            }
+            "roundup_power2_divisions" => self.roundup_power2_divisions = roundup_table(p, value)?,
+            "expandable_segments" => self.expandable_segments = bool_value(single(p, key, value)?)?,
+            "backend" => {
+                let v = single(p, key, value)?;
+                self.backend = match v.text.as_str() {
+                    "native" => Backend::Native,
+                    "cudaMallocAsync" => Backend::CudaMallocAsync,
+                    _ => {
+                        return Err(p.err(
+                            Some(v),
+                            "Unknown allocator backend, options are native and cudaMallocAsync",
+                        ));
+                    }
+                };
+            }
+            "release_lock_on_cudamalloc" | "release_lock_on_hipmalloc" => {
+                self.release_lock_on_cudamalloc = bool_value(single(p, key, value)?)?;
+            }
+            "pinned_use_cuda_host_register" | "pinned_use_hip_host_register" => {
+                self.pinned_use_cuda_host_register = bool_value(single(p, key, value)?)?;
+            }
+            "pinned_num_register_threads" => {
+                let v = single(p, key, value)?;
+                let n = uint_value(v)?;
+                if !is_pow2(n) {
+                    return Err(p.err(
+                        Some(v),
+                        format!("Number of register threads has to be power of 2, got {n}"),
+                    ));
+                }
+                if n > 128 {
+                    return Err(p.err(Some(v), format!("Number of register threads should be less than or equal to 128, got {n}")));
+                }
+                self.pinned_num_register_threads = n;
+            }
+            "pinned_reserve_segment_size_mb" => {
+                let v = single(p, key, value)?;
+                let bytes = mib_value(v)?;
+                if bytes == 0 {
+                    return Err(p.err(
+                        Some(v),
+                        "Pinned reserve segment size has to be greater than 0",
+                    ));
+                }
+                self.pinned_reserve_segment_size = bytes;
+            }
+            "pinned_use_background_threads" => {
+                self.pinned_use_background_threads = bool_value(single(p, key, value)?)?
+            }
+            "pinned_max_round_threshold_mb" => {
+                self.pinned_max_round_threshold = Some(mib_value(single(p, key, value)?)?)
+            }
+            "pinned_max_cached_size_mb" => {
+                self.pinned_max_cached_size = Some(mib_value(single(p, key, value)?)?)
+            }
+            "pinned_free_catch_all" => {
+                self.pinned_free_catch_all = bool_value(single(p, key, value)?)?
+            }
+            "graph_capture_record_stream_reuse" => {
+                self.graph_capture_record_stream_reuse = bool_value(single(p, key, value)?)?;
+            }
+            "throw_on_cudamalloc_oom" => {
+                self.throw_on_cudamalloc_oom = bool_value(single(p, key, value)?)?
+            }
+            "per_process_memory_fraction" => {
+                let v = single(p, key, value)?;
+                let f = float_value(v)?;
+                if !(0.0..=1.0).contains(&f) {
+                    return Err(p.err(
+                        Some(v),
+                        "per_process_memory_fraction is invalid, set it in [0.0, 1.0]",
+                    ));
+                }
+                self.per_process_memory_fraction = f;
+            }
+            "expandable_segments_reserve" => {
+                self.expandable_segments_reserve = Some(reserve_value(single(p, key, value)?)?)
+            }
+            "expandable_segments_reserve_by_class" => {
+                let Value::List(items) = value else {
+                    return Err(p.err(Some(key), "expected a bracketed list [class:value,...]"));
+                };
+                self.expandable_segments_reserve_by_class = items
+                    .iter()
+                    .map(|(k, v)| Ok((k.text.clone(), reserve_value(v)?)))
+                    .collect::<Result<_, ConfigError>>()?;
+            }
+            _ => {
+                return Err(p.err(
+                    Some(key),
+                    format!("Unrecognized key '{}' in CUDA allocator config.", key.text),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// The value of the first of `FERROCUDA_ALLOC_CONF`, `PYTORCH_CUDA_ALLOC_CONF`,
+    /// `PYTORCH_ALLOC_CONF` that is set, through `var` (the environment in
+    /// [`AllocatorConfig::from_env`]).
+    pub fn source(var: impl Fn(&str) -> Option<String>) -> Option<(&'static str, String)> {
+        [
+            "FERROCUDA_ALLOC_CONF",
+            "PYTORCH_CUDA_ALLOC_CONF",
+            "PYTORCH_ALLOC_CONF",
+        ]
+        .into_iter()
+        .find_map(|k| var(k).map(|v| (k, v)))
+    }
+
+    /// The configuration from the environment (see [`AllocatorConfig::source`]); the
+    /// defaults when none is set. The error names the variable.
+    pub fn from_env() -> Result<AllocatorConfig, (String, ConfigError)> {
+        match AllocatorConfig::source(|k| std::env::var(k).ok()) {
+            None => Ok(AllocatorConfig::default()),
+            Some((name, value)) => AllocatorConfig::parse(&value).map_err(|e| (name.to_owned(), e)),
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+enum Value {
+    Single(Token),
+    List(Vec<(Token, Token)>),
+}
+
+fn single<'a>(p: &Parser, key: &Token, v: &'a Value) -> Result<&'a Token, ConfigError> {
+    match v {
+        Value::Single(t) => Ok(t),
+        Value::List(_) => Err(p.err(
+            Some(key),
+            format!("option {} takes a single value, not a list", key.text),
+        )),
+    }
+}
+
+fn parse_pairs(p: &mut Parser) -> Result<Vec<(Token, Value)>, ConfigError> {
+    let mut pairs = Vec::new();
+    while p.at < p.tokens.len() {
+        let key = p.value()?;
+        p.expect(":")?;
+        let value = if p.peek_is("[") {
+            p.at += 1;
+            Value::List(p.list()?)
+        } else {
+            Value::Single(p.value()?)
+        };
+        pairs.push((key, value));
+        if p.at < p.tokens.len() {
+            p.expect(",")?;
+            if p.at == p.tokens.len() {
+                return Err(p.err(None, "expected a key after ','"));
+            }
+        }
+    }
+    Ok(pairs)
+}
+
+fn roundup_table(p: &Parser, value: &Value) -> Result<[u64; ROUNDUP_INTERVALS], ConfigError> {
+    let mut table = [0u64; ROUNDUP_INTERVALS];
+    match value {
+        Value::Single(t) => {
+            let d = uint_value(t)?;
+            if !is_pow2(d) {
+                return Err(p.err(Some(t), "For roundups, the divisions has to be power of 2 "));
+            }
+            table = [d; ROUNDUP_INTERVALS];
+        }
+        Value::List(items) => {
+            let mut last: Option<usize> = None;
+            for (k, v) in items {
+                let d = uint_value(v)?;
+                if d != 0 && !is_pow2(d) {
+                    return Err(p.err(
+                        Some(v),
+                        "For roundups, the divisions has to be power of 2 or 0 to disable roundup ",
+                    ));
+                }
+                if k.text == ">" {
+                    let from = last.map_or(0, |l| l + 1);
+                    table[from.min(ROUNDUP_INTERVALS)..].fill(d);
+                    continue;
+                }
+                let mb = uint_value(k)?;
+                if !is_pow2(mb) {
+                    return Err(p.err(
+                        Some(k),
+                        "For roundups, the intervals have to be power of 2 ",
+                    ));
+                }
+                let index = (mb.ilog2() as usize).min(ROUNDUP_INTERVALS - 1);
+                if last.is_none() {
+                    table[..index].fill(d);
+                }
+                table[index] = d;
+                last = Some(index);
+            }
+        }
+    }
+    Ok(table)
+}
+
+impl fmt::Display for AllocatorConfig {
+    /// The effective settings in the configuration grammar (for snapshots and logs).
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "backend:{},expandable_segments:{},large_segment_size_mb:{}",
+            match self.backend {
+                Backend::Native => "native",
+                Backend::CudaMallocAsync => "cudaMallocAsync",
+            },
+            if self.expandable_segments {
+                "True"
+            } else {
+                "False"
+            },
+            self.large_segment_size / MIB
+        )?;
+        if let Some(m) = self.max_split_size {
+            write!(f, ",max_split_size_mb:{}", m / MIB)?;
+        }
+        write!(
+            f,
+            ",max_non_split_rounding_mb:{}",
+            self.max_non_split_rounding / MIB
+        )?;
+        if self.garbage_collection_threshold > 0.0 {
+            write!(
+                f,
+                ",garbage_collection_threshold:{}",
+                self.garbage_collection_threshold
+            )?;
+        }
+        if self.roundup_power2_divisions.iter().any(|&d| d != 0) {
+            let items: Vec<String> = self
+                .roundup_power2_divisions
+                .iter()
+                .enumerate()
+                .map(|(i, d)| format!("{}:{d}", 1u64 << i))
+                .collect();
+            write!(f, ",roundup_power2_divisions:[{}]", items.join(","))?;
+        }
+        write!(
+            f,
+            ",per_process_memory_fraction:{}",
+            self.per_process_memory_fraction
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_and_a_full_valid_string() {
+        let c = AllocatorConfig::parse("").unwrap_or_default();
+        assert_eq!(c, AllocatorConfig::default());
+        let s = "backend:native, expandable_segments:True,max_split_size_mb:512,\
+                 roundup_power2_divisions:[256:1,>:4],garbage_collection_threshold:0.8,\
+                 per_process_memory_fraction:0.9, release_lock_on_cudamalloc:True";
+        let c = AllocatorConfig::parse(s).unwrap_or_default();
+        assert!(c.expandable_segments && c.release_lock_on_cudamalloc);
+        assert_eq!(c.max_split_size, Some(512 * MIB));
+        assert_eq!(c.garbage_collection_threshold, 0.8);
+        assert_eq!(c.per_process_memory_fraction, 0.9);
+        // 256 MiB is index 8; the first entry fills below it; `>` fills after it.
+        let mut want = [1u64; ROUNDUP_INTERVALS];
+        want[9..].fill(4);
+        assert_eq!(c.roundup_power2_divisions, want);
+    }
+
+    #[test]
+    fn roundup_tables_follow_the_code_not_the_docs() {
+        let c =
+            AllocatorConfig::parse("roundup_power2_divisions:[64:8,128:2,256:2,512:2,1024:1,>:1]")
+                .unwrap_or_default();
+        let t = c.roundup_power2_divisions;
+        assert_eq!(
+            &t[..7],
+            &[8, 8, 8, 8, 8, 8, 8],
+            "64 MiB is index 6 and fills below"
+        );
+        assert_eq!(&t[7..11], &[2, 2, 2, 1]);
+        assert!(t[11..].iter().all(|&d| d == 1));
+        assert_eq!(
+            AllocatorConfig::parse("roundup_power2_divisions:4")
+                .map(|c| c.roundup_power2_divisions),
+            Ok([4; 16])
+        );
+    }
+
+    #[test]
+    fn large_segment_size_is_applied_first_and_bounds_the_others() {
+        let c = AllocatorConfig::parse("max_split_size_mb:40,large_segment_size_mb:32")
+            .unwrap_or_default();
+        assert_eq!(
+            (
+                c.large_segment_size,
+                c.max_split_size,
+                c.max_non_split_rounding
+            ),
+            (32 * MIB, Some(40 * MIB), 32 * MIB)
+        );
+        let e = AllocatorConfig::parse("max_split_size_mb:30,large_segment_size_mb:32").err();
+        assert!(e.is_some_and(|e| e.message.contains("must be >= 32")));
+    }
+
+    #[test]
+    fn update_resets_only_the_resettable_options_and_is_atomic() {
+        let mut c = AllocatorConfig::parse(
+            "expandable_segments:True,max_split_size_mb:100,roundup_power2_divisions:2",
+        )
+        .unwrap_or_default();
+        assert!(c.update("garbage_collection_threshold:0.5").is_ok());
+        assert!(c.expandable_segments, "kept");
+        assert_eq!(
+            (c.max_split_size, c.roundup_power2_divisions),
+            (None, [0; 16]),
+            "reset"
+        );
+        let before = c.clone();
+        assert!(c.update("expandable_segments:False,bogus:1").is_err());
+        assert_eq!(c, before, "a failed update changes nothing");
+    }
+
+    #[test]
+    fn env_precedence() {
+        let vars = |set: &'static [(&'static str, &'static str)]| {
+            move |k: &str| {
+                set.iter()
+                    .find(|(n, _)| *n == k)
+                    .map(|(_, v)| v.to_string())
+            }
+        };
+        assert_eq!(AllocatorConfig::source(vars(&[])), None);
+        static BOTH: [(&str, &str); 2] = [
+            ("PYTORCH_CUDA_ALLOC_CONF", "a:1"),
+            ("FERROCUDA_ALLOC_CONF", "b:2"),
+        ];
+        assert_eq!(
+            AllocatorConfig::source(vars(&BOTH)).map(|(k, _)| k),
+            Some("FERROCUDA_ALLOC_CONF")
+        );
+        static TORCH: [(&str, &str); 2] = [
+            ("PYTORCH_ALLOC_CONF", "c:3"),
+            ("PYTORCH_CUDA_ALLOC_CONF", "a:1"),
+        ];
+        assert_eq!(
+            AllocatorConfig::source(vars(&TORCH)).map(|(k, _)| k),
+            Some("PYTORCH_CUDA_ALLOC_CONF")
+        );
+    }
+
+    #[test]
+    fn display_round_trips() {
+        let c = AllocatorConfig::parse("max_split_size_mb:64,roundup_power2_divisions:[32:4,>:2],garbage_collection_threshold:0.25").unwrap_or_default();
+        assert_eq!(AllocatorConfig::parse(&c.to_string()), Ok(c));
+    }
+
+    /// At least 30 malformed inputs, each with the token and position its error names.
+    #[test]
+    fn malformed_inputs_name_the_token_and_position() {
+        let cases: &[(&str, &str, usize, &str)] = &[
+            ("foo:1,bar:2", "foo", 0, "Unrecognized key 'foo'"),
+            (
+                "expandable_segments:True,bar:2",
+                "bar",
+                25,
+                "Unrecognized key 'bar'",
+            ),
+            ("garbage_collection_threshold:1.2", "1.2", 29, "(0.0, 1.0)"),
+            ("garbage_collection_threshold:0", "0", 29, "(0.0, 1.0)"),
+            (
+                "garbage_collection_threshold:-0.5",
+                "-0.5",
+                29,
+                "(0.0, 1.0)",
+            ),
+            (
+                "garbage_collection_threshold:abc",
+                "abc",
+                29,
+                "expected a number",
+            ),
+            ("garbage_collection_threshold:nan", "nan", 29, "finite"),
+            ("max_split_size_mb:2", "2", 18, "too small, must be >= 20"),
+            ("max_split_size_mb:40MB", "40MB", 18, "whole number"),
+            ("max_split_size_mb:-40", "-40", 18, "whole number"),
+            (
+                "max_split_size_mb:99999999999999999999999",
+                "99999999999999999999999",
+                18,
+                "too large",
+            ),
+            (
+                "max_non_split_rounding_mb:10",
+                "10",
+                26,
+                "max_non_split_rounding_mb too small",
+            ),
+            ("large_segment_size_mb:10", "10", 22, "must be > 10 MB"),
+            (
+                "expandable_segments:true",
+                "true",
+                20,
+                "Expected 'True' or 'False'",
+            ),
+            (
+                "expandable_segments:1",
+                "1",
+                20,
+                "Expected 'True' or 'False'",
+            ),
+            (
+                "release_lock_on_cudamalloc:yes",
+                "yes",
+                27,
+                "Expected 'True' or 'False'",
+            ),
+            (
+                "pinned_num_register_threads:1024",
+                "1024",
+                28,
+                "less than or equal to 128",
+            ),
+            ("pinned_num_register_threads:3", "3", 28, "power of 2"),
+            (
+                "pinned_reserve_segment_size_mb:0",
+                "0",
+                31,
+                "greater than 0",
+            ),
+            (
+                "roundup_power2_divisions:3",
+                "3",
+                25,
+                "divisions has to be power of 2",
+            ),
+            (
+                "roundup_power2_divisions:0",
+                "0",
+                25,
+                "divisions has to be power of 2",
+            ),
+            (
+                "roundup_power2_divisions:[64:3]",
+                "3",
+                29,
+                "power of 2 or 0",
+            ),
+            (
+                "roundup_power2_divisions:[96:4]",
+                "96",
+                26,
+                "intervals have to be power of 2",
+            ),
+            (
+                "roundup_power2_divisions:[64:8,>:1",
+                "",
+                34,
+                "reached the end",
+            ),
+            (
+                "roundup_power2_divisions:[64:8;>:1]",
+                ":",
+                32,
+                "closing bracket",
+            ),
+            ("roundup_power2_divisions:[64]", "]", 28, "expected ':'"),
+            (
+                "backend:cudaMallocSync",
+                "cudaMallocSync",
+                8,
+                "Unknown allocator backend",
+            ),
+            ("per_process_memory_fraction:1.5", "1.5", 28, "[0.0, 1.0]"),
+            ("per_process_memory_fraction:-0.1", "-0.1", 28, "[0.0, 1.0]"),
+            ("expandable_segments", "", 19, "expected ':'"),
+            ("expandable_segments:", "", 20, "expected a value"),
+            (":True", ":", 0, "expected a value"),
+            ("expandable_segments:True,", "", 25, "expected a key"),
+            (
+                "expandable_segments:True expandable_segments:False",
+                ":",
+                44,
+                "expected ','",
+            ),
+            (
+                "expandable_segments:[a:True]",
+                "expandable_segments",
+                0,
+                "single value",
+            ),
+            (
+                "expandable_segments_reserve:0",
+                "0",
+                28,
+                "positive fraction",
+            ),
+            (
+                "expandable_segments_reserve_by_class:4",
+                "expandable_segments_reserve_by_class",
+                0,
+                "bracketed list",
+            ),
+            (
+                "max_split_size_mb:[1:2]",
+                "max_split_size_mb",
+                0,
+                "single value",
+            ),
+        ];
+        assert!(cases.len() >= 30);
+        for (input, token, position, message) in cases {
+            match AllocatorConfig::parse(input) {
+                Ok(c) => panic!("{input:?} parsed as {c:?}"),
+                Err(e) => {
+                    assert_eq!(
+                        (e.token.as_str(), e.position),
+                        (*token, *position),
+                        "{input:?}: {e}"
+                    );
+                    assert!(e.message.contains(message), "{input:?}: {e}");
+                    assert!(e.to_string().contains(&format!("character {position}")));
+                }
+            }
+        }
+    }
+}
