@@ -22,6 +22,7 @@ mod device;
 mod dtype;
 mod handles;
 mod launch;
+mod stats;
 
 pub use config::{
     AllocatorConfig, Backend as AllocatorBackend, ConfigError, ROUNDUP_INTERVALS, ReserveSize,
@@ -35,3 +36,4 @@ pub use handles::{
 pub use launch::{
     CaptureMode, CaptureStatus, EventFlags, KernelArg, LaunchConfig, MemsetValue, StreamFlags,
 };
+pub use stats::{DeviceStats, PoolKind, Stat, StatArray, format_size};
