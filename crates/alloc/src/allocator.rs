@@ -1,0 +1,970 @@
+//! One device's caching allocator.
+use crate::error::{AllocError, OutOfMemory};
+use crate::rounding::{ONE_EXABYTE, allocation_size, pool_kind, round_size};
+use ferrocuda_driver::{Driver, DriverError};
+use ferrocuda_types::{
+    AllocatorConfig, DeviceIndex, DevicePtr, DeviceStats, EventFlags, EventHandle, PoolKind,
+    StreamHandle,
+};
+use parking_lot::{Mutex, MutexGuard};
+use rustc_hash::FxHashMap;
+use std::collections::{BTreeSet, VecDeque};
+use std::sync::Arc;
+
+const SMALL_SIZE: u64 = crate::rounding::SMALL_SIZE;
+
+/// A live allocation handed out by [`CachingAllocator::allocate`].
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct Allocation {
+    /// Its address (null for a zero-byte request).
+    pub ptr: DevicePtr,
+    /// Bytes usable (the rounded size).
+    pub size: u64,
+    /// Bytes asked for.
+    pub requested: u64,
+    /// The stream it was allocated on.
+    pub stream: StreamHandle,
+}
+
+/// Free-list key: PyTorch orders free blocks by (stream, size, address).
+#[derive(Copy, Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+struct FreeKey {
+    stream: u64,
+    size: u64,
+    ptr: u64,
+    id: usize,
+}
+
+#[derive(Clone, Debug)]
+struct Block {
+    ptr: u64,
+    size: u64,
+    requested: u64,
+    stream: StreamHandle,
+    pool: PoolKind,
+    allocated: bool,
+    prev: Option<usize>,
+    next: Option<usize>,
+    event_count: u32,
+    stream_uses: Vec<StreamHandle>,
+    gc_base: u64,
+    in_pool: bool,
+}
+
+impl Block {
+    fn is_split(&self) -> bool {
+        self.prev.is_some() || self.next.is_some()
+    }
+
+    fn key(&self, id: usize) -> FreeKey {
+        FreeKey {
+            stream: self.stream.raw,
+            size: self.size,
+            ptr: self.ptr,
+            id,
+        }
+    }
+}
+
+/// A block of the allocator as tests and snapshots see it.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct BlockInfo {
+    /// Address.
+    pub ptr: DevicePtr,
+    /// Size in bytes.
+    pub size: u64,
+    /// Requested bytes (allocated blocks).
+    pub requested: u64,
+    /// Pool.
+    pub pool: PoolKind,
+    /// Allocated to a user.
+    pub allocated: bool,
+    /// Freed but waiting for events on other streams.
+    pub pending_events: bool,
+    /// Address of the segment it was carved from.
+    pub segment: DevicePtr,
+    /// Its allocation stream.
+    pub stream: StreamHandle,
+}
+
+struct State {
+    config: AllocatorConfig,
+    blocks: Vec<Block>,
+    vacant: Vec<usize>,
+    pools: [BTreeSet<FreeKey>; 2],
+    live: FxHashMap<u64, usize>,
+    events: FxHashMap<u64, VecDeque<(EventHandle, usize)>>,
+    pending_events: usize,
+    spare_events: Vec<EventHandle>,
+    stats: DeviceStats,
+    /// Bytes held from the driver, including segments being allocated right now.
+    total_reserved: u64,
+    allowed_max: Option<u64>,
+    gc_clock: u64,
+}
+
+fn pool_index(kind: PoolKind) -> usize {
+    match kind {
+        PoolKind::Small => 0,
+        PoolKind::Large => 1,
+    }
+}
+
+/// PyTorch's caching allocator for one device, over any [`Driver`].
+///
+/// Lock discipline: one mutex guards the state; it is never held across `malloc`, `free`
+/// or a synchronization of the driver (only across non-blocking event record and query).
+pub struct CachingAllocator {
+    driver: Arc<dyn Driver>,
+    device: DeviceIndex,
+    device_total: u64,
+    caching: bool,
+    uncached: Mutex<FxHashMap<u64, (u64, u64)>>,
+    state: Mutex<State>,
+}
+
+impl std::fmt::Debug for CachingAllocator {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CachingAllocator")
+            .field("device", &self.device)
+            .field("caching", &self.caching)
+            .finish_non_exhaustive()
+    }
+}
+
+impl CachingAllocator {
+    /// An allocator for `device`. `caching: false` passes every request to the driver
+    /// (`FERROCUDA_NO_CUDA_MEMORY_CACHING=1`).
+    pub fn new(
+        driver: Arc<dyn Driver>,
+        device: DeviceIndex,
+        config: AllocatorConfig,
+        caching: bool,
+    ) -> Result<CachingAllocator, AllocError> {
+        let (_, device_total) = driver.mem_get_info(device)?;
+        let fraction = config.per_process_memory_fraction;
+        let stats = DeviceStats {
+            max_split_size: config.max_split_size.map_or(-1, |m| m as i64),
+            ..DeviceStats::default()
+        };
+        let allocator = CachingAllocator {
+            driver,
+            device,
+            device_total,
+            caching,
+            uncached: Mutex::new(FxHashMap::default()),
+            state: Mutex::new(State {
+                config,
+                blocks: Vec::new(),
+                vacant: Vec::new(),
+                pools: [BTreeSet::new(), BTreeSet::new()],
+                live: FxHashMap::default(),
+                events: FxHashMap::default(),
+                pending_events: 0,
+                spare_events: Vec::new(),
+                stats,
+                total_reserved: 0,
+                allowed_max: None,
+                gc_clock: 0,
+            }),
+        };
+        allocator.set_memory_fraction(fraction)?;
+        Ok(allocator)
+    }
+
+    /// The device.
+    pub fn device(&self) -> DeviceIndex {
+        self.device
+    }
+
+    /// Whether requests are cached (false with `*_NO_CUDA_MEMORY_CACHING=1`).
+    pub fn is_caching(&self) -> bool {
+        self.caching
+    }
+
+    /// The configuration in force.
+    pub fn config(&self) -> AllocatorConfig {
+        self.state.lock().config.clone()
+    }
+
+    /// Re-parses the configuration (PyTorch's `_set_allocator_settings`); on error nothing
+    /// changes.
+    pub fn update_config(&self, s: &str) -> Result<(), AllocError> {
+        let mut st = self.state.lock();
+        st.config.update(s)?;
+        st.stats.max_split_size = st.config.max_split_size.map_or(-1, |m| m as i64);
+        Ok(())
+    }
+
+    /// `set_per_process_memory_fraction`: reserved bytes may not exceed `fraction` of the
+    /// device; 1 removes the limit.
+    pub fn set_memory_fraction(&self, fraction: f64) -> Result<(), AllocError> {
+        if !(0.0..=1.0).contains(&fraction) {
+            return Err(AllocError::InvalidFraction(fraction));
+        }
+        let mut st = self.state.lock();
+        st.allowed_max = (fraction < 1.0).then_some((fraction * self.device_total as f64) as u64);
+        st.config.per_process_memory_fraction = fraction;
+        Ok(())
+    }
+
+    /// `get_per_process_memory_fraction`.
+    pub fn memory_fraction(&self) -> f64 {
+        self.state
+            .lock()
+            .allowed_max
+            .map_or(1.0, |a| a as f64 / self.device_total as f64)
+    }
+
+    /// A copy of the statistics.
+    pub fn stats(&self) -> DeviceStats {
+        self.state.lock().stats.clone()
+    }
+
+    /// `reset_peak_memory_stats`.
+    pub fn reset_peak_stats(&self) {
+        self.state.lock().stats.reset_peak();
+    }
+
+    /// `reset_accumulated_memory_stats`.
+    pub fn reset_accumulated_stats(&self) {
+        self.state.lock().stats.reset_accumulated();
+    }
+
+    /// Every block, in address order per segment.
+    pub fn blocks(&self) -> Vec<BlockInfo> {
+        let st = self.state.lock();
+        let mut out = Vec::new();
+        for (id, b) in st.blocks.iter().enumerate() {
+            if b.prev.is_some() || st.vacant.contains(&id) {
+                continue;
+            }
+            let mut cursor = Some(id);
+            while let Some(i) = cursor {
+                let x = &st.blocks[i];
+                out.push(BlockInfo {
+                    ptr: DevicePtr(x.ptr),
+                    size: x.size,
+                    requested: x.requested,
+                    pool: x.pool,
+                    allocated: x.allocated,
+                    pending_events: x.event_count > 0,
+                    segment: DevicePtr(b.ptr),
+                    stream: x.stream,
+                });
+                cursor = x.next;
+            }
+        }
+        out
+    }
+
+    /// Recounts everything from the blocks and compares with the books: no two blocks
+    /// overlap, neighbours touch, the current statistics equal a recount, reserved bytes
+    /// equal the sum of segments. For tests and debugging; `Err` says what differs.
+    pub fn check_invariants(&self) -> Result<(), String> {
+        let blocks = self.blocks();
+        let st = self.state.lock();
+        let mut by_addr: Vec<&BlockInfo> = blocks.iter().collect();
+        by_addr.sort_by_key(|b| b.ptr.0);
+        for w in by_addr.windows(2) {
+            if w[0].ptr.0 + w[0].size > w[1].ptr.0 {
+                return Err(format!("blocks overlap: {:?} and {:?}", w[0], w[1]));
+            }
+        }
+        let mut want = DeviceStats::default();
+        let mut segments: FxHashMap<u64, (PoolKind, u64, usize)> = FxHashMap::default();
+        for b in &blocks {
+            let seg = segments.entry(b.segment.0).or_insert((b.pool, 0, 0));
+            seg.1 += b.size;
+            seg.2 += 1;
+        }
+        for b in &blocks {
+            let split = segments.get(&b.segment.0).is_some_and(|s| s.2 > 1);
+            if b.allocated {
+                want.allocation.increase(b.pool, 1);
+                want.allocated_bytes.increase(b.pool, b.size as i64);
+            }
+            if b.allocated || b.pending_events {
+                want.active.increase(b.pool, 1);
+                want.active_bytes.increase(b.pool, b.size as i64);
+                want.requested_bytes.increase(b.pool, b.requested as i64);
+            } else if split {
+                want.inactive_split.increase(b.pool, 1);
+                want.inactive_split_bytes.increase(b.pool, b.size as i64);
+            }
+        }
+        for (kind, size, _) in segments.values() {
+            want.segment.increase(*kind, 1);
+            want.reserved_bytes.increase(*kind, *size as i64);
+        }
+        let have = &st.stats;
+        for ((name, a), (_, b)) in have.arrays().into_iter().zip(want.arrays()) {
+            for (pool, x, y) in [
+                ("all", &a.all, &b.all),
+                ("small", &a.small_pool, &b.small_pool),
+                ("large", &a.large_pool, &b.large_pool),
+            ] {
+                if x.current != y.current {
+                    return Err(format!(
+                        "{name}.{pool}.current is {} but a recount gives {}",
+                        x.current, y.current
+                    ));
+                }
+            }
+        }
+        let reserved: u64 = segments.values().map(|s| s.1).sum();
+        if reserved != st.total_reserved {
+            return Err(format!(
+                "reserved {} but segments sum to {reserved}",
+                st.total_reserved
+            ));
+        }
+        let free: usize = st.pools.iter().map(BTreeSet::len).sum();
+        let in_pool = st
+            .blocks
+            .iter()
+            .enumerate()
+            .filter(|(i, b)| b.in_pool && !st.vacant.contains(i))
+            .count();
+        if free != in_pool {
+            return Err(format!(
+                "{free} keys in the free lists but {in_pool} blocks marked free"
+            ));
+        }
+        Ok(())
+    }
+
+    // ---- allocate ------------------------------------------------------------------------
+
+    /// Allocates `bytes` for use on `stream`. Zero bytes give a null pointer.
+    pub fn allocate(&self, bytes: u64, stream: StreamHandle) -> Result<Allocation, AllocError> {
+        if bytes >= ONE_EXABYTE {
+            self.state.lock().stats.num_ooms += 1;
+            return Err(self.oom_report(bytes, true));
+        }
+        if bytes == 0 {
+            return Ok(Allocation {
+                ptr: DevicePtr(0),
+                size: 0,
+                requested: 0,
+                stream,
+            });
+        }
+        if !self.caching {
+            let ptr = self
+                .driver
+                .malloc(self.device, bytes)
+                .map_err(|e| self.driver_oom(e, bytes))?;
+            self.uncached.lock().insert(ptr.0, (bytes, stream.raw));
+            return Ok(Allocation {
+                ptr,
+                size: bytes,
+                requested: bytes,
+                stream,
+            });
+        }
+        let mut st = self.state.lock();
+        self.process_events(&mut st);
+        let size = round_size(bytes, &st.config);
+        let kind = pool_kind(size);
+        if let Some(id) = st.take_free_block(kind, stream, size) {
+            return Ok(st.use_block(id, size, bytes));
+        }
+        self.slow_path(st, size, bytes, kind, stream)
+    }
+
+    fn slow_path<'a>(
+        &'a self,
+        mut st: MutexGuard<'a, State>,
+        size: u64,
+        requested: u64,
+        kind: PoolKind,
+        stream: StreamHandle,
+    ) -> Result<Allocation, AllocError> {
+        let segment = allocation_size(size, &st.config);
+        if st.config.garbage_collection_threshold > 0.0 {
+            st = self.garbage_collect(st);
+            if let Some(id) = st.take_free_block(kind, stream, size) {
+                return Ok(st.use_block(id, size, requested));
+            }
+        }
+        let (s, found) = self.alloc_segment(st, segment, kind, stream)?;
+        st = s;
+        if let Some(id) = found {
+            return Ok(st.use_block(id, size, requested));
+        }
+        if st.config.max_split_size.is_some() {
+            st = self.release_oversize(st, size, kind, stream);
+            let (s, found) = self.alloc_segment(st, segment, kind, stream)?;
+            st = s;
+            if let Some(id) = found {
+                return Ok(st.use_block(id, size, requested));
+            }
+        }
+        // Wait for blocks held by other streams' events, then look again: the block we
+        // need may have become free (PyTorch never looks again: #189504).
+        st = self.synchronize_events(st);
+        if let Some(id) = st.take_free_block(kind, stream, size) {
+            return Ok(st.use_block(id, size, requested));
+        }
+        // Free only as much cached memory as the request needs, largest blocks first...
+        st = self.release_cached(st, Some(segment));
+        let (s, found) = self.alloc_segment(st, segment, kind, stream)?;
+        st = s;
+        if let Some(id) = found {
+            return Ok(st.use_block(id, size, requested));
+        }
+        // ... then everything, as PyTorch does, and retry once more.
+        st = self.release_cached(st, None);
+        st.stats.num_alloc_retries += 1;
+        let (s, found) = self.alloc_segment(st, segment, kind, stream)?;
+        st = s;
+        if let Some(id) = found {
+            return Ok(st.use_block(id, size, requested));
+        }
+        st.stats.num_ooms += 1;
+        drop(st);
+        Err(self.oom_report(segment, false))
+    }
+
+    /// `alloc_block`: a new segment from the driver, outside the lock. `Ok(None)` when the
+    /// device (or the memory fraction) has no room.
+    fn alloc_segment<'a>(
+        &'a self,
+        mut st: MutexGuard<'a, State>,
+        bytes: u64,
+        kind: PoolKind,
+        stream: StreamHandle,
+    ) -> Result<(MutexGuard<'a, State>, Option<usize>), AllocError> {
+        if st
+            .allowed_max
+            .is_some_and(|max| st.total_reserved + bytes > max)
+        {
+            return Ok((st, None));
+        }
+        st.total_reserved += bytes;
+        drop(st);
+        let result = self.driver.malloc(self.device, bytes);
+        let mut st = self.state.lock();
+        match result {
+            Ok(ptr) => {
+                let id = st.insert_block(Block {
+                    ptr: ptr.0,
+                    size: bytes,
+                    requested: 0,
+                    stream,
+                    pool: kind,
+                    allocated: false,
+                    prev: None,
+                    next: None,
+                    event_count: 0,
+                    stream_uses: Vec::new(),
+                    gc_base: 0,
+                    in_pool: false,
+                });
+                let oversize = st.config.max_split_size.is_some_and(|m| bytes >= m);
+                let s = &mut st.stats;
+                s.segment.increase(kind, 1);
+                s.reserved_bytes.increase(kind, bytes as i64);
+                s.num_device_alloc += 1;
+                if oversize {
+                    s.oversize_segments.increase(1);
+                }
+                Ok((st, Some(id)))
+            }
+            Err(e) if e.is_out_of_memory() => {
+                st.total_reserved -= bytes;
+                Ok((st, None))
+            }
+            Err(e) => {
+                st.total_reserved -= bytes;
+                Err(AllocError::Driver(e))
+            }
+        }
+    }
+
+    fn driver_oom(&self, e: DriverError, bytes: u64) -> AllocError {
+        if e.is_out_of_memory() {
+            self.oom_report(bytes, false)
+        } else {
+            AllocError::Driver(e)
+        }
+    }
+
+    fn oom_report(&self, requested: u64, beyond_one_exabyte: bool) -> AllocError {
+        let device_free = self.driver.mem_get_info(self.device).map_or(0, |(f, _)| f);
+        let st = self.state.lock();
+        let mut per_stream: FxHashMap<u64, (StreamHandle, u64)> = FxHashMap::default();
+        let mut largest = 0;
+        for key in st.pools.iter().flatten() {
+            let b = &st.blocks[key.id];
+            largest = largest.max(b.size);
+            per_stream.entry(b.stream.raw).or_insert((b.stream, 0)).1 += b.size;
+        }
+        let mut cached_per_stream: Vec<(StreamHandle, u64)> = per_stream.into_values().collect();
+        cached_per_stream.sort_by_key(|(s, _)| s.raw);
+        AllocError::OutOfMemory(Box::new(OutOfMemory {
+            device: self.device.0,
+            requested,
+            beyond_one_exabyte,
+            device_total: self.device_total,
+            device_free,
+            allowed: st.allowed_max,
+            allocated: st.stats.allocated_bytes.all.current as u64,
+            reserved: st.stats.reserved_bytes.all.current as u64,
+            largest_free_block: largest,
+            cached_per_stream,
+            non_releasable: st.stats.inactive_split_bytes.all.current as u64,
+            expandable_segments: st.config.expandable_segments,
+        }))
+    }
+
+    // ---- free and streams ----------------------------------------------------------------
+
+    /// Returns an allocation. Blocks used on other streams (`record_stream`) become
+    /// reusable once those streams' work recorded so far has completed.
+    pub fn free(&self, ptr: DevicePtr) -> Result<(), AllocError> {
+        if ptr.0 == 0 {
+            return Ok(());
+        }
+        if !self.caching {
+            self.uncached
+                .lock()
+                .remove(&ptr.0)
+                .ok_or(AllocError::InvalidPointer(ptr))?;
+            return Ok(self.driver.free(self.device, ptr)?);
+        }
+        let mut st = self.state.lock();
+        let id = st
+            .live
+            .remove(&ptr.0)
+            .ok_or(AllocError::InvalidPointer(ptr))?;
+        let (kind, size) = (st.blocks[id].pool, st.blocks[id].size);
+        let oversize = st.config.max_split_size.is_some_and(|m| size >= m);
+        st.blocks[id].allocated = false;
+        st.stats.allocation.decrease(kind, 1);
+        st.stats.allocated_bytes.decrease(kind, size as i64);
+        if oversize {
+            st.stats.oversize_allocations.decrease(1);
+        }
+        let uses = std::mem::take(&mut st.blocks[id].stream_uses);
+        if uses.is_empty() {
+            st.free_block(id);
+            return Ok(());
+        }
+        for stream in uses {
+            let event = match st.spare_events.pop() {
+                Some(e) => e,
+                None => self
+                    .driver
+                    .event_create(self.device, EventFlags::default())?,
+            };
+            self.driver.event_record(event, stream)?;
+            st.events
+                .entry(stream.raw)
+                .or_default()
+                .push_back((event, id));
+            st.blocks[id].event_count += 1;
+            st.pending_events += 1;
+        }
+        Ok(())
+    }
+
+    /// Marks `ptr` as used by `stream` (`Tensor.record_stream`): its memory is not reused
+    /// until the work enqueued on `stream` before the free has completed.
+    pub fn record_stream(&self, ptr: DevicePtr, stream: StreamHandle) -> Result<(), AllocError> {
+        if ptr.0 == 0 || !self.caching {
+            return Ok(());
+        }
+        let mut st = self.state.lock();
+        let id = *st.live.get(&ptr.0).ok_or(AllocError::InvalidPointer(ptr))?;
+        let b = &mut st.blocks[id];
+        if stream != b.stream && !b.stream_uses.contains(&stream) {
+            b.stream_uses.push(stream);
+        }
+        Ok(())
+    }
+
+    /// Frees blocks whose events completed, stream by stream, in order.
+    fn process_events(&self, st: &mut State) {
+        if st.pending_events == 0 {
+            return;
+        }
+        let streams: Vec<u64> = st.events.keys().copied().collect();
+        for s in streams {
+            loop {
+                let Some(&(event, id)) = st.events.get(&s).and_then(|q| q.front()) else {
+                    break;
+                };
+                if !self.driver.event_query(event).unwrap_or(false) {
+                    break;
+                }
+                if let Some(q) = st.events.get_mut(&s) {
+                    q.pop_front();
+                }
+                st.complete_event(event, id);
+            }
+        }
+        st.events.retain(|_, q| !q.is_empty());
+    }
+
+    /// Waits (outside the lock) for every outstanding event and frees their blocks.
+    fn synchronize_events<'a>(&'a self, mut st: MutexGuard<'a, State>) -> MutexGuard<'a, State> {
+        if st.pending_events == 0 {
+            return st;
+        }
+        st.stats.num_sync_all_streams += 1;
+        let events: Vec<(EventHandle, usize)> = st.events.drain().flat_map(|(_, q)| q).collect();
+        drop(st);
+        for (event, _) in &events {
+            let _ = self.driver.event_synchronize(*event);
+        }
+        let mut st = self.state.lock();
+        for (event, id) in events {
+            st.complete_event(event, id);
+        }
+        st
+    }
+
+    // ---- giving memory back --------------------------------------------------------------
+
+    /// Frees segments (outside the lock).
+    fn free_segments<'a>(
+        &'a self,
+        st: MutexGuard<'a, State>,
+        ptrs: Vec<u64>,
+    ) -> MutexGuard<'a, State> {
+        if ptrs.is_empty() {
+            return st;
+        }
+        drop(st);
+        for p in ptrs {
+            // A failed free leaves the address unusable; it was already unaccounted.
+            let _ = self.driver.free(self.device, DevicePtr(p));
+        }
+        self.state.lock()
+    }
+
+    /// Releases whole free segments: all of them (`None`) or, largest first, until
+    /// `Some(bytes)` are released.
+    fn release_cached<'a>(
+        &'a self,
+        mut st: MutexGuard<'a, State>,
+        enough: Option<u64>,
+    ) -> MutexGuard<'a, State> {
+        let mut candidates: Vec<FreeKey> = st
+            .pools
+            .iter()
+            .flatten()
+            .filter(|k| !st.blocks[k.id].is_split())
+            .copied()
+            .collect();
+        candidates.sort_by_key(|k| std::cmp::Reverse(k.size));
+        let mut freed = 0;
+        let mut ptrs = Vec::new();
+        for k in candidates {
+            if enough.is_some_and(|e| freed >= e) {
+                break;
+            }
+            freed += k.size;
+            ptrs.push(st.release_segment(k.id));
+        }
+        self.free_segments(st, ptrs)
+    }
+
+    /// With `max_split_size` set, frees oversize cached segments of this stream first.
+    fn release_oversize<'a>(
+        &'a self,
+        mut st: MutexGuard<'a, State>,
+        size: u64,
+        kind: PoolKind,
+        stream: StreamHandle,
+    ) -> MutexGuard<'a, State> {
+        let Some(m) = st.config.max_split_size else {
+            return st;
+        };
+        let key = size.max(m);
+        let pool = &st.pools[pool_index(kind)];
+        let mine = pool
+            .iter()
+            .filter(|k| k.stream == stream.raw && !st.blocks[k.id].is_split() && k.size >= m);
+        let mut victims: Vec<FreeKey> = mine.copied().collect();
+        victims.sort_by_key(|k| std::cmp::Reverse(k.size));
+        let single = victims.iter().rev().find(|k| k.size >= key).copied();
+        let chosen: Vec<FreeKey> = match single {
+            Some(k) => vec![k],
+            None => {
+                let mut total = 0;
+                victims
+                    .into_iter()
+                    .take_while(|k| {
+                        let more = total < key;
+                        total += k.size;
+                        more
+                    })
+                    .collect()
+            }
+        };
+        let ptrs = chosen
+            .into_iter()
+            .map(|k| st.release_segment(k.id))
+            .collect();
+        self.free_segments(st, ptrs)
+    }
+
+    /// `garbage_collection_threshold`: frees the oldest whole free large segments until
+    /// reserved memory is under the threshold. Works without a memory fraction too (the
+    /// device's memory is the limit then), unlike PyTorch.
+    fn garbage_collect<'a>(&'a self, mut st: MutexGuard<'a, State>) -> MutexGuard<'a, State> {
+        let limit_base = st.allowed_max.unwrap_or(self.device_total);
+        let limit = (st.config.garbage_collection_threshold * limit_base as f64) as u64;
+        if st.total_reserved <= limit {
+            return st;
+        }
+        let target = st.total_reserved - limit;
+        let mut reclaimed = 0;
+        let mut ptrs = Vec::new();
+        loop {
+            let candidates: Vec<FreeKey> = st.pools[1]
+                .iter()
+                .filter(|k| !st.blocks[k.id].is_split())
+                .copied()
+                .collect();
+            if candidates.is_empty() || reclaimed >= target {
+                break;
+            }
+            let age = |k: &FreeKey| st.gc_clock - st.blocks[k.id].gc_base;
+            let average = candidates.iter().map(age).sum::<u64>() / candidates.len() as u64;
+            let old: Vec<FreeKey> = candidates
+                .iter()
+                .filter(|k| age(k) >= average)
+                .copied()
+                .collect();
+            for k in old {
+                reclaimed += k.size;
+                ptrs.push(st.release_segment(k.id));
+            }
+        }
+        self.free_segments(st, ptrs)
+    }
+
+    /// `empty_cache`: waits for outstanding events, then gives every whole free segment
+    /// back to the driver. Segments with a live piece stay (the "non-releasable" memory).
+    pub fn empty_cache(&self) {
+        if !self.caching {
+            return;
+        }
+        let st = self.synchronize_events(self.state.lock());
+        drop(self.release_cached(st, None));
+    }
+}
+
+impl State {
+    fn insert_block(&mut self, b: Block) -> usize {
+        match self.vacant.pop() {
+            Some(id) => {
+                self.blocks[id] = b;
+                id
+            }
+            None => {
+                self.blocks.push(b);
+                self.blocks.len() - 1
+            }
+        }
+    }
+
+    fn pool_insert(&mut self, id: usize) {
+        self.blocks[id].gc_base = self.gc_clock;
+        self.blocks[id].in_pool = true;
+        let key = self.blocks[id].key(id);
+        self.pools[pool_index(self.blocks[id].pool)].insert(key);
+    }
+
+    fn pool_remove(&mut self, id: usize) {
+        let key = self.blocks[id].key(id);
+        self.pools[pool_index(self.blocks[id].pool)].remove(&key);
+        self.blocks[id].in_pool = false;
+    }
+
+    /// Best fit on the same stream, with the oversize rules (spec §1.5, §2.3).
+    fn take_free_block(
+        &mut self,
+        kind: PoolKind,
+        stream: StreamHandle,
+        size: u64,
+    ) -> Option<usize> {
+        if self.config.garbage_collection_threshold > 0.0 {
+            self.gc_clock += 1;
+        }
+        let from = FreeKey {
+            stream: stream.raw,
+            size,
+            ptr: 0,
+            id: 0,
+        };
+        let found = *self.pools[pool_index(kind)].range(from..).next()?;
+        if found.stream != stream.raw {
+            return None;
+        }
+        let max_split = self.config.max_split_size.unwrap_or(u64::MAX);
+        if (size < max_split && found.size >= max_split)
+            || (size >= max_split
+                && found.size >= size.saturating_add(self.config.max_non_split_rounding))
+        {
+            return None;
+        }
+        self.pool_remove(found.id);
+        Some(found.id)
+    }
+
+    fn should_split(&self, id: usize, size: u64) -> bool {
+        let b = &self.blocks[id];
+        let remaining = b.size - size;
+        match b.pool {
+            PoolKind::Small => remaining >= crate::rounding::MIN_BLOCK_SIZE,
+            PoolKind::Large => {
+                size < self.config.max_split_size.unwrap_or(u64::MAX) && remaining > SMALL_SIZE
+            }
+        }
+    }
+
+    /// `alloc_found_block`: splits if worthwhile and hands the low part out.
+    fn use_block(&mut self, id: usize, size: u64, requested: u64) -> Allocation {
+        let kind = self.blocks[id].pool;
+        let was_split = self.blocks[id].is_split();
+        let id = if self.should_split(id, size) {
+            let rest = self.blocks[id].clone();
+            let remaining = rest.size - size;
+            let new = self.insert_block(Block {
+                size,
+                prev: rest.prev,
+                next: Some(id),
+                ..rest
+            });
+            if let Some(p) = self.blocks[new].prev {
+                self.blocks[p].next = Some(new);
+            }
+            let r = &mut self.blocks[id];
+            r.ptr += size;
+            r.size = remaining;
+            r.prev = Some(new);
+            self.pool_insert(id);
+            if was_split {
+                self.stats.inactive_split_bytes.decrease(kind, size as i64);
+            } else {
+                self.stats.inactive_split.increase(kind, 1);
+                self.stats
+                    .inactive_split_bytes
+                    .increase(kind, remaining as i64);
+            }
+            new
+        } else {
+            if was_split {
+                self.stats.inactive_split.decrease(kind, 1);
+                self.stats
+                    .inactive_split_bytes
+                    .decrease(kind, self.blocks[id].size as i64);
+            }
+            id
+        };
+        let b = &mut self.blocks[id];
+        b.allocated = true;
+        b.requested = requested;
+        let (ptr, size, stream) = (b.ptr, b.size, b.stream);
+        self.live.insert(ptr, id);
+        let s = &mut self.stats;
+        s.allocation.increase(kind, 1);
+        s.allocated_bytes.increase(kind, size as i64);
+        s.active.increase(kind, 1);
+        s.active_bytes.increase(kind, size as i64);
+        s.requested_bytes.increase(kind, requested as i64);
+        if self.config.max_split_size.is_some_and(|m| size >= m) {
+            s.oversize_allocations.increase(1);
+        }
+        Allocation {
+            ptr: DevicePtr(ptr),
+            size,
+            requested,
+            stream,
+        }
+    }
+
+    fn complete_event(&mut self, event: EventHandle, id: usize) {
+        self.spare_events.push(event);
+        self.pending_events -= 1;
+        let b = &mut self.blocks[id];
+        b.event_count -= 1;
+        if b.event_count == 0 && !b.allocated {
+            self.free_block(id);
+        }
+    }
+
+    fn mergeable(&self, neighbour: Option<usize>) -> Option<usize> {
+        neighbour.filter(|&n| self.blocks[n].in_pool)
+    }
+
+    /// `free_block`: merges with free neighbours and returns the block to its pool.
+    fn free_block(&mut self, id: usize) {
+        let kind = self.blocks[id].pool;
+        let (size, requested) = (self.blocks[id].size, self.blocks[id].requested);
+        for neighbour in [
+            self.mergeable(self.blocks[id].prev),
+            self.mergeable(self.blocks[id].next),
+        ]
+        .into_iter()
+        .flatten()
+        {
+            self.pool_remove(neighbour);
+            let n = self.blocks[neighbour].clone();
+            self.stats.inactive_split.decrease(kind, 1);
+            self.stats
+                .inactive_split_bytes
+                .decrease(kind, n.size as i64);
+            let b = &mut self.blocks[id];
+            if n.ptr < b.ptr {
+                b.ptr = n.ptr;
+                b.prev = n.prev;
+                if let Some(p) = n.prev {
+                    self.blocks[p].next = Some(id);
+                }
+            } else {
+                b.next = n.next;
+                if let Some(x) = n.next {
+                    self.blocks[x].prev = Some(id);
+                }
+            }
+            self.blocks[id].size += n.size;
+            self.vacant.push(neighbour);
+        }
+        self.blocks[id].requested = 0;
+        if self.blocks[id].is_split() {
+            self.stats.inactive_split.increase(kind, 1);
+            self.stats
+                .inactive_split_bytes
+                .increase(kind, self.blocks[id].size as i64);
+        }
+        self.pool_insert(id);
+        let s = &mut self.stats;
+        s.active.decrease(kind, 1);
+        s.active_bytes.decrease(kind, size as i64);
+        s.requested_bytes.decrease(kind, requested as i64);
+    }
+
+    /// Takes a whole free segment out of the books; the caller frees the returned address.
+    fn release_segment(&mut self, id: usize) -> u64 {
+        self.pool_remove(id);
+        let b = &self.blocks[id];
+        let (ptr, size, kind) = (b.ptr, b.size, b.pool);
+        let oversize = self.config.max_split_size.is_some_and(|m| size >= m);
+        let s = &mut self.stats;
+        s.segment.decrease(kind, 1);
+        s.reserved_bytes.decrease(kind, size as i64);
+        s.num_device_free += 1;
+        if oversize {
+            s.oversize_segments.decrease(1);
+        }
+        self.total_reserved -= size;
+        self.vacant.push(id);
+        ptr
+    }
+}

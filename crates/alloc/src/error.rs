@@ -1,0 +1,101 @@
+//! Allocator errors, and the out-of-memory report with PyTorch's message.
+use ferrocuda_driver::DriverError;
+use ferrocuda_types::{ConfigError, DevicePtr, StreamHandle, format_size};
+use std::fmt;
+
+/// What an allocation or free can fail with.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+#[non_exhaustive]
+pub enum AllocError {
+    /// Out of memory; the message follows PyTorch's (and adds fragmentation figures).
+    #[error("{0}")]
+    OutOfMemory(Box<OutOfMemory>),
+    /// A pointer this allocator did not hand out (or already took back).
+    #[error("invalid device pointer: {0}")]
+    InvalidPointer(DevicePtr),
+    /// A memory fraction outside [0, 1].
+    #[error("invalid fraction:{0}. Please set within [0, 1].")]
+    InvalidFraction(f64),
+    /// A bad configuration string.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// A driver call failed (other than out of memory).
+    #[error("CUDA driver error: {0}")]
+    Driver(#[from] DriverError),
+}
+
+/// The figures of an out-of-memory error.
+#[derive(Clone, Debug, PartialEq)]
+pub struct OutOfMemory {
+    /// Device index.
+    pub device: u16,
+    /// Bytes the failed request needed from the device (a segment size), or the request
+    /// itself when it was refused for being 1 EB or more.
+    pub requested: u64,
+    /// True when the request was 1 EB or more.
+    pub beyond_one_exabyte: bool,
+    /// Device memory in bytes.
+    pub device_total: u64,
+    /// Free device memory in bytes, as the driver reports it.
+    pub device_free: u64,
+    /// The memory-fraction limit, if set.
+    pub allowed: Option<u64>,
+    /// Bytes allocated by this allocator.
+    pub allocated: u64,
+    /// Bytes reserved by this allocator.
+    pub reserved: u64,
+    /// Largest cached free block, in bytes.
+    pub largest_free_block: u64,
+    /// Cached free bytes per stream.
+    pub cached_per_stream: Vec<(StreamHandle, u64)>,
+    /// Free pieces of partly used segments: cached but not releasable.
+    pub non_releasable: u64,
+    /// Whether expandable segments are on.
+    pub expandable_segments: bool,
+}
+
+impl fmt::Display for OutOfMemory {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.beyond_one_exabyte {
+            return f.write_str("CUDA out of memory. Tried to allocate more than 1EB memory.");
+        }
+        write!(
+            f,
+            "CUDA out of memory. Tried to allocate {}. GPU {} has a total capacity of {} of which {} is free. ",
+            format_size(self.requested),
+            self.device,
+            format_size(self.device_total),
+            format_size(self.device_free)
+        )?;
+        if let Some(a) = self.allowed {
+            write!(f, "{} allowed; ", format_size(a))?;
+        }
+        write!(
+            f,
+            "Of the allocated memory {} is allocated by PyTorch, and {} is reserved by PyTorch but unallocated.",
+            format_size(self.allocated),
+            format_size(self.reserved.saturating_sub(self.allocated))
+        )?;
+        let per_stream: Vec<String> = self
+            .cached_per_stream
+            .iter()
+            .map(|(s, b)| format!("stream {:#x}: {}", s.raw, format_size(*b)))
+            .collect();
+        write!(
+            f,
+            " Largest free block: {}; cached free memory per stream: [{}]; non-releasable (split) memory: {}.",
+            format_size(self.largest_free_block),
+            per_stream.join(", "),
+            format_size(self.non_releasable)
+        )?;
+        if !self.expandable_segments {
+            f.write_str(
+                " If reserved but unallocated memory is large try setting \
+                 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.  See \
+                 documentation for Memory Management  \
+                 (https://docs.pytorch.org/docs/stable/notes/cuda.html#optimizing-memory-usage-with-pytorch-cuda-alloc-conf)",
+            )?;
+        }
+        Ok(())
+    }
+}

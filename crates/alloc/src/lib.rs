@@ -1,0 +1,33 @@
+//! PyTorch's CUDA caching allocator, over any [`Driver`](ferrocuda_driver::Driver).
+//!
+//! Device memory comes from the driver in segments (2 MiB for the small pool, 20 MiB or
+//! a 2 MiB multiple for the large pool) and is cut into blocks. Freed blocks are cached per
+//! (pool, stream) and found again by best fit; neighbours merge on free. Everything a
+//! PyTorch user sees is reproduced exactly (allocator spec §1–3, §5, §6): rounding
+//! (`roundup_power2_divisions`), the oversize rules of `max_split_size_mb`, the slow path's
+//! order, statistics and their keys, the OOM message.
+//!
+//! # Design choices
+//! - **Beyond PyTorch** (spec §11.4): after waiting for outstanding events the free-block
+//!   search runs again (PyTorch #189504); before freeing the whole cache the slow path frees
+//!   only as much as the request needs, largest segments first; garbage collection works
+//!   without a memory fraction (the device's memory is the limit); the OOM message adds the
+//!   largest free block, cached bytes per stream and non-releasable split bytes.
+//! - **No lock across blocking driver calls**: `malloc`, `free` and synchronizations run
+//!   with the allocator's mutex released (segments being allocated are counted in advance
+//!   so the memory fraction holds). Event record and query, which do not block, run under it.
+//! - Block storage is a slab with indices for the address-ordered neighbour links, and a
+//!   `BTreeSet` per pool ordered by (stream, size, address), as PyTorch's `std::set`.
+//!
+//! # What the layer above must do
+//! - Pick the stream: an allocation is tied to the stream it was made on.
+//! - Call `record_stream` for every other stream that uses a block before freeing it.
+//! - Keep one allocator per device (the facade's `memory` module does).
+#![forbid(unsafe_code)]
+
+mod allocator;
+mod error;
+pub mod rounding;
+
+pub use allocator::{Allocation, BlockInfo, CachingAllocator};
+pub use error::{AllocError, OutOfMemory};

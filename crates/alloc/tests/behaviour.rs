@@ -1,0 +1,466 @@
+//! The allocator's behaviour on the fake device: PyTorch's tests "in spirit" (allocator
+//! spec §12 items 1–19) with exact figures.
+use ferrocuda_alloc::{AllocError, CachingAllocator};
+use ferrocuda_driver::{Call, Driver, FakeDriver, fake::Completion};
+use ferrocuda_types::{
+    AllocatorConfig, DeviceIndex, DevicePtr, MemsetValue, StreamFlags, StreamHandle,
+};
+use std::sync::Arc;
+
+const MIB: u64 = 1 << 20;
+const GIB: u64 = 1 << 30;
+const D0: DeviceIndex = DeviceIndex(0);
+const LEGACY: StreamHandle = StreamHandle::legacy(D0);
+
+type TestResult = Result<(), Box<dyn std::error::Error>>;
+
+fn setup(
+    capacity: u64,
+    config: &str,
+    completion: Completion,
+) -> (Arc<FakeDriver>, CachingAllocator) {
+    let fake = Arc::new(
+        FakeDriver::builder()
+            .capacity(capacity)
+            .completion(completion)
+            .build(),
+    );
+    let config = AllocatorConfig::parse(config).unwrap_or_default();
+    let alloc =
+        CachingAllocator::new(fake.clone(), D0, config, true).unwrap_or_else(|e| panic!("{e}"));
+    (fake, alloc)
+}
+
+fn stat(a: &CachingAllocator, key: &str) -> i64 {
+    a.stats().to_map()[key]
+}
+
+#[test]
+fn small_allocation_exact_stats() -> TestResult {
+    let (fake, a) = setup(80 * GIB, "", Completion::Eager);
+    let x = a.allocate(1, LEGACY)?;
+    assert_eq!((x.size, x.requested), (512, 1));
+    for (k, v) in [
+        ("allocation.all.current", 1),
+        ("allocation.small_pool.current", 1),
+        ("allocated_bytes.all.current", 512),
+        ("requested_bytes.all.current", 1),
+        ("segment.small_pool.current", 1),
+        ("reserved_bytes.all.current", 2 * MIB as i64),
+        ("inactive_split.all.current", 1),
+        ("inactive_split_bytes.all.current", 2 * MIB as i64 - 512),
+        ("active.all.current", 1),
+        ("num_device_alloc", 1),
+        ("max_split_size", -1),
+    ] {
+        assert_eq!(stat(&a, k), v, "{k}");
+    }
+    a.check_invariants()?;
+    a.free(x.ptr)?;
+    for (k, v) in [
+        ("allocation.all.current", 0),
+        ("active.all.current", 0),
+        ("inactive_split.all.current", 0),
+        ("reserved_bytes.all.current", 2 * MIB as i64),
+        ("allocated_bytes.all.peak", 512),
+    ] {
+        assert_eq!(stat(&a, k), v, "{k}");
+    }
+    let y = a.allocate(1000, LEGACY)?;
+    assert_eq!(y.ptr, x.ptr, "the cached block is reused");
+    a.free(y.ptr)?;
+    a.empty_cache();
+    assert_eq!(
+        (
+            stat(&a, "reserved_bytes.all.current"),
+            stat(&a, "num_device_free")
+        ),
+        (0, 1)
+    );
+    assert_eq!(fake.calls(Call::Malloc), 1);
+    a.reset_peak_stats();
+    assert_eq!(stat(&a, "allocated_bytes.all.peak"), 0);
+    a.reset_accumulated_stats();
+    assert_eq!(
+        (
+            stat(&a, "allocated_bytes.all.allocated"),
+            stat(&a, "num_device_alloc")
+        ),
+        (0, 0)
+    );
+    a.check_invariants()?;
+    Ok(())
+}
+
+#[test]
+fn large_pool_segments_and_splits() -> TestResult {
+    let (_, a) = setup(80 * GIB, "", Completion::Eager);
+    let x = a.allocate(MIB + 1, LEGACY)?;
+    assert_eq!(x.size, MIB + 512);
+    assert_eq!(
+        stat(&a, "reserved_bytes.large_pool.current"),
+        20 * MIB as i64
+    );
+    assert_eq!(
+        stat(&a, "inactive_split_bytes.large_pool.current"),
+        (20 * MIB - MIB - 512) as i64
+    );
+    let y = a.allocate(10 * MIB, LEGACY)?;
+    assert_eq!(y.ptr, x.ptr.offset(x.size), "carved from the same segment");
+    let z = a.allocate(10 * MIB, LEGACY)?;
+    assert_eq!(
+        stat(&a, "segment.large_pool.current"),
+        2,
+        "no room left: a 10 MiB segment"
+    );
+    assert_eq!(
+        stat(&a, "reserved_bytes.large_pool.current"),
+        30 * MIB as i64
+    );
+    // 20 MiB - 1 MiB - 512 - 10 MiB = 9 MiB - 512 remains: bigger than 1 MiB, stays split off.
+    assert_eq!(stat(&a, "inactive_split.large_pool.current"), 1);
+    for p in [x.ptr, y.ptr, z.ptr] {
+        a.free(p)?;
+        a.check_invariants()?;
+    }
+    assert_eq!(
+        stat(&a, "inactive_split.all.current"),
+        0,
+        "everything merged back"
+    );
+    // A remainder of at most 1 MiB stays attached to a large allocation.
+    let w = a.allocate(19 * MIB + 512, LEGACY)?;
+    assert_eq!(
+        (w.size, w.requested),
+        (20 * MIB, 19 * MIB + 512),
+        "the whole block, unsplit"
+    );
+    assert_eq!(stat(&a, "inactive_split.all.current"), 0);
+    a.check_invariants()?;
+    Ok(())
+}
+
+#[test]
+fn out_of_memory_message_and_one_exabyte() -> TestResult {
+    let (_, a) = setup(GIB, "", Completion::Eager);
+    let err = a
+        .allocate(800_000_000 * GIB, LEGACY)
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+    assert!(err.starts_with("CUDA out of memory. Tried to allocate 800000000.00 GiB. GPU 0 has a total capacity of 1024.00 MiB of which 1024.00 MiB is free. "), "{err}");
+    assert!(err.contains("Of the allocated memory 0 bytes is allocated by PyTorch, and 0 bytes is reserved by PyTorch but unallocated."));
+    assert!(
+        err.contains("Largest free block: 0 bytes")
+            && err.contains("expandable_segments:True to avoid fragmentation.  See")
+    );
+    let err = a.allocate(1 << 60, LEGACY).err().map(|e| e.to_string());
+    assert_eq!(
+        err.as_deref(),
+        Some("CUDA out of memory. Tried to allocate more than 1EB memory.")
+    );
+    assert_eq!(stat(&a, "num_ooms"), 2);
+    let small = a.allocate(1024, LEGACY)?;
+    a.free(small.ptr)?;
+    Ok(())
+}
+
+#[test]
+fn out_of_memory_retry_frees_only_what_it_needs() -> TestResult {
+    let (fake, a) = setup(GIB, "", Completion::Eager);
+    let keep = a.allocate(100 * MIB, LEGACY)?;
+    let first = a.allocate(500 * MIB, LEGACY)?;
+    a.free(first.ptr)?;
+    let frees_before = fake.calls(Call::Free);
+    let second = a.allocate(600 * MIB, LEGACY)?;
+    assert_eq!(
+        fake.calls(Call::Free),
+        frees_before + 1,
+        "the cached 500 MiB segment was released"
+    );
+    assert_eq!(
+        stat(&a, "num_alloc_retries"),
+        0,
+        "no full-cache flush was needed"
+    );
+    a.free(second.ptr)?;
+    a.free(keep.ptr)?;
+    a.check_invariants()?;
+    Ok(())
+}
+
+#[test]
+fn memory_fraction_bounds_reserved_bytes() -> TestResult {
+    let (_, a) = setup(GIB, "", Completion::Eager);
+    assert!(matches!(
+        a.set_memory_fraction(1.5),
+        Err(AllocError::InvalidFraction(_))
+    ));
+    assert!(a.set_memory_fraction(-0.1).is_err());
+    a.set_memory_fraction(0.5)?;
+    assert_eq!(a.memory_fraction(), 0.5);
+    let fits = a.allocate((0.499 * GIB as f64) as u64, LEGACY)?;
+    a.free(fits.ptr)?;
+    a.empty_cache();
+    let err = a
+        .allocate(GIB / 2 + 1, LEGACY)
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+    assert!(err.contains("512.00 MiB allowed; "), "{err}");
+    a.set_memory_fraction(1.0)?;
+    let now = a.allocate(GIB / 2 + 1, LEGACY)?;
+    a.free(now.ptr)?;
+    let from_config = setup(GIB, "per_process_memory_fraction:0.25", Completion::Eager).1;
+    assert_eq!(from_config.memory_fraction(), 0.25);
+    Ok(())
+}
+
+#[test]
+fn record_stream_delays_reuse_until_the_stream_catches_up() -> TestResult {
+    let (fake, a) = setup(80 * GIB, "", Completion::Manual);
+    let s0 = fake.stream_create(
+        D0,
+        StreamFlags {
+            non_blocking: true,
+            priority: 0,
+        },
+    )?;
+    let s1 = fake.stream_create(
+        D0,
+        StreamFlags {
+            non_blocking: true,
+            priority: 0,
+        },
+    )?;
+    let x = a.allocate(4096, s0)?;
+    fake.memset_async(x.ptr, MemsetValue::U8(1), 4096, s1)?; // s1 still uses x
+    a.record_stream(x.ptr, s1)?;
+    a.free(x.ptr)?;
+    assert_eq!(
+        stat(&a, "active.all.current"),
+        1,
+        "freed but waiting for s1"
+    );
+    let y = a.allocate(4096, s0)?;
+    assert_ne!(y.ptr, x.ptr, "not reused while s1 may still use it");
+    fake.advance(s1, None)?;
+    let z = a.allocate(4096, s0)?;
+    assert_eq!(z.ptr, x.ptr, "reused once s1's work completed");
+    // A block is never reused on another stream.
+    a.free(z.ptr)?;
+    let w = a.allocate(4096, s1)?;
+    assert_ne!(w.ptr, x.ptr);
+    assert!(matches!(
+        a.record_stream(DevicePtr(12345), s1),
+        Err(AllocError::InvalidPointer(_))
+    ));
+    assert!(matches!(
+        a.free(DevicePtr(12345)),
+        Err(AllocError::InvalidPointer(_))
+    ));
+    a.check_invariants()?;
+    Ok(())
+}
+
+#[test]
+fn record_stream_blocks_are_reclaimed_when_memory_runs_out() -> TestResult {
+    let (fake, a) = setup(64 * MIB, "", Completion::Manual);
+    let s0 = fake.stream_create(
+        D0,
+        StreamFlags {
+            non_blocking: true,
+            priority: 0,
+        },
+    )?;
+    let s1 = fake.stream_create(
+        D0,
+        StreamFlags {
+            non_blocking: true,
+            priority: 0,
+        },
+    )?;
+    let x = a.allocate(40 * MIB, s0)?;
+    fake.memset_async(x.ptr, MemsetValue::U8(1), 16, s1)?;
+    a.record_stream(x.ptr, s1)?;
+    a.free(x.ptr)?;
+    let y = a.allocate(40 * MIB, s0)?;
+    assert_eq!(
+        y.ptr, x.ptr,
+        "the slow path waited for s1 and found the block again"
+    );
+    assert_eq!(stat(&a, "num_sync_all_streams"), 1);
+    Ok(())
+}
+
+#[test]
+fn max_split_size_oversize_rules() -> TestResult {
+    let (_, a) = setup(80 * GIB, "max_split_size_mb:20", Completion::Eager);
+    assert_eq!(stat(&a, "max_split_size"), 20 * MIB as i64);
+    let big = a.allocate(30 * MIB, LEGACY)?;
+    assert_eq!(
+        (
+            stat(&a, "oversize_allocations.current"),
+            stat(&a, "oversize_segments.current")
+        ),
+        (1, 1)
+    );
+    a.free(big.ptr)?;
+    let normal = a.allocate(10 * MIB, LEGACY)?;
+    assert_ne!(
+        normal.ptr, big.ptr,
+        "an oversize block never serves a normal request"
+    );
+    let near = a.allocate(25 * MIB, LEGACY)?;
+    assert_eq!(
+        (near.ptr, near.size),
+        (big.ptr, 30 * MIB),
+        "an oversize request may take up to 20 MiB more, unsplit"
+    );
+    a.free(near.ptr)?;
+    let far = a.allocate(21 * MIB, LEGACY)?;
+    assert_eq!(far.ptr, big.ptr, "30 < 21 + 20");
+    a.check_invariants()?;
+    Ok(())
+}
+
+#[test]
+fn config_update_takes_effect() -> TestResult {
+    let (_, a) = setup(80 * GIB, "", Completion::Eager);
+    a.update_config("roundup_power2_divisions:4")?;
+    assert_eq!(a.allocate(9000, LEGACY)?.size, 10240);
+    assert!(a.update_config("roundup_power2_divisions:3").is_err());
+    assert_eq!(
+        a.config().roundup_power2_divisions,
+        [4; 16],
+        "a bad update changes nothing"
+    );
+    a.update_config("")?;
+    assert_eq!(a.allocate(9000, LEGACY)?.size, 9216);
+    Ok(())
+}
+
+#[test]
+fn without_caching_every_request_goes_to_the_driver() -> TestResult {
+    let fake = Arc::new(FakeDriver::default());
+    let a = CachingAllocator::new(fake.clone(), D0, AllocatorConfig::default(), false)?;
+    let x = a.allocate(1000, LEGACY)?;
+    assert_eq!(x.size, 1000);
+    a.free(x.ptr)?;
+    assert_eq!((fake.calls(Call::Malloc), fake.calls(Call::Free)), (1, 1));
+    assert_eq!(
+        stat(&a, "allocated_bytes.all.allocated"),
+        0,
+        "no statistics without caching"
+    );
+    assert!(a.free(x.ptr).is_err());
+    Ok(())
+}
+
+#[test]
+fn garbage_collection_frees_old_segments_without_a_fraction() -> TestResult {
+    let (_, a) = setup(GIB, "garbage_collection_threshold:0.5", Completion::Eager);
+    let olds: Vec<_> = (0..4)
+        .map(|_| a.allocate(120 * MIB, LEGACY))
+        .collect::<Result<_, _>>()?;
+    for o in &olds {
+        a.free(o.ptr)?;
+    }
+    assert_eq!(stat(&a, "reserved_bytes.all.current"), 480 * MIB as i64);
+    // A 200 MiB request misses the cache; 480 MiB reserved is under half of 1 GiB, so
+    // nothing is collected yet...
+    let x = a.allocate(200 * MIB, LEGACY)?;
+    assert_eq!(stat(&a, "num_device_free"), 0);
+    // ...but a second one pushes reserved past the threshold, and old segments go.
+    let y = a.allocate(200 * MIB, LEGACY)?;
+    assert!(stat(&a, "num_device_free") >= 1);
+    a.free(x.ptr)?;
+    a.free(y.ptr)?;
+    a.check_invariants()?;
+    Ok(())
+}
+
+/// 10 000 random operations (2–20 MiB, some small) with data integrity (spec §12 item 14).
+#[test]
+fn fuzz_ten_thousand_ops_with_data_integrity() -> TestResult {
+    let (fake, a) = setup(2 * GIB, "", Completion::Eager);
+    let mut live: Vec<(DevicePtr, u64, u8)> = Vec::new();
+    let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+    let mut next = || {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        seed
+    };
+    for step in 0..10_000u32 {
+        let r = next();
+        if !live.is_empty() && (live.len() >= 48 || r % 2 == 0) {
+            let (ptr, size, tag) = live.swap_remove((r as usize / 3) % live.len());
+            let mut head = [0u8; 64];
+            let mut tail = [0u8; 64];
+            fake.memcpy_dtoh(&mut head, ptr, LEGACY)?;
+            fake.memcpy_dtoh(&mut tail, ptr.offset(size - 64), LEGACY)?;
+            assert!(
+                head.iter().chain(&tail).all(|&b| b == tag),
+                "data of a live block changed"
+            );
+            a.free(ptr)?;
+        } else if r % 97 == 0 {
+            a.empty_cache();
+        } else {
+            let size = if r % 5 == 0 {
+                64 + (r >> 20) % MIB
+            } else {
+                2 * MIB + (r >> 20) % (18 * MIB)
+            };
+            let x = a.allocate(size, LEGACY)?;
+            let tag = (step % 251) as u8 + 1;
+            fake.memset_async(x.ptr, MemsetValue::U8(tag), 64, LEGACY)?;
+            fake.memset_async(x.ptr.offset(size - 64), MemsetValue::U8(tag), 64, LEGACY)?;
+            live.push((x.ptr, size, tag));
+        }
+        if step % 500 == 0 {
+            a.check_invariants()?;
+        }
+    }
+    for (ptr, _, _) in live {
+        a.free(ptr)?;
+    }
+    a.empty_cache();
+    a.check_invariants()?;
+    assert_eq!(stat(&a, "reserved_bytes.all.current"), 0);
+    Ok(())
+}
+
+#[test]
+fn frees_from_other_threads_and_concurrent_use() -> TestResult {
+    let (_, a) = setup(80 * GIB, "", Completion::Eager);
+    let a = Arc::new(a);
+    let handed: Vec<DevicePtr> = (0..64)
+        .map(|i| a.allocate(4096 * (i + 1), LEGACY).map(|x| x.ptr))
+        .collect::<Result<_, _>>()?;
+    std::thread::scope(|s| {
+        for chunk in handed.chunks(16) {
+            let a = a.clone();
+            s.spawn(move || {
+                chunk
+                    .iter()
+                    .for_each(|p| a.free(*p).unwrap_or_else(|e| panic!("{e}")))
+            });
+        }
+        for t in 0..4u64 {
+            let a = a.clone();
+            s.spawn(move || {
+                for i in 0..2000u64 {
+                    let x = a
+                        .allocate(512 * (1 + (i * 7 + t) % 5000), LEGACY)
+                        .unwrap_or_else(|e| panic!("{e}"));
+                    a.free(x.ptr).unwrap_or_else(|e| panic!("{e}"));
+                }
+            });
+        }
+    });
+    a.check_invariants()?;
+    assert_eq!(stat(&a, "allocation.all.current"), 0);
+    Ok(())
+}
