@@ -592,13 +592,10 @@ impl CachingAllocator {
         }
         let streams: Vec<u64> = st.events.keys().copied().collect();
         for s in streams {
-            loop {
-                let Some(&(event, id)) = st.events.get(&s).and_then(|q| q.front()) else {
-                    break;
-                };
-                if !self.driver.event_query(event).unwrap_or(false) {
-                    break;
-                }
+            // A failed query counts as not ready; the block is reclaimed at the next sync.
+            while let Some(&(event, id)) = st.events.get(&s).and_then(|q| q.front())
+                && self.driver.event_query(event).unwrap_or(false)
+            {
                 if let Some(q) = st.events.get_mut(&s) {
                     q.pop_front();
                 }
