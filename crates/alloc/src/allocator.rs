@@ -49,6 +49,8 @@ struct Block {
     stream_uses: Vec<StreamHandle>,
     gc_base: u64,
     in_pool: bool,
+    /// Counted in `oversize_allocations` when handed out (the limit may change later).
+    oversize: bool,
 }
 
 impl Block {
@@ -101,6 +103,8 @@ struct State {
     total_reserved: u64,
     allowed_max: Option<u64>,
     gc_clock: u64,
+    /// Segments counted in `oversize_segments`, by address.
+    oversize_segments: rustc_hash::FxHashSet<u64>,
 }
 
 fn pool_index(kind: PoolKind) -> usize {
@@ -166,6 +170,7 @@ impl CachingAllocator {
                 total_reserved: 0,
                 allowed_max: None,
                 gc_clock: 0,
+                oversize_segments: Default::default(),
             }),
         };
         allocator.set_memory_fraction(fraction)?;
@@ -461,15 +466,17 @@ impl CachingAllocator {
                     stream_uses: Vec::new(),
                     gc_base: 0,
                     in_pool: false,
+                    oversize: false,
                 });
                 let oversize = st.config.max_split_size.is_some_and(|m| bytes >= m);
+                if oversize {
+                    st.oversize_segments.insert(ptr.0);
+                    st.stats.oversize_segments.increase(1);
+                }
                 let s = &mut st.stats;
                 s.segment.increase(kind, 1);
                 s.reserved_bytes.increase(kind, bytes as i64);
                 s.num_device_alloc += 1;
-                if oversize {
-                    s.oversize_segments.increase(1);
-                }
                 Ok((st, Some(id)))
             }
             Err(e) if e.is_out_of_memory() => {
@@ -539,8 +546,11 @@ impl CachingAllocator {
             .live
             .remove(&ptr.0)
             .ok_or(AllocError::InvalidPointer(ptr))?;
-        let (kind, size) = (st.blocks[id].pool, st.blocks[id].size);
-        let oversize = st.config.max_split_size.is_some_and(|m| size >= m);
+        let (kind, size, oversize) = (
+            st.blocks[id].pool,
+            st.blocks[id].size,
+            st.blocks[id].oversize,
+        );
         st.blocks[id].allocated = false;
         st.stats.allocation.decrease(kind, 1);
         st.stats.allocated_bytes.decrease(kind, size as i64);
@@ -875,9 +885,11 @@ impl State {
         s.active.increase(kind, 1);
         s.active_bytes.increase(kind, size as i64);
         s.requested_bytes.increase(kind, requested as i64);
-        if self.config.max_split_size.is_some_and(|m| size >= m) {
+        let oversize = self.config.max_split_size.is_some_and(|m| size >= m);
+        if oversize {
             s.oversize_allocations.increase(1);
         }
+        self.blocks[id].oversize = oversize;
         Allocation {
             ptr: DevicePtr(ptr),
             size,
@@ -952,14 +964,13 @@ impl State {
         self.pool_remove(id);
         let b = &self.blocks[id];
         let (ptr, size, kind) = (b.ptr, b.size, b.pool);
-        let oversize = self.config.max_split_size.is_some_and(|m| size >= m);
+        if self.oversize_segments.remove(&ptr) {
+            self.stats.oversize_segments.decrease(1);
+        }
         let s = &mut self.stats;
         s.segment.decrease(kind, 1);
         s.reserved_bytes.decrease(kind, size as i64);
         s.num_device_free += 1;
-        if oversize {
-            s.oversize_segments.decrease(1);
-        }
         self.total_reserved -= size;
         self.vacant.push(id);
         ptr

@@ -1,7 +1,7 @@
 //! The allocator's behaviour on the fake device: PyTorch's tests "in spirit" (allocator
+//! spec §12 items 1–19) with exact figures.
 // Test code: a failed setup should stop the test loudly.
 #![allow(clippy::panic, clippy::unwrap_used, clippy::expect_used)]
-//! spec §12 items 1–19) with exact figures.
 use ferrocuda_alloc::{AllocError, CachingAllocator};
 use ferrocuda_driver::{Call, Driver, FakeDriver, fake::Completion};
 use ferrocuda_types::{

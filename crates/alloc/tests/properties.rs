@@ -1,0 +1,122 @@
+//! Random programs of alloc / free / record_stream / event completion / empty_cache /
+//! config change on the fake device. After every step: no two live blocks overlap, the
+//! statistics equal a recount from the blocks, reserved equals the sum of segments, and no
+//! block is handed out again before the events of the streams that used it completed.
+#![allow(clippy::panic, clippy::unwrap_used, clippy::expect_used)]
+
+use ferrocuda_alloc::CachingAllocator;
+use ferrocuda_driver::{Driver, FakeDriver, fake::Completion};
+use ferrocuda_types::{AllocatorConfig, DeviceIndex, MemsetValue, StreamFlags, StreamHandle};
+use proptest::prelude::*;
+use std::sync::Arc;
+
+const D0: DeviceIndex = DeviceIndex(0);
+
+#[derive(Clone, Debug)]
+enum Op {
+    Alloc { size: u64, stream: usize },
+    Free { pick: usize },
+    RecordStream { pick: usize, stream: usize },
+    Advance { stream: usize },
+    EmptyCache,
+    Configure { config: usize },
+}
+
+const CONFIGS: [&str; 4] = [
+    "",
+    "roundup_power2_divisions:4",
+    "max_split_size_mb:24",
+    "garbage_collection_threshold:0.6",
+];
+
+fn op() -> impl Strategy<Value = Op> {
+    let size = prop_oneof![1u64..=4096, 4096u64..=(1 << 20), (1u64 << 20)..=(24 << 20)];
+    prop_oneof![
+        6 => (size, 0..3usize).prop_map(|(size, stream)| Op::Alloc { size, stream }),
+        4 => any::<usize>().prop_map(|pick| Op::Free { pick }),
+        2 => (any::<usize>(), 0..3usize).prop_map(|(pick, stream)| Op::RecordStream { pick, stream }),
+        2 => (0..3usize).prop_map(|stream| Op::Advance { stream }),
+        1 => Just(Op::EmptyCache),
+        1 => (0..CONFIGS.len()).prop_map(|config| Op::Configure { config }),
+    ]
+}
+
+struct Live {
+    ptr: u64,
+    size: u64,
+    stream: usize,
+    stream_uses: Vec<usize>,
+}
+
+/// A freed range that must not be handed out while any of `streams` has not advanced.
+struct Guarded {
+    ptr: u64,
+    size: u64,
+    streams: Vec<usize>,
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig {
+        cases: std::env::var("PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(64),
+        ..ProptestConfig::default()
+    })]
+
+    #[test]
+    fn invariants_hold_for_random_programs(ops in proptest::collection::vec(op(), 1..160)) {
+        let fake = Arc::new(FakeDriver::builder().completion(Completion::Manual).capacity(8 << 30).backing(false).build());
+        let a = CachingAllocator::new(fake.clone(), D0, AllocatorConfig::default(), true).unwrap();
+        let streams: Vec<StreamHandle> = (0..3)
+            .map(|_| fake.stream_create(D0, StreamFlags { non_blocking: true, priority: 0 }).unwrap())
+            .collect();
+        let mut live: Vec<Live> = Vec::new();
+        let mut guarded: Vec<Guarded> = Vec::new();
+        for op in ops {
+            match op {
+                Op::Alloc { size, stream } => {
+                    let x = a.allocate(size, streams[stream]).unwrap();
+                    for g in &guarded {
+                        prop_assert!(x.ptr.0 + x.size <= g.ptr || g.ptr + g.size <= x.ptr.0,
+                            "block at {:#x} reused before its streams {:?} completed", g.ptr, g.streams);
+                    }
+                    live.push(Live { ptr: x.ptr.0, size: x.size, stream, stream_uses: Vec::new() });
+                }
+                Op::Free { pick } if !live.is_empty() => {
+                    let l = live.swap_remove(pick % live.len());
+                    a.free(ferrocuda_types::DevicePtr(l.ptr)).unwrap();
+                    if !l.stream_uses.is_empty() {
+                        guarded.push(Guarded { ptr: l.ptr, size: l.size, streams: l.stream_uses });
+                    }
+                }
+                Op::RecordStream { pick, stream } if !live.is_empty() => {
+                    let i = pick % live.len();
+                    let l = &mut live[i];
+                    // Work on that stream that uses the block, then the record.
+                    fake.memset_async(ferrocuda_types::DevicePtr(l.ptr), MemsetValue::U8(7), 1, streams[stream]).unwrap();
+                    a.record_stream(ferrocuda_types::DevicePtr(l.ptr), streams[stream]).unwrap();
+                    // Recording the allocation stream itself is a no-op (reuse there is ordered).
+                    if stream != l.stream {
+                        l.stream_uses.push(stream);
+                    }
+                }
+                Op::Advance { stream } => {
+                    fake.advance(streams[stream], None).unwrap();
+                    for g in &mut guarded {
+                        g.streams.retain(|s| *s != stream);
+                    }
+                    guarded.retain(|g| !g.streams.is_empty());
+                }
+                Op::EmptyCache => {
+                    a.empty_cache();
+                    guarded.clear(); // empty_cache waits for every outstanding event
+                }
+                Op::Configure { config } => a.update_config(CONFIGS[config]).unwrap(),
+                _ => {}
+            }
+            if let Err(e) = a.check_invariants() {
+                prop_assert!(false, "{}", e);
+            }
+        }
+        let stats = a.stats();
+        prop_assert_eq!(stats.allocation.all.current as usize, live.len());
+    }
+}
