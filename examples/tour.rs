@@ -3,6 +3,7 @@
 //! otherwise, and says which.
 //!
 //! `cargo run --release --example tour`
+use ferrocuda::alloc::DeviceAllocators;
 use ferrocuda::driver::FakeDriver;
 use ferrocuda::stream::{DeviceBuffer, Module, Runtime};
 use ferrocuda::types::{DeviceIndex, EventFlags, KernelArg, LaunchConfig};
@@ -29,13 +30,16 @@ fn fake_runtime() -> Arc<Runtime> {
         let out: Vec<f32> = xs.iter().zip(&ys).map(|(x, y)| a * x + y).collect();
         k.write(y, &out)
     });
-    Runtime::new(Arc::new(fake))
+    let fake = Arc::new(fake);
+    let rt = Runtime::new(fake.clone());
+    DeviceAllocators::new(fake, Default::default(), true).install(&rt);
+    rt
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let gpu = ferrocuda::Backend::Cuda.runtime();
+    let gpu = ferrocuda::runtime();
     let rt = if gpu.is_available() {
-        gpu
+        gpu.clone()
     } else {
         let why = gpu
             .driver()

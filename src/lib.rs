@@ -4,12 +4,17 @@
 //! - [`types`]: plain data (device indices, handles, dtypes, launch and capture descriptions);
 //! - [`driver`]: the [`Driver`](driver::Driver) seam with the real CUDA backend and the fake
 //!   device;
-//! - [`stream`]: devices, streams, events, kernels and buffers with `torch.cuda` semantics.
+//! - [`stream`]: devices, streams, events, kernels and buffers with `torch.cuda` semantics;
+//! - [`alloc`]: the caching allocator; [`memory`] mirrors `torch.cuda.memory` over it.
 //!
 //! # Design choices
 //! - One global [`Runtime`](stream::Runtime), made on first use: the real driver, unless
 //!   `FERROCUDA_BACKEND=fake` asks for the fake device. Without a driver the runtime exists
 //!   and reports `is_available() == false`, as `torch.cuda` does.
+//! - One caching allocator per device behind it, configured from `FERROCUDA_ALLOC_CONF`
+//!   (else `PYTORCH_CUDA_ALLOC_CONF`) and installed as the runtime's memory resource, so
+//!   every [`DeviceBuffer`](stream::DeviceBuffer) allocates through it. A malformed
+//!   configuration is not ignored: every allocation then fails with the parse error.
 //! - Programs and tests that want a particular backend build their own runtime with
 //!   [`stream::Runtime::new`]; nothing here is hidden state they depend on.
 //!
@@ -18,9 +23,12 @@
 //! allocator's `record_stream` arrives).
 #![forbid(unsafe_code)]
 
+pub use ferrocuda_alloc as alloc;
 pub use ferrocuda_driver as driver;
 pub use ferrocuda_stream as stream;
 pub use ferrocuda_types as types;
+
+pub mod memory;
 
 use std::sync::{Arc, OnceLock};
 
@@ -42,7 +50,8 @@ impl Backend {
         }
     }
 
-    /// A new runtime over this backend.
+    /// A new runtime over this backend, without an allocator installed (buffers use the
+    /// driver directly until one is: see [`memory::install`]).
     pub fn runtime(self) -> Arc<stream::Runtime> {
         match self {
             Backend::Cuda => stream::Runtime::new(Arc::new(driver::CudaDriver::new())),
@@ -51,10 +60,15 @@ impl Backend {
     }
 }
 
-/// The process-wide runtime (see [`Backend::from_env`]).
+/// The process-wide runtime (see [`Backend::from_env`]), with the caching allocators of
+/// [`memory`] installed.
 pub fn runtime() -> &'static Arc<stream::Runtime> {
     static RUNTIME: OnceLock<Arc<stream::Runtime>> = OnceLock::new();
-    RUNTIME.get_or_init(|| Backend::from_env().runtime())
+    RUNTIME.get_or_init(|| {
+        let rt = Backend::from_env().runtime();
+        memory::install(&rt);
+        rt
+    })
 }
 
 /// `torch.cuda.is_available()` for the global runtime.

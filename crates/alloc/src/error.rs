@@ -19,6 +19,9 @@ pub enum AllocError {
     /// A bad configuration string.
     #[error(transparent)]
     Config(#[from] ConfigError),
+    /// The device is missing or CUDA is unavailable.
+    #[error(transparent)]
+    Device(#[from] ferrocuda_stream::StreamError),
     /// A driver call failed (other than out of memory).
     #[error("CUDA driver error: {0}")]
     Driver(#[from] DriverError),

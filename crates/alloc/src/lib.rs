@@ -26,8 +26,10 @@
 #![forbid(unsafe_code)]
 
 mod allocator;
+mod devices;
 mod error;
 pub mod rounding;
 
 pub use allocator::{Allocation, BlockInfo, CachingAllocator};
+pub use devices::{DeviceAllocators, caching_disabled};
 pub use error::{AllocError, OutOfMemory};

@@ -1,6 +1,6 @@
-//! A minimal typed device buffer. It allocates straight from the driver for now; the caching
-//! allocator takes over its allocation path in the next layer.
-use crate::{Result, Runtime, Stream, StreamError};
+//! A minimal typed device buffer. It allocates from the runtime's memory resource: the
+//! caching allocator once the layer above installed it, the driver before.
+use crate::{MemoryResource, Result, Runtime, Stream, StreamError};
 use ferrocuda_types::{DeviceIndex, DevicePtr, Element, KernelArg, MemsetValue};
 use std::marker::PhantomData;
 use std::sync::Arc;
@@ -10,6 +10,7 @@ use std::sync::Arc;
 #[derive(Debug)]
 pub struct DeviceBuffer<T: Element> {
     runtime: Arc<Runtime>,
+    memory: Arc<dyn MemoryResource>,
     device: DeviceIndex,
     ptr: DevicePtr,
     len: usize,
@@ -19,7 +20,8 @@ pub struct DeviceBuffer<T: Element> {
 impl<T: Element> Drop for DeviceBuffer<T> {
     fn drop(&mut self) {
         if self.len > 0 {
-            let _ = self.runtime.driver().free(self.device, self.ptr);
+            // Nothing to report a failed free to; the allocator keeps its books straight.
+            let _ = self.memory.free(self.device, self.ptr);
         }
     }
 }
@@ -29,13 +31,15 @@ impl<T: Element> DeviceBuffer<T> {
     pub fn uninit(runtime: &Arc<Runtime>, dev: DeviceIndex, len: usize) -> Result<DeviceBuffer<T>> {
         runtime.check_device(dev)?;
         let bytes = (len * size_of::<T>()) as u64;
+        let memory = runtime.memory();
         let ptr = if len == 0 {
             DevicePtr(0)
         } else {
-            runtime.driver().malloc(dev, bytes)?
+            memory.allocate(dev, bytes, runtime.current_stream(dev)?.handle())?
         };
         Ok(DeviceBuffer {
             runtime: runtime.clone(),
+            memory,
             device: dev,
             ptr,
             len,
@@ -92,6 +96,16 @@ impl<T: Element> DeviceBuffer<T> {
             device: self.device,
             ptr: self.ptr,
         }
+    }
+
+    /// Marks the buffer as used by `stream` (`Tensor.record_stream`): after it is dropped,
+    /// its memory is not reused before the work enqueued on `stream` so far completes.
+    pub fn record_stream(&self, stream: &Stream) -> Result<()> {
+        if self.len == 0 {
+            return Ok(());
+        }
+        self.memory
+            .record_stream(self.device, self.ptr, stream.handle())
     }
 
     fn stream(&self) -> Result<Stream> {

@@ -51,6 +51,14 @@ pub enum StreamError {
     /// Compiling a kernel failed.
     #[error(transparent)]
     Compile(#[from] CompileError),
+    /// The memory resource failed; `out_of_memory` tells an OOM from other failures.
+    #[error("{message}")]
+    Memory {
+        /// The allocator's message (PyTorch's text for out of memory).
+        message: String,
+        /// Whether it was out of memory.
+        out_of_memory: bool,
+    },
     /// Host and device lengths differ.
     #[error("length mismatch: expected {expected} elements, got {found}")]
     LengthMismatch {

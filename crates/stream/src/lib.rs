@@ -31,6 +31,7 @@
 mod buffer;
 mod error;
 mod event;
+mod memory;
 mod module;
 mod runtime;
 mod stream;
@@ -42,6 +43,7 @@ pub use buffer::DeviceBuffer;
 pub use error::{Result, StreamError};
 pub use event::Event;
 pub use ferrocuda_driver::Driver;
+pub use memory::{DriverMemory, MemoryResource};
 pub use module::{CacheOutcome, Function, KernelCache, Module};
 pub use runtime::{DeviceGuard, Runtime, STREAMS_PER_POOL, StreamGuard};
 pub use stream::Stream;

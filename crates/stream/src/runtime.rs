@@ -51,6 +51,7 @@ pub struct Runtime {
     devices: Vec<DeviceState>,
     unavailable: Option<DriverError>,
     pub(crate) kernel_cache: crate::module::KernelCache,
+    memory: parking_lot::RwLock<Arc<dyn crate::MemoryResource>>,
 }
 
 impl Runtime {
@@ -84,11 +85,23 @@ impl Runtime {
             .collect();
         Arc::new(Runtime {
             id: NEXT_RUNTIME_ID.fetch_add(1, Ordering::Relaxed),
-            driver,
             devices,
             unavailable,
             kernel_cache: cache,
+            memory: parking_lot::RwLock::new(Arc::new(crate::DriverMemory(driver.clone()))),
+            driver,
         })
+    }
+
+    /// Where device buffers get memory from.
+    pub fn memory(&self) -> Arc<dyn crate::MemoryResource> {
+        self.memory.read().clone()
+    }
+
+    /// Replaces the memory resource (the caching allocator installs itself here). Buffers
+    /// already made keep the resource they came from.
+    pub fn set_memory(&self, memory: Arc<dyn crate::MemoryResource>) {
+        *self.memory.write() = memory;
     }
 
     /// The driver underneath.

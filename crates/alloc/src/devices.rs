@@ -1,0 +1,164 @@
+//! One caching allocator per device, created on first use, serving a runtime's buffers.
+use crate::{AllocError, CachingAllocator};
+use ferrocuda_driver::{Driver, DriverError};
+use ferrocuda_stream::{MemoryResource, Runtime, StreamError};
+use ferrocuda_types::{AllocatorConfig, DeviceIndex, DevicePtr, StreamHandle};
+use parking_lot::RwLock;
+use std::sync::{Arc, OnceLock};
+
+/// Whether `FERROCUDA_NO_CUDA_MEMORY_CACHING` or `PYTORCH_NO_CUDA_MEMORY_CACHING` is `1`,
+/// through `var` (the environment in [`DeviceAllocators::from_env`]).
+pub fn caching_disabled(var: impl Fn(&str) -> Option<String>) -> bool {
+    [
+        "FERROCUDA_NO_CUDA_MEMORY_CACHING",
+        "PYTORCH_NO_CUDA_MEMORY_CACHING",
+    ]
+    .into_iter()
+    .find_map(|k| var(k))
+    .is_some_and(|v| v.trim() == "1")
+}
+
+/// The allocators of every device of one driver. It holds the driver, not a runtime: the
+/// runtime holds it (as its memory resource), and the other way round would be a cycle.
+#[derive(Debug)]
+pub struct DeviceAllocators {
+    driver: Arc<dyn Driver>,
+    unavailable: Option<DriverError>,
+    config: RwLock<AllocatorConfig>,
+    caching: bool,
+    devices: Vec<OnceLock<CachingAllocator>>,
+}
+
+impl DeviceAllocators {
+    /// Allocators for the devices of `driver` with `config`.
+    pub fn new(
+        driver: Arc<dyn Driver>,
+        config: AllocatorConfig,
+        caching: bool,
+    ) -> Arc<DeviceAllocators> {
+        let (count, unavailable) = match driver.device_count() {
+            Ok(0) => (0, Some(DriverError::NO_DEVICE)),
+            Ok(n) => (n, None),
+            Err(e) => (0, Some(e)),
+        };
+        let devices = (0..count).map(|_| OnceLock::new()).collect();
+        Arc::new(DeviceAllocators {
+            driver,
+            unavailable,
+            config: RwLock::new(config),
+            caching,
+            devices,
+        })
+    }
+
+    /// Allocators configured from the environment: `FERROCUDA_ALLOC_CONF`, else
+    /// `PYTORCH_CUDA_ALLOC_CONF`, else `PYTORCH_ALLOC_CONF`; caching off with
+    /// `FERROCUDA_NO_CUDA_MEMORY_CACHING=1` or `PYTORCH_NO_CUDA_MEMORY_CACHING=1`.
+    pub fn from_env(driver: Arc<dyn Driver>) -> Result<Arc<DeviceAllocators>, AllocError> {
+        let config = AllocatorConfig::from_env().map_err(|(_, e)| AllocError::Config(e))?;
+        Ok(DeviceAllocators::new(
+            driver,
+            config,
+            !caching_disabled(|k| std::env::var(k).ok()),
+        ))
+    }
+
+    /// Makes this the memory resource of `runtime`'s buffers (a runtime over the same driver).
+    pub fn install(self: &Arc<Self>, runtime: &Runtime) {
+        runtime.set_memory(self.clone());
+    }
+
+    /// The allocator of `dev`, created on first use.
+    pub fn device(&self, dev: DeviceIndex) -> Result<&CachingAllocator, AllocError> {
+        let count = self.devices.len();
+        let slot = self
+            .devices
+            .get(dev.as_usize())
+            .ok_or(match self.unavailable {
+                Some(reason) => StreamError::NotAvailable { reason },
+                None => StreamError::InvalidDevice {
+                    index: dev.0,
+                    count,
+                },
+            })?;
+        if let Some(a) = slot.get() {
+            return Ok(a);
+        }
+        let made = CachingAllocator::new(
+            self.driver.clone(),
+            dev,
+            self.config.read().clone(),
+            self.caching,
+        )?;
+        Ok(slot.get_or_init(|| made))
+    }
+
+    /// Allocators created so far.
+    pub fn created(&self) -> impl Iterator<Item = &CachingAllocator> {
+        self.devices.iter().filter_map(OnceLock::get)
+    }
+
+    /// Applies a configuration string to every device, now and later
+    /// (`torch.cuda.memory._set_allocator_settings`). All or nothing.
+    pub fn set_settings(&self, s: &str) -> Result<(), AllocError> {
+        let mut config = self.config.write();
+        let mut next = config.clone();
+        next.update(s)?;
+        for a in self.created() {
+            a.update_config(s)?;
+        }
+        *config = next;
+        Ok(())
+    }
+
+    /// The allocator that handed out `ptr`, searching every device (for frees without a
+    /// device, as `caching_allocator_delete`).
+    pub fn free_anywhere(&self, ptr: DevicePtr) -> Result<(), AllocError> {
+        for a in self.created() {
+            match a.free(ptr) {
+                Err(AllocError::InvalidPointer(_)) => continue,
+                other => return other,
+            }
+        }
+        Err(AllocError::InvalidPointer(ptr))
+    }
+}
+
+fn to_stream_error(e: AllocError) -> StreamError {
+    let out_of_memory = matches!(e, AllocError::OutOfMemory(_));
+    StreamError::Memory {
+        message: e.to_string(),
+        out_of_memory,
+    }
+}
+
+impl MemoryResource for DeviceAllocators {
+    fn allocate(
+        &self,
+        dev: DeviceIndex,
+        bytes: u64,
+        stream: StreamHandle,
+    ) -> Result<DevicePtr, StreamError> {
+        let a = self.device(dev).map_err(to_stream_error)?;
+        a.allocate(bytes, stream)
+            .map(|x| x.ptr)
+            .map_err(to_stream_error)
+    }
+
+    fn free(&self, dev: DeviceIndex, ptr: DevicePtr) -> Result<(), StreamError> {
+        self.device(dev)
+            .and_then(|a| a.free(ptr))
+            .map_err(to_stream_error)
+    }
+
+    fn record_stream(
+        &self,
+        dev: DeviceIndex,
+        ptr: DevicePtr,
+        stream: StreamHandle,
+    ) -> Result<(), StreamError> {
+        self.device(dev)
+            .and_then(|a| a.record_stream(ptr, stream))
+            .map_err(to_stream_error)
+    }
+}

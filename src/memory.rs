@@ -1,0 +1,147 @@
+//! `torch.cuda.memory` for the global runtime: statistics, cache control, memory fraction,
+//! raw allocations, allocator settings. Every function takes the device explicitly; use
+//! `ferrocuda::runtime().current_device()` for PyTorch's `device=None`.
+use crate::alloc::{AllocError, DeviceAllocators};
+use crate::stream::{MemoryResource, Runtime, Stream, StreamError};
+use crate::types::{DeviceIndex, DevicePtr, StreamHandle};
+use std::collections::BTreeMap;
+use std::sync::{Arc, OnceLock};
+
+static ALLOCATORS: OnceLock<Result<Arc<DeviceAllocators>, AllocError>> = OnceLock::new();
+
+/// Serves every request with the configuration error, so a typo in the allocator
+/// configuration is never silently ignored.
+#[derive(Debug)]
+struct Misconfigured(AllocError);
+
+impl MemoryResource for Misconfigured {
+    fn allocate(&self, _: DeviceIndex, _: u64, _: StreamHandle) -> Result<DevicePtr, StreamError> {
+        Err(StreamError::Memory {
+            message: self.0.to_string(),
+            out_of_memory: false,
+        })
+    }
+    fn free(&self, _: DeviceIndex, _: DevicePtr) -> Result<(), StreamError> {
+        Ok(())
+    }
+    fn record_stream(
+        &self,
+        _: DeviceIndex,
+        _: DevicePtr,
+        _: StreamHandle,
+    ) -> Result<(), StreamError> {
+        Ok(())
+    }
+}
+
+/// Installs the environment-configured allocators on `rt` (the global runtime does this
+/// itself); only the first call's runtime is served by the functions of this module.
+pub fn install(rt: &Arc<Runtime>) {
+    match ALLOCATORS.get_or_init(|| DeviceAllocators::from_env(rt.driver().clone())) {
+        Ok(a) => a.install(rt),
+        Err(e) => rt.set_memory(Arc::new(Misconfigured(e.clone()))),
+    }
+}
+
+/// The global runtime's allocators (or the configuration error).
+pub fn allocators() -> Result<&'static Arc<DeviceAllocators>, AllocError> {
+    crate::runtime();
+    match ALLOCATORS.get() {
+        Some(Ok(a)) => Ok(a),
+        Some(Err(e)) => Err(e.clone()),
+        None => Err(AllocError::Device(StreamError::NotCuda)),
+    }
+}
+
+fn stats_of(dev: DeviceIndex) -> Result<crate::types::DeviceStats, AllocError> {
+    Ok(allocators()?.device(dev)?.stats())
+}
+
+/// `torch.cuda.memory_allocated`: bytes of live allocations.
+pub fn memory_allocated(dev: DeviceIndex) -> Result<u64, AllocError> {
+    Ok(stats_of(dev)?.allocated_bytes.all.current as u64)
+}
+
+/// `torch.cuda.max_memory_allocated`.
+pub fn max_memory_allocated(dev: DeviceIndex) -> Result<u64, AllocError> {
+    Ok(stats_of(dev)?.allocated_bytes.all.peak as u64)
+}
+
+/// `torch.cuda.memory_reserved`: bytes held from the driver.
+pub fn memory_reserved(dev: DeviceIndex) -> Result<u64, AllocError> {
+    Ok(stats_of(dev)?.reserved_bytes.all.current as u64)
+}
+
+/// `torch.cuda.max_memory_reserved`.
+pub fn max_memory_reserved(dev: DeviceIndex) -> Result<u64, AllocError> {
+    Ok(stats_of(dev)?.reserved_bytes.all.peak as u64)
+}
+
+/// `torch.cuda.memory_stats`: the flat dictionary with PyTorch's keys.
+pub fn memory_stats(dev: DeviceIndex) -> Result<BTreeMap<String, i64>, AllocError> {
+    Ok(stats_of(dev)?.to_map())
+}
+
+/// `torch.cuda.memory_summary`.
+pub fn memory_summary(dev: DeviceIndex, abbreviated: bool) -> Result<String, AllocError> {
+    Ok(stats_of(dev)?.summary(dev.0, abbreviated))
+}
+
+/// `torch.cuda.reset_peak_memory_stats`.
+pub fn reset_peak_memory_stats(dev: DeviceIndex) -> Result<(), AllocError> {
+    allocators()?.device(dev)?.reset_peak_stats();
+    Ok(())
+}
+
+/// `torch.cuda.reset_accumulated_memory_stats`.
+pub fn reset_accumulated_memory_stats(dev: DeviceIndex) -> Result<(), AllocError> {
+    allocators()?.device(dev)?.reset_accumulated_stats();
+    Ok(())
+}
+
+/// `torch.cuda.empty_cache`, on every device in use.
+pub fn empty_cache() -> Result<(), AllocError> {
+    allocators()?.created().for_each(|a| a.empty_cache());
+    Ok(())
+}
+
+/// `torch.cuda.set_per_process_memory_fraction`.
+pub fn set_per_process_memory_fraction(fraction: f64, dev: DeviceIndex) -> Result<(), AllocError> {
+    allocators()?.device(dev)?.set_memory_fraction(fraction)
+}
+
+/// `torch.cuda.get_per_process_memory_fraction`.
+pub fn get_per_process_memory_fraction(dev: DeviceIndex) -> Result<f64, AllocError> {
+    Ok(allocators()?.device(dev)?.memory_fraction())
+}
+
+/// `torch.cuda.caching_allocator_alloc(size, device, stream)`: raw memory on `stream`
+/// (default: the current stream of `dev`).
+pub fn caching_allocator_alloc(
+    bytes: u64,
+    dev: DeviceIndex,
+    stream: Option<&Stream>,
+) -> Result<DevicePtr, AllocError> {
+    let a = allocators()?;
+    let stream = match stream {
+        Some(s) => s.handle(),
+        None => crate::runtime().current_stream(dev)?.handle(),
+    };
+    Ok(a.device(dev)?.allocate(bytes, stream)?.ptr)
+}
+
+/// `torch.cuda.caching_allocator_delete(ptr)`.
+pub fn caching_allocator_delete(ptr: DevicePtr) -> Result<(), AllocError> {
+    allocators()?.free_anywhere(ptr)
+}
+
+/// `torch.cuda.memory._set_allocator_settings`: re-parses the configuration for every
+/// device (see `docs/configuration.md`).
+pub fn set_allocator_settings(settings: &str) -> Result<(), AllocError> {
+    allocators()?.set_settings(settings)
+}
+
+/// `torch.cuda.mem_get_info`: `(free, total)` device bytes.
+pub fn mem_get_info(dev: DeviceIndex) -> Result<(u64, u64), AllocError> {
+    Ok(crate::runtime().mem_get_info(dev)?)
+}

@@ -1,0 +1,115 @@
+//! The caching allocator behind device buffers, on the fake device; and the global
+//! `ferrocuda::memory` functions on whatever this machine has.
+use ferrocuda::alloc::DeviceAllocators;
+use ferrocuda::driver::{Call, FakeDriver, fake::Completion};
+use ferrocuda::stream::conformance::{KERNELS, register_fake_kernels};
+use ferrocuda::stream::{DeviceBuffer, KernelCache, Module, Runtime, StreamError};
+use ferrocuda::types::{AllocatorConfig, DeviceIndex, KernelArg, LaunchConfig};
+use std::sync::Arc;
+
+type TestResult = Result<(), Box<dyn std::error::Error>>;
+const D0: DeviceIndex = DeviceIndex(0);
+
+fn fake_with_allocators(
+    completion: Completion,
+) -> (Arc<FakeDriver>, Arc<Runtime>, Arc<DeviceAllocators>) {
+    let fake = Arc::new(FakeDriver::builder().completion(completion).build());
+    register_fake_kernels(&fake);
+    let rt = Runtime::with_kernel_cache(fake.clone(), KernelCache::at(None));
+    let allocators = DeviceAllocators::new(fake.clone(), AllocatorConfig::default(), true);
+    allocators.install(&rt);
+    (fake, rt, allocators)
+}
+
+#[test]
+fn buffers_allocate_through_the_caching_allocator() -> TestResult {
+    let (fake, rt, allocators) = fake_with_allocators(Completion::Eager);
+    let first = DeviceBuffer::<f32>::filled(&rt, D0, 1000, 1.0)?;
+    let ptr = first.ptr();
+    let stats = allocators.device(D0)?.stats();
+    assert_eq!(
+        (
+            stats.allocation.all.current,
+            stats.requested_bytes.all.current
+        ),
+        (1, 4000)
+    );
+    drop(first);
+    let second = DeviceBuffer::<f32>::filled(&rt, D0, 900, 2.0)?;
+    assert_eq!(second.ptr(), ptr, "the cached block is reused");
+    assert_eq!(fake.calls(Call::Malloc), 1, "one segment from the driver");
+    assert_eq!(second.to_host()?, vec![2.0; 900]);
+    Ok(())
+}
+
+/// A buffer used on a side stream is not reused before the side stream's work completes.
+#[test]
+fn buffer_record_stream_protects_side_stream_work() -> TestResult {
+    let (fake, rt, allocators) = fake_with_allocators(Completion::Manual);
+    let m = Module::from_cuda_source(&rt, D0, "k", KERNELS)?;
+    let side = rt.new_stream(D0, 0)?;
+    let x = DeviceBuffer::<f32>::filled(&rt, D0, 256, 1.0)?;
+    let ptr = x.ptr();
+    side.wait_stream(&rt.current_stream(D0)?)?;
+    side.launch(
+        &m.function("add_one_f32")?,
+        &LaunchConfig::for_elements(256, 256),
+        &[x.arg(), KernelArg::value(&256u32)],
+    )?;
+    x.record_stream(&side)?;
+    drop(x);
+    let y = DeviceBuffer::<f32>::uninit(&rt, D0, 256)?;
+    assert_ne!(y.ptr(), ptr, "the side stream may still be writing it");
+    fake.advance_all();
+    let z = DeviceBuffer::<f32>::uninit(&rt, D0, 256)?;
+    assert_eq!(z.ptr(), ptr);
+    allocators.device(D0)?.check_invariants()?;
+    // No reference cycle: the runtime goes away with its last handle.
+    let weak = Arc::downgrade(&rt);
+    drop((y, z, m, side, rt));
+    assert!(weak.upgrade().is_none(), "the runtime was freed");
+    Ok(())
+}
+
+#[test]
+fn out_of_memory_reaches_buffers_as_a_typed_error() -> TestResult {
+    let fake = Arc::new(FakeDriver::builder().capacity(64 << 20).build());
+    let rt = Runtime::with_kernel_cache(fake.clone(), KernelCache::at(None));
+    DeviceAllocators::new(fake, AllocatorConfig::default(), true).install(&rt);
+    match DeviceBuffer::<u8>::uninit(&rt, D0, 100 << 20) {
+        Err(StreamError::Memory {
+            message,
+            out_of_memory: true,
+        }) => {
+            assert!(
+                message.starts_with("CUDA out of memory. Tried to allocate 100.00 MiB. GPU 0"),
+                "{message}"
+            );
+        }
+        other => panic!("expected out of memory, got {other:?}"),
+    }
+    Ok(())
+}
+
+/// The global functions on this machine: without a GPU they return the reason.
+#[test]
+fn global_memory_functions() -> TestResult {
+    let rt = ferrocuda::runtime();
+    if rt.is_available() {
+        let before = ferrocuda::memory::memory_allocated(D0)?;
+        let p = ferrocuda::memory::caching_allocator_alloc(1, D0, None)?;
+        assert_eq!(ferrocuda::memory::memory_allocated(D0)?, before + 512);
+        ferrocuda::memory::caching_allocator_delete(p)?;
+        assert!(
+            ferrocuda::memory::memory_summary(D0, false)?.contains("PyTorch CUDA memory summary")
+        );
+    } else {
+        let err = ferrocuda::memory::memory_allocated(D0)
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(err.contains("CUDA is not available"), "{err}");
+        assert!(ferrocuda::memory::empty_cache().is_ok(), "nothing to empty");
+    }
+    Ok(())
+}
