@@ -14,7 +14,7 @@ pub fn caching_disabled(var: impl Fn(&str) -> Option<String>) -> bool {
         "PYTORCH_NO_CUDA_MEMORY_CACHING",
     ]
     .into_iter()
-    .find_map(|k| var(k))
+    .find_map(var)
     .is_some_and(|v| v.trim() == "1")
 }
 
