@@ -10,9 +10,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode, Stdio};
 
 /// Test binaries that go into the GPU bundle.
-const GPU_TESTS: &[&str] = &["conformance_cuda"];
+const GPU_TESTS: &[&str] = &["conformance_cuda", "alloc_conformance"];
 /// Bench binaries that go into the GPU bundle.
-const GPU_BENCHES: &[&str] = &["launch"];
+const GPU_BENCHES: &[&str] = &["launch", "alloc"];
 /// Examples that go into the GPU bundle (each must succeed and say it ran on the GPU).
 const GPU_EXAMPLES: &[&str] = &["tour"];
 
@@ -136,6 +136,16 @@ fn gpu_bundle() -> Result<(), String> {
                 .map_err(|e| format!("{}: {e}", exe.display()))?;
         }
     }
+    // PyTorch's figures come from the same run: take the anchor script along when the
+    // shared folder beside the checkout has it.
+    let anchor = root().join("../shared/tools/torch_anchor.py");
+    match std::fs::copy(&anchor, dir.join("torch_anchor.py")) {
+        Ok(_) => {}
+        Err(e) => eprintln!(
+            "note: {} not bundled ({e}); no PyTorch comparison",
+            anchor.display()
+        ),
+    }
     let script = dir.join("run.sh");
     std::fs::write(&script, RUN_SH).map_err(|e| e.to_string())?;
     let status = Command::new("chmod")
@@ -187,7 +197,36 @@ for b in bench_*; do
   echo "=== $b"
   if ./"$b" --bench 2>&1 | tee "$OUT/$b.log"; then passed=$((passed + 1)); else echo "$b failed"; failed=$((failed + 1)); fi
 done
+if [ -f torch_anchor.py ]; then
+  echo "=== torch_anchor.py (PyTorch, same machine, same run)"
+  if PYTHONUNBUFFERED=1 python3 torch_anchor.py 2>&1 | tee "$OUT/torch_anchor.log"; then
+    passed=$((passed + 1))
+  else
+    echo "torch_anchor.py failed"; failed=$((failed + 1))
+  fi
+fi
 grep -h 'ratio' "$OUT"/bench_*.log 2>/dev/null
+if [ -f "$OUT/torch_anchor.json" ]; then
+  python3 - "$OUT" <<'PY'
+import json, os, sys
+out = sys.argv[1]
+torch = json.load(open(os.path.join(out, "torch_anchor.json")))
+def ours(name):
+    p = os.path.join(out, "criterion", "alloc", name, "new", "estimates.json")
+    return json.load(open(p))["median"]["point_estimate"] if os.path.exists(p) else None
+rows = [("cached pair 512 B", "pair_512B", "torch_alloc_pair_ns_512", 60),
+        ("cached pair 1 MiB", "pair_1MiB", "torch_alloc_pair_ns_1048576", 60),
+        ("cached pair 100 MiB", "pair_100MiB", "torch_alloc_pair_ns_104857600", 60),
+        ("pair 1 MiB, 8 threads", "pair_1MiB_8threads", "torch_alloc_pair_ns_1MiB_8threads", 150),
+        ("churn, 1024 live", "churn_1024_live", "torch_alloc_mixed_ns", 60)]
+print(f"{'allocator hot path':24} {'ferrocuda ns':>13} {'PyTorch ns':>11} {'ratio':>7} {'target ns':>10}")
+for label, mine, theirs, target in rows:
+    a, b = ours(mine), torch.get(theirs)
+    if a is None or b is None:
+        print(f"{label:24} missing"); continue
+    print(f"{label:24} {a:13.1f} {b:11.1f} {a / b:7.3f} {target:10}")
+PY
+fi
 echo "$passed passed, $failed failed"
 [ "$failed" = 0 ]
 "#;

@@ -1,0 +1,108 @@
+//! The caching allocator's hot path, measured like `shared/tools/torch_anchor.py` measures
+//! PyTorch's (same sizes, same churn generator, same "wall time / (iterations × threads)"):
+//! a cached alloc+free pair on 1 thread and on 8 threads, and a 1024-live mixed churn.
+//!
+//! On the GPU bundle it runs over the real driver (required there); elsewhere over the fake
+//! device, where the hot path is the same code (it makes no driver call once cached).
+// A benchmark has no caller to report to: setup failures abort it, loudly.
+#![allow(clippy::expect_used)]
+
+use criterion::{Criterion, criterion_group};
+use ferrocuda::alloc::CachingAllocator;
+use ferrocuda::driver::{CudaDriver, Driver, FakeDriver};
+use ferrocuda::types::{AllocatorConfig, DeviceIndex, StreamHandle};
+use std::hint::black_box;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+const DEV: DeviceIndex = DeviceIndex(0);
+const STREAM: StreamHandle = StreamHandle::legacy(DEV);
+
+fn driver() -> Arc<dyn Driver> {
+    let cuda = CudaDriver::new();
+    match cuda.unavailable_reason() {
+        None => Arc::new(cuda),
+        Some(reason) => {
+            if std::env::var("FERROCUDA_REQUIRE_GPU").is_ok_and(|v| v == "1") {
+                eprintln!("alloc bench: no usable GPU ({reason})");
+                std::process::exit(1);
+            }
+            eprintln!("alloc bench: no GPU ({reason}); measuring over the fake device");
+            Arc::new(FakeDriver::default())
+        }
+    }
+}
+
+fn pair(a: &CachingAllocator, size: u64) {
+    let x = a.allocate(size, STREAM).expect("allocate");
+    a.free(black_box(x.ptr)).expect("free");
+}
+
+fn hot_path(c: &mut Criterion) {
+    let driver = driver();
+    let a = Arc::new(
+        CachingAllocator::new(driver, DEV, AllocatorConfig::default(), true).expect("allocator"),
+    );
+    let mut g = c.benchmark_group("alloc");
+    for (name, size) in [
+        ("pair_512B", 512u64),
+        ("pair_1MiB", 1 << 20),
+        ("pair_100MiB", 100 << 20),
+    ] {
+        pair(&a, size);
+        g.bench_function(name, |b| b.iter(|| pair(&a, size)));
+    }
+    g.bench_function("pair_1MiB_8threads", |b| {
+        b.iter_custom(|iters| {
+            let start = Instant::now();
+            std::thread::scope(|s| {
+                for _ in 0..8 {
+                    let a = a.clone();
+                    s.spawn(move || (0..iters).for_each(|_| pair(&a, 1 << 20)));
+                }
+            });
+            start.elapsed() / 8
+        })
+    });
+    g.bench_function("churn_1024_live", |b| {
+        b.iter_custom(|iters| {
+            let mut live: Vec<Option<u64>> = vec![None; 1024];
+            let mut s: u64 = 88172645463325252;
+            let start = Instant::now();
+            for _ in 0..iters {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                let slot = (s % 1024) as usize;
+                match live[slot].take() {
+                    Some(p) => a.free(ferrocuda::types::DevicePtr(p)).expect("free"),
+                    None => {
+                        let size = 512u64 << ((s >> 40) % 15);
+                        live[slot] = Some(a.allocate(size, STREAM).expect("allocate").ptr.0);
+                    }
+                }
+            }
+            let elapsed = start.elapsed();
+            for p in live.into_iter().flatten() {
+                a.free(ferrocuda::types::DevicePtr(p)).expect("free");
+            }
+            elapsed
+        })
+    });
+    g.finish();
+    a.empty_cache();
+}
+
+criterion_group! {
+    name = benches;
+    config = Criterion::default()
+        .warm_up_time(Duration::from_millis(500))
+        .measurement_time(Duration::from_secs(2))
+        .sample_size(30);
+    targets = hot_path
+}
+
+fn main() {
+    benches();
+    Criterion::default().configure_from_args().final_summary();
+}

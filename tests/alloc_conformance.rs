@@ -1,0 +1,255 @@
+//! The caching allocator's conformance tests, written once over a backend: the fake device
+//! (manual completion) in CI, the real driver in the GPU bundle (`#[ignore]`d without a
+//! GPU: skipped, with the reason). Exact statistics, OOM text and retry, memory fraction,
+//! `test_allocator_settings` sizes, record_stream reuse timing, a 10 000-op fuzz with data
+//! integrity.
+use ferrocuda::alloc::{AllocError, CachingAllocator};
+use ferrocuda::driver::Driver;
+use ferrocuda::stream::Module;
+use ferrocuda::stream::conformance::{
+    Harness, KERNELS, SPIN_CYCLES_PER_MS, cuda_harness, fake_harness,
+};
+use ferrocuda::types::{
+    AllocatorConfig, DeviceIndex, DevicePtr, KernelArg, LaunchConfig, MemsetValue, StreamHandle,
+    format_size,
+};
+
+type TestResult = Result<(), Box<dyn std::error::Error>>;
+const D0: DeviceIndex = DeviceIndex(0);
+const LEGACY: StreamHandle = StreamHandle::legacy(D0);
+const MIB: u64 = 1 << 20;
+
+fn allocator(h: &Harness, config: &str) -> Result<CachingAllocator, AllocError> {
+    CachingAllocator::new(
+        h.rt.driver().clone(),
+        D0,
+        AllocatorConfig::parse(config)?,
+        true,
+    )
+}
+
+fn stat(a: &CachingAllocator, key: &str) -> i64 {
+    a.stats().to_map()[key]
+}
+
+fn exact_stats(h: &Harness) -> TestResult {
+    let a = allocator(h, "")?;
+    let x = a.allocate(1, LEGACY)?;
+    let y = a.allocate(MIB + 1, LEGACY)?;
+    let z = a.allocate(10 * MIB, LEGACY)?;
+    for (k, v) in [
+        ("allocation.all.current", 3),
+        ("allocated_bytes.small_pool.current", 512),
+        (
+            "allocated_bytes.large_pool.current",
+            (MIB + 512 + 10 * MIB) as i64,
+        ),
+        (
+            "requested_bytes.all.current",
+            (1 + MIB + 1 + 10 * MIB) as i64,
+        ),
+        ("segment.all.current", 2),
+        ("reserved_bytes.all.current", (2 * MIB + 20 * MIB) as i64),
+        ("inactive_split.all.current", 2),
+        (
+            "inactive_split_bytes.all.current",
+            (2 * MIB - 512 + 20 * MIB - MIB - 512 - 10 * MIB) as i64,
+        ),
+    ] {
+        assert_eq!(stat(&a, k), v, "{k}");
+    }
+    a.check_invariants()?;
+    for p in [y.ptr, x.ptr, z.ptr] {
+        a.free(p)?;
+        a.check_invariants()?;
+    }
+    assert_eq!(
+        (
+            stat(&a, "allocation.all.current"),
+            stat(&a, "inactive_split.all.current")
+        ),
+        (0, 0)
+    );
+    a.empty_cache();
+    assert_eq!(
+        (
+            stat(&a, "reserved_bytes.all.current"),
+            stat(&a, "num_device_free")
+        ),
+        (0, 2)
+    );
+    Ok(())
+}
+
+fn out_of_memory_text_and_retry(h: &Harness) -> TestResult {
+    let a = allocator(h, "")?;
+    let (_, total) = h.rt.driver().mem_get_info(D0)?;
+    let err = a
+        .allocate(800_000_000 << 30, LEGACY)
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+    let prefix = format!(
+        "CUDA out of memory. Tried to allocate 800000000.00 GiB. GPU 0 has a total capacity of {} of which",
+        format_size(total)
+    );
+    assert!(err.starts_with(&prefix), "{err}");
+    let err = a.allocate(1 << 60, LEGACY).err().map(|e| e.to_string());
+    assert_eq!(
+        err.as_deref(),
+        Some("CUDA out of memory. Tried to allocate more than 1EB memory.")
+    );
+    let (free, _) = h.rt.driver().mem_get_info(D0)?;
+    let six_tenths = free / 10 * 6;
+    let first = a.allocate(six_tenths, LEGACY)?;
+    assert!(matches!(
+        a.allocate(six_tenths, LEGACY),
+        Err(AllocError::OutOfMemory(_))
+    ));
+    a.free(first.ptr)?;
+    let second = a.allocate(six_tenths, LEGACY)?;
+    assert_eq!(second.ptr, first.ptr, "the retry finds the freed block");
+    a.free(second.ptr)?;
+    a.empty_cache();
+    assert_eq!(stat(&a, "num_ooms"), 3);
+    Ok(())
+}
+
+fn memory_fraction(h: &Harness) -> TestResult {
+    let a = allocator(h, "")?;
+    let (_, total) = h.rt.driver().mem_get_info(D0)?;
+    a.set_memory_fraction(0.5)?;
+    let fits = a.allocate((total as f64 * 0.499) as u64, LEGACY)?;
+    a.free(fits.ptr)?;
+    a.empty_cache();
+    let err = a
+        .allocate(total / 2 + 2 * MIB, LEGACY)
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+    assert!(
+        err.contains(&format!("{} allowed; ", format_size(total / 2))),
+        "{err}"
+    );
+    assert!(matches!(
+        a.set_memory_fraction(1.5),
+        Err(AllocError::InvalidFraction(_))
+    ));
+    Ok(())
+}
+
+fn allocator_settings_sizes(h: &Harness) -> TestResult {
+    let a = allocator(h, "roundup_power2_divisions:4")?;
+    let nbytes = 4 * 21 * MIB;
+    assert_eq!(a.allocate(nbytes, LEGACY)?.size, 96 * MIB);
+    a.update_config("roundup_power2_divisions:[64:8,128:2,256:2,512:2,1024:1,>:1]")?;
+    assert_eq!(a.allocate(nbytes, LEGACY)?.size, 88 * MIB);
+    assert_eq!(a.allocate(4 * 100 * MIB, LEGACY)?.size, 512 * MIB);
+    a.update_config("")?;
+    assert_eq!(a.allocate(nbytes, LEGACY)?.size, nbytes);
+    for bad in [
+        "foo:1,bar:2",
+        "garbage_collection_threshold:1.2",
+        "max_split_size_mb:2",
+        "expandable_segments:true",
+        "pinned_num_register_threads:1024",
+    ] {
+        assert!(
+            matches!(a.update_config(bad), Err(AllocError::Config(_))),
+            "{bad}"
+        );
+    }
+    Ok(())
+}
+
+/// A side stream still using a freed block keeps it from reuse until its work completes.
+fn record_stream_reuse_timing(h: &Harness) -> TestResult {
+    let a = allocator(h, "")?;
+    let m = Module::from_cuda_source(&h.rt, D0, "alloc_conformance", KERNELS)?;
+    let spin = m.function("spin")?;
+    let (s0, s1) = (h.rt.new_stream(D0, 0)?, h.rt.new_stream(D0, 0)?);
+    let x = a.allocate(4096, s0.handle())?;
+    let cycles = 100 * SPIN_CYCLES_PER_MS;
+    s1.launch(
+        &spin,
+        &LaunchConfig::for_elements(1, 1),
+        &[KernelArg::value(&cycles)],
+    )?;
+    a.record_stream(x.ptr, s1.handle())?;
+    a.free(x.ptr)?;
+    let y = a.allocate(4096, s0.handle())?;
+    assert_ne!(y.ptr, x.ptr, "not reused while s1 runs");
+    s1.synchronize()?;
+    let z = a.allocate(4096, s0.handle())?;
+    assert_eq!(z.ptr, x.ptr, "reused once s1 is done");
+    a.check_invariants()?;
+    Ok(())
+}
+
+fn fuzz_with_data_integrity(h: &Harness) -> TestResult {
+    let d = h.rt.driver();
+    let a = allocator(h, "")?;
+    let mut live: Vec<(DevicePtr, u64, u8)> = Vec::new();
+    let mut seed = 0x2545_f491_4f6c_dd1du64;
+    for step in 0..10_000u32 {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        let r = seed;
+        if !live.is_empty() && (live.len() >= 48 || r % 2 == 0) {
+            let (ptr, size, tag) = live.swap_remove((r as usize >> 3) % live.len());
+            let (mut head, mut tail) = ([0u8; 64], [0u8; 64]);
+            d.memcpy_dtoh(&mut head, ptr, LEGACY)?;
+            d.memcpy_dtoh(&mut tail, ptr.offset(size - 64), LEGACY)?;
+            assert!(
+                head.iter().chain(&tail).all(|&b| b == tag),
+                "a live block's data changed at step {step}"
+            );
+            a.free(ptr)?;
+        } else if r % 97 == 0 {
+            a.empty_cache();
+        } else {
+            let size = if r % 5 == 0 {
+                64 + (r >> 20) % MIB
+            } else {
+                2 * MIB + (r >> 20) % (18 * MIB)
+            };
+            let x = a.allocate(size, LEGACY)?;
+            let tag = (step % 251) as u8 + 1;
+            d.memset_async(x.ptr, MemsetValue::U8(tag), 64, LEGACY)?;
+            d.memset_async(x.ptr.offset(size - 64), MemsetValue::U8(tag), 64, LEGACY)?;
+            live.push((x.ptr, size, tag));
+        }
+    }
+    for (ptr, _, _) in live {
+        a.free(ptr)?;
+    }
+    a.empty_cache();
+    a.check_invariants()?;
+    assert_eq!(stat(&a, "reserved_bytes.all.current"), 0);
+    Ok(())
+}
+
+macro_rules! both_backends {
+    ($($name:ident),* $(,)?) => {
+        mod fake {
+            $(#[test] fn $name() -> super::TestResult { super::$name(&super::fake_harness()) })*
+        }
+        mod cuda {
+            $(
+                #[test]
+                #[ignore = "needs a GPU: runs in the GPU bundle (cargo xtask gpu-bundle)"]
+                fn $name() -> super::TestResult { super::$name(&super::cuda_harness()) }
+            )*
+        }
+    };
+}
+
+both_backends!(
+    exact_stats,
+    out_of_memory_text_and_retry,
+    memory_fraction,
+    allocator_settings_sizes,
+    record_stream_reuse_timing,
+    fuzz_with_data_integrity
+);
