@@ -4,7 +4,6 @@
 //! `test_allocator_settings` sizes, record_stream reuse timing, a 10 000-op fuzz with data
 //! integrity.
 use ferrocuda::alloc::{AllocError, CachingAllocator};
-use ferrocuda::driver::Driver;
 use ferrocuda::stream::Module;
 use ferrocuda::stream::conformance::{
     Harness, KERNELS, SPIN_CYCLES_PER_MS, cuda_harness, fake_harness,
@@ -196,7 +195,7 @@ fn fuzz_with_data_integrity(h: &Harness) -> TestResult {
         seed ^= seed >> 7;
         seed ^= seed << 17;
         let r = seed;
-        if !live.is_empty() && (live.len() >= 48 || r % 2 == 0) {
+        if !live.is_empty() && (live.len() >= 48 || r.is_multiple_of(2)) {
             let (ptr, size, tag) = live.swap_remove((r as usize >> 3) % live.len());
             let (mut head, mut tail) = ([0u8; 64], [0u8; 64]);
             d.memcpy_dtoh(&mut head, ptr, LEGACY)?;
@@ -206,10 +205,10 @@ fn fuzz_with_data_integrity(h: &Harness) -> TestResult {
                 "a live block's data changed at step {step}"
             );
             a.free(ptr)?;
-        } else if r % 97 == 0 {
+        } else if r.is_multiple_of(97) {
             a.empty_cache();
         } else {
-            let size = if r % 5 == 0 {
+            let size = if r.is_multiple_of(5) {
                 64 + (r >> 20) % MIB
             } else {
                 2 * MIB + (r >> 20) % (18 * MIB)

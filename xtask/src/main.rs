@@ -132,8 +132,19 @@ fn gpu_bundle() -> Result<(), String> {
     ];
     for (args, names, prefix) in groups {
         for (name, exe) in built_executables(&args, names)? {
-            std::fs::copy(&exe, dir.join(format!("{prefix}{name}")))
-                .map_err(|e| format!("{}: {e}", exe.display()))?;
+            let copy = dir.join(format!("{prefix}{name}"));
+            std::fs::copy(&exe, &copy).map_err(|e| format!("{}: {e}", exe.display()))?;
+            // Line tables make the bundle too big to carry; symbols stay for backtraces.
+            let stripped = Command::new("strip")
+                .arg("--strip-debug")
+                .arg(&copy)
+                .status();
+            if !stripped.is_ok_and(|s| s.success()) {
+                eprintln!(
+                    "note: could not strip {}; the bundle stays larger",
+                    copy.display()
+                );
+            }
         }
     }
     // PyTorch's figures come from the same run: take the anchor script along when the
