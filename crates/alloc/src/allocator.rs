@@ -393,6 +393,11 @@ impl CachingAllocator {
                 return Ok(st.use_block(id, size, requested));
             }
         }
+        if st.config.cross_stream_reuse
+            && let Some(id) = self.take_from_other_stream(&mut st, kind, stream, size)?
+        {
+            return Ok(st.use_block(id, size, requested));
+        }
         let (s, found) = self.alloc_segment(st, segment, kind, stream)?;
         st = s;
         if let Some(id) = found {
@@ -488,6 +493,48 @@ impl CachingAllocator {
                 Err(AllocError::Driver(e))
             }
         }
+    }
+
+    /// `cross_stream_reuse`: the smallest whole free segment of another stream that fits
+    /// (oversize rules apply), moved to `stream`, which is made to wait for the work its old
+    /// stream enqueued so far. Only whole segments move, so a segment never mixes streams.
+    fn take_from_other_stream(
+        &self,
+        st: &mut State,
+        kind: PoolKind,
+        stream: StreamHandle,
+        size: u64,
+    ) -> Result<Option<usize>, AllocError> {
+        let max_split = st.config.max_split_size.unwrap_or(u64::MAX);
+        let rounding = st.config.max_non_split_rounding;
+        let fits = |k: &FreeKey| {
+            k.size >= size
+                && !(size < max_split && k.size >= max_split)
+                && !(size >= max_split && k.size >= size.saturating_add(rounding))
+        };
+        let best = st.pools[pool_index(kind)]
+            .iter()
+            .filter(|k| k.stream != stream.raw && fits(k) && !st.blocks[k.id].is_split())
+            .min_by_key(|k| (k.size, k.ptr))
+            .copied();
+        let Some(found) = best else { return Ok(None) };
+        let owner = st.blocks[found.id].stream;
+        let event = match st.spare_events.pop() {
+            Some(e) => e,
+            None => self
+                .driver
+                .event_create(self.device, EventFlags::default())?,
+        };
+        let ordered = self
+            .driver
+            .event_record(event, owner)
+            .and_then(|()| self.driver.stream_wait_event(stream, event));
+        // The wait captured the event's state: it can be recorded again at once.
+        st.spare_events.push(event);
+        ordered?;
+        st.pool_remove(found.id);
+        st.blocks[found.id].stream = stream;
+        Ok(Some(found.id))
     }
 
     fn driver_oom(&self, e: DriverError, bytes: u64) -> AllocError {

@@ -103,7 +103,7 @@ mod tests {
     /// `test_roundup_power2_divisions_{0,1}`.
     #[test]
     fn test_allocator_settings_sizes() {
-        let parse = |s: &str| AllocatorConfig::parse(s).unwrap_or_default();
+        let parse = |s: &str| AllocatorConfig::parse(s).expect("a valid config");
         let nbytes = 4 * 21 * MIB; // torch.rand(21 Mi floats)
         let nbytes_big = 4 * 100 * MIB;
         assert_eq!(round_size(nbytes, &parse("")), nbytes);

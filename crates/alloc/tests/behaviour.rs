@@ -27,7 +27,7 @@ fn setup(
             .completion(completion)
             .build(),
     );
-    let config = AllocatorConfig::parse(config).unwrap_or_default();
+    let config = AllocatorConfig::parse(config).unwrap_or_else(|e| panic!("{e}"));
     let alloc =
         CachingAllocator::new(fake.clone(), D0, config, true).unwrap_or_else(|e| panic!("{e}"));
     (fake, alloc)
@@ -464,5 +464,62 @@ fn frees_from_other_threads_and_concurrent_use() -> TestResult {
     });
     a.check_invariants()?;
     assert_eq!(stat(&a, "allocation.all.current"), 0);
+    Ok(())
+}
+
+/// `cross_stream_reuse`: a segment stranded on one stream serves another without a driver
+/// call, and the new stream's work is ordered after the old stream's.
+#[test]
+fn cross_stream_reuse_moves_whole_segments_with_an_event_wait() -> TestResult {
+    for enabled in [false, true] {
+        let config = if enabled {
+            "cross_stream_reuse:True"
+        } else {
+            ""
+        };
+        let (fake, a) = setup(80 * GIB, config, Completion::Manual);
+        let s0 = fake.stream_create(
+            D0,
+            StreamFlags {
+                non_blocking: true,
+                priority: 0,
+            },
+        )?;
+        let s1 = fake.stream_create(
+            D0,
+            StreamFlags {
+                non_blocking: true,
+                priority: 0,
+            },
+        )?;
+        let x = a.allocate(30 * MIB, s0)?;
+        fake.memset_async(x.ptr, MemsetValue::U8(1), 16, s0)?; // s0 still writing
+        a.free(x.ptr)?;
+        let mallocs = fake.calls(Call::Malloc);
+        let y = a.allocate(30 * MIB, s1)?;
+        if !enabled {
+            assert_ne!(
+                y.ptr, x.ptr,
+                "PyTorch never shares cached blocks across streams"
+            );
+            continue;
+        }
+        assert_eq!(
+            (y.ptr, fake.calls(Call::Malloc)),
+            (x.ptr, mallocs),
+            "reused, no driver call"
+        );
+        fake.memset_async(y.ptr, MemsetValue::U8(2), 16, s1)?;
+        assert_eq!(fake.advance(s1, None)?, 0, "s1 waits for s0's write");
+        fake.advance(s0, None)?;
+        fake.advance(s1, None)?;
+        let mut back = [0u8; 16];
+        fake.memcpy_dtoh(&mut back, y.ptr, s1)?;
+        assert_eq!(back, [2; 16], "s1's write came last");
+        a.free(y.ptr)?;
+        let z = a.allocate(30 * MIB, s1)?;
+        assert_eq!(z.ptr, x.ptr, "the segment now belongs to s1");
+        a.check_invariants()?;
+    }
     Ok(())
 }

@@ -63,6 +63,11 @@ pub struct AllocatorConfig {
     pub expandable_segments_reserve: Option<ReserveSize>,
     /// `expandable_segments_reserve_by_class`: `(class, reserve)` pairs.
     pub expandable_segments_reserve_by_class: Vec<(String, ReserveSize)>,
+    /// `cross_stream_reuse` (ferrocuda's own): before asking the driver for a new segment,
+    /// take a whole free segment cached by another stream, ordering the allocating stream
+    /// after that stream's work with an event wait (no host sync). Off by default, as
+    /// PyTorch never shares cached blocks across streams.
+    pub cross_stream_reuse: bool,
 }
 
 /// A virtual-address reserve: a fraction of device memory, or bytes (`12G`).
@@ -97,6 +102,7 @@ impl Default for AllocatorConfig {
             pinned_free_catch_all: false,
             expandable_segments_reserve: None,
             expandable_segments_reserve_by_class: Vec::new(),
+            cross_stream_reuse: false,
         }
     }
 }
@@ -421,6 +427,9 @@ impl AllocatorConfig {
             "graph_capture_record_stream_reuse" => {
                 self.graph_capture_record_stream_reuse = bool_value(single(p, key, value)?)?;
             }
+            "cross_stream_reuse" => {
+                self.cross_stream_reuse = bool_value(single(p, key, value)?)?;
+            }
             "throw_on_cudamalloc_oom" => {
                 self.throw_on_cudamalloc_oom = bool_value(single(p, key, value)?)?
             }
@@ -617,12 +626,12 @@ mod tests {
 
     #[test]
     fn defaults_and_a_full_valid_string() {
-        let c = AllocatorConfig::parse("").unwrap_or_default();
+        let c = AllocatorConfig::parse("").expect("a valid config");
         assert_eq!(c, AllocatorConfig::default());
         let s = "backend:native, expandable_segments:True,max_split_size_mb:512,\
                  roundup_power2_divisions:[256:1,>:4],garbage_collection_threshold:0.8,\
                  per_process_memory_fraction:0.9, release_lock_on_cudamalloc:True";
-        let c = AllocatorConfig::parse(s).unwrap_or_default();
+        let c = AllocatorConfig::parse(s).expect("a valid config");
         assert!(c.expandable_segments && c.release_lock_on_cudamalloc);
         assert_eq!(c.max_split_size, Some(512 * MIB));
         assert_eq!(c.garbage_collection_threshold, 0.8);
@@ -637,7 +646,7 @@ mod tests {
     fn roundup_tables_follow_the_code_not_the_docs() {
         let c =
             AllocatorConfig::parse("roundup_power2_divisions:[64:8,128:2,256:2,512:2,1024:1,>:1]")
-                .unwrap_or_default();
+                .expect("a valid config");
         let t = c.roundup_power2_divisions;
         assert_eq!(
             &t[..7],
@@ -656,7 +665,7 @@ mod tests {
     #[test]
     fn large_segment_size_is_applied_first_and_bounds_the_others() {
         let c = AllocatorConfig::parse("max_split_size_mb:40,large_segment_size_mb:32")
-            .unwrap_or_default();
+            .expect("a valid config");
         assert_eq!(
             (
                 c.large_segment_size,
@@ -674,7 +683,7 @@ mod tests {
         let mut c = AllocatorConfig::parse(
             "expandable_segments:True,max_split_size_mb:100,roundup_power2_divisions:2",
         )
-        .unwrap_or_default();
+        .expect("a valid config");
         assert!(c.update("garbage_collection_threshold:0.5").is_ok());
         assert!(c.expandable_segments, "kept");
         assert_eq!(
@@ -717,7 +726,7 @@ mod tests {
 
     #[test]
     fn display_round_trips() {
-        let c = AllocatorConfig::parse("max_split_size_mb:64,roundup_power2_divisions:[32:4,>:2],garbage_collection_threshold:0.25").unwrap_or_default();
+        let c = AllocatorConfig::parse("max_split_size_mb:64,roundup_power2_divisions:[32:4,>:2],garbage_collection_threshold:0.25").expect("a valid config");
         assert_eq!(AllocatorConfig::parse(&c.to_string()), Ok(c));
     }
 
