@@ -113,3 +113,35 @@ fn global_memory_functions() -> TestResult {
     }
     Ok(())
 }
+
+/// Statistics are per device (PyTorch's `test_memory_stats_multigpu`), interleaved.
+#[test]
+fn stats_are_per_device() -> TestResult {
+    let fake = Arc::new(FakeDriver::builder().devices(2).build());
+    let allocators = DeviceAllocators::new(fake, AllocatorConfig::default(), true);
+    let (a0, a1) = (allocators.device(D0)?, allocators.device(DeviceIndex(1))?);
+    let s1 = ferrocuda::types::StreamHandle::legacy(DeviceIndex(1));
+    let mut held = Vec::new();
+    for i in 1..=10u64 {
+        held.push(
+            a0.allocate(i * 1000, ferrocuda::types::StreamHandle::legacy(D0))?
+                .ptr,
+        );
+        let x = a1.allocate(i * 3 << 20, s1)?;
+        a1.free(x.ptr)?;
+    }
+    assert_eq!(a0.stats().allocation.all.current, 10);
+    assert_eq!(a1.stats().allocation.all.current, 0);
+    assert_eq!(a1.stats().allocation.all.allocated, 10);
+    assert_eq!(
+        a0.stats().segment.large_pool.current,
+        0,
+        "device 0 only made small segments"
+    );
+    assert!(allocators.device(DeviceIndex(2)).is_err());
+    for p in held {
+        allocators.free_anywhere(p)?;
+    }
+    assert_eq!(a0.stats().allocation.all.current, 0);
+    Ok(())
+}

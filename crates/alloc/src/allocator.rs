@@ -124,8 +124,13 @@ pub struct CachingAllocator {
     device_total: u64,
     caching: bool,
     uncached: Mutex<FxHashMap<u64, (u64, u64)>>,
+    oom_observers: Mutex<Vec<OomObserver>>,
     state: Mutex<State>,
 }
+
+/// Called with the report of every out-of-memory error, outside the allocator's lock
+/// (`torch._C._cuda_attach_out_of_memory_observer`).
+pub type OomObserver = Arc<dyn Fn(&OutOfMemory) + Send + Sync>;
 
 impl std::fmt::Debug for CachingAllocator {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -157,6 +162,7 @@ impl CachingAllocator {
             device_total,
             caching,
             uncached: Mutex::new(FxHashMap::default()),
+            oom_observers: Mutex::new(Vec::new()),
             state: Mutex::new(State {
                 config,
                 blocks: Vec::new(),
@@ -175,6 +181,11 @@ impl CachingAllocator {
         };
         allocator.set_memory_fraction(fraction)?;
         Ok(allocator)
+    }
+
+    /// Adds an observer called on every out-of-memory error.
+    pub fn add_oom_observer(&self, observer: OomObserver) {
+        self.oom_observers.lock().push(observer);
     }
 
     /// The device.
@@ -557,7 +568,7 @@ impl CachingAllocator {
         }
         let mut cached_per_stream: Vec<(StreamHandle, u64)> = per_stream.into_values().collect();
         cached_per_stream.sort_by_key(|(s, _)| s.raw);
-        AllocError::OutOfMemory(Box::new(OutOfMemory {
+        let report = OutOfMemory {
             device: self.device.0,
             requested,
             beyond_one_exabyte,
@@ -570,7 +581,11 @@ impl CachingAllocator {
             cached_per_stream,
             non_releasable: st.stats.inactive_split_bytes.all.current as u64,
             expandable_segments: st.config.expandable_segments,
-        }))
+        };
+        drop(st);
+        let observers = self.oom_observers.lock().clone();
+        observers.iter().for_each(|o| o(&report));
+        AllocError::OutOfMemory(Box::new(report))
     }
 
     // ---- free and streams ----------------------------------------------------------------
@@ -634,7 +649,18 @@ impl CachingAllocator {
             return Ok(());
         }
         let mut st = self.state.lock();
-        let id = *st.live.get(&ptr.0).ok_or(AllocError::InvalidPointer(ptr))?;
+        // A pointer inside an allocation (a view with an offset) protects the allocation.
+        let id = match st.live.get(&ptr.0) {
+            Some(id) => *id,
+            None => st
+                .live
+                .values()
+                .copied()
+                .find(|&i| {
+                    (st.blocks[i].ptr..st.blocks[i].ptr + st.blocks[i].size).contains(&ptr.0)
+                })
+                .ok_or(AllocError::InvalidPointer(ptr))?,
+        };
         let b = &mut st.blocks[id];
         if stream != b.stream && !b.stream_uses.contains(&stream) {
             b.stream_uses.push(stream);

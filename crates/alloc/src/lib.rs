@@ -30,6 +30,6 @@ mod devices;
 mod error;
 pub mod rounding;
 
-pub use allocator::{Allocation, BlockInfo, CachingAllocator};
+pub use allocator::{Allocation, BlockInfo, CachingAllocator, OomObserver};
 pub use devices::{DeviceAllocators, caching_disabled};
 pub use error::{AllocError, OutOfMemory};

@@ -523,3 +523,59 @@ fn cross_stream_reuse_moves_whole_segments_with_an_event_wait() -> TestResult {
     }
     Ok(())
 }
+
+#[test]
+fn out_of_memory_observers_are_notified() -> TestResult {
+    let (_, a) = setup(GIB, "", Completion::Eager);
+    let seen = Arc::new(call_counter::Counter::default());
+    let counter = seen.clone();
+    a.add_oom_observer(Arc::new(move |report| counter.add(report.requested)));
+    assert!(a.allocate(2 * GIB, LEGACY).is_err());
+    assert_eq!(seen.get(), (1, 2 * GIB));
+    Ok(())
+}
+
+#[test]
+fn record_stream_on_a_pointer_inside_the_allocation() -> TestResult {
+    let (fake, a) = setup(80 * GIB, "", Completion::Manual);
+    let s0 = fake.stream_create(
+        D0,
+        StreamFlags {
+            non_blocking: true,
+            priority: 0,
+        },
+    )?;
+    let s1 = fake.stream_create(
+        D0,
+        StreamFlags {
+            non_blocking: true,
+            priority: 0,
+        },
+    )?;
+    let x = a.allocate(8192, s0)?;
+    fake.memset_async(x.ptr.offset(4096), MemsetValue::U8(1), 16, s1)?;
+    a.record_stream(x.ptr.offset(4096), s1)?; // a "shifted view"
+    a.free(x.ptr)?;
+    assert_ne!(
+        a.allocate(8192, s0)?.ptr,
+        x.ptr,
+        "the base allocation is protected"
+    );
+    Ok(())
+}
+
+mod call_counter {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    /// Counts calls and sums a value, from any thread.
+    #[derive(Default)]
+    pub struct Counter(AtomicU64, AtomicU64);
+    impl Counter {
+        pub fn add(&self, v: u64) {
+            self.0.fetch_add(1, Ordering::SeqCst);
+            self.1.fetch_add(v, Ordering::SeqCst);
+        }
+        pub fn get(&self) -> (u64, u64) {
+            (self.0.load(Ordering::SeqCst), self.1.load(Ordering::SeqCst))
+        }
+    }
+}
