@@ -568,13 +568,13 @@ mod call_counter {
     use std::sync::atomic::{AtomicU64, Ordering};
     /// Counts calls and sums a value, from any thread.
     #[derive(Default)]
-    pub struct Counter(AtomicU64, AtomicU64);
+    pub(super) struct Counter(AtomicU64, AtomicU64);
     impl Counter {
-        pub fn add(&self, v: u64) {
+        pub(super) fn add(&self, v: u64) {
             self.0.fetch_add(1, Ordering::SeqCst);
             self.1.fetch_add(v, Ordering::SeqCst);
         }
-        pub fn get(&self) -> (u64, u64) {
+        pub(super) fn get(&self) -> (u64, u64) {
             (self.0.load(Ordering::SeqCst), self.1.load(Ordering::SeqCst))
         }
     }
