@@ -127,7 +127,7 @@ fn stats_are_per_device() -> TestResult {
             a0.allocate(i * 1000, ferrocuda::types::StreamHandle::legacy(D0))?
                 .ptr,
         );
-        let x = a1.allocate(i * 3 << 20, s1)?;
+        let x = a1.allocate((i * 3) << 20, s1)?;
         a1.free(x.ptr)?;
     }
     assert_eq!(a0.stats().allocation.all.current, 10);
