@@ -1,5 +1,6 @@
 //! One device's caching allocator.
 use crate::error::{AllocError, OutOfMemory};
+use crate::free_list::{FreeList, key, key_size};
 use crate::rounding::{ONE_EXABYTE, allocation_size, pool_kind, round_size};
 use ferrocuda_driver::{Driver, DriverError};
 use ferrocuda_types::{
@@ -8,7 +9,7 @@ use ferrocuda_types::{
 };
 use parking_lot::{Mutex, MutexGuard};
 use rustc_hash::FxHashMap;
-use std::collections::{BTreeSet, VecDeque};
+use std::collections::VecDeque;
 use std::sync::Arc;
 
 const SMALL_SIZE: u64 = crate::rounding::SMALL_SIZE;
@@ -26,13 +27,65 @@ pub struct Allocation {
     pub stream: StreamHandle,
 }
 
-/// Free-list key: PyTorch orders free blocks by (stream, size, address).
-#[derive(Copy, Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+/// A free block as the slow paths see it. The free lists order blocks per stream by
+/// (size, address), which with the stream is PyTorch's (stream, size, address) order.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
 struct FreeKey {
     stream: u64,
     size: u64,
     ptr: u64,
     id: usize,
+}
+
+/// Free lists per stream, small and large pool. Few streams are usual: a vector scan.
+#[derive(Debug, Default)]
+struct Pools {
+    streams: Vec<(u64, [FreeList; 2])>,
+}
+
+impl Pools {
+    fn list(&self, stream: u64, kind: PoolKind) -> Option<&FreeList> {
+        self.streams
+            .iter()
+            .find(|(s, _)| *s == stream)
+            .map(|(_, l)| &l[pool_index(kind)])
+    }
+
+    fn list_mut(&mut self, stream: u64, kind: PoolKind) -> &mut FreeList {
+        let i = match self.streams.iter().position(|(s, _)| *s == stream) {
+            Some(i) => i,
+            None => {
+                self.streams.push((stream, Default::default()));
+                self.streams.len() - 1
+            }
+        };
+        &mut self.streams[i].1[pool_index(kind)]
+    }
+
+    /// Every free block of pool `kind`, stream by stream.
+    fn keys_of(&self, kind: PoolKind) -> impl Iterator<Item = FreeKey> + '_ {
+        self.streams.iter().flat_map(move |(stream, lists)| {
+            lists[pool_index(kind)].iter().map(move |(k, id)| FreeKey {
+                stream: *stream,
+                size: key_size(k),
+                ptr: k as u64,
+                id,
+            })
+        })
+    }
+
+    /// Every free block.
+    fn keys(&self) -> impl Iterator<Item = FreeKey> + '_ {
+        self.keys_of(PoolKind::Small)
+            .chain(self.keys_of(PoolKind::Large))
+    }
+
+    fn len(&self) -> usize {
+        self.streams
+            .iter()
+            .map(|(_, l)| l[0].len() + l[1].len())
+            .sum()
+    }
 }
 
 #[derive(Clone, Debug)]
@@ -56,15 +109,6 @@ struct Block {
 impl Block {
     fn is_split(&self) -> bool {
         self.prev.is_some() || self.next.is_some()
-    }
-
-    fn key(&self, id: usize) -> FreeKey {
-        FreeKey {
-            stream: self.stream.raw,
-            size: self.size,
-            ptr: self.ptr,
-            id,
-        }
     }
 }
 
@@ -93,7 +137,7 @@ struct State {
     config: AllocatorConfig,
     blocks: Vec<Block>,
     vacant: Vec<usize>,
-    pools: [BTreeSet<FreeKey>; 2],
+    pools: Pools,
     live: FxHashMap<u64, usize>,
     events: FxHashMap<u64, VecDeque<(EventHandle, usize)>>,
     pending_events: usize,
@@ -167,7 +211,7 @@ impl CachingAllocator {
                 config,
                 blocks: Vec::new(),
                 vacant: Vec::new(),
-                pools: [BTreeSet::new(), BTreeSet::new()],
+                pools: Pools::default(),
                 live: FxHashMap::default(),
                 events: FxHashMap::default(),
                 pending_events: 0,
@@ -335,7 +379,7 @@ impl CachingAllocator {
                 st.total_reserved
             ));
         }
-        let free: usize = st.pools.iter().map(BTreeSet::len).sum();
+        let free = st.pools.len();
         let in_pool = st
             .blocks
             .iter()
@@ -523,11 +567,11 @@ impl CachingAllocator {
                 && !(size < max_split && k.size >= max_split)
                 && !(size >= max_split && k.size >= size.saturating_add(rounding))
         };
-        let best = st.pools[pool_index(kind)]
-            .iter()
+        let best = st
+            .pools
+            .keys_of(kind)
             .filter(|k| k.stream != stream.raw && fits(k) && !st.blocks[k.id].is_split())
-            .min_by_key(|k| (k.size, k.ptr))
-            .copied();
+            .min_by_key(|k| (k.size, k.ptr));
         let Some(found) = best else { return Ok(None) };
         let owner = st.blocks[found.id].stream;
         let event = match st.spare_events.pop() {
@@ -561,7 +605,7 @@ impl CachingAllocator {
         let st = self.state.lock();
         let mut per_stream: FxHashMap<u64, (StreamHandle, u64)> = FxHashMap::default();
         let mut largest = 0;
-        for key in st.pools.iter().flatten() {
+        for key in st.pools.keys() {
             let b = &st.blocks[key.id];
             largest = largest.max(b.size);
             per_stream.entry(b.stream.raw).or_insert((b.stream, 0)).1 += b.size;
@@ -734,10 +778,8 @@ impl CachingAllocator {
     ) -> MutexGuard<'a, State> {
         let mut candidates: Vec<FreeKey> = st
             .pools
-            .iter()
-            .flatten()
+            .keys()
             .filter(|k| !st.blocks[k.id].is_split())
-            .copied()
             .collect();
         candidates.sort_by_key(|k| std::cmp::Reverse(k.size));
         let mut freed = 0;
@@ -764,11 +806,11 @@ impl CachingAllocator {
             return st;
         };
         let key = size.max(m);
-        let pool = &st.pools[pool_index(kind)];
-        let mine = pool
-            .iter()
+        let mine = st
+            .pools
+            .keys_of(kind)
             .filter(|k| k.stream == stream.raw && !st.blocks[k.id].is_split() && k.size >= m);
-        let mut victims: Vec<FreeKey> = mine.copied().collect();
+        let mut victims: Vec<FreeKey> = mine.collect();
         victims.sort_by_key(|k| std::cmp::Reverse(k.size));
         let single = victims.iter().rev().find(|k| k.size >= key).copied();
         let chosen: Vec<FreeKey> = match single {
@@ -805,10 +847,10 @@ impl CachingAllocator {
         let mut reclaimed = 0;
         let mut ptrs = Vec::new();
         loop {
-            let candidates: Vec<FreeKey> = st.pools[1]
-                .iter()
+            let candidates: Vec<FreeKey> = st
+                .pools
+                .keys_of(PoolKind::Large)
                 .filter(|k| !st.blocks[k.id].is_split())
-                .copied()
                 .collect();
             if candidates.is_empty() || reclaimed >= target {
                 break;
@@ -854,16 +896,20 @@ impl State {
     }
 
     fn pool_insert(&mut self, id: usize) {
-        self.blocks[id].gc_base = self.gc_clock;
-        self.blocks[id].in_pool = true;
-        let key = self.blocks[id].key(id);
-        self.pools[pool_index(self.blocks[id].pool)].insert(key);
+        let b = &mut self.blocks[id];
+        b.gc_base = self.gc_clock;
+        b.in_pool = true;
+        self.pools
+            .list_mut(b.stream.raw, b.pool)
+            .insert(key(b.size, b.ptr), id);
     }
 
     fn pool_remove(&mut self, id: usize) {
-        let key = self.blocks[id].key(id);
-        self.pools[pool_index(self.blocks[id].pool)].remove(&key);
-        self.blocks[id].in_pool = false;
+        let b = &mut self.blocks[id];
+        b.in_pool = false;
+        self.pools
+            .list_mut(b.stream.raw, b.pool)
+            .remove(key(b.size, b.ptr));
     }
 
     /// Best fit on the same stream, with the oversize rules (spec §1.5, §2.3).
@@ -876,25 +922,20 @@ impl State {
         if self.config.garbage_collection_threshold > 0.0 {
             self.gc_clock += 1;
         }
-        let from = FreeKey {
-            stream: stream.raw,
-            size,
-            ptr: 0,
-            id: 0,
-        };
-        let found = *self.pools[pool_index(kind)].range(from..).next()?;
-        if found.stream != stream.raw {
-            return None;
-        }
+        let (k, id) = self
+            .pools
+            .list(stream.raw, kind)?
+            .lower_bound(key(size, 0))?;
+        let found = key_size(k);
         let max_split = self.config.max_split_size.unwrap_or(u64::MAX);
-        if (size < max_split && found.size >= max_split)
+        if (size < max_split && found >= max_split)
             || (size >= max_split
-                && found.size >= size.saturating_add(self.config.max_non_split_rounding))
+                && found >= size.saturating_add(self.config.max_non_split_rounding))
         {
             return None;
         }
-        self.pool_remove(found.id);
-        Some(found.id)
+        self.pool_remove(id);
+        Some(id)
     }
 
     fn should_split(&self, id: usize, size: u64) -> bool {
@@ -913,14 +954,24 @@ impl State {
         let kind = self.blocks[id].pool;
         let was_split = self.blocks[id].is_split();
         let id = if self.should_split(id, size) {
-            let rest = self.blocks[id].clone();
+            let rest = &self.blocks[id];
             let remaining = rest.size - size;
-            let new = self.insert_block(Block {
+            let piece = Block {
+                ptr: rest.ptr,
                 size,
+                requested: 0,
+                stream: rest.stream,
+                pool: rest.pool,
+                allocated: false,
                 prev: rest.prev,
                 next: Some(id),
-                ..rest
-            });
+                event_count: 0,
+                stream_uses: Vec::new(),
+                gc_base: 0,
+                in_pool: false,
+                oversize: false,
+            };
+            let new = self.insert_block(piece);
             if let Some(p) = self.blocks[new].prev {
                 self.blocks[p].next = Some(new);
             }
@@ -997,25 +1048,26 @@ impl State {
         .flatten()
         {
             self.pool_remove(neighbour);
-            let n = self.blocks[neighbour].clone();
+            let n = &self.blocks[neighbour];
+            let (n_ptr, n_size, n_prev, n_next) = (n.ptr, n.size, n.prev, n.next);
             self.stats.inactive_split.decrease(kind, 1);
             self.stats
                 .inactive_split_bytes
-                .decrease(kind, n.size as i64);
+                .decrease(kind, n_size as i64);
             let b = &mut self.blocks[id];
-            if n.ptr < b.ptr {
-                b.ptr = n.ptr;
-                b.prev = n.prev;
-                if let Some(p) = n.prev {
+            if n_ptr < b.ptr {
+                b.ptr = n_ptr;
+                b.prev = n_prev;
+                if let Some(p) = n_prev {
                     self.blocks[p].next = Some(id);
                 }
             } else {
-                b.next = n.next;
-                if let Some(x) = n.next {
+                b.next = n_next;
+                if let Some(x) = n_next {
                     self.blocks[x].prev = Some(id);
                 }
             }
-            self.blocks[id].size += n.size;
+            self.blocks[id].size += n_size;
             self.vacant.push(neighbour);
         }
         self.blocks[id].requested = 0;

@@ -28,6 +28,7 @@
 mod allocator;
 mod devices;
 mod error;
+mod free_list;
 pub mod rounding;
 
 pub use allocator::{Allocation, BlockInfo, CachingAllocator, OomObserver};
