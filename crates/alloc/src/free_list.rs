@@ -96,7 +96,7 @@ mod tests {
                 .wrapping_mul(6364136223846793005)
                 .wrapping_add(1442695040888963407);
             let k = key(seed >> 52, (seed >> 20) & 0xfff);
-            if seed % 3 == 0 && !model.is_empty() {
+            if seed.is_multiple_of(3) && !model.is_empty() {
                 let victim = *model
                     .keys()
                     .nth((seed as usize >> 8) % model.len())
