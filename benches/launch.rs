@@ -94,7 +94,7 @@ fn launch_overhead(c: &mut Criterion) {
 fn interleaved_ratio() {
     let Some(mut s) = Setup::new() else { return };
     let n = 20_000;
-    let mut time = |s: &mut Setup, ours: bool| {
+    let time = |s: &mut Setup, ours: bool| {
         let t = Instant::now();
         for _ in 0..n {
             if ours { s.ours() } else { s.raw() }
