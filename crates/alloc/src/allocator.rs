@@ -668,22 +668,46 @@ impl CachingAllocator {
             st.free_block(id);
             return Ok(());
         }
+        let mut unrecorded = Vec::new();
         for stream in uses {
             let event = match st.spare_events.pop() {
-                Some(e) => e,
-                None => self
-                    .driver
-                    .event_create(self.device, EventFlags::default())?,
+                Some(e) => Ok(e),
+                None => self.driver.event_create(self.device, EventFlags::default()),
             };
-            self.driver.event_record(event, stream)?;
-            st.events
-                .entry(stream.raw)
-                .or_default()
-                .push_back((event, id));
-            st.blocks[id].event_count += 1;
-            st.pending_events += 1;
+            let recorded = event.and_then(|e| {
+                self.driver
+                    .event_record(e, stream)
+                    .map(|()| e)
+                    .inspect_err(|_| st.spare_events.push(e))
+            });
+            match recorded {
+                Ok(event) => {
+                    st.events
+                        .entry(stream.raw)
+                        .or_default()
+                        .push_back((event, id));
+                    st.blocks[id].event_count += 1;
+                    st.pending_events += 1;
+                }
+                Err(_) => unrecorded.push(stream),
+            }
         }
-        Ok(())
+        if unrecorded.is_empty() {
+            return Ok(());
+        }
+        // No event could mark these streams' progress: wait for them instead (outside the
+        // lock), so the block is never reused early and never drops out of the books.
+        st.blocks[id].event_count += 1;
+        drop(st);
+        let waited: Result<(), DriverError> = unrecorded
+            .iter()
+            .try_for_each(|s| self.driver.stream_synchronize(*s));
+        let mut st = self.state.lock();
+        st.blocks[id].event_count -= 1;
+        if st.blocks[id].event_count == 0 {
+            st.free_block(id);
+        }
+        waited.map_err(AllocError::Driver)
     }
 
     /// Marks `ptr` as used by `stream` (`Tensor.record_stream`): its memory is not reused

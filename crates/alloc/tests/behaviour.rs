@@ -579,3 +579,37 @@ mod call_counter {
         }
     }
 }
+
+/// A driver failure while recording the protecting event neither loses the block nor lets
+/// it be reused early: the allocator waits for the stream instead.
+#[test]
+fn a_failed_event_record_falls_back_to_waiting() -> TestResult {
+    let (fake, a) = setup(80 * GIB, "", Completion::Manual);
+    let s0 = fake.stream_create(
+        D0,
+        StreamFlags {
+            non_blocking: true,
+            priority: 0,
+        },
+    )?;
+    let s1 = fake.stream_create(
+        D0,
+        StreamFlags {
+            non_blocking: true,
+            priority: 0,
+        },
+    )?;
+    let x = a.allocate(4096, s0)?;
+    fake.memset_async(x.ptr, MemsetValue::U8(1), 16, s1)?;
+    a.record_stream(x.ptr, s1)?;
+    fake.fail_nth(Call::EventRecord, 1, ferrocuda_driver::DriverError::UNKNOWN);
+    a.free(x.ptr)?;
+    assert_eq!(fake.pending(s1)?, 0, "the allocator waited for s1");
+    assert_eq!(
+        a.allocate(4096, s0)?.ptr,
+        x.ptr,
+        "and the block is back in the cache"
+    );
+    a.check_invariants()?;
+    Ok(())
+}
