@@ -1,0 +1,167 @@
+//! Replaying a device trace through ferrocuda's allocator on the fake device.
+use crate::trace::{Action, Event};
+use ferrocuda_alloc::{AllocError, CachingAllocator};
+use ferrocuda_driver::{Driver, FakeDriver};
+use ferrocuda_types::{AllocatorConfig, DeviceIndex, DevicePtr, StreamFlags, StreamHandle};
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Instant;
+
+const DEV: DeviceIndex = DeviceIndex(0);
+
+/// What one replay measured (`--json` prints these keys).
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+pub struct Figures {
+    /// The allocator configuration replayed.
+    pub conf: String,
+    /// Peak of the bytes the program asked for (sum of live requests).
+    pub peak_requested: u64,
+    /// Peak of allocated (rounded) bytes.
+    pub peak_allocated: u64,
+    /// Peak of bytes reserved from the device.
+    pub peak_reserved: u64,
+    /// `peak_reserved / peak_requested`: 1.0 is the physical limit.
+    pub reserved_over_requested: f64,
+    /// Segments obtained from the device.
+    pub num_device_alloc: u64,
+    /// Segments given back to the device.
+    pub num_device_free: u64,
+    /// Allocations that failed for lack of memory.
+    pub num_ooms: u64,
+    /// Trace events processed.
+    pub events: u64,
+    /// Wall time of the replay.
+    pub seconds: f64,
+}
+
+/// Why a replay stopped.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ReplayError {
+    /// The configuration string is invalid.
+    #[error("--conf {conf:?}: {source}")]
+    Config {
+        /// The string.
+        conf: String,
+        /// The parse error.
+        source: ferrocuda_types::ConfigError,
+    },
+    /// The allocator failed other than by running out of memory.
+    #[error("replay failed at event {index}: {source}")]
+    Allocator {
+        /// Index of the event.
+        index: usize,
+        /// The error.
+        source: AllocError,
+    },
+    /// The allocator's books disagree with a recount of its blocks (a bug).
+    #[error("allocator invariant broken after the replay: {0}")]
+    Invariant(String),
+}
+
+/// Replays `events` (one device's trace) through a fresh allocator configured with `conf`,
+/// on a fake device of `capacity` bytes. `progress` is called with the events done so far.
+pub fn replay(
+    events: &[Event],
+    conf: &str,
+    capacity: u64,
+    mut progress: impl FnMut(u64),
+) -> Result<(Figures, CachingAllocator), ReplayError> {
+    let config = AllocatorConfig::parse(conf).map_err(|source| ReplayError::Config {
+        conf: conf.to_owned(),
+        source,
+    })?;
+    let fake = Arc::new(
+        FakeDriver::builder()
+            .capacity(capacity)
+            .backing(false)
+            .build(),
+    );
+    let allocator = CachingAllocator::new(fake.clone(), DEV, config, true)
+        .map_err(|source| ReplayError::Allocator { index: 0, source })?;
+    let mut streams: HashMap<u64, StreamHandle> = HashMap::new();
+    let mut live: HashMap<u64, (DevicePtr, u64)> = HashMap::new();
+    let (mut requested, mut peak_requested, mut ooms) = (0u64, 0u64, 0u64);
+    let start = Instant::now();
+    for (index, e) in events.iter().enumerate() {
+        if index % 65_536 == 0 {
+            progress(index as u64);
+        }
+        match e.action {
+            Action::Alloc => {
+                let stream = match streams.get(&e.stream) {
+                    Some(s) => *s,
+                    None => {
+                        let s = if e.stream == 0 {
+                            StreamHandle::legacy(DEV)
+                        } else {
+                            let flags = StreamFlags {
+                                non_blocking: true,
+                                priority: 0,
+                            };
+                            fake.stream_create(DEV, flags)
+                                .map_err(|d| ReplayError::Allocator {
+                                    index,
+                                    source: d.into(),
+                                })?
+                        };
+                        *streams.entry(e.stream).or_insert(s)
+                    }
+                };
+                match allocator.allocate(e.size, stream) {
+                    Ok(x) => {
+                        if let Some((old, size)) = live.insert(e.addr, (x.ptr, e.size)) {
+                            // The trace reused an address without freeing it first: free ours.
+                            requested -= size;
+                            allocator
+                                .free(old)
+                                .map_err(|source| ReplayError::Allocator { index, source })?;
+                        }
+                        requested += e.size;
+                        peak_requested = peak_requested.max(requested);
+                    }
+                    Err(AllocError::OutOfMemory(_)) => ooms += 1,
+                    Err(source) => return Err(ReplayError::Allocator { index, source }),
+                }
+            }
+            Action::FreeCompleted => {
+                // Frees of blocks allocated before recording began, or that OOMed, are skipped.
+                if let Some((ptr, size)) = live.remove(&e.addr) {
+                    requested -= size;
+                    allocator
+                        .free(ptr)
+                        .map_err(|source| ReplayError::Allocator { index, source })?;
+                }
+            }
+            Action::Other => {}
+        }
+    }
+    let seconds = start.elapsed().as_secs_f64();
+    progress(events.len() as u64);
+    allocator
+        .check_invariants()
+        .map_err(ReplayError::Invariant)?;
+    let stats = allocator.stats();
+    let peak_reserved = stats.reserved_bytes.all.peak as u64;
+    let figures = Figures {
+        conf: if conf.is_empty() {
+            "default".into()
+        } else {
+            conf.to_owned()
+        },
+        peak_requested,
+        peak_allocated: stats.allocated_bytes.all.peak as u64,
+        peak_reserved,
+        reserved_over_requested: if peak_requested == 0 {
+            0.0
+        } else {
+            peak_reserved as f64 / peak_requested as f64
+        },
+        num_device_alloc: stats.num_device_alloc as u64,
+        num_device_free: stats.num_device_free as u64,
+        num_ooms: ooms,
+        events: events.len() as u64,
+        seconds,
+    };
+    Ok((figures, allocator))
+}
