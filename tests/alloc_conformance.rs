@@ -229,6 +229,38 @@ fn fuzz_with_data_integrity(h: &Harness) -> TestResult {
     Ok(())
 }
 
+/// Expandable segments over the driver's virtual-memory API: growth in one range, data
+/// kept across growth, free pages unmapped and the range given back.
+fn expandable_segments(h: &Harness) -> TestResult {
+    let d = h.rt.driver();
+    let a = allocator(h, "expandable_segments:True")?;
+    let x = a.allocate(30 * MIB, LEGACY)?;
+    d.memset_async(x.ptr, MemsetValue::U8(7), x.size, LEGACY)?;
+    let y = a.allocate(30 * MIB, LEGACY)?;
+    assert_eq!(y.ptr, x.ptr.offset(x.size), "one growing range");
+    d.memset_async(y.ptr, MemsetValue::U8(9), y.size, LEGACY)?;
+    let mut probe = [0u8; 64];
+    d.memcpy_dtoh(&mut probe, x.ptr.offset(x.size - 32), LEGACY)?;
+    assert_eq!(
+        (&probe[..32], &probe[32..]),
+        (&[7u8; 32][..], &[9u8; 32][..]),
+        "data across a page boundary"
+    );
+    assert_eq!(
+        (
+            stat(&a, "segment.all.current"),
+            stat(&a, "reserved_bytes.all.current")
+        ),
+        (0, 60 * MIB as i64)
+    );
+    a.free(x.ptr)?;
+    a.free(y.ptr)?;
+    a.empty_cache();
+    assert_eq!(stat(&a, "reserved_bytes.all.current"), 0);
+    a.check_invariants()?;
+    Ok(())
+}
+
 macro_rules! both_backends {
     ($($name:ident),* $(,)?) => {
         mod fake {
@@ -250,5 +282,6 @@ both_backends!(
     memory_fraction,
     allocator_settings_sizes,
     record_stream_reuse_timing,
-    fuzz_with_data_integrity
+    fuzz_with_data_integrity,
+    expandable_segments
 );

@@ -4,8 +4,8 @@ use crate::free_list::{FreeList, key, key_size};
 use crate::rounding::{ONE_EXABYTE, allocation_size, pool_kind, round_size};
 use ferrocuda_driver::{Driver, DriverError};
 use ferrocuda_types::{
-    AllocatorConfig, DeviceIndex, DevicePtr, DeviceStats, EventFlags, EventHandle, PoolKind,
-    StreamHandle,
+    AllocatorConfig, DeviceIndex, DevicePtr, DeviceStats, EventFlags, EventHandle, PhysHandle,
+    PoolKind, StreamHandle, VaRange,
 };
 use parking_lot::{Mutex, MutexGuard};
 use rustc_hash::FxHashMap;
@@ -104,12 +104,29 @@ struct Block {
     in_pool: bool,
     /// Counted in `oversize_allocations` when handed out (the limit may change later).
     oversize: bool,
+    /// Backed by device memory (always, except unmapped ranges of expandable segments).
+    mapped: bool,
+    /// The expandable segment it belongs to, if any.
+    segment: Option<usize>,
+    /// The slab slot is free.
+    vacant: bool,
+    /// Taken out of the free or unmapped sets while the driver works on it, unlocked.
+    busy: bool,
 }
 
 impl Block {
     fn is_split(&self) -> bool {
         self.prev.is_some() || self.next.is_some()
     }
+}
+
+/// An expandable segment: one reserved address range of a (stream, pool), mapped page by
+/// page as it grows (allocator spec §4).
+struct ExpandableSegment {
+    va: VaRange,
+    page: u64,
+    handles: Vec<Option<PhysHandle>>,
+    stream: StreamHandle,
 }
 
 /// A block of the allocator as tests and snapshots see it.
@@ -131,6 +148,10 @@ pub struct BlockInfo {
     pub segment: DevicePtr,
     /// Its allocation stream.
     pub stream: StreamHandle,
+    /// Backed by device memory (false only for unmapped ranges of expandable segments).
+    pub mapped: bool,
+    /// Part of an expandable segment.
+    pub expandable: bool,
 }
 
 struct State {
@@ -149,6 +170,10 @@ struct State {
     gc_clock: u64,
     /// Segments counted in `oversize_segments`, by address.
     oversize_segments: rustc_hash::FxHashSet<u64>,
+    /// Expandable segments (a slab; `None` once destroyed).
+    segments: Vec<Option<ExpandableSegment>>,
+    /// Unmapped ranges of expandable segments per (stream, pool), by address.
+    unmapped: FxHashMap<(u64, u8), std::collections::BTreeMap<u64, usize>>,
 }
 
 fn pool_index(kind: PoolKind) -> usize {
@@ -169,6 +194,7 @@ pub struct CachingAllocator {
     caching: bool,
     uncached: Mutex<FxHashMap<u64, (u64, u64)>>,
     oom_observers: Mutex<Vec<OomObserver>>,
+    granularity: std::sync::OnceLock<u64>,
     state: Mutex<State>,
 }
 
@@ -207,6 +233,7 @@ impl CachingAllocator {
             caching,
             uncached: Mutex::new(FxHashMap::default()),
             oom_observers: Mutex::new(Vec::new()),
+            granularity: std::sync::OnceLock::new(),
             state: Mutex::new(State {
                 config,
                 blocks: Vec::new(),
@@ -221,6 +248,8 @@ impl CachingAllocator {
                 allowed_max: None,
                 gc_clock: 0,
                 oversize_segments: Default::default(),
+                segments: Vec::new(),
+                unmapped: FxHashMap::default(),
             }),
         };
         allocator.set_memory_fraction(fraction)?;
@@ -296,7 +325,7 @@ impl CachingAllocator {
         let st = self.state.lock();
         let mut out = Vec::new();
         for (id, b) in st.blocks.iter().enumerate() {
-            if b.prev.is_some() || st.vacant.contains(&id) {
+            if b.prev.is_some() || b.vacant {
                 continue;
             }
             let mut cursor = Some(id);
@@ -311,6 +340,8 @@ impl CachingAllocator {
                     pending_events: x.event_count > 0,
                     segment: DevicePtr(b.ptr),
                     stream: x.stream,
+                    mapped: x.mapped,
+                    expandable: x.segment.is_some(),
                 });
                 cursor = x.next;
             }
@@ -332,14 +363,20 @@ impl CachingAllocator {
             }
         }
         let mut want = DeviceStats::default();
-        let mut segments: FxHashMap<u64, (PoolKind, u64, usize)> = FxHashMap::default();
+        // (pool, mapped bytes, blocks, expandable) per segment.
+        let mut segments: FxHashMap<u64, (PoolKind, u64, usize, bool)> = FxHashMap::default();
         for b in &blocks {
-            let seg = segments.entry(b.segment.0).or_insert((b.pool, 0, 0));
-            seg.1 += b.size;
+            let seg = segments
+                .entry(b.segment.0)
+                .or_insert((b.pool, 0, 0, b.expandable));
+            if b.mapped {
+                seg.1 += b.size;
+            }
             seg.2 += 1;
         }
-        for b in &blocks {
-            let split = segments.get(&b.segment.0).is_some_and(|s| s.2 > 1);
+        for b in blocks.iter().filter(|b| b.mapped) {
+            // Expandable blocks never count as inactive splits.
+            let split = !b.expandable && segments.get(&b.segment.0).is_some_and(|s| s.2 > 1);
             if b.allocated {
                 want.allocation.increase(b.pool, 1);
                 want.allocated_bytes.increase(b.pool, b.size as i64);
@@ -353,8 +390,11 @@ impl CachingAllocator {
                 want.inactive_split_bytes.increase(b.pool, b.size as i64);
             }
         }
-        for (kind, size, _) in segments.values() {
-            want.segment.increase(*kind, 1);
+        for (kind, size, _, expandable) in segments.values() {
+            // Expandable memory counts as reserved, but not as segments (PyTorch's rule).
+            if !expandable {
+                want.segment.increase(*kind, 1);
+            }
             want.reserved_bytes.increase(*kind, *size as i64);
         }
         let have = &st.stats;
@@ -384,7 +424,7 @@ impl CachingAllocator {
             .blocks
             .iter()
             .enumerate()
-            .filter(|(i, b)| b.in_pool && !st.vacant.contains(i))
+            .filter(|(_, b)| b.in_pool && !b.vacant)
             .count();
         if free != in_pool {
             return Err(format!(
@@ -453,14 +493,14 @@ impl CachingAllocator {
         {
             return Ok(st.use_block(id, size, requested));
         }
-        let (s, found) = self.alloc_segment(st, segment, kind, stream)?;
+        let (s, found) = self.grow(st, size, segment, kind, stream)?;
         st = s;
         if let Some(id) = found {
             return Ok(st.use_block(id, size, requested));
         }
         if st.config.max_split_size.is_some() {
             st = self.release_oversize(st, size, kind, stream);
-            let (s, found) = self.alloc_segment(st, segment, kind, stream)?;
+            let (s, found) = self.grow(st, size, segment, kind, stream)?;
             st = s;
             if let Some(id) = found {
                 return Ok(st.use_block(id, size, requested));
@@ -474,7 +514,7 @@ impl CachingAllocator {
         }
         // Free only as much cached memory as the request needs, largest blocks first...
         st = self.release_cached(st, Some(segment));
-        let (s, found) = self.alloc_segment(st, segment, kind, stream)?;
+        let (s, found) = self.grow(st, size, segment, kind, stream)?;
         st = s;
         if let Some(id) = found {
             return Ok(st.use_block(id, size, requested));
@@ -482,7 +522,7 @@ impl CachingAllocator {
         // ... then everything, as PyTorch does, and retry once more.
         st = self.release_cached(st, None);
         st.stats.num_alloc_retries += 1;
-        let (s, found) = self.alloc_segment(st, segment, kind, stream)?;
+        let (s, found) = self.grow(st, size, segment, kind, stream)?;
         st = s;
         if let Some(id) = found {
             return Ok(st.use_block(id, size, requested));
@@ -490,6 +530,23 @@ impl CachingAllocator {
         st.stats.num_ooms += 1;
         drop(st);
         Err(self.oom_report(segment, false))
+    }
+
+    /// `alloc_block`: more device memory for a request of rounded `size`: a mapped
+    /// expandable range when expandable segments are on, else a new `segment`-byte segment.
+    fn grow<'a>(
+        &'a self,
+        st: MutexGuard<'a, State>,
+        size: u64,
+        segment: u64,
+        kind: PoolKind,
+        stream: StreamHandle,
+    ) -> Result<(MutexGuard<'a, State>, Option<usize>), AllocError> {
+        if st.config.expandable_segments {
+            self.alloc_expandable(st, size, kind, stream)
+        } else {
+            self.alloc_segment(st, segment, kind, stream)
+        }
     }
 
     /// `alloc_block`: a new segment from the driver, outside the lock. `Ok(None)` when the
@@ -527,6 +584,10 @@ impl CachingAllocator {
                     gc_base: 0,
                     in_pool: false,
                     oversize: false,
+                    mapped: true,
+                    segment: None,
+                    vacant: false,
+                    busy: false,
                 });
                 let oversize = st.config.max_split_size.is_some_and(|m| bytes >= m);
                 if oversize {
@@ -570,7 +631,12 @@ impl CachingAllocator {
         let best = st
             .pools
             .keys_of(kind)
-            .filter(|k| k.stream != stream.raw && fits(k) && !st.blocks[k.id].is_split())
+            .filter(|k| {
+                k.stream != stream.raw
+                    && fits(k)
+                    && !st.blocks[k.id].is_split()
+                    && st.blocks[k.id].segment.is_none()
+            })
             .min_by_key(|k| (k.size, k.ptr));
         let Some(found) = best else { return Ok(None) };
         let owner = st.blocks[found.id].stream;
@@ -803,7 +869,7 @@ impl CachingAllocator {
         let mut candidates: Vec<FreeKey> = st
             .pools
             .keys()
-            .filter(|k| !st.blocks[k.id].is_split())
+            .filter(|k| !st.blocks[k.id].is_split() && st.blocks[k.id].segment.is_none())
             .collect();
         candidates.sort_by_key(|k| std::cmp::Reverse(k.size));
         let mut freed = 0;
@@ -815,7 +881,11 @@ impl CachingAllocator {
             freed += k.size;
             ptrs.push(st.release_segment(k.id));
         }
-        self.free_segments(st, ptrs)
+        let st = self.free_segments(st, ptrs);
+        if enough.is_some_and(|e| freed >= e) {
+            return st;
+        }
+        self.release_expandable(st)
     }
 
     /// With `max_split_size` set, frees oversize cached segments of this stream first.
@@ -830,10 +900,12 @@ impl CachingAllocator {
             return st;
         };
         let key = size.max(m);
-        let mine = st
-            .pools
-            .keys_of(kind)
-            .filter(|k| k.stream == stream.raw && !st.blocks[k.id].is_split() && k.size >= m);
+        let mine = st.pools.keys_of(kind).filter(|k| {
+            k.stream == stream.raw
+                && !st.blocks[k.id].is_split()
+                && st.blocks[k.id].segment.is_none()
+                && k.size >= m
+        });
         let mut victims: Vec<FreeKey> = mine.collect();
         victims.sort_by_key(|k| std::cmp::Reverse(k.size));
         let single = victims.iter().rev().find(|k| k.size >= key).copied();
@@ -874,7 +946,7 @@ impl CachingAllocator {
             let candidates: Vec<FreeKey> = st
                 .pools
                 .keys_of(PoolKind::Large)
-                .filter(|k| !st.blocks[k.id].is_split())
+                .filter(|k| !st.blocks[k.id].is_split() && st.blocks[k.id].segment.is_none())
                 .collect();
             if candidates.is_empty() || reclaimed >= target {
                 break;
@@ -906,6 +978,11 @@ impl CachingAllocator {
 }
 
 impl State {
+    fn vacate(&mut self, id: usize) {
+        self.blocks[id].vacant = true;
+        self.vacant.push(id);
+    }
+
     fn insert_block(&mut self, b: Block) -> usize {
         match self.vacant.pop() {
             Some(id) => {
@@ -936,6 +1013,41 @@ impl State {
             .remove(key(b.size, b.ptr));
     }
 
+    /// The best-fit free block of `stream` for `size` (spec §2.3), with expandable blocks
+    /// judged by what they can grow to (spec §4.5).
+    fn best_fit(&self, kind: PoolKind, stream: StreamHandle, size: u64) -> Option<(u128, usize)> {
+        let list = self.pools.list(stream.raw, kind)?;
+        let mut candidates = list.range_from(key(size, 0));
+        let (mut k, mut id) = candidates.next()?;
+        if self.blocks[id].segment.is_none() {
+            return Some((k, id));
+        }
+        if !self.config.expandable_segments {
+            // Expandable segments were switched off: only non-expandable blocks serve.
+            return candidates.find(|(_, i)| self.blocks[*i].segment.is_none());
+        }
+        // A block at the mapped frontier could grow by the unmapped range after it; an
+        // interior block that fits wins over it, so the frontier stays free for growth.
+        let growable = |i: usize| {
+            let b = &self.blocks[i];
+            b.size
+                + b.next.map_or(0, |n| {
+                    if self.blocks[n].mapped {
+                        0
+                    } else {
+                        self.blocks[n].size
+                    }
+                })
+        };
+        for (nk, next) in candidates {
+            if self.blocks[id].segment.is_none() || growable(next) >= growable(id) {
+                break;
+            }
+            (k, id) = (nk, next);
+        }
+        Some((k, id))
+    }
+
     /// Best fit on the same stream, with the oversize rules (spec §1.5, §2.3).
     fn take_free_block(
         &mut self,
@@ -946,10 +1058,7 @@ impl State {
         if self.config.garbage_collection_threshold > 0.0 {
             self.gc_clock += 1;
         }
-        let (k, id) = self
-            .pools
-            .list(stream.raw, kind)?
-            .lower_bound(key(size, 0))?;
+        let (k, id) = self.best_fit(kind, stream, size)?;
         let found = key_size(k);
         let max_split = self.config.max_split_size.unwrap_or(u64::MAX);
         if (size < max_split && found >= max_split)
@@ -965,6 +1074,9 @@ impl State {
     fn should_split(&self, id: usize, size: u64) -> bool {
         let b = &self.blocks[id];
         let remaining = b.size - size;
+        if b.segment.is_some() {
+            return remaining >= crate::rounding::MIN_BLOCK_SIZE;
+        }
         match b.pool {
             PoolKind::Small => remaining >= crate::rounding::MIN_BLOCK_SIZE,
             PoolKind::Large => {
@@ -977,6 +1089,8 @@ impl State {
     fn use_block(&mut self, id: usize, size: u64, requested: u64) -> Allocation {
         let kind = self.blocks[id].pool;
         let was_split = self.blocks[id].is_split();
+        // Expandable blocks are never counted as inactive splits (PyTorch's rule).
+        let counted = self.blocks[id].segment.is_none();
         let id = if self.should_split(id, size) {
             let rest = &self.blocks[id];
             let remaining = rest.size - size;
@@ -994,6 +1108,10 @@ impl State {
                 gc_base: 0,
                 in_pool: false,
                 oversize: false,
+                mapped: true,
+                segment: rest.segment,
+                vacant: false,
+                busy: false,
             };
             let new = self.insert_block(piece);
             if let Some(p) = self.blocks[new].prev {
@@ -1004,7 +1122,8 @@ impl State {
             r.size = remaining;
             r.prev = Some(new);
             self.pool_insert(id);
-            if was_split {
+            if !counted {
+            } else if was_split {
                 self.stats.inactive_split_bytes.decrease(kind, size as i64);
             } else {
                 self.stats.inactive_split.increase(kind, 1);
@@ -1014,7 +1133,7 @@ impl State {
             }
             new
         } else {
-            if was_split {
+            if counted && was_split {
                 self.stats.inactive_split.decrease(kind, 1);
                 self.stats
                     .inactive_split_bytes
@@ -1062,6 +1181,7 @@ impl State {
 
     /// `free_block`: merges with free neighbours and returns the block to its pool.
     fn free_block(&mut self, id: usize) {
+        let counted = self.blocks[id].segment.is_none();
         let kind = self.blocks[id].pool;
         let (size, requested) = (self.blocks[id].size, self.blocks[id].requested);
         for neighbour in [
@@ -1074,10 +1194,12 @@ impl State {
             self.pool_remove(neighbour);
             let n = &self.blocks[neighbour];
             let (n_ptr, n_size, n_prev, n_next) = (n.ptr, n.size, n.prev, n.next);
-            self.stats.inactive_split.decrease(kind, 1);
-            self.stats
-                .inactive_split_bytes
-                .decrease(kind, n_size as i64);
+            if counted {
+                self.stats.inactive_split.decrease(kind, 1);
+                self.stats
+                    .inactive_split_bytes
+                    .decrease(kind, n_size as i64);
+            }
             let b = &mut self.blocks[id];
             if n_ptr < b.ptr {
                 b.ptr = n_ptr;
@@ -1092,10 +1214,10 @@ impl State {
                 }
             }
             self.blocks[id].size += n_size;
-            self.vacant.push(neighbour);
+            self.vacate(neighbour);
         }
         self.blocks[id].requested = 0;
-        if self.blocks[id].is_split() {
+        if counted && self.blocks[id].is_split() {
             self.stats.inactive_split.increase(kind, 1);
             self.stats
                 .inactive_split_bytes
@@ -1121,7 +1243,484 @@ impl State {
         s.reserved_bytes.decrease(kind, size as i64);
         s.num_device_free += 1;
         self.total_reserved -= size;
-        self.vacant.push(id);
+        self.vacate(id);
         ptr
+    }
+}
+
+/// One step of growing an expandable range: a free mapped block to take as it is, or the
+/// first `bytes` of an unmapped range to map.
+#[derive(Copy, Clone, Debug)]
+enum Grow {
+    Take(usize),
+    Map(usize, u64),
+}
+
+impl State {
+    fn unmapped_key(&self, id: usize) -> ((u64, u8), u64) {
+        let b = &self.blocks[id];
+        ((b.stream.raw, pool_index(b.pool) as u8), b.ptr)
+    }
+
+    fn unmapped_insert(&mut self, id: usize) {
+        let (set, ptr) = self.unmapped_key(id);
+        self.blocks[id].busy = false;
+        self.unmapped.entry(set).or_default().insert(ptr, id);
+    }
+
+    fn unmapped_remove(&mut self, id: usize) {
+        let (set, ptr) = self.unmapped_key(id);
+        if let Some(m) = self.unmapped.get_mut(&set) {
+            m.remove(&ptr);
+        }
+    }
+
+    /// Whether a block can become part of a growing range: free and mapped, or unmapped.
+    fn growable(&self, id: usize) -> bool {
+        let b = &self.blocks[id];
+        b.in_pool || (!b.mapped && !b.busy)
+    }
+
+    /// `find_expandable_block`: the first place, in address order, from which free and
+    /// unmapped blocks of this stream's segments cover `size`: an unmapped range, or the
+    /// free block just before it.
+    fn find_expandable(&self, stream: StreamHandle, kind: PoolKind, size: u64) -> Option<usize> {
+        let set = self.unmapped.get(&(stream.raw, pool_index(kind) as u8))?;
+        for &u in set.values() {
+            let start = match self.blocks[u].prev {
+                Some(p) if self.blocks[p].in_pool => p,
+                _ => u,
+            };
+            let (mut covered, mut cur) = (0, Some(start));
+            while let Some(id) = cur.filter(|&i| self.growable(i)) {
+                covered += self.blocks[id].size;
+                if covered >= size {
+                    return Some(start);
+                }
+                cur = self.blocks[id].next;
+            }
+        }
+        None
+    }
+
+    /// Cuts the first `bytes` of block `id` off into a new block, which it returns.
+    fn split_front(&mut self, id: usize, bytes: u64) -> usize {
+        let b = &self.blocks[id];
+        let front = Block {
+            ptr: b.ptr,
+            size: bytes,
+            requested: 0,
+            stream: b.stream,
+            pool: b.pool,
+            allocated: false,
+            prev: b.prev,
+            next: Some(id),
+            event_count: 0,
+            stream_uses: Vec::new(),
+            gc_base: 0,
+            in_pool: false,
+            oversize: false,
+            mapped: b.mapped,
+            segment: b.segment,
+            vacant: false,
+            busy: false,
+        };
+        let new = self.insert_block(front);
+        if let Some(p) = self.blocks[new].prev {
+            self.blocks[p].next = Some(new);
+        }
+        let b = &mut self.blocks[id];
+        b.ptr += bytes;
+        b.size -= bytes;
+        b.prev = Some(new);
+        new
+    }
+
+    /// Merges `next` (which must follow `id` directly) into `id`.
+    fn absorb_next(&mut self, id: usize, next: usize) {
+        let (size, after) = (self.blocks[next].size, self.blocks[next].next);
+        self.blocks[id].size += size;
+        self.blocks[id].next = after;
+        if let Some(a) = after {
+            self.blocks[a].prev = Some(id);
+        }
+        self.vacate(next);
+    }
+
+    /// Records a range that was just unmapped: merged with unmapped neighbours, back in the
+    /// unmapped set. Returns the segment's reservation if the segment is now entirely
+    /// unmapped (it is then destroyed, and the caller gives the range back).
+    fn settle_unmapped(&mut self, id: usize) -> Option<VaRange> {
+        self.blocks[id].mapped = false;
+        self.blocks[id].busy = false;
+        if let Some(p) = self.blocks[id]
+            .prev
+            .filter(|&p| !self.blocks[p].mapped && !self.blocks[p].busy)
+        {
+            self.unmapped_remove(p);
+            self.absorb_next(p, id);
+            return self.settle_unmapped_at(p);
+        }
+        self.settle_unmapped_at(id)
+    }
+
+    fn settle_unmapped_at(&mut self, id: usize) -> Option<VaRange> {
+        if let Some(n) = self.blocks[id]
+            .next
+            .filter(|&n| !self.blocks[n].mapped && !self.blocks[n].busy)
+        {
+            self.unmapped_remove(n);
+            self.absorb_next(id, n);
+        }
+        let b = &self.blocks[id];
+        if b.prev.is_none() && b.next.is_none() {
+            let seg = b
+                .segment
+                .and_then(|s| self.segments.get_mut(s))
+                .and_then(Option::take);
+            self.vacate(id);
+            return seg.map(|s| s.va);
+        }
+        self.unmapped_insert(id);
+        None
+    }
+}
+
+impl CachingAllocator {
+    /// The page of an expandable segment of `kind`: 2 MiB small, the large segment size
+    /// large; it must be a multiple of the driver's granularity (queried, not assumed).
+    fn page_size(&self, st: &State, kind: PoolKind) -> Result<u64, AllocError> {
+        let page = match kind {
+            PoolKind::Small => crate::rounding::SMALL_BUFFER,
+            PoolKind::Large => st.config.large_segment_size,
+        };
+        let granularity = *self
+            .granularity
+            .get_or_init(|| self.driver.vm_granularity(self.device).unwrap_or(0));
+        if granularity == 0 || page % granularity != 0 {
+            return Err(AllocError::Driver(DriverError::NOT_SUPPORTED));
+        }
+        Ok(page)
+    }
+
+    /// Reserves a new expandable segment's address range (outside the lock): 9/8 of the
+    /// device, or `expandable_segments_reserve`, never more than 9/8.
+    fn new_segment<'a>(
+        &'a self,
+        st: MutexGuard<'a, State>,
+        kind: PoolKind,
+        stream: StreamHandle,
+        page: u64,
+    ) -> Result<MutexGuard<'a, State>, AllocError> {
+        let cap = self.device_total + self.device_total / 8;
+        let want = match st.config.expandable_segments_reserve {
+            Some(ferrocuda_types::ReserveSize::Fraction(f)) => {
+                (f * self.device_total as f64) as u64
+            }
+            Some(ferrocuda_types::ReserveSize::Bytes(b)) => b,
+            None => cap,
+        };
+        let bytes = want.clamp(page, cap.max(page)).div_ceil(page) * page;
+        drop(st);
+        let va = self.driver.vm_reserve(self.device, bytes)?;
+        let mut st = self.state.lock();
+        let segment = st.segments.len();
+        st.segments.push(Some(ExpandableSegment {
+            va,
+            page,
+            handles: vec![None; (bytes / page) as usize],
+            stream,
+        }));
+        let id = st.insert_block(Block {
+            ptr: va.base.0,
+            size: bytes,
+            requested: 0,
+            stream,
+            pool: kind,
+            allocated: false,
+            prev: None,
+            next: None,
+            event_count: 0,
+            stream_uses: Vec::new(),
+            gc_base: 0,
+            in_pool: false,
+            oversize: false,
+            mapped: false,
+            segment: Some(segment),
+            vacant: false,
+            busy: false,
+        });
+        st.unmapped_insert(id);
+        Ok(st)
+    }
+
+    /// `try_allocate_expandable_block`: finds (or reserves) room for `size` bytes in this
+    /// stream's expandable segments, maps what is missing, and returns the range as one
+    /// free block. Mapping is transactional: if any page fails, the pages mapped by this
+    /// call are unmapped and released, and the segment is as it was (PyTorch #188008).
+    fn alloc_expandable<'a>(
+        &'a self,
+        mut st: MutexGuard<'a, State>,
+        size: u64,
+        kind: PoolKind,
+        stream: StreamHandle,
+    ) -> Result<(MutexGuard<'a, State>, Option<usize>), AllocError> {
+        let page = self.page_size(&st, kind)?;
+        let start = match st.find_expandable(stream, kind, size) {
+            Some(s) => s,
+            None => {
+                st = self.new_segment(st, kind, stream, page)?;
+                match st.find_expandable(stream, kind, size) {
+                    Some(s) => s,
+                    None => return Ok((st, None)),
+                }
+            }
+        };
+        let mut plan = Vec::new();
+        let (mut covered, mut cur) = (0, Some(start));
+        while covered < size {
+            let Some(id) = cur.filter(|&i| st.growable(i)) else {
+                return Ok((st, None));
+            };
+            let b = &st.blocks[id];
+            if b.in_pool {
+                plan.push(Grow::Take(id));
+                covered += b.size;
+            } else {
+                let bytes = ((size - covered).div_ceil(page) * page).min(b.size);
+                plan.push(Grow::Map(id, bytes));
+                covered += bytes;
+            }
+            cur = b.next;
+        }
+        let to_map: u64 = plan
+            .iter()
+            .map(|g| if let Grow::Map(_, b) = g { *b } else { 0 })
+            .sum();
+        if st
+            .allowed_max
+            .is_some_and(|max| st.total_reserved + to_map > max)
+        {
+            return Ok((st, None));
+        }
+        for g in &plan {
+            match *g {
+                Grow::Take(id) => st.pool_remove(id),
+                Grow::Map(id, _) => st.unmapped_remove(id),
+            }
+            let (Grow::Take(id) | Grow::Map(id, _)) = *g;
+            st.blocks[id].busy = true;
+        }
+        st.total_reserved += to_map;
+        let jobs: Vec<(u64, u64)> = plan
+            .iter()
+            .filter_map(|g| {
+                if let Grow::Map(id, b) = *g {
+                    Some((st.blocks[id].ptr, b))
+                } else {
+                    None
+                }
+            })
+            .collect();
+        drop(st);
+        let mapped = self.map_pages(&jobs, page);
+        let mut st = self.state.lock();
+        let handles = match mapped {
+            Ok(h) => h,
+            Err(e) => {
+                st.total_reserved -= to_map;
+                for g in &plan {
+                    match *g {
+                        Grow::Take(id) => {
+                            st.blocks[id].busy = false;
+                            st.pool_insert(id);
+                        }
+                        Grow::Map(id, _) => st.unmapped_insert(id),
+                    }
+                }
+                return if e.is_out_of_memory() {
+                    Ok((st, None))
+                } else {
+                    Err(e.into())
+                };
+            }
+        };
+        let mut pieces = Vec::new();
+        let mut handles = handles.into_iter();
+        for g in plan {
+            match g {
+                Grow::Take(id) => pieces.push(id),
+                Grow::Map(id, bytes) => {
+                    let piece = if bytes < st.blocks[id].size {
+                        let front = st.split_front(id, bytes);
+                        st.blocks[id].busy = false;
+                        st.unmapped_insert(id);
+                        front
+                    } else {
+                        id
+                    };
+                    let b = &mut st.blocks[piece];
+                    b.mapped = true;
+                    let (ptr, seg) = (b.ptr, b.segment);
+                    if let Some(segment) = seg
+                        .and_then(|s| st.segments.get_mut(s))
+                        .and_then(Option::as_mut)
+                    {
+                        let first = ((ptr - segment.va.base.0) / segment.page) as usize;
+                        for (slot, h) in segment.handles[first..]
+                            .iter_mut()
+                            .zip(handles.next().unwrap_or_default())
+                        {
+                            *slot = Some(h);
+                        }
+                    }
+                    st.stats.reserved_bytes.increase(kind, bytes as i64);
+                    st.stats.num_device_alloc += 1;
+                    pieces.push(piece);
+                }
+            }
+        }
+        let first = pieces[0];
+        for next in pieces.into_iter().skip(1) {
+            st.absorb_next(first, next);
+        }
+        st.blocks[first].busy = false;
+        Ok((st, Some(first)))
+    }
+
+    /// Maps `bytes` at each address, a page at a time, then grants access. All or nothing.
+    fn map_pages(
+        &self,
+        jobs: &[(u64, u64)],
+        page: u64,
+    ) -> Result<Vec<Vec<PhysHandle>>, DriverError> {
+        let d = &self.driver;
+        let mut done: Vec<Vec<PhysHandle>> = Vec::new();
+        let mut result = Ok(());
+        'jobs: for &(addr, bytes) in jobs {
+            done.push(Vec::new());
+            for p in 0..bytes / page {
+                let h = match d.vm_create(self.device, page) {
+                    Ok(h) => h,
+                    Err(e) => {
+                        result = Err(e);
+                        break 'jobs;
+                    }
+                };
+                if let Err(e) = d.vm_map(DevicePtr(addr + p * page), h) {
+                    let _ = d.vm_destroy(h);
+                    result = Err(e);
+                    break 'jobs;
+                }
+                if let Some(v) = done.last_mut() {
+                    v.push(h);
+                }
+            }
+            if let Err(e) = d.vm_set_access(self.device, DevicePtr(addr), bytes) {
+                result = Err(e);
+                break;
+            }
+        }
+        match result {
+            Ok(()) => Ok(done),
+            Err(e) => {
+                for (&(addr, _), handles) in jobs.iter().zip(&done) {
+                    for (p, h) in handles.iter().enumerate() {
+                        let _ = d.vm_unmap(self.device, DevicePtr(addr + p as u64 * page), page);
+                        let _ = d.vm_destroy(*h);
+                    }
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// Unmaps the whole pages inside free expandable blocks (partial pages at either end
+    /// stay mapped), after waiting for each segment's stream: the driver's unmap does not
+    /// wait for queued work. Segments left entirely unmapped give their range back.
+    fn release_expandable<'a>(&'a self, mut st: MutexGuard<'a, State>) -> MutexGuard<'a, State> {
+        let candidates: Vec<usize> = st
+            .pools
+            .keys()
+            .filter(|k| st.blocks[k.id].segment.is_some())
+            .map(|k| k.id)
+            .collect();
+        let mut jobs: Vec<(usize, u64, u64, Vec<PhysHandle>, StreamHandle, PoolKind)> = Vec::new();
+        for id in candidates {
+            let b = &st.blocks[id];
+            let Some(seg) = b
+                .segment
+                .and_then(|s| st.segments.get(s))
+                .and_then(Option::as_ref)
+            else {
+                continue;
+            };
+            let (base, page) = (seg.va.base.0, seg.page);
+            let first = base + (b.ptr - base).div_ceil(page) * page;
+            let last = base + (b.ptr + b.size - base) / page * page;
+            if last <= first {
+                continue;
+            }
+            let (end, kind, stream) = (b.ptr + b.size, b.pool, seg.stream);
+            st.pool_remove(id);
+            let mut mid = id;
+            let head_bytes = first - st.blocks[id].ptr;
+            if head_bytes > 0 {
+                let head = st.split_front(id, head_bytes);
+                st.pool_insert(head);
+            }
+            if last < end {
+                mid = st.split_front(id, last - first);
+                st.pool_insert(id);
+            }
+            st.blocks[mid].busy = true;
+            let seg_id = st.blocks[mid].segment;
+            let handles: Vec<PhysHandle> = match seg_id
+                .and_then(|s| st.segments.get_mut(s))
+                .and_then(Option::as_mut)
+            {
+                Some(segment) => {
+                    let from = ((first - base) / page) as usize;
+                    let to = ((last - base) / page) as usize;
+                    segment.handles[from..to]
+                        .iter_mut()
+                        .filter_map(Option::take)
+                        .collect()
+                }
+                None => Vec::new(),
+            };
+            jobs.push((mid, first, last - first, handles, stream, kind));
+        }
+        if jobs.is_empty() {
+            return st;
+        }
+        drop(st);
+        let mut synced: Vec<StreamHandle> = Vec::new();
+        for (_, addr, bytes, handles, stream, _) in &jobs {
+            if !synced.contains(stream) {
+                let _ = self.driver.stream_synchronize(*stream);
+                synced.push(*stream);
+            }
+            let _ = self.driver.vm_unmap(self.device, DevicePtr(*addr), *bytes);
+            for h in handles {
+                let _ = self.driver.vm_destroy(*h);
+            }
+        }
+        let mut st = self.state.lock();
+        let mut ranges = Vec::new();
+        for (mid, _, bytes, _, _, kind) in jobs {
+            st.stats.reserved_bytes.decrease(kind, bytes as i64);
+            st.stats.num_device_free += 1;
+            st.total_reserved -= bytes;
+            ranges.extend(st.settle_unmapped(mid));
+        }
+        if ranges.is_empty() {
+            return st;
+        }
+        drop(st);
+        for va in ranges {
+            let _ = self.driver.vm_release(va);
+        }
+        self.state.lock()
     }
 }

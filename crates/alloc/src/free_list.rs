@@ -63,13 +63,13 @@ impl FreeList {
         }
     }
 
-    /// The first entry with a key of at least `k`.
-    pub(crate) fn lower_bound(&self, k: u128) -> Option<(u128, usize)> {
+    /// Entries with a key of at least `k`, in order.
+    pub(crate) fn range_from(&self, k: u128) -> Box<dyn Iterator<Item = (u128, usize)> + '_> {
         match &self.large {
-            Some(map) => map.range(k..).next().map(|(k, id)| (*k, *id)),
+            Some(map) => Box::new(map.range(k..).map(|(k, id)| (*k, *id))),
             None => {
                 let at = self.small.partition_point(|(x, _)| *x < k);
-                self.small.get(at).copied()
+                Box::new(self.small[at..].iter().copied())
             }
         }
     }
@@ -109,7 +109,7 @@ mod tests {
             assert_eq!(f.len(), model.len());
             let probe = key(seed >> 54, 0);
             assert_eq!(
-                f.lower_bound(probe),
+                f.range_from(probe).next(),
                 model.range(probe..).next().map(|(k, v)| (*k, *v))
             );
         }

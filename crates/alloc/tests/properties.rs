@@ -37,7 +37,7 @@ fn op() -> impl Strategy<Value = Op> {
         2 => (any::<usize>(), 0..3usize).prop_map(|(pick, stream)| Op::RecordStream { pick, stream }),
         2 => (0..3usize).prop_map(|stream| Op::Advance { stream }),
         1 => Just(Op::EmptyCache),
-        1 => (0..CONFIGS.len()).prop_map(|config| Op::Configure { config }),
+        2 => (0..CONFIGS.len()).prop_map(|config| Op::Configure { config }),
     ]
 }
 

@@ -62,6 +62,27 @@ fn default_config_reproduces_pytorch_exactly() -> TestResult {
     Ok(())
 }
 
+/// Expandable segments reproduce PyTorch's expandable figures: the same peak reservation
+/// and the same number of page mappings (both depend only on sizes, not on addresses).
+#[test]
+fn expandable_segments_reproduce_pytorch_exactly() -> TestResult {
+    let conf = "expandable_segments:True";
+    for model in ["gpt2_train", "resnet50_train"] {
+        let traces = read_device_traces(&data(&format!("{model}.pickle.xz")))?;
+        let (f, _) = replay(&traces[0], conf, 80 << 30, |_| {})?;
+        for (ours, key) in [
+            (f.peak_requested, "peak_requested"),
+            (f.peak_allocated, "peak_allocated"),
+            (f.peak_reserved, "peak_reserved"),
+            (f.num_device_alloc, "num_device_alloc"),
+            (f.num_device_free, "num_device_free"),
+        ] {
+            assert_eq!(ours, pytorch_figure(model, conf, key)?, "{model} {key}");
+        }
+    }
+    Ok(())
+}
+
 #[test]
 fn other_configs_replay_with_consistent_books() -> TestResult {
     let traces = read_device_traces(&data("resnet50_train.pickle.xz"))?;
