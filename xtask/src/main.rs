@@ -12,7 +12,7 @@ use std::process::{Command, ExitCode, Stdio};
 /// Test binaries that go into the GPU bundle.
 const GPU_TESTS: &[&str] = &["conformance_cuda", "alloc_conformance"];
 /// Bench binaries that go into the GPU bundle.
-const GPU_BENCHES: &[&str] = &["launch", "alloc"];
+const GPU_BENCHES: &[&str] = &["launch", "alloc", "expandable"];
 /// Examples that go into the GPU bundle (each must succeed and say it ran on the GPU).
 const GPU_EXAMPLES: &[&str] = &["tour"];
 
