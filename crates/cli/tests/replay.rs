@@ -1,4 +1,5 @@
-//! Replays of real PyTorch traces (recorded on an H200 with PyTorch 2.11; `tests/data/`):
+//! Replays of real PyTorch traces (recorded on an H200 with PyTorch 2.11; the workspace's
+//! `tests/data/`):
 //! with the default configuration ferrocuda's allocator must reproduce PyTorch's own figures
 //! exactly, and its books must equal a recount of its blocks (checked inside `replay`).
 use ferrocuda_cli::replay::replay;
@@ -9,8 +10,9 @@ use std::process::Command;
 type TestResult = Result<(), Box<dyn std::error::Error>>;
 
 fn data(name: &str) -> std::path::PathBuf {
+    // The traces live in the workspace's tests/data (the README's main job replays one).
     Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/data")
+        .join("../../tests/data")
         .join(name)
 }
 
