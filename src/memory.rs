@@ -145,3 +145,42 @@ pub fn set_allocator_settings(settings: &str) -> Result<(), AllocError> {
 pub fn mem_get_info(dev: DeviceIndex) -> Result<(u64, u64), AllocError> {
     Ok(crate::runtime().mem_get_info(dev)?)
 }
+
+/// `torch.cuda.memory._record_memory_history(enabled, context, stacks, max_entries)` on
+/// every device: `enabled` `None`/`"state"`/`"all"`, `context` `None`/`"state"`/`"alloc"`/
+/// `"all"`, `stacks` `"python"` or `"all"` (both record Rust frames here).
+pub fn record_memory_history(
+    enabled: Option<&str>,
+    context: Option<&str>,
+    stacks: &str,
+    max_entries: usize,
+) -> Result<(), AllocError> {
+    if !matches!(stacks, "python" | "all") {
+        return Err(AllocError::History(
+            "expected stacks to be 'python', or 'all'".into(),
+        ));
+    }
+    let options = crate::alloc::history::HistoryOptions::parse(enabled, context, max_entries)
+        .map_err(AllocError::History)?;
+    let allocators = allocators()?;
+    for dev in 0..crate::runtime().device_count() {
+        allocators
+            .device(DeviceIndex(dev as u16))?
+            .record_memory_history(options);
+    }
+    Ok(())
+}
+
+/// `torch.cuda.memory._snapshot()`: segments of every device, per-device history, settings.
+pub fn memory_snapshot() -> Result<crate::types::Snapshot, AllocError> {
+    allocators()?.snapshot()
+}
+
+/// `torch.cuda.memory._dump_snapshot(path)`: the snapshot as a pickle PyTorch's viewer reads.
+pub fn dump_snapshot(path: &std::path::Path) -> Result<(), AllocError> {
+    let bytes = memory_snapshot()?
+        .to_pickle()
+        .map_err(AllocError::History)?;
+    std::fs::write(path, bytes)
+        .map_err(|e| AllocError::History(format!("cannot write {}: {e}", path.display())))
+}

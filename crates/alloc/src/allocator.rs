@@ -1,18 +1,32 @@
 //! One device's caching allocator.
 use crate::error::{AllocError, OutOfMemory};
 use crate::free_list::{FreeList, key, key_size};
+use crate::history::{History, HistoryContext, HistoryOptions, capture_frames};
 use crate::rounding::{ONE_EXABYTE, allocation_size, pool_kind, round_size};
 use ferrocuda_driver::{Driver, DriverError};
 use ferrocuda_types::{
     AllocatorConfig, DeviceIndex, DevicePtr, DeviceStats, EventFlags, EventHandle, PhysHandle,
     PoolKind, StreamHandle, VaRange,
 };
+use ferrocuda_types::{AllocatorSettings, Frame, SnapshotBlock, SnapshotSegment, TraceEntry};
 use parking_lot::{Mutex, MutexGuard};
 use rustc_hash::FxHashMap;
 use std::collections::VecDeque;
 use std::sync::Arc;
 
 const SMALL_SIZE: u64 = crate::rounding::SMALL_SIZE;
+
+/// One allocation request on its way through the paths.
+struct Request {
+    /// Rounded size.
+    size: u64,
+    /// Bytes asked for.
+    requested: u64,
+    kind: PoolKind,
+    stream: StreamHandle,
+    /// Where it was made, when history records stacks.
+    frames: Option<Arc<[Frame]>>,
+}
 
 /// A live allocation handed out by [`CachingAllocator::allocate`].
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -112,6 +126,8 @@ struct Block {
     vacant: bool,
     /// Taken out of the free or unmapped sets while the driver works on it, unlocked.
     busy: bool,
+    /// Where it was allocated, when history records stacks.
+    frames: Option<Arc<[Frame]>>,
 }
 
 impl Block {
@@ -174,6 +190,7 @@ struct State {
     segments: Vec<Option<ExpandableSegment>>,
     /// Unmapped ranges of expandable segments per (stream, pool), by address.
     unmapped: FxHashMap<(u64, u8), std::collections::BTreeMap<u64, usize>>,
+    history: History,
 }
 
 fn pool_index(kind: PoolKind) -> usize {
@@ -195,6 +212,8 @@ pub struct CachingAllocator {
     uncached: Mutex<FxHashMap<u64, (u64, u64)>>,
     oom_observers: Mutex<Vec<OomObserver>>,
     granularity: std::sync::OnceLock<u64>,
+    /// The history context, readable without the lock (stacks are captured outside it).
+    context: std::sync::atomic::AtomicU8,
     state: Mutex<State>,
 }
 
@@ -234,6 +253,7 @@ impl CachingAllocator {
             uncached: Mutex::new(FxHashMap::default()),
             oom_observers: Mutex::new(Vec::new()),
             granularity: std::sync::OnceLock::new(),
+            context: std::sync::atomic::AtomicU8::new(HistoryContext::Never as u8),
             state: Mutex::new(State {
                 config,
                 blocks: Vec::new(),
@@ -250,6 +270,7 @@ impl CachingAllocator {
                 oversize_segments: Default::default(),
                 segments: Vec::new(),
                 unmapped: FxHashMap::default(),
+                history: History::default(),
             }),
         };
         allocator.set_memory_fraction(fraction)?;
@@ -259,6 +280,102 @@ impl CachingAllocator {
     /// Adds an observer called on every out-of-memory error.
     pub fn add_oom_observer(&self, observer: OomObserver) {
         self.oom_observers.lock().push(observer);
+    }
+
+    /// Starts, changes or stops recording history (`_record_memory_history`).
+    pub fn record_memory_history(&self, options: HistoryOptions) {
+        self.context
+            .store(options.context as u8, std::sync::atomic::Ordering::Relaxed);
+        self.state.lock().history.set(options);
+    }
+
+    /// The segments with their blocks (one segment per contiguous mapped run of an
+    /// expandable segment) and the recorded history, as `torch.cuda.memory._snapshot()`
+    /// has them. Taking a snapshot records a `snapshot` event.
+    pub fn snapshot(&self) -> (Vec<SnapshotSegment>, Vec<TraceEntry>) {
+        let mut st = self.state.lock();
+        let state_of = |b: &Block| {
+            if b.allocated {
+                "active_allocated"
+            } else if b.event_count > 0 {
+                "active_pending_free"
+            } else {
+                "inactive"
+            }
+        };
+        let mut segments = Vec::new();
+        for (head, b) in st.blocks.iter().enumerate() {
+            let starts_run = !b.vacant && b.mapped && b.prev.is_none_or(|p| !st.blocks[p].mapped);
+            if !starts_run {
+                continue;
+            }
+            let mut seg = SnapshotSegment {
+                device: self.device.0,
+                address: b.ptr,
+                total_size: 0,
+                allocated_size: 0,
+                active_size: 0,
+                requested_size: 0,
+                stream: b.stream.raw,
+                segment_type: if b.pool == PoolKind::Small {
+                    "small"
+                } else {
+                    "large"
+                }
+                .into(),
+                segment_pool_id: (0, 0),
+                is_expandable: b.segment.is_some(),
+                frames: Vec::new(),
+                blocks: Vec::new(),
+            };
+            let mut cursor = Some(head);
+            while let Some(i) = cursor.filter(|&i| st.blocks[i].mapped) {
+                let x = &st.blocks[i];
+                let active = x.allocated || x.event_count > 0;
+                seg.total_size += x.size;
+                if x.allocated {
+                    seg.allocated_size += x.size;
+                }
+                if active {
+                    seg.active_size += x.size;
+                    seg.requested_size += x.requested;
+                }
+                seg.blocks.push(SnapshotBlock {
+                    address: x.ptr,
+                    size: x.size,
+                    requested_size: x.requested,
+                    state: state_of(x).into(),
+                    frames: x
+                        .frames
+                        .as_deref()
+                        .map(<[Frame]>::to_vec)
+                        .unwrap_or_default(),
+                });
+                cursor = x.next;
+            }
+            segments.push(seg);
+        }
+        segments.sort_by_key(|s| s.address);
+        let active = st.stats.active_bytes.all.current as u64;
+        st.history.record("snapshot", 0, active, 0, None);
+        (segments, st.history.entries())
+    }
+
+    /// `allocator_settings` of a snapshot.
+    pub fn allocator_settings(&self) -> AllocatorSettings {
+        let c = self.state.lock().config.clone();
+        AllocatorSettings {
+            conf: c.to_string(),
+            max_split_size: c.max_split_size.map_or(-1, |m| m as i64),
+            garbage_collection_threshold: c.garbage_collection_threshold,
+            expandable_segments: c.expandable_segments,
+            roundup_power2_divisions: c
+                .roundup_power2_divisions
+                .iter()
+                .enumerate()
+                .map(|(i, d)| ((1u64 << i).to_string(), *d))
+                .collect(),
+        }
     }
 
     /// The device.
@@ -440,7 +557,7 @@ impl CachingAllocator {
     pub fn allocate(&self, bytes: u64, stream: StreamHandle) -> Result<Allocation, AllocError> {
         if bytes >= ONE_EXABYTE {
             self.state.lock().stats.num_ooms += 1;
-            return Err(self.oom_report(bytes, true));
+            return Err(self.oom_report(bytes, true, stream));
         }
         if bytes == 0 {
             return Ok(Allocation {
@@ -463,61 +580,70 @@ impl CachingAllocator {
                 stream,
             });
         }
+        // Stacks are gathered before taking the lock: they are slow.
+        let context = self.context.load(std::sync::atomic::Ordering::Relaxed);
+        let frames = (context >= HistoryContext::State as u8).then(capture_frames);
         let mut st = self.state.lock();
         self.process_events(&mut st);
         let size = round_size(bytes, &st.config);
-        let kind = pool_kind(size);
-        if let Some(id) = st.take_free_block(kind, stream, size) {
-            return Ok(st.use_block(id, size, bytes));
+        let req = Request {
+            size,
+            requested: bytes,
+            kind: pool_kind(size),
+            stream,
+            frames,
+        };
+        if let Some(id) = st.take_free_block(req.kind, stream, size) {
+            return Ok(st.use_block(id, &req));
         }
-        self.slow_path(st, size, bytes, kind, stream)
+        self.slow_path(st, req)
     }
 
     fn slow_path<'a>(
         &'a self,
         mut st: MutexGuard<'a, State>,
-        size: u64,
-        requested: u64,
-        kind: PoolKind,
-        stream: StreamHandle,
+        req: Request,
     ) -> Result<Allocation, AllocError> {
+        let Request {
+            size, kind, stream, ..
+        } = req;
         let segment = allocation_size(size, &st.config);
         if st.config.garbage_collection_threshold > 0.0 {
             st = self.garbage_collect(st);
             if let Some(id) = st.take_free_block(kind, stream, size) {
-                return Ok(st.use_block(id, size, requested));
+                return Ok(st.use_block(id, &req));
             }
         }
         if st.config.cross_stream_reuse
             && let Some(id) = self.take_from_other_stream(&mut st, kind, stream, size)?
         {
-            return Ok(st.use_block(id, size, requested));
+            return Ok(st.use_block(id, &req));
         }
         let (s, found) = self.grow(st, size, segment, kind, stream)?;
         st = s;
         if let Some(id) = found {
-            return Ok(st.use_block(id, size, requested));
+            return Ok(st.use_block(id, &req));
         }
         if st.config.max_split_size.is_some() {
             st = self.release_oversize(st, size, kind, stream);
             let (s, found) = self.grow(st, size, segment, kind, stream)?;
             st = s;
             if let Some(id) = found {
-                return Ok(st.use_block(id, size, requested));
+                return Ok(st.use_block(id, &req));
             }
         }
         // Wait for blocks held by other streams' events, then look again: the block we
         // need may have become free (PyTorch never looks again: #189504).
         st = self.synchronize_events(st);
         if let Some(id) = st.take_free_block(kind, stream, size) {
-            return Ok(st.use_block(id, size, requested));
+            return Ok(st.use_block(id, &req));
         }
         // Free only as much cached memory as the request needs, largest blocks first...
         st = self.release_cached(st, Some(segment));
         let (s, found) = self.grow(st, size, segment, kind, stream)?;
         st = s;
         if let Some(id) = found {
-            return Ok(st.use_block(id, size, requested));
+            return Ok(st.use_block(id, &req));
         }
         // ... then everything, as PyTorch does, and retry once more.
         st = self.release_cached(st, None);
@@ -525,11 +651,11 @@ impl CachingAllocator {
         let (s, found) = self.grow(st, size, segment, kind, stream)?;
         st = s;
         if let Some(id) = found {
-            return Ok(st.use_block(id, size, requested));
+            return Ok(st.use_block(id, &req));
         }
         st.stats.num_ooms += 1;
         drop(st);
-        Err(self.oom_report(segment, false))
+        Err(self.oom_report(segment, false, stream))
     }
 
     /// `alloc_block`: more device memory for a request of rounded `size`: a mapped
@@ -588,12 +714,15 @@ impl CachingAllocator {
                     segment: None,
                     vacant: false,
                     busy: false,
+                    frames: None,
                 });
                 let oversize = st.config.max_split_size.is_some_and(|m| bytes >= m);
                 if oversize {
                     st.oversize_segments.insert(ptr.0);
                     st.stats.oversize_segments.increase(1);
                 }
+                st.history
+                    .record("segment_alloc", ptr.0, bytes, stream.raw, None);
                 let s = &mut st.stats;
                 s.segment.increase(kind, 1);
                 s.reserved_bytes.increase(kind, bytes as i64);
@@ -660,15 +789,21 @@ impl CachingAllocator {
 
     fn driver_oom(&self, e: DriverError, bytes: u64) -> AllocError {
         if e.is_out_of_memory() {
-            self.oom_report(bytes, false)
+            self.oom_report(bytes, false, StreamHandle::legacy(self.device))
         } else {
             AllocError::Driver(e)
         }
     }
 
-    fn oom_report(&self, requested: u64, beyond_one_exabyte: bool) -> AllocError {
+    fn oom_report(
+        &self,
+        requested: u64,
+        beyond_one_exabyte: bool,
+        stream: StreamHandle,
+    ) -> AllocError {
         let device_free = self.driver.mem_get_info(self.device).map_or(0, |(f, _)| f);
-        let st = self.state.lock();
+        let mut st = self.state.lock();
+        st.history.record_oom(requested, device_free, stream.raw);
         let mut per_stream: FxHashMap<u64, (StreamHandle, u64)> = FxHashMap::default();
         let mut largest = 0;
         for key in st.pools.keys() {
@@ -713,11 +848,21 @@ impl CachingAllocator {
                 .ok_or(AllocError::InvalidPointer(ptr))?;
             return Ok(self.driver.free(self.device, ptr)?);
         }
+        let context = self.context.load(std::sync::atomic::Ordering::Relaxed);
+        let free_frames = (context >= HistoryContext::All as u8).then(capture_frames);
         let mut st = self.state.lock();
         let id = st
             .live
             .remove(&ptr.0)
             .ok_or(AllocError::InvalidPointer(ptr))?;
+        let (requested, stream) = (st.blocks[id].requested, st.blocks[id].stream.raw);
+        st.history.record(
+            "free_requested",
+            ptr.0,
+            requested,
+            stream,
+            free_frames.as_ref(),
+        );
         let (kind, size, oversize) = (
             st.blocks[id].pool,
             st.blocks[id].size,
@@ -1086,7 +1231,8 @@ impl State {
     }
 
     /// `alloc_found_block`: splits if worthwhile and hands the low part out.
-    fn use_block(&mut self, id: usize, size: u64, requested: u64) -> Allocation {
+    fn use_block(&mut self, id: usize, req: &Request) -> Allocation {
+        let (size, requested) = (req.size, req.requested);
         let kind = self.blocks[id].pool;
         let was_split = self.blocks[id].is_split();
         // Expandable blocks are never counted as inactive splits (PyTorch's rule).
@@ -1112,6 +1258,7 @@ impl State {
                 segment: rest.segment,
                 vacant: false,
                 busy: false,
+                frames: None,
             };
             let new = self.insert_block(piece);
             if let Some(p) = self.blocks[new].prev {
@@ -1157,6 +1304,15 @@ impl State {
             s.oversize_allocations.increase(1);
         }
         self.blocks[id].oversize = oversize;
+        self.blocks[id].frames = req.frames.clone();
+        let on_trace = self.history.options.context >= HistoryContext::Alloc;
+        self.history.record(
+            "alloc",
+            ptr,
+            requested,
+            stream.raw,
+            req.frames.as_ref().filter(|_| on_trace),
+        );
         Allocation {
             ptr: DevicePtr(ptr),
             size,
@@ -1181,6 +1337,7 @@ impl State {
 
     /// `free_block`: merges with free neighbours and returns the block to its pool.
     fn free_block(&mut self, id: usize) {
+        let (ptr, stream) = (self.blocks[id].ptr, self.blocks[id].stream.raw);
         let counted = self.blocks[id].segment.is_none();
         let kind = self.blocks[id].pool;
         let (size, requested) = (self.blocks[id].size, self.blocks[id].requested);
@@ -1216,6 +1373,12 @@ impl State {
             self.blocks[id].size += n_size;
             self.vacate(neighbour);
         }
+        let frames = self.blocks[id]
+            .frames
+            .take()
+            .filter(|_| self.history.options.context >= HistoryContext::All);
+        self.history
+            .record("free_completed", ptr, requested, stream, frames.as_ref());
         self.blocks[id].requested = 0;
         if counted && self.blocks[id].is_split() {
             self.stats.inactive_split.increase(kind, 1);
@@ -1235,6 +1398,8 @@ impl State {
         self.pool_remove(id);
         let b = &self.blocks[id];
         let (ptr, size, kind) = (b.ptr, b.size, b.pool);
+        let stream = self.blocks[id].stream.raw;
+        self.history.record("segment_free", ptr, size, stream, None);
         if self.oversize_segments.remove(&ptr) {
             self.stats.oversize_segments.decrease(1);
         }
@@ -1324,6 +1489,7 @@ impl State {
             segment: b.segment,
             vacant: false,
             busy: false,
+            frames: None,
         };
         let new = self.insert_block(front);
         if let Some(p) = self.blocks[new].prev {
@@ -1449,6 +1615,7 @@ impl CachingAllocator {
             segment: Some(segment),
             vacant: false,
             busy: false,
+            frames: None,
         });
         st.unmapped_insert(id);
         Ok(st)
@@ -1576,6 +1743,8 @@ impl CachingAllocator {
                     }
                     st.stats.reserved_bytes.increase(kind, bytes as i64);
                     st.stats.num_device_alloc += 1;
+                    st.history
+                        .record("segment_map", ptr, bytes, stream.raw, None);
                     pieces.push(piece);
                 }
             }
@@ -1708,7 +1877,9 @@ impl CachingAllocator {
         }
         let mut st = self.state.lock();
         let mut ranges = Vec::new();
-        for (mid, _, bytes, _, _, kind) in jobs {
+        for (mid, addr, bytes, _, stream, kind) in jobs {
+            st.history
+                .record("segment_unmap", addr, bytes, stream.raw, None);
             st.stats.reserved_bytes.decrease(kind, bytes as i64);
             st.stats.num_device_free += 1;
             st.total_reserved -= bytes;

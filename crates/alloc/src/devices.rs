@@ -111,6 +111,27 @@ impl DeviceAllocators {
         Ok(())
     }
 
+    /// A snapshot of every device in use: segments by address, history per device.
+    pub fn snapshot(&self) -> Result<ferrocuda_types::Snapshot, AllocError> {
+        let mut segments = Vec::new();
+        let mut device_traces = vec![Vec::new(); self.devices.len()];
+        for (dev, slot) in self.devices.iter().enumerate() {
+            if let Some(a) = slot.get() {
+                let (s, trace) = a.snapshot();
+                segments.extend(s);
+                device_traces[dev] = trace;
+            }
+        }
+        segments.sort_by_key(|s| (s.device, s.address));
+        let allocator_settings = self.device(DeviceIndex(0))?.allocator_settings();
+        Ok(ferrocuda_types::Snapshot {
+            segments,
+            device_traces,
+            allocator_settings,
+            external_annotations: Vec::new(),
+        })
+    }
+
     /// The allocator that handed out `ptr`, searching every device (for frees without a
     /// device, as `caching_allocator_delete`).
     pub fn free_anywhere(&self, ptr: DevicePtr) -> Result<(), AllocError> {

@@ -22,6 +22,9 @@ pub enum AllocError {
     /// The device is missing or CUDA is unavailable.
     #[error(transparent)]
     Device(#[from] ferrocuda_stream::StreamError),
+    /// A history or snapshot request was invalid, or its file could not be written.
+    #[error("{0}")]
+    History(String),
     /// A driver call failed (other than out of memory).
     #[error("CUDA driver error: {0}")]
     Driver(#[from] DriverError),

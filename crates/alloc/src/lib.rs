@@ -29,6 +29,7 @@ mod allocator;
 mod devices;
 mod error;
 mod free_list;
+pub mod history;
 pub mod rounding;
 
 pub use allocator::{Allocation, BlockInfo, CachingAllocator, OomObserver};

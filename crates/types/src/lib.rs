@@ -22,6 +22,7 @@ mod device;
 mod dtype;
 mod handles;
 mod launch;
+mod snapshot;
 mod stats;
 
 pub use config::{
@@ -35,5 +36,8 @@ pub use handles::{
 };
 pub use launch::{
     CaptureMode, CaptureStatus, EventFlags, KernelArg, LaunchConfig, MemsetValue, StreamFlags,
+};
+pub use snapshot::{
+    AllocatorSettings, Frame, Snapshot, SnapshotBlock, SnapshotSegment, TraceEntry,
 };
 pub use stats::{DeviceStats, PoolKind, Stat, StatArray, format_size};
