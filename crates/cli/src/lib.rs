@@ -11,4 +11,5 @@
 #![forbid(unsafe_code)]
 
 pub mod replay;
+pub mod report;
 pub mod trace;

@@ -3,7 +3,8 @@
 
 use clap::{Parser, Subcommand};
 use ferrocuda_cli::replay::{Figures, replay};
-use ferrocuda_cli::trace::read_device_traces;
+use ferrocuda_cli::report::{plot_html, summary};
+use ferrocuda_cli::trace::{read_device_traces, read_snapshot};
 use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -36,6 +37,20 @@ enum Command {
         /// Print a JSON array instead of a table.
         #[arg(long)]
         json: bool,
+    },
+    /// Prints PyTorch's memory_summary table for a snapshot (current state from its
+    /// segments, peaks of requested and reserved bytes from its history).
+    Summary {
+        /// A snapshot (pickle, optionally .xz or .gz).
+        snapshot: PathBuf,
+    },
+    /// Writes a self-contained HTML page with the memory timeline and the largest blocks.
+    Plot {
+        /// A snapshot (pickle, optionally .xz or .gz).
+        snapshot: PathBuf,
+        /// The page to write.
+        #[arg(short = 'o', long = "output")]
+        output: PathBuf,
     },
 }
 
@@ -92,6 +107,16 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
             } else {
                 print!("{}", table(&columns));
             }
+            Ok(())
+        }
+        Command::Summary { snapshot } => {
+            print!("{}", summary(&read_snapshot(&snapshot)?));
+            Ok(())
+        }
+        Command::Plot { snapshot, output } => {
+            let title = format!("ferrocuda memory: {}", snapshot.display());
+            std::fs::write(&output, plot_html(&read_snapshot(&snapshot)?, &title))
+                .map_err(|e| format!("cannot write {}: {e}", output.display()))?;
             Ok(())
         }
     }

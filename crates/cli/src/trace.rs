@@ -1,6 +1,6 @@
 //! Reading PyTorch memory snapshots (`torch.cuda.memory._snapshot()` pickled, optionally
 //! `.xz` or `.gz` compressed) down to the allocation events a replay needs.
-use serde_pickle::{HashableValue, Value};
+use ferrocuda_types::Snapshot;
 use std::io::Read;
 use std::path::Path;
 
@@ -68,23 +68,9 @@ fn decompress(path: &Path, bytes: Vec<u8>) -> Result<Vec<u8>, String> {
     Ok(bytes)
 }
 
-fn key<'a>(
-    dict: &'a std::collections::BTreeMap<HashableValue, Value>,
-    name: &str,
-) -> Option<&'a Value> {
-    dict.get(&HashableValue::String(name.to_owned()))
-}
-
-fn int(v: Option<&Value>) -> Option<u64> {
-    match v? {
-        Value::I64(i) => u64::try_from(*i).ok(),
-        Value::Int(b) => u64::try_from(b.clone()).ok(),
-        _ => None,
-    }
-}
-
-/// The device traces of a snapshot file: one event list per device.
-pub fn read_device_traces(path: &Path) -> Result<Vec<Vec<Event>>, TraceError> {
+/// Reads a snapshot file (pickle, optionally `.xz` or `.gz` compressed): PyTorch's
+/// `_dump_snapshot` output or ferrocuda's.
+pub fn read_snapshot(path: &Path) -> Result<Snapshot, TraceError> {
     let name = path.display().to_string();
     let bad = |why: String| TraceError::Format {
         path: name.clone(),
@@ -95,52 +81,29 @@ pub fn read_device_traces(path: &Path) -> Result<Vec<Vec<Event>>, TraceError> {
         source,
     })?;
     let raw = decompress(path, bytes).map_err(&bad)?;
-    let value = serde_pickle::value_from_slice(
-        &raw,
-        serde_pickle::DeOptions::new().replace_unresolved_globals(),
-    )
-    .map_err(|e| bad(format!("not a pickle ({e})")))?;
-    let Value::Dict(top) = value else {
-        return Err(bad("the pickle is not a dict".into()));
-    };
-    let Some(Value::List(devices)) = key(&top, "device_traces") else {
-        return Err(bad(
-            "no 'device_traces' list (record with torch.cuda.memory._record_memory_history)".into(),
-        ));
-    };
-    devices
+    Snapshot::from_pickle(&raw).map_err(|e| bad(format!("not a pickled snapshot dict ({e})")))
+}
+
+/// The device traces of a snapshot file: one event list per device.
+pub fn read_device_traces(path: &Path) -> Result<Vec<Vec<Event>>, TraceError> {
+    let snapshot = read_snapshot(path)?;
+    Ok(snapshot
+        .device_traces
         .iter()
-        .enumerate()
-        .map(|(d, trace)| {
-            let Value::List(events) = trace else {
-                return Err(bad(format!("device_traces[{d}] is not a list")));
-            };
-            events
+        .map(|trace| {
+            trace
                 .iter()
-                .enumerate()
-                .map(|(i, e)| {
-                    let Value::Dict(e) = e else {
-                        return Err(bad(format!("device_traces[{d}][{i}] is not a dict")));
-                    };
-                    let action = match key(e, "action") {
-                        Some(Value::String(a)) if a == "alloc" => Action::Alloc,
-                        Some(Value::String(a)) if a == "free_completed" => Action::FreeCompleted,
-                        Some(Value::String(_)) => Action::Other,
-                        _ => return Err(bad(format!("device_traces[{d}][{i}] has no 'action'"))),
-                    };
-                    let field = |f: &str| {
-                        int(key(e, f)).ok_or_else(|| {
-                            bad(format!("device_traces[{d}][{i}] has no integer '{f}'"))
-                        })
-                    };
-                    Ok(Event {
-                        action,
-                        addr: field("addr")?,
-                        size: field("size")?,
-                        stream: field("stream")?,
-                    })
+                .map(|e| Event {
+                    action: match e.action.as_str() {
+                        "alloc" => Action::Alloc,
+                        "free_completed" => Action::FreeCompleted,
+                        _ => Action::Other,
+                    },
+                    addr: e.addr,
+                    size: e.size,
+                    stream: e.stream,
                 })
                 .collect()
         })
-        .collect()
+        .collect())
 }

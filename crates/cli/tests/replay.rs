@@ -184,3 +184,52 @@ fn the_command_prints_a_table_and_json() -> TestResult {
     assert!(String::from_utf8(bad.stderr)?.contains("Unrecognized key 'bogus'"));
     Ok(())
 }
+
+#[test]
+fn summary_and_plot_of_a_pytorch_snapshot() -> TestResult {
+    let exe = env!("CARGO_BIN_EXE_ferrocuda");
+    let trace = data("resnet50_train.pickle.xz");
+    let out = Command::new(exe).arg("summary").arg(&trace).output()?;
+    let text = String::from_utf8(out.stdout)?;
+    assert!(
+        out.status.success() && text.contains("PyTorch CUDA memory summary, device ID 0"),
+        "{text}"
+    );
+    // Reserved now: the sum of the snapshot's segments (PyTorch's 6272581632 bytes = 5982 MiB);
+    // peak requested from the history: PyTorch's 4624816924 bytes = 4410 MiB.
+    assert!(
+        text.contains("| GPU reserved memory   |   5982 MiB |   5982 MiB |"),
+        "{text}"
+    );
+    assert!(
+        text.contains("| Requested memory      |  66560 KiB |   4410 MiB |"),
+        "{text}"
+    );
+    let page = std::env::temp_dir().join(format!("ferrocuda-plot-{}.html", std::process::id()));
+    let out = Command::new(exe)
+        .arg("plot")
+        .arg(&trace)
+        .arg("-o")
+        .arg(&page)
+        .output()?;
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let html = std::fs::read_to_string(&page)?;
+    let _ = std::fs::remove_file(&page);
+    assert!(
+        html.contains("<svg") && html.contains("<polyline") && html.contains("Largest live blocks")
+    );
+    assert!(
+        !html.contains("<script") && !html.contains("src=\"http") && !html.contains("href=\"http"),
+        "self-contained"
+    );
+    let bad = Command::new(exe)
+        .arg("summary")
+        .arg("/nonexistent.pickle")
+        .output()?;
+    assert!(!bad.status.success() && String::from_utf8(bad.stderr)?.contains("cannot read"));
+    Ok(())
+}

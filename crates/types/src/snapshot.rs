@@ -26,6 +26,7 @@ pub struct SnapshotBlock {
     /// `active_allocated`, `active_pending_free` or `inactive`.
     pub state: String,
     /// Where it was allocated, when history recorded it.
+    #[serde(default)]
     pub frames: Vec<Frame>,
 }
 
@@ -53,6 +54,7 @@ pub struct SnapshotSegment {
     /// Part of an expandable segment.
     pub is_expandable: bool,
     /// Where the segment was allocated.
+    #[serde(default)]
     pub frames: Vec<Frame>,
     /// Its blocks, by address.
     pub blocks: Vec<SnapshotBlock>,
@@ -76,15 +78,19 @@ pub struct TraceEntry {
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub device_free: Option<u64>,
     /// Always `"N/A"` (no compiler here).
+    #[serde(default)]
     pub compile_context: String,
     /// User metadata (empty).
+    #[serde(default)]
     pub user_metadata: String,
     /// Where it happened, when recorded.
+    #[serde(default)]
     pub frames: Vec<Frame>,
 }
 
 /// `allocator_settings` of a snapshot (spec §7.4).
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
 pub struct AllocatorSettings {
     /// The configuration string in force.
     #[serde(rename = "PYTORCH_CUDA_ALLOC_CONF")]
@@ -103,13 +109,31 @@ pub struct AllocatorSettings {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Snapshot {
     /// Segments of every device, by address.
+    #[serde(default)]
     pub segments: Vec<SnapshotSegment>,
     /// History per device index.
+    #[serde(default)]
     pub device_traces: Vec<Vec<TraceEntry>>,
     /// Settings in force.
+    #[serde(default)]
     pub allocator_settings: AllocatorSettings,
-    /// User annotations (none).
-    pub external_annotations: Vec<Frame>,
+    /// Record-function markers (PyTorch's; ferrocuda records none).
+    #[serde(default)]
+    pub external_annotations: Vec<ExternalAnnotation>,
+}
+
+/// A record-function marker of a PyTorch snapshot.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct ExternalAnnotation {
+    /// The scope's name.
+    pub name: String,
+    /// `START` or `END`.
+    pub stage: String,
+    /// Device index.
+    pub device: u16,
+    /// Microseconds since the Unix epoch.
+    pub time_us: u64,
 }
 
 impl Snapshot {
