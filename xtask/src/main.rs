@@ -14,7 +14,7 @@ const GPU_TESTS: &[&str] = &["conformance_cuda", "alloc_conformance"];
 /// Bench binaries that go into the GPU bundle.
 const GPU_BENCHES: &[&str] = &["launch", "alloc", "expandable"];
 /// Examples that go into the GPU bundle (each must succeed and say it ran on the GPU).
-const GPU_EXAMPLES: &[&str] = &["tour"];
+const GPU_EXAMPLES: &[&str] = &["tour", "snapshot"];
 
 fn main() -> ExitCode {
     let task = std::env::args().nth(1).unwrap_or_default();
@@ -208,6 +208,21 @@ for b in bench_*; do
   echo "=== $b"
   if ./"$b" --bench 2>&1 | tee "$OUT/$b.log"; then passed=$((passed + 1)); else echo "$b failed"; failed=$((failed + 1)); fi
 done
+if [ -f snapshot.pickle ]; then
+  echo "=== PyTorch's memory viewer on ferrocuda's snapshot"
+  if python3 - snapshot.pickle <<'PY' 2>&1 | tee "$OUT/memory_viz.log"; then passed=$((passed + 1)); else echo "memory_viz check failed"; failed=$((failed + 1)); fi
+import pickle, sys
+from torch.cuda import _memory_viz as viz
+s = pickle.load(open(sys.argv[1], 'rb'))
+assert viz.segment_plot(s) and viz.trace_plot(s)
+summary = viz.segsum(s)  # asserts allocated + free == reserved per segment
+listing = viz.trace(s)
+print(summary.splitlines()[-8])
+print('memory_viz accepted it: %d segments, %d trace entries, %d lines of trace listing'
+      % (len(s['segments']), len(s['device_traces'][0]), len(listing.splitlines())))
+PY
+  cp snapshot.pickle "$OUT/" 2>/dev/null
+fi
 if [ -f torch_anchor.py ]; then
   echo "=== torch_anchor.py (PyTorch, same machine, same run)"
   if PYTHONUNBUFFERED=1 python3 torch_anchor.py 2>&1 | tee "$OUT/torch_anchor.log"; then
