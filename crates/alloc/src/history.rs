@@ -153,7 +153,22 @@ fn now_us() -> u64 {
         .map_or(0, |d| d.as_micros() as u64)
 }
 
-/// The calling thread's stack, innermost first, without the allocator's own frames.
+/// Frames of ferrocuda's own allocation plumbing, dropped from the top of a stack so that
+/// the first frame is the caller's.
+fn is_internal(name: &str) -> bool {
+    [
+        "backtrace::",
+        "ferrocuda_alloc::",
+        "ferrocuda_stream::buffer::",
+        "ferrocuda_stream::memory::",
+        "ferrocuda::memory::",
+    ]
+    .iter()
+    .any(|p| name.trim_start_matches('<').starts_with(p))
+}
+
+/// The calling thread's stack, innermost first, starting at the first frame outside
+/// ferrocuda's allocation plumbing.
 pub(crate) fn capture_frames() -> Arc<[Frame]> {
     let mut frames = Vec::new();
     backtrace::trace(|f| {
@@ -162,7 +177,7 @@ pub(crate) fn capture_frames() -> Arc<[Frame]> {
                 .name()
                 .map(|n| format!("{n:#}"))
                 .unwrap_or_else(|| "??".into());
-            if name.starts_with("backtrace::") || name.starts_with("ferrocuda_alloc::") {
+            if frames.is_empty() && is_internal(&name) {
                 return;
             }
             frames.push(Frame {
@@ -177,4 +192,24 @@ pub(crate) fn capture_frames() -> Arc<[Frame]> {
         frames.len() < 64
     });
     frames.into()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn internal_frames_are_recognised_in_any_shape() {
+        assert!(is_internal(
+            "ferrocuda_alloc::allocator::CachingAllocator::allocate"
+        ));
+        assert!(is_internal(
+            "<ferrocuda_alloc::devices::DeviceAllocators as ferrocuda_stream::memory::MemoryResource>::allocate"
+        ));
+        assert!(is_internal(
+            "ferrocuda_stream::buffer::DeviceBuffer<T>::uninit"
+        ));
+        assert!(!is_internal("my_trainer::step"));
+        assert!(!is_internal("ferrocuda_stream::stream::Stream::launch"));
+    }
 }

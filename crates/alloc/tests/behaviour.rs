@@ -790,13 +790,14 @@ mod snapshots {
             ("small", 2 * MIB, 1024, 1000)
         );
         assert_eq!(small.blocks[0].state, "active_allocated");
+        let first = small.blocks[0]
+            .frames
+            .first()
+            .map(|f| f.name.as_str())
+            .unwrap_or_default();
         assert!(
-            small.blocks[0]
-                .frames
-                .iter()
-                .any(|f| f.name.contains("history_and_snapshot_follow_pytorch")),
-            "{:?}",
-            small.blocks[0].frames
+            first.contains("history_and_snapshot_follow_pytorch"),
+            "the caller comes first: {first}"
         );
         let large = &segments[1];
         assert_eq!(
