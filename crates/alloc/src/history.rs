@@ -167,30 +167,32 @@ fn is_internal(name: &str) -> bool {
     .any(|p| name.trim_start_matches('<').starts_with(p))
 }
 
-/// The calling thread's stack, innermost first, starting at the first frame outside
-/// ferrocuda's allocation plumbing.
+/// The calling thread's stack, innermost first, starting after the last frame of
+/// ferrocuda's allocation plumbing (std glue between our frames is dropped with them).
 pub(crate) fn capture_frames() -> Arc<[Frame]> {
     let mut frames = Vec::new();
     backtrace::trace(|f| {
         backtrace::resolve_frame(f, |s| {
-            let name = s
-                .name()
-                .map(|n| format!("{n:#}"))
-                .unwrap_or_else(|| "??".into());
-            if frames.is_empty() && is_internal(&name) {
-                return;
-            }
             frames.push(Frame {
                 filename: s
                     .filename()
                     .map(|p| p.display().to_string())
                     .unwrap_or_else(|| "??".into()),
                 line: s.lineno().unwrap_or(0),
-                name,
+                name: s
+                    .name()
+                    .map(|n| format!("{n:#}"))
+                    .unwrap_or_else(|| "??".into()),
             });
         });
-        frames.len() < 64
+        frames.len() < 96
     });
+    let start = frames
+        .iter()
+        .rposition(|f| is_internal(&f.name))
+        .map_or(0, |i| i + 1);
+    frames.drain(..start);
+    frames.truncate(64);
     frames.into()
 }
 
