@@ -261,6 +261,41 @@ fn expandable_segments(h: &Harness) -> TestResult {
     Ok(())
 }
 
+/// `expandable_segments_reclaim` over the real virtual-memory API: the physical pages of a
+/// freed hole are unmapped and mapped again at the frontier, keeping live data intact.
+fn expandable_reclaim(h: &Harness) -> TestResult {
+    let d = h.rt.driver();
+    let a = allocator(
+        h,
+        "expandable_segments:True,expandable_segments_reclaim:True",
+    )?;
+    let xs: Vec<_> = (0..3)
+        .map(|_| a.allocate(40 * MIB, LEGACY))
+        .collect::<Result<_, _>>()?;
+    for (i, x) in xs.iter().enumerate() {
+        d.memset_async(x.ptr, MemsetValue::U8(i as u8 + 1), x.size, LEGACY)?;
+    }
+    a.free(xs[1].ptr)?;
+    let big = a.allocate(60 * MIB, LEGACY)?;
+    assert_eq!(stat(&a, "reserved_bytes.all.current"), 140 * MIB as i64);
+    d.memset_async(big.ptr, MemsetValue::U8(9), big.size, LEGACY)?;
+    let mut probe = [0u8; 16];
+    d.memcpy_dtoh(&mut probe, xs[2].ptr.offset(xs[2].size - 16), LEGACY)?;
+    assert_eq!(probe, [3; 16], "live data survives the remap");
+    d.memcpy_dtoh(&mut probe, big.ptr.offset(big.size - 16), LEGACY)?;
+    assert_eq!(
+        probe, [9; 16],
+        "the moved pages are writable at their new place"
+    );
+    for p in [xs[0].ptr, xs[2].ptr, big.ptr] {
+        a.free(p)?;
+    }
+    a.empty_cache();
+    assert_eq!(stat(&a, "reserved_bytes.all.current"), 0);
+    a.check_invariants()?;
+    Ok(())
+}
+
 macro_rules! both_backends {
     ($($name:ident),* $(,)?) => {
         mod fake {
@@ -283,5 +318,6 @@ both_backends!(
     allocator_settings_sizes,
     record_stream_reuse_timing,
     fuzz_with_data_integrity,
-    expandable_segments
+    expandable_segments,
+    expandable_reclaim
 );

@@ -191,6 +191,9 @@ struct State {
     /// Unmapped ranges of expandable segments per (stream, pool), by address.
     unmapped: FxHashMap<(u64, u8), std::collections::BTreeMap<u64, usize>>,
     history: History,
+    /// Physical pages unmapped by `expandable_segments_reclaim`, waiting to be mapped again,
+    /// per pool (small pages, large pages). They still count as reserved.
+    spare_pages: [Vec<(PhysHandle, u64)>; 2],
 }
 
 fn pool_index(kind: PoolKind) -> usize {
@@ -271,6 +274,7 @@ impl CachingAllocator {
                 segments: Vec::new(),
                 unmapped: FxHashMap::default(),
                 history: History::default(),
+                spare_pages: [Vec::new(), Vec::new()],
             }),
         };
         allocator.set_memory_fraction(fraction)?;
@@ -529,7 +533,8 @@ impl CachingAllocator {
                 }
             }
         }
-        let reserved: u64 = segments.values().map(|s| s.1).sum();
+        let spare: u64 = st.spare_pages.iter().flatten().map(|(_, p)| p).sum();
+        let reserved: u64 = segments.values().map(|s| s.1).sum::<u64>() + spare;
         if reserved != st.total_reserved {
             return Err(format!(
                 "reserved {} but segments sum to {reserved}",
@@ -1030,7 +1035,7 @@ impl CachingAllocator {
         if enough.is_some_and(|e| freed >= e) {
             return st;
         }
-        self.release_expandable(st)
+        self.release_expandable(st, Unmap::All)
     }
 
     /// With `max_split_size` set, frees oversize cached segments of this stream first.
@@ -1664,12 +1669,6 @@ impl CachingAllocator {
             .iter()
             .map(|g| if let Grow::Map(_, b) = g { *b } else { 0 })
             .sum();
-        if st
-            .allowed_max
-            .is_some_and(|max| st.total_reserved + to_map > max)
-        {
-            return Ok((st, None));
-        }
         for g in &plan {
             match *g {
                 Grow::Take(id) => st.pool_remove(id),
@@ -1678,7 +1677,49 @@ impl CachingAllocator {
             let (Grow::Take(id) | Grow::Map(id, _)) = *g;
             st.blocks[id].busy = true;
         }
-        st.total_reserved += to_map;
+        // `expandable_segments_reclaim`: free whole pages elsewhere in this stream's ranges
+        // are unmapped (after a stream sync) and mapped here instead of new memory.
+        let pages = to_map / page;
+        let spare_now = st.spare_pages[pool_index(kind)]
+            .iter()
+            .filter(|(_, p)| *p == page)
+            .count() as u64;
+        if st.config.expandable_segments_reclaim && pages > spare_now {
+            st = self.release_expandable(
+                st,
+                Unmap::Reclaim {
+                    stream,
+                    kind,
+                    pages: pages - spare_now,
+                },
+            );
+        }
+        let mut reuse: Vec<PhysHandle> = Vec::new();
+        st.spare_pages[pool_index(kind)].retain(|&(h, p)| {
+            let take = p == page && (reuse.len() as u64) < pages;
+            if take {
+                reuse.push(h);
+            }
+            !take
+        });
+        let created = to_map - reuse.len() as u64 * page;
+        if st
+            .allowed_max
+            .is_some_and(|max| st.total_reserved + created > max)
+        {
+            st.spare_pages[pool_index(kind)].extend(reuse.into_iter().map(|h| (h, page)));
+            for g in &plan {
+                match *g {
+                    Grow::Take(id) => {
+                        st.blocks[id].busy = false;
+                        st.pool_insert(id);
+                    }
+                    Grow::Map(id, _) => st.unmapped_insert(id),
+                }
+            }
+            return Ok((st, None));
+        }
+        st.total_reserved += created;
         let jobs: Vec<(u64, u64)> = plan
             .iter()
             .filter_map(|g| {
@@ -1690,12 +1731,13 @@ impl CachingAllocator {
             })
             .collect();
         drop(st);
-        let mapped = self.map_pages(&jobs, page);
+        let (mapped, spare_back) = self.map_pages(&jobs, page, reuse);
         let mut st = self.state.lock();
+        st.spare_pages[pool_index(kind)].extend(spare_back.into_iter().map(|h| (h, page)));
         let handles = match mapped {
             Ok(h) => h,
             Err(e) => {
-                st.total_reserved -= to_map;
+                st.total_reserved -= created;
                 for g in &plan {
                     match *g {
                         Grow::Take(id) => {
@@ -1741,7 +1783,6 @@ impl CachingAllocator {
                             *slot = Some(h);
                         }
                     }
-                    st.stats.reserved_bytes.increase(kind, bytes as i64);
                     st.stats.num_device_alloc += 1;
                     st.history
                         .record("segment_map", ptr, bytes, stream.raw, None);
@@ -1749,6 +1790,7 @@ impl CachingAllocator {
                 }
             }
         }
+        st.stats.reserved_bytes.increase(kind, created as i64);
         let first = pieces[0];
         for next in pieces.into_iter().skip(1) {
             st.absorb_next(first, next);
@@ -1758,26 +1800,37 @@ impl CachingAllocator {
     }
 
     /// Maps `bytes` at each address, a page at a time, then grants access. All or nothing.
+    /// Returns the pages mapped per job (or the error), and the spare pages not used (all
+    /// of them after a failure: a rollback unmaps them again).
     fn map_pages(
         &self,
         jobs: &[(u64, u64)],
         page: u64,
-    ) -> Result<Vec<Vec<PhysHandle>>, DriverError> {
+        mut spare: Vec<PhysHandle>,
+    ) -> (Result<Vec<Vec<PhysHandle>>, DriverError>, Vec<PhysHandle>) {
         let d = &self.driver;
+        let from_spare: std::collections::HashSet<PhysHandle> = spare.iter().copied().collect();
         let mut done: Vec<Vec<PhysHandle>> = Vec::new();
         let mut result = Ok(());
         'jobs: for &(addr, bytes) in jobs {
             done.push(Vec::new());
             for p in 0..bytes / page {
-                let h = match d.vm_create(self.device, page) {
-                    Ok(h) => h,
-                    Err(e) => {
-                        result = Err(e);
-                        break 'jobs;
-                    }
+                let h = match spare.pop() {
+                    Some(h) => h,
+                    None => match d.vm_create(self.device, page) {
+                        Ok(h) => h,
+                        Err(e) => {
+                            result = Err(e);
+                            break 'jobs;
+                        }
+                    },
                 };
                 if let Err(e) = d.vm_map(DevicePtr(addr + p * page), h) {
-                    let _ = d.vm_destroy(h);
+                    if from_spare.contains(&h) {
+                        spare.push(h);
+                    } else {
+                        let _ = d.vm_destroy(h);
+                    }
                     result = Err(e);
                     break 'jobs;
                 }
@@ -1791,15 +1844,19 @@ impl CachingAllocator {
             }
         }
         match result {
-            Ok(()) => Ok(done),
+            Ok(()) => (Ok(done), spare),
             Err(e) => {
                 for (&(addr, _), handles) in jobs.iter().zip(&done) {
                     for (p, h) in handles.iter().enumerate() {
                         let _ = d.vm_unmap(self.device, DevicePtr(addr + p as u64 * page), page);
-                        let _ = d.vm_destroy(*h);
+                        if from_spare.contains(h) {
+                            spare.push(*h);
+                        } else {
+                            let _ = d.vm_destroy(*h);
+                        }
                     }
                 }
-                Err(e)
+                (Err(e), spare)
             }
         }
     }
@@ -1807,15 +1864,32 @@ impl CachingAllocator {
     /// Unmaps the whole pages inside free expandable blocks (partial pages at either end
     /// stay mapped), after waiting for each segment's stream: the driver's unmap does not
     /// wait for queued work. Segments left entirely unmapped give their range back.
-    fn release_expandable<'a>(&'a self, mut st: MutexGuard<'a, State>) -> MutexGuard<'a, State> {
+    fn release_expandable<'a>(
+        &'a self,
+        mut st: MutexGuard<'a, State>,
+        scope: Unmap,
+    ) -> MutexGuard<'a, State> {
         let candidates: Vec<usize> = st
             .pools
             .keys()
             .filter(|k| st.blocks[k.id].segment.is_some())
+            .filter(|k| match scope {
+                Unmap::All => true,
+                Unmap::Reclaim { stream, kind, .. } => {
+                    k.stream == stream.raw && st.blocks[k.id].pool == kind
+                }
+            })
             .map(|k| k.id)
             .collect();
+        let mut wanted = match scope {
+            Unmap::All => u64::MAX,
+            Unmap::Reclaim { pages, .. } => pages,
+        };
         let mut jobs: Vec<(usize, u64, u64, Vec<PhysHandle>, StreamHandle, PoolKind)> = Vec::new();
         for id in candidates {
+            if wanted == 0 {
+                break;
+            }
             let b = &st.blocks[id];
             let Some(seg) = b
                 .segment
@@ -1830,6 +1904,8 @@ impl CachingAllocator {
             if last <= first {
                 continue;
             }
+            let last = last.min(first.saturating_add(wanted.saturating_mul(page)));
+            wanted -= (last - first) / page;
             let (end, kind, stream) = (b.ptr + b.size, b.pool, seg.stream);
             st.pool_remove(id);
             let mut mid = id;
@@ -1871,19 +1947,30 @@ impl CachingAllocator {
                 synced.push(*stream);
             }
             let _ = self.driver.vm_unmap(self.device, DevicePtr(*addr), *bytes);
-            for h in handles {
-                let _ = self.driver.vm_destroy(*h);
+            if matches!(scope, Unmap::All) {
+                for h in handles {
+                    let _ = self.driver.vm_destroy(*h);
+                }
             }
         }
         let mut st = self.state.lock();
         let mut ranges = Vec::new();
-        for (mid, addr, bytes, _, stream, kind) in jobs {
+        for (mid, addr, bytes, handles, stream, kind) in jobs {
             st.history
                 .record("segment_unmap", addr, bytes, stream.raw, None);
-            st.stats.reserved_bytes.decrease(kind, bytes as i64);
-            st.stats.num_device_free += 1;
-            st.total_reserved -= bytes;
+            if matches!(scope, Unmap::All) {
+                st.stats.reserved_bytes.decrease(kind, bytes as i64);
+                st.stats.num_device_free += 1;
+                st.total_reserved -= bytes;
+            } else {
+                // Kept for remapping: still physical memory, still reserved.
+                let page = bytes / handles.len().max(1) as u64;
+                st.spare_pages[pool_index(kind)].extend(handles.into_iter().map(|h| (h, page)));
+            }
             ranges.extend(st.settle_unmapped(mid));
+        }
+        if matches!(scope, Unmap::All) {
+            st = self.destroy_spare_pages(st);
         }
         if ranges.is_empty() {
             return st;
@@ -1894,4 +1981,41 @@ impl CachingAllocator {
         }
         self.state.lock()
     }
+
+    /// Gives the spare pages of `expandable_segments_reclaim` back to the driver.
+    fn destroy_spare_pages<'a>(&'a self, mut st: MutexGuard<'a, State>) -> MutexGuard<'a, State> {
+        let spare: Vec<(PoolKind, Vec<(PhysHandle, u64)>)> = [PoolKind::Small, PoolKind::Large]
+            .into_iter()
+            .map(|kind| (kind, std::mem::take(&mut st.spare_pages[pool_index(kind)])))
+            .filter(|(_, h)| !h.is_empty())
+            .collect();
+        if spare.is_empty() {
+            return st;
+        }
+        drop(st);
+        for (h, _) in spare.iter().flat_map(|(_, h)| h) {
+            let _ = self.driver.vm_destroy(*h);
+        }
+        let mut st = self.state.lock();
+        for (kind, handles) in spare {
+            let bytes: u64 = handles.iter().map(|(_, p)| p).sum();
+            st.stats.reserved_bytes.decrease(kind, bytes as i64);
+            st.stats.num_device_free += 1;
+            st.total_reserved -= bytes;
+        }
+        st
+    }
+}
+
+/// Which free expandable pages to unmap.
+#[derive(Copy, Clone, Debug)]
+enum Unmap {
+    /// All of them, releasing the physical memory (`empty_cache`, the OOM path).
+    All,
+    /// Up to `pages` of one (stream, pool), kept as spare pages to map again elsewhere.
+    Reclaim {
+        stream: StreamHandle,
+        kind: PoolKind,
+        pages: u64,
+    },
 }

@@ -885,3 +885,68 @@ mod snapshots {
         Ok(())
     }
 }
+
+/// `expandable_segments_reclaim`: growth reuses the physical pages of a free hole.
+#[test]
+fn reclaim_moves_free_pages_to_the_frontier() -> TestResult {
+    for reclaim in [false, true] {
+        let conf = if reclaim {
+            "expandable_segments:True,expandable_segments_reclaim:True"
+        } else {
+            "expandable_segments:True"
+        };
+        let (fake, a) = setup(80 * GIB, conf, Completion::Eager);
+        let xs: Vec<_> = (0..3)
+            .map(|_| a.allocate(40 * MIB, LEGACY))
+            .collect::<Result<_, _>>()?;
+        fake.memset_async(xs[0].ptr, MemsetValue::U8(3), 64, LEGACY)?;
+        fake.memset_async(xs[2].ptr, MemsetValue::U8(4), 64, LEGACY)?;
+        a.free(xs[1].ptr)?;
+        let syncs = fake.calls(Call::StreamSynchronize);
+        let big = a.allocate(60 * MIB, LEGACY)?;
+        let reserved = stat(&a, "reserved_bytes.all.current") as u64;
+        if reclaim {
+            assert_eq!(
+                reserved,
+                140 * MIB,
+                "40 MiB of the hole moved: only 20 MiB are new"
+            );
+            assert!(
+                fake.calls(Call::StreamSynchronize) > syncs,
+                "the hole's stream was synchronized first"
+            );
+            let (free, total) = fake.mem_get_info(D0)?;
+            assert_eq!(
+                total - free,
+                reserved,
+                "no physical page leaked or double-counted"
+            );
+        } else {
+            assert_eq!(
+                reserved,
+                180 * MIB,
+                "PyTorch's behaviour: new pages at the frontier"
+            );
+        }
+        fake.memset_async(big.ptr, MemsetValue::U8(5), big.size, LEGACY)?;
+        let mut back = [0u8; 64];
+        fake.memcpy_dtoh(&mut back, xs[0].ptr, LEGACY)?;
+        assert_eq!(back, [3; 64]);
+        fake.memcpy_dtoh(&mut back, xs[2].ptr, LEGACY)?;
+        assert_eq!(back, [4; 64], "live data untouched by the remap");
+        a.check_invariants()?;
+        for p in [xs[0].ptr, xs[2].ptr, big.ptr] {
+            a.free(p)?;
+        }
+        a.empty_cache();
+        assert_eq!(
+            (
+                stat(&a, "reserved_bytes.all.current"),
+                fake.mem_get_info(D0)?.0
+            ),
+            (0, 80 * GIB)
+        );
+        a.check_invariants()?;
+    }
+    Ok(())
+}

@@ -68,6 +68,12 @@ pub struct AllocatorConfig {
     /// after that stream's work with an event wait (no host sync). Off by default, as
     /// PyTorch never shares cached blocks across streams.
     pub cross_stream_reuse: bool,
+    /// `expandable_segments_reclaim` (ferrocuda's own): before an expandable range maps
+    /// new physical pages, whole free pages elsewhere in the same stream's ranges are
+    /// unmapped (after a stream sync) and mapped where they are needed. Physical memory
+    /// then follows live bytes instead of the address layout, at the cost of a host sync on
+    /// growth. Off by default.
+    pub expandable_segments_reclaim: bool,
 }
 
 /// A virtual-address reserve: a fraction of device memory, or bytes (`12G`).
@@ -103,6 +109,7 @@ impl Default for AllocatorConfig {
             expandable_segments_reserve: None,
             expandable_segments_reserve_by_class: Vec::new(),
             cross_stream_reuse: false,
+            expandable_segments_reclaim: false,
         }
     }
 }
@@ -426,6 +433,9 @@ impl AllocatorConfig {
             }
             "graph_capture_record_stream_reuse" => {
                 self.graph_capture_record_stream_reuse = bool_value(single(p, key, value)?)?;
+            }
+            "expandable_segments_reclaim" => {
+                self.expandable_segments_reclaim = bool_value(single(p, key, value)?)?;
             }
             "cross_stream_reuse" => {
                 self.cross_stream_reuse = bool_value(single(p, key, value)?)?;
