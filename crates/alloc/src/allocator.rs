@@ -131,6 +131,37 @@ struct Block {
 }
 
 impl Block {
+    /// A free, unlinked block (not yet in any free list).
+    fn new(
+        ptr: u64,
+        size: u64,
+        stream: StreamHandle,
+        pool: PoolKind,
+        mapped: bool,
+        segment: Option<usize>,
+    ) -> Block {
+        Block {
+            ptr,
+            size,
+            requested: 0,
+            stream,
+            pool,
+            allocated: false,
+            prev: None,
+            next: None,
+            event_count: 0,
+            stream_uses: Vec::new(),
+            gc_base: 0,
+            in_pool: false,
+            oversize: false,
+            mapped,
+            segment,
+            vacant: false,
+            busy: false,
+            frames: None,
+        }
+    }
+
     fn is_split(&self) -> bool {
         self.prev.is_some() || self.next.is_some()
     }
@@ -701,26 +732,7 @@ impl CachingAllocator {
         let mut st = self.state.lock();
         match result {
             Ok(ptr) => {
-                let id = st.insert_block(Block {
-                    ptr: ptr.0,
-                    size: bytes,
-                    requested: 0,
-                    stream,
-                    pool: kind,
-                    allocated: false,
-                    prev: None,
-                    next: None,
-                    event_count: 0,
-                    stream_uses: Vec::new(),
-                    gc_base: 0,
-                    in_pool: false,
-                    oversize: false,
-                    mapped: true,
-                    segment: None,
-                    vacant: false,
-                    busy: false,
-                    frames: None,
-                });
+                let id = st.insert_block(Block::new(ptr.0, bytes, stream, kind, true, None));
                 let oversize = st.config.max_split_size.is_some_and(|m| bytes >= m);
                 if oversize {
                     st.oversize_segments.insert(ptr.0);
@@ -1243,41 +1255,12 @@ impl State {
         // Expandable blocks are never counted as inactive splits (PyTorch's rule).
         let counted = self.blocks[id].segment.is_none();
         let id = if self.should_split(id, size) {
-            let rest = &self.blocks[id];
-            let remaining = rest.size - size;
-            let piece = Block {
-                ptr: rest.ptr,
-                size,
-                requested: 0,
-                stream: rest.stream,
-                pool: rest.pool,
-                allocated: false,
-                prev: rest.prev,
-                next: Some(id),
-                event_count: 0,
-                stream_uses: Vec::new(),
-                gc_base: 0,
-                in_pool: false,
-                oversize: false,
-                mapped: true,
-                segment: rest.segment,
-                vacant: false,
-                busy: false,
-                frames: None,
-            };
-            let new = self.insert_block(piece);
-            if let Some(p) = self.blocks[new].prev {
-                self.blocks[p].next = Some(new);
-            }
-            let r = &mut self.blocks[id];
-            r.ptr += size;
-            r.size = remaining;
-            r.prev = Some(new);
+            let remaining = self.blocks[id].size - size;
+            let new = self.split_front(id, size);
             self.pool_insert(id);
-            if !counted {
-            } else if was_split {
+            if counted && was_split {
                 self.stats.inactive_split_bytes.decrease(kind, size as i64);
-            } else {
+            } else if counted {
                 self.stats.inactive_split.increase(kind, 1);
                 self.stats
                     .inactive_split_bytes
@@ -1477,24 +1460,9 @@ impl State {
     fn split_front(&mut self, id: usize, bytes: u64) -> usize {
         let b = &self.blocks[id];
         let front = Block {
-            ptr: b.ptr,
-            size: bytes,
-            requested: 0,
-            stream: b.stream,
-            pool: b.pool,
-            allocated: false,
             prev: b.prev,
             next: Some(id),
-            event_count: 0,
-            stream_uses: Vec::new(),
-            gc_base: 0,
-            in_pool: false,
-            oversize: false,
-            mapped: b.mapped,
-            segment: b.segment,
-            vacant: false,
-            busy: false,
-            frames: None,
+            ..Block::new(b.ptr, bytes, b.stream, b.pool, b.mapped, b.segment)
         };
         let new = self.insert_block(front);
         if let Some(p) = self.blocks[new].prev {
@@ -1602,26 +1570,14 @@ impl CachingAllocator {
             handles: vec![None; (bytes / page) as usize],
             stream,
         }));
-        let id = st.insert_block(Block {
-            ptr: va.base.0,
-            size: bytes,
-            requested: 0,
+        let id = st.insert_block(Block::new(
+            va.base.0,
+            bytes,
             stream,
-            pool: kind,
-            allocated: false,
-            prev: None,
-            next: None,
-            event_count: 0,
-            stream_uses: Vec::new(),
-            gc_base: 0,
-            in_pool: false,
-            oversize: false,
-            mapped: false,
-            segment: Some(segment),
-            vacant: false,
-            busy: false,
-            frames: None,
-        });
+            kind,
+            false,
+            Some(segment),
+        ));
         st.unmapped_insert(id);
         Ok(st)
     }

@@ -33,6 +33,17 @@ fn setup(
     (fake, alloc)
 }
 
+/// A non-blocking stream on the fake device.
+fn new_stream(fake: &FakeDriver) -> Result<StreamHandle, ferrocuda_driver::DriverError> {
+    fake.stream_create(
+        D0,
+        StreamFlags {
+            non_blocking: true,
+            priority: 0,
+        },
+    )
+}
+
 fn stat(a: &CachingAllocator, key: &str) -> i64 {
     a.stats().to_map()[key]
 }
@@ -221,20 +232,8 @@ fn memory_fraction_bounds_reserved_bytes() -> TestResult {
 #[test]
 fn record_stream_delays_reuse_until_the_stream_catches_up() -> TestResult {
     let (fake, a) = setup(80 * GIB, "", Completion::Manual);
-    let s0 = fake.stream_create(
-        D0,
-        StreamFlags {
-            non_blocking: true,
-            priority: 0,
-        },
-    )?;
-    let s1 = fake.stream_create(
-        D0,
-        StreamFlags {
-            non_blocking: true,
-            priority: 0,
-        },
-    )?;
+    let s0 = new_stream(&fake)?;
+    let s1 = new_stream(&fake)?;
     let x = a.allocate(4096, s0)?;
     fake.memset_async(x.ptr, MemsetValue::U8(1), 4096, s1)?; // s1 still uses x
     a.record_stream(x.ptr, s1)?;
@@ -268,20 +267,8 @@ fn record_stream_delays_reuse_until_the_stream_catches_up() -> TestResult {
 #[test]
 fn record_stream_blocks_are_reclaimed_when_memory_runs_out() -> TestResult {
     let (fake, a) = setup(64 * MIB, "", Completion::Manual);
-    let s0 = fake.stream_create(
-        D0,
-        StreamFlags {
-            non_blocking: true,
-            priority: 0,
-        },
-    )?;
-    let s1 = fake.stream_create(
-        D0,
-        StreamFlags {
-            non_blocking: true,
-            priority: 0,
-        },
-    )?;
+    let s0 = new_stream(&fake)?;
+    let s1 = new_stream(&fake)?;
     let x = a.allocate(40 * MIB, s0)?;
     fake.memset_async(x.ptr, MemsetValue::U8(1), 16, s1)?;
     a.record_stream(x.ptr, s1)?;
@@ -478,20 +465,8 @@ fn cross_stream_reuse_moves_whole_segments_with_an_event_wait() -> TestResult {
             ""
         };
         let (fake, a) = setup(80 * GIB, config, Completion::Manual);
-        let s0 = fake.stream_create(
-            D0,
-            StreamFlags {
-                non_blocking: true,
-                priority: 0,
-            },
-        )?;
-        let s1 = fake.stream_create(
-            D0,
-            StreamFlags {
-                non_blocking: true,
-                priority: 0,
-            },
-        )?;
+        let s0 = new_stream(&fake)?;
+        let s1 = new_stream(&fake)?;
         let x = a.allocate(30 * MIB, s0)?;
         fake.memset_async(x.ptr, MemsetValue::U8(1), 16, s0)?; // s0 still writing
         a.free(x.ptr)?;
@@ -538,20 +513,8 @@ fn out_of_memory_observers_are_notified() -> TestResult {
 #[test]
 fn record_stream_on_a_pointer_inside_the_allocation() -> TestResult {
     let (fake, a) = setup(80 * GIB, "", Completion::Manual);
-    let s0 = fake.stream_create(
-        D0,
-        StreamFlags {
-            non_blocking: true,
-            priority: 0,
-        },
-    )?;
-    let s1 = fake.stream_create(
-        D0,
-        StreamFlags {
-            non_blocking: true,
-            priority: 0,
-        },
-    )?;
+    let s0 = new_stream(&fake)?;
+    let s1 = new_stream(&fake)?;
     let x = a.allocate(8192, s0)?;
     fake.memset_async(x.ptr.offset(4096), MemsetValue::U8(1), 16, s1)?;
     a.record_stream(x.ptr.offset(4096), s1)?; // a "shifted view"
@@ -585,20 +548,8 @@ mod call_counter {
 #[test]
 fn a_failed_event_record_falls_back_to_waiting() -> TestResult {
     let (fake, a) = setup(80 * GIB, "", Completion::Manual);
-    let s0 = fake.stream_create(
-        D0,
-        StreamFlags {
-            non_blocking: true,
-            priority: 0,
-        },
-    )?;
-    let s1 = fake.stream_create(
-        D0,
-        StreamFlags {
-            non_blocking: true,
-            priority: 0,
-        },
-    )?;
+    let s0 = new_stream(&fake)?;
+    let s1 = new_stream(&fake)?;
     let x = a.allocate(4096, s0)?;
     fake.memset_async(x.ptr, MemsetValue::U8(1), 16, s1)?;
     a.record_stream(x.ptr, s1)?;
@@ -765,13 +716,7 @@ mod snapshots {
         let opts =
             HistoryOptions::parse(Some("all"), Some("all"), 100).map_err(|e| e.to_string())?;
         a.record_memory_history(opts);
-        let s1 = fake.stream_create(
-            D0,
-            StreamFlags {
-                non_blocking: true,
-                priority: 0,
-            },
-        )?;
+        let s1 = new_stream(&fake)?;
         let x = a.allocate(1000, LEGACY)?;
         let y = a.allocate(3 * MIB, LEGACY)?;
         fake.memset_async(y.ptr, MemsetValue::U8(1), 16, s1)?;
