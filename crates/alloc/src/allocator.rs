@@ -8,13 +8,37 @@ use ferrocuda_types::{
     AllocatorConfig, DeviceIndex, DevicePtr, DeviceStats, EventFlags, EventHandle, PhysHandle,
     PoolKind, StreamHandle, VaRange,
 };
-use ferrocuda_types::{AllocatorSettings, Frame, SnapshotBlock, SnapshotSegment, TraceEntry};
+use ferrocuda_types::{
+    AllocatorSettings, CaptureMode, CaptureStatus, Frame, PoolId, SnapshotBlock, SnapshotSegment,
+    TraceEntry,
+};
 use parking_lot::{Mutex, MutexGuard};
 use rustc_hash::FxHashMap;
 use std::collections::VecDeque;
 use std::sync::Arc;
 
 const SMALL_SIZE: u64 = crate::rounding::SMALL_SIZE;
+
+/// Whose allocations a pool being recorded to takes.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum Route {
+    /// Allocations on any stream taking part in this stream capture (forked side streams
+    /// included): what a graph capture uses.
+    Capture(u64),
+    /// Allocations on this stream.
+    Stream(StreamHandle),
+    /// Allocations made by this thread.
+    Thread(std::thread::ThreadId),
+}
+
+/// A graph's private pool.
+#[derive(Debug)]
+struct PrivatePool {
+    /// Graphs (or handles) holding it; at 0 it is freeable.
+    use_count: u32,
+    /// Device segments it holds.
+    segments: u32,
+}
 
 /// One allocation request on its way through the paths.
 struct Request {
@@ -24,6 +48,8 @@ struct Request {
     requested: u64,
     kind: PoolKind,
     stream: StreamHandle,
+    /// The pool it is served from: default, or a private pool it is routed to.
+    pool: PoolId,
     /// Where it was made, when history records stacks.
     frames: Option<Arc<[Frame]>>,
 }
@@ -45,6 +71,7 @@ pub struct Allocation {
 /// (size, address), which with the stream is PyTorch's (stream, size, address) order.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 struct FreeKey {
+    pool: PoolId,
     stream: u64,
     size: u64,
     ptr: u64,
@@ -54,22 +81,22 @@ struct FreeKey {
 /// Free lists per stream, small and large pool. Few streams are usual: a vector scan.
 #[derive(Debug, Default)]
 struct Pools {
-    streams: Vec<(u64, [FreeList; 2])>,
+    streams: Vec<((PoolId, u64), [FreeList; 2])>,
 }
 
 impl Pools {
-    fn list(&self, stream: u64, kind: PoolKind) -> Option<&FreeList> {
+    fn list(&self, pool: PoolId, stream: u64, kind: PoolKind) -> Option<&FreeList> {
         self.streams
             .iter()
-            .find(|(s, _)| *s == stream)
+            .find(|(s, _)| *s == (pool, stream))
             .map(|(_, l)| &l[pool_index(kind)])
     }
 
-    fn list_mut(&mut self, stream: u64, kind: PoolKind) -> &mut FreeList {
-        let i = match self.streams.iter().position(|(s, _)| *s == stream) {
+    fn list_mut(&mut self, pool: PoolId, stream: u64, kind: PoolKind) -> &mut FreeList {
+        let i = match self.streams.iter().position(|(s, _)| *s == (pool, stream)) {
             Some(i) => i,
             None => {
-                self.streams.push((stream, Default::default()));
+                self.streams.push(((pool, stream), Default::default()));
                 self.streams.len() - 1
             }
         };
@@ -78,14 +105,17 @@ impl Pools {
 
     /// Every free block of pool `kind`, stream by stream.
     fn keys_of(&self, kind: PoolKind) -> impl Iterator<Item = FreeKey> + '_ {
-        self.streams.iter().flat_map(move |(stream, lists)| {
-            lists[pool_index(kind)].iter().map(move |(k, id)| FreeKey {
-                stream: *stream,
-                size: key_size(k),
-                ptr: k as u64,
-                id,
+        self.streams
+            .iter()
+            .flat_map(move |((pool, stream), lists)| {
+                lists[pool_index(kind)].iter().map(move |(k, id)| FreeKey {
+                    pool: *pool,
+                    stream: *stream,
+                    size: key_size(k),
+                    ptr: k as u64,
+                    id,
+                })
             })
-        })
     }
 
     /// Every free block.
@@ -128,6 +158,8 @@ struct Block {
     busy: bool,
     /// Where it was allocated, when history records stacks.
     frames: Option<Arc<[Frame]>>,
+    /// The memory pool (default, or a graph's private pool).
+    pool_id: PoolId,
 }
 
 impl Block {
@@ -139,6 +171,7 @@ impl Block {
         pool: PoolKind,
         mapped: bool,
         segment: Option<usize>,
+        pool_id: PoolId,
     ) -> Block {
         Block {
             ptr,
@@ -159,6 +192,7 @@ impl Block {
             vacant: false,
             busy: false,
             frames: None,
+            pool_id,
         }
     }
 
@@ -199,6 +233,8 @@ pub struct BlockInfo {
     pub mapped: bool,
     /// Part of an expandable segment.
     pub expandable: bool,
+    /// The pool it belongs to.
+    pub pool_id: PoolId,
 }
 
 struct State {
@@ -222,6 +258,13 @@ struct State {
     /// Unmapped ranges of expandable segments per (stream, pool), by address.
     unmapped: FxHashMap<(u64, u8), std::collections::BTreeMap<u64, usize>>,
     history: History,
+    /// Private pools by id.
+    private: FxHashMap<PoolId, PrivatePool>,
+    /// Pools being recorded to, newest last, with whose allocations they take.
+    routes: Vec<(PoolId, Route)>,
+    /// Blocks freed with other streams' uses while a capture was underway: their events
+    /// are recorded once no capture is (event queries are illegal during capture).
+    deferred: Vec<(usize, Vec<StreamHandle>)>,
     /// Physical pages unmapped by `expandable_segments_reclaim`, waiting to be mapped again,
     /// per pool (small pages, large pages). They still count as reserved.
     spare_pages: [Vec<(PhysHandle, u64)>; 2],
@@ -246,6 +289,9 @@ pub struct CachingAllocator {
     uncached: Mutex<FxHashMap<u64, (u64, u64)>>,
     oom_observers: Mutex<Vec<OomObserver>>,
     granularity: std::sync::OnceLock<u64>,
+    /// Number of pools being recorded to, readable without the lock (the hot path asks the
+    /// driver for capture status only when it is not zero).
+    routing: std::sync::atomic::AtomicUsize,
     /// The history context, readable without the lock (stacks are captured outside it).
     context: std::sync::atomic::AtomicU8,
     state: Mutex<State>,
@@ -288,6 +334,7 @@ impl CachingAllocator {
             oom_observers: Mutex::new(Vec::new()),
             granularity: std::sync::OnceLock::new(),
             context: std::sync::atomic::AtomicU8::new(HistoryContext::Never as u8),
+            routing: std::sync::atomic::AtomicUsize::new(0),
             state: Mutex::new(State {
                 config,
                 blocks: Vec::new(),
@@ -306,6 +353,9 @@ impl CachingAllocator {
                 unmapped: FxHashMap::default(),
                 history: History::default(),
                 spare_pages: [Vec::new(), Vec::new()],
+                private: FxHashMap::default(),
+                routes: Vec::new(),
+                deferred: Vec::new(),
             }),
         };
         allocator.set_memory_fraction(fraction)?;
@@ -358,7 +408,7 @@ impl CachingAllocator {
                     "large"
                 }
                 .into(),
-                segment_pool_id: (0, 0),
+                segment_pool_id: (b.pool_id.0, b.pool_id.1),
                 is_expandable: b.segment.is_some(),
                 frames: Vec::new(),
                 blocks: Vec::new(),
@@ -494,6 +544,7 @@ impl CachingAllocator {
                     stream: x.stream,
                     mapped: x.mapped,
                     expandable: x.segment.is_some(),
+                    pool_id: x.pool_id,
                 });
                 cursor = x.next;
             }
@@ -619,17 +670,29 @@ impl CachingAllocator {
         // Stacks are gathered before taking the lock: they are slow.
         let context = self.context.load(std::sync::atomic::Ordering::Relaxed);
         let frames = (context >= HistoryContext::State as u8).then(capture_frames);
+        // While a pool is being recorded to, ask the driver which capture this stream is in
+        // (a cheap query, made before taking the lock).
+        let capture = if self.routing.load(std::sync::atomic::Ordering::Acquire) > 0 {
+            match self.driver.stream_capture_status(stream)? {
+                CaptureStatus::Active { id } => Some(id),
+                _ => None,
+            }
+        } else {
+            None
+        };
         let mut st = self.state.lock();
         self.process_events(&mut st);
         let size = round_size(bytes, &st.config);
+        let pool = st.route(stream, capture);
         let req = Request {
             size,
             requested: bytes,
             kind: pool_kind(size),
             stream,
+            pool,
             frames,
         };
-        if let Some(id) = st.take_free_block(req.kind, stream, size) {
+        if let Some(id) = st.take_free_block(req.pool, req.kind, stream, size) {
             return Ok(st.use_block(id, &req));
         }
         self.slow_path(st, req)
@@ -641,28 +704,35 @@ impl CachingAllocator {
         req: Request,
     ) -> Result<Allocation, AllocError> {
         let Request {
-            size, kind, stream, ..
+            size,
+            kind,
+            stream,
+            pool,
+            ..
         } = req;
         let segment = allocation_size(size, &st.config);
-        if st.config.garbage_collection_threshold > 0.0 {
+        // While a capture is underway nothing may be freed or synchronized: only new memory.
+        let capturing = st.capturing();
+        if st.config.garbage_collection_threshold > 0.0 && !capturing {
             st = self.garbage_collect(st);
-            if let Some(id) = st.take_free_block(kind, stream, size) {
+            if let Some(id) = st.take_free_block(pool, kind, stream, size) {
                 return Ok(st.use_block(id, &req));
             }
         }
         if st.config.cross_stream_reuse
+            && !capturing
             && let Some(id) = self.take_from_other_stream(&mut st, kind, stream, size)?
         {
             return Ok(st.use_block(id, &req));
         }
-        let (s, found) = self.grow(st, size, segment, kind, stream)?;
+        let (s, found) = self.grow(st, size, segment, pool, kind, stream)?;
         st = s;
         if let Some(id) = found {
             return Ok(st.use_block(id, &req));
         }
-        if st.config.max_split_size.is_some() {
+        if st.config.max_split_size.is_some() && !capturing {
             st = self.release_oversize(st, size, kind, stream);
-            let (s, found) = self.grow(st, size, segment, kind, stream)?;
+            let (s, found) = self.grow(st, size, segment, pool, kind, stream)?;
             st = s;
             if let Some(id) = found {
                 return Ok(st.use_block(id, &req));
@@ -670,13 +740,19 @@ impl CachingAllocator {
         }
         // Wait for blocks held by other streams' events, then look again: the block we
         // need may have become free (PyTorch never looks again: #189504).
+        if capturing {
+            // No synchronization and no cudaFree while a capture is underway.
+            st.stats.num_ooms += 1;
+            drop(st);
+            return Err(self.oom_report(segment, false, stream));
+        }
         st = self.synchronize_events(st);
-        if let Some(id) = st.take_free_block(kind, stream, size) {
+        if let Some(id) = st.take_free_block(pool, kind, stream, size) {
             return Ok(st.use_block(id, &req));
         }
         // Free only as much cached memory as the request needs, largest blocks first...
         st = self.release_cached(st, Some(segment));
-        let (s, found) = self.grow(st, size, segment, kind, stream)?;
+        let (s, found) = self.grow(st, size, segment, pool, kind, stream)?;
         st = s;
         if let Some(id) = found {
             return Ok(st.use_block(id, &req));
@@ -684,7 +760,7 @@ impl CachingAllocator {
         // ... then everything, as PyTorch does, and retry once more.
         st = self.release_cached(st, None);
         st.stats.num_alloc_retries += 1;
-        let (s, found) = self.grow(st, size, segment, kind, stream)?;
+        let (s, found) = self.grow(st, size, segment, pool, kind, stream)?;
         st = s;
         if let Some(id) = found {
             return Ok(st.use_block(id, &req));
@@ -701,13 +777,15 @@ impl CachingAllocator {
         st: MutexGuard<'a, State>,
         size: u64,
         segment: u64,
+        pool: PoolId,
         kind: PoolKind,
         stream: StreamHandle,
     ) -> Result<(MutexGuard<'a, State>, Option<usize>), AllocError> {
-        if st.config.expandable_segments {
+        // Private (graph) pools use plain segments.
+        if st.config.expandable_segments && pool.is_default() {
             self.alloc_expandable(st, size, kind, stream)
         } else {
-            self.alloc_segment(st, segment, kind, stream)
+            self.alloc_segment(st, segment, pool, kind, stream)
         }
     }
 
@@ -717,6 +795,7 @@ impl CachingAllocator {
         &'a self,
         mut st: MutexGuard<'a, State>,
         bytes: u64,
+        pool: PoolId,
         kind: PoolKind,
         stream: StreamHandle,
     ) -> Result<(MutexGuard<'a, State>, Option<usize>), AllocError> {
@@ -727,12 +806,23 @@ impl CachingAllocator {
             return Ok((st, None));
         }
         st.total_reserved += bytes;
+        let capturing = !st.routes.is_empty();
         drop(st);
+        // A device allocation made while this thread captures is legal in relaxed mode (it is
+        // not part of the graph); other modes would refuse it and break the capture.
+        let previous = if capturing {
+            self.driver.exchange_capture_mode(CaptureMode::Relaxed).ok()
+        } else {
+            None
+        };
         let result = self.driver.malloc(self.device, bytes);
+        if let Some(mode) = previous {
+            let _ = self.driver.exchange_capture_mode(mode);
+        }
         let mut st = self.state.lock();
         match result {
             Ok(ptr) => {
-                let id = st.insert_block(Block::new(ptr.0, bytes, stream, kind, true, None));
+                let id = st.insert_block(Block::new(ptr.0, bytes, stream, kind, true, None, pool));
                 let oversize = st.config.max_split_size.is_some_and(|m| bytes >= m);
                 if oversize {
                     st.oversize_segments.insert(ptr.0);
@@ -740,6 +830,9 @@ impl CachingAllocator {
                 }
                 st.history
                     .record("segment_alloc", ptr.0, bytes, stream.raw, None);
+                if let Some(p) = st.private.get_mut(&pool) {
+                    p.segments += 1;
+                }
                 let s = &mut st.stats;
                 s.segment.increase(kind, 1);
                 s.reserved_bytes.increase(kind, bytes as i64);
@@ -896,6 +989,12 @@ impl CachingAllocator {
             st.free_block(id);
             return Ok(());
         }
+        if st.capturing() {
+            // Recording or querying events is illegal during capture: decide after it.
+            st.blocks[id].event_count += 1;
+            st.deferred.push((id, uses));
+            return Ok(());
+        }
         let mut unrecorded = Vec::new();
         for stream in uses {
             let event = match st.spare_events.pop() {
@@ -966,6 +1065,34 @@ impl CachingAllocator {
 
     /// Frees blocks whose events completed, stream by stream, in order.
     fn process_events(&self, st: &mut State) {
+        if st.capturing() {
+            return;
+        }
+        for (id, uses) in std::mem::take(&mut st.deferred) {
+            st.blocks[id].event_count -= 1;
+            let mut recorded = 0;
+            for stream in uses {
+                let event = match st.spare_events.pop() {
+                    Some(e) => Ok(e),
+                    None => self.driver.event_create(self.device, EventFlags::default()),
+                };
+                // A stream that cannot take an event now: wait for it here (rare).
+                match event.and_then(|e| self.driver.event_record(e, stream).map(|()| e)) {
+                    Ok(e) => {
+                        st.events.entry(stream.raw).or_default().push_back((e, id));
+                        st.blocks[id].event_count += 1;
+                        st.pending_events += 1;
+                        recorded += 1;
+                    }
+                    Err(_) => {
+                        let _ = self.driver.stream_synchronize(stream);
+                    }
+                }
+            }
+            if recorded == 0 && st.blocks[id].event_count == 0 && !st.blocks[id].allocated {
+                st.free_block(id);
+            }
+        }
         if st.pending_events == 0 {
             return;
         }
@@ -1031,7 +1158,11 @@ impl CachingAllocator {
         let mut candidates: Vec<FreeKey> = st
             .pools
             .keys()
-            .filter(|k| !st.blocks[k.id].is_split() && st.blocks[k.id].segment.is_none())
+            .filter(|k| {
+                !st.blocks[k.id].is_split()
+                    && st.blocks[k.id].segment.is_none()
+                    && st.releasable(k.pool)
+            })
             .collect();
         candidates.sort_by_key(|k| std::cmp::Reverse(k.size));
         let mut freed = 0;
@@ -1131,7 +1262,8 @@ impl CachingAllocator {
     /// `empty_cache`: waits for outstanding events, then gives every whole free segment
     /// back to the driver. Segments with a live piece stay (the "non-releasable" memory).
     pub fn empty_cache(&self) {
-        if !self.caching {
+        if !self.caching || self.state.lock().capturing() {
+            // Nothing is synchronized or freed while a capture is underway.
             return;
         }
         let st = self.synchronize_events(self.state.lock());
@@ -1163,7 +1295,7 @@ impl State {
         b.gc_base = self.gc_clock;
         b.in_pool = true;
         self.pools
-            .list_mut(b.stream.raw, b.pool)
+            .list_mut(b.pool_id, b.stream.raw, b.pool)
             .insert(key(b.size, b.ptr), id);
     }
 
@@ -1171,14 +1303,20 @@ impl State {
         let b = &mut self.blocks[id];
         b.in_pool = false;
         self.pools
-            .list_mut(b.stream.raw, b.pool)
+            .list_mut(b.pool_id, b.stream.raw, b.pool)
             .remove(key(b.size, b.ptr));
     }
 
     /// The best-fit free block of `stream` for `size` (spec §2.3), with expandable blocks
     /// judged by what they can grow to (spec §4.5).
-    fn best_fit(&self, kind: PoolKind, stream: StreamHandle, size: u64) -> Option<(u128, usize)> {
-        let list = self.pools.list(stream.raw, kind)?;
+    fn best_fit(
+        &self,
+        pool: PoolId,
+        kind: PoolKind,
+        stream: StreamHandle,
+        size: u64,
+    ) -> Option<(u128, usize)> {
+        let list = self.pools.list(pool, stream.raw, kind)?;
         let mut candidates = list.range_from(key(size, 0));
         let (mut k, mut id) = candidates.next()?;
         if self.blocks[id].segment.is_none() {
@@ -1213,6 +1351,7 @@ impl State {
     /// Best fit on the same stream, with the oversize rules (spec §1.5, §2.3).
     fn take_free_block(
         &mut self,
+        pool: PoolId,
         kind: PoolKind,
         stream: StreamHandle,
         size: u64,
@@ -1220,7 +1359,7 @@ impl State {
         if self.config.garbage_collection_threshold > 0.0 {
             self.gc_clock += 1;
         }
-        let (k, id) = self.best_fit(kind, stream, size)?;
+        let (k, id) = self.best_fit(pool, kind, stream, size)?;
         let found = key_size(k);
         let max_split = self.config.max_split_size.unwrap_or(u64::MAX);
         if (size < max_split && found >= max_split)
@@ -1386,8 +1525,14 @@ impl State {
         self.pool_remove(id);
         let b = &self.blocks[id];
         let (ptr, size, kind) = (b.ptr, b.size, b.pool);
-        let stream = self.blocks[id].stream.raw;
+        let (stream, pool) = (self.blocks[id].stream.raw, self.blocks[id].pool_id);
         self.history.record("segment_free", ptr, size, stream, None);
+        if let Some(p) = self.private.get_mut(&pool) {
+            p.segments -= 1;
+            if p.segments == 0 && p.use_count == 0 {
+                self.private.remove(&pool);
+            }
+        }
         if self.oversize_segments.remove(&ptr) {
             self.stats.oversize_segments.decrease(1);
         }
@@ -1462,7 +1607,9 @@ impl State {
         let front = Block {
             prev: b.prev,
             next: Some(id),
-            ..Block::new(b.ptr, bytes, b.stream, b.pool, b.mapped, b.segment)
+            ..Block::new(
+                b.ptr, bytes, b.stream, b.pool, b.mapped, b.segment, b.pool_id,
+            )
         };
         let new = self.insert_block(front);
         if let Some(p) = self.blocks[new].prev {
@@ -1577,6 +1724,7 @@ impl CachingAllocator {
             kind,
             false,
             Some(segment),
+            PoolId::DEFAULT,
         ));
         st.unmapped_insert(id);
         Ok(st)
@@ -1974,4 +2122,123 @@ enum Unmap {
         kind: PoolKind,
         pages: u64,
     },
+}
+
+impl State {
+    /// The pool an allocation on `stream` (in capture `capture`, if any) is served from:
+    /// the newest route that takes it, else the default pool.
+    fn route(&self, stream: StreamHandle, capture: Option<u64>) -> PoolId {
+        let me = std::thread::current().id();
+        self.routes
+            .iter()
+            .rev()
+            .find(|(_, route)| match *route {
+                Route::Capture(id) => capture == Some(id),
+                Route::Stream(s) => s == stream,
+                Route::Thread(t) => t == me,
+            })
+            .map_or(PoolId::DEFAULT, |(pool, _)| *pool)
+    }
+
+    /// Whether any stream capture records into a pool now.
+    fn capturing(&self) -> bool {
+        self.routes
+            .iter()
+            .any(|(_, r)| matches!(r, Route::Capture(_)))
+    }
+
+    /// Whether the blocks of `pool` may be given back to the driver.
+    fn releasable(&self, pool: PoolId) -> bool {
+        pool.is_default() || self.private.get(&pool).is_some_and(|p| p.use_count == 0)
+    }
+}
+
+impl CachingAllocator {
+    /// Creates private pool `pool`, or adds a user to it (`create_or_incref`).
+    pub fn retain_pool(&self, pool: PoolId) {
+        if pool.is_default() {
+            return;
+        }
+        self.state
+            .lock()
+            .private
+            .entry(pool)
+            .or_insert(PrivatePool {
+                use_count: 0,
+                segments: 0,
+            })
+            .use_count += 1;
+    }
+
+    /// Drops a user of `pool` (`releasePool`). At zero users its free segments go back to
+    /// the driver at the next `empty_cache` (or OOM retry); blocks still allocated from it
+    /// stay valid until freed.
+    pub fn release_pool(&self, pool: PoolId) -> Result<(), AllocError> {
+        let mut st = self.state.lock();
+        let p = st.private.get_mut(&pool).filter(|p| p.use_count > 0);
+        let p =
+            p.ok_or_else(|| AllocError::Pool(format!("releasePool: pool {pool} is not in use")))?;
+        p.use_count -= 1;
+        if p.use_count == 0 && p.segments == 0 {
+            st.private.remove(&pool);
+        }
+        Ok(())
+    }
+
+    /// Users of `pool` (`getPoolUseCount`), if it exists.
+    pub fn pool_use_count(&self, pool: PoolId) -> Option<u32> {
+        self.state.lock().private.get(&pool).map(|p| p.use_count)
+    }
+
+    /// Routes allocations that `route` takes into `pool` until [`end_allocate_to_pool`]
+    /// (`beginAllocateToPool`); the pool gains a user.
+    ///
+    /// [`end_allocate_to_pool`]: CachingAllocator::end_allocate_to_pool
+    pub fn begin_allocate_to_pool(&self, pool: PoolId, route: Route) -> Result<(), AllocError> {
+        if pool.is_default() {
+            return Err(AllocError::Pool(
+                "beginAllocateToPool: the default pool cannot be recorded to".into(),
+            ));
+        }
+        let mut st = self.state.lock();
+        if st.routes.iter().any(|(p, _)| *p == pool) {
+            return Err(AllocError::Pool(format!(
+                "beginAllocateToPool: already recording to mempool_id {pool}"
+            )));
+        }
+        st.private
+            .entry(pool)
+            .or_insert(PrivatePool {
+                use_count: 0,
+                segments: 0,
+            })
+            .use_count += 1;
+        st.routes.push((pool, route));
+        self.routing
+            .fetch_add(1, std::sync::atomic::Ordering::Release);
+        Ok(())
+    }
+
+    /// Stops routing into `pool` (`endAllocateToPool`); the pool keeps its user.
+    pub fn end_allocate_to_pool(&self, pool: PoolId) -> Result<(), AllocError> {
+        let mut st = self.state.lock();
+        let i = st.routes.iter().position(|(p, _)| *p == pool);
+        let i = i.ok_or_else(|| {
+            AllocError::Pool(format!(
+                "endAllocatePool: not currently recording to mempool_id {pool}"
+            ))
+        })?;
+        st.routes.remove(i);
+        self.routing
+            .fetch_sub(1, std::sync::atomic::Ordering::Release);
+        Ok(())
+    }
+
+    /// The blocks of `pool`, by segment.
+    pub fn pool_blocks(&self, pool: PoolId) -> Vec<BlockInfo> {
+        self.blocks()
+            .into_iter()
+            .filter(|b| b.pool_id == pool)
+            .collect()
+    }
 }

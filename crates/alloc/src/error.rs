@@ -22,6 +22,9 @@ pub enum AllocError {
     /// The device is missing or CUDA is unavailable.
     #[error(transparent)]
     Device(#[from] ferrocuda_stream::StreamError),
+    /// A private-pool request was invalid (PyTorch's messages).
+    #[error("{0}")]
+    Pool(String),
     /// A history or snapshot request was invalid, or its file could not be written.
     #[error("{0}")]
     History(String),

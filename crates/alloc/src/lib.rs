@@ -32,6 +32,6 @@ mod free_list;
 pub mod history;
 pub mod rounding;
 
-pub use allocator::{Allocation, BlockInfo, CachingAllocator, OomObserver};
+pub use allocator::{Allocation, BlockInfo, CachingAllocator, OomObserver, Route};
 pub use devices::{DeviceAllocators, caching_disabled};
 pub use error::{AllocError, OutOfMemory};

@@ -130,3 +130,38 @@ impl StreamHandle {
         self.raw == 0
     }
 }
+
+/// A memory pool id, as PyTorch's `MempoolId_t`: `(0, 0)` is the default pool, `(n, 0)` a
+/// pool made for one graph capture, `(0, n)` a pool handle (`graph_pool_handle()`).
+#[derive(
+    Copy, Clone, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize,
+)]
+pub struct PoolId(pub u64, pub u64);
+
+impl PoolId {
+    /// The default pool.
+    pub const DEFAULT: PoolId = PoolId(0, 0);
+
+    /// A new pool id for one capture: `(n, 0)`, process-wide unique.
+    pub fn for_capture() -> PoolId {
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+        PoolId(NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed), 0)
+    }
+
+    /// A new pool handle to share between captures: `(0, n)` (`graph_pool_handle()`).
+    pub fn handle() -> PoolId {
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+        PoolId(0, NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed))
+    }
+
+    /// Whether this is the default pool.
+    pub fn is_default(self) -> bool {
+        self == PoolId::DEFAULT
+    }
+}
+
+impl fmt::Display for PoolId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "({}, {})", self.0, self.1)
+    }
+}

@@ -32,7 +32,7 @@ pub use device::{Device, DeviceKind, DeviceParseError, DeviceProperties};
 pub use dtype::{DType, Element};
 pub use handles::{
     DeviceIndex, DevicePtr, EventHandle, FunctionHandle, GraphExecHandle, GraphHandle, HostPtr,
-    ModuleHandle, PhysHandle, StreamHandle, VaRange,
+    ModuleHandle, PhysHandle, PoolId, StreamHandle, VaRange,
 };
 pub use launch::{
     CaptureMode, CaptureStatus, EventFlags, KernelArg, LaunchConfig, MemsetValue, StreamFlags,
