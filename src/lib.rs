@@ -5,7 +5,8 @@
 //! - [`driver`]: the [`Driver`](driver::Driver) seam with the real CUDA backend and the fake
 //!   device;
 //! - [`stream`]: devices, streams, events, kernels and buffers with `torch.cuda` semantics;
-//! - [`alloc`]: the caching allocator; [`memory`] mirrors `torch.cuda.memory` over it.
+//! - [`alloc`]: the caching allocator; [`memory`] mirrors `torch.cuda.memory` over it;
+//! - [`graph`]: CUDA graph capture with private memory pools (`torch.cuda.CUDAGraph`).
 //!
 //! # Design choices
 //! - One global [`Runtime`](stream::Runtime), made on first use: the real driver, unless
@@ -25,6 +26,7 @@
 
 pub use ferrocuda_alloc as alloc;
 pub use ferrocuda_driver as driver;
+pub use ferrocuda_graph as graph;
 pub use ferrocuda_stream as stream;
 pub use ferrocuda_types as types;
 

@@ -1,0 +1,315 @@
+//! `CudaGraph` and its capture guard.
+use ferrocuda_alloc::{AllocError, DeviceAllocators, Route};
+use ferrocuda_driver::{Driver, DriverError};
+use ferrocuda_stream::{Runtime, Stream, StreamError, StreamGuard};
+use ferrocuda_types::{
+    CaptureMode, CaptureStatus, DeviceIndex, GraphExecHandle, GraphHandle, PoolId,
+};
+use parking_lot::Mutex;
+use std::path::Path;
+use std::sync::Arc;
+
+/// What can go wrong with a graph.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+#[non_exhaustive]
+pub enum GraphError {
+    /// Capture was asked of the legacy default stream, which cannot capture.
+    #[error("CUDA graphs must be captured on a non-default stream")]
+    DefaultStream,
+    /// The stream is already capturing (captures do not nest).
+    #[error("this stream is already capturing: captures cannot be nested")]
+    NestedCapture,
+    /// `capture_begin` on a graph that already holds a capture (call `reset` first).
+    #[error("this graph already holds a capture; reset it before capturing again")]
+    AlreadyCaptured,
+    /// `capture_end` without `capture_begin`.
+    #[error("capture_end without capture_begin")]
+    NotCapturing,
+    /// `replay` (or `upload`, `debug_dump`) before a successful capture.
+    #[error("replay before capture: this graph holds no captured work")]
+    NothingCaptured,
+    /// The capture recorded no work.
+    #[error("the capture recorded no work (an empty graph); its pool was released")]
+    EmptyCapture,
+    /// A stream forked from the capture was not joined back before its end.
+    #[error(
+        "a stream forked from the capture was not joined back before capture_end (CUDA_ERROR_STREAM_CAPTURE_UNJOINED); its pool was released"
+    )]
+    Unjoined,
+    /// A forbidden call during the capture (a synchronize, an event query, a host read, or
+    /// another thread's allocation in GLOBAL mode) broke it.
+    #[error(
+        "the capture was invalidated by a call not allowed while capturing (synchronize, event query, host read, or in GLOBAL mode another thread's allocation); its pool was released"
+    )]
+    Invalidated,
+    /// The driver refused an operation.
+    #[error("CUDA driver error: {0}")]
+    Driver(#[from] DriverError),
+    /// A device or stream error.
+    #[error(transparent)]
+    Stream(#[from] StreamError),
+    /// The allocator refused a pool operation.
+    #[error(transparent)]
+    Alloc(#[from] AllocError),
+}
+
+#[derive(Debug)]
+struct Capturing {
+    stream: Stream,
+    pool: PoolId,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    capturing: Option<Capturing>,
+    graph: Option<GraphHandle>,
+    exec: Option<GraphExecHandle>,
+    /// The pool this graph holds (a user of it until `reset`).
+    pool: Option<PoolId>,
+}
+
+/// A captured CUDA graph with its private memory pool (`torch.cuda.CUDAGraph`).
+#[derive(Debug)]
+pub struct CudaGraph {
+    runtime: Arc<Runtime>,
+    allocators: Arc<DeviceAllocators>,
+    device: DeviceIndex,
+    state: Mutex<State>,
+}
+
+impl CudaGraph {
+    /// A graph for `device`, whose captures allocate through `allocators` (installed as the
+    /// runtime's memory resource).
+    pub fn new(
+        runtime: Arc<Runtime>,
+        allocators: Arc<DeviceAllocators>,
+        device: DeviceIndex,
+    ) -> Result<CudaGraph, GraphError> {
+        runtime.check_device(device)?;
+        Ok(CudaGraph {
+            runtime,
+            allocators,
+            device,
+            state: Mutex::new(State::default()),
+        })
+    }
+
+    fn driver(&self) -> &Arc<dyn Driver> {
+        self.runtime.driver()
+    }
+
+    /// The pool this graph's captures allocate from, once a capture began.
+    pub fn pool(&self) -> Option<PoolId> {
+        self.state.lock().pool
+    }
+
+    /// Starts capturing `stream` (`CUDAGraph.capture_begin(pool, capture_error_mode)`).
+    /// `pool: Some(id)` shares another graph's pool (or a `PoolId::handle()`); `None` makes
+    /// a new one.
+    pub fn capture_begin(
+        &self,
+        stream: &Stream,
+        pool: Option<PoolId>,
+        mode: CaptureMode,
+    ) -> Result<(), GraphError> {
+        if stream.is_default() {
+            return Err(GraphError::DefaultStream);
+        }
+        if stream.device() != self.device {
+            return Err(StreamError::DeviceMismatch {
+                expected: self.device,
+                found: stream.device(),
+                what: "the capture stream",
+            }
+            .into());
+        }
+        let mut st = self.state.lock();
+        if st.capturing.is_some() || st.exec.is_some() {
+            return Err(GraphError::AlreadyCaptured);
+        }
+        if !matches!(
+            self.driver().stream_capture_status(stream.handle())?,
+            CaptureStatus::None
+        ) {
+            return Err(GraphError::NestedCapture);
+        }
+        let pool = pool.unwrap_or_else(PoolId::for_capture);
+        self.driver().stream_begin_capture(stream.handle(), mode)?;
+        let id = match self.driver().stream_capture_status(stream.handle()) {
+            Ok(CaptureStatus::Active { id }) => id,
+            other => {
+                let _ = self
+                    .driver()
+                    .stream_end_capture(stream.handle())
+                    .map(|g| self.driver().graph_destroy(g));
+                return Err(other
+                    .err()
+                    .map_or(GraphError::Invalidated, GraphError::from));
+            }
+        };
+        let allocator = self.allocators.device(self.device)?;
+        if let Err(e) = allocator.begin_allocate_to_pool(pool, Route::Capture(id)) {
+            let _ = self
+                .driver()
+                .stream_end_capture(stream.handle())
+                .map(|g| self.driver().graph_destroy(g));
+            return Err(e.into());
+        }
+        st.capturing = Some(Capturing {
+            stream: stream.clone(),
+            pool,
+        });
+        st.pool = Some(pool);
+        Ok(())
+    }
+
+    /// Ends the capture and instantiates the graph (`capture_end`). On failure the capture
+    /// is over, the allocator no longer routes to the pool, and the pool is released.
+    pub fn capture_end(&self) -> Result<(), GraphError> {
+        let mut st = self.state.lock();
+        let Some(Capturing { stream, pool }) = st.capturing.take() else {
+            return Err(GraphError::NotCapturing);
+        };
+        let allocator = self.allocators.device(self.device)?;
+        let unrouted = allocator.end_allocate_to_pool(pool);
+        let ended = self.driver().stream_end_capture(stream.handle());
+        let result = match ended {
+            Ok(graph) => match self.driver().graph_node_count(graph) {
+                Ok(0) => {
+                    let _ = self.driver().graph_destroy(graph);
+                    Err(GraphError::EmptyCapture)
+                }
+                Ok(_) => match self.driver().graph_instantiate(graph) {
+                    Ok(exec) => {
+                        st.graph = Some(graph);
+                        st.exec = Some(exec);
+                        Ok(())
+                    }
+                    Err(e) => {
+                        let _ = self.driver().graph_destroy(graph);
+                        Err(e.into())
+                    }
+                },
+                Err(e) => Err(e.into()),
+            },
+            Err(e) if e == DriverError::STREAM_CAPTURE_UNJOINED => Err(GraphError::Unjoined),
+            Err(e) if e == DriverError::STREAM_CAPTURE_INVALIDATED => Err(GraphError::Invalidated),
+            Err(e) => Err(e.into()),
+        };
+        if result.is_err() {
+            st.pool = None;
+            let _ = allocator.release_pool(pool);
+        }
+        unrouted?;
+        result
+    }
+
+    /// Launches the captured work on `stream` (`replay`; any stream of the device).
+    pub fn replay(&self, stream: &Stream) -> Result<(), GraphError> {
+        let exec = self.state.lock().exec.ok_or(GraphError::NothingCaptured)?;
+        Ok(self.driver().graph_launch(exec, stream.handle())?)
+    }
+
+    /// Stages the graph on the device so the first replay does not pay for it (`upload`).
+    pub fn upload(&self, stream: &Stream) -> Result<(), GraphError> {
+        let exec = self.state.lock().exec.ok_or(GraphError::NothingCaptured)?;
+        Ok(self.driver().graph_upload(exec, stream.handle())?)
+    }
+
+    /// Number of nodes of the captured graph.
+    pub fn node_count(&self) -> Result<usize, GraphError> {
+        let graph = self.state.lock().graph.ok_or(GraphError::NothingCaptured)?;
+        Ok(self.driver().graph_node_count(graph)?)
+    }
+
+    /// Writes the graph as Graphviz DOT (`debug_dump`).
+    pub fn debug_dump(&self, path: &Path) -> Result<(), GraphError> {
+        let graph = self.state.lock().graph.ok_or(GraphError::NothingCaptured)?;
+        Ok(self.driver().graph_debug_dot(graph, path)?)
+    }
+
+    /// Drops the captured graph and this graph's use of its pool (`reset`). Buffers
+    /// allocated during the capture stay valid until they are dropped.
+    pub fn reset(&self) -> Result<(), GraphError> {
+        let mut st = self.state.lock();
+        if st.capturing.is_some() {
+            drop(st);
+            let _ = self.capture_end();
+            st = self.state.lock();
+        }
+        if let Some(exec) = st.exec.take() {
+            self.driver().graph_exec_destroy(exec)?;
+        }
+        if let Some(graph) = st.graph.take() {
+            self.driver().graph_destroy(graph)?;
+        }
+        if let Some(pool) = st.pool.take() {
+            self.allocators.device(self.device)?.release_pool(pool)?;
+        }
+        Ok(())
+    }
+
+    /// Captures what `work` enqueues: synchronizes the device, switches to `stream` (or a
+    /// pool stream) as the current stream, and begins the capture; the returned guard ends
+    /// it (`with torch.cuda.graph(g, pool, stream)`).
+    pub fn capture<'a>(
+        &'a self,
+        stream: Option<&Stream>,
+        pool: Option<PoolId>,
+        mode: CaptureMode,
+    ) -> Result<CaptureGuard<'a>, GraphError> {
+        self.runtime.synchronize(self.device)?;
+        let stream = match stream {
+            Some(s) => s.clone(),
+            None => self.runtime.stream_from_pool(self.device, false)?,
+        };
+        let stream_guard = self.runtime.stream_guard(&stream)?;
+        self.capture_begin(&stream, pool, mode)?;
+        Ok(CaptureGuard {
+            graph: self,
+            stream,
+            _stream_guard: stream_guard,
+            ended: false,
+        })
+    }
+}
+
+impl Drop for CudaGraph {
+    fn drop(&mut self) {
+        let _ = self.reset();
+    }
+}
+
+/// An open capture (`with torch.cuda.graph(...)`): the capture stream is current until it
+/// ends. [`CaptureGuard::end`] ends it and reports errors; dropping the guard without
+/// `end` (an early return, a `?`, a panic) ends it too, and releases the pool of a capture
+/// that failed.
+#[derive(Debug)]
+#[must_use = "the capture ends when the guard drops"]
+pub struct CaptureGuard<'a> {
+    graph: &'a CudaGraph,
+    stream: Stream,
+    _stream_guard: StreamGuard<'a>,
+    ended: bool,
+}
+
+impl CaptureGuard<'_> {
+    /// The capturing stream.
+    pub fn stream(&self) -> &Stream {
+        &self.stream
+    }
+
+    /// Ends the capture and instantiates the graph.
+    pub fn end(mut self) -> Result<(), GraphError> {
+        self.ended = true;
+        self.graph.capture_end()
+    }
+}
+
+impl Drop for CaptureGuard<'_> {
+    fn drop(&mut self) {
+        if !self.ended {
+            let _ = self.graph.capture_end();
+        }
+    }
+}

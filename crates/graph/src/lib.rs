@@ -1,0 +1,30 @@
+//! CUDA graphs with private memory pools (`torch.cuda.CUDAGraph`, `torch.cuda.graph`).
+//!
+//! A [`CudaGraph`] captures the work enqueued on one stream (and the streams forked from
+//! it) into a graph, instantiates it, and replays it. While it captures, the caching
+//! allocator serves every allocation made on the capture's streams from the graph's private
+//! pool, so replays touch the same addresses; a pool can be shared between graphs that
+//! replay in capture order.
+//!
+//! # Design choices
+//! - **Graph-memory policy lives here.** The allocator only offers "allocate in pool P",
+//!   "retain / release pool P", "blocks of pool P"; which pool, for whom, and when it is
+//!   released is decided by this crate.
+//! - **A failed capture never leaks its pool.** [`CaptureGuard`] ends the capture, stops the
+//!   allocator's routing and releases the pool on every exit path, panics included
+//!   (PyTorch leaks it: #190348, #190308).
+//! - **Typed errors for the capture rules**: the legacy default stream, nesting, replay
+//!   before capture, an empty capture, an unjoined fork and an invalidated capture are each
+//!   a [`GraphError`] variant, not undefined behaviour.
+//! - Library captures default to [`CaptureMode::ThreadLocal`] (graphs spec §10 item 8):
+//!   other threads' allocations do not break them.
+//!
+//! # What the layer above must do
+//! - Keep the static inputs and outputs alive while the graph may replay.
+//! - Replay graphs that share a pool in the order they were captured, never concurrently.
+#![forbid(unsafe_code)]
+
+mod graph;
+
+pub use ferrocuda_types::{CaptureMode, PoolId};
+pub use graph::{CaptureGuard, CudaGraph, GraphError};

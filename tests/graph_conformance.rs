@@ -1,0 +1,415 @@
+//! CUDA graphs with private pools, written once over a backend: the fake device in CI, the
+//! real driver in the GPU bundle (`#[ignore]`d without a GPU: skipped, with the reason).
+//! The `torch.cuda.graph` example, pool routing and lifetime, the capture rules as typed
+//! errors, a panic inside a capture, pool sharing, fork/join, THREAD_LOCAL captures.
+use ferrocuda::alloc::DeviceAllocators;
+use ferrocuda::graph::{CaptureMode, CudaGraph, GraphError, PoolId};
+use ferrocuda::stream::conformance::{Harness, KERNELS, cuda_harness, fake_harness};
+use ferrocuda::stream::{DeviceBuffer, Function, Module, Stream};
+use ferrocuda::types::{AllocatorConfig, DeviceIndex, KernelArg, LaunchConfig};
+use std::sync::Arc;
+
+type TestResult = Result<(), Box<dyn std::error::Error>>;
+const D0: DeviceIndex = DeviceIndex(0);
+const N: usize = 1024;
+
+/// A harness with a caching allocator installed, and a graph over it.
+struct Setup<'h> {
+    h: &'h Harness,
+    allocators: Arc<DeviceAllocators>,
+    scale: Function,
+    add_one: Function,
+}
+
+impl Setup<'_> {
+    fn new(h: &Harness) -> Result<Setup<'_>, Box<dyn std::error::Error>> {
+        let allocators =
+            DeviceAllocators::new(h.rt.driver().clone(), AllocatorConfig::default(), true);
+        allocators.install(&h.rt);
+        let module = Module::from_cuda_source(&h.rt, D0, "graph_conformance", KERNELS)?;
+        Ok(Setup {
+            scale: module.function("scale_f32")?,
+            add_one: module.function("add_one_f32")?,
+            h,
+            allocators,
+        })
+    }
+
+    fn graph(&self) -> Result<CudaGraph, GraphError> {
+        CudaGraph::new(self.h.rt.clone(), self.allocators.clone(), D0)
+    }
+
+    fn buffer(&self, value: f32) -> Result<DeviceBuffer<f32>, Box<dyn std::error::Error>> {
+        Ok(DeviceBuffer::filled(&self.h.rt, D0, N, value)?)
+    }
+
+    /// `y = a * x` on `stream`.
+    fn scale(
+        &self,
+        stream: &Stream,
+        y: &DeviceBuffer<f32>,
+        x: &DeviceBuffer<f32>,
+        a: f32,
+    ) -> TestResult {
+        let n = N as u32;
+        let args = [y.arg(), x.arg(), KernelArg::value(&a), KernelArg::value(&n)];
+        Ok(stream.launch(&self.scale, &LaunchConfig::for_elements(N, 256), &args)?)
+    }
+
+    /// `x += 1` on `stream`.
+    fn add_one(&self, stream: &Stream, x: &DeviceBuffer<f32>) -> TestResult {
+        let n = N as u32;
+        let args = [x.arg(), KernelArg::value(&n)];
+        Ok(stream.launch(&self.add_one, &LaunchConfig::for_elements(N, 256), &args)?)
+    }
+
+    fn pool_users(&self, pool: PoolId) -> Result<Option<u32>, Box<dyn std::error::Error>> {
+        Ok(self.allocators.device(D0)?.pool_use_count(pool))
+    }
+
+    fn in_pool(
+        &self,
+        pool: PoolId,
+        buf: &DeviceBuffer<f32>,
+    ) -> Result<bool, Box<dyn std::error::Error>> {
+        let blocks = self.allocators.device(D0)?.pool_blocks(pool);
+        Ok(blocks.iter().any(|b| b.allocated && b.ptr == buf.ptr()))
+    }
+
+    /// Checks that every element of `buf` is `expected`, after `stream`'s work.
+    fn expect(
+        &self,
+        stream: &Stream,
+        buf: &DeviceBuffer<f32>,
+        expected: f32,
+        what: &str,
+    ) -> TestResult {
+        stream.synchronize()?;
+        let values = buf.to_host()?;
+        match values.iter().position(|&v| v != expected) {
+            None => Ok(()),
+            Some(i) => {
+                Err(format!("{what}: element {i} is {}, expected {expected}", values[i]).into())
+            }
+        }
+    }
+}
+
+/// The `torch.cuda.graph` documentation example: fill the static input, replay, read the
+/// static output, which was allocated inside the capture from the graph's private pool.
+fn graph_replays_on_static_buffers(h: &Harness) -> TestResult {
+    let s = Setup::new(h)?;
+    let g = s.graph()?;
+    let static_input = s.buffer(1.0)?;
+    let capture = g.capture(None, None, CaptureMode::ThreadLocal)?;
+    let stream = capture.stream().clone();
+    let static_output = DeviceBuffer::<f32>::uninit(&s.h.rt, D0, N)?;
+    s.scale(&stream, &static_output, &static_input, 2.0)?;
+    capture.end()?;
+    let pool = g.pool().ok_or("a captured graph holds a pool")?;
+    assert!(
+        s.in_pool(pool, &static_output)?,
+        "the output was allocated in the private pool"
+    );
+    assert!(
+        !s.in_pool(pool, &static_input)?,
+        "the input was allocated before the capture"
+    );
+    assert_eq!(s.pool_users(pool)?, Some(1));
+    assert!(g.node_count()? >= 1);
+    // As in PyTorch: fill the input and replay on the current stream, in stream order.
+    let current = s.h.rt.current_stream(D0)?;
+    for round in 0..3 {
+        let v = round as f32 + 3.0;
+        static_input.copy_from_host(&vec![v; N])?;
+        g.replay(&current)?;
+        s.expect(&current, &static_output, 2.0 * v, &format!("round {round}"))?;
+    }
+    Ok(())
+}
+
+/// Allocations made during the capture stay valid after `reset`; the pool's memory goes
+/// back to the driver once they are freed and the cache is emptied.
+fn capture_memory_outlives_reset(h: &Harness) -> TestResult {
+    let s = Setup::new(h)?;
+    let alloc = s.allocators.device(D0)?;
+    let g = s.graph()?;
+    let input = s.buffer(5.0)?;
+    let capture = g.capture(None, None, CaptureMode::ThreadLocal)?;
+    let stream = capture.stream().clone();
+    let scratch = DeviceBuffer::<f32>::uninit(&s.h.rt, D0, N)?;
+    s.scale(&stream, &scratch, &input, 3.0)?;
+    let output = DeviceBuffer::<f32>::uninit(&s.h.rt, D0, N)?;
+    s.scale(&stream, &output, &scratch, 1.0)?;
+    drop(scratch);
+    capture.end()?;
+    let pool = g.pool().ok_or("a captured graph holds a pool")?;
+    g.replay(&stream)?;
+    s.expect(&stream, &output, 15.0, "output")?;
+    let reserved_with_pool = alloc.stats().reserved_bytes.all.current;
+    g.reset()?;
+    assert_eq!(g.pool(), None);
+    assert!(matches!(
+        g.replay(&stream),
+        Err(GraphError::NothingCaptured)
+    ));
+    s.expect(&stream, &output, 15.0, "the output outlives reset")?;
+    alloc.empty_cache();
+    assert!(
+        !alloc.pool_blocks(pool).is_empty(),
+        "a live block keeps its segment"
+    );
+    drop(output);
+    alloc.empty_cache();
+    assert!(alloc.pool_blocks(pool).is_empty());
+    assert_eq!(s.pool_users(pool)?, None);
+    assert!(alloc.stats().reserved_bytes.all.current < reserved_with_pool);
+    alloc.check_invariants()?;
+    Ok(())
+}
+
+/// Each capture rule PyTorch leaves to a CUDA error or a hang is a typed error here.
+fn capture_rules_are_typed_errors(h: &Harness) -> TestResult {
+    let s = Setup::new(h)?;
+    let alloc = s.allocators.device(D0)?;
+    let (g, other) = (s.graph()?, s.graph()?);
+    let legacy = s.h.rt.default_stream(D0)?;
+    let stream = s.h.rt.new_stream(D0, 0)?;
+    assert_eq!(
+        g.capture_begin(&legacy, None, CaptureMode::Global),
+        Err(GraphError::DefaultStream)
+    );
+    assert_eq!(g.replay(&stream), Err(GraphError::NothingCaptured));
+    assert_eq!(g.upload(&stream), Err(GraphError::NothingCaptured));
+    assert_eq!(g.capture_end(), Err(GraphError::NotCapturing));
+    assert!(matches!(
+        CudaGraph::new(s.h.rt.clone(), s.allocators.clone(), DeviceIndex(7)),
+        Err(GraphError::Stream(_))
+    ));
+
+    g.capture_begin(&stream, None, CaptureMode::ThreadLocal)?;
+    assert_eq!(
+        g.capture_begin(&stream, None, CaptureMode::ThreadLocal),
+        Err(GraphError::AlreadyCaptured)
+    );
+    assert_eq!(
+        other.capture_begin(&stream, None, CaptureMode::ThreadLocal),
+        Err(GraphError::NestedCapture)
+    );
+    let pool = g.pool().ok_or("capturing graph holds a pool")?;
+    assert_eq!(g.capture_end(), Err(GraphError::EmptyCapture));
+    assert_eq!(
+        (g.pool(), s.pool_users(pool)?),
+        (None, None),
+        "an empty capture releases its pool"
+    );
+
+    let x = s.buffer(0.0)?;
+    let capture = g.capture(Some(&stream), None, CaptureMode::ThreadLocal)?;
+    let pool = g.pool().ok_or("capturing graph holds a pool")?;
+    s.add_one(&stream, &x)?;
+    assert!(
+        stream.synchronize().is_err(),
+        "a synchronize inside a capture is refused"
+    );
+    assert_eq!(capture.end(), Err(GraphError::Invalidated));
+    assert_eq!(
+        (g.pool(), s.pool_users(pool)?),
+        (None, None),
+        "an invalidated capture releases its pool"
+    );
+
+    let capture = g.capture(Some(&stream), None, CaptureMode::ThreadLocal)?;
+    s.add_one(&stream, &x)?;
+    capture.end()?;
+    s.expect(&stream, &x, 0.0, "captured work runs only on replay")?;
+    g.replay(&stream)?;
+    g.replay(&stream)?;
+    s.expect(&stream, &x, 2.0, "the graph works after failed captures")?;
+    alloc.check_invariants()?;
+    Ok(())
+}
+
+/// A panic inside a capture ends it and releases its pool (PyTorch leaks both); the next
+/// capture on the same stream works.
+fn panic_inside_capture_releases_pool(h: &Harness) -> TestResult {
+    let s = Setup::new(h)?;
+    let g = s.graph()?;
+    let stream = s.h.rt.new_stream(D0, 0)?;
+    let x = s.buffer(1.0)?;
+    let mut seen = None;
+    let unwound = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        if let Ok(_capture) = g.capture(Some(&stream), None, CaptureMode::ThreadLocal) {
+            seen = g.pool();
+            let _kept = DeviceBuffer::<f32>::uninit(&s.h.rt, D0, N);
+            std::panic::resume_unwind(Box::new("a panic inside the capture"));
+        }
+    }));
+    assert!(
+        unwound.is_err(),
+        "the capture began and the closure unwound"
+    );
+    let pool = seen.ok_or("the capture held a pool")?;
+    assert_eq!(g.pool(), None);
+    assert_eq!(
+        s.pool_users(pool)?,
+        Some(0),
+        "the panicking capture released its pool"
+    );
+    s.allocators.device(D0)?.empty_cache();
+    assert_eq!(
+        s.pool_users(pool)?,
+        None,
+        "its memory goes back at the next empty_cache"
+    );
+    let capture = g.capture(Some(&stream), None, CaptureMode::ThreadLocal)?;
+    s.add_one(&stream, &x)?;
+    capture.end()?;
+    g.replay(&stream)?;
+    s.expect(&stream, &x, 2.0, "x")?;
+    Ok(())
+}
+
+/// Two graphs share a pool (`pool=g1.pool()`): the second capture reuses memory the first
+/// freed, the pool has two users, and replays in capture order compute the chain.
+fn graphs_share_a_pool(h: &Harness) -> TestResult {
+    let s = Setup::new(h)?;
+    let (g1, g2) = (s.graph()?, s.graph()?);
+    let input = s.buffer(2.0)?;
+    let capture = g1.capture(None, None, CaptureMode::ThreadLocal)?;
+    let stream = capture.stream().clone();
+    let temp = DeviceBuffer::<f32>::uninit(&s.h.rt, D0, N)?;
+    s.scale(&stream, &temp, &input, 10.0)?;
+    let mid = DeviceBuffer::<f32>::uninit(&s.h.rt, D0, N)?;
+    s.scale(&stream, &mid, &temp, 0.5)?;
+    let temp_address = temp.ptr();
+    drop(temp);
+    capture.end()?;
+    let pool = g1.pool().ok_or("g1 holds a pool")?;
+
+    let capture = g2.capture(Some(&stream), Some(pool), CaptureMode::ThreadLocal)?;
+    let out = DeviceBuffer::<f32>::uninit(&s.h.rt, D0, N)?;
+    s.scale(&stream, &out, &mid, 3.0)?;
+    capture.end()?;
+    assert_eq!(g2.pool(), Some(pool));
+    assert_eq!(s.pool_users(pool)?, Some(2));
+    assert_eq!(
+        out.ptr(),
+        temp_address,
+        "g2 reuses the block g1 freed in the shared pool"
+    );
+    assert!(s.in_pool(pool, &out)? && s.in_pool(pool, &mid)?);
+    g1.replay(&stream)?;
+    g2.replay(&stream)?;
+    s.expect(&stream, &out, 30.0, "out")?;
+    g1.reset()?;
+    assert_eq!(s.pool_users(pool)?, Some(1));
+    drop(g2);
+    assert_eq!(
+        s.pool_users(pool)?,
+        Some(0),
+        "blocks still live keep the pool"
+    );
+    Ok(())
+}
+
+/// Work forked to a side stream must be joined before the capture ends; a fork that is
+/// joined captures both branches, and the side stream's allocations land in the pool.
+fn forked_streams_join_the_capture(h: &Harness) -> TestResult {
+    let s = Setup::new(h)?;
+    let g = s.graph()?;
+    let stream = s.h.rt.new_stream(D0, 0)?;
+    let side = s.h.rt.new_stream(D0, 0)?;
+    let (a, b) = (s.buffer(0.0)?, s.buffer(0.0)?);
+
+    let capture = g.capture(Some(&stream), None, CaptureMode::ThreadLocal)?;
+    let pool = g.pool().ok_or("capturing graph holds a pool")?;
+    side.wait_stream(&stream)?;
+    s.add_one(&side, &b)?;
+    assert_eq!(capture.end(), Err(GraphError::Unjoined));
+    assert_eq!(
+        s.pool_users(pool)?,
+        None,
+        "an unjoined capture releases its pool"
+    );
+
+    let capture = g.capture(Some(&stream), None, CaptureMode::ThreadLocal)?;
+    let pool = g.pool().ok_or("capturing graph holds a pool")?;
+    side.wait_stream(&stream)?;
+    let side_scratch = {
+        let _on_side = s.h.rt.stream_guard(&side)?;
+        DeviceBuffer::<f32>::uninit(&s.h.rt, D0, N)?
+    };
+    s.add_one(&side, &b)?;
+    s.scale(&side, &side_scratch, &b, 1.0)?;
+    s.add_one(&stream, &a)?;
+    stream.wait_stream(&side)?;
+    capture.end()?;
+    assert!(g.node_count()? >= 3, "both branches are in the graph");
+    assert!(
+        s.in_pool(pool, &side_scratch)?,
+        "the side stream allocates from the pool"
+    );
+    g.replay(&stream)?;
+    s.expect(&stream, &a, 1.0, "a")?;
+    s.expect(&stream, &b, 1.0, "b")?;
+    Ok(())
+}
+
+/// A THREAD_LOCAL capture lets other threads allocate (from the default pool) while it
+/// records; the capture is unharmed.
+fn thread_local_capture_ignores_other_threads(h: &Harness) -> TestResult {
+    let s = Setup::new(h)?;
+    let g = s.graph()?;
+    let x = s.buffer(0.0)?;
+    let capture = g.capture(None, None, CaptureMode::ThreadLocal)?;
+    let stream = capture.stream().clone();
+    let pool = g.pool().ok_or("capturing graph holds a pool")?;
+    s.add_one(&stream, &x)?;
+    let elsewhere = std::thread::scope(|scope| {
+        scope
+            .spawn(|| -> Result<DeviceBuffer<f32>, String> {
+                let own = s.h.rt.new_stream(D0, 0).map_err(|e| e.to_string())?;
+                let _guard = s.h.rt.stream_guard(&own).map_err(|e| e.to_string())?;
+                let buf =
+                    DeviceBuffer::<f32>::uninit(&s.h.rt, D0, 4 * N).map_err(|e| e.to_string())?;
+                own.synchronize().map_err(|e| e.to_string())?;
+                Ok(buf)
+            })
+            .join()
+            .map_err(|_| "the other thread panicked".to_string())?
+    })?;
+    capture.end()?;
+    assert!(
+        !s.in_pool(pool, &elsewhere)?,
+        "another thread's allocation stays out of the pool"
+    );
+    g.replay(&stream)?;
+    s.expect(&stream, &x, 1.0, "x")?;
+    Ok(())
+}
+
+macro_rules! both_backends {
+    ($($name:ident),* $(,)?) => {
+        mod fake {
+            $(#[test] fn $name() -> super::TestResult { super::$name(&super::fake_harness()) })*
+        }
+        mod cuda {
+            $(
+                #[test]
+                #[ignore = "needs a GPU: runs in the GPU bundle (cargo xtask gpu-bundle)"]
+                fn $name() -> super::TestResult { super::$name(&super::cuda_harness()) }
+            )*
+        }
+    };
+}
+
+both_backends!(
+    graph_replays_on_static_buffers,
+    capture_memory_outlives_reset,
+    capture_rules_are_typed_errors,
+    panic_inside_capture_releases_pool,
+    graphs_share_a_pool,
+    forked_streams_join_the_capture,
+    thread_local_capture_ignores_other_threads,
+);
