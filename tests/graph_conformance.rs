@@ -3,13 +3,16 @@
 //! The `torch.cuda.graph` example, pool routing and lifetime, the capture rules as typed
 //! errors, a panic inside a capture, pool sharing, fork/join, THREAD_LOCAL captures.
 use ferrocuda::alloc::DeviceAllocators;
-use ferrocuda::graph::{CaptureMode, CudaGraph, GraphError, PoolId};
+use ferrocuda::graph::{
+    Callable, CaptureMode, CudaGraph, GraphError, GraphedOptions, PoolId, make_graphed_callables,
+};
 use ferrocuda::stream::conformance::{Harness, KERNELS, cuda_harness, fake_harness};
 use ferrocuda::stream::{DeviceBuffer, Function, Module, Stream};
 use ferrocuda::types::{AllocatorConfig, DeviceIndex, KernelArg, LaunchConfig};
 use std::sync::Arc;
 
-type TestResult = Result<(), Box<dyn std::error::Error>>;
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+type TestResult = Result<(), BoxError>;
 const D0: DeviceIndex = DeviceIndex(0);
 const N: usize = 1024;
 
@@ -22,7 +25,7 @@ struct Setup<'h> {
 }
 
 impl Setup<'_> {
-    fn new(h: &Harness) -> Result<Setup<'_>, Box<dyn std::error::Error>> {
+    fn new(h: &Harness) -> Result<Setup<'_>, BoxError> {
         let allocators =
             DeviceAllocators::new(h.rt.driver().clone(), AllocatorConfig::default(), true);
         allocators.install(&h.rt);
@@ -39,7 +42,7 @@ impl Setup<'_> {
         CudaGraph::new(self.h.rt.clone(), self.allocators.clone(), D0)
     }
 
-    fn buffer(&self, value: f32) -> Result<DeviceBuffer<f32>, Box<dyn std::error::Error>> {
+    fn buffer(&self, value: f32) -> Result<DeviceBuffer<f32>, BoxError> {
         Ok(DeviceBuffer::filled(&self.h.rt, D0, N, value)?)
     }
 
@@ -63,15 +66,11 @@ impl Setup<'_> {
         Ok(stream.launch(&self.add_one, &LaunchConfig::for_elements(N, 256), &args)?)
     }
 
-    fn pool_users(&self, pool: PoolId) -> Result<Option<u32>, Box<dyn std::error::Error>> {
+    fn pool_users(&self, pool: PoolId) -> Result<Option<u32>, BoxError> {
         Ok(self.allocators.device(D0)?.pool_use_count(pool))
     }
 
-    fn in_pool(
-        &self,
-        pool: PoolId,
-        buf: &DeviceBuffer<f32>,
-    ) -> Result<bool, Box<dyn std::error::Error>> {
+    fn in_pool(&self, pool: PoolId, buf: &DeviceBuffer<f32>) -> Result<bool, BoxError> {
         let blocks = self.allocators.device(D0)?.pool_blocks(pool);
         Ok(blocks.iter().any(|b| b.allocated && b.ptr == buf.ptr()))
     }
@@ -389,6 +388,240 @@ fn thread_local_capture_ignores_other_threads(h: &Harness) -> TestResult {
     Ok(())
 }
 
+/// `make_graphed_callables`: warm-up runs, one shared pool, static inputs copied into only
+/// when a different buffer is passed, outputs chained from one callable to the next, the
+/// replay order checked in debug builds.
+fn graphed_callables_chain(h: &Harness) -> TestResult {
+    let s = Setup::new(h)?;
+    let runs = std::cell::Cell::new(0);
+    let double: Callable<'_, f32> = Box::new(|inputs| {
+        runs.set(runs.get() + 1);
+        let y = DeviceBuffer::<f32>::uninit(&s.h.rt, D0, N)?;
+        s.scale(&s.h.rt.current_stream(D0)?, &y, &inputs[0], 2.0)?;
+        Ok(vec![y])
+    });
+    let triple: Callable<'_, f32> = Box::new(|inputs| {
+        let z = DeviceBuffer::<f32>::uninit(&s.h.rt, D0, N)?;
+        s.scale(&s.h.rt.current_stream(D0)?, &z, &inputs[0], 3.0)?;
+        Ok(vec![z])
+    });
+    let graphed = make_graphed_callables(
+        &s.h.rt,
+        &s.allocators,
+        D0,
+        vec![double, triple],
+        vec![vec![s.buffer(0.0)?], vec![s.buffer(0.0)?]],
+        GraphedOptions::default(),
+    )?;
+    assert_eq!(runs.get(), 4, "3 warm-up runs and the capture");
+    assert_eq!(
+        s.pool_users(graphed.pool())?,
+        Some(2),
+        "both graphs share the pool"
+    );
+    let stream = s.h.rt.current_stream(D0)?;
+    for v in [4.0f32, 5.0] {
+        let x = s.buffer(v)?;
+        let y = graphed.call(0, &[&x])?;
+        assert!(s.in_pool(graphed.pool(), &y[0])?);
+        let z = graphed.call(1, &[&y[0]])?;
+        s.expect(&stream, &z[0], 6.0 * v, "triple(double(x))")?;
+    }
+    let static_x = &graphed.inputs(0)?[0];
+    static_x.copy_from_host(&vec![7.0; N])?;
+    s.h.rt.current_stream(D0)?.synchronize()?;
+    let y = graphed.call(0, &[static_x])?;
+    s.expect(
+        &stream,
+        &y[0],
+        14.0,
+        "the static input itself is not copied",
+    )?;
+    if cfg!(debug_assertions) {
+        assert_eq!(
+            graphed.call(0, &[static_x]).err(),
+            Some(GraphError::ReplayOrder {
+                expected: 1,
+                found: 0
+            })
+        );
+    }
+    assert!(matches!(
+        graphed.call(1, &[]),
+        Err(GraphError::InputCount {
+            expected: 1,
+            found: 0
+        })
+    ));
+    assert!(matches!(
+        graphed.call(2, &[]),
+        Err(GraphError::NoSuchCallable { index: 2, count: 2 })
+    ));
+
+    let failing: Callable<'_, f32> = Box::new(|_| Err("no kernel for this".into()));
+    let err = make_graphed_callables(
+        &s.h.rt,
+        &s.allocators,
+        D0,
+        vec![failing],
+        vec![vec![]],
+        GraphedOptions::default(),
+    );
+    assert!(matches!(err, Err(GraphError::Callable { index: 0, .. })));
+    let err = make_graphed_callables::<f32>(
+        &s.h.rt,
+        &s.allocators,
+        D0,
+        vec![],
+        vec![vec![]],
+        GraphedOptions::default(),
+    );
+    assert!(matches!(
+        err,
+        Err(GraphError::SampleCount {
+            callables: 0,
+            samples: 1
+        })
+    ));
+    Ok(())
+}
+
+/// Exact reserved and segment deltas across capture, replay, reset, freeing the outputs and
+/// `empty_cache` (`test_graph_memory_stats_and_use_result_after_destroy_graph`): a small
+/// allocation takes a 2 MiB segment and a 4 MiB one a 20 MiB segment, both in the pool.
+fn graph_memory_stats_after_destroy(h: &Harness) -> TestResult {
+    const MIB: i64 = 1 << 20;
+    let s = Setup::new(h)?;
+    let alloc = s.allocators.device(D0)?;
+    let input = s.buffer(1.0)?;
+    let stats = || {
+        let st = alloc.stats();
+        (
+            st.reserved_bytes.all.current,
+            st.segment.all.current,
+            st.allocated_bytes.all.current,
+        )
+    };
+    let (reserved0, segments0, allocated0) = stats();
+    let g = s.graph()?;
+    let capture = g.capture(None, None, CaptureMode::ThreadLocal)?;
+    let stream = capture.stream().clone();
+    let small = DeviceBuffer::<f32>::uninit(&s.h.rt, D0, N)?;
+    s.scale(&stream, &small, &input, 2.0)?;
+    let large = DeviceBuffer::<u8>::uninit(&s.h.rt, D0, 4 << 20)?;
+    capture.end()?;
+    let expect = |reserved: i64, segments: i64, allocated: i64, when: &str| -> TestResult {
+        let got = stats();
+        let want = (
+            reserved0 + reserved,
+            segments0 + segments,
+            allocated0 + allocated,
+        );
+        if got == want {
+            Ok(())
+        } else {
+            Err(
+                format!("{when}: (reserved, segments, allocated) {got:?}, expected {want:?}")
+                    .into(),
+            )
+        }
+    };
+    let live = 4096 + (4 << 20);
+    expect(22 * MIB, 2, live, "after capture")?;
+    g.replay(&stream)?;
+    s.expect(&stream, &small, 2.0, "small")?;
+    expect(22 * MIB, 2, live, "after replay")?;
+    drop(g);
+    expect(
+        22 * MIB,
+        2,
+        live,
+        "after the graph is gone, its outputs live",
+    )?;
+    s.expect(
+        &stream,
+        &small,
+        2.0,
+        "the output is usable after the graph is gone",
+    )?;
+    drop(small);
+    drop(large);
+    expect(22 * MIB, 2, 0, "freed, still cached")?;
+    alloc.empty_cache();
+    expect(0, 0, 0, "after empty_cache")?;
+    alloc.check_invariants()?;
+    Ok(())
+}
+
+/// `record_stream` during a capture defers the free to after the capture (PyTorch's
+/// deferred frees): the block is not handed out again inside the capture.
+fn record_stream_during_capture_defers_free(h: &Harness) -> TestResult {
+    let s = Setup::new(h)?;
+    let alloc = s.allocators.device(D0)?;
+    let g = s.graph()?;
+    let side = s.h.rt.new_stream(D0, 0)?;
+    let x = s.buffer(1.0)?;
+    let capture = g.capture(None, None, CaptureMode::ThreadLocal)?;
+    let stream = capture.stream().clone();
+    let pool = g.pool().ok_or("capturing graph holds a pool")?;
+    let tmp = DeviceBuffer::<f32>::uninit(&s.h.rt, D0, N)?;
+    s.scale(&stream, &tmp, &x, 2.0)?;
+    side.wait_stream(&stream)?;
+    s.add_one(&side, &tmp)?;
+    tmp.record_stream(&side)?;
+    let tmp_address = tmp.ptr();
+    drop(tmp);
+    let out = DeviceBuffer::<f32>::uninit(&s.h.rt, D0, N)?;
+    assert_ne!(
+        out.ptr(),
+        tmp_address,
+        "a block used by another captured stream is not reused in the capture"
+    );
+    stream.wait_stream(&side)?;
+    s.scale(&stream, &out, &x, 5.0)?;
+    capture.end()?;
+    g.replay(&stream)?;
+    s.expect(&stream, &out, 5.0, "out")?;
+    let tmp_block = alloc
+        .pool_blocks(pool)
+        .into_iter()
+        .find(|b| b.ptr == tmp_address);
+    assert_eq!(
+        tmp_block.map(|b| b.allocated),
+        Some(false),
+        "the deferred free landed after the capture"
+    );
+    alloc.check_invariants()?;
+    Ok(())
+}
+
+/// Graphs with their own pools replay concurrently on two streams without touching each
+/// other's memory.
+fn concurrent_replay_with_separate_pools(h: &Harness) -> TestResult {
+    let s = Setup::new(h)?;
+    let (g1, g2) = (s.graph()?, s.graph()?);
+    let (s1, s2) = (s.h.rt.new_stream(D0, 0)?, s.h.rt.new_stream(D0, 0)?);
+    let (x1, x2) = (s.buffer(1.0)?, s.buffer(2.0)?);
+    let mut outputs = Vec::new();
+    for (g, st, x, a) in [(&g1, &s1, &x1, 10.0), (&g2, &s2, &x2, 100.0)] {
+        let capture = g.capture(Some(st), None, CaptureMode::ThreadLocal)?;
+        let y = DeviceBuffer::<f32>::uninit(&s.h.rt, D0, N)?;
+        s.scale(st, &y, x, a)?;
+        capture.end()?;
+        outputs.push(y);
+    }
+    let (p1, p2) = (g1.pool().ok_or("g1 pool")?, g2.pool().ok_or("g2 pool")?);
+    assert_ne!(p1, p2);
+    assert!(s.in_pool(p1, &outputs[0])? && s.in_pool(p2, &outputs[1])?);
+    for _ in 0..3 {
+        g1.replay(&s1)?;
+        g2.replay(&s2)?;
+    }
+    s.expect(&s1, &outputs[0], 10.0, "g1")?;
+    s.expect(&s2, &outputs[1], 200.0, "g2")?;
+    Ok(())
+}
+
 macro_rules! both_backends {
     ($($name:ident),* $(,)?) => {
         mod fake {
@@ -412,4 +645,8 @@ both_backends!(
     graphs_share_a_pool,
     forked_streams_join_the_capture,
     thread_local_capture_ignores_other_threads,
+    graphed_callables_chain,
+    graph_memory_stats_after_destroy,
+    record_stream_during_capture_defers_free,
+    concurrent_replay_with_separate_pools,
 );

@@ -42,6 +42,48 @@ pub enum GraphError {
         "the capture was invalidated by a call not allowed while capturing (synchronize, event query, host read, or in GLOBAL mode another thread's allocation); its pool was released"
     )]
     Invalidated,
+    /// `make_graphed_callables` got a different number of callables and sample inputs.
+    #[error("{callables} callables but {samples} sample input lists")]
+    SampleCount {
+        /// Callables given.
+        callables: usize,
+        /// Sample input lists given.
+        samples: usize,
+    },
+    /// A graphed callable failed during warm-up or capture.
+    #[error("graphed callable {index} failed: {message}")]
+    Callable {
+        /// Which callable.
+        index: usize,
+        /// Its error.
+        message: String,
+    },
+    /// A graphed callable was called with a different number of inputs than its samples.
+    #[error("a graphed callable takes {expected} inputs, got {found}")]
+    InputCount {
+        /// Inputs it was captured with.
+        expected: usize,
+        /// Inputs given.
+        found: usize,
+    },
+    /// No graphed callable has this index.
+    #[error("no graphed callable {index}: there are {count}")]
+    NoSuchCallable {
+        /// The index asked for.
+        index: usize,
+        /// How many there are.
+        count: usize,
+    },
+    /// Graphed callables sharing a pool were called out of capture order (debug builds).
+    #[error(
+        "graphed callables share a pool and must replay in capture order: expected callable {expected}, got {found}"
+    )]
+    ReplayOrder {
+        /// The callable due next.
+        expected: usize,
+        /// The callable called.
+        found: usize,
+    },
     /// The driver refused an operation.
     #[error("CUDA driver error: {0}")]
     Driver(#[from] DriverError),
@@ -92,6 +134,16 @@ impl CudaGraph {
             device,
             state: Mutex::new(State::default()),
         })
+    }
+
+    /// The runtime this graph captures and replays through.
+    pub fn runtime(&self) -> &Arc<Runtime> {
+        &self.runtime
+    }
+
+    /// The device this graph captures on.
+    pub fn device(&self) -> DeviceIndex {
+        self.device
     }
 
     fn driver(&self) -> &Arc<dyn Driver> {

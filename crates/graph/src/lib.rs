@@ -24,7 +24,11 @@
 //! - Replay graphs that share a pool in the order they were captured, never concurrently.
 #![forbid(unsafe_code)]
 
+mod callables;
 mod graph;
 
+pub use callables::{
+    Callable, CallableError, GraphedCallables, GraphedOptions, make_graphed_callables,
+};
 pub use ferrocuda_types::{CaptureMode, PoolId};
 pub use graph::{CaptureGuard, CudaGraph, GraphError};
