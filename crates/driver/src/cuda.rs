@@ -357,6 +357,59 @@ impl RawLaunch {
     }
 }
 
+impl RawLaunch {
+    /// `launches` copies of this launch captured into a graph and instantiated, with raw
+    /// driver calls: the baseline that graph replays are measured against.
+    pub fn capture_chain(&mut self, launches: usize) -> Result<RawGraph, DriverError> {
+        let stream = self.stream.raw as sys::CUstream;
+        let mode = capture_mode(CaptureMode::ThreadLocal);
+        // SAFETY: the stream belongs to this object and is live.
+        check(unsafe { sys::cuStreamBeginCapture_v2(stream, mode) })?;
+        let launched = (0..launches).try_for_each(|_| self.launch());
+        let mut graph = std::ptr::null_mut();
+        // SAFETY: the stream is capturing; writes through a valid pointer.
+        let ended = check(unsafe { sys::cuStreamEndCapture(stream, &mut graph) });
+        let instantiated = launched.and(ended).and_then(|()| {
+            let mut exec = std::ptr::null_mut();
+            // SAFETY: the capture succeeded, so `graph` is a live graph.
+            check(unsafe { sys::cuGraphInstantiateWithFlags(&mut exec, graph, 0) }).map(|()| exec)
+        });
+        if !graph.is_null() {
+            // SAFETY: the graph is ours; the instantiated executable does not need it.
+            unsafe { sys::cuGraphDestroy(graph) };
+        }
+        Ok(RawGraph {
+            exec: instantiated?,
+        })
+    }
+
+    /// Launches `graph` on this object's stream with bare `cuGraphLaunch`.
+    pub fn launch_graph(&self, graph: &RawGraph) -> Result<(), DriverError> {
+        // SAFETY: the stream belongs to this object and is live; the executable is owned by
+        // `graph`, which is borrowed for the call.
+        check(unsafe { sys::cuGraphLaunch(graph.exec, self.stream.raw as sys::CUstream) })
+    }
+}
+
+/// An instantiated graph from [`RawLaunch::capture_chain`], launched with
+/// [`RawLaunch::launch_graph`] (benchmark baseline).
+pub struct RawGraph {
+    exec: sys::CUgraphExec,
+}
+
+impl std::fmt::Debug for RawGraph {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RawGraph").finish_non_exhaustive()
+    }
+}
+
+impl Drop for RawGraph {
+    fn drop(&mut self) {
+        // SAFETY: owned and destroyed once; launches in flight finish first.
+        unsafe { sys::cuGraphExecDestroy(self.exec) };
+    }
+}
+
 impl Drop for RawLaunch {
     fn drop(&mut self) {
         let _ = self.driver.stream_synchronize(self.stream);

@@ -34,7 +34,7 @@ mod cuda;
 mod error;
 pub mod fake;
 
-pub use cuda::{CudaDriver, RawLaunch};
+pub use cuda::{CudaDriver, RawGraph, RawLaunch};
 pub use error::{CompileError, DriverError};
 pub use fake::{Completion, FakeDriver, FakeDriverBuilder, KernelContext};
 
