@@ -10,9 +10,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode, Stdio};
 
 /// Test binaries that go into the GPU bundle.
-const GPU_TESTS: &[&str] = &["conformance_cuda", "alloc_conformance"];
+const GPU_TESTS: &[&str] = &["conformance_cuda", "alloc_conformance", "graph_conformance"];
 /// Bench binaries that go into the GPU bundle.
-const GPU_BENCHES: &[&str] = &["launch", "alloc", "expandable"];
+const GPU_BENCHES: &[&str] = &["launch", "alloc", "expandable", "graph"];
 /// Examples that go into the GPU bundle (each must succeed and say it ran on the GPU).
 const GPU_EXAMPLES: &[&str] = &["tour", "snapshot"];
 
@@ -177,6 +177,7 @@ fn gpu_bundle() -> Result<(), String> {
 const RUN_SH: &str = r#"#!/usr/bin/env bash
 # Runs the bundled tests and benches against the real CUDA driver. A skipped (ignored) test,
 # a missing GPU, or a failed bench counts as a failure. Last line: "N passed, N failed".
+# ONLY=<regex> runs just the binaries whose names match (and skips the PyTorch checks).
 set -u -o pipefail
 cd "$(dirname "$0")"
 OUT=${OUT:-$PWD/out}
@@ -184,7 +185,9 @@ mkdir -p "$OUT"
 export FERROCUDA_REQUIRE_GPU=1 CRITERION_HOME="$OUT/criterion"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || echo "nvidia-smi: not found"
 passed=0; failed=0
+want() { [ -z "${ONLY:-}" ] || [[ "$1" =~ $ONLY ]]; }
 for t in test_*; do
+  want "$t" || continue
   echo "=== $t"
   ./"$t" --include-ignored --test-threads=1 2>&1 | tee "$OUT/$t.log"
   rc=${PIPESTATUS[0]}
@@ -197,6 +200,7 @@ for t in test_*; do
   passed=$((passed + p)); failed=$((failed + f))
 done
 for e in example_*; do
+  want "$e" || continue
   echo "=== $e"
   if ./"$e" 2>&1 | tee "$OUT/$e.log" && grep -q 'on the GPU' "$OUT/$e.log"; then
     passed=$((passed + 1))
@@ -205,10 +209,11 @@ for e in example_*; do
   fi
 done
 for b in bench_*; do
+  want "$b" || continue
   echo "=== $b"
   if ./"$b" --bench 2>&1 | tee "$OUT/$b.log"; then passed=$((passed + 1)); else echo "$b failed"; failed=$((failed + 1)); fi
 done
-if [ -f snapshot.pickle ]; then
+if [ -f snapshot.pickle ] && [ -z "${ONLY:-}" ]; then
   echo "=== PyTorch's memory viewer on ferrocuda's snapshot"
   if python3 - snapshot.pickle <<'PY' 2>&1 | tee "$OUT/memory_viz.log"; then passed=$((passed + 1)); else echo "memory_viz check failed"; failed=$((failed + 1)); fi
 import pickle, sys
@@ -223,7 +228,7 @@ print('memory_viz accepted it: %d segments, %d trace entries, %d lines of trace 
 PY
   cp snapshot.pickle "$OUT/" 2>/dev/null
 fi
-if [ -f torch_anchor.py ]; then
+if [ -f torch_anchor.py ] && [ -z "${ONLY:-}" ]; then
   echo "=== torch_anchor.py (PyTorch, same machine, same run)"
   if PYTHONUNBUFFERED=1 python3 torch_anchor.py 2>&1 | tee "$OUT/torch_anchor.log"; then
     passed=$((passed + 1))
