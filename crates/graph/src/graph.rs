@@ -1,4 +1,5 @@
 //! `CudaGraph` and its capture guard.
+use crate::PhiloxGenerator;
 use ferrocuda_alloc::{AllocError, DeviceAllocators, Route};
 use ferrocuda_driver::{Driver, DriverError};
 use ferrocuda_stream::{Runtime, Stream, StreamError, StreamGuard};
@@ -84,6 +85,9 @@ pub enum GraphError {
         /// The callable called.
         found: usize,
     },
+    /// A random-number generator was misused around a capture.
+    #[error("graph RNG: {0}")]
+    Rng(String),
     /// The driver refused an operation.
     #[error("CUDA driver error: {0}")]
     Driver(#[from] DriverError),
@@ -108,6 +112,8 @@ struct State {
     exec: Option<GraphExecHandle>,
     /// The pool this graph holds (a user of it until `reset`).
     pool: Option<PoolId>,
+    /// Registered generators, with the offset units one replay consumes from each.
+    generators: Vec<(Arc<PhiloxGenerator>, u64)>,
 }
 
 /// A captured CUDA graph with its private memory pool (`torch.cuda.CUDAGraph`).
@@ -155,6 +161,22 @@ impl CudaGraph {
         self.state.lock().pool
     }
 
+    /// Lets this graph's captures draw from `generator` (`register_generator_state`); each
+    /// replay then advances its offset by what the capture drew. Refused while capturing.
+    pub fn register_generator(&self, generator: &Arc<PhiloxGenerator>) -> Result<(), GraphError> {
+        let mut st = self.state.lock();
+        if st.capturing.is_some() {
+            return Err(GraphError::Rng(
+                "Cannot register the state during capturing stage.".into(),
+            ));
+        }
+        generator.prepare()?;
+        if !st.generators.iter().any(|(g, _)| Arc::ptr_eq(g, generator)) {
+            st.generators.push((generator.clone(), 0));
+        }
+        Ok(())
+    }
+
     /// Starts capturing `stream` (`CUDAGraph.capture_begin(pool, capture_error_mode)`).
     /// `pool: Some(id)` shares another graph's pool (or a `PoolId::handle()`); `None` makes
     /// a new one.
@@ -190,10 +212,7 @@ impl CudaGraph {
         let id = match self.driver().stream_capture_status(stream.handle()) {
             Ok(CaptureStatus::Active { id }) => id,
             other => {
-                let _ = self
-                    .driver()
-                    .stream_end_capture(stream.handle())
-                    .map(|g| self.driver().graph_destroy(g));
+                self.abort_capture(stream);
                 return Err(other
                     .err()
                     .map_or(GraphError::Invalidated, GraphError::from));
@@ -201,11 +220,21 @@ impl CudaGraph {
         };
         let allocator = self.allocators.device(self.device)?;
         if let Err(e) = allocator.begin_allocate_to_pool(pool, Route::Capture(id)) {
-            let _ = self
-                .driver()
-                .stream_end_capture(stream.handle())
-                .map(|g| self.driver().graph_destroy(g));
+            self.abort_capture(stream);
             return Err(e.into());
+        }
+        if let Err(e) = st
+            .generators
+            .iter()
+            .try_for_each(|(g, _)| g.capture_prologue(id))
+        {
+            for (g, _) in &st.generators {
+                g.capture_epilogue();
+            }
+            let _ = allocator.end_allocate_to_pool(pool);
+            let _ = allocator.release_pool(pool);
+            self.abort_capture(stream);
+            return Err(e);
         }
         st.capturing = Some(Capturing {
             stream: stream.clone(),
@@ -224,6 +253,9 @@ impl CudaGraph {
         };
         let allocator = self.allocators.device(self.device)?;
         let unrouted = allocator.end_allocate_to_pool(pool);
+        for (generator, increment) in &mut st.generators {
+            *increment = generator.capture_epilogue();
+        }
         let ended = self.driver().stream_end_capture(stream.handle());
         let result = match ended {
             Ok(graph) => match self.driver().graph_node_count(graph) {
@@ -256,10 +288,25 @@ impl CudaGraph {
         result
     }
 
-    /// Launches the captured work on `stream` (`replay`; any stream of the device).
+    /// Launches the captured work on `stream` (`replay`; any stream of the device). Each
+    /// registered generator the capture drew from first gets its `[seed, offset]` written
+    /// to the device (one small copy) and its offset advanced.
     pub fn replay(&self, stream: &Stream) -> Result<(), GraphError> {
-        let exec = self.state.lock().exec.ok_or(GraphError::NothingCaptured)?;
+        let st = self.state.lock();
+        let exec = st.exec.ok_or(GraphError::NothingCaptured)?;
+        for (generator, increment) in &st.generators {
+            if *increment > 0 {
+                generator.replay_prologue(*increment, stream)?;
+            }
+        }
         Ok(self.driver().graph_launch(exec, stream.handle())?)
+    }
+
+    /// Ends a capture that could not start properly, dropping whatever it recorded.
+    fn abort_capture(&self, stream: &Stream) {
+        if let Ok(graph) = self.driver().stream_end_capture(stream.handle()) {
+            let _ = self.driver().graph_destroy(graph);
+        }
     }
 
     /// Stages the graph on the device so the first replay does not pay for it (`upload`).

@@ -26,9 +26,11 @@
 
 mod callables;
 mod graph;
+mod rng;
 
 pub use callables::{
     Callable, CallableError, GraphedCallables, GraphedOptions, make_graphed_callables,
 };
 pub use ferrocuda_types::{CaptureMode, PoolId};
 pub use graph::{CaptureGuard, CudaGraph, GraphError};
+pub use rng::{PHILOX_KERNELS, PhiloxGenerator, register_fake_philox};
