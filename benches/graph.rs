@@ -3,7 +3,9 @@
 //! one run, interleaved. Prints:
 //! - the GPU time per kernel of a 1000-kernel chain replay, ours over raw (target <= 1.02);
 //! - the CPU cost of one replay of a 10-node graph, and of a graphed-callable call (input
-//!   check, order check, replay), over bare `cuGraphLaunch` (target: <= 1.5 us more).
+//!   check, order check, replay), over bare `cuGraphLaunch` (target: <= 1.5 us more);
+//! - feeding new inputs to a graph of 8 kernels over 1 MiB inputs: `update_inputs` (pointer
+//!   patching) + replay vs copying into the static inputs + replay, per step.
 //!
 //! Needs a GPU. Without one it says it was skipped, and fails when `FERROCUDA_REQUIRE_GPU=1`
 //! (the GPU bundle sets it).
@@ -17,7 +19,7 @@ use ferrocuda::graph::{
     Callable, CaptureMode, CudaGraph, GraphedCallables, GraphedOptions, make_graphed_callables,
 };
 use ferrocuda::stream::{DeviceBuffer, Function, Module, Runtime, Stream, conformance::KERNELS};
-use ferrocuda::types::{AllocatorConfig, DeviceIndex, LaunchConfig};
+use ferrocuda::types::{AllocatorConfig, DeviceIndex, KernelArg, LaunchConfig};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -27,6 +29,8 @@ const SMALL: usize = 10;
 
 struct Setup {
     rt: Arc<Runtime>,
+    allocators: Arc<DeviceAllocators>,
+    scale: Function,
     /// The kernel and the buffer the graphs launch with: alive as long as the graphs.
     _tiny: Function,
     _x: DeviceBuffer<f32>,
@@ -58,6 +62,7 @@ impl Setup {
         allocators.install(&rt);
         let module = Module::from_cuda_source(&rt, DEV, "bench", KERNELS).expect("compile");
         let tiny = module.function("tiny").expect("tiny kernel");
+        let scale = module.function("scale_f32").expect("scale kernel");
         let x = DeviceBuffer::<f32>::filled(&rt, DEV, 1, 0.0).expect("buffer");
         let stream = rt.new_stream(DEV, 0).expect("stream");
         let image = driver
@@ -103,6 +108,8 @@ impl Setup {
         .expect("graphed callable");
         Some(Setup {
             rt,
+            allocators,
+            scale,
             _tiny: tiny,
             _x: x,
             stream,
@@ -210,6 +217,76 @@ fn small_replay_cpu(s: &Setup, path: Path, what: &str) {
     );
 }
 
+/// Per step: new inputs reach the graph by pointer patching or by copying, then it replays.
+fn patch_vs_copy(s: &Setup) {
+    const INPUTS: usize = 8;
+    const LEN: usize = 1 << 18; // 1 MiB of f32
+    let buffers = |v: f32| -> Vec<DeviceBuffer<f32>> {
+        (0..INPUTS)
+            .map(|_| DeviceBuffer::filled(&s.rt, DEV, LEN, v).expect("buffer"))
+            .collect()
+    };
+    let (statics, outputs, a, b) = (buffers(0.0), buffers(0.0), buffers(1.0), buffers(2.0));
+    // Two graphs of the same work: one always reads the static inputs (copy path), the
+    // other is repointed at each step's inputs (patch path).
+    let (n, two) = (LEN as u32, 2.0f32);
+    let config = LaunchConfig::for_elements(LEN, 256);
+    let captured = || {
+        let g = CudaGraph::new(s.rt.clone(), s.allocators.clone(), DEV).expect("graph");
+        let capture = g
+            .capture(Some(&s.stream), None, CaptureMode::ThreadLocal)
+            .expect("capture");
+        for (y, x) in outputs.iter().zip(&statics) {
+            let args = [
+                y.arg(),
+                x.arg(),
+                KernelArg::value(&two),
+                KernelArg::value(&n),
+            ];
+            s.stream.launch(&s.scale, &config, &args).expect("launch");
+        }
+        capture.end().expect("capture end");
+        g
+    };
+    let (copied, patched) = (captured(), captured());
+    let _on_stream = s.rt.stream_guard(&s.stream).expect("guard");
+    let mut current = &statics;
+    let mut step = 0usize;
+    let (ratio, patch, copy) = median_ratio(
+        |path| {
+            let steps = 50;
+            s.sync();
+            let t = Instant::now();
+            for _ in 0..steps {
+                step += 1;
+                let next = if step.is_multiple_of(2) { &a } else { &b };
+                match path {
+                    Path::Raw => {
+                        for (x, new) in statics.iter().zip(next) {
+                            x.copy_from(new).expect("copy");
+                        }
+                        copied.replay(&s.stream).expect("replay");
+                    }
+                    _ => {
+                        let pairs: Vec<_> = current.iter().zip(next.iter()).collect();
+                        patched.update_inputs(&pairs).expect("update_inputs");
+                        current = next;
+                        patched.replay(&s.stream).expect("replay");
+                    }
+                }
+                s.stream.synchronize().expect("sync");
+            }
+            t.elapsed().as_secs_f64() / steps as f64
+        },
+        Path::Ours,
+    );
+    println!(
+        "graph inputs, {INPUTS} x 1 MiB (per step incl. replay and sync, interleaved, median of 21): update_inputs {:.2} us, copy into static inputs {:.2} us, ratio {ratio:.3}",
+        patch * 1e6,
+        copy * 1e6
+    );
+}
+
 fn replay_criterion(c: &mut Criterion) {
     let Some(s) = Setup::new() else { return };
     let mut group = c.benchmark_group("graph_replay_10_nodes");
@@ -248,4 +325,5 @@ fn main() {
     chain_replay(&s);
     small_replay_cpu(&s, Path::Ours, "graph replay");
     small_replay_cpu(&s, Path::Graphed, "graphed callable call");
+    patch_vs_copy(&s);
 }

@@ -5,8 +5,8 @@
 //! graphed callables, exact memory statistics, graph-safe Philox RNG.
 use ferrocuda::alloc::DeviceAllocators;
 use ferrocuda::graph::{
-    Callable, CaptureMode, CudaGraph, GraphError, GraphedOptions, PhiloxGenerator, PoolId,
-    make_graphed_callables, register_fake_philox,
+    Callable, CaptureMode, CudaGraph, GraphError, GraphedOptions, InputUpdate, PhiloxGenerator,
+    PoolId, make_graphed_callables, register_fake_philox,
 };
 use ferrocuda::stream::conformance::{Harness, KERNELS, cuda_harness, fake_harness};
 use ferrocuda::stream::{DeviceBuffer, Function, Module, Stream};
@@ -720,6 +720,49 @@ fn rng_replays_match_eager(h: &Harness) -> TestResult {
     Ok(())
 }
 
+/// `update_inputs` repoints a captured graph at other buffers without copying: replays
+/// then read the new inputs, untouched arguments stay, and the old buffers are unused.
+fn update_inputs_patches_pointers(h: &Harness) -> TestResult {
+    let s = Setup::new(h)?;
+    let g = s.graph()?;
+    let (x, other) = (s.buffer(1.0)?, s.buffer(0.0)?);
+    let capture = g.capture(None, None, CaptureMode::ThreadLocal)?;
+    let stream = capture.stream().clone();
+    let y = DeviceBuffer::<f32>::uninit(&s.h.rt, D0, N)?;
+    s.scale(&stream, &y, &x, 2.0)?;
+    s.add_one(&stream, &other)?;
+    capture.end()?;
+    g.replay(&stream)?;
+    s.expect(&stream, &y, 2.0, "before the update")?;
+    let (x2, y2) = (s.buffer(21.0)?, s.buffer(0.0)?);
+    s.h.rt.current_stream(D0)?.synchronize()?;
+    assert_eq!(
+        g.update_inputs(&[(&x, &x2), (&y, &y2)])?,
+        InputUpdate::InPlace { arguments: 2 }
+    );
+    x.copy_from_host(&vec![-1.0; N])?;
+    s.h.rt.current_stream(D0)?.synchronize()?;
+    g.replay(&stream)?;
+    s.expect(&stream, &y2, 42.0, "the replay reads x2 and writes y2")?;
+    s.expect(&stream, &y, 2.0, "the old output is no longer written")?;
+    s.expect(&stream, &other, 2.0, "the unpatched node still runs")?;
+    assert!(matches!(
+        g.update_inputs(&[(&x2, &s.buffer(0.0)?)]),
+        Ok(InputUpdate::InPlace { arguments: 1 })
+    ));
+    let short = DeviceBuffer::<f32>::uninit(&s.h.rt, D0, 1)?;
+    assert!(matches!(
+        g.update_inputs(&[(&x2, &short)]),
+        Err(GraphError::Stream(_))
+    ));
+    let empty = s.graph()?;
+    assert_eq!(
+        empty.update_inputs(&[(&x, &x2)]),
+        Err(GraphError::NothingCaptured)
+    );
+    Ok(())
+}
+
 macro_rules! both_backends {
     ($($name:ident),* $(,)?) => {
         mod fake {
@@ -748,4 +791,5 @@ both_backends!(
     record_stream_during_capture_defers_free,
     concurrent_replay_with_separate_pools,
     rng_replays_match_eager,
+    update_inputs_patches_pointers,
 );

@@ -1086,6 +1086,89 @@ impl Driver for CudaDriver {
         check(unsafe { sys::cuGraphDebugDotPrint(g, path.as_ptr(), 1) })
     }
 
+    fn graph_patch_pointers(
+        &self,
+        graph: GraphHandle,
+        patches: &[(DevicePtr, DevicePtr)],
+    ) -> Result<usize, DriverError> {
+        let g = self.graph(graph)?;
+        let mut count = 0usize;
+        // SAFETY: the graph is live; a null array asks for the count only.
+        check(unsafe { sys::cuGraphGetNodes(g, std::ptr::null_mut(), &mut count) })?;
+        let mut nodes = vec![std::ptr::null_mut(); count];
+        // SAFETY: `nodes` holds `count` slots.
+        check(unsafe { sys::cuGraphGetNodes(g, nodes.as_mut_ptr(), &mut count) })?;
+        let mut patched = 0;
+        for node in nodes.into_iter().take(count) {
+            let mut kind = sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_EMPTY;
+            // SAFETY: `node` belongs to the live graph; writes through a valid pointer.
+            check(unsafe { sys::cuGraphNodeGetType(node, &mut kind) })?;
+            if kind != sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_KERNEL {
+                continue;
+            }
+            // SAFETY: all-zero is a valid value of this plain C struct (null pointers).
+            let mut params: sys::CUDA_KERNEL_NODE_PARAMS = unsafe { std::mem::zeroed() };
+            // SAFETY: a kernel node of the live graph; writes through a valid pointer.
+            check(unsafe { sys::cuGraphKernelNodeGetParams_v2(node, &mut params) })?;
+            if params.kernelParams.is_null() || params.func.is_null() {
+                continue; // launched with `extra` or through a library kernel: left as is
+            }
+            let mut values: Vec<Vec<u8>> = Vec::new();
+            let mut changed = false;
+            loop {
+                let (mut offset, mut size) = (0usize, 0usize);
+                // SAFETY: `func` is the node's live function; writes through valid pointers.
+                let r = unsafe {
+                    sys::cuFuncGetParamInfo(params.func, values.len(), &mut offset, &mut size)
+                };
+                if r != sys::CUresult::CUDA_SUCCESS {
+                    break; // past the last parameter
+                }
+                // SAFETY: the node's parameter array has one pointer per kernel parameter,
+                // each to `size` readable bytes (the driver's copy, valid until the node
+                // changes, which happens only below, after these reads).
+                let mut bytes = unsafe {
+                    let arg = *params.kernelParams.add(values.len()) as *const u8;
+                    std::slice::from_raw_parts(arg, size).to_vec()
+                };
+                if let Ok(word) = <[u8; 8]>::try_from(bytes.as_slice()) {
+                    let value = DevicePtr(u64::from_le_bytes(word));
+                    if let Some(&(_, to)) = patches.iter().find(|(from, _)| *from == value) {
+                        bytes = to.0.to_le_bytes().to_vec();
+                        changed = true;
+                        patched += 1;
+                    }
+                }
+                values.push(bytes);
+            }
+            if changed {
+                let mut pointers: Vec<*mut c_void> =
+                    values.iter_mut().map(|v| v.as_mut_ptr().cast()).collect();
+                params.kernelParams = pointers.as_mut_ptr();
+                // SAFETY: `pointers` and `values` outlive the call, which copies them.
+                check(unsafe { sys::cuGraphKernelNodeSetParams_v2(node, &params) })?;
+            }
+        }
+        Ok(patched)
+    }
+
+    fn graph_exec_update(
+        &self,
+        exec: GraphExecHandle,
+        graph: GraphHandle,
+    ) -> Result<bool, DriverError> {
+        let (e, g) = (self.exec(exec)?, self.graph(graph)?);
+        // SAFETY: all-zero is a valid value of this plain C struct.
+        let mut info: sys::CUgraphExecUpdateResultInfo = unsafe { std::mem::zeroed() };
+        // SAFETY: both handles are live; writes through a valid pointer.
+        let r = unsafe { sys::cuGraphExecUpdate_v2(e, g, &mut info) };
+        match r {
+            sys::CUresult::CUDA_SUCCESS => Ok(true),
+            sys::CUresult::CUDA_ERROR_GRAPH_EXEC_UPDATE_FAILURE => Ok(false),
+            other => Err(DriverError::from_code(other as i32)),
+        }
+    }
+
     fn vm_granularity(&self, dev: DeviceIndex) -> Result<u64, DriverError> {
         let prop = self.alloc_prop(dev)?;
         self.bind(dev)?;

@@ -228,6 +228,22 @@ pub trait Driver: Send + Sync + std::fmt::Debug + 'static {
     fn graph_destroy(&self, graph: GraphHandle) -> Result<(), DriverError>;
     /// Writes the graph as Graphviz DOT (`cuGraphDebugDotPrint`).
     fn graph_debug_dot(&self, graph: GraphHandle, path: &Path) -> Result<(), DriverError>;
+    /// In every kernel node of `graph`, replaces each 8-byte argument equal to a `from`
+    /// pointer of `patches` by its `to` pointer (`cuGraphKernelNodeSetParams`). Returns how
+    /// many arguments changed.
+    fn graph_patch_pointers(
+        &self,
+        graph: GraphHandle,
+        patches: &[(DevicePtr, DevicePtr)],
+    ) -> Result<usize, DriverError>;
+    /// Applies `graph`'s current node parameters to `exec` in place (`cuGraphExecUpdate`).
+    /// `Ok(false)`: the topology differs, so `exec` was left alone and must be
+    /// re-instantiated.
+    fn graph_exec_update(
+        &self,
+        exec: GraphExecHandle,
+        graph: GraphHandle,
+    ) -> Result<bool, DriverError>;
 
     // ---- virtual memory ------------------------------------------------------------------
     /// The granularity of physical chunks and mappings (`cuMemGetAllocationGranularity`).

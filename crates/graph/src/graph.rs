@@ -2,13 +2,28 @@
 use crate::PhiloxGenerator;
 use ferrocuda_alloc::{AllocError, DeviceAllocators, Route};
 use ferrocuda_driver::{Driver, DriverError};
-use ferrocuda_stream::{Runtime, Stream, StreamError, StreamGuard};
+use ferrocuda_stream::{DeviceBuffer, Runtime, Stream, StreamError, StreamGuard};
 use ferrocuda_types::{
-    CaptureMode, CaptureStatus, DeviceIndex, GraphExecHandle, GraphHandle, PoolId,
+    CaptureMode, CaptureStatus, DeviceIndex, Element, GraphExecHandle, GraphHandle, PoolId,
 };
 use parking_lot::Mutex;
 use std::path::Path;
 use std::sync::Arc;
+
+/// How [`CudaGraph::update_inputs`] applied new input addresses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum InputUpdate {
+    /// The instantiated graph was patched in place; `arguments` kernel arguments changed.
+    InPlace {
+        /// Kernel arguments changed.
+        arguments: usize,
+    },
+    /// The driver refused the in-place update; the graph was instantiated again.
+    Reinstantiated {
+        /// Kernel arguments changed.
+        arguments: usize,
+    },
+}
 
 /// What can go wrong with a graph.
 #[derive(Clone, Debug, PartialEq, thiserror::Error)]
@@ -300,6 +315,37 @@ impl CudaGraph {
             }
         }
         Ok(self.driver().graph_launch(exec, stream.handle())?)
+    }
+
+    /// Points the captured graph at new buffers instead of copying into the static ones
+    /// (beyond PyTorch): every kernel argument equal to the address of `old` becomes that of
+    /// `new`, for each pair, and the instantiated graph is updated in place
+    /// (`cuGraphExecUpdate`), or re-instantiated when the driver refuses that. The new
+    /// buffers must stay alive while the graph may replay; pairs must have equal lengths.
+    pub fn update_inputs<T: Element>(
+        &self,
+        pairs: &[(&DeviceBuffer<T>, &DeviceBuffer<T>)],
+    ) -> Result<InputUpdate, GraphError> {
+        let mut patches = Vec::with_capacity(pairs.len());
+        for (old, new) in pairs {
+            if old.len() != new.len() {
+                return Err(StreamError::LengthMismatch {
+                    expected: old.len(),
+                    found: new.len(),
+                }
+                .into());
+            }
+            patches.push((old.ptr(), new.ptr()));
+        }
+        let mut st = self.state.lock();
+        let (graph, exec) = st.graph.zip(st.exec).ok_or(GraphError::NothingCaptured)?;
+        let arguments = self.driver().graph_patch_pointers(graph, &patches)?;
+        if self.driver().graph_exec_update(exec, graph)? {
+            return Ok(InputUpdate::InPlace { arguments });
+        }
+        st.exec = Some(self.driver().graph_instantiate(graph)?);
+        self.driver().graph_exec_destroy(exec)?;
+        Ok(InputUpdate::Reinstantiated { arguments })
     }
 
     /// Ends a capture that could not start properly, dropping whatever it recorded.

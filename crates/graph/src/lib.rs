@@ -32,5 +32,5 @@ pub use callables::{
     Callable, CallableError, GraphedCallables, GraphedOptions, make_graphed_callables,
 };
 pub use ferrocuda_types::{CaptureMode, PoolId};
-pub use graph::{CaptureGuard, CudaGraph, GraphError};
+pub use graph::{CaptureGuard, CudaGraph, GraphError, InputUpdate};
 pub use rng::{PHILOX_KERNELS, PhiloxGenerator, register_fake_philox};

@@ -87,6 +87,8 @@ pub enum Call {
     GraphExecDestroy,
     GraphDestroy,
     GraphDebugDot,
+    GraphPatchPointers,
+    GraphExecUpdate,
     VmGranularity,
     VmReserve,
     VmRelease,
@@ -1492,6 +1494,69 @@ impl Driver for FakeDriver {
         }
         dot += "}\n";
         std::fs::write(path, dot).map_err(|_| DriverError::OPERATING_SYSTEM)
+    }
+
+    fn graph_patch_pointers(
+        &self,
+        graph: GraphHandle,
+        patches: &[(DevicePtr, DevicePtr)],
+    ) -> Result<usize, DriverError> {
+        let mut st = self.enter(Call::GraphPatchPointers)?;
+        let mut patched = 0;
+        let patch = |arg: &Vec<u8>, patched: &mut usize| {
+            let word = <[u8; 8]>::try_from(arg.as_slice()).ok();
+            let value = word.map(|w| DevicePtr(u64::from_le_bytes(w)));
+            match patches.iter().find(|(from, _)| Some(*from) == value) {
+                Some((_, to)) => {
+                    *patched += 1;
+                    to.0.to_le_bytes().to_vec()
+                }
+                None => arg.clone(),
+            }
+        };
+        let nodes: Arc<[Node]> = st
+            .graph(graph)?
+            .nodes
+            .iter()
+            .map(|node| {
+                let mut node = node.clone();
+                if let Work::Kernel { args, .. } = &mut node.work {
+                    *args = args.iter().map(|a| patch(a, &mut patched)).collect();
+                }
+                node
+            })
+            .collect();
+        if let Some(g) = st.graphs.get_mut(&graph.raw) {
+            g.nodes = nodes;
+        }
+        Ok(patched)
+    }
+
+    fn graph_exec_update(
+        &self,
+        exec: GraphExecHandle,
+        graph: GraphHandle,
+    ) -> Result<bool, DriverError> {
+        let mut st = self.enter(Call::GraphExecUpdate)?;
+        let nodes = st.graph(graph)?.nodes.clone();
+        let e = st
+            .execs
+            .get_mut(&exec.raw)
+            .filter(|e| e.device == exec.device);
+        let e = e.ok_or(DriverError::INVALID_HANDLE)?;
+        let same_kind = |a: &Work, b: &Work| match (a, b) {
+            (Work::Kernel { name: x, .. }, Work::Kernel { name: y, .. }) => x == y,
+            _ => std::mem::discriminant(a) == std::mem::discriminant(b),
+        };
+        let same_topology = e.nodes.len() == nodes.len()
+            && e.nodes
+                .iter()
+                .zip(nodes.iter())
+                .all(|(a, b)| a.deps == b.deps && same_kind(&a.work, &b.work));
+        if same_topology {
+            e.nodes = nodes;
+        }
+        Ok(same_topology)
     }
 
     fn vm_granularity(&self, dev: DeviceIndex) -> Result<u64, DriverError> {
