@@ -6,6 +6,10 @@
 //! pool, so replays touch the same addresses; a pool can be shared between graphs that
 //! replay in capture order.
 //!
+//! [`make_graphed_callables`] captures closures in order into one shared pool;
+//! [`PhiloxGenerator`] draws random numbers that replays advance like eager calls;
+//! [`CudaGraph::update_inputs`] repoints a captured graph at new buffers without copying.
+//!
 //! # Design choices
 //! - **Graph-memory policy lives here.** The allocator only offers "allocate in pool P",
 //!   "retain / release pool P", "blocks of pool P"; which pool, for whom, and when it is
@@ -16,6 +20,8 @@
 //! - **Typed errors for the capture rules**: the legacy default stream, nesting, replay
 //!   before capture, an empty capture, an unjoined fork and an invalidated capture are each
 //!   a [`GraphError`] variant, not undefined behaviour.
+//! - **One host-to-device copy per replay for RNG state**, not PyTorch's two fill kernels
+//!   per generator (graphs spec §10 item 9).
 //! - Library captures default to [`CaptureMode::ThreadLocal`] (graphs spec §10 item 8):
 //!   other threads' allocations do not break them.
 //!
