@@ -5,9 +5,7 @@
 //! integrity.
 use ferrocuda::alloc::{AllocError, CachingAllocator};
 use ferrocuda::stream::Module;
-use ferrocuda::stream::conformance::{
-    Harness, KERNELS, SPIN_CYCLES_PER_MS, cuda_harness, fake_harness,
-};
+use ferrocuda::stream::conformance::{Harness, KERNELS, SPIN_CYCLES_PER_MS};
 use ferrocuda::types::{
     AllocatorConfig, DeviceIndex, DevicePtr, KernelArg, LaunchConfig, MemsetValue, StreamHandle,
     format_size,
@@ -296,22 +294,7 @@ fn expandable_reclaim(h: &Harness) -> TestResult {
     Ok(())
 }
 
-macro_rules! both_backends {
-    ($($name:ident),* $(,)?) => {
-        mod fake {
-            $(#[test] fn $name() -> super::TestResult { super::$name(&super::fake_harness()) })*
-        }
-        mod cuda {
-            $(
-                #[test]
-                #[ignore = "needs a GPU: runs in the GPU bundle (cargo xtask gpu-bundle)"]
-                fn $name() -> super::TestResult { super::$name(&super::cuda_harness()) }
-            )*
-        }
-    };
-}
-
-both_backends!(
+ferrocuda::stream::both_backends!(
     exact_stats,
     out_of_memory_text_and_retry,
     memory_fraction,

@@ -8,7 +8,7 @@ use ferrocuda::graph::{
     Callable, CaptureMode, CudaGraph, GraphError, GraphedOptions, InputUpdate, PhiloxGenerator,
     PoolId, make_graphed_callables, register_fake_philox,
 };
-use ferrocuda::stream::conformance::{Harness, KERNELS, cuda_harness, fake_harness};
+use ferrocuda::stream::conformance::{Harness, KERNELS};
 use ferrocuda::stream::{DeviceBuffer, Function, Module, Stream};
 use ferrocuda::types::{AllocatorConfig, DeviceIndex, KernelArg, LaunchConfig};
 use std::sync::Arc;
@@ -1003,22 +1003,7 @@ fn three_graphs_share_one_segment(h: &Harness) -> TestResult {
     Ok(())
 }
 
-macro_rules! both_backends {
-    ($($name:ident),* $(,)?) => {
-        mod fake {
-            $(#[test] fn $name() -> super::TestResult { super::$name(&super::fake_harness()) })*
-        }
-        mod cuda {
-            $(
-                #[test]
-                #[ignore = "needs a GPU: runs in the GPU bundle (cargo xtask gpu-bundle)"]
-                fn $name() -> super::TestResult { super::$name(&super::cuda_harness()) }
-            )*
-        }
-    };
-}
-
-both_backends!(
+ferrocuda::stream::both_backends!(
     graph_replays_on_static_buffers,
     capture_memory_outlives_reset,
     capture_rules_are_typed_errors,

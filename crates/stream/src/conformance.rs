@@ -130,6 +130,33 @@ pub fn cuda_harness() -> Harness {
     Harness::new(rt, None)
 }
 
+/// Declares, for each named `fn(&Harness) -> TestResult` of the calling test file, a
+/// `fake::<name>` test (CI) and a `cuda::<name>` test, ignored with its reason where there is
+/// no GPU and run by the GPU bundle (where a skip counts as a failure). The caller defines
+/// `TestResult`.
+#[macro_export]
+macro_rules! both_backends {
+    ($($name:ident),* $(,)?) => {
+        mod fake {
+            $(
+                #[test]
+                fn $name() -> super::TestResult {
+                    super::$name(&$crate::conformance::fake_harness())
+                }
+            )*
+        }
+        mod cuda {
+            $(
+                #[test]
+                #[ignore = "needs a GPU: runs in the GPU bundle (cargo xtask gpu-bundle)"]
+                fn $name() -> super::TestResult {
+                    super::$name(&$crate::conformance::cuda_harness())
+                }
+            )*
+        }
+    };
+}
+
 const DEV: DeviceIndex = DeviceIndex(0);
 
 fn module(h: &Harness) -> Result<Module, StreamError> {
