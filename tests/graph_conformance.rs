@@ -4,6 +4,7 @@
 //! errors, a panic inside a capture, pool sharing, fork/join, THREAD_LOCAL captures,
 //! graphed callables, exact memory statistics, graph-safe Philox RNG.
 use ferrocuda::alloc::DeviceAllocators;
+use ferrocuda::driver::{Call, DriverError};
 use ferrocuda::graph::{
     Callable, CaptureMode, CudaGraph, GraphError, GraphedOptions, InputUpdate, PhiloxGenerator,
     PoolId, make_graphed_callables, register_fake_philox,
@@ -222,6 +223,14 @@ fn capture_rules_are_typed_errors(h: &Harness) -> TestResult {
         (None, None),
         "an invalidated capture releases its pool"
     );
+
+    let capture = g.capture(Some(&stream), None, CaptureMode::ThreadLocal)?;
+    s.add_one(&stream, &x)?;
+    assert!(
+        x.to_host().is_err(),
+        "a host read inside a capture is refused"
+    );
+    assert_eq!(capture.end(), Err(GraphError::Invalidated));
 
     let capture = g.capture(Some(&stream), None, CaptureMode::ThreadLocal)?;
     s.add_one(&stream, &x)?;
@@ -1001,6 +1010,36 @@ fn three_graphs_share_one_segment(h: &Harness) -> TestResult {
         "one shared small segment vs three"
     );
     Ok(())
+}
+
+/// When the driver refuses the in-place update, `update_inputs` instantiates the patched
+/// graph again (fake device: the refusal is injected).
+#[test]
+fn update_inputs_reinstantiates_when_refused() -> TestResult {
+    let h = ferrocuda::stream::conformance::fake_harness();
+    let fake = h.fake.clone().ok_or("the fake harness has a fake driver")?;
+    let s = Setup::new(&h)?;
+    let g = s.graph()?;
+    let (x, x2) = (s.buffer(1.0)?, s.buffer(4.0)?);
+    let capture = g.capture(None, None, CaptureMode::ThreadLocal)?;
+    let stream = capture.stream().clone();
+    let y = DeviceBuffer::<f32>::uninit(&s.h.rt, D0, N)?;
+    s.scale(&stream, &y, &x, 2.0)?;
+    capture.end()?;
+    let instantiated = fake.calls(Call::GraphInstantiate);
+    fake.fail_nth(
+        Call::GraphExecUpdate,
+        1,
+        DriverError::GRAPH_EXEC_UPDATE_FAILURE,
+    );
+    s.h.rt.current_stream(D0)?.synchronize()?;
+    assert_eq!(
+        g.update_inputs(&[(&x, &x2)])?,
+        InputUpdate::Reinstantiated { arguments: 1 }
+    );
+    assert_eq!(fake.calls(Call::GraphInstantiate), instantiated + 1);
+    g.replay(&stream)?;
+    s.expect(&stream, &y, 8.0, "the new instance reads x2")
 }
 
 ferrocuda::stream::both_backends!(

@@ -1162,10 +1162,10 @@ impl Driver for CudaDriver {
         let mut info: sys::CUgraphExecUpdateResultInfo = unsafe { std::mem::zeroed() };
         // SAFETY: both handles are live; writes through a valid pointer.
         let r = unsafe { sys::cuGraphExecUpdate_v2(e, g, &mut info) };
-        match r {
-            sys::CUresult::CUDA_SUCCESS => Ok(true),
-            sys::CUresult::CUDA_ERROR_GRAPH_EXEC_UPDATE_FAILURE => Ok(false),
-            other => Err(DriverError::from_code(other as i32)),
+        match check(r) {
+            Ok(()) => Ok(true),
+            Err(e) if e == DriverError::GRAPH_EXEC_UPDATE_FAILURE => Ok(false),
+            Err(e) => Err(e),
         }
     }
 

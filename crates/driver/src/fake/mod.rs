@@ -1537,7 +1537,11 @@ impl Driver for FakeDriver {
         exec: GraphExecHandle,
         graph: GraphHandle,
     ) -> Result<bool, DriverError> {
-        let mut st = self.enter(Call::GraphExecUpdate)?;
+        let mut st = match self.enter(Call::GraphExecUpdate) {
+            // An injected refusal reads as the real driver's: leave `exec`, re-instantiate.
+            Err(e) if e == DriverError::GRAPH_EXEC_UPDATE_FAILURE => return Ok(false),
+            entered => entered?,
+        };
         let nodes = st.graph(graph)?.nodes.clone();
         let e = st
             .execs
