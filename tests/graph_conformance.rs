@@ -707,6 +707,22 @@ fn rng_replays_match_eager(h: &Harness) -> TestResult {
         "the replay after it continues the sequence"
     );
 
+    // A generator records into one capture at a time; the refused capture leaves the
+    // other one intact.
+    let (g_a, g_b) = (s.graph()?, s.graph()?);
+    g_a.register_generator(&generator)?;
+    g_b.register_generator(&generator)?;
+    let side = s.h.rt.new_stream(D0, 0)?;
+    g_a.capture_begin(&stream, None, CaptureMode::ThreadLocal)?;
+    assert!(matches!(
+        g_b.capture_begin(&side, None, CaptureMode::ThreadLocal),
+        Err(GraphError::Rng(_))
+    ));
+    assert_eq!(g_b.pool(), None);
+    generator.uniform(&out, &stream)?;
+    g_a.capture_end()?;
+    g_a.replay(&stream)?;
+    assert_eq!(generator.offset(), 20, "16 before g_a, +4 by its replay");
     let (a, b) = (
         PhiloxGenerator::new(&s.h.rt, D0, 5)?,
         PhiloxGenerator::new(&s.h.rt, D0, 6)?,

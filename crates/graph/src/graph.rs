@@ -238,12 +238,16 @@ impl CudaGraph {
             self.abort_capture(stream);
             return Err(e.into());
         }
-        if let Err(e) = st
-            .generators
-            .iter()
-            .try_for_each(|(g, _)| g.capture_prologue(id))
-        {
-            for (g, _) in &st.generators {
+        let mut started = 0;
+        let prologues = st.generators.iter().try_for_each(|(g, _)| {
+            g.capture_prologue(id)?;
+            started += 1;
+            Ok(())
+        });
+        if let Err(e) = prologues {
+            // Only the generators this capture started: the one that refused belongs to
+            // another capture.
+            for (g, _) in &st.generators[..started] {
                 g.capture_epilogue();
             }
             let _ = allocator.end_allocate_to_pool(pool);
