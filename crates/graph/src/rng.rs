@@ -175,6 +175,9 @@ impl PhiloxGenerator {
     pub fn uniform(&self, out: &DeviceBuffer<f32>, stream: &Stream) -> Result<(), GraphError> {
         let n = u32::try_from(out.len())
             .map_err(|_| GraphError::Rng("more than 2^32 elements in one draw".into()))?;
+        if n == 0 {
+            return Ok(());
+        }
         let capturing = match self
             .runtime
             .driver()
@@ -194,11 +197,7 @@ impl PhiloxGenerator {
             (Some(id), Some(c)) if c.capture_id == id => {
                 let in_graph = c.offset_in_graph;
                 c.offset_in_graph += DRAW_INCREMENT;
-                let ptr = st
-                    .device_state
-                    .as_ref()
-                    .map_or(DevicePtr(0), DeviceBuffer::ptr);
-                (0, 0, ptr, in_graph)
+                (0, 0, device_state(&st.device_state)?.ptr(), in_graph)
             }
             (Some(_), _) => {
                 return Err(GraphError::Rng(
@@ -277,10 +276,7 @@ impl PhiloxGenerator {
     ) -> Result<(), GraphError> {
         let mut st = self.state.lock();
         let values = [st.seed, st.offset];
-        let state = st
-            .device_state
-            .as_ref()
-            .ok_or_else(|| GraphError::Rng("generator state missing".into()))?;
+        let state = device_state(&st.device_state)?;
         let bytes: &[u8] = bytemuck::cast_slice(&values);
         // Pageable source: the driver stages it before returning, so a local is fine.
         self.runtime
@@ -289,4 +285,14 @@ impl PhiloxGenerator {
         st.offset += increment;
         Ok(())
     }
+}
+
+/// The device state of a generator registered with a graph (made by `prepare`).
+fn device_state(state: &Option<DeviceBuffer<i64>>) -> Result<&DeviceBuffer<i64>, GraphError> {
+    state.as_ref().ok_or_else(|| {
+        GraphError::Rng(
+            "generator state missing: register the generator with the graph before capturing"
+                .into(),
+        )
+    })
 }
