@@ -1812,15 +1812,7 @@ impl CachingAllocator {
             .is_some_and(|max| st.total_reserved + created > max)
         {
             st.spare_pages[pool_index(kind)].extend(reuse.into_iter().map(|h| (h, page)));
-            for g in &plan {
-                match *g {
-                    Grow::Take(id) => {
-                        st.blocks[id].busy = false;
-                        st.pool_insert(id);
-                    }
-                    Grow::Map(id, _) => st.unmapped_insert(id),
-                }
-            }
+            st.undo_grow(&plan);
             return Ok((st, None));
         }
         st.total_reserved += created;
@@ -1842,15 +1834,7 @@ impl CachingAllocator {
             Ok(h) => h,
             Err(e) => {
                 st.total_reserved -= created;
-                for g in &plan {
-                    match *g {
-                        Grow::Take(id) => {
-                            st.blocks[id].busy = false;
-                            st.pool_insert(id);
-                        }
-                        Grow::Map(id, _) => st.unmapped_insert(id),
-                    }
-                }
+                st.undo_grow(&plan);
                 return if e.is_out_of_memory() {
                     Ok((st, None))
                 } else {
@@ -2145,6 +2129,20 @@ impl State {
         self.routes
             .iter()
             .any(|(_, r)| matches!(r, Route::Capture(_)))
+    }
+
+    /// Puts back the blocks a growth plan set aside: taken free blocks return to their free
+    /// list, holes to be mapped to the unmapped set.
+    fn undo_grow(&mut self, plan: &[Grow]) {
+        for g in plan {
+            match *g {
+                Grow::Take(id) => {
+                    self.blocks[id].busy = false;
+                    self.pool_insert(id);
+                }
+                Grow::Map(id, _) => self.unmapped_insert(id),
+            }
+        }
     }
 
     /// Whether the blocks of `pool` may be given back to the driver.
