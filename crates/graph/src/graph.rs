@@ -114,15 +114,10 @@ pub enum GraphError {
     Alloc(#[from] AllocError),
 }
 
-#[derive(Debug)]
-struct Capturing {
-    stream: Stream,
-    pool: PoolId,
-}
-
 #[derive(Debug, Default)]
 struct State {
-    capturing: Option<Capturing>,
+    /// The stream being captured (into `pool`).
+    capturing: Option<Stream>,
     graph: Option<GraphHandle>,
     exec: Option<GraphExecHandle>,
     /// The pool this graph holds (a user of it until `reset`).
@@ -255,10 +250,7 @@ impl CudaGraph {
             self.abort_capture(stream);
             return Err(e);
         }
-        st.capturing = Some(Capturing {
-            stream: stream.clone(),
-            pool,
-        });
+        st.capturing = Some(stream.clone());
         st.pool = Some(pool);
         Ok(())
     }
@@ -267,7 +259,7 @@ impl CudaGraph {
     /// is over, the allocator no longer routes to the pool, and the pool is released.
     pub fn capture_end(&self) -> Result<(), GraphError> {
         let mut st = self.state.lock();
-        let Some(Capturing { stream, pool }) = st.capturing.take() else {
+        let (Some(stream), Some(pool)) = (st.capturing.take(), st.pool) else {
             return Err(GraphError::NotCapturing);
         };
         let allocator = self.allocators.device(self.device)?;

@@ -274,15 +274,7 @@ impl DeviceStats {
             };
             for (label, s) in rows {
                 let label = if label.is_empty() { name } else { label };
-                let r = &a.all;
-                lines.push(format!(
-                    " {:<21} | {} | {} | {} | {} ",
-                    label,
-                    fmt(s.current, r.current),
-                    fmt(s.peak, r.peak),
-                    fmt(s.allocated, r.allocated),
-                    fmt(s.freed, r.freed)
-                ));
+                lines.push(summary_row(label, s, &a.all, fmt));
             }
         }
         lines.push(rule('-'));
@@ -290,14 +282,7 @@ impl DeviceStats {
             ("Oversize allocations", &self.oversize_allocations),
             ("Oversize GPU segments", &self.oversize_segments),
         ] {
-            lines.push(format!(
-                " {:<21} | {} | {} | {} | {} ",
-                name,
-                format_count(s.current, s.current),
-                format_count(s.peak, s.peak),
-                format_count(s.allocated, s.allocated),
-                format_count(s.freed, s.freed)
-            ));
+            lines.push(summary_row(name, s, s, format_count));
         }
         lines.push(rule('='));
         let mut out = String::new();
@@ -345,6 +330,24 @@ pub fn format_size(n: u64) -> String {
         n if n <= GIB => format!("{:.2} MiB", n as f64 / MIB as f64),
         n => format!("{:.2} GiB", n as f64 / GIB as f64),
     }
+}
+
+/// One row of `memory_summary`: `label`, then current, peak, allocated and freed of `s`,
+/// each formatted by `fmt` against the same field of `reference` (which picks the unit).
+fn summary_row(
+    label: &str,
+    s: &Stat,
+    reference: &Stat,
+    fmt: impl Fn(i64, i64) -> String,
+) -> String {
+    format!(
+        " {:<21} | {} | {} | {} | {} ",
+        label,
+        fmt(s.current, reference.current),
+        fmt(s.peak, reference.peak),
+        fmt(s.allocated, reference.allocated),
+        fmt(s.freed, reference.freed)
+    )
 }
 
 #[cfg(test)]
