@@ -1,8 +1,9 @@
 //! One device's caching allocator.
 use crate::error::{AllocError, OutOfMemory};
 use crate::free_list::{FreeList, key, key_size};
-use crate::history::{History, HistoryContext, HistoryOptions, capture_frames};
+use crate::history::{History, HistoryContext, HistoryMode, HistoryOptions, capture_frames};
 use crate::rounding::{ONE_EXABYTE, allocation_size, pool_kind, round_size};
+use crate::thread_cache::{self, Credit, HELD, IDLE, PARKED, Slot};
 use ferrocuda_driver::{Driver, DriverError};
 use ferrocuda_types::{
     AllocatorConfig, DeviceIndex, DevicePtr, DeviceStats, EventFlags, EventHandle, PhysHandle,
@@ -16,6 +17,7 @@ use parking_lot::{Mutex, MutexGuard};
 use rustc_hash::FxHashMap;
 use std::collections::VecDeque;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 const SMALL_SIZE: u64 = crate::rounding::SMALL_SIZE;
 
@@ -160,6 +162,8 @@ struct Block {
     frames: Option<Arc<[Frame]>>,
     /// The memory pool (default, or a graph's private pool).
     pool_id: PoolId,
+    /// Credited to a thread's slot (`thread_cache`).
+    credited: bool,
 }
 
 impl Block {
@@ -193,6 +197,7 @@ impl Block {
             busy: false,
             frames: None,
             pool_id,
+            credited: false,
         }
     }
 
@@ -268,6 +273,8 @@ struct State {
     /// Physical pages unmapped by `expandable_segments_reclaim`, waiting to be mapped again,
     /// per pool (small pages, large pages). They still count as reserved.
     spare_pages: [Vec<(PhysHandle, u64)>; 2],
+    /// Every thread's slot in this allocator (`thread_cache`).
+    slots: Vec<Arc<Slot>>,
 }
 
 fn pool_index(kind: PoolKind) -> usize {
@@ -294,7 +301,19 @@ pub struct CachingAllocator {
     routing: std::sync::atomic::AtomicUsize,
     /// The history context, readable without the lock (stacks are captured outside it).
     context: std::sync::atomic::AtomicU8,
+    /// This allocator's key in the threads' slot tables.
+    id: u64,
+    /// Slots whose thread exited, waiting to be settled.
+    orphans: Arc<AtomicUsize>,
     state: Mutex<State>,
+}
+
+impl Drop for CachingAllocator {
+    fn drop(&mut self) {
+        for slot in &self.state.get_mut().slots {
+            slot.retired.store(true, Ordering::Release);
+        }
+    }
 }
 
 /// Called with the report of every out-of-memory error, outside the allocator's lock
@@ -335,6 +354,8 @@ impl CachingAllocator {
             granularity: std::sync::OnceLock::new(),
             context: std::sync::atomic::AtomicU8::new(HistoryContext::Never as u8),
             routing: std::sync::atomic::AtomicUsize::new(0),
+            id: thread_cache::next_allocator_id(),
+            orphans: Arc::new(AtomicUsize::new(0)),
             state: Mutex::new(State {
                 config,
                 blocks: Vec::new(),
@@ -356,6 +377,7 @@ impl CachingAllocator {
                 private: FxHashMap::default(),
                 routes: Vec::new(),
                 deferred: Vec::new(),
+                slots: Vec::new(),
             }),
         };
         allocator.set_memory_fraction(fraction)?;
@@ -371,14 +393,14 @@ impl CachingAllocator {
     pub fn record_memory_history(&self, options: HistoryOptions) {
         self.context
             .store(options.context as u8, std::sync::atomic::Ordering::Relaxed);
-        self.state.lock().history.set(options);
+        self.settled().history.set(options);
     }
 
     /// The segments with their blocks (one segment per contiguous mapped run of an
     /// expandable segment) and the recorded history, as `torch.cuda.memory._snapshot()`
     /// has them. Taking a snapshot records a `snapshot` event.
     pub fn snapshot(&self) -> (Vec<SnapshotSegment>, Vec<TraceEntry>) {
-        let mut st = self.state.lock();
+        let mut st = self.settled();
         let state_of = |b: &Block| {
             if b.allocated {
                 "active_allocated"
@@ -481,7 +503,7 @@ impl CachingAllocator {
     /// Re-parses the configuration (PyTorch's `_set_allocator_settings`); on error nothing
     /// changes.
     pub fn update_config(&self, s: &str) -> Result<(), AllocError> {
-        let mut st = self.state.lock();
+        let mut st = self.settled();
         st.config.update(s)?;
         st.stats.max_split_size = st.config.max_split_size.map_or(-1, |m| m as i64);
         Ok(())
@@ -493,7 +515,7 @@ impl CachingAllocator {
         if !(0.0..=1.0).contains(&fraction) {
             return Err(AllocError::InvalidFraction(fraction));
         }
-        let mut st = self.state.lock();
+        let mut st = self.settled();
         st.allowed_max = (fraction < 1.0).then_some((fraction * self.device_total as f64) as u64);
         st.config.per_process_memory_fraction = fraction;
         Ok(())
@@ -509,22 +531,22 @@ impl CachingAllocator {
 
     /// A copy of the statistics.
     pub fn stats(&self) -> DeviceStats {
-        self.state.lock().stats.clone()
+        self.settled().stats.clone()
     }
 
     /// `reset_peak_memory_stats`.
     pub fn reset_peak_stats(&self) {
-        self.state.lock().stats.reset_peak();
+        self.settled().stats.reset_peak();
     }
 
     /// `reset_accumulated_memory_stats`.
     pub fn reset_accumulated_stats(&self) {
-        self.state.lock().stats.reset_accumulated();
+        self.settled().stats.reset_accumulated();
     }
 
     /// Every block, in address order per segment.
     pub fn blocks(&self) -> Vec<BlockInfo> {
-        let st = self.state.lock();
+        let st = self.settled();
         let mut out = Vec::new();
         for (id, b) in st.blocks.iter().enumerate() {
             if b.prev.is_some() || b.vacant {
@@ -557,7 +579,7 @@ impl CachingAllocator {
     /// equal the sum of segments. For tests and debugging; `Err` says what differs.
     pub fn check_invariants(&self) -> Result<(), String> {
         let blocks = self.blocks();
-        let st = self.state.lock();
+        let st = self.settled();
         let mut by_addr: Vec<&BlockInfo> = blocks.iter().collect();
         by_addr.sort_by_key(|b| b.ptr.0);
         for w in by_addr.windows(2) {
@@ -667,6 +689,17 @@ impl CachingAllocator {
                 stream,
             });
         }
+        // The block this thread just freed, if its credit covers this request.
+        if let Some(Some((ptr, size))) =
+            thread_cache::with_slot(self.id, |s| s.reuse(bytes, stream.raw))
+        {
+            return Ok(Allocation {
+                ptr: DevicePtr(ptr),
+                size,
+                requested: bytes,
+                stream,
+            });
+        }
         // Stacks are gathered before taking the lock: they are slow.
         let context = self.context.load(std::sync::atomic::Ordering::Relaxed);
         let frames = (context >= HistoryContext::State as u8).then(capture_frames);
@@ -680,7 +713,7 @@ impl CachingAllocator {
         } else {
             None
         };
-        let mut st = self.state.lock();
+        let mut st = self.lock_op();
         self.process_events(&mut st);
         let size = round_size(bytes, &st.config);
         let pool = st.route(stream, capture);
@@ -693,9 +726,126 @@ impl CachingAllocator {
             frames,
         };
         if let Some(id) = st.take_free_block(req.pool, req.kind, stream, size) {
-            return Ok(st.use_block(id, &req));
+            return Ok(self.hand_out(&mut st, id, &req));
         }
         self.slow_path(st, req)
+    }
+
+    /// `use_block`, then a credit for the calling thread's slot where one is due.
+    fn hand_out(&self, st: &mut State, id: usize, req: &Request) -> Allocation {
+        let allocation = st.use_block(id, req);
+        let (ptr, stream) = (allocation.ptr.0, allocation.stream.raw);
+        let granted = thread_cache::with_slot(self.id, |slot| {
+            if !slot.wants_credit() {
+                return;
+            }
+            let Some((id, credit)) = st.credit(ptr, req) else {
+                return;
+            };
+            // The slot is idle (the operation began by settling it), unless it took the
+            // lock more than once on the way.
+            self.settle(st, slot, true);
+            slot.grant(id, ptr, stream, credit);
+            st.blocks[id].credited = true;
+        });
+        // A thread's first credit makes its slot.
+        if granted.is_none()
+            && let Some((id, credit)) = st.credit(ptr, req)
+            && let Some(slot) = thread_cache::register(self.id, &self.orphans)
+        {
+            slot.grant(id, ptr, stream, credit);
+            st.blocks[id].credited = true;
+            st.slots.push(slot);
+        }
+        allocation
+    }
+
+    /// Locks the state for an operation of the calling thread: orphaned slots are settled,
+    /// and the thread's own slot too (its parked block freed first, so its operations apply
+    /// in order; its credit dropped, as this operation may change what the credit assumed).
+    fn lock_op(&self) -> MutexGuard<'_, State> {
+        let mut st = self.state.lock();
+        if self.orphans.load(Ordering::Acquire) > 0 {
+            self.settle_all(&mut st, false);
+        }
+        thread_cache::with_slot(self.id, |slot| {
+            if slot.state.load(Ordering::Relaxed) != IDLE {
+                self.settle(&mut st, slot, true);
+            }
+        });
+        st
+    }
+
+    /// Locks the state for an operation that reads or changes what every thread sees:
+    /// every slot is settled and loses its credit.
+    fn settled(&self) -> MutexGuard<'_, State> {
+        let mut st = self.state.lock();
+        self.settle_all(&mut st, true);
+        st
+    }
+
+    /// Settles every slot (dropping credits with `drop_credit`) and forgets the slots of
+    /// exited threads. Returns whether a parked block was freed.
+    fn settle_all(&self, st: &mut State, drop_credit: bool) -> bool {
+        self.orphans.store(0, Ordering::Release);
+        let slots = std::mem::take(&mut st.slots);
+        let mut freed = false;
+        for slot in &slots {
+            let orphaned = slot.orphaned.load(Ordering::Acquire);
+            freed |= self.settle(st, slot, drop_credit || orphaned);
+        }
+        st.slots = slots;
+        st.slots.retain(|s| !s.orphaned.load(Ordering::Acquire));
+        freed
+    }
+
+    /// Folds a slot's reuses into the statistics and frees its parked block for real; with
+    /// `drop_credit`, a held block stops being credited. Returns whether a block was freed.
+    fn settle(&self, st: &mut State, slot: &Slot, drop_credit: bool) -> bool {
+        let Some(was) = slot.seize() else {
+            return false;
+        };
+        slot.fold_into(&mut st.stats);
+        if was == HELD && !drop_credit {
+            slot.state.store(HELD, Ordering::Release);
+            return false;
+        }
+        slot.end_credit();
+        let id = slot.block.load(Ordering::Relaxed);
+        st.blocks[id].credited = false;
+        if was == PARKED {
+            // A credited block has no other stream's uses: freeing it needs no event.
+            let uses = st.release_live(id, None);
+            debug_assert!(uses.is_empty());
+            st.free_block(id);
+        }
+        was == PARKED
+    }
+
+    /// Takes a credited block out of its slot before another thread frees it or records a
+    /// stream on it. `Err` when its owner already freed it (the caller's pointer is dead).
+    fn uncredit(&self, st: &mut State, id: usize) -> Result<(), AllocError> {
+        let ptr = st.blocks[id].ptr;
+        // A slot's address changes only under the lock, which the caller holds.
+        for slot in st
+            .slots
+            .iter()
+            .filter(|s| s.ptr.load(Ordering::Relaxed) == ptr)
+        {
+            match slot.seize() {
+                Some(PARKED) => {
+                    slot.state.store(PARKED, Ordering::Release);
+                    return Err(AllocError::InvalidPointer(DevicePtr(ptr)));
+                }
+                Some(_) => {
+                    slot.fold_into(&mut st.stats);
+                    slot.end_credit();
+                }
+                None => {}
+            }
+        }
+        st.blocks[id].credited = false;
+        Ok(())
     }
 
     fn slow_path<'a>(
@@ -711,31 +861,37 @@ impl CachingAllocator {
             ..
         } = req;
         let segment = allocation_size(size, &st.config);
+        // Blocks other threads parked are free in PyTorch's eyes: free them before growing.
+        if self.settle_all(&mut st, false)
+            && let Some(id) = st.take_free_block(pool, kind, stream, size)
+        {
+            return Ok(self.hand_out(&mut st, id, &req));
+        }
         // While a capture is underway nothing may be freed or synchronized: only new memory.
         let capturing = st.capturing();
         if st.config.garbage_collection_threshold > 0.0 && !capturing {
             st = self.garbage_collect(st);
             if let Some(id) = st.take_free_block(pool, kind, stream, size) {
-                return Ok(st.use_block(id, &req));
+                return Ok(self.hand_out(&mut st, id, &req));
             }
         }
         if st.config.cross_stream_reuse
             && !capturing
             && let Some(id) = self.take_from_other_stream(&mut st, kind, stream, size)?
         {
-            return Ok(st.use_block(id, &req));
+            return Ok(self.hand_out(&mut st, id, &req));
         }
         let (s, found) = self.grow(st, size, segment, pool, kind, stream)?;
         st = s;
         if let Some(id) = found {
-            return Ok(st.use_block(id, &req));
+            return Ok(self.hand_out(&mut st, id, &req));
         }
         if st.config.max_split_size.is_some() && !capturing {
             st = self.release_oversize(st, size, kind, stream);
             let (s, found) = self.grow(st, size, segment, pool, kind, stream)?;
             st = s;
             if let Some(id) = found {
-                return Ok(st.use_block(id, &req));
+                return Ok(self.hand_out(&mut st, id, &req));
             }
         }
         // Wait for blocks held by other streams' events, then look again: the block we
@@ -748,14 +904,14 @@ impl CachingAllocator {
         }
         st = self.synchronize_events(st);
         if let Some(id) = st.take_free_block(pool, kind, stream, size) {
-            return Ok(st.use_block(id, &req));
+            return Ok(self.hand_out(&mut st, id, &req));
         }
         // Free only as much cached memory as the request needs, largest blocks first...
         st = self.release_cached(st, Some(segment));
         let (s, found) = self.grow(st, size, segment, pool, kind, stream)?;
         st = s;
         if let Some(id) = found {
-            return Ok(st.use_block(id, &req));
+            return Ok(self.hand_out(&mut st, id, &req));
         }
         // ... then everything, as PyTorch does, and retry once more.
         st = self.release_cached(st, None);
@@ -763,7 +919,7 @@ impl CachingAllocator {
         let (s, found) = self.grow(st, size, segment, pool, kind, stream)?;
         st = s;
         if let Some(id) = found {
-            return Ok(st.use_block(id, &req));
+            return Ok(self.hand_out(&mut st, id, &req));
         }
         st.stats.num_ooms += 1;
         drop(st);
@@ -955,36 +1111,23 @@ impl CachingAllocator {
             self.uncached
                 .lock()
                 .remove(&ptr.0)
-                .ok_or(AllocError::InvalidPointer(ptr))?;
+                .ok_or_else(|| AllocError::InvalidPointer(ptr))?;
             return Ok(self.driver.free(self.device, ptr)?);
+        }
+        if thread_cache::with_slot(self.id, |slot| slot.park(ptr.0)) == Some(true) {
+            return Ok(());
         }
         let context = self.context.load(std::sync::atomic::Ordering::Relaxed);
         let free_frames = (context >= HistoryContext::All as u8).then(capture_frames);
-        let mut st = self.state.lock();
-        let id = st
+        let mut st = self.lock_op();
+        let id = *st
             .live
-            .remove(&ptr.0)
-            .ok_or(AllocError::InvalidPointer(ptr))?;
-        let (requested, stream) = (st.blocks[id].requested, st.blocks[id].stream.raw);
-        st.history.record(
-            "free_requested",
-            ptr.0,
-            requested,
-            stream,
-            free_frames.as_ref(),
-        );
-        let (kind, size, oversize) = (
-            st.blocks[id].pool,
-            st.blocks[id].size,
-            st.blocks[id].oversize,
-        );
-        st.blocks[id].allocated = false;
-        st.stats.allocation.decrease(kind, 1);
-        st.stats.allocated_bytes.decrease(kind, size as i64);
-        if oversize {
-            st.stats.oversize_allocations.decrease(1);
+            .get(&ptr.0)
+            .ok_or_else(|| AllocError::InvalidPointer(ptr))?;
+        if st.blocks[id].credited {
+            self.uncredit(&mut st, id)?;
         }
-        let uses = std::mem::take(&mut st.blocks[id].stream_uses);
+        let uses = st.release_live(id, free_frames.as_ref());
         if uses.is_empty() {
             st.free_block(id);
             return Ok(());
@@ -1043,7 +1186,7 @@ impl CachingAllocator {
         if ptr.0 == 0 || !self.caching {
             return Ok(());
         }
-        let mut st = self.state.lock();
+        let mut st = self.lock_op();
         // A pointer inside an allocation (a view with an offset) protects the allocation.
         let id = match st.live.get(&ptr.0) {
             Some(id) => *id,
@@ -1054,12 +1197,17 @@ impl CachingAllocator {
                 .find(|&i| {
                     (st.blocks[i].ptr..st.blocks[i].ptr + st.blocks[i].size).contains(&ptr.0)
                 })
-                .ok_or(AllocError::InvalidPointer(ptr))?,
+                .ok_or_else(|| AllocError::InvalidPointer(ptr))?,
         };
-        let b = &mut st.blocks[id];
-        if stream != b.stream && !b.stream_uses.contains(&stream) {
-            b.stream_uses.push(stream);
+        let b = &st.blocks[id];
+        if stream == b.stream || b.stream_uses.contains(&stream) {
+            return Ok(());
         }
+        // A block used by another stream needs events when freed: no lock-free reuse.
+        if b.credited {
+            self.uncredit(&mut st, id)?;
+        }
+        st.blocks[id].stream_uses.push(stream);
         Ok(())
     }
 
@@ -1266,12 +1414,112 @@ impl CachingAllocator {
             // Nothing is synchronized or freed while a capture is underway.
             return;
         }
-        let st = self.synchronize_events(self.state.lock());
+        let st = self.synchronize_events(self.settled());
         drop(self.release_cached(st, None));
     }
 }
 
 impl State {
+    /// `free`'s bookkeeping for live block `id`: no longer allocated, history and
+    /// statistics told. Returns the other streams that used it.
+    fn release_live(&mut self, id: usize, frames: Option<&Arc<[Frame]>>) -> Vec<StreamHandle> {
+        let b = &mut self.blocks[id];
+        b.allocated = false;
+        let (ptr, requested, stream) = (b.ptr, b.requested, b.stream.raw);
+        let (kind, size, oversize) = (b.pool, b.size, b.oversize);
+        let uses = std::mem::take(&mut b.stream_uses);
+        self.live.remove(&ptr);
+        self.history
+            .record("free_requested", ptr, requested, stream, frames);
+        self.stats.allocation.decrease(kind, 1);
+        self.stats.allocated_bytes.decrease(kind, size as i64);
+        if oversize {
+            self.stats.oversize_allocations.decrease(1);
+        }
+        uses
+    }
+
+    /// The credit of live block `ptr`, just handed out for `req`, with its id: due when
+    /// PyTorch's free of it followed by the same request would hand out the same block and
+    /// leave every other block and every current statistic as they were, with no peak
+    /// passed on the way (see `thread_cache`).
+    fn credit(&self, ptr: u64, req: &Request) -> Option<(usize, Credit)> {
+        let c = &self.config;
+        if !c.thread_cache
+            || c.garbage_collection_threshold > 0.0
+            || self.history.options.mode != HistoryMode::Off
+            || !self.routes.is_empty()
+            || self.pending_events > 0
+            || !self.deferred.is_empty()
+        {
+            return None;
+        }
+        let id = *self.live.get(&ptr)?;
+        let b = &self.blocks[id];
+        if b.segment.is_some() || b.size != req.size || self.mergeable(b.prev).is_some() {
+            return None;
+        }
+        // The free merges the free block after it, if any...
+        let next = self.mergeable(b.next);
+        let next_size = next.map_or(0, |n| self.blocks[n].size);
+        let merged = b.size + next_size;
+        let max_split = c.max_split_size.unwrap_or(u64::MAX);
+        if (b.size < max_split && merged >= max_split)
+            || (b.size >= max_split && merged >= b.size.saturating_add(c.max_non_split_rounding))
+        {
+            return None;
+        }
+        // ... the search must find the merged block first...
+        let next_key = next.map(|n| key(next_size, self.blocks[n].ptr));
+        let rival = self
+            .pools
+            .list(b.pool_id, b.stream.raw, b.pool)
+            .and_then(|l| {
+                l.range_from(key(b.size, 0))
+                    .find(|(k, _)| Some(*k) != next_key)
+            });
+        if rival.is_some_and(|(k, _)| k < key(merged, b.ptr)) {
+            return None;
+        }
+        // ... and split the same remainder off again.
+        if next.is_some()
+            && b.pool == PoolKind::Large
+            && !(b.size < max_split && next_size > SMALL_SIZE)
+        {
+            return None;
+        }
+        // How `inactive_split` moves: (counted at all, bytes counted, rise of the count and
+        // of the bytes between the free and the search).
+        let (inactive, inactive_bytes, rise) = match next {
+            None if b.is_split() => (true, b.size, (1, b.size)),
+            None => (false, 0, (0, 0)),
+            Some(n) if b.prev.is_some() || self.blocks[n].next.is_some() => {
+                (true, merged, (0, b.size))
+            }
+            Some(_) => (true, next_size, (0, 0)),
+        };
+        let s = &self.stats;
+        let passes_peak = |stats: [&ferrocuda_types::Stat; 2], rise: u64| {
+            stats.iter().any(|x| x.current + rise as i64 > x.peak)
+        };
+        if passes_peak(s.inactive_split.pair(b.pool), rise.0)
+            || passes_peak(s.inactive_split_bytes.pair(b.pool), rise.1)
+        {
+            return None;
+        }
+        Some((
+            id,
+            Credit {
+                kind: b.pool,
+                size: b.size,
+                requested: b.requested,
+                oversize: b.oversize,
+                inactive,
+                inactive_bytes,
+            },
+        ))
+    }
+
     fn vacate(&mut self, id: usize) {
         self.blocks[id].vacant = true;
         self.vacant.push(id);
@@ -2112,6 +2360,9 @@ impl State {
     /// The pool an allocation on `stream` (in capture `capture`, if any) is served from:
     /// the newest route that takes it, else the default pool.
     fn route(&self, stream: StreamHandle, capture: Option<u64>) -> PoolId {
+        if self.routes.is_empty() {
+            return PoolId::DEFAULT;
+        }
         let me = std::thread::current().id();
         self.routes
             .iter()
@@ -2198,7 +2449,7 @@ impl CachingAllocator {
                 "beginAllocateToPool: the default pool cannot be recorded to".into(),
             ));
         }
-        let mut st = self.state.lock();
+        let mut st = self.settled();
         if st.routes.iter().any(|(p, _)| *p == pool) {
             return Err(AllocError::Pool(format!(
                 "beginAllocateToPool: already recording to mempool_id {pool}"

@@ -28,6 +28,25 @@ pub(crate) struct FreeList {
     large: Option<BTreeMap<u128, usize>>,
 }
 
+/// Entries of a [`FreeList`] in key order, whichever representation holds them (a concrete
+/// type, so the best-fit search does not allocate).
+pub(crate) enum Entries<'a> {
+    Small(std::slice::Iter<'a, (u128, usize)>),
+    Large(std::collections::btree_map::Range<'a, u128, usize>),
+}
+
+impl Iterator for Entries<'_> {
+    type Item = (u128, usize);
+
+    #[inline]
+    fn next(&mut self) -> Option<(u128, usize)> {
+        match self {
+            Entries::Small(it) => it.next().copied(),
+            Entries::Large(it) => it.next().map(|(k, id)| (*k, *id)),
+        }
+    }
+}
+
 impl FreeList {
     pub(crate) fn len(&self) -> usize {
         self.large.as_ref().map_or(self.small.len(), BTreeMap::len)
@@ -64,21 +83,19 @@ impl FreeList {
     }
 
     /// Entries with a key of at least `k`, in order.
-    pub(crate) fn range_from(&self, k: u128) -> Box<dyn Iterator<Item = (u128, usize)> + '_> {
+    #[inline]
+    pub(crate) fn range_from(&self, k: u128) -> Entries<'_> {
         match &self.large {
-            Some(map) => Box::new(map.range(k..).map(|(k, id)| (*k, *id))),
+            Some(map) => Entries::Large(map.range(k..)),
             None => {
                 let at = self.small.partition_point(|(x, _)| *x < k);
-                Box::new(self.small[at..].iter().copied())
+                Entries::Small(self.small[at..].iter())
             }
         }
     }
 
-    pub(crate) fn iter(&self) -> Box<dyn Iterator<Item = (u128, usize)> + '_> {
-        match &self.large {
-            Some(map) => Box::new(map.iter().map(|(k, id)| (*k, *id))),
-            None => Box::new(self.small.iter().copied()),
-        }
+    pub(crate) fn iter(&self) -> Entries<'_> {
+        self.range_from(0)
     }
 }
 

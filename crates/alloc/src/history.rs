@@ -110,6 +110,7 @@ impl History {
     }
 
     /// Records an event; `frames` only if the context asks for them on this action.
+    #[inline]
     pub(crate) fn record(
         &mut self,
         action: &str,
@@ -118,9 +119,19 @@ impl History {
         stream: u64,
         frames: Option<&Arc<[Frame]>>,
     ) {
-        if self.options.mode == HistoryMode::Off {
-            return;
+        if self.options.mode != HistoryMode::Off {
+            self.push(action, addr, size, stream, frames);
         }
+    }
+
+    fn push(
+        &mut self,
+        action: &str,
+        addr: u64,
+        size: u64,
+        stream: u64,
+        frames: Option<&Arc<[Frame]>>,
+    ) {
         self.entries.push_back(TraceEntry {
             action: action.to_owned(),
             addr,

@@ -31,6 +31,7 @@ mod error;
 mod free_list;
 pub mod history;
 pub mod rounding;
+mod thread_cache;
 
 pub use allocator::{Allocation, BlockInfo, CachingAllocator, OomObserver, Route};
 pub use devices::{DeviceAllocators, caching_disabled};

@@ -74,6 +74,12 @@ pub struct AllocatorConfig {
     /// then follows live bytes instead of the address layout, at the cost of a host sync on
     /// growth. Off by default.
     pub expandable_segments_reclaim: bool,
+    /// `thread_cache` (ferrocuda's own): a thread that frees the block it allocated last
+    /// keeps it parked, and gets it back without the allocator's lock when its next request
+    /// is the same (size, stream). A block is parked only where PyTorch's free-then-best-fit
+    /// would hand out the same block, and statistics account for every such reuse, so
+    /// single-threaded programs see exactly PyTorch's addresses and statistics. On by default.
+    pub thread_cache: bool,
 }
 
 /// A virtual-address reserve: a fraction of device memory, or bytes (`12G`).
@@ -110,6 +116,7 @@ impl Default for AllocatorConfig {
             expandable_segments_reserve_by_class: Vec::new(),
             cross_stream_reuse: false,
             expandable_segments_reclaim: false,
+            thread_cache: true,
         }
     }
 }
@@ -439,6 +446,9 @@ impl AllocatorConfig {
             }
             "cross_stream_reuse" => {
                 self.cross_stream_reuse = bool_value(single(p, key, value)?)?;
+            }
+            "thread_cache" => {
+                self.thread_cache = bool_value(single(p, key, value)?)?;
             }
             "throw_on_cudamalloc_oom" => {
                 self.throw_on_cudamalloc_oom = bool_value(single(p, key, value)?)?

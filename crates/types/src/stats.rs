@@ -33,6 +33,13 @@ impl Stat {
         self.freed += n;
     }
 
+    /// Counts `n` that rose and fell again (current and peak unchanged).
+    #[inline]
+    pub fn cycle(&mut self, n: i64) {
+        self.allocated += n;
+        self.freed += n;
+    }
+
     fn reset_peak(&mut self) {
         self.peak = self.current;
     }
@@ -76,6 +83,24 @@ impl StatArray {
     pub fn decrease(&mut self, pool: PoolKind, n: i64) {
         self.all.decrease(n);
         self.pool_mut(pool).decrease(n);
+    }
+
+    /// Counts `n` that rose and fell again in `all` and `pool`.
+    #[inline]
+    pub fn cycle(&mut self, pool: PoolKind, n: i64) {
+        self.all.cycle(n);
+        self.pool_mut(pool).cycle(n);
+    }
+
+    /// `all` and `pool`.
+    pub fn pair(&self, pool: PoolKind) -> [&Stat; 2] {
+        [
+            &self.all,
+            match pool {
+                PoolKind::Small => &self.small_pool,
+                PoolKind::Large => &self.large_pool,
+            },
+        ]
     }
 
     fn pool_mut(&mut self, pool: PoolKind) -> &mut Stat {
