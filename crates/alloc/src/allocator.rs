@@ -1111,7 +1111,7 @@ impl CachingAllocator {
             self.uncached
                 .lock()
                 .remove(&ptr.0)
-                .ok_or_else(|| AllocError::InvalidPointer(ptr))?;
+                .ok_or(AllocError::InvalidPointer(ptr))?;
             return Ok(self.driver.free(self.device, ptr)?);
         }
         if thread_cache::with_slot(self.id, |slot| slot.park(ptr.0)) == Some(true) {
@@ -1120,10 +1120,7 @@ impl CachingAllocator {
         let context = self.context.load(std::sync::atomic::Ordering::Relaxed);
         let free_frames = (context >= HistoryContext::All as u8).then(capture_frames);
         let mut st = self.lock_op();
-        let id = *st
-            .live
-            .get(&ptr.0)
-            .ok_or_else(|| AllocError::InvalidPointer(ptr))?;
+        let id = *st.live.get(&ptr.0).ok_or(AllocError::InvalidPointer(ptr))?;
         if st.blocks[id].credited {
             self.uncredit(&mut st, id)?;
         }
@@ -1197,7 +1194,7 @@ impl CachingAllocator {
                 .find(|&i| {
                     (st.blocks[i].ptr..st.blocks[i].ptr + st.blocks[i].size).contains(&ptr.0)
                 })
-                .ok_or_else(|| AllocError::InvalidPointer(ptr))?,
+                .ok_or(AllocError::InvalidPointer(ptr))?,
         };
         let b = &st.blocks[id];
         if stream == b.stream || b.stream_uses.contains(&stream) {

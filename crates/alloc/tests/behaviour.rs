@@ -2,7 +2,7 @@
 //! spec §12 items 1–19) with exact figures.
 // Test code: a failed setup should stop the test loudly.
 #![allow(clippy::panic, clippy::unwrap_used, clippy::expect_used)]
-use ferrocuda_alloc::{AllocError, CachingAllocator};
+use ferrocuda_alloc::{AllocError, Allocation, CachingAllocator};
 use ferrocuda_driver::{Call, Driver, FakeDriver, fake::Completion};
 use ferrocuda_types::{
     AllocatorConfig, DeviceIndex, DevicePtr, MemsetValue, StreamFlags, StreamHandle,
@@ -1046,6 +1046,166 @@ mod private_pools {
         a.release_pool(pool)?;
         assert!(a.release_pool(pool).is_err());
         assert!(PoolId::handle().0 == 0 && PoolId::for_capture().1 == 0);
+        Ok(())
+    }
+}
+
+/// The per-thread front end (`thread_cache`): what other threads and readers see.
+mod thread_cache {
+    use super::*;
+    use std::sync::mpsc;
+
+    #[test]
+    fn a_freed_block_comes_back_and_every_reuse_is_counted() -> TestResult {
+        let (_, a) = setup(80 * GIB, "", Completion::Eager);
+        let first = a.allocate(MIB, LEGACY)?;
+        a.free(first.ptr)?;
+        for _ in 0..999 {
+            let x = a.allocate(MIB, LEGACY)?;
+            assert_eq!(
+                x, first,
+                "the same block, as PyTorch's free and best fit give"
+            );
+            a.free(x.ptr)?;
+        }
+        assert_eq!(stat(&a, "allocation.all.allocated"), 1000);
+        assert_eq!(stat(&a, "allocation.small_pool.freed"), 1000);
+        assert_eq!(stat(&a, "allocated_bytes.all.allocated"), 1000 * MIB as i64);
+        // The remainder of the segment merged and split again every time.
+        assert_eq!(stat(&a, "inactive_split.all.allocated"), 1000);
+        assert_eq!(stat(&a, "inactive_split.all.current"), 0);
+        for _ in 0..500 {
+            let x = a.allocate(MIB, LEGACY)?;
+            a.free(x.ptr)?;
+        }
+        assert_eq!(stat(&a, "allocation.all.allocated"), 1500);
+        assert_eq!(stat(&a, "allocation.all.current"), 0);
+        a.check_invariants()?;
+        Ok(())
+    }
+
+    #[test]
+    fn a_credited_block_freed_by_another_thread_is_freed_once() -> TestResult {
+        let (_, a) = setup(80 * GIB, "", Completion::Eager);
+        let x = a.allocate(MIB, LEGACY)?;
+        std::thread::scope(|s| s.spawn(|| a.free(x.ptr)).join())
+            .map_err(|_| "the freeing thread panicked")??;
+        assert!(
+            matches!(a.free(x.ptr), Err(AllocError::InvalidPointer(_))),
+            "a second free is an error, not a park"
+        );
+        assert_eq!(stat(&a, "allocation.all.current"), 0);
+        let y = a.allocate(MIB, LEGACY)?;
+        assert_eq!(y.ptr, x.ptr, "free in the pool again");
+        a.check_invariants()?;
+        Ok(())
+    }
+
+    #[test]
+    fn a_parked_block_freed_again_is_an_invalid_pointer() -> TestResult {
+        let (_, a) = setup(80 * GIB, "", Completion::Eager);
+        let x = a.allocate(4096, LEGACY)?;
+        a.free(x.ptr)?;
+        assert!(matches!(a.free(x.ptr), Err(AllocError::InvalidPointer(_))));
+        // Another thread freeing the parked block is refused the same way.
+        let y = a.allocate(4096, LEGACY)?;
+        a.free(y.ptr)?;
+        let other = std::thread::scope(|s| s.spawn(|| a.free(y.ptr)).join())
+            .map_err(|_| "the freeing thread panicked")?;
+        assert!(matches!(other, Err(AllocError::InvalidPointer(_))));
+        assert_eq!(stat(&a, "allocation.all.current"), 0);
+        a.check_invariants()?;
+        Ok(())
+    }
+
+    #[test]
+    fn a_block_parked_by_an_exited_thread_is_freed() -> TestResult {
+        let (_, a) = setup(80 * GIB, "", Completion::Eager);
+        let x = std::thread::scope(|s| {
+            s.spawn(|| -> Result<Allocation, AllocError> {
+                let x = a.allocate(12 * MIB, LEGACY)?;
+                a.free(x.ptr)?;
+                Ok(x)
+            })
+            .join()
+        })
+        .map_err(|_| "the thread panicked")??;
+        // The reader settles it...
+        assert_eq!(stat(&a, "allocation.all.current"), 0);
+        assert_eq!(stat(&a, "active_bytes.all.current"), 0);
+        // ... and the next request finds it.
+        let y = a.allocate(12 * MIB, LEGACY)?;
+        assert_eq!(y.ptr, x.ptr);
+        assert_eq!(stat(&a, "segment.all.current"), 1);
+        a.check_invariants()?;
+        Ok(())
+    }
+
+    #[test]
+    fn a_request_that_would_grow_takes_blocks_other_threads_parked() -> TestResult {
+        let (_, a) = setup(80 * GIB, "", Completion::Eager);
+        let (parked_tx, parked_rx) = mpsc::channel();
+        let (done_tx, done_rx) = mpsc::channel::<()>();
+        let found = std::thread::scope(|s| -> Result<DevicePtr, AllocError> {
+            let a = &a;
+            s.spawn(move || -> Result<(), AllocError> {
+                let x = a.allocate(12 * MIB, LEGACY)?;
+                a.free(x.ptr)?; // parked: this thread is still alive
+                parked_tx.send(x.ptr).ok();
+                done_rx.recv().ok();
+                Ok(())
+            });
+            let parked = parked_rx.recv().unwrap_or(DevicePtr(0));
+            let y = a.allocate(12 * MIB, LEGACY)?;
+            done_tx.send(()).ok();
+            assert_eq!(y.ptr, parked, "no new segment while a parked block fits");
+            Ok(y.ptr)
+        })?;
+        assert_ne!(found, DevicePtr(0));
+        assert_eq!(stat(&a, "num_device_alloc"), 1);
+        a.check_invariants()?;
+        Ok(())
+    }
+
+    #[test]
+    fn many_threads_keep_exact_books() -> TestResult {
+        let (_, a) = setup(80 * GIB, "", Completion::Eager);
+        let a = Arc::new(a);
+        let ops: i64 = std::thread::scope(|s| {
+            let workers: Vec<_> = (0..8u64)
+                .map(|t| {
+                    let a = a.clone();
+                    s.spawn(move || -> Result<i64, AllocError> {
+                        let mut held = Vec::new();
+                        let mut count = 0;
+                        for i in 0..3000u64 {
+                            // Mostly pairs (the thread cache), some blocks kept a while.
+                            let x = a.allocate(512 << ((i * 7 + t) % 13), LEGACY)?;
+                            count += 1;
+                            if i % 5 == 0 {
+                                held.push(x.ptr);
+                            } else {
+                                a.free(x.ptr)?;
+                            }
+                            if held.len() > 8 {
+                                a.free(held.remove(0))?;
+                            }
+                        }
+                        held.into_iter().try_for_each(|p| a.free(p))?;
+                        Ok(count)
+                    })
+                })
+                .collect();
+            workers
+                .into_iter()
+                .map(|w| w.join().unwrap_or_else(|_| panic!("a worker panicked")))
+                .sum::<Result<i64, AllocError>>()
+        })?;
+        assert_eq!(stat(&a, "allocation.all.allocated"), ops);
+        assert_eq!(stat(&a, "allocation.all.freed"), ops);
+        assert_eq!(stat(&a, "allocation.all.current"), 0);
+        assert_eq!(stat(&a, "active_bytes.all.current"), 0);
+        a.check_invariants()?;
         Ok(())
     }
 }

@@ -8,6 +8,7 @@ use ferrocuda_alloc::CachingAllocator;
 use ferrocuda_driver::{Driver, FakeDriver, fake::Completion};
 use ferrocuda_types::{AllocatorConfig, DeviceIndex, MemsetValue, StreamFlags, StreamHandle};
 use proptest::prelude::*;
+use proptest::test_runner::TestCaseError;
 use std::sync::Arc;
 
 const D0: DeviceIndex = DeviceIndex(0);
@@ -118,5 +119,150 @@ proptest! {
         }
         let stats = a.stats();
         prop_assert_eq!(stats.allocation.all.current as usize, live.len());
+    }
+}
+
+/// One step of a program run on two allocators, with and without `thread_cache`.
+#[derive(Clone, Debug)]
+enum Step {
+    Alloc {
+        size: u64,
+        stream: usize,
+    },
+    /// Frees the newest live allocation (what a thread cache parks).
+    FreeNewest,
+    Free {
+        pick: usize,
+    },
+    RecordStream {
+        pick: usize,
+        stream: usize,
+    },
+    Advance {
+        stream: usize,
+    },
+    EmptyCache,
+    Configure {
+        config: usize,
+    },
+    /// Reads and compares statistics and blocks (which settles every slot).
+    Observe,
+    ResetPeaks,
+}
+
+fn step() -> impl Strategy<Value = Step> {
+    // A few sizes again and again (so blocks come back), and some random ones.
+    let size = prop_oneof![
+        3 => prop::sample::select(vec![512u64, 1000, 4096, 1 << 20, 3 << 20, 12 << 20, 30 << 20]),
+        1 => 1u64..=(40 << 20),
+    ];
+    prop_oneof![
+        8 => (size, 0..2usize).prop_map(|(size, stream)| Step::Alloc { size, stream }),
+        5 => Just(Step::FreeNewest),
+        2 => any::<usize>().prop_map(|pick| Step::Free { pick }),
+        1 => (any::<usize>(), 0..2usize).prop_map(|(pick, stream)| Step::RecordStream { pick, stream }),
+        1 => (0..2usize).prop_map(|stream| Step::Advance { stream }),
+        1 => Just(Step::EmptyCache),
+        1 => (0..CONFIGS.len()).prop_map(|config| Step::Configure { config }),
+        1 => Just(Step::Observe),
+        1 => Just(Step::ResetPeaks),
+    ]
+}
+
+/// An allocator over its own manual-completion fake device, with two streams.
+fn twin(thread_cache: bool) -> (Arc<FakeDriver>, CachingAllocator, Vec<StreamHandle>) {
+    let fake = Arc::new(
+        FakeDriver::builder()
+            .completion(Completion::Manual)
+            .capacity(1 << 30)
+            .backing(false)
+            .build(),
+    );
+    let config = AllocatorConfig {
+        thread_cache,
+        ..AllocatorConfig::default()
+    };
+    let a = CachingAllocator::new(fake.clone(), D0, config, true).unwrap();
+    let streams = (0..2)
+        .map(|_| {
+            fake.stream_create(
+                D0,
+                StreamFlags {
+                    non_blocking: true,
+                    priority: 0,
+                },
+            )
+            .unwrap()
+        })
+        .collect();
+    (fake, a, streams)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig {
+        cases: std::env::var("PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(64),
+        ..ProptestConfig::default()
+    })]
+
+    /// The thread cache is invisible to a single thread: every address, every error, the
+    /// statistics (peaks and cumulative counters included) and the block layout equal those
+    /// of the same program without it (that is, PyTorch's).
+    #[test]
+    fn thread_cache_changes_nothing_a_thread_can_see(steps in proptest::collection::vec(step(), 1..300)) {
+        let twins = [twin(true), twin(false)];
+        // Live allocations: (address, stream) in both (addresses are equal by construction).
+        let mut live: Vec<u64> = Vec::new();
+        let same = |twins: &[(Arc<FakeDriver>, CachingAllocator, Vec<StreamHandle>); 2]| -> Result<(), TestCaseError> {
+            prop_assert_eq!(twins[0].1.stats(), twins[1].1.stats());
+            // Block ids (and so the order of `blocks`) may differ; the layout may not.
+            let layout = |a: &CachingAllocator| {
+                let mut b = a.blocks();
+                b.sort_by_key(|b| b.ptr.0);
+                b
+            };
+            prop_assert_eq!(layout(&twins[0].1), layout(&twins[1].1));
+            Ok(())
+        };
+        for step in steps {
+            match step {
+                Step::Alloc { size, stream } => {
+                    let got: Vec<_> = twins.iter().map(|(_, a, s)| a.allocate(size, s[stream]).map_err(|e| e.to_string())).collect();
+                    prop_assert_eq!(&got[0], &got[1]);
+                    if let Ok(x) = &got[0] {
+                        live.push(x.ptr.0);
+                    }
+                }
+                Step::FreeNewest | Step::Free { .. } if !live.is_empty() => {
+                    let i = match step { Step::Free { pick } => pick % live.len(), _ => live.len() - 1 };
+                    let ptr = live.remove(i);
+                    for (_, a, _) in &twins {
+                        a.free(ferrocuda_types::DevicePtr(ptr)).unwrap();
+                    }
+                }
+                Step::RecordStream { pick, stream } if !live.is_empty() => {
+                    let ptr = ferrocuda_types::DevicePtr(live[pick % live.len()]);
+                    for (fake, a, s) in &twins {
+                        fake.memset_async(ptr, MemsetValue::U8(7), 1, s[stream]).unwrap();
+                        a.record_stream(ptr, s[stream]).unwrap();
+                    }
+                }
+                Step::Advance { stream } => {
+                    for (fake, _, s) in &twins {
+                        fake.advance(s[stream], None).unwrap();
+                    }
+                }
+                Step::EmptyCache => twins.iter().for_each(|(_, a, _)| a.empty_cache()),
+                Step::Configure { config } => {
+                    for (_, a, _) in &twins {
+                        a.update_config(CONFIGS[config]).unwrap();
+                    }
+                }
+                Step::Observe => same(&twins)?,
+                Step::ResetPeaks => twins.iter().for_each(|(_, a, _)| a.reset_peak_stats()),
+                _ => {}
+            }
+        }
+        same(&twins)?;
+        twins[0].1.check_invariants().map_err(TestCaseError::fail)?;
     }
 }
