@@ -80,28 +80,41 @@ struct FreeKey {
     id: usize,
 }
 
-/// Free lists per stream, small and large pool. Few streams are usual: a vector scan.
+/// Free lists per stream, small and large pool. Few streams are usual: a vector scan,
+/// after a look at the last one used.
 #[derive(Debug, Default)]
 struct Pools {
     streams: Vec<((PoolId, u64), [FreeList; 2])>,
+    last: usize,
 }
 
 impl Pools {
+    #[inline]
+    fn position(&self, pool: PoolId, stream: u64) -> Option<usize> {
+        if self
+            .streams
+            .get(self.last)
+            .is_some_and(|(s, _)| *s == (pool, stream))
+        {
+            return Some(self.last);
+        }
+        self.streams.iter().position(|(s, _)| *s == (pool, stream))
+    }
+
     fn list(&self, pool: PoolId, stream: u64, kind: PoolKind) -> Option<&FreeList> {
-        self.streams
-            .iter()
-            .find(|(s, _)| *s == (pool, stream))
-            .map(|(_, l)| &l[pool_index(kind)])
+        let i = self.position(pool, stream)?;
+        Some(&self.streams[i].1[pool_index(kind)])
     }
 
     fn list_mut(&mut self, pool: PoolId, stream: u64, kind: PoolKind) -> &mut FreeList {
-        let i = match self.streams.iter().position(|(s, _)| *s == (pool, stream)) {
+        let i = match self.position(pool, stream) {
             Some(i) => i,
             None => {
                 self.streams.push(((pool, stream), Default::default()));
                 self.streams.len() - 1
             }
         };
+        self.last = i;
         &mut self.streams[i].1[pool_index(kind)]
     }
 
@@ -733,13 +746,13 @@ impl CachingAllocator {
 
     /// `use_block`, then a credit for the calling thread's slot where one is due.
     fn hand_out(&self, st: &mut State, id: usize, req: &Request) -> Allocation {
-        let allocation = st.use_block(id, req);
+        let (id, allocation) = st.use_block(id, req);
         let (ptr, stream) = (allocation.ptr.0, allocation.stream.raw);
         let granted = thread_cache::with_slot(self.id, |slot| {
             if !slot.wants_credit() {
                 return;
             }
-            let Some((id, credit)) = st.credit(ptr, req) else {
+            let Some(credit) = st.credit(id, req) else {
                 return;
             };
             // The slot is idle (the operation began by settling it), unless it took the
@@ -750,7 +763,7 @@ impl CachingAllocator {
         });
         // A thread's first credit makes its slot.
         if granted.is_none()
-            && let Some((id, credit)) = st.credit(ptr, req)
+            && let Some(credit) = st.credit(id, req)
             && let Some(slot) = thread_cache::register(self.id, &self.orphans)
         {
             slot.grant(id, ptr, stream, credit);
@@ -1120,7 +1133,9 @@ impl CachingAllocator {
         let context = self.context.load(std::sync::atomic::Ordering::Relaxed);
         let free_frames = (context >= HistoryContext::All as u8).then(capture_frames);
         let mut st = self.lock_op();
-        let id = *st.live.get(&ptr.0).ok_or(AllocError::InvalidPointer(ptr))?;
+        let Some(&id) = st.live.get(&ptr.0) else {
+            return Err(AllocError::InvalidPointer(ptr));
+        };
         if st.blocks[id].credited {
             self.uncredit(&mut st, id)?;
         }
@@ -1436,11 +1451,11 @@ impl State {
         uses
     }
 
-    /// The credit of live block `ptr`, just handed out for `req`, with its id: due when
+    /// The credit of live block `id`, just handed out for `req`: due when
     /// PyTorch's free of it followed by the same request would hand out the same block and
     /// leave every other block and every current statistic as they were, with no peak
     /// passed on the way (see `thread_cache`).
-    fn credit(&self, ptr: u64, req: &Request) -> Option<(usize, Credit)> {
+    fn credit(&self, id: usize, req: &Request) -> Option<Credit> {
         let c = &self.config;
         if !c.thread_cache
             || c.garbage_collection_threshold > 0.0
@@ -1451,7 +1466,6 @@ impl State {
         {
             return None;
         }
-        let id = *self.live.get(&ptr)?;
         let b = &self.blocks[id];
         if b.segment.is_some() || b.size != req.size || self.mergeable(b.prev).is_some() {
             return None;
@@ -1504,17 +1518,14 @@ impl State {
         {
             return None;
         }
-        Some((
-            id,
-            Credit {
-                kind: b.pool,
-                size: b.size,
-                requested: b.requested,
-                oversize: b.oversize,
-                inactive,
-                inactive_bytes,
-            },
-        ))
+        Some(Credit {
+            kind: b.pool,
+            size: b.size,
+            requested: b.requested,
+            oversize: b.oversize,
+            inactive,
+            inactive_bytes,
+        })
     }
 
     fn vacate(&mut self, id: usize) {
@@ -1631,8 +1642,9 @@ impl State {
         }
     }
 
-    /// `alloc_found_block`: splits if worthwhile and hands the low part out.
-    fn use_block(&mut self, id: usize, req: &Request) -> Allocation {
+    /// `alloc_found_block`: splits if worthwhile and hands the low part out (returned with
+    /// its id).
+    fn use_block(&mut self, id: usize, req: &Request) -> (usize, Allocation) {
         let (size, requested) = (req.size, req.requested);
         let kind = self.blocks[id].pool;
         let was_split = self.blocks[id].is_split();
@@ -1685,12 +1697,15 @@ impl State {
             stream.raw,
             req.frames.as_ref().filter(|_| on_trace),
         );
-        Allocation {
-            ptr: DevicePtr(ptr),
-            size,
-            requested,
-            stream,
-        }
+        (
+            id,
+            Allocation {
+                ptr: DevicePtr(ptr),
+                size,
+                requested,
+                stream,
+            },
+        )
     }
 
     fn complete_event(&mut self, event: EventHandle, id: usize) {

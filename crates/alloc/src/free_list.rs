@@ -1,14 +1,19 @@
 //! Free blocks of one (pool, stream), ordered by (size, address): PyTorch's best-fit order.
 //!
 //! Keys pack size and address into one `u128`, so a comparison is a single integer compare.
-//! A few dozen free blocks (the common case) live in a sorted vector, where a binary search
-//! and a short memmove beat a B-tree's node walk; past [`SPILL`] blocks the list moves into
-//! a `BTreeMap`, so huge caches (trace replays) stay logarithmic. It moves back below
-//! [`UNSPILL`], with hysteresis so a list at the edge does not flap.
+//! Blocks are binned by size, four bins per power of two (bins follow size order, so walking
+//! them in order walks the keys in order), with a bitmap of the non-empty bins: an insert or
+//! removal touches one short bin, and a search skips empty bins with a bit scan. A bin is a
+//! sorted vector, where a binary search and a short memmove beat a B-tree's node walk; past
+//! [`SPILL`] blocks it moves into a `BTreeMap`, so huge caches (trace replays) stay
+//! logarithmic. It moves back below [`UNSPILL`], with hysteresis so a bin at the edge does
+//! not flap.
 use std::collections::BTreeMap;
 
 const SPILL: usize = 128;
 const UNSPILL: usize = 32;
+/// Bins: one below 512 bytes, then four per power of two up to 2^63.
+const BINS: usize = 1 + 4 * 55;
 
 /// The key of a free block: size in the high half, address in the low half.
 #[inline]
@@ -22,17 +27,41 @@ pub(crate) fn key_size(k: u128) -> u64 {
     (k >> 64) as u64
 }
 
-#[derive(Debug, Default)]
-pub(crate) struct FreeList {
-    small: Vec<(u128, usize)>,
-    large: Option<BTreeMap<u128, usize>>,
+/// The bin of a size: non-decreasing in the size.
+#[inline]
+fn bin(size: u64) -> usize {
+    if size < 512 {
+        return 0;
+    }
+    let log = 63 - size.leading_zeros() as usize;
+    let quarter = ((size >> (log - 2)) & 3) as usize;
+    1 + (log - 9) * 4 + quarter
 }
 
-/// Entries of a [`FreeList`] in key order, whichever representation holds them (a concrete
-/// type, so the best-fit search does not allocate).
-pub(crate) enum Entries<'a> {
-    Small(std::slice::Iter<'a, (u128, usize)>),
-    Large(std::collections::btree_map::Range<'a, u128, usize>),
+/// Free blocks of one (pool, stream).
+#[derive(Debug)]
+pub(crate) struct FreeList {
+    bins: Box<[Bin]>,
+    /// Bit `i` set: bin `i` is not empty.
+    occupied: [u64; BINS.div_ceil(64)],
+    len: usize,
+}
+
+impl Default for FreeList {
+    fn default() -> Self {
+        FreeList {
+            bins: (0..BINS).map(|_| Bin::default()).collect(),
+            occupied: [0; BINS.div_ceil(64)],
+            len: 0,
+        }
+    }
+}
+
+/// Entries of a [`FreeList`] with a key of at least a bound, in key order.
+pub(crate) struct Entries<'a> {
+    list: &'a FreeList,
+    bin: usize,
+    inner: BinEntries<'a>,
 }
 
 impl Iterator for Entries<'_> {
@@ -40,19 +69,102 @@ impl Iterator for Entries<'_> {
 
     #[inline]
     fn next(&mut self) -> Option<(u128, usize)> {
-        match self {
-            Entries::Small(it) => it.next().copied(),
-            Entries::Large(it) => it.next().map(|(k, id)| (*k, *id)),
+        loop {
+            if let Some(entry) = self.inner.next() {
+                return Some(entry);
+            }
+            self.bin = self.list.next_occupied(self.bin + 1)?;
+            self.inner = self.list.bins[self.bin].range_from(0);
         }
     }
 }
 
 impl FreeList {
     pub(crate) fn len(&self) -> usize {
-        self.large.as_ref().map_or(self.small.len(), BTreeMap::len)
+        self.len
+    }
+
+    /// The first non-empty bin at or after `from`.
+    #[inline]
+    fn next_occupied(&self, from: usize) -> Option<usize> {
+        let mut word = from / 64;
+        let mut bits = *self.occupied.get(word)? & (u64::MAX << (from % 64));
+        loop {
+            if bits != 0 {
+                return Some(word * 64 + bits.trailing_zeros() as usize);
+            }
+            word += 1;
+            bits = *self.occupied.get(word)?;
+        }
     }
 
     pub(crate) fn insert(&mut self, k: u128, id: usize) {
+        let b = bin(key_size(k));
+        self.bins[b].insert(k, id);
+        self.occupied[b / 64] |= 1 << (b % 64);
+        self.len += 1;
+    }
+
+    pub(crate) fn remove(&mut self, k: u128) -> bool {
+        let b = bin(key_size(k));
+        let removed = self.bins[b].remove(k);
+        if removed {
+            self.len -= 1;
+            if self.bins[b].len() == 0 {
+                self.occupied[b / 64] &= !(1 << (b % 64));
+            }
+        }
+        removed
+    }
+
+    /// Entries with a key of at least `k`, in order.
+    #[inline]
+    pub(crate) fn range_from(&self, k: u128) -> Entries<'_> {
+        let b = bin(key_size(k));
+        Entries {
+            list: self,
+            bin: b,
+            inner: self.bins[b].range_from(k),
+        }
+    }
+
+    pub(crate) fn iter(&self) -> Entries<'_> {
+        self.range_from(0)
+    }
+}
+
+/// One bin: a sorted vector, or a B-tree when long.
+#[derive(Debug, Default)]
+struct Bin {
+    small: Vec<(u128, usize)>,
+    large: Option<BTreeMap<u128, usize>>,
+}
+
+/// Entries of a [`Bin`] in key order, whichever representation holds them (a concrete
+/// type, so the best-fit search does not allocate).
+enum BinEntries<'a> {
+    Small(std::slice::Iter<'a, (u128, usize)>),
+    Large(std::collections::btree_map::Range<'a, u128, usize>),
+}
+
+impl Iterator for BinEntries<'_> {
+    type Item = (u128, usize);
+
+    #[inline]
+    fn next(&mut self) -> Option<(u128, usize)> {
+        match self {
+            BinEntries::Small(it) => it.next().copied(),
+            BinEntries::Large(it) => it.next().map(|(k, id)| (*k, *id)),
+        }
+    }
+}
+
+impl Bin {
+    fn len(&self) -> usize {
+        self.large.as_ref().map_or(self.small.len(), BTreeMap::len)
+    }
+
+    fn insert(&mut self, k: u128, id: usize) {
         if let Some(map) = self.large.as_mut() {
             map.insert(k, id);
             return;
@@ -64,7 +176,7 @@ impl FreeList {
         }
     }
 
-    pub(crate) fn remove(&mut self, k: u128) -> bool {
+    fn remove(&mut self, k: u128) -> bool {
         if let Some(map) = self.large.as_mut() {
             let removed = map.remove(&k).is_some();
             if map.len() < UNSPILL {
@@ -84,18 +196,14 @@ impl FreeList {
 
     /// Entries with a key of at least `k`, in order.
     #[inline]
-    pub(crate) fn range_from(&self, k: u128) -> Entries<'_> {
+    fn range_from(&self, k: u128) -> BinEntries<'_> {
         match &self.large {
-            Some(map) => Entries::Large(map.range(k..)),
+            Some(map) => BinEntries::Large(map.range(k..)),
             None => {
                 let at = self.small.partition_point(|(x, _)| *x < k);
-                Entries::Small(self.small[at..].iter())
+                BinEntries::Small(self.small[at..].iter())
             }
         }
-    }
-
-    pub(crate) fn iter(&self) -> Entries<'_> {
-        self.range_from(0)
     }
 }
 
@@ -112,7 +220,13 @@ mod tests {
             seed = seed
                 .wrapping_mul(6364136223846793005)
                 .wrapping_add(1442695040888963407);
-            let k = key(seed >> 52, (seed >> 20) & 0xfff);
+            // Small sizes crowd one bin (past the spill); the others spread over many.
+            let size = if seed.is_multiple_of(2) {
+                seed >> 56
+            } else {
+                (seed >> 30) & ((1 << 34) - 1)
+            };
+            let k = key(size, (seed >> 20) & 0xfff);
             if seed.is_multiple_of(3) && !model.is_empty() {
                 let victim = *model
                     .keys()
@@ -124,18 +238,20 @@ mod tests {
                 f.insert(k, step);
             }
             assert_eq!(f.len(), model.len());
-            let probe = key(seed >> 54, 0);
+            let probe = key((seed >> 31) & ((1 << 34) - 1), 0);
             assert_eq!(
-                f.range_from(probe).next(),
-                model.range(probe..).next().map(|(k, v)| (*k, *v))
+                f.range_from(probe).take(3).collect::<Vec<_>>(),
+                model
+                    .range(probe..)
+                    .take(3)
+                    .map(|(k, v)| (*k, *v))
+                    .collect::<Vec<_>>()
             );
         }
-        assert!(
-            f.iter()
-                .map(|(k, _)| k)
-                .collect::<Vec<_>>()
-                .windows(2)
-                .all(|w| w[0] < w[1])
+        assert!(f.bins[0].large.is_some(), "the crowded bin spilled");
+        assert_eq!(
+            f.iter().collect::<Vec<_>>(),
+            model.into_iter().collect::<Vec<_>>()
         );
     }
 }

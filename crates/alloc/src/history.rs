@@ -165,9 +165,10 @@ fn now_us() -> u64 {
 }
 
 /// Frames of ferrocuda's own allocation plumbing, dropped from the top of a stack so that
-/// the first frame is the caller's.
-fn is_internal(name: &str) -> bool {
-    [
+/// the first frame is the caller's. Inlined frames of optimised builds carry bare names
+/// (`capture_frames`), so their source file decides too.
+fn is_internal(frame: &Frame) -> bool {
+    let by_name = [
         "backtrace::",
         "ferrocuda_alloc::",
         "ferrocuda_stream::buffer::",
@@ -175,7 +176,18 @@ fn is_internal(name: &str) -> bool {
         "ferrocuda::memory::",
     ]
     .iter()
-    .any(|p| name.trim_start_matches('<').starts_with(p))
+    .any(|p| frame.name.trim_start_matches('<').starts_with(p));
+    let file = frame.filename.replace('\\', "/");
+    let by_file = [
+        "/backtrace-0.",
+        "/crates/alloc/src/",
+        "/ferrocuda-alloc-",
+        "/crates/stream/src/buffer.rs",
+        "/crates/stream/src/memory.rs",
+    ]
+    .iter()
+    .any(|p| file.contains(p));
+    by_name || by_file
 }
 
 /// The calling thread's stack, innermost first, starting after the last frame of
@@ -198,10 +210,7 @@ pub(crate) fn capture_frames() -> Arc<[Frame]> {
         });
         frames.len() < 96
     });
-    let start = frames
-        .iter()
-        .rposition(|f| is_internal(&f.name))
-        .map_or(0, |i| i + 1);
+    let start = frames.iter().rposition(is_internal).map_or(0, |i| i + 1);
     frames.drain(..start);
     frames.truncate(64);
     frames.into()
@@ -211,18 +220,39 @@ pub(crate) fn capture_frames() -> Arc<[Frame]> {
 mod tests {
     use super::*;
 
+    fn frame(name: &str, filename: &str) -> Frame {
+        Frame {
+            filename: filename.into(),
+            line: 1,
+            name: name.into(),
+        }
+    }
+
     #[test]
     fn internal_frames_are_recognised_in_any_shape() {
-        assert!(is_internal(
-            "ferrocuda_alloc::allocator::CachingAllocator::allocate"
-        ));
-        assert!(is_internal(
-            "<ferrocuda_alloc::devices::DeviceAllocators as ferrocuda_stream::memory::MemoryResource>::allocate"
-        ));
-        assert!(is_internal(
-            "ferrocuda_stream::buffer::DeviceBuffer<T>::uninit"
-        ));
-        assert!(!is_internal("my_trainer::step"));
-        assert!(!is_internal("ferrocuda_stream::stream::Stream::launch"));
+        for name in [
+            "ferrocuda_alloc::allocator::CachingAllocator::allocate",
+            "<ferrocuda_alloc::devices::DeviceAllocators as ferrocuda_stream::memory::MemoryResource>::allocate",
+            "ferrocuda_stream::buffer::DeviceBuffer<T>::uninit",
+        ] {
+            assert!(is_internal(&frame(name, "??")), "{name}");
+        }
+        // Inlined frames of an optimised build: a bare name, known by its file.
+        assert!(is_internal(&frame(
+            "capture_frames",
+            "/src/ferrocuda/crates/alloc/src/history.rs"
+        )));
+        assert!(is_internal(&frame(
+            "trace",
+            "/cargo/registry/src/index/backtrace-0.3.76/src/backtrace/mod.rs"
+        )));
+        assert!(!is_internal(&frame(
+            "my_trainer::step",
+            "/src/trainer/src/step.rs"
+        )));
+        assert!(!is_internal(&frame(
+            "ferrocuda_stream::stream::Stream::launch",
+            "/src/ferrocuda/crates/stream/src/stream.rs"
+        )));
     }
 }
