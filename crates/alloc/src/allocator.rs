@@ -828,6 +828,7 @@ impl CachingAllocator {
         st.blocks[id].credited = false;
         if was == PARKED {
             // A credited block has no other stream's uses: freeing it needs no event.
+            st.live.remove(&st.blocks[id].ptr);
             let uses = st.release_live(id, None);
             debug_assert!(uses.is_empty());
             st.free_block(id);
@@ -1133,11 +1134,14 @@ impl CachingAllocator {
         let context = self.context.load(std::sync::atomic::Ordering::Relaxed);
         let free_frames = (context >= HistoryContext::All as u8).then(capture_frames);
         let mut st = self.lock_op();
-        let Some(&id) = st.live.get(&ptr.0) else {
+        let Some(id) = st.live.remove(&ptr.0) else {
             return Err(AllocError::InvalidPointer(ptr));
         };
-        if st.blocks[id].credited {
-            self.uncredit(&mut st, id)?;
+        if st.blocks[id].credited
+            && let Err(e) = self.uncredit(&mut st, id)
+        {
+            st.live.insert(ptr.0, id);
+            return Err(e);
         }
         let uses = st.release_live(id, free_frames.as_ref());
         if uses.is_empty() {
@@ -1432,15 +1436,14 @@ impl CachingAllocator {
 }
 
 impl State {
-    /// `free`'s bookkeeping for live block `id`: no longer allocated, history and
-    /// statistics told. Returns the other streams that used it.
+    /// `free`'s bookkeeping for block `id`, just taken out of the live map: no longer
+    /// allocated, history and statistics told. Returns the other streams that used it.
     fn release_live(&mut self, id: usize, frames: Option<&Arc<[Frame]>>) -> Vec<StreamHandle> {
         let b = &mut self.blocks[id];
         b.allocated = false;
         let (ptr, requested, stream) = (b.ptr, b.requested, b.stream.raw);
         let (kind, size, oversize) = (b.pool, b.size, b.oversize);
         let uses = std::mem::take(&mut b.stream_uses);
-        self.live.remove(&ptr);
         self.history
             .record("free_requested", ptr, requested, stream, frames);
         self.stats.allocation.decrease(kind, 1);
