@@ -106,7 +106,8 @@ impl Pools {
         Some(&self.streams[i].1[pool_index(kind)])
     }
 
-    fn list_mut(&mut self, pool: PoolId, stream: u64, kind: PoolKind) -> &mut FreeList {
+    /// The index of the lists of (pool, stream), made if new. Indices never change.
+    fn index(&mut self, pool: PoolId, stream: u64) -> usize {
         let i = match self.position(pool, stream) {
             Some(i) => i,
             None => {
@@ -115,7 +116,11 @@ impl Pools {
             }
         };
         self.last = i;
-        &mut self.streams[i].1[pool_index(kind)]
+        i
+    }
+
+    fn at(&mut self, index: usize, kind: PoolKind) -> &mut FreeList {
+        &mut self.streams[index].1[pool_index(kind)]
     }
 
     /// Every free block of pool `kind`, stream by stream.
@@ -161,6 +166,8 @@ struct Block {
     stream_uses: Vec<StreamHandle>,
     gc_base: u64,
     in_pool: bool,
+    /// Its free lists' index in `Pools` while `in_pool`.
+    list: usize,
     /// Counted in `oversize_allocations` when handed out (the limit may change later).
     oversize: bool,
     /// Backed by device memory (always, except unmapped ranges of expandable segments).
@@ -203,6 +210,7 @@ impl Block {
             stream_uses: Vec::new(),
             gc_base: 0,
             in_pool: false,
+            list: 0,
             oversize: false,
             mapped,
             segment,
@@ -1553,17 +1561,14 @@ impl State {
         let b = &mut self.blocks[id];
         b.gc_base = self.gc_clock;
         b.in_pool = true;
-        self.pools
-            .list_mut(b.pool_id, b.stream.raw, b.pool)
-            .insert(key(b.size, b.ptr), id);
+        b.list = self.pools.index(b.pool_id, b.stream.raw);
+        self.pools.at(b.list, b.pool).insert(key(b.size, b.ptr), id);
     }
 
     fn pool_remove(&mut self, id: usize) {
         let b = &mut self.blocks[id];
         b.in_pool = false;
-        self.pools
-            .list_mut(b.pool_id, b.stream.raw, b.pool)
-            .remove(key(b.size, b.ptr));
+        self.pools.at(b.list, b.pool).remove(key(b.size, b.ptr));
     }
 
     /// The best-fit free block of `stream` for `size` (spec §2.3), with expandable blocks
