@@ -3,7 +3,7 @@ use crate::error::{AllocError, OutOfMemory};
 use crate::free_list::{FreeList, key, key_size};
 use crate::history::{History, HistoryContext, HistoryMode, HistoryOptions, capture_frames};
 use crate::rounding::{ONE_EXABYTE, allocation_size, pool_kind, round_size};
-use crate::thread_cache::{self, Credit, HELD, IDLE, PARKED, Slot};
+use crate::thread_cache::{self, Credit, HELD, Own, PARKED, Slot};
 use ferrocuda_driver::{Driver, DriverError};
 use ferrocuda_types::{
     AllocatorConfig, DeviceIndex, DevicePtr, DeviceStats, EventFlags, EventHandle, PhysHandle,
@@ -54,6 +54,8 @@ struct Request {
     pool: PoolId,
     /// Where it was made, when history records stacks.
     frames: Option<Arc<[Frame]>>,
+    /// Whether the block handed out is considered for the calling thread's credit.
+    credit: bool,
 }
 
 /// A live allocation handed out by [`CachingAllocator::allocate`].
@@ -710,17 +712,20 @@ impl CachingAllocator {
                 stream,
             });
         }
-        // The block this thread just freed, if its credit covers this request.
-        if let Some(Some((ptr, size))) =
-            thread_cache::with_slot(self.id, |s| s.reuse(bytes, stream.raw))
-        {
-            return Ok(Allocation {
-                ptr: DevicePtr(ptr),
-                size,
-                requested: bytes,
-                stream,
-            });
-        }
+        // The block this thread just freed, if its credit covers this request; else what
+        // its slot needs (one look at the thread's slots per request).
+        let own = match thread_cache::with_slot(self.id, |s| s.reuse(bytes, stream.raw)) {
+            Some(Ok((ptr, size))) => {
+                return Ok(Allocation {
+                    ptr: DevicePtr(ptr),
+                    size,
+                    requested: bytes,
+                    stream,
+                });
+            }
+            Some(Err(own)) => own,
+            None => Own::NEW,
+        };
         // Stacks are gathered before taking the lock: they are slow.
         let context = self.context.load(std::sync::atomic::Ordering::Relaxed);
         let frames = (context >= HistoryContext::State as u8).then(capture_frames);
@@ -734,7 +739,7 @@ impl CachingAllocator {
         } else {
             None
         };
-        let mut st = self.lock_op();
+        let mut st = self.lock_op(own.settle);
         self.process_events(&mut st);
         let size = round_size(bytes, &st.config);
         let pool = st.route(stream, capture);
@@ -745,6 +750,7 @@ impl CachingAllocator {
             stream,
             pool,
             frames,
+            credit: own.wants_credit,
         };
         if let Some(id) = st.take_free_block(req.pool, req.kind, stream, size) {
             return Ok(self.hand_out(&mut st, id, &req));
@@ -755,14 +761,14 @@ impl CachingAllocator {
     /// `use_block`, then a credit for the calling thread's slot where one is due.
     fn hand_out(&self, st: &mut State, id: usize, req: &Request) -> Allocation {
         let (id, allocation) = st.use_block(id, req);
+        if !req.credit {
+            return allocation;
+        }
+        let Some(credit) = st.credit(id, req) else {
+            return allocation;
+        };
         let (ptr, stream) = (allocation.ptr.0, allocation.stream.raw);
         let granted = thread_cache::with_slot(self.id, |slot| {
-            if !slot.wants_credit() {
-                return;
-            }
-            let Some(credit) = st.credit(id, req) else {
-                return;
-            };
             // The slot is idle (the operation began by settling it), unless it took the
             // lock more than once on the way.
             self.settle(st, slot, true);
@@ -771,7 +777,6 @@ impl CachingAllocator {
         });
         // A thread's first credit makes its slot.
         if granted.is_none()
-            && let Some(credit) = st.credit(id, req)
             && let Some(slot) = thread_cache::register(self.id, &self.orphans)
         {
             slot.grant(id, ptr, stream, credit);
@@ -784,16 +789,15 @@ impl CachingAllocator {
     /// Locks the state for an operation of the calling thread: orphaned slots are settled,
     /// and the thread's own slot too (its parked block freed first, so its operations apply
     /// in order; its credit dropped, as this operation may change what the credit assumed).
-    fn lock_op(&self) -> MutexGuard<'_, State> {
+    /// `settle_own`: the caller saw its slot not idle.
+    fn lock_op(&self, settle_own: bool) -> MutexGuard<'_, State> {
         let mut st = self.state.lock();
         if self.orphans.load(Ordering::Acquire) > 0 {
             self.settle_all(&mut st, false);
         }
-        thread_cache::with_slot(self.id, |slot| {
-            if slot.state.load(Ordering::Relaxed) != IDLE {
-                self.settle(&mut st, slot, true);
-            }
-        });
+        if settle_own {
+            thread_cache::with_slot(self.id, |slot| self.settle(&mut st, slot, true));
+        }
         st
     }
 
@@ -1136,12 +1140,14 @@ impl CachingAllocator {
                 .ok_or(AllocError::InvalidPointer(ptr))?;
             return Ok(self.driver.free(self.device, ptr)?);
         }
-        if thread_cache::with_slot(self.id, |slot| slot.park(ptr.0)) == Some(true) {
-            return Ok(());
-        }
+        let settle_own = match thread_cache::with_slot(self.id, |slot| slot.park(ptr.0)) {
+            Some(Ok(())) => return Ok(()),
+            Some(Err(busy)) => busy,
+            None => false,
+        };
         let context = self.context.load(std::sync::atomic::Ordering::Relaxed);
         let free_frames = (context >= HistoryContext::All as u8).then(capture_frames);
-        let mut st = self.lock_op();
+        let mut st = self.lock_op(settle_own);
         let Some(id) = st.live.remove(&ptr.0) else {
             return Err(AllocError::InvalidPointer(ptr));
         };
@@ -1210,7 +1216,8 @@ impl CachingAllocator {
         if ptr.0 == 0 || !self.caching {
             return Ok(());
         }
-        let mut st = self.lock_op();
+        let busy = thread_cache::with_slot(self.id, Slot::busy);
+        let mut st = self.lock_op(busy == Some(true));
         // A pointer inside an allocation (a view with an offset) protects the allocation.
         let id = match st.live.get(&ptr.0) {
             Some(id) => *id,
@@ -1237,7 +1244,7 @@ impl CachingAllocator {
 
     /// Frees blocks whose events completed, stream by stream, in order.
     fn process_events(&self, st: &mut State) {
-        if st.capturing() {
+        if (st.deferred.is_empty() && st.pending_events == 0) || st.capturing() {
             return;
         }
         for (id, uses) in std::mem::take(&mut st.deferred) {

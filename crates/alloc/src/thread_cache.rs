@@ -44,6 +44,23 @@ pub(crate) struct Credit {
     pub inactive_bytes: u64,
 }
 
+/// What a thread's slot needs from a request that takes the lock.
+#[derive(Copy, Clone, Debug)]
+pub(crate) struct Own {
+    /// The slot holds a block: settle it first.
+    pub settle: bool,
+    /// Consider the handed-out block for a credit.
+    pub wants_credit: bool,
+}
+
+impl Own {
+    /// A thread without a slot yet: its first credit makes one.
+    pub(crate) const NEW: Own = Own {
+        settle: false,
+        wants_credit: true,
+    };
+}
+
 /// One thread's slot in one allocator. The owner thread changes `state` with
 /// compare-and-swap; everything else is written either by the owner while it holds the
 /// allocator's lock (granting a credit) or by whoever moved `state` to [`BUSY`].
@@ -123,9 +140,8 @@ impl Slot {
         self.state.store(IDLE, Ordering::Release);
     }
 
-    /// Whether the owner's next handed-out block should be considered for a credit (with
-    /// the allocator's lock held).
-    pub(crate) fn wants_credit(&self) -> bool {
+    /// Whether the owner's next handed-out block should be considered for a credit.
+    fn wants_credit(&self) -> bool {
         let misses = self.misses.load(Ordering::Relaxed);
         if misses < 2 {
             return true;
@@ -167,20 +183,30 @@ impl Slot {
         }
     }
 
-    /// The owner's lock-free free: parks `ptr` if it is the held block.
+    /// Whether the slot holds a block (its owner settles it before taking the lock).
+    pub(crate) fn busy(&self) -> bool {
+        self.state.load(Ordering::Relaxed) != IDLE
+    }
+
+    /// The owner's lock-free free: parks `ptr` if it is the held block, else says whether
+    /// the slot must be settled under the lock.
     #[inline]
-    pub(crate) fn park(&self, ptr: u64) -> bool {
-        self.ptr.load(Ordering::Relaxed) == ptr
+    pub(crate) fn park(&self, ptr: u64) -> Result<(), bool> {
+        if self.ptr.load(Ordering::Relaxed) == ptr
             && self
                 .state
                 .compare_exchange(HELD, PARKED, Ordering::AcqRel, Ordering::Relaxed)
                 .is_ok()
+        {
+            return Ok(());
+        }
+        Err(self.busy())
     }
 
     /// The owner's lock-free allocation: the parked block, if the request is the one its
-    /// credit was granted for. Returns its address and size.
+    /// credit was granted for (its address and size); else what the slot needs.
     #[inline]
-    pub(crate) fn reuse(&self, bytes: u64, stream: u64) -> Option<(u64, u64)> {
+    pub(crate) fn reuse(&self, bytes: u64, stream: u64) -> Result<(u64, u64), Own> {
         if self.requested.load(Ordering::Relaxed) != bytes
             || self.stream.load(Ordering::Relaxed) != stream
             || self
@@ -188,12 +214,15 @@ impl Slot {
                 .compare_exchange(PARKED, BUSY, Ordering::Acquire, Ordering::Relaxed)
                 .is_err()
         {
-            return None;
+            return Err(Own {
+                settle: self.busy(),
+                wants_credit: self.wants_credit(),
+            });
         }
         let reuses = self.reuses.load(Ordering::Relaxed);
         self.reuses.store(reuses + 1, Ordering::Relaxed);
         self.state.store(HELD, Ordering::Release);
-        Some((
+        Ok((
             self.ptr.load(Ordering::Relaxed),
             self.size.load(Ordering::Relaxed),
         ))
