@@ -133,7 +133,8 @@ impl FreeList {
     }
 }
 
-/// One bin: a sorted vector, or a B-tree when long.
+/// One bin: a vector sorted in descending order (the best fit, the smallest key, is usually
+/// the last entry, taken without moving the others), or a B-tree when long.
 #[derive(Debug, Default)]
 struct Bin {
     small: Vec<(u128, usize)>,
@@ -143,7 +144,7 @@ struct Bin {
 /// Entries of a [`Bin`] in key order, whichever representation holds them (a concrete
 /// type, so the best-fit search does not allocate).
 enum BinEntries<'a> {
-    Small(std::slice::Iter<'a, (u128, usize)>),
+    Small(std::iter::Rev<std::slice::Iter<'a, (u128, usize)>>),
     Large(std::collections::btree_map::Range<'a, u128, usize>),
 }
 
@@ -169,7 +170,7 @@ impl Bin {
             map.insert(k, id);
             return;
         }
-        let at = self.small.partition_point(|(x, _)| *x < k);
+        let at = self.small.partition_point(|(x, _)| *x > k);
         self.small.insert(at, (k, id));
         if self.small.len() > SPILL {
             self.large = Some(self.small.drain(..).collect());
@@ -180,12 +181,12 @@ impl Bin {
         if let Some(map) = self.large.as_mut() {
             let removed = map.remove(&k).is_some();
             if map.len() < UNSPILL {
-                self.small = std::mem::take(map).into_iter().collect();
+                self.small = std::mem::take(map).into_iter().rev().collect();
                 self.large = None;
             }
             return removed;
         }
-        match self.small.binary_search_by(|(x, _)| x.cmp(&k)) {
+        match self.small.binary_search_by(|(x, _)| k.cmp(x)) {
             Ok(i) => {
                 self.small.remove(i);
                 true
@@ -200,8 +201,8 @@ impl Bin {
         match &self.large {
             Some(map) => BinEntries::Large(map.range(k..)),
             None => {
-                let at = self.small.partition_point(|(x, _)| *x < k);
-                BinEntries::Small(self.small[at..].iter())
+                let at = self.small.partition_point(|(x, _)| *x >= k);
+                BinEntries::Small(self.small[..at].iter().rev())
             }
         }
     }
