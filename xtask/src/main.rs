@@ -249,13 +249,14 @@ rows = [("cached pair 512 B", "pair_512B", "torch_alloc_pair_ns_512", 60),
         ("cached pair 1 MiB", "pair_1MiB", "torch_alloc_pair_ns_1048576", 60),
         ("cached pair 100 MiB", "pair_100MiB", "torch_alloc_pair_ns_104857600", 60),
         ("pair 1 MiB, 8 threads", "pair_1MiB_8threads", "torch_alloc_pair_ns_1MiB_8threads", 150),
-        ("churn, 1024 live", "churn_1024_live", "torch_alloc_mixed_ns", 60)]
-print(f"{'allocator hot path':24} {'ferrocuda ns':>13} {'PyTorch ns':>11} {'ratio':>7} {'target ns':>10}")
+        ("churn, 1024 live", "churn_1024_live", "torch_alloc_mixed_ns", 60),
+        ("pair 1 MiB, no thread cache", "pair_1MiB_locked", "torch_alloc_pair_ns_1048576", None)]
+print(f"{'allocator hot path':28} {'ferrocuda ns':>13} {'PyTorch ns':>11} {'ratio':>7} {'target ns':>10}")
 for label, mine, theirs, target in rows:
     a, b = ours(mine), torch.get(theirs)
     if a is None or b is None:
-        print(f"{label:24} missing"); continue
-    print(f"{label:24} {a:13.1f} {b:11.1f} {a / b:7.3f} {target:10}")
+        print(f"{label:28} missing"); continue
+    print(f"{label:28} {a:13.1f} {b:11.1f} {a / b:7.3f} {target or '-':>10}")
 PY
 fi
 echo "$passed passed, $failed failed"
