@@ -110,28 +110,15 @@ impl History {
     }
 
     /// Records an event; `frames` only if the context asks for them on this action.
+    /// (The check is inlined into the allocator's hot paths; recording is not.)
     #[inline]
-    pub(crate) fn record(
-        &mut self,
-        action: &str,
-        addr: u64,
-        size: u64,
-        stream: u64,
-        frames: Option<&Arc<[Frame]>>,
-    ) {
+    pub(crate) fn record(&mut self, action: &str, addr: u64, size: u64, stream: u64, f: Frames) {
         if self.options.mode != HistoryMode::Off {
-            self.push(action, addr, size, stream, frames);
+            self.push(action, addr, size, stream, f);
         }
     }
 
-    fn push(
-        &mut self,
-        action: &str,
-        addr: u64,
-        size: u64,
-        stream: u64,
-        frames: Option<&Arc<[Frame]>>,
-    ) {
+    fn push(&mut self, action: &str, addr: u64, size: u64, stream: u64, frames: Frames) {
         self.entries.push_back(TraceEntry {
             action: action.to_owned(),
             addr,
@@ -163,6 +150,9 @@ fn now_us() -> u64 {
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_micros() as u64)
 }
+
+/// The stack of an event, when recorded.
+pub(crate) type Frames<'a> = Option<&'a Arc<[Frame]>>;
 
 /// Frames of ferrocuda's own allocation plumbing, dropped from the top of a stack so that
 /// the first frame is the caller's. Inlined frames of optimised builds carry bare names

@@ -56,72 +56,6 @@ struct Guarded {
     streams: Vec<usize>,
 }
 
-proptest! {
-    #![proptest_config(ProptestConfig {
-        cases: std::env::var("PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(64),
-        ..ProptestConfig::default()
-    })]
-
-    #[test]
-    fn invariants_hold_for_random_programs(ops in proptest::collection::vec(op(), 1..160)) {
-        let fake = Arc::new(FakeDriver::builder().completion(Completion::Manual).capacity(8 << 30).backing(false).build());
-        let a = CachingAllocator::new(fake.clone(), D0, AllocatorConfig::default(), true).unwrap();
-        let streams: Vec<StreamHandle> = (0..3)
-            .map(|_| fake.stream_create(D0, StreamFlags { non_blocking: true, priority: 0 }).unwrap())
-            .collect();
-        let mut live: Vec<Live> = Vec::new();
-        let mut guarded: Vec<Guarded> = Vec::new();
-        for op in ops {
-            match op {
-                Op::Alloc { size, stream } => {
-                    let x = a.allocate(size, streams[stream]).unwrap();
-                    for g in &guarded {
-                        prop_assert!(x.ptr.0 + x.size <= g.ptr || g.ptr + g.size <= x.ptr.0,
-                            "block at {:#x} reused before its streams {:?} completed", g.ptr, g.streams);
-                    }
-                    live.push(Live { ptr: x.ptr.0, size: x.size, stream, stream_uses: Vec::new() });
-                }
-                Op::Free { pick } if !live.is_empty() => {
-                    let l = live.swap_remove(pick % live.len());
-                    a.free(ferrocuda_types::DevicePtr(l.ptr)).unwrap();
-                    if !l.stream_uses.is_empty() {
-                        guarded.push(Guarded { ptr: l.ptr, size: l.size, streams: l.stream_uses });
-                    }
-                }
-                Op::RecordStream { pick, stream } if !live.is_empty() => {
-                    let i = pick % live.len();
-                    let l = &mut live[i];
-                    // Work on that stream that uses the block, then the record.
-                    fake.memset_async(ferrocuda_types::DevicePtr(l.ptr), MemsetValue::U8(7), 1, streams[stream]).unwrap();
-                    a.record_stream(ferrocuda_types::DevicePtr(l.ptr), streams[stream]).unwrap();
-                    // Recording the allocation stream itself is a no-op (reuse there is ordered).
-                    if stream != l.stream {
-                        l.stream_uses.push(stream);
-                    }
-                }
-                Op::Advance { stream } => {
-                    fake.advance(streams[stream], None).unwrap();
-                    for g in &mut guarded {
-                        g.streams.retain(|s| *s != stream);
-                    }
-                    guarded.retain(|g| !g.streams.is_empty());
-                }
-                Op::EmptyCache => {
-                    a.empty_cache();
-                    guarded.clear(); // empty_cache waits for every outstanding event
-                }
-                Op::Configure { config } => a.update_config(CONFIGS[config]).unwrap(),
-                _ => {}
-            }
-            if let Err(e) = a.check_invariants() {
-                prop_assert!(false, "{}", e);
-            }
-        }
-        let stats = a.stats();
-        prop_assert_eq!(stats.allocation.all.current as usize, live.len());
-    }
-}
-
 /// One step of a program run on two allocators, with and without `thread_cache`.
 #[derive(Clone, Debug)]
 enum Step {
@@ -203,6 +137,66 @@ proptest! {
         cases: std::env::var("PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(64),
         ..ProptestConfig::default()
     })]
+
+    #[test]
+    fn invariants_hold_for_random_programs(ops in proptest::collection::vec(op(), 1..160)) {
+        let fake = Arc::new(FakeDriver::builder().completion(Completion::Manual).capacity(8 << 30).backing(false).build());
+        let a = CachingAllocator::new(fake.clone(), D0, AllocatorConfig::default(), true).unwrap();
+        let streams: Vec<StreamHandle> = (0..3)
+            .map(|_| fake.stream_create(D0, StreamFlags { non_blocking: true, priority: 0 }).unwrap())
+            .collect();
+        let mut live: Vec<Live> = Vec::new();
+        let mut guarded: Vec<Guarded> = Vec::new();
+        for op in ops {
+            match op {
+                Op::Alloc { size, stream } => {
+                    let x = a.allocate(size, streams[stream]).unwrap();
+                    for g in &guarded {
+                        prop_assert!(x.ptr.0 + x.size <= g.ptr || g.ptr + g.size <= x.ptr.0,
+                            "block at {:#x} reused before its streams {:?} completed", g.ptr, g.streams);
+                    }
+                    live.push(Live { ptr: x.ptr.0, size: x.size, stream, stream_uses: Vec::new() });
+                }
+                Op::Free { pick } if !live.is_empty() => {
+                    let l = live.swap_remove(pick % live.len());
+                    a.free(ferrocuda_types::DevicePtr(l.ptr)).unwrap();
+                    if !l.stream_uses.is_empty() {
+                        guarded.push(Guarded { ptr: l.ptr, size: l.size, streams: l.stream_uses });
+                    }
+                }
+                Op::RecordStream { pick, stream } if !live.is_empty() => {
+                    let i = pick % live.len();
+                    let l = &mut live[i];
+                    // Work on that stream that uses the block, then the record.
+                    fake.memset_async(ferrocuda_types::DevicePtr(l.ptr), MemsetValue::U8(7), 1, streams[stream]).unwrap();
+                    a.record_stream(ferrocuda_types::DevicePtr(l.ptr), streams[stream]).unwrap();
+                    // Recording the allocation stream itself is a no-op (reuse there is ordered).
+                    if stream != l.stream {
+                        l.stream_uses.push(stream);
+                    }
+                }
+                Op::Advance { stream } => {
+                    fake.advance(streams[stream], None).unwrap();
+                    for g in &mut guarded {
+                        g.streams.retain(|s| *s != stream);
+                    }
+                    guarded.retain(|g| !g.streams.is_empty());
+                }
+                Op::EmptyCache => {
+                    a.empty_cache();
+                    guarded.clear(); // empty_cache waits for every outstanding event
+                }
+                Op::Configure { config } => a.update_config(CONFIGS[config]).unwrap(),
+                _ => {}
+            }
+            if let Err(e) = a.check_invariants() {
+                prop_assert!(false, "{}", e);
+            }
+        }
+        let stats = a.stats();
+        prop_assert_eq!(stats.allocation.all.current as usize, live.len());
+    }
+
 
     /// The thread cache is invisible to a single thread: every address, every error, the
     /// statistics (peaks and cumulative counters included) and the block layout equal those
