@@ -1171,14 +1171,24 @@ mod thread_cache {
     fn many_threads_keep_exact_books() -> TestResult {
         let (_, a) = setup(80 * GIB, "", Completion::Eager);
         let a = Arc::new(a);
+        let done = std::sync::atomic::AtomicBool::new(false);
         let ops: i64 = std::thread::scope(|s| {
+            // A reader settling every slot again and again while the workers run.
+            s.spawn(|| {
+                while !done.load(std::sync::atomic::Ordering::Relaxed) {
+                    let live = a.stats().allocation.all.current;
+                    assert!((0..=8 * 10).contains(&live), "{live} live blocks");
+                    a.reset_peak_stats();
+                    std::thread::yield_now();
+                }
+            });
             let workers: Vec<_> = (0..8u64)
                 .map(|t| {
                     let a = a.clone();
                     s.spawn(move || -> Result<i64, AllocError> {
                         let mut held = Vec::new();
                         let mut count = 0;
-                        for i in 0..3000u64 {
+                        for i in 0..20_000u64 {
                             // Mostly pairs (the thread cache), some blocks kept a while.
                             let x = a.allocate(512 << ((i * 7 + t) % 13), LEGACY)?;
                             count += 1;
@@ -1196,10 +1206,12 @@ mod thread_cache {
                     })
                 })
                 .collect();
-            workers
+            let total = workers
                 .into_iter()
                 .map(|w| w.join().unwrap_or_else(|_| panic!("a worker panicked")))
-                .sum::<Result<i64, AllocError>>()
+                .sum::<Result<i64, AllocError>>();
+            done.store(true, std::sync::atomic::Ordering::Relaxed);
+            total
         })?;
         assert_eq!(stat(&a, "allocation.all.allocated"), ops);
         assert_eq!(stat(&a, "allocation.all.freed"), ops);
