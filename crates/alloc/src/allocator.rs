@@ -773,16 +773,16 @@ impl CachingAllocator {
             // lock more than once on the way.
             self.settle(st, slot, true);
             slot.grant(id, ptr, stream, credit);
-            st.blocks[id].credited = true;
         });
-        // A thread's first credit makes its slot.
-        if granted.is_none()
-            && let Some(slot) = thread_cache::register(self.id, &self.orphans)
-        {
+        if granted.is_none() {
+            // A thread's first credit makes its slot.
+            let Some(slot) = thread_cache::register(self.id, &self.orphans) else {
+                return allocation;
+            };
             slot.grant(id, ptr, stream, credit);
-            st.blocks[id].credited = true;
             st.slots.push(slot);
         }
+        st.blocks[id].credited = true;
         allocation
     }
 
