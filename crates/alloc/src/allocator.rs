@@ -1485,7 +1485,12 @@ impl State {
             return None;
         }
         let b = &self.blocks[id];
-        if b.segment.is_some() || b.size != req.size || self.mergeable(b.prev).is_some() {
+        let expandable = b.segment.is_some();
+        // (With expandable segments switched off, the search skips expandable blocks.)
+        if (expandable && !c.expandable_segments)
+            || b.size != req.size
+            || self.mergeable(b.prev).is_some()
+        {
             return None;
         }
         // The free merges the free block after it, if any...
@@ -1498,7 +1503,10 @@ impl State {
         {
             return None;
         }
-        // ... the search must find the merged block first...
+        // ... the search must find the merged block first (an expandable one must also not
+        // be passed over for the next candidate, which could grow by less: spec §4.5). Best
+        // fit has just chosen this block, so only blocks freed by other threads while the
+        // slow path waited for the driver (lock released) can fail these checks...
         let next_key = next.map(|n| key(next_size, self.blocks[n].ptr));
         let rival = self
             .pools
@@ -1507,19 +1515,23 @@ impl State {
                 l.range_from(key(b.size, 0))
                     .find(|(k, _)| Some(*k) != next_key)
             });
-        if rival.is_some_and(|(k, _)| k < key(merged, b.ptr)) {
+        let merged_next = next.map_or(b.next, |n| self.blocks[n].next);
+        let growable = merged + self.unmapped_after(merged_next);
+        if rival.is_some_and(|(k, r)| {
+            k < key(merged, b.ptr)
+                || (expandable
+                    && self.blocks[r].size + self.unmapped_after(self.blocks[r].next) < growable)
+        }) {
             return None;
         }
         // ... and split the same remainder off again.
-        if next.is_some()
-            && b.pool == PoolKind::Large
-            && !(b.size < max_split && next_size > SMALL_SIZE)
-        {
+        if next.is_some() && !self.split_worthwhile(expandable, b.pool, b.size, next_size) {
             return None;
         }
         // How `inactive_split` moves: (counted at all, bytes counted, rise of the count and
-        // of the bytes between the free and the search).
+        // of the bytes between the free and the search). Expandable blocks never count.
         let (inactive, inactive_bytes, rise) = match next {
+            _ if expandable => (false, 0, (0, 0)),
             None if b.is_split() => (true, b.size, (1, b.size)),
             None => (false, 0, (0, 0)),
             Some(n) if b.prev.is_some() || self.blocks[n].next.is_some() => {
@@ -1599,17 +1611,7 @@ impl State {
         }
         // A block at the mapped frontier could grow by the unmapped range after it; an
         // interior block that fits wins over it, so the frontier stays free for growth.
-        let growable = |i: usize| {
-            let b = &self.blocks[i];
-            b.size
-                + b.next.map_or(0, |n| {
-                    if self.blocks[n].mapped {
-                        0
-                    } else {
-                        self.blocks[n].size
-                    }
-                })
-        };
+        let growable = |i: usize| self.blocks[i].size + self.unmapped_after(self.blocks[i].next);
         for (nk, next) in candidates {
             if self.blocks[id].segment.is_none() || growable(next) >= growable(id) {
                 break;
@@ -1645,16 +1647,38 @@ impl State {
 
     fn should_split(&self, id: usize, size: u64) -> bool {
         let b = &self.blocks[id];
-        let remaining = b.size - size;
-        if b.segment.is_some() {
+        self.split_worthwhile(b.segment.is_some(), b.pool, size, b.size - size)
+    }
+
+    /// Whether a free block cut for `size` keeps `remaining` bytes as a block of its own.
+    fn split_worthwhile(
+        &self,
+        expandable: bool,
+        kind: PoolKind,
+        size: u64,
+        remaining: u64,
+    ) -> bool {
+        if expandable {
             return remaining >= crate::rounding::MIN_BLOCK_SIZE;
         }
-        match b.pool {
+        match kind {
             PoolKind::Small => remaining >= crate::rounding::MIN_BLOCK_SIZE,
             PoolKind::Large => {
                 size < self.config.max_split_size.unwrap_or(u64::MAX) && remaining > SMALL_SIZE
             }
         }
+    }
+
+    /// The bytes of the unmapped range `next` (a block's successor), if it is one: what an
+    /// expandable block there could grow by.
+    fn unmapped_after(&self, next: Option<usize>) -> u64 {
+        next.map_or(0, |n| {
+            if self.blocks[n].mapped {
+                0
+            } else {
+                self.blocks[n].size
+            }
+        })
     }
 
     /// `alloc_found_block`: splits if worthwhile and hands the low part out (returned with

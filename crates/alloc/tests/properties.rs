@@ -23,11 +23,14 @@ enum Op {
     Configure { config: usize },
 }
 
-const CONFIGS: [&str; 4] = [
+const CONFIGS: [&str; 7] = [
     "",
     "roundup_power2_divisions:4",
     "max_split_size_mb:24",
     "garbage_collection_threshold:0.6",
+    "expandable_segments:True",
+    "expandable_segments:True,max_split_size_mb:24",
+    "expandable_segments:False",
 ];
 
 fn op() -> impl Strategy<Value = Op> {
