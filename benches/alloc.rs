@@ -1,7 +1,8 @@
 //! The caching allocator's hot path, measured like `shared/tools/torch_anchor.py` measures
 //! PyTorch's (same sizes, same churn generator, same "wall time / (iterations × threads)"):
 //! a cached alloc+free pair on 1 thread and on 8 threads, and a 1024-live mixed churn; and
-//! the 1 MiB pair with `thread_cache:False` (every request through the allocator's lock).
+//! the 1 MiB pair with `thread_cache:False` (every request through the allocator's lock)
+//! and with `expandable_segments:True`.
 //!
 //! On the GPU bundle it runs over the real driver (required there); elsewhere over the fake
 //! device, where the hot path is the same code (it makes no driver call once cached).
@@ -54,20 +55,18 @@ fn hot_path(c: &mut Criterion) {
         pair(&a, size);
         g.bench_function(name, |b| b.iter(|| pair(&a, size)));
     }
-    // The same pair through the lock: what every request costs without the thread cache.
-    let locked = CachingAllocator::new(
-        driver.clone(),
-        DEV,
-        AllocatorConfig {
-            thread_cache: false,
-            ..AllocatorConfig::default()
-        },
-        true,
-    )
-    .expect("allocator");
-    pair(&locked, 1 << 20);
-    g.bench_function("pair_1MiB_locked", |b| b.iter(|| pair(&locked, 1 << 20)));
-    locked.empty_cache();
+    // The same pair through the lock (what every request costs without the thread cache),
+    // and with expandable segments (mapped pages, PyTorch's recommended setting).
+    for (name, config) in [
+        ("pair_1MiB_locked", "thread_cache:False"),
+        ("pair_1MiB_expandable", "expandable_segments:True"),
+    ] {
+        let config = AllocatorConfig::parse(config).expect("config");
+        let other = CachingAllocator::new(driver.clone(), DEV, config, true).expect("allocator");
+        pair(&other, 1 << 20);
+        g.bench_function(name, |b| b.iter(|| pair(&other, 1 << 20)));
+        other.empty_cache();
+    }
     g.bench_function("pair_1MiB_8threads", |b| {
         b.iter_custom(|iters| {
             let start = Instant::now();
