@@ -1,6 +1,6 @@
 //! One device's caching allocator.
 use crate::error::{AllocError, OutOfMemory};
-use crate::free_list::{FreeList, key, key_size};
+use crate::free_list::{Found, FreeList, key, key_size};
 use crate::history::{History, HistoryContext, HistoryMode, HistoryOptions, capture_frames};
 use crate::rounding::{ONE_EXABYTE, allocation_size, pool_kind, round_size};
 use crate::thread_cache::{self, Credit, HELD, Own, PARKED, Slot};
@@ -1598,27 +1598,30 @@ impl State {
         kind: PoolKind,
         stream: StreamHandle,
         size: u64,
-    ) -> Option<(u128, usize)> {
+    ) -> Option<Found> {
         let list = self.pools.list(pool, stream.raw, kind)?;
-        let mut candidates = list.range_from(key(size, 0));
-        let (mut k, mut id) = candidates.next()?;
-        if self.blocks[id].segment.is_none() {
-            return Some((k, id));
+        let first = list.first_from(key(size, 0))?;
+        if self.blocks[first.id].segment.is_none() {
+            return Some(first);
         }
+        let mut candidates = list.range_from(first.key).skip(1);
         if !self.config.expandable_segments {
             // Expandable segments were switched off: only non-expandable blocks serve.
-            return candidates.find(|(_, i)| self.blocks[*i].segment.is_none());
+            return candidates
+                .find(|(_, i)| self.blocks[*i].segment.is_none())
+                .map(|(k, i)| Found::by_key(k, i));
         }
         // A block at the mapped frontier could grow by the unmapped range after it; an
         // interior block that fits wins over it, so the frontier stays free for growth.
         let growable = |i: usize| self.blocks[i].size + self.unmapped_after(self.blocks[i].next);
-        for (nk, next) in candidates {
-            if self.blocks[id].segment.is_none() || growable(next) >= growable(id) {
+        let mut best = first;
+        for (k, next) in candidates {
+            if self.blocks[best.id].segment.is_none() || growable(next) >= growable(best.id) {
                 break;
             }
-            (k, id) = (nk, next);
+            best = Found::by_key(k, next);
         }
-        Some((k, id))
+        Some(best)
     }
 
     /// Best fit on the same stream, with the oversize rules (spec §1.5, §2.3).
@@ -1632,8 +1635,8 @@ impl State {
         if self.config.garbage_collection_threshold > 0.0 {
             self.gc_clock += 1;
         }
-        let (k, id) = self.best_fit(pool, kind, stream, size)?;
-        let found = key_size(k);
+        let best = self.best_fit(pool, kind, stream, size)?;
+        let found = key_size(best.key);
         let max_split = self.config.max_split_size.unwrap_or(u64::MAX);
         if (size < max_split && found >= max_split)
             || (size >= max_split
@@ -1641,8 +1644,10 @@ impl State {
         {
             return None;
         }
-        self.pool_remove(id);
-        Some(id)
+        let b = &mut self.blocks[best.id];
+        b.in_pool = false;
+        self.pools.at(b.list, b.pool).remove_found(best);
+        Some(best.id)
     }
 
     fn should_split(&self, id: usize, size: u64) -> bool {

@@ -57,6 +57,29 @@ impl Default for FreeList {
     }
 }
 
+/// A free block a search found, with where it sits, so that taking it needs no second
+/// search.
+#[derive(Copy, Clone, Debug)]
+pub(crate) struct Found {
+    pub key: u128,
+    pub id: usize,
+    bin: usize,
+    /// Its index in its bin's vector (`None`: look it up by key).
+    index: Option<usize>,
+}
+
+impl Found {
+    /// A block known by its key only.
+    pub(crate) fn by_key(key: u128, id: usize) -> Found {
+        Found {
+            key,
+            id,
+            bin: bin(key_size(key)),
+            index: None,
+        }
+    }
+}
+
 /// Entries of a [`FreeList`] with a key of at least a bound, in key order.
 pub(crate) struct Entries<'a> {
     list: &'a FreeList,
@@ -109,12 +132,47 @@ impl FreeList {
         let b = bin(key_size(k));
         let removed = self.bins[b].remove(k);
         if removed {
-            self.len -= 1;
-            if self.bins[b].len() == 0 {
-                self.occupied[b / 64] &= !(1 << (b % 64));
-            }
+            self.removed_from(b);
         }
         removed
+    }
+
+    /// Takes out what [`first_from`](Self::first_from) found, the list unchanged since.
+    pub(crate) fn remove_found(&mut self, f: Found) {
+        match f.index {
+            Some(i) => {
+                self.bins[f.bin].small.remove(i);
+                self.removed_from(f.bin);
+            }
+            None => {
+                self.remove(f.key);
+            }
+        }
+    }
+
+    fn removed_from(&mut self, b: usize) {
+        self.len -= 1;
+        if self.bins[b].len() == 0 {
+            self.occupied[b / 64] &= !(1 << (b % 64));
+        }
+    }
+
+    /// The entry with the smallest key of at least `k`.
+    #[inline]
+    pub(crate) fn first_from(&self, k: u128) -> Option<Found> {
+        let (mut b, mut bound) = (bin(key_size(k)), k);
+        loop {
+            if let Some((key, id, index)) = self.bins[b].first_from(bound) {
+                return Some(Found {
+                    key,
+                    id,
+                    bin: b,
+                    index,
+                });
+            }
+            b = self.next_occupied(b + 1)?;
+            bound = 0;
+        }
     }
 
     /// Entries with a key of at least `k`, in order.
@@ -195,6 +253,19 @@ impl Bin {
         }
     }
 
+    /// The smallest entry with a key of at least `k`, with its index in the vector.
+    #[inline]
+    fn first_from(&self, k: u128) -> Option<(u128, usize, Option<usize>)> {
+        match &self.large {
+            Some(map) => map.range(k..).next().map(|(k, id)| (*k, *id, None)),
+            None => {
+                let at = self.small.partition_point(|(x, _)| *x >= k);
+                let (key, id) = *self.small.get(at.checked_sub(1)?)?;
+                Some((key, id, Some(at - 1)))
+            }
+        }
+    }
+
     /// Entries with a key of at least `k`, in order.
     #[inline]
     fn range_from(&self, k: u128) -> BinEntries<'_> {
@@ -228,18 +299,27 @@ mod tests {
                 (seed >> 30) & ((1 << 34) - 1)
             };
             let k = key(size, (seed >> 20) & 0xfff);
+            let probe = key((seed >> 31) & ((1 << 34) - 1), 0);
             if seed.is_multiple_of(3) && !model.is_empty() {
                 let victim = *model
                     .keys()
                     .nth((seed as usize >> 8) % model.len())
                     .unwrap_or(&0);
                 assert_eq!(f.remove(victim), model.remove(&victim).is_some());
+            } else if seed.is_multiple_of(5) {
+                // The best-fit way: find the first at or after a bound, take it out.
+                let found = f.first_from(probe);
+                let want = model.range(probe..).next().map(|(k, v)| (*k, *v));
+                assert_eq!(found.map(|x| (x.key, x.id)), want);
+                if let Some(x) = found {
+                    f.remove_found(x);
+                    model.remove(&x.key);
+                }
             } else if let std::collections::btree_map::Entry::Vacant(e) = model.entry(k) {
                 e.insert(step);
                 f.insert(k, step);
             }
             assert_eq!(f.len(), model.len());
-            let probe = key((seed >> 31) & ((1 << 34) - 1), 0);
             assert_eq!(
                 f.range_from(probe).take(3).collect::<Vec<_>>(),
                 model
