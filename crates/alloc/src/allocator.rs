@@ -21,6 +21,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 const SMALL_SIZE: u64 = crate::rounding::SMALL_SIZE;
 
+/// A block whose free lists were not looked up yet.
+const NO_LIST: usize = usize::MAX;
+
 /// Whose allocations a pool being recorded to takes.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub enum Route {
@@ -168,7 +171,8 @@ struct Block {
     stream_uses: Vec<StreamHandle>,
     gc_base: u64,
     in_pool: bool,
-    /// Its free lists' index in `Pools` while `in_pool`.
+    /// Its free lists' index in `Pools` ([`NO_LIST`] until first looked up); a block's
+    /// pool and stream, and so this index, change only with `cross_stream_reuse`.
     list: usize,
     /// Counted in `oversize_allocations` when handed out (the limit may change later).
     oversize: bool,
@@ -212,7 +216,7 @@ impl Block {
             stream_uses: Vec::new(),
             gc_base: 0,
             in_pool: false,
-            list: 0,
+            list: NO_LIST,
             oversize: false,
             mapped,
             segment,
@@ -1076,6 +1080,7 @@ impl CachingAllocator {
         ordered?;
         st.pool_remove(found.id);
         st.blocks[found.id].stream = stream;
+        st.blocks[found.id].list = NO_LIST;
         Ok(Some(found.id))
     }
 
@@ -1580,7 +1585,9 @@ impl State {
         let b = &mut self.blocks[id];
         b.gc_base = self.gc_clock;
         b.in_pool = true;
-        b.list = self.pools.index(b.pool_id, b.stream.raw);
+        if b.list == NO_LIST {
+            b.list = self.pools.index(b.pool_id, b.stream.raw);
+        }
         self.pools.at(b.list, b.pool).insert(key(b.size, b.ptr), id);
     }
 
@@ -1911,6 +1918,7 @@ impl State {
         let front = Block {
             prev: b.prev,
             next: Some(id),
+            list: b.list,
             ..Block::new(
                 b.ptr, bytes, b.stream, b.pool, b.mapped, b.segment, b.pool_id,
             )
