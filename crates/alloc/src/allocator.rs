@@ -1723,10 +1723,17 @@ impl State {
             }
             id
         };
+        let max_split = self.config.max_split_size;
         let b = &mut self.blocks[id];
+        let (ptr, size, stream) = (b.ptr, b.size, b.stream);
+        let oversize = max_split.is_some_and(|m| size >= m);
         b.allocated = true;
         b.requested = requested;
-        let (ptr, size, stream) = (b.ptr, b.size, b.stream);
+        b.oversize = oversize;
+        if req.frames.is_some() {
+            // (A free block has none: `free_block` took them.)
+            b.frames = req.frames.clone();
+        }
         self.live.insert(ptr, id);
         let s = &mut self.stats;
         s.allocation.increase(kind, 1);
@@ -1734,12 +1741,9 @@ impl State {
         s.active.increase(kind, 1);
         s.active_bytes.increase(kind, size as i64);
         s.requested_bytes.increase(kind, requested as i64);
-        let oversize = self.config.max_split_size.is_some_and(|m| size >= m);
         if oversize {
             s.oversize_allocations.increase(1);
         }
-        self.blocks[id].oversize = oversize;
-        self.blocks[id].frames = req.frames.clone();
         let on_trace = self.history.options.context >= HistoryContext::Alloc;
         self.history.record(
             "alloc",
@@ -1775,16 +1779,12 @@ impl State {
 
     /// `free_block`: merges with free neighbours and returns the block to its pool.
     fn free_block(&mut self, id: usize) {
-        let (ptr, stream) = (self.blocks[id].ptr, self.blocks[id].stream.raw);
-        let counted = self.blocks[id].segment.is_none();
-        let kind = self.blocks[id].pool;
-        let (size, requested) = (self.blocks[id].size, self.blocks[id].requested);
-        for neighbour in [
-            self.mergeable(self.blocks[id].prev),
-            self.mergeable(self.blocks[id].next),
-        ]
-        .into_iter()
-        .flatten()
+        let b = &self.blocks[id];
+        let (ptr, stream, kind) = (b.ptr, b.stream.raw, b.pool);
+        let (size, requested, counted) = (b.size, b.requested, b.segment.is_none());
+        for neighbour in [self.mergeable(b.prev), self.mergeable(b.next)]
+            .into_iter()
+            .flatten()
         {
             self.pool_remove(neighbour);
             let n = &self.blocks[neighbour];
@@ -1811,18 +1811,16 @@ impl State {
             self.blocks[id].size += n_size;
             self.vacate(neighbour);
         }
-        let frames = self.blocks[id]
-            .frames
-            .take()
-            .filter(|_| self.history.options.context >= HistoryContext::All);
+        let with_frames = self.history.options.context >= HistoryContext::All;
+        let b = &mut self.blocks[id];
+        let frames = b.frames.take().filter(|_| with_frames);
+        b.requested = 0;
+        let inactive = (counted && b.is_split()).then_some(b.size);
         self.history
             .record("free_completed", ptr, requested, stream, frames.as_ref());
-        self.blocks[id].requested = 0;
-        if counted && self.blocks[id].is_split() {
+        if let Some(bytes) = inactive {
             self.stats.inactive_split.increase(kind, 1);
-            self.stats
-                .inactive_split_bytes
-                .increase(kind, self.blocks[id].size as i64);
+            self.stats.inactive_split_bytes.increase(kind, bytes as i64);
         }
         self.pool_insert(id);
         let s = &mut self.stats;

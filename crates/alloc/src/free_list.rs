@@ -11,6 +11,8 @@
 use std::collections::BTreeMap;
 
 const SPILL: usize = 128;
+/// Below this length a bin takes a new entry by stepping it down from the end.
+const SHORT: usize = 16;
 const UNSPILL: usize = 32;
 /// Bins: one below 512 bytes, then four per power of two up to 2^63.
 const BINS: usize = 1 + 4 * 55;
@@ -141,7 +143,13 @@ impl FreeList {
     pub(crate) fn remove_found(&mut self, f: Found) {
         match f.index {
             Some(i) => {
-                self.bins[f.bin].small.remove(i);
+                let small = &mut self.bins[f.bin].small;
+                // The best fit is usually the last (smallest) entry.
+                if i + 1 == small.len() {
+                    small.pop();
+                } else {
+                    small.remove(i);
+                }
                 self.removed_from(f.bin);
             }
             None => {
@@ -226,6 +234,17 @@ impl Bin {
     fn insert(&mut self, k: u128, id: usize) {
         if let Some(map) = self.large.as_mut() {
             map.insert(k, id);
+            return;
+        }
+        if self.small.len() < SHORT {
+            // Bins are mostly a handful long: step the new entry down into place (no
+            // binary search, no memmove call).
+            self.small.push((k, id));
+            let mut i = self.small.len() - 1;
+            while i > 0 && self.small[i - 1].0 < k {
+                self.small.swap(i - 1, i);
+                i -= 1;
+            }
             return;
         }
         let at = self.small.partition_point(|(x, _)| *x > k);
