@@ -339,3 +339,28 @@ fn no_driver_is_data_not_a_panic() -> TestResult {
     }
     Ok(())
 }
+
+#[test]
+fn a_hook_runs_once_at_the_start_of_the_next_call_of_its_kind() -> TestResult {
+    let fake = FakeDriver::default();
+    let seen = Arc::new(std::sync::atomic::AtomicU32::new(0));
+    let (me, counter) = (std::thread::current().id(), seen.clone());
+    fake.before_next(Call::Malloc, move || {
+        assert_eq!(std::thread::current().id(), me, "on the calling thread");
+        counter.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    });
+    let dev = DeviceIndex(0);
+    let stream = fake.stream_create(dev, StreamFlags::default())?;
+    fake.stream_destroy(stream)?;
+    assert_eq!(
+        seen.load(std::sync::atomic::Ordering::SeqCst),
+        0,
+        "not on other calls"
+    );
+    let p = fake.malloc(dev, 4096)?;
+    let q = fake.malloc(dev, 4096)?;
+    assert_eq!(seen.load(std::sync::atomic::Ordering::SeqCst), 1, "once");
+    fake.free(dev, p)?;
+    fake.free(dev, q)?;
+    Ok(())
+}

@@ -1167,6 +1167,47 @@ mod thread_cache {
         Ok(())
     }
 
+    /// While a request waits for the driver (the allocator's lock released), another
+    /// thread frees a block that fits it better. PyTorch's free of the new block followed by
+    /// the same request would find that block, so the new one is not credited: the
+    /// request's next round gets the better block, not its own freed one.
+    #[test]
+    fn a_block_freed_during_a_driver_call_wins_the_next_round() -> TestResult {
+        let (fake, a) = setup(80 * GIB, "", Completion::Eager);
+        let a = Arc::new(a);
+        let (ptr_tx, ptr_rx) = mpsc::channel();
+        let (go_tx, go_rx) = mpsc::channel::<()>();
+        let (done_tx, done_rx) = mpsc::channel::<()>();
+        let other = {
+            let a = a.clone();
+            std::thread::spawn(move || -> Result<(), AllocError> {
+                let y = a.allocate(12 * MIB, LEGACY)?;
+                a.allocate(512, LEGACY)?; // the slot's credit moves on: y's free takes the lock
+                ptr_tx.send(y.ptr).ok();
+                go_rx.recv().ok();
+                a.free(y.ptr)?;
+                done_tx.send(()).ok();
+                Ok(())
+            })
+        };
+        let better = ptr_rx.recv()?;
+        fake.before_next(Call::Malloc, move || {
+            go_tx.send(()).ok();
+            done_rx.recv().ok();
+        });
+        let x = a.allocate(12 * MIB, LEGACY)?; // a new segment; `better` is freed meanwhile
+        other.join().map_err(|_| "the other thread panicked")??;
+        assert_ne!(x.ptr, better);
+        a.free(x.ptr)?;
+        let again = a.allocate(12 * MIB, LEGACY)?;
+        assert_eq!(
+            again.ptr, better,
+            "best fit: the lower of two equal free blocks"
+        );
+        a.check_invariants()?;
+        Ok(())
+    }
+
     #[test]
     fn many_threads_keep_exact_books() -> TestResult {
         let (_, a) = setup(80 * GIB, "", Completion::Eager);

@@ -164,6 +164,8 @@ impl FakeDriverBuilder {
         FakeDriver {
             calls: std::array::from_fn(|_| AtomicU64::new(0)),
             launch_blocking: self.launch_blocking,
+            hooks: Mutex::new(Vec::new()),
+            hooked: std::sync::atomic::AtomicBool::new(false),
             state: Mutex::new(State {
                 devices: self.devices,
                 completion: self.completion,
@@ -300,8 +302,14 @@ const FAKE_IMAGE_MAGIC: &[u8] = b"// ferrocuda fake image\n";
 pub struct FakeDriver {
     calls: [AtomicU64; CALL_KINDS],
     launch_blocking: bool,
+    /// Hooks run at the start of a call of their kind (`before_next`), and whether any is set.
+    hooks: Mutex<Vec<(Call, Hook)>>,
+    hooked: std::sync::atomic::AtomicBool,
     state: Mutex<State>,
 }
+
+/// A test's code run inside a driver call.
+type Hook = Box<dyn FnOnce() + Send>;
 
 impl std::fmt::Debug for FakeDriver {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -338,6 +346,14 @@ impl FakeDriver {
     /// How many times `call` was made.
     pub fn calls(&self, call: Call) -> u64 {
         self.calls[call as usize].load(Ordering::Relaxed)
+    }
+
+    /// Runs `hook` at the start of the next call of kind `call`, on the calling thread and
+    /// before the fake takes its own lock: for tests in which another thread must act while
+    /// a caller is inside the driver (an allocator's lock is released around `malloc`).
+    pub fn before_next(&self, call: Call, hook: impl FnOnce() + Send + 'static) {
+        self.hooks.lock().push((call, Box::new(hook)));
+        self.hooked.store(true, Ordering::Release);
     }
 
     /// Makes the `nth` next call of kind `call` (1 = the very next) fail with `error`.
@@ -398,6 +414,20 @@ impl FakeDriver {
     /// Counts the call, takes the lock, and applies an injected failure if one is due.
     fn enter(&self, call: Call) -> Result<MutexGuard<'_, State>, DriverError> {
         self.calls[call as usize].fetch_add(1, Ordering::Relaxed);
+        if self.hooked.load(Ordering::Acquire) {
+            let hook = {
+                let mut hooks = self.hooks.lock();
+                let hook = hooks
+                    .iter()
+                    .position(|(c, _)| *c == call)
+                    .map(|i| hooks.swap_remove(i).1);
+                self.hooked.store(!hooks.is_empty(), Ordering::Release);
+                hook
+            };
+            if let Some(hook) = hook {
+                hook();
+            }
+        }
         let mut st = self.state.lock();
         if let Some(i) = st.failures.iter_mut().position(|f| {
             f.call == call && {
