@@ -16,8 +16,13 @@
 //! - **No lock across blocking driver calls**: `malloc`, `free` and synchronizations run
 //!   with the allocator's mutex released (segments being allocated are counted in advance
 //!   so the memory fraction holds). Event record and query, which do not block, run under it.
-//! - Block storage is a slab with indices for the address-ordered neighbour links, and a
-//!   `BTreeSet` per pool ordered by (stream, size, address), as PyTorch's `std::set`.
+//! - Block storage is a slab with indices for the address-ordered neighbour links; free
+//!   blocks are kept per (pool, stream) in (size, address) order, as PyTorch's `std::set`,
+//!   binned by size (`free_list`).
+//! - **A per-thread front end** (`thread_cache`, on by default): the block a thread just
+//!   freed comes back to it without the lock when PyTorch's free-then-best-fit would return
+//!   that very block; reuses are folded into the statistics before anything reads them, so
+//!   results stay exactly PyTorch's for each thread.
 //!
 //! # What the layer above must do
 //! - Pick the stream: an allocation is tied to the stream it was made on.
