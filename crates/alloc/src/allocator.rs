@@ -274,7 +274,9 @@ struct State {
     blocks: Vec<Block>,
     vacant: Vec<usize>,
     pools: Pools,
-    live: FxHashMap<u64, usize>,
+    /// Every block by address (allocated or not): an allocation that takes a whole free
+    /// block, or a free that merges nothing, changes nothing here.
+    by_addr: FxHashMap<u64, usize>,
     events: FxHashMap<u64, VecDeque<(EventHandle, usize)>>,
     pending_events: usize,
     spare_events: Vec<EventHandle>,
@@ -388,7 +390,7 @@ impl CachingAllocator {
                 blocks: Vec::new(),
                 vacant: Vec::new(),
                 pools: Pools::default(),
-                live: FxHashMap::default(),
+                by_addr: FxHashMap::default(),
                 events: FxHashMap::default(),
                 pending_events: 0,
                 spare_events: Vec::new(),
@@ -672,6 +674,24 @@ impl CachingAllocator {
                 st.total_reserved
             ));
         }
+        let blocks_alive = st.blocks.iter().filter(|b| !b.vacant).count();
+        let misplaced = st
+            .blocks
+            .iter()
+            .enumerate()
+            .find(|(id, b)| !b.vacant && st.by_addr.get(&b.ptr) != Some(id));
+        if let Some((id, b)) = misplaced {
+            return Err(format!(
+                "block {id} at {:#x} is not found by its address",
+                b.ptr
+            ));
+        }
+        if st.by_addr.len() != blocks_alive {
+            return Err(format!(
+                "{} addresses mapped for {blocks_alive} blocks",
+                st.by_addr.len()
+            ));
+        }
         let free = st.pools.len();
         let in_pool = st
             .blocks
@@ -844,7 +864,6 @@ impl CachingAllocator {
         st.blocks[id].credited = false;
         if was == PARKED {
             // A credited block has no other stream's uses: freeing it needs no event.
-            st.live.remove(&st.blocks[id].ptr);
             let uses = st.release_live(id, None);
             debug_assert!(uses.is_empty());
             st.free_block(id);
@@ -1153,14 +1172,11 @@ impl CachingAllocator {
         let context = self.context.load(std::sync::atomic::Ordering::Relaxed);
         let free_frames = (context >= HistoryContext::All as u8).then(capture_frames);
         let mut st = self.lock_op(settle_own);
-        let Some(id) = st.live.remove(&ptr.0) else {
+        let Some(id) = st.allocated_at(ptr.0) else {
             return Err(AllocError::InvalidPointer(ptr));
         };
-        if st.blocks[id].credited
-            && let Err(e) = self.uncredit(&mut st, id)
-        {
-            st.live.insert(ptr.0, id);
-            return Err(e);
+        if st.blocks[id].credited {
+            self.uncredit(&mut st, id)?;
         }
         let uses = st.release_live(id, free_frames.as_ref());
         if uses.is_empty() {
@@ -1224,15 +1240,12 @@ impl CachingAllocator {
         let busy = thread_cache::with_slot(self.id, Slot::busy);
         let mut st = self.lock_op(busy == Some(true));
         // A pointer inside an allocation (a view with an offset) protects the allocation.
-        let id = match st.live.get(&ptr.0) {
-            Some(id) => *id,
+        let id = match st.allocated_at(ptr.0) {
+            Some(id) => id,
             None => st
-                .live
-                .values()
-                .copied()
-                .find(|&i| {
-                    (st.blocks[i].ptr..st.blocks[i].ptr + st.blocks[i].size).contains(&ptr.0)
-                })
+                .blocks
+                .iter()
+                .position(|b| !b.vacant && b.allocated && (b.ptr..b.ptr + b.size).contains(&ptr.0))
                 .ok_or(AllocError::InvalidPointer(ptr))?,
         };
         let b = &st.blocks[id];
@@ -1456,8 +1469,16 @@ impl CachingAllocator {
 }
 
 impl State {
-    /// `free`'s bookkeeping for block `id`, just taken out of the live map: no longer
-    /// allocated, history and statistics told. Returns the other streams that used it.
+    /// The allocated block at `ptr`, if any.
+    fn allocated_at(&self, ptr: u64) -> Option<usize> {
+        self.by_addr
+            .get(&ptr)
+            .copied()
+            .filter(|&id| self.blocks[id].allocated)
+    }
+
+    /// `free`'s bookkeeping for allocated block `id`: no longer allocated, history and
+    /// statistics told. Returns the other streams that used it.
     fn release_live(&mut self, id: usize, frames: Option<&Arc<[Frame]>>) -> Vec<StreamHandle> {
         let b = &mut self.blocks[id];
         b.allocated = false;
@@ -1564,12 +1585,18 @@ impl State {
     }
 
     fn vacate(&mut self, id: usize) {
-        self.blocks[id].vacant = true;
+        let b = &mut self.blocks[id];
+        b.vacant = true;
+        // Its address may already belong to the block that absorbed it.
+        if self.by_addr.get(&b.ptr) == Some(&id) {
+            self.by_addr.remove(&b.ptr);
+        }
         self.vacant.push(id);
     }
 
     fn insert_block(&mut self, b: Block) -> usize {
-        match self.vacant.pop() {
+        let ptr = b.ptr;
+        let id = match self.vacant.pop() {
             Some(id) => {
                 self.blocks[id] = b;
                 id
@@ -1578,7 +1605,9 @@ impl State {
                 self.blocks.push(b);
                 self.blocks.len() - 1
             }
-        }
+        };
+        self.by_addr.insert(ptr, id);
+        id
     }
 
     fn pool_insert(&mut self, id: usize) {
@@ -1734,7 +1763,6 @@ impl State {
             // (A free block has none: `free_block` took them.)
             b.frames = req.frames.clone();
         }
-        self.live.insert(ptr, id);
         let s = &mut self.stats;
         s.allocation.increase(kind, 1);
         s.allocated_bytes.increase(kind, size as i64);
@@ -1797,6 +1825,8 @@ impl State {
             }
             let b = &mut self.blocks[id];
             if n_ptr < b.ptr {
+                self.by_addr.remove(&b.ptr);
+                self.by_addr.insert(n_ptr, id);
                 b.ptr = n_ptr;
                 b.prev = n_prev;
                 if let Some(p) = n_prev {
@@ -1929,6 +1959,7 @@ impl State {
         b.ptr += bytes;
         b.size -= bytes;
         b.prev = Some(new);
+        self.by_addr.insert(b.ptr, id);
         new
     }
 
