@@ -3,7 +3,7 @@ use crate::error::{AllocError, OutOfMemory};
 use crate::free_list::{Found, FreeList, key, key_size};
 use crate::history::{History, HistoryContext, HistoryMode, HistoryOptions, capture_frames};
 use crate::rounding::{ONE_EXABYTE, allocation_size, pool_kind, round_size};
-use crate::thread_cache::{self, Credit, HELD, Own, PARKED, Slot};
+use crate::thread_cache::{self, Credit, HELD, PARKED, Shared, Slot};
 use ferrocuda_driver::{Driver, DriverError};
 use ferrocuda_types::{
     AllocatorConfig, DeviceIndex, DevicePtr, DeviceStats, EventFlags, EventHandle, PhysHandle,
@@ -17,7 +17,7 @@ use parking_lot::{Mutex, MutexGuard};
 use rustc_hash::FxHashMap;
 use std::collections::VecDeque;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 
 const SMALL_SIZE: u64 = crate::rounding::SMALL_SIZE;
 
@@ -57,8 +57,6 @@ struct Request {
     pool: PoolId,
     /// Where it was made, when history records stacks.
     frames: Option<Arc<[Frame]>>,
-    /// Whether the block handed out is considered for the calling thread's credit.
-    credit: bool,
 }
 
 /// A live allocation handed out by [`CachingAllocator::allocate`].
@@ -332,8 +330,8 @@ pub struct CachingAllocator {
     context: std::sync::atomic::AtomicU8,
     /// This allocator's key in the threads' slot tables.
     id: u64,
-    /// Slots whose thread exited, waiting to be settled.
-    orphans: Arc<AtomicUsize>,
+    /// Shared with the threads' slots: exited threads, outstanding credits, the backoff.
+    shared: Arc<Shared>,
     state: Mutex<State>,
 }
 
@@ -384,7 +382,7 @@ impl CachingAllocator {
             context: std::sync::atomic::AtomicU8::new(HistoryContext::Never as u8),
             routing: std::sync::atomic::AtomicUsize::new(0),
             id: thread_cache::next_allocator_id(),
-            orphans: Arc::new(AtomicUsize::new(0)),
+            shared: Arc::new(Shared::default()),
             state: Mutex::new(State {
                 config,
                 blocks: Vec::new(),
@@ -674,6 +672,13 @@ impl CachingAllocator {
                 st.total_reserved
             ));
         }
+        // Every slot was just settled and dropped its credit (under the lock, none comes back).
+        let credits = self.shared.credits.load(Ordering::Acquire);
+        if credits != 0 {
+            return Err(format!(
+                "{credits} credits outstanding after settling every slot"
+            ));
+        }
         let blocks_alive = st.blocks.iter().filter(|b| !b.vacant).count();
         let misplaced = st
             .blocks
@@ -736,20 +741,23 @@ impl CachingAllocator {
                 stream,
             });
         }
-        // The block this thread just freed, if its credit covers this request; else what
-        // its slot needs (one look at the thread's slots per request).
-        let own = match thread_cache::with_slot(self.id, |s| s.reuse(bytes, stream.raw)) {
-            Some(Ok((ptr, size))) => {
-                return Ok(Allocation {
-                    ptr: DevicePtr(ptr),
-                    size,
-                    requested: bytes,
-                    stream,
-                });
+        // The block this thread just freed, if its credit covers this request; else whether
+        // its slot needs settling. With no credit outstanding, no slot can hold a block.
+        let mut settle_own = false;
+        if self.outstanding_credits() {
+            match thread_cache::with_slot(self.id, |s| s.reuse(bytes, stream.raw)) {
+                Some(Ok((ptr, size))) => {
+                    return Ok(Allocation {
+                        ptr: DevicePtr(ptr),
+                        size,
+                        requested: bytes,
+                        stream,
+                    });
+                }
+                Some(Err(busy)) => settle_own = busy,
+                None => {}
             }
-            Some(Err(own)) => own,
-            None => Own::NEW,
-        };
+        }
         // Stacks are gathered before taking the lock: they are slow.
         let context = self.context.load(std::sync::atomic::Ordering::Relaxed);
         let frames = (context >= HistoryContext::State as u8).then(capture_frames);
@@ -763,7 +771,7 @@ impl CachingAllocator {
         } else {
             None
         };
-        let mut st = self.lock_op(own.settle);
+        let mut st = self.lock_op(settle_own);
         self.process_events(&mut st);
         let size = round_size(bytes, &st.config);
         let pool = st.route(stream, capture);
@@ -774,7 +782,6 @@ impl CachingAllocator {
             stream,
             pool,
             frames,
-            credit: own.wants_credit,
         };
         if let Some(id) = st.take_free_block(req.pool, req.kind, stream, size) {
             return Ok(self.hand_out(&mut st, id, &req));
@@ -785,7 +792,7 @@ impl CachingAllocator {
     /// `use_block`, then a credit for the calling thread's slot where one is due.
     fn hand_out(&self, st: &mut State, id: usize, req: &Request) -> Allocation {
         let (id, allocation) = st.use_block(id, req);
-        if !req.credit {
+        if !self.shared.wants_credit() {
             return allocation;
         }
         let Some(credit) = st.credit(id, req) else {
@@ -800,7 +807,7 @@ impl CachingAllocator {
         });
         if granted.is_none() {
             // A thread's first credit makes its slot.
-            let Some(slot) = thread_cache::register(self.id, &self.orphans) else {
+            let Some(slot) = thread_cache::register(self.id, &self.shared) else {
                 return allocation;
             };
             slot.grant(id, ptr, stream, credit);
@@ -810,13 +817,20 @@ impl CachingAllocator {
         allocation
     }
 
+    /// Whether any slot holds a block (if the calling thread's does, this is true: its own
+    /// grant counted it, and only taking the block out of the slot uncounts it).
+    #[inline]
+    fn outstanding_credits(&self) -> bool {
+        self.shared.credits.load(Ordering::Acquire) > 0
+    }
+
     /// Locks the state for an operation of the calling thread: orphaned slots are settled,
     /// and the thread's own slot too (its parked block freed first, so its operations apply
     /// in order; its credit dropped, as this operation may change what the credit assumed).
     /// `settle_own`: the caller saw its slot not idle.
     fn lock_op(&self, settle_own: bool) -> MutexGuard<'_, State> {
         let mut st = self.state.lock();
-        if self.orphans.load(Ordering::Acquire) > 0 {
+        if self.shared.orphans.load(Ordering::Acquire) > 0 {
             self.settle_all(&mut st, false);
         }
         if settle_own {
@@ -836,7 +850,7 @@ impl CachingAllocator {
     /// Settles every slot (dropping credits with `drop_credit`) and forgets the slots of
     /// exited threads. Returns whether a parked block was freed.
     fn settle_all(&self, st: &mut State, drop_credit: bool) -> bool {
-        self.orphans.store(0, Ordering::Release);
+        self.shared.orphans.store(0, Ordering::Release);
         let slots = std::mem::take(&mut st.slots);
         let mut freed = false;
         for slot in &slots {
@@ -1164,11 +1178,14 @@ impl CachingAllocator {
                 .ok_or(AllocError::InvalidPointer(ptr))?;
             return Ok(self.driver.free(self.device, ptr)?);
         }
-        let settle_own = match thread_cache::with_slot(self.id, |slot| slot.park(ptr.0)) {
-            Some(Ok(())) => return Ok(()),
-            Some(Err(busy)) => busy,
-            None => false,
-        };
+        let mut settle_own = false;
+        if self.outstanding_credits() {
+            match thread_cache::with_slot(self.id, |slot| slot.park(ptr.0)) {
+                Some(Ok(())) => return Ok(()),
+                Some(Err(busy)) => settle_own = busy,
+                None => {}
+            }
+        }
         let context = self.context.load(std::sync::atomic::Ordering::Relaxed);
         let free_frames = (context >= HistoryContext::All as u8).then(capture_frames);
         let mut st = self.lock_op(settle_own);
@@ -1237,8 +1254,9 @@ impl CachingAllocator {
         if ptr.0 == 0 || !self.caching {
             return Ok(());
         }
-        let busy = thread_cache::with_slot(self.id, Slot::busy);
-        let mut st = self.lock_op(busy == Some(true));
+        let busy = self.outstanding_credits()
+            && thread_cache::with_slot(self.id, Slot::busy) == Some(true);
+        let mut st = self.lock_op(busy);
         // A pointer inside an allocation (a view with an offset) protects the allocation.
         let id = match st.allocated_at(ptr.0) {
             Some(id) => id,

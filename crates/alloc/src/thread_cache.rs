@@ -44,21 +44,33 @@ pub(crate) struct Credit {
     pub inactive_bytes: u64,
 }
 
-/// What a thread's slot needs from a request that takes the lock.
-#[derive(Copy, Clone, Debug)]
-pub(crate) struct Own {
-    /// The slot holds a block: settle it first.
-    pub settle: bool,
-    /// Consider the handed-out block for a credit.
-    pub wants_credit: bool,
+/// What an allocator and its threads' slots share.
+#[derive(Debug, Default)]
+pub(crate) struct Shared {
+    /// Slots whose thread exited, waiting to be settled.
+    pub orphans: AtomicUsize,
+    /// Slots holding a block (held or parked). At zero no thread can have a block to take
+    /// back, and requests skip the look at the thread's slots.
+    pub credits: AtomicUsize,
+    /// Credits in a row that ended unused, and credit-worthy requests since: when credits
+    /// go unused they are granted less often (down to one request in 64), so a churn of
+    /// mixed sizes does not pay for them. Changed under the allocator's lock.
+    misses: AtomicU32,
+    ticks: AtomicU32,
 }
 
-impl Own {
-    /// A thread without a slot yet: its first credit makes one.
-    pub(crate) const NEW: Own = Own {
-        settle: false,
-        wants_credit: true,
-    };
+impl Shared {
+    /// Whether the block a request is handed should be considered for a credit (with the
+    /// allocator's lock held).
+    pub(crate) fn wants_credit(&self) -> bool {
+        let misses = self.misses.load(Ordering::Relaxed);
+        if misses < 2 {
+            return true;
+        }
+        let ticks = self.ticks.load(Ordering::Relaxed).wrapping_add(1);
+        self.ticks.store(ticks, Ordering::Relaxed);
+        ticks.is_multiple_of(1 << (misses - 1).min(6))
+    }
 }
 
 /// One thread's slot in one allocator. The owner thread changes `state` with
@@ -79,17 +91,12 @@ pub(crate) struct Slot {
     credit: parking_lot::Mutex<Option<Credit>>,
     /// The current credit was used (under the allocator's lock).
     used: AtomicBool,
-    /// Credits in a row that were dropped unused, and the owner's credit-worthy requests:
-    /// a thread whose credits go unused is granted fewer (backing off up to one in 64), so a
-    /// churn of mixed sizes does not pay for credits it never uses.
-    misses: AtomicU32,
-    ticks: AtomicU32,
     /// The owner thread has exited; the allocator settles and drops the slot.
     pub orphaned: AtomicBool,
     /// The allocator is gone; the owner's table drops the slot.
     pub retired: AtomicBool,
-    /// The allocator's count of orphaned slots.
-    orphans: Arc<AtomicUsize>,
+    /// What the allocator shares with its slots.
+    shared: Arc<Shared>,
 }
 
 impl Credit {
@@ -130,25 +137,17 @@ impl Slot {
     /// Ends the credit (folded already; with the allocator's lock held, the slot seized),
     /// noting whether it was used.
     pub(crate) fn end_credit(&self) {
+        let misses = &self.shared.misses;
         if self.used.swap(false, Ordering::Relaxed) {
-            self.misses.store(0, Ordering::Relaxed);
+            misses.store(0, Ordering::Relaxed);
         } else {
-            let misses = self.misses.load(Ordering::Relaxed);
-            self.misses
-                .store(misses.saturating_add(1), Ordering::Relaxed);
+            misses.store(
+                misses.load(Ordering::Relaxed).saturating_add(1),
+                Ordering::Relaxed,
+            );
         }
         self.state.store(IDLE, Ordering::Release);
-    }
-
-    /// Whether the owner's next handed-out block should be considered for a credit.
-    fn wants_credit(&self) -> bool {
-        let misses = self.misses.load(Ordering::Relaxed);
-        if misses < 2 {
-            return true;
-        }
-        let ticks = self.ticks.load(Ordering::Relaxed).wrapping_add(1);
-        self.ticks.store(ticks, Ordering::Relaxed);
-        ticks.is_multiple_of(1 << (misses - 1).min(6))
+        self.shared.credits.fetch_sub(1, Ordering::Release);
     }
 
     /// Credits `ptr` to the slot (with the allocator's lock held, by the owner thread, with
@@ -160,6 +159,7 @@ impl Slot {
         self.requested.store(credit.requested, Ordering::Relaxed);
         self.size.store(credit.size, Ordering::Relaxed);
         *self.credit.lock() = Some(credit);
+        self.shared.credits.fetch_add(1, Ordering::Relaxed);
         self.state.store(HELD, Ordering::Release);
     }
 
@@ -206,7 +206,7 @@ impl Slot {
     /// The owner's lock-free allocation: the parked block, if the request is the one its
     /// credit was granted for (its address and size); else what the slot needs.
     #[inline]
-    pub(crate) fn reuse(&self, bytes: u64, stream: u64) -> Result<(u64, u64), Own> {
+    pub(crate) fn reuse(&self, bytes: u64, stream: u64) -> Result<(u64, u64), bool> {
         if self.requested.load(Ordering::Relaxed) != bytes
             || self.stream.load(Ordering::Relaxed) != stream
             || self
@@ -214,10 +214,7 @@ impl Slot {
                 .compare_exchange(PARKED, BUSY, Ordering::Acquire, Ordering::Relaxed)
                 .is_err()
         {
-            return Err(Own {
-                settle: self.busy(),
-                wants_credit: self.wants_credit(),
-            });
+            return Err(self.busy());
         }
         let reuses = self.reuses.load(Ordering::Relaxed);
         self.reuses.store(reuses + 1, Ordering::Relaxed);
@@ -236,7 +233,7 @@ impl Drop for Slots {
     fn drop(&mut self) {
         for (_, slot) in &self.0 {
             slot.orphaned.store(true, Ordering::Release);
-            slot.orphans.fetch_add(1, Ordering::AcqRel);
+            slot.shared.orphans.fetch_add(1, Ordering::AcqRel);
         }
     }
 }
@@ -261,7 +258,7 @@ pub(crate) fn with_slot<R>(allocator: u64, f: impl FnOnce(&Slot) -> R) -> Option
 
 /// A new slot for the calling thread in `allocator` (which has none), for the allocator's
 /// registry. `None` while the thread is exiting.
-pub(crate) fn register(allocator: u64, orphans: &Arc<AtomicUsize>) -> Option<Arc<Slot>> {
+pub(crate) fn register(allocator: u64, shared: &Arc<Shared>) -> Option<Arc<Slot>> {
     SLOTS
         .try_with(|s| {
             let mut slots = s.try_borrow_mut().ok()?;
@@ -276,11 +273,9 @@ pub(crate) fn register(allocator: u64, orphans: &Arc<AtomicUsize>) -> Option<Arc
                 reuses: AtomicU64::new(0),
                 credit: parking_lot::Mutex::new(None),
                 used: AtomicBool::new(false),
-                misses: AtomicU32::new(0),
-                ticks: AtomicU32::new(0),
                 orphaned: AtomicBool::new(false),
                 retired: AtomicBool::new(false),
-                orphans: orphans.clone(),
+                shared: shared.clone(),
             });
             slots.0.push((allocator, slot.clone()));
             Some(slot)
