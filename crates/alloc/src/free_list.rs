@@ -4,7 +4,8 @@
 //! Blocks are binned by size, four bins per power of two (bins follow size order, so walking
 //! them in order walks the keys in order), with a bitmap of the non-empty bins: an insert or
 //! removal touches one short bin, and a search skips empty bins with a bit scan. A bin is a
-//! sorted vector, where a binary search and a short memmove beat a B-tree's node walk; past
+//! vector sorted in descending order (the best fit is usually its last entry), where a short
+//! search and move beat a B-tree's node walk; past
 //! [`SPILL`] blocks it moves into a `BTreeMap`, so huge caches (trace replays) stay
 //! logarithmic. It moves back below [`UNSPILL`], with hysteresis so a bin at the edge does
 //! not flap.

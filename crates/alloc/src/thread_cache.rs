@@ -87,7 +87,8 @@ pub(crate) struct Slot {
     pub size: AtomicU64,
     /// Reuses since the credit was granted or last folded into the statistics.
     pub reuses: AtomicU64,
-    /// `Credit` fields that a reuse does not need (read under the allocator's lock).
+    /// The whole credit, for folding reuses into the statistics (read and written under the
+    /// allocator's lock; the fields a reuse needs are copied into the atomics above).
     credit: parking_lot::Mutex<Option<Credit>>,
     /// The current credit was used (under the allocator's lock).
     used: AtomicBool,
