@@ -279,9 +279,15 @@ impl Bin {
         match &self.large {
             Some(map) => map.range(k..).next().map(|(k, id)| (*k, *id, None)),
             None => {
-                let at = self.small.partition_point(|(x, _)| *x >= k);
-                let (key, id) = *self.small.get(at.checked_sub(1)?)?;
-                Some((key, id, Some(at - 1)))
+                // The smallest entry (the last) fits whenever `k` is the bin's lower bound.
+                let last = self.small.len().checked_sub(1)?;
+                let at = if self.small[last].0 >= k {
+                    last
+                } else {
+                    self.small.partition_point(|(x, _)| *x >= k).checked_sub(1)?
+                };
+                let (key, id) = self.small[at];
+                Some((key, id, Some(at)))
             }
         }
     }
