@@ -3,6 +3,7 @@ use crate::error::{AllocError, OutOfMemory};
 use crate::free_list::{Found, FreeList, key, key_size};
 use crate::history::{History, HistoryContext, HistoryMode, HistoryOptions, capture_frames};
 use crate::rounding::{ONE_EXABYTE, allocation_size, pool_kind, round_size};
+use crate::tally::Tally;
 use crate::thread_cache::{self, Credit, HELD, PARKED, Shared, Slot};
 use ferrocuda_driver::{Driver, DriverError};
 use ferrocuda_types::{
@@ -278,7 +279,7 @@ struct State {
     events: FxHashMap<u64, VecDeque<(EventHandle, usize)>>,
     pending_events: usize,
     spare_events: Vec<EventHandle>,
-    stats: DeviceStats,
+    stats: Tally,
     /// Bytes held from the driver, including segments being allocated right now.
     total_reserved: u64,
     allowed_max: Option<u64>,
@@ -367,9 +368,9 @@ impl CachingAllocator {
     ) -> Result<CachingAllocator, AllocError> {
         let (_, device_total) = driver.mem_get_info(device)?;
         let fraction = config.per_process_memory_fraction;
-        let stats = DeviceStats {
+        let stats = Tally {
             max_split_size: config.max_split_size.map_or(-1, |m| m as i64),
-            ..DeviceStats::default()
+            ..Tally::default()
         };
         let allocator = CachingAllocator {
             driver,
@@ -490,7 +491,7 @@ impl CachingAllocator {
             segments.push(seg);
         }
         segments.sort_by_key(|s| s.address);
-        let active = st.stats.active_bytes.all.current as u64;
+        let active = st.stats.active_bytes.current() as u64;
         st.history.record("snapshot", 0, active, 0, None);
         (segments, st.history.entries())
     }
@@ -558,7 +559,7 @@ impl CachingAllocator {
 
     /// A copy of the statistics.
     pub fn stats(&self) -> DeviceStats {
-        self.settled().stats.clone()
+        self.settled().stats.snapshot()
     }
 
     /// `reset_peak_memory_stats`.
@@ -649,7 +650,7 @@ impl CachingAllocator {
             }
             want.reserved_bytes.increase(*kind, *size as i64);
         }
-        let have = &st.stats;
+        let have = st.stats.snapshot();
         for ((name, a), (_, b)) in have.arrays().into_iter().zip(want.arrays()) {
             for (pool, x, y) in [
                 ("all", &a.all, &b.all),
@@ -1150,11 +1151,11 @@ impl CachingAllocator {
             device_total: self.device_total,
             device_free,
             allowed: st.allowed_max,
-            allocated: st.stats.allocated_bytes.all.current as u64,
-            reserved: st.stats.reserved_bytes.all.current as u64,
+            allocated: st.stats.allocated_bytes.current() as u64,
+            reserved: st.stats.reserved_bytes.current() as u64,
             largest_free_block: largest,
             cached_per_stream,
-            non_releasable: st.stats.inactive_split_bytes.all.current as u64,
+            non_releasable: st.stats.inactive_split_bytes.current() as u64,
             expandable_segments: st.config.expandable_segments,
         };
         drop(st);
@@ -1584,11 +1585,8 @@ impl State {
             Some(_) => (true, next_size, (0, 0)),
         };
         let s = &self.stats;
-        let passes_peak = |stats: [&ferrocuda_types::Stat; 2], rise: u64| {
-            stats.iter().any(|x| x.current + rise as i64 > x.peak)
-        };
-        if passes_peak(s.inactive_split.pair(b.pool), rise.0)
-            || passes_peak(s.inactive_split_bytes.pair(b.pool), rise.1)
+        if s.inactive_split.would_peak(b.pool, rise.0 as i64)
+            || s.inactive_split_bytes.would_peak(b.pool, rise.1 as i64)
         {
             return None;
         }

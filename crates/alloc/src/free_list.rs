@@ -284,7 +284,9 @@ impl Bin {
                 let at = if self.small[last].0 >= k {
                     last
                 } else {
-                    self.small.partition_point(|(x, _)| *x >= k).checked_sub(1)?
+                    self.small
+                        .partition_point(|(x, _)| *x >= k)
+                        .checked_sub(1)?
                 };
                 let (key, id) = self.small[at];
                 Some((key, id, Some(at)))

@@ -36,6 +36,7 @@ mod error;
 mod free_list;
 pub mod history;
 pub mod rounding;
+mod tally;
 mod thread_cache;
 
 pub use allocator::{Allocation, BlockInfo, CachingAllocator, OomObserver, Route};

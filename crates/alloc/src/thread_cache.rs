@@ -13,7 +13,8 @@
 //! operation of a thread that takes the lock settles its own slot first, so a thread's
 //! operations apply in its program order; another thread sees a parked block once it is
 //! settled, and a request that would otherwise grow the cache settles all slots first.
-use ferrocuda_types::{DeviceStats, PoolKind};
+use crate::tally::Tally;
+use ferrocuda_types::PoolKind;
 use std::cell::RefCell;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU32, AtomicU64, AtomicUsize, Ordering};
@@ -102,7 +103,7 @@ pub(crate) struct Slot {
 
 impl Credit {
     /// Adds `reuses` reuses to the cumulative statistics.
-    fn fold(&self, stats: &mut DeviceStats, reuses: u64) {
+    fn fold(&self, stats: &mut Tally, reuses: u64) {
         let n = reuses as i64;
         let kind = self.kind;
         stats.allocation.cycle(kind, n);
@@ -125,7 +126,7 @@ impl Credit {
 impl Slot {
     /// Folds the reuses so far into `stats` (with the allocator's lock held and the slot
     /// seized).
-    pub(crate) fn fold_into(&self, stats: &mut DeviceStats) {
+    pub(crate) fn fold_into(&self, stats: &mut Tally) {
         let reuses = self.reuses.swap(0, Ordering::Relaxed);
         if reuses > 0
             && let Some(credit) = *self.credit.lock()

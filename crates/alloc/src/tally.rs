@@ -1,0 +1,288 @@
+//! The allocator's live statistics, kept in a form the hot path changes with few stores;
+//! [`Tally::snapshot`] turns them into PyTorch's [`DeviceStats`] when someone reads them.
+//!
+//! Every allocation and free moves a dozen statistics, each with its `all` and pool entry,
+//! each with `current`, `peak`, `allocated` and `freed`. Stored as such, that is about 50
+//! memory writes per allocate/free pair, and the lock's atomic operations wait for pending
+//! writes to drain. Two identities remove most of them:
+//! - `freed = base + allocated - current`, where `base` is `current` at the last reset of
+//!   the accumulated totals: a decrease writes `current` only;
+//! - `all` is the sum of the two pools for `current`, `allocated` and `freed`: only its
+//!   `peak` (the peak of the sum, not the sum of the peaks) is kept, written when it moves.
+use ferrocuda_types::{DeviceStats, PoolKind, Stat, StatArray};
+
+/// One statistic without its `freed` total (derived).
+#[derive(Copy, Clone, Debug, Default)]
+pub(crate) struct Counter {
+    current: i64,
+    peak: i64,
+    allocated: i64,
+    /// `current` when the accumulated totals were last reset.
+    base: i64,
+}
+
+impl Counter {
+    #[inline]
+    pub(crate) fn increase(&mut self, n: i64) {
+        self.current += n;
+        self.allocated += n;
+        if self.current > self.peak {
+            self.peak = self.current;
+        }
+    }
+
+    #[inline]
+    pub(crate) fn decrease(&mut self, n: i64) {
+        self.current -= n;
+        debug_assert!(self.current >= 0, "stat went negative");
+    }
+
+    /// Counts `n` that rose and fell again (current and peak unchanged).
+    #[inline]
+    pub(crate) fn cycle(&mut self, n: i64) {
+        self.allocated += n;
+    }
+
+    fn freed(&self) -> i64 {
+        self.base + self.allocated - self.current
+    }
+
+    fn stat(&self) -> Stat {
+        Stat {
+            current: self.current,
+            peak: self.peak,
+            allocated: self.allocated,
+            freed: self.freed(),
+        }
+    }
+
+    fn reset_peak(&mut self) {
+        self.peak = self.current;
+    }
+
+    fn reset_accumulated(&mut self) {
+        self.allocated = 0;
+        self.base = self.current;
+    }
+}
+
+/// One statistic per pool; `all` is their sum, with its own peak.
+#[derive(Copy, Clone, Debug, Default)]
+pub(crate) struct PoolCounters {
+    pools: [Counter; 2],
+    all_peak: i64,
+}
+
+fn index(pool: PoolKind) -> usize {
+    match pool {
+        PoolKind::Small => 0,
+        PoolKind::Large => 1,
+    }
+}
+
+impl PoolCounters {
+    /// Adds `n` to `pool` (and so to `all`).
+    #[inline]
+    pub(crate) fn increase(&mut self, pool: PoolKind, n: i64) {
+        self.pools[index(pool)].increase(n);
+        let all = self.current();
+        if all > self.all_peak {
+            self.all_peak = all;
+        }
+    }
+
+    /// Subtracts `n` from `pool` (and so from `all`).
+    #[inline]
+    pub(crate) fn decrease(&mut self, pool: PoolKind, n: i64) {
+        self.pools[index(pool)].decrease(n);
+    }
+
+    /// Counts `n` that rose and fell again in `pool` (and so in `all`).
+    #[inline]
+    pub(crate) fn cycle(&mut self, pool: PoolKind, n: i64) {
+        self.pools[index(pool)].cycle(n);
+    }
+
+    /// `all.current`.
+    pub(crate) fn current(&self) -> i64 {
+        self.pools[0].current + self.pools[1].current
+    }
+
+    /// Whether rising by `rise` would set a new peak for `pool` or for `all`.
+    pub(crate) fn would_peak(&self, pool: PoolKind, rise: i64) -> bool {
+        let p = &self.pools[index(pool)];
+        p.current + rise > p.peak || self.current() + rise > self.all_peak
+    }
+
+    fn array(&self) -> StatArray {
+        let [small, large] = self.pools.map(|c| c.stat());
+        StatArray {
+            all: Stat {
+                current: small.current + large.current,
+                peak: self.all_peak,
+                allocated: small.allocated + large.allocated,
+                freed: small.freed + large.freed,
+            },
+            small_pool: small,
+            large_pool: large,
+        }
+    }
+
+    fn reset_peak(&mut self) {
+        self.pools.iter_mut().for_each(Counter::reset_peak);
+        self.all_peak = self.current();
+    }
+
+    fn reset_accumulated(&mut self) {
+        self.pools.iter_mut().for_each(Counter::reset_accumulated);
+    }
+}
+
+/// Everything `torch.cuda.memory_stats` reports, as the allocator keeps it.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Tally {
+    pub allocation: PoolCounters,
+    pub segment: PoolCounters,
+    pub active: PoolCounters,
+    pub inactive_split: PoolCounters,
+    pub allocated_bytes: PoolCounters,
+    pub reserved_bytes: PoolCounters,
+    pub active_bytes: PoolCounters,
+    pub inactive_split_bytes: PoolCounters,
+    pub requested_bytes: PoolCounters,
+    pub oversize_allocations: Counter,
+    pub oversize_segments: Counter,
+    pub num_alloc_retries: i64,
+    pub num_ooms: i64,
+    pub num_sync_all_streams: i64,
+    pub num_device_alloc: i64,
+    pub num_device_free: i64,
+    pub num_oom_rejections: i64,
+    pub max_split_size: i64,
+}
+
+impl Tally {
+    fn arrays_mut(&mut self) -> [&mut PoolCounters; 9] {
+        [
+            &mut self.allocation,
+            &mut self.segment,
+            &mut self.active,
+            &mut self.inactive_split,
+            &mut self.allocated_bytes,
+            &mut self.reserved_bytes,
+            &mut self.active_bytes,
+            &mut self.inactive_split_bytes,
+            &mut self.requested_bytes,
+        ]
+    }
+
+    /// The statistics with PyTorch's keys.
+    pub(crate) fn snapshot(&self) -> DeviceStats {
+        DeviceStats {
+            allocation: self.allocation.array(),
+            segment: self.segment.array(),
+            active: self.active.array(),
+            inactive_split: self.inactive_split.array(),
+            allocated_bytes: self.allocated_bytes.array(),
+            reserved_bytes: self.reserved_bytes.array(),
+            active_bytes: self.active_bytes.array(),
+            inactive_split_bytes: self.inactive_split_bytes.array(),
+            requested_bytes: self.requested_bytes.array(),
+            oversize_allocations: self.oversize_allocations.stat(),
+            oversize_segments: self.oversize_segments.stat(),
+            num_alloc_retries: self.num_alloc_retries,
+            num_ooms: self.num_ooms,
+            num_sync_all_streams: self.num_sync_all_streams,
+            num_device_alloc: self.num_device_alloc,
+            num_device_free: self.num_device_free,
+            num_oom_rejections: self.num_oom_rejections,
+            max_split_size: self.max_split_size,
+        }
+    }
+
+    /// `torch.cuda.reset_peak_memory_stats`.
+    pub(crate) fn reset_peak(&mut self) {
+        self.arrays_mut()
+            .into_iter()
+            .for_each(PoolCounters::reset_peak);
+        self.oversize_allocations.reset_peak();
+        self.oversize_segments.reset_peak();
+    }
+
+    /// `torch.cuda.reset_accumulated_memory_stats`.
+    pub(crate) fn reset_accumulated(&mut self) {
+        self.arrays_mut()
+            .into_iter()
+            .for_each(PoolCounters::reset_accumulated);
+        self.oversize_allocations.reset_accumulated();
+        self.oversize_segments.reset_accumulated();
+        self.num_alloc_retries = 0;
+        self.num_ooms = 0;
+        self.num_sync_all_streams = 0;
+        self.num_device_alloc = 0;
+        self.num_device_free = 0;
+        self.num_oom_rejections = 0;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The lean form reports what `DeviceStats`' own arithmetic gives for the same moves,
+    /// across both resets.
+    #[test]
+    fn snapshot_equals_the_plain_statistics() {
+        let mut lean = Tally::default();
+        let mut plain = DeviceStats::default();
+        let mut seed = 11u64;
+        for step in 0..20_000 {
+            seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            let pool = if seed >> 63 == 0 {
+                PoolKind::Small
+            } else {
+                PoolKind::Large
+            };
+            let n = ((seed >> 20) % 1000) as i64;
+            let live = plain.allocated_bytes.pair(pool)[1].current;
+            match (seed >> 40) % 7 {
+                0..=2 => {
+                    lean.allocated_bytes.increase(pool, n);
+                    plain.allocated_bytes.increase(pool, n);
+                    lean.oversize_allocations.increase(n);
+                    plain.oversize_allocations.increase(n);
+                }
+                3 | 4 => {
+                    lean.allocated_bytes.decrease(pool, n.min(live));
+                    plain.allocated_bytes.decrease(pool, n.min(live));
+                    let n = n.min(plain.oversize_allocations.current);
+                    lean.oversize_allocations.decrease(n);
+                    plain.oversize_allocations.decrease(n);
+                }
+                5 => {
+                    lean.allocated_bytes.cycle(pool, n);
+                    plain.allocated_bytes.cycle(pool, n);
+                    lean.oversize_allocations.cycle(n);
+                    plain.oversize_allocations.cycle(n);
+                }
+                _ if step % 2 == 0 => {
+                    lean.reset_peak();
+                    plain.reset_peak();
+                }
+                _ => {
+                    lean.reset_accumulated();
+                    plain.reset_accumulated();
+                }
+            }
+            let rise = n;
+            let pair = plain.allocated_bytes.pair(pool);
+            assert_eq!(
+                lean.allocated_bytes.would_peak(pool, rise),
+                pair.iter().any(|s| s.current + rise > s.peak)
+            );
+            assert_eq!(lean.snapshot(), plain, "step {step}");
+        }
+    }
+}
