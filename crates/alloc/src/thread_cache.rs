@@ -54,7 +54,7 @@ pub(crate) struct Shared {
     /// back, and requests skip the look at the thread's slots.
     pub credits: AtomicUsize,
     /// Credits in a row that ended unused, and credit-worthy requests since: when credits
-    /// go unused they are granted less often (down to one request in 64), so a churn of
+    /// go unused they are granted less often (down to one request in 1024), so a churn of
     /// mixed sizes does not pay for them. Changed under the allocator's lock.
     misses: AtomicU32,
     ticks: AtomicU32,
@@ -70,7 +70,7 @@ impl Shared {
         }
         let ticks = self.ticks.load(Ordering::Relaxed).wrapping_add(1);
         self.ticks.store(ticks, Ordering::Relaxed);
-        ticks.is_multiple_of(1 << (misses - 1).min(6))
+        ticks.is_multiple_of(1 << (misses - 1).min(10))
     }
 }
 
