@@ -23,7 +23,7 @@ use std::sync::atomic::Ordering;
 const SMALL_SIZE: u64 = crate::rounding::SMALL_SIZE;
 
 /// A block whose free lists were not looked up yet.
-const NO_LIST: usize = usize::MAX;
+const NO_LIST: u32 = u32::MAX;
 
 /// Whose allocations a pool being recorded to takes.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -111,7 +111,7 @@ impl Pools {
     }
 
     /// The index of the lists of (pool, stream), made if new. Indices never change.
-    fn index(&mut self, pool: PoolId, stream: u64) -> usize {
+    fn index(&mut self, pool: PoolId, stream: u64) -> u32 {
         let i = match self.position(pool, stream) {
             Some(i) => i,
             None => {
@@ -120,11 +120,12 @@ impl Pools {
             }
         };
         self.last = i;
-        i
+        // Few (pool, stream) pairs exist: far fewer than u32::MAX.
+        i as u32
     }
 
-    fn at(&mut self, index: usize, kind: PoolKind) -> &mut FreeList {
-        &mut self.streams[index].1[pool_index(kind)]
+    fn at(&mut self, index: u32, kind: PoolKind) -> &mut FreeList {
+        &mut self.streams[index as usize].1[pool_index(kind)]
     }
 
     /// Every free block of pool `kind`, stream by stream.
@@ -156,74 +157,121 @@ impl Pools {
     }
 }
 
+/// A block index, or none: an `Option<usize>` in four bytes, so that a block's hot fields
+/// fit one cache line.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+struct Link(u32);
+
+impl Link {
+    const NONE: Link = Link(u32::MAX);
+
+    #[inline]
+    fn get(self) -> Option<usize> {
+        (self != Link::NONE).then_some(self.0 as usize)
+    }
+
+    fn is_some(self) -> bool {
+        self != Link::NONE
+    }
+
+    fn is_none(self) -> bool {
+        self == Link::NONE
+    }
+}
+
+impl From<Option<usize>> for Link {
+    #[inline]
+    fn from(id: Option<usize>) -> Link {
+        // Block indices stay far below u32::MAX (that many blocks would take 512 GiB).
+        id.map_or(Link::NONE, |i| Link(i as u32))
+    }
+}
+
+/// A block of device memory. What allocation and free touch comes first and fills one
+/// cache line (the type is aligned to it); the rest, used by streams, events, history and
+/// expandable segments, lies in the next line, so a churn of blocks keeps only the first
+/// lines in the processor's nearest cache.
 #[derive(Clone, Debug)]
+#[repr(C, align(64))]
 struct Block {
     ptr: u64,
     size: u64,
     requested: u64,
-    stream: StreamHandle,
-    pool: PoolKind,
-    allocated: bool,
-    prev: Option<usize>,
-    next: Option<usize>,
-    event_count: u32,
-    stream_uses: Vec<StreamHandle>,
     gc_base: u64,
-    in_pool: bool,
+    /// The stream's raw handle (its device is the allocator's).
+    stream: u64,
+    prev: Link,
+    next: Link,
+    /// The expandable segment it belongs to, if any.
+    segment: Link,
     /// Its free lists' index in `Pools` ([`NO_LIST`] until first looked up); a block's
     /// pool and stream, and so this index, change only with `cross_stream_reuse`.
-    list: usize,
+    list: u32,
+    pool: PoolKind,
+    allocated: bool,
+    in_pool: bool,
     /// Counted in `oversize_allocations` when handed out (the limit may change later).
     oversize: bool,
-    /// Backed by device memory (always, except unmapped ranges of expandable segments).
-    mapped: bool,
-    /// The expandable segment it belongs to, if any.
-    segment: Option<usize>,
+    /// Credited to a thread's slot (`thread_cache`).
+    credited: bool,
     /// The slab slot is free.
     vacant: bool,
+    /// `stream_uses` is not empty.
+    has_uses: bool,
+    /// `frames` is set.
+    has_frames: bool,
+    // ---- the second cache line ----
+    event_count: u32,
+    /// Backed by device memory (always, except unmapped ranges of expandable segments).
+    mapped: bool,
     /// Taken out of the free or unmapped sets while the driver works on it, unlocked.
     busy: bool,
+    stream_uses: Vec<StreamHandle>,
     /// Where it was allocated, when history records stacks.
     frames: Option<Arc<[Frame]>>,
     /// The memory pool (default, or a graph's private pool).
     pool_id: PoolId,
-    /// Credited to a thread's slot (`thread_cache`).
-    credited: bool,
 }
+
+// The hot fields fill the first cache line exactly; the cold ones the second.
+const _: () = assert!(std::mem::offset_of!(Block, event_count) == 64);
+const _: () = assert!(std::mem::size_of::<Block>() == 128);
 
 impl Block {
     /// A free, unlinked block (not yet in any free list).
     fn new(
         ptr: u64,
         size: u64,
-        stream: StreamHandle,
+        stream: u64,
         pool: PoolKind,
         mapped: bool,
-        segment: Option<usize>,
+        segment: Link,
         pool_id: PoolId,
     ) -> Block {
         Block {
             ptr,
             size,
             requested: 0,
+            gc_base: 0,
             stream,
+            prev: Link::NONE,
+            next: Link::NONE,
+            segment,
+            list: NO_LIST,
             pool,
             allocated: false,
-            prev: None,
-            next: None,
-            event_count: 0,
-            stream_uses: Vec::new(),
-            gc_base: 0,
             in_pool: false,
-            list: NO_LIST,
             oversize: false,
-            mapped,
-            segment,
+            credited: false,
             vacant: false,
+            has_uses: false,
+            has_frames: false,
+            event_count: 0,
+            mapped,
             busy: false,
+            stream_uses: Vec::new(),
             frames: None,
             pool_id,
-            credited: false,
         }
     }
 
@@ -269,6 +317,7 @@ pub struct BlockInfo {
 }
 
 struct State {
+    device: DeviceIndex,
     config: AllocatorConfig,
     blocks: Vec<Block>,
     vacant: Vec<usize>,
@@ -385,6 +434,7 @@ impl CachingAllocator {
             id: thread_cache::next_allocator_id(),
             shared: Arc::new(Shared::default()),
             state: Mutex::new(State {
+                device,
                 config,
                 blocks: Vec::new(),
                 vacant: Vec::new(),
@@ -440,7 +490,8 @@ impl CachingAllocator {
         };
         let mut segments = Vec::new();
         for (head, b) in st.blocks.iter().enumerate() {
-            let starts_run = !b.vacant && b.mapped && b.prev.is_none_or(|p| !st.blocks[p].mapped);
+            let starts_run =
+                !b.vacant && b.mapped && b.prev.get().is_none_or(|p| !st.blocks[p].mapped);
             if !starts_run {
                 continue;
             }
@@ -451,7 +502,7 @@ impl CachingAllocator {
                 allocated_size: 0,
                 active_size: 0,
                 requested_size: 0,
-                stream: b.stream.raw,
+                stream: b.stream,
                 segment_type: if b.pool == PoolKind::Small {
                     "small"
                 } else {
@@ -486,7 +537,7 @@ impl CachingAllocator {
                         .map(<[Frame]>::to_vec)
                         .unwrap_or_default(),
                 });
-                cursor = x.next;
+                cursor = x.next.get();
             }
             segments.push(seg);
         }
@@ -591,12 +642,12 @@ impl CachingAllocator {
                     allocated: x.allocated,
                     pending_events: x.event_count > 0,
                     segment: DevicePtr(b.ptr),
-                    stream: x.stream,
+                    stream: st.stream_handle(x.stream),
                     mapped: x.mapped,
                     expandable: x.segment.is_some(),
                     pool_id: x.pool_id,
                 });
-                cursor = x.next;
+                cursor = x.next.get();
             }
         }
         out
@@ -1042,7 +1093,15 @@ impl CachingAllocator {
         let mut st = self.state.lock();
         match result {
             Ok(ptr) => {
-                let id = st.insert_block(Block::new(ptr.0, bytes, stream, kind, true, None, pool));
+                let id = st.insert_block(Block::new(
+                    ptr.0,
+                    bytes,
+                    stream.raw,
+                    kind,
+                    true,
+                    Link::NONE,
+                    pool,
+                ));
                 let oversize = st.config.max_split_size.is_some_and(|m| bytes >= m);
                 if oversize {
                     st.oversize_segments.insert(ptr.0);
@@ -1098,7 +1157,7 @@ impl CachingAllocator {
             })
             .min_by_key(|k| (k.size, k.ptr));
         let Some(found) = best else { return Ok(None) };
-        let owner = st.blocks[found.id].stream;
+        let owner = st.stream_handle(st.blocks[found.id].stream);
         let event = match st.spare_events.pop() {
             Some(e) => e,
             None => self
@@ -1113,7 +1172,7 @@ impl CachingAllocator {
         st.spare_events.push(event);
         ordered?;
         st.pool_remove(found.id);
-        st.blocks[found.id].stream = stream;
+        st.blocks[found.id].stream = stream.raw;
         st.blocks[found.id].list = NO_LIST;
         Ok(Some(found.id))
     }
@@ -1140,7 +1199,10 @@ impl CachingAllocator {
         for key in st.pools.keys() {
             let b = &st.blocks[key.id];
             largest = largest.max(b.size);
-            per_stream.entry(b.stream.raw).or_insert((b.stream, 0)).1 += b.size;
+            per_stream
+                .entry(b.stream)
+                .or_insert((st.stream_handle(b.stream), 0))
+                .1 += b.size;
         }
         let mut cached_per_stream: Vec<(StreamHandle, u64)> = per_stream.into_values().collect();
         cached_per_stream.sort_by_key(|(s, _)| s.raw);
@@ -1268,14 +1330,16 @@ impl CachingAllocator {
                 .ok_or(AllocError::InvalidPointer(ptr))?,
         };
         let b = &st.blocks[id];
-        if stream == b.stream || b.stream_uses.contains(&stream) {
+        if stream.raw == b.stream || b.stream_uses.contains(&stream) {
             return Ok(());
         }
         // A block used by another stream needs events when freed: no lock-free reuse.
         if b.credited {
             self.uncredit(&mut st, id)?;
         }
-        st.blocks[id].stream_uses.push(stream);
+        let b = &mut st.blocks[id];
+        b.stream_uses.push(stream);
+        b.has_uses = true;
         Ok(())
     }
 
@@ -1488,6 +1552,14 @@ impl CachingAllocator {
 }
 
 impl State {
+    /// The handle of this device's stream `raw`.
+    fn stream_handle(&self, raw: u64) -> StreamHandle {
+        StreamHandle {
+            device: self.device,
+            raw,
+        }
+    }
+
     /// The allocated block at `ptr`, if any.
     fn allocated_at(&self, ptr: u64) -> Option<usize> {
         self.by_addr
@@ -1501,9 +1573,14 @@ impl State {
     fn release_live(&mut self, id: usize, frames: Option<&Arc<[Frame]>>) -> Vec<StreamHandle> {
         let b = &mut self.blocks[id];
         b.allocated = false;
-        let (ptr, requested, stream) = (b.ptr, b.requested, b.stream.raw);
+        let (ptr, requested, stream) = (b.ptr, b.requested, b.stream);
         let (kind, size, oversize) = (b.pool, b.size, b.oversize);
-        let uses = std::mem::take(&mut b.stream_uses);
+        // (Looked at only when there are some: the list lies in the block's cold line.)
+        let uses = if std::mem::take(&mut b.has_uses) {
+            std::mem::take(&mut b.stream_uses)
+        } else {
+            Vec::new()
+        };
         self.history
             .record("free_requested", ptr, requested, stream, frames);
         self.stats.allocation.decrease(kind, 1);
@@ -1553,13 +1630,10 @@ impl State {
         // fit has just chosen this block, so only blocks freed by other threads while the
         // slow path waited for the driver (lock released) can fail these checks...
         let next_key = next.map(|n| key(next_size, self.blocks[n].ptr));
-        let rival = self
-            .pools
-            .list(b.pool_id, b.stream.raw, b.pool)
-            .and_then(|l| {
-                l.range_from(key(b.size, 0))
-                    .find(|(k, _)| Some(*k) != next_key)
-            });
+        let rival = self.pools.list(b.pool_id, b.stream, b.pool).and_then(|l| {
+            l.range_from(key(b.size, 0))
+                .find(|(k, _)| Some(*k) != next_key)
+        });
         let merged_next = next.map_or(b.next, |n| self.blocks[n].next);
         let growable = merged + self.unmapped_after(merged_next);
         if rival.is_some_and(|(k, r)| {
@@ -1631,7 +1705,7 @@ impl State {
         b.gc_base = self.gc_clock;
         b.in_pool = true;
         if b.list == NO_LIST {
-            b.list = self.pools.index(b.pool_id, b.stream.raw);
+            b.list = self.pools.index(b.pool_id, b.stream);
         }
         self.pools.at(b.list, b.pool).insert(key(b.size, b.ptr), id);
     }
@@ -1728,8 +1802,8 @@ impl State {
 
     /// The bytes of the unmapped range `next` (a block's successor), if it is one: what an
     /// expandable block there could grow by.
-    fn unmapped_after(&self, next: Option<usize>) -> u64 {
-        next.map_or(0, |n| {
+    fn unmapped_after(&self, next: Link) -> u64 {
+        next.get().map_or(0, |n| {
             if self.blocks[n].mapped {
                 0
             } else {
@@ -1778,6 +1852,7 @@ impl State {
         if req.frames.is_some() {
             // (A free block has none: `free_block` took them.)
             b.frames = req.frames.clone();
+            b.has_frames = true;
         }
         let s = &mut self.stats;
         s.allocation.increase(kind, 1);
@@ -1793,7 +1868,7 @@ impl State {
             "alloc",
             ptr,
             requested,
-            stream.raw,
+            stream,
             req.frames.as_ref().filter(|_| on_trace),
         );
         (
@@ -1802,7 +1877,7 @@ impl State {
                 ptr: DevicePtr(ptr),
                 size,
                 requested,
-                stream,
+                stream: self.stream_handle(stream),
             },
         )
     }
@@ -1817,14 +1892,14 @@ impl State {
         }
     }
 
-    fn mergeable(&self, neighbour: Option<usize>) -> Option<usize> {
-        neighbour.filter(|&n| self.blocks[n].in_pool)
+    fn mergeable(&self, neighbour: Link) -> Option<usize> {
+        neighbour.get().filter(|&n| self.blocks[n].in_pool)
     }
 
     /// `free_block`: merges with free neighbours and returns the block to its pool.
     fn free_block(&mut self, id: usize) {
         let b = &self.blocks[id];
-        let (ptr, stream, kind) = (b.ptr, b.stream.raw, b.pool);
+        let (ptr, stream, kind) = (b.ptr, b.stream, b.pool);
         let (size, requested, counted) = (b.size, b.requested, b.segment.is_none());
         for neighbour in [self.mergeable(b.prev), self.mergeable(b.next)]
             .into_iter()
@@ -1845,13 +1920,13 @@ impl State {
                 self.by_addr.insert(n_ptr, id);
                 b.ptr = n_ptr;
                 b.prev = n_prev;
-                if let Some(p) = n_prev {
-                    self.blocks[p].next = Some(id);
+                if let Some(p) = n_prev.get() {
+                    self.blocks[p].next = Link::from(Some(id));
                 }
             } else {
                 b.next = n_next;
-                if let Some(x) = n_next {
-                    self.blocks[x].prev = Some(id);
+                if let Some(x) = n_next.get() {
+                    self.blocks[x].prev = Link::from(Some(id));
                 }
             }
             self.blocks[id].size += n_size;
@@ -1859,7 +1934,11 @@ impl State {
         }
         let with_frames = self.history.options.context >= HistoryContext::All;
         let b = &mut self.blocks[id];
-        let frames = b.frames.take().filter(|_| with_frames);
+        let frames = if std::mem::take(&mut b.has_frames) {
+            b.frames.take().filter(|_| with_frames)
+        } else {
+            None
+        };
         b.requested = 0;
         let inactive = (counted && b.is_split()).then_some(b.size);
         self.history
@@ -1880,7 +1959,7 @@ impl State {
         self.pool_remove(id);
         let b = &self.blocks[id];
         let (ptr, size, kind) = (b.ptr, b.size, b.pool);
-        let (stream, pool) = (self.blocks[id].stream.raw, self.blocks[id].pool_id);
+        let (stream, pool) = (self.blocks[id].stream, self.blocks[id].pool_id);
         self.history.record("segment_free", ptr, size, stream, None);
         if let Some(p) = self.private.get_mut(&pool) {
             p.segments -= 1;
@@ -1912,7 +1991,7 @@ enum Grow {
 impl State {
     fn unmapped_key(&self, id: usize) -> ((u64, u8), u64) {
         let b = &self.blocks[id];
-        ((b.stream.raw, pool_index(b.pool) as u8), b.ptr)
+        ((b.stream, pool_index(b.pool) as u8), b.ptr)
     }
 
     fn unmapped_insert(&mut self, id: usize) {
@@ -1940,7 +2019,7 @@ impl State {
     fn find_expandable(&self, stream: StreamHandle, kind: PoolKind, size: u64) -> Option<usize> {
         let set = self.unmapped.get(&(stream.raw, pool_index(kind) as u8))?;
         for &u in set.values() {
-            let start = match self.blocks[u].prev {
+            let start = match self.blocks[u].prev.get() {
                 Some(p) if self.blocks[p].in_pool => p,
                 _ => u,
             };
@@ -1950,7 +2029,7 @@ impl State {
                 if covered >= size {
                     return Some(start);
                 }
-                cur = self.blocks[id].next;
+                cur = self.blocks[id].next.get();
             }
         }
         None
@@ -1961,20 +2040,20 @@ impl State {
         let b = &self.blocks[id];
         let front = Block {
             prev: b.prev,
-            next: Some(id),
+            next: Link::from(Some(id)),
             list: b.list,
             ..Block::new(
                 b.ptr, bytes, b.stream, b.pool, b.mapped, b.segment, b.pool_id,
             )
         };
         let new = self.insert_block(front);
-        if let Some(p) = self.blocks[new].prev {
-            self.blocks[p].next = Some(new);
+        if let Some(p) = self.blocks[new].prev.get() {
+            self.blocks[p].next = Link::from(Some(new));
         }
         let b = &mut self.blocks[id];
         b.ptr += bytes;
         b.size -= bytes;
-        b.prev = Some(new);
+        b.prev = Link::from(Some(new));
         self.by_addr.insert(b.ptr, id);
         new
     }
@@ -1984,8 +2063,8 @@ impl State {
         let (size, after) = (self.blocks[next].size, self.blocks[next].next);
         self.blocks[id].size += size;
         self.blocks[id].next = after;
-        if let Some(a) = after {
-            self.blocks[a].prev = Some(id);
+        if let Some(a) = after.get() {
+            self.blocks[a].prev = Link::from(Some(id));
         }
         self.vacate(next);
     }
@@ -1998,6 +2077,7 @@ impl State {
         self.blocks[id].busy = false;
         if let Some(p) = self.blocks[id]
             .prev
+            .get()
             .filter(|&p| !self.blocks[p].mapped && !self.blocks[p].busy)
         {
             self.unmapped_remove(p);
@@ -2010,6 +2090,7 @@ impl State {
     fn settle_unmapped_at(&mut self, id: usize) -> Option<VaRange> {
         if let Some(n) = self.blocks[id]
             .next
+            .get()
             .filter(|&n| !self.blocks[n].mapped && !self.blocks[n].busy)
         {
             self.unmapped_remove(n);
@@ -2019,6 +2100,7 @@ impl State {
         if b.prev.is_none() && b.next.is_none() {
             let seg = b
                 .segment
+                .get()
                 .and_then(|s| self.segments.get_mut(s))
                 .and_then(Option::take);
             self.vacate(id);
@@ -2077,10 +2159,10 @@ impl CachingAllocator {
         let id = st.insert_block(Block::new(
             va.base.0,
             bytes,
-            stream,
+            stream.raw,
             kind,
             false,
-            Some(segment),
+            Link::from(Some(segment)),
             PoolId::DEFAULT,
         ));
         st.unmapped_insert(id);
@@ -2124,7 +2206,7 @@ impl CachingAllocator {
                 plan.push(Grow::Map(id, bytes));
                 covered += bytes;
             }
-            cur = b.next;
+            cur = b.next.get();
         }
         let to_map: u64 = plan
             .iter()
@@ -2215,7 +2297,7 @@ impl CachingAllocator {
                     };
                     let b = &mut st.blocks[piece];
                     b.mapped = true;
-                    let (ptr, seg) = (b.ptr, b.segment);
+                    let (ptr, seg) = (b.ptr, b.segment.get());
                     if let Some(segment) = seg
                         .and_then(|s| st.segments.get_mut(s))
                         .and_then(Option::as_mut)
@@ -2338,6 +2420,7 @@ impl CachingAllocator {
             let b = &st.blocks[id];
             let Some(seg) = b
                 .segment
+                .get()
                 .and_then(|s| st.segments.get(s))
                 .and_then(Option::as_ref)
             else {
@@ -2364,7 +2447,7 @@ impl CachingAllocator {
                 st.pool_insert(id);
             }
             st.blocks[mid].busy = true;
-            let seg_id = st.blocks[mid].segment;
+            let seg_id = st.blocks[mid].segment.get();
             let handles: Vec<PhysHandle> = match seg_id
                 .and_then(|s| st.segments.get_mut(s))
                 .and_then(Option::as_mut)

@@ -16,9 +16,10 @@
 //! - **No lock across blocking driver calls**: `malloc`, `free` and synchronizations run
 //!   with the allocator's mutex released (segments being allocated are counted in advance
 //!   so the memory fraction holds). Event record and query, which do not block, run under it.
-//! - Block storage is a slab with indices for the address-ordered neighbour links; free
-//!   blocks are kept per (pool, stream) in (size, address) order, as PyTorch's `std::set`,
-//!   binned by size (`free_list`).
+//! - Block storage is a slab with 32-bit indices for the address-ordered neighbour links;
+//!   what allocation and free touch of a block fills one cache line, the rest (stream uses,
+//!   stacks, events, pool id) the next. Free blocks are kept per (pool, stream) in (size,
+//!   address) order, as PyTorch's `std::set`, binned by size (`free_list`).
 //! - **A per-thread front end** (`thread_cache`, on by default): the block a thread just
 //!   freed comes back to it without the lock when PyTorch's free-then-best-fit would return
 //!   that very block; reuses are folded into the statistics before anything reads them, so
