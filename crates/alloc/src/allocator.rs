@@ -1675,12 +1675,17 @@ impl State {
     }
 
     fn vacate(&mut self, id: usize) {
-        let b = &mut self.blocks[id];
-        b.vacant = true;
+        let ptr = self.blocks[id].ptr;
         // Its address may already belong to the block that absorbed it.
-        if self.by_addr.get(&b.ptr) == Some(&id) {
-            self.by_addr.remove(&b.ptr);
+        if self.by_addr.get(&ptr) == Some(&id) {
+            self.by_addr.remove(&ptr);
         }
+        self.vacate_record(id);
+    }
+
+    /// Frees a block's slab slot (its address is no longer mapped to it).
+    fn vacate_record(&mut self, id: usize) {
+        self.blocks[id].vacant = true;
         self.vacant.push(id);
     }
 
@@ -1898,60 +1903,55 @@ impl State {
 
     /// `free_block`: merges with free neighbours and returns the block to its pool.
     fn free_block(&mut self, id: usize) {
-        let b = &self.blocks[id];
+        let b = &mut self.blocks[id];
         let (ptr, stream, kind) = (b.ptr, b.stream, b.pool);
         let (size, requested, counted) = (b.size, b.requested, b.segment.is_none());
-        for neighbour in [self.mergeable(b.prev), self.mergeable(b.next)]
-            .into_iter()
-            .flatten()
-        {
-            self.pool_remove(neighbour);
-            let n = &self.blocks[neighbour];
-            let (n_ptr, n_size, n_prev, n_next) = (n.ptr, n.size, n.prev, n.next);
-            if counted {
-                self.stats.inactive_split.decrease(kind, 1);
-                self.stats
-                    .inactive_split_bytes
-                    .decrease(kind, n_size as i64);
-            }
-            let b = &mut self.blocks[id];
-            if n_ptr < b.ptr {
-                self.by_addr.remove(&b.ptr);
-                self.by_addr.insert(n_ptr, id);
-                b.ptr = n_ptr;
-                b.prev = n_prev;
-                if let Some(p) = n_prev.get() {
-                    self.blocks[p].next = Link::from(Some(id));
-                }
-            } else {
-                b.next = n_next;
-                if let Some(x) = n_next.get() {
-                    self.blocks[x].prev = Link::from(Some(id));
-                }
-            }
-            self.blocks[id].size += n_size;
-            self.vacate(neighbour);
-        }
-        let with_frames = self.history.options.context >= HistoryContext::All;
-        let b = &mut self.blocks[id];
         let frames = if std::mem::take(&mut b.has_frames) {
+            let with_frames = self.history.options.context >= HistoryContext::All;
             b.frames.take().filter(|_| with_frames)
         } else {
             None
         };
         b.requested = 0;
-        let inactive = (counted && b.is_split()).then_some(b.size);
+        let (prev, next) = (b.prev, b.next);
+        // The record that stays: a free block before this one absorbs it (its address is
+        // already mapped to it), else this one absorbs a free block after it. Either way
+        // one address leaves the map.
+        let mut keep = id;
+        if let Some(p) = self.mergeable(prev) {
+            self.absorb(p, id, counted, kind);
+            keep = p;
+        }
+        if let Some(n) = self.mergeable(next) {
+            self.absorb(keep, n, counted, kind);
+        }
         self.history
             .record("free_completed", ptr, requested, stream, frames.as_ref());
-        if let Some(bytes) = inactive {
+        if counted && self.blocks[keep].is_split() {
+            let bytes = self.blocks[keep].size;
             self.stats.inactive_split.increase(kind, 1);
             self.stats.inactive_split_bytes.increase(kind, bytes as i64);
         }
-        self.pool_insert(id);
+        self.pool_insert(keep);
         let s = &mut self.stats;
         s.active.decrease(kind, 1);
         s.active_bytes.decrease(kind, size as i64);
         s.requested_bytes.decrease(kind, requested as i64);
+    }
+
+    /// `free_block`'s merge: block `id` takes in `next`, the block right after it, one of
+    /// them being free in the pool (it leaves the pool and, if counted, the inactive splits).
+    fn absorb(&mut self, id: usize, next: usize, counted: bool, kind: PoolKind) {
+        let free = if self.blocks[id].in_pool { id } else { next };
+        self.pool_remove(free);
+        if counted {
+            let free_size = self.blocks[free].size;
+            self.stats.inactive_split.decrease(kind, 1);
+            self.stats
+                .inactive_split_bytes
+                .decrease(kind, free_size as i64);
+        }
+        self.absorb_next(id, next);
     }
 
     /// Takes a whole free segment out of the books; the caller frees the returned address.
@@ -2060,13 +2060,16 @@ impl State {
 
     /// Merges `next` (which must follow `id` directly) into `id`.
     fn absorb_next(&mut self, id: usize, next: usize) {
-        let (size, after) = (self.blocks[next].size, self.blocks[next].next);
-        self.blocks[id].size += size;
-        self.blocks[id].next = after;
+        let n = &self.blocks[next];
+        let (n_ptr, n_size, after) = (n.ptr, n.size, n.next);
+        let b = &mut self.blocks[id];
+        b.size += n_size;
+        b.next = after;
         if let Some(a) = after.get() {
             self.blocks[a].prev = Link::from(Some(id));
         }
-        self.vacate(next);
+        self.by_addr.remove(&n_ptr);
+        self.vacate_record(next);
     }
 
     /// Records a range that was just unmapped: merged with unmapped neighbours, back in the

@@ -161,9 +161,9 @@ impl FreeList {
 
     fn removed_from(&mut self, b: usize) {
         self.len -= 1;
-        if self.bins[b].len() == 0 {
-            self.occupied[b / 64] &= !(1 << (b % 64));
-        }
+        // Clears the bin's bit if it emptied, without a branch (which bin empties is random).
+        let emptied = u64::from(self.bins[b].len() == 0);
+        self.occupied[b / 64] &= !(emptied << (b % 64));
     }
 
     /// The entry with the smallest key of at least `k`.
