@@ -276,7 +276,7 @@ impl Block {
     }
 
     fn is_split(&self) -> bool {
-        self.prev.is_some() || self.next.is_some()
+        self.prev.is_some() | self.next.is_some()
     }
 }
 
@@ -1794,15 +1794,14 @@ impl State {
         size: u64,
         remaining: u64,
     ) -> bool {
-        if expandable {
-            return remaining >= crate::rounding::MIN_BLOCK_SIZE;
-        }
-        match kind {
-            PoolKind::Small => remaining >= crate::rounding::MIN_BLOCK_SIZE,
-            PoolKind::Large => {
-                size < self.config.max_split_size.unwrap_or(u64::MAX) && remaining > SMALL_SIZE
-            }
-        }
+        // Expandable blocks and the small pool keep any remainder of a minimum block; the
+        // large pool keeps one above the small-pool size, below `max_split_size`. Both are
+        // computed and one picked without a branch: which pool a request hits is random.
+        let by_minimum = expandable | (kind == PoolKind::Small);
+        let minimum = remaining >= crate::rounding::MIN_BLOCK_SIZE;
+        let large =
+            (size < self.config.max_split_size.unwrap_or(u64::MAX)) & (remaining > SMALL_SIZE);
+        (by_minimum & minimum) | (!by_minimum & large)
     }
 
     /// The bytes of the unmapped range `next` (a block's successor), if it is one: what an
