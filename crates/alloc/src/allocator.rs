@@ -22,6 +22,9 @@ use std::sync::atomic::Ordering;
 
 const SMALL_SIZE: u64 = crate::rounding::SMALL_SIZE;
 
+/// Slab slots added at a time.
+const SLAB_CHUNK: usize = 64;
+
 /// A block whose free lists were not looked up yet.
 const NO_LIST: u32 = u32::MAX;
 
@@ -272,6 +275,14 @@ impl Block {
             stream_uses: Vec::new(),
             frames: None,
             pool_id,
+        }
+    }
+
+    /// An unused slab slot.
+    fn vacant() -> Block {
+        Block {
+            vacant: true,
+            ..Block::new(0, 0, 0, PoolKind::Small, false, Link::NONE, PoolId::DEFAULT)
         }
     }
 
@@ -1692,15 +1703,17 @@ impl State {
     fn insert_block(&mut self, b: Block) -> usize {
         let ptr = b.ptr;
         let id = match self.vacant.pop() {
-            Some(id) => {
-                self.blocks[id] = b;
-                id
-            }
+            Some(id) => id,
             None => {
-                self.blocks.push(b);
-                self.blocks.len() - 1
+                // Slots are added in chunks, so that a split rarely finds none spare (which
+                // splits do is random to the branch predictor).
+                let first = self.blocks.len();
+                self.blocks.resize_with(first + SLAB_CHUNK, Block::vacant);
+                self.vacant.extend((first + 1..first + SLAB_CHUNK).rev());
+                first
             }
         };
+        self.blocks[id] = b;
         self.by_addr.insert(ptr, id);
         id
     }
