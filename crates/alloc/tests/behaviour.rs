@@ -1157,6 +1157,49 @@ mod thread_cache {
         Ok(())
     }
 
+    /// With expandable segments, a block at the mapped frontier loses to a free interior
+    /// block that fits, even a larger one (spec §4.5): when another thread frees such a block
+    /// while this one maps pages (lock released), the block just mapped gets no credit, and
+    /// its next round goes to the interior block as in PyTorch.
+    #[test]
+    fn an_interior_block_freed_while_mapping_wins_over_the_frontier() -> TestResult {
+        let (fake, a) = setup(80 * GIB, "expandable_segments:True", Completion::Eager);
+        let a = Arc::new(a);
+        let (ptr_tx, ptr_rx) = mpsc::channel();
+        let (go_tx, go_rx) = mpsc::channel::<()>();
+        let (done_tx, done_rx) = mpsc::channel::<()>();
+        let other = {
+            let a = a.clone();
+            std::thread::spawn(move || -> Result<(), AllocError> {
+                let interior = a.allocate(50 * MIB, LEGACY)?; // three 20 MiB pages...
+                let _keep = a.allocate(10 * MIB, LEGACY)?; // ... filled up to the frontier
+                a.allocate(512, LEGACY)?; // the slot's credit moves on: frees take the lock
+                ptr_tx.send(interior.ptr).ok();
+                go_rx.recv().ok();
+                a.free(interior.ptr)?;
+                done_tx.send(()).ok();
+                Ok(())
+            })
+        };
+        let interior = ptr_rx.recv()?;
+        fake.before_next(Call::VmMap, move || {
+            go_tx.send(()).ok();
+            done_rx.recv().ok();
+        });
+        // Two more pages: the block ends 15 MiB short of the new frontier.
+        let x = a.allocate(25 * MIB, LEGACY)?;
+        other.join().map_err(|_| "the other thread panicked")??;
+        assert_eq!(x.ptr, interior.offset(60 * MIB));
+        a.free(x.ptr)?;
+        let again = a.allocate(25 * MIB, LEGACY)?;
+        assert_eq!(
+            again.ptr, interior,
+            "the interior block, which cannot grow, before the frontier, which can"
+        );
+        a.check_invariants()?;
+        Ok(())
+    }
+
     #[test]
     fn many_threads_keep_exact_books() -> TestResult {
         let (_, a) = setup(80 * GIB, "", Completion::Eager);
