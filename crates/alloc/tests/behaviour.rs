@@ -1116,6 +1116,43 @@ mod thread_cache {
         Ok(())
     }
 
+    /// The other thread of [`freed_during_next`], to join once the call has returned.
+    type Freeing = std::thread::JoinHandle<Result<(), AllocError>>;
+
+    /// Has another thread allocate a block with `prepare` and free it while this thread is
+    /// inside its next driver call of kind `call` (the allocator's lock released). Returns
+    /// the block's address and the other thread, to join once that call has returned.
+    fn freed_during_next(
+        fake: &FakeDriver,
+        a: &Arc<CachingAllocator>,
+        call: Call,
+        prepare: impl FnOnce(&CachingAllocator) -> Result<DevicePtr, AllocError> + Send + 'static,
+    ) -> Result<(DevicePtr, Freeing), Box<dyn std::error::Error>> {
+        let (ptr_tx, ptr_rx) = mpsc::channel();
+        let (go_tx, go_rx) = mpsc::channel::<()>();
+        let (done_tx, done_rx) = mpsc::channel::<()>();
+        let other = {
+            let a = a.clone();
+            std::thread::spawn(move || -> Result<(), AllocError> {
+                let ptr = prepare(&a)?;
+                a.allocate(512, LEGACY)?; // the slot's credit moves on: the free takes the lock
+                ptr_tx.send(ptr).ok();
+                go_rx.recv().ok();
+                a.free(ptr)?;
+                done_tx.send(()).ok();
+                Ok(())
+            })
+        };
+        let ptr = ptr_rx
+            .recv()
+            .map_err(|_| "the other thread stopped before its free")?;
+        fake.before_next(call, move || {
+            go_tx.send(()).ok();
+            done_rx.recv().ok();
+        });
+        Ok((ptr, other))
+    }
+
     /// While a request waits for the driver (the allocator's lock released), another
     /// thread frees a block that fits it better. PyTorch's free of the new block followed by
     /// the same request would find that block, so the new one is not credited: the
@@ -1124,37 +1161,18 @@ mod thread_cache {
     fn a_block_freed_during_a_driver_call_wins_the_next_round() -> TestResult {
         let (fake, a) = setup(80 * GIB, "", Completion::Eager);
         let a = Arc::new(a);
-        let (ptr_tx, ptr_rx) = mpsc::channel();
-        let (go_tx, go_rx) = mpsc::channel::<()>();
-        let (done_tx, done_rx) = mpsc::channel::<()>();
-        let other = {
-            let a = a.clone();
-            std::thread::spawn(move || -> Result<(), AllocError> {
-                let y = a.allocate(12 * MIB, LEGACY)?;
-                a.allocate(512, LEGACY)?; // the slot's credit moves on: y's free takes the lock
-                ptr_tx.send(y.ptr).ok();
-                go_rx.recv().ok();
-                a.free(y.ptr)?;
-                done_tx.send(()).ok();
-                Ok(())
-            })
-        };
-        let better = ptr_rx.recv()?;
-        fake.before_next(Call::Malloc, move || {
-            go_tx.send(()).ok();
-            done_rx.recv().ok();
-        });
+        let (better, other) = freed_during_next(&fake, &a, Call::Malloc, |a| {
+            Ok(a.allocate(12 * MIB, LEGACY)?.ptr)
+        })?;
         let x = a.allocate(12 * MIB, LEGACY)?; // a new segment; `better` is freed meanwhile
         other.join().map_err(|_| "the other thread panicked")??;
         assert_ne!(x.ptr, better);
-        a.free(x.ptr)?;
-        let again = a.allocate(12 * MIB, LEGACY)?;
-        assert_eq!(
-            again.ptr, better,
-            "best fit: the lower of two equal free blocks"
-        );
-        a.check_invariants()?;
-        Ok(())
+        next_round_gets(
+            &a,
+            x,
+            better,
+            "best fit: the lower of two equal free blocks",
+        )
     }
 
     /// With expandable segments, a block at the mapped frontier loses to a free interior
@@ -1165,37 +1183,33 @@ mod thread_cache {
     fn an_interior_block_freed_while_mapping_wins_over_the_frontier() -> TestResult {
         let (fake, a) = setup(80 * GIB, "expandable_segments:True", Completion::Eager);
         let a = Arc::new(a);
-        let (ptr_tx, ptr_rx) = mpsc::channel();
-        let (go_tx, go_rx) = mpsc::channel::<()>();
-        let (done_tx, done_rx) = mpsc::channel::<()>();
-        let other = {
-            let a = a.clone();
-            std::thread::spawn(move || -> Result<(), AllocError> {
-                let interior = a.allocate(50 * MIB, LEGACY)?; // three 20 MiB pages...
-                let _keep = a.allocate(10 * MIB, LEGACY)?; // ... filled up to the frontier
-                a.allocate(512, LEGACY)?; // the slot's credit moves on: frees take the lock
-                ptr_tx.send(interior.ptr).ok();
-                go_rx.recv().ok();
-                a.free(interior.ptr)?;
-                done_tx.send(()).ok();
-                Ok(())
-            })
-        };
-        let interior = ptr_rx.recv()?;
-        fake.before_next(Call::VmMap, move || {
-            go_tx.send(()).ok();
-            done_rx.recv().ok();
-        });
+        let (interior, other) = freed_during_next(&fake, &a, Call::VmMap, |a| {
+            let interior = a.allocate(50 * MIB, LEGACY)?; // three 20 MiB pages...
+            a.allocate(10 * MIB, LEGACY)?; // ... filled up to the frontier
+            Ok(interior.ptr)
+        })?;
         // Two more pages: the block ends 15 MiB short of the new frontier.
         let x = a.allocate(25 * MIB, LEGACY)?;
         other.join().map_err(|_| "the other thread panicked")??;
         assert_eq!(x.ptr, interior.offset(60 * MIB));
+        next_round_gets(
+            &a,
+            x,
+            interior,
+            "the interior block, which cannot grow, before the frontier, which can",
+        )
+    }
+
+    /// Frees `x` and asks for its bytes again: the block at `want` must come back.
+    fn next_round_gets(
+        a: &CachingAllocator,
+        x: Allocation,
+        want: DevicePtr,
+        why: &str,
+    ) -> TestResult {
         a.free(x.ptr)?;
-        let again = a.allocate(25 * MIB, LEGACY)?;
-        assert_eq!(
-            again.ptr, interior,
-            "the interior block, which cannot grow, before the frontier, which can"
-        );
+        let again = a.allocate(x.requested, LEGACY)?;
+        assert_eq!(again.ptr, want, "{why}");
         a.check_invariants()?;
         Ok(())
     }
