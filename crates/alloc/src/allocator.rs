@@ -2,7 +2,7 @@
 //!
 //! The helpers of `allocate` and `free` under the lock are `#[inline(always)]`: a churn of
 //! mixed requests spent a tenth of its instructions in their calls (saving and restoring
-//! registers, passing results through memory), and inlining them cut its time by 5%.
+//! registers, passing results through memory), and inlining them cut its time by 3%.
 use crate::error::{AllocError, OutOfMemory};
 use crate::free_list::{Found, FreeList, key, key_size};
 use crate::history::{History, HistoryContext, HistoryMode, HistoryOptions, capture_frames};
