@@ -114,7 +114,7 @@ impl Pools {
 
     fn list(&self, pool: PoolId, stream: u64, kind: PoolKind) -> Option<&FreeList> {
         let i = self.position(pool, stream)?;
-        Some(&self.streams[i].1[pool_index(kind)])
+        Some(&self.streams[i].1[kind.index()])
     }
 
     /// The index of the lists of (pool, stream), made if new. Indices never change.
@@ -132,7 +132,7 @@ impl Pools {
     }
 
     fn at(&mut self, index: u32, kind: PoolKind) -> &mut FreeList {
-        &mut self.streams[index as usize].1[pool_index(kind)]
+        &mut self.streams[index as usize].1[kind.index()]
     }
 
     /// Every free block of pool `kind`, stream by stream.
@@ -140,7 +140,7 @@ impl Pools {
         self.streams
             .iter()
             .flat_map(move |((pool, stream), lists)| {
-                lists[pool_index(kind)].iter().map(move |(k, id)| FreeKey {
+                lists[kind.index()].iter().map(move |(k, id)| FreeKey {
                     pool: *pool,
                     stream: *stream,
                     size: key_size(k),
@@ -367,13 +367,6 @@ struct State {
     spare_pages: [Vec<(PhysHandle, u64)>; 2],
     /// Every thread's slot in this allocator (`thread_cache`).
     slots: Vec<Arc<Slot>>,
-}
-
-fn pool_index(kind: PoolKind) -> usize {
-    match kind {
-        PoolKind::Small => 0,
-        PoolKind::Large => 1,
-    }
 }
 
 /// PyTorch's caching allocator for one device, over any [`Driver`].
@@ -2017,7 +2010,7 @@ enum Grow {
 impl State {
     fn unmapped_key(&self, id: usize) -> ((u64, u8), u64) {
         let b = &self.blocks[id];
-        ((b.stream, pool_index(b.pool) as u8), b.ptr)
+        ((b.stream, b.pool.index() as u8), b.ptr)
     }
 
     fn unmapped_insert(&mut self, id: usize) {
@@ -2043,7 +2036,7 @@ impl State {
     /// unmapped blocks of this stream's segments cover `size`: an unmapped range, or the
     /// free block just before it.
     fn find_expandable(&self, stream: StreamHandle, kind: PoolKind, size: u64) -> Option<usize> {
-        let set = self.unmapped.get(&(stream.raw, pool_index(kind) as u8))?;
+        let set = self.unmapped.get(&(stream.raw, kind.index() as u8))?;
         for &u in set.values() {
             let start = match self.blocks[u].prev.get() {
                 Some(p) if self.blocks[p].in_pool => p,
@@ -2252,7 +2245,7 @@ impl CachingAllocator {
         // `expandable_segments_reclaim`: free whole pages elsewhere in this stream's ranges
         // are unmapped (after a stream sync) and mapped here instead of new memory.
         let pages = to_map / page;
-        let spare_now = st.spare_pages[pool_index(kind)]
+        let spare_now = st.spare_pages[kind.index()]
             .iter()
             .filter(|(_, p)| *p == page)
             .count() as u64;
@@ -2267,7 +2260,7 @@ impl CachingAllocator {
             );
         }
         let mut reuse: Vec<PhysHandle> = Vec::new();
-        st.spare_pages[pool_index(kind)].retain(|&(h, p)| {
+        st.spare_pages[kind.index()].retain(|&(h, p)| {
             let take = p == page && (reuse.len() as u64) < pages;
             if take {
                 reuse.push(h);
@@ -2279,7 +2272,7 @@ impl CachingAllocator {
             .allowed_max
             .is_some_and(|max| st.total_reserved + created > max)
         {
-            st.spare_pages[pool_index(kind)].extend(reuse.into_iter().map(|h| (h, page)));
+            st.spare_pages[kind.index()].extend(reuse.into_iter().map(|h| (h, page)));
             st.undo_grow(&plan);
             return Ok((st, None));
         }
@@ -2297,7 +2290,7 @@ impl CachingAllocator {
         drop(st);
         let (mapped, spare_back) = self.map_pages(&jobs, page, reuse);
         let mut st = self.state.lock();
-        st.spare_pages[pool_index(kind)].extend(spare_back.into_iter().map(|h| (h, page)));
+        st.spare_pages[kind.index()].extend(spare_back.into_iter().map(|h| (h, page)));
         let handles = match mapped {
             Ok(h) => h,
             Err(e) => {
@@ -2522,7 +2515,7 @@ impl CachingAllocator {
             } else {
                 // Kept for remapping: still physical memory, still reserved.
                 let page = bytes / handles.len().max(1) as u64;
-                st.spare_pages[pool_index(kind)].extend(handles.into_iter().map(|h| (h, page)));
+                st.spare_pages[kind.index()].extend(handles.into_iter().map(|h| (h, page)));
             }
             ranges.extend(st.settle_unmapped(mid));
         }
@@ -2543,7 +2536,7 @@ impl CachingAllocator {
     fn destroy_spare_pages<'a>(&'a self, mut st: MutexGuard<'a, State>) -> MutexGuard<'a, State> {
         let spare: Vec<(PoolKind, Vec<(PhysHandle, u64)>)> = [PoolKind::Small, PoolKind::Large]
             .into_iter()
-            .map(|kind| (kind, std::mem::take(&mut st.spare_pages[pool_index(kind)])))
+            .map(|kind| (kind, std::mem::take(&mut st.spare_pages[kind.index()])))
             .filter(|(_, h)| !h.is_empty())
             .collect();
         if spare.is_empty() {

@@ -73,18 +73,11 @@ pub(crate) struct PoolCounters {
     all_peak: i64,
 }
 
-fn index(pool: PoolKind) -> usize {
-    match pool {
-        PoolKind::Small => 0,
-        PoolKind::Large => 1,
-    }
-}
-
 impl PoolCounters {
     /// Adds `n` to `pool` (and so to `all`).
     #[inline]
     pub(crate) fn increase(&mut self, pool: PoolKind, n: i64) {
-        self.pools[index(pool)].increase(n);
+        self.pools[pool.index()].increase(n);
         let all = self.current();
         if all > self.all_peak {
             self.all_peak = all;
@@ -94,13 +87,13 @@ impl PoolCounters {
     /// Subtracts `n` from `pool` (and so from `all`).
     #[inline]
     pub(crate) fn decrease(&mut self, pool: PoolKind, n: i64) {
-        self.pools[index(pool)].decrease(n);
+        self.pools[pool.index()].decrease(n);
     }
 
     /// Counts `n` that rose and fell again in `pool` (and so in `all`).
     #[inline]
     pub(crate) fn cycle(&mut self, pool: PoolKind, n: i64) {
-        self.pools[index(pool)].cycle(n);
+        self.pools[pool.index()].cycle(n);
     }
 
     /// `all.current`.
@@ -110,7 +103,7 @@ impl PoolCounters {
 
     /// Whether rising by `rise` would set a new peak for `pool` or for `all`.
     pub(crate) fn would_peak(&self, pool: PoolKind, rise: i64) -> bool {
-        let p = &self.pools[index(pool)];
+        let p = &self.pools[pool.index()];
         p.current + rise > p.peak || self.current() + rise > self.all_peak
     }
 

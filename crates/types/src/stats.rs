@@ -59,6 +59,17 @@ pub enum PoolKind {
     Large,
 }
 
+impl PoolKind {
+    /// 0 for the small pool, 1 for the large: an index into per-pool tables.
+    #[inline]
+    pub const fn index(self) -> usize {
+        match self {
+            PoolKind::Small => 0,
+            PoolKind::Large => 1,
+        }
+    }
+}
+
 /// A statistic for all pools, the small pool and the large pool.
 #[derive(Copy, Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct StatArray {
