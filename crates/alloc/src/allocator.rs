@@ -8,7 +8,7 @@ use crate::free_list::{Found, FreeList, key, key_size};
 use crate::history::{History, HistoryContext, HistoryMode, HistoryOptions, capture_frames};
 use crate::rounding::{ONE_EXABYTE, allocation_size, pool_kind, round_size};
 use crate::tally::Tally;
-use crate::thread_cache::{self, Credit, HELD, PARKED, Shared, Slot};
+use crate::thread_cache::{self, Credit, PARKED, Shared, Slot};
 use ferrocuda_driver::{Driver, DriverError};
 use ferrocuda_types::{
     AllocatorConfig, DeviceIndex, DevicePtr, DeviceStats, EventFlags, EventHandle, PhysHandle,
@@ -219,8 +219,6 @@ struct Block {
     in_pool: bool,
     /// Counted in `oversize_allocations` when handed out (the limit may change later).
     oversize: bool,
-    /// Credited to a thread's slot (`thread_cache`).
-    credited: bool,
     /// The slab slot is free.
     vacant: bool,
     /// `stream_uses` is not empty.
@@ -269,7 +267,6 @@ impl Block {
             allocated: false,
             in_pool: false,
             oversize: false,
-            credited: false,
             vacant: false,
             has_uses: false,
             has_frames: false,
@@ -479,14 +476,14 @@ impl CachingAllocator {
     pub fn record_memory_history(&self, options: HistoryOptions) {
         self.context
             .store(options.context as u8, std::sync::atomic::Ordering::Relaxed);
-        self.settled().history.set(options);
+        self.lock().history.set(options);
     }
 
     /// The segments with their blocks (one segment per contiguous mapped run of an
     /// expandable segment) and the recorded history, as `torch.cuda.memory._snapshot()`
     /// has them. Taking a snapshot records a `snapshot` event.
     pub fn snapshot(&self) -> (Vec<SnapshotSegment>, Vec<TraceEntry>) {
-        let mut st = self.settled();
+        let mut st = self.lock();
         let state_of = |b: &Block| {
             if b.allocated {
                 "active_allocated"
@@ -557,7 +554,7 @@ impl CachingAllocator {
 
     /// `allocator_settings` of a snapshot.
     pub fn allocator_settings(&self) -> AllocatorSettings {
-        let c = self.state.lock().config.clone();
+        let c = self.lock().config.clone();
         AllocatorSettings {
             conf: c.to_string(),
             max_split_size: c.max_split_size.map_or(-1, |m| m as i64),
@@ -584,13 +581,13 @@ impl CachingAllocator {
 
     /// The configuration in force.
     pub fn config(&self) -> AllocatorConfig {
-        self.state.lock().config.clone()
+        self.lock().config.clone()
     }
 
     /// Re-parses the configuration (PyTorch's `_set_allocator_settings`); on error nothing
     /// changes.
     pub fn update_config(&self, s: &str) -> Result<(), AllocError> {
-        let mut st = self.settled();
+        let mut st = self.lock();
         st.config.update(s)?;
         st.stats.max_split_size = st.config.max_split_size.map_or(-1, |m| m as i64);
         Ok(())
@@ -602,7 +599,7 @@ impl CachingAllocator {
         if !(0.0..=1.0).contains(&fraction) {
             return Err(AllocError::InvalidFraction(fraction));
         }
-        let mut st = self.settled();
+        let mut st = self.lock();
         st.allowed_max = (fraction < 1.0).then_some((fraction * self.device_total as f64) as u64);
         st.config.per_process_memory_fraction = fraction;
         Ok(())
@@ -618,22 +615,22 @@ impl CachingAllocator {
 
     /// A copy of the statistics.
     pub fn stats(&self) -> DeviceStats {
-        self.settled().stats.snapshot()
+        self.lock().stats.snapshot()
     }
 
     /// `reset_peak_memory_stats`.
     pub fn reset_peak_stats(&self) {
-        self.settled().stats.reset_peak();
+        self.lock().stats.reset_peak();
     }
 
     /// `reset_accumulated_memory_stats`.
     pub fn reset_accumulated_stats(&self) {
-        self.settled().stats.reset_accumulated();
+        self.lock().stats.reset_accumulated();
     }
 
     /// Every block, in address order per segment.
     pub fn blocks(&self) -> Vec<BlockInfo> {
-        let st = self.settled();
+        let st = self.lock();
         let mut out = Vec::new();
         for (id, b) in st.blocks.iter().enumerate() {
             if b.prev.is_some() || b.vacant {
@@ -666,7 +663,7 @@ impl CachingAllocator {
     /// equal the sum of segments. For tests and debugging; `Err` says what differs.
     pub fn check_invariants(&self) -> Result<(), String> {
         let blocks = self.blocks();
-        let st = self.settled();
+        let st = self.lock();
         let mut by_addr: Vec<&BlockInfo> = blocks.iter().collect();
         by_addr.sort_by_key(|b| b.ptr.0);
         for w in by_addr.windows(2) {
@@ -777,7 +774,7 @@ impl CachingAllocator {
     /// Allocates `bytes` for use on `stream`. Zero bytes give a null pointer.
     pub fn allocate(&self, bytes: u64, stream: StreamHandle) -> Result<Allocation, AllocError> {
         if bytes >= ONE_EXABYTE {
-            self.state.lock().stats.num_ooms += 1;
+            self.lock().stats.num_ooms += 1;
             return Err(self.oom_report(bytes, true, stream));
         }
         if bytes == 0 {
@@ -801,22 +798,18 @@ impl CachingAllocator {
                 stream,
             });
         }
-        // The block this thread just freed, if its credit covers this request; else whether
-        // its slot needs settling. With no credit outstanding, no slot can hold a block.
-        let mut settle_own = false;
-        if self.outstanding_credits() {
-            match thread_cache::with_slot(self.id, |s| s.reuse(bytes, stream.raw)) {
-                Some(Ok((ptr, size))) => {
-                    return Ok(Allocation {
-                        ptr: DevicePtr(ptr),
-                        size,
-                        requested: bytes,
-                        stream,
-                    });
-                }
-                Some(Err(busy)) => settle_own = busy,
-                None => {}
-            }
+        // The block this thread just freed, if its credit covers this request. With no
+        // credit outstanding, no slot can hold a block.
+        if self.outstanding_credits()
+            && let Some(Some((ptr, size))) =
+                thread_cache::with_slot(self.id, |s| s.reuse(bytes, stream.raw))
+        {
+            return Ok(Allocation {
+                ptr: DevicePtr(ptr),
+                size,
+                requested: bytes,
+                stream,
+            });
         }
         // Stacks are gathered before taking the lock: they are slow.
         let context = self.context.load(std::sync::atomic::Ordering::Relaxed);
@@ -831,7 +824,7 @@ impl CachingAllocator {
         } else {
             None
         };
-        let mut st = self.lock_op(settle_own);
+        let mut st = self.lock();
         self.process_events(&mut st);
         let size = round_size(bytes, &st.config);
         let pool = st.route(stream, capture);
@@ -863,7 +856,7 @@ impl CachingAllocator {
         let granted = thread_cache::with_slot(self.id, |slot| {
             // The slot is idle (the operation began by settling it), unless it took the
             // lock more than once on the way.
-            self.settle(st, slot, true);
+            self.settle(st, slot);
             slot.grant(id, ptr, stream, credit);
         });
         if granted.is_none() {
@@ -874,7 +867,6 @@ impl CachingAllocator {
             slot.grant(id, ptr, stream, credit);
             st.slots.push(slot);
         }
-        st.blocks[id].credited = true;
         allocation
     }
 
@@ -885,94 +877,59 @@ impl CachingAllocator {
         self.shared.credits.load(Ordering::Acquire) > 0
     }
 
-    /// Locks the state for an operation of the calling thread: orphaned slots are settled,
-    /// and the thread's own slot too (its parked block freed first, so its operations apply
-    /// in order; its credit dropped, as this operation may change what the credit assumed).
-    /// `settle_own`: the caller saw its slot not idle.
+    /// Locks the state for an operation, settling every slot first: parked blocks are
+    /// freed for real and every credit is dropped. At most one thread therefore holds a
+    /// credit at any time (its grant is the last locked operation), and every locked
+    /// operation sees every free that happened before it, as under PyTorch's one mutex.
+    /// Also taken again after a driver call made outside the lock.
     #[inline(always)]
-    fn lock_op(&self, settle_own: bool) -> MutexGuard<'_, State> {
+    fn lock(&self) -> MutexGuard<'_, State> {
         let mut st = self.state.lock();
-        if self.shared.orphans.load(Ordering::Acquire) > 0 {
-            self.settle_all(&mut st, false);
-        }
-        if settle_own {
-            thread_cache::with_slot(self.id, |slot| self.settle(&mut st, slot, true));
+        // Exact under the lock: credits are granted and ended with it held.
+        if self.shared.credits.load(Ordering::Relaxed) > 0
+            || self.shared.orphans.load(Ordering::Acquire) > 0
+        {
+            self.settle_all(&mut st);
         }
         st
     }
 
-    /// Locks the state for an operation that reads or changes what every thread sees:
-    /// every slot is settled and loses its credit.
-    fn settled(&self) -> MutexGuard<'_, State> {
-        let mut st = self.state.lock();
-        self.settle_all(&mut st, true);
-        st
-    }
-
-    /// Settles every slot (dropping credits with `drop_credit`) and forgets the slots of
-    /// exited threads. Returns whether a parked block was freed.
-    fn settle_all(&self, st: &mut State, drop_credit: bool) -> bool {
+    /// Settles every slot (see [`CachingAllocator::lock`]) and forgets the slots of exited
+    /// threads.
+    fn settle_all(&self, st: &mut State) {
         self.shared.orphans.store(0, Ordering::Release);
         let slots = std::mem::take(&mut st.slots);
-        let mut freed = false;
         for slot in &slots {
-            let orphaned = slot.orphaned.load(Ordering::Acquire);
-            freed |= self.settle(st, slot, drop_credit || orphaned);
+            self.settle(st, slot);
         }
         st.slots = slots;
         st.slots.retain(|s| !s.orphaned.load(Ordering::Acquire));
-        freed
     }
 
-    /// Folds a slot's reuses into the statistics and frees its parked block for real; with
-    /// `drop_credit`, a held block stops being credited. Returns whether a block was freed.
-    fn settle(&self, st: &mut State, slot: &Slot, drop_credit: bool) -> bool {
+    /// Folds a slot's reuses into the statistics, frees its parked block for real and ends
+    /// its credit.
+    fn settle(&self, st: &mut State, slot: &Slot) {
         let Some(was) = slot.seize() else {
-            return false;
+            return;
         };
         slot.fold_into(&mut st.stats);
-        if was == HELD && !drop_credit {
-            slot.state.store(HELD, Ordering::Release);
-            return false;
-        }
         slot.end_credit();
-        let id = slot.block.load(Ordering::Relaxed);
-        st.blocks[id].credited = false;
         if was == PARKED {
+            let id = slot.block.load(Ordering::Relaxed);
             // A credited block has no other stream's uses: freeing it needs no event.
             let uses = st.release_live(id, None);
             debug_assert!(uses.is_empty());
             st.free_block(id);
         }
-        was == PARKED
     }
 
-    /// Takes a credited block out of its slot before another thread frees it or records a
-    /// stream on it. `Err` when its owner already freed it (the caller's pointer is dead).
-    fn uncredit(&self, st: &mut State, id: usize) -> Result<(), AllocError> {
-        let ptr = st.blocks[id].ptr;
-        // A slot's address changes only under the lock, which the caller holds.
-        for slot in st
-            .slots
-            .iter()
-            .filter(|s| s.ptr.load(Ordering::Relaxed) == ptr)
-        {
-            match slot.seize() {
-                Some(PARKED) => {
-                    slot.state.store(PARKED, Ordering::Release);
-                    return Err(AllocError::InvalidPointer(DevicePtr(ptr)));
-                }
-                Some(_) => {
-                    slot.fold_into(&mut st.stats);
-                    slot.end_credit();
-                }
-                None => {}
-            }
-        }
-        st.blocks[id].credited = false;
-        Ok(())
-    }
-
+    /// What `DeviceCachingAllocator::malloc` (c10/cuda/CUDACachingAllocator.cpp) does when
+    /// best fit finds nothing: garbage collection (with a memory fraction), a new segment,
+    /// the oversize release (`release_available_cached_blocks`) and a new segment, then
+    /// `release_cached_blocks` (every event waited for, every cached segment of the default
+    /// pool and of unretained private pools freed) and a last, counted retry. The
+    /// ferrocuda-only keys `garbage_collection_without_fraction`, `cross_stream_reuse`,
+    /// `oom_search_after_sync` and `oom_release_partial` add their steps.
     fn slow_path<'a>(
         &'a self,
         mut st: MutexGuard<'a, State>,
@@ -986,23 +943,15 @@ impl CachingAllocator {
             ..
         } = req;
         let segment = allocation_size(size, &st.config);
-        // Blocks other threads parked are free in PyTorch's eyes: free them before growing.
-        if self.settle_all(&mut st, false)
-            && let Some(id) = st.take_free_block(pool, kind, stream, size)
-        {
-            return Ok(self.hand_out(&mut st, id, &req));
-        }
         // While a capture is underway nothing may be freed or synchronized: only new memory.
         let capturing = st.capturing();
-        if st.config.garbage_collection_threshold > 0.0 && !capturing {
-            st = self.garbage_collect(st);
-            if let Some(id) = st.take_free_block(pool, kind, stream, size) {
-                return Ok(self.hand_out(&mut st, id, &req));
-            }
+        if st.gc_enabled() && !capturing {
+            let limit = st.allowed_max.unwrap_or(self.device_total);
+            st = self.garbage_collect(st, limit);
         }
         if st.config.cross_stream_reuse
             && !capturing
-            && let Some(id) = self.take_from_other_stream(&mut st, kind, stream, size)?
+            && let Some(id) = self.take_from_other_stream(&mut st, pool, kind, stream, size)?
         {
             return Ok(self.hand_out(&mut st, id, &req));
         }
@@ -1011,35 +960,43 @@ impl CachingAllocator {
         if let Some(id) = found {
             return Ok(self.hand_out(&mut st, id, &req));
         }
-        if st.config.max_split_size.is_some() && !capturing {
-            st = self.release_oversize(st, size, kind, stream);
-            let (s, found) = self.grow(st, size, segment, pool, kind, stream)?;
+        // The oversize release touches the default pool only: PyTorch's also frees blocks
+        // of a private pool being recorded to (pytorch#159594).
+        if st.config.max_split_size.is_some() && pool.is_default() && !capturing {
+            let (s, enough) = self.release_oversize(st, size, kind, stream);
             st = s;
-            if let Some(id) = found {
-                return Ok(self.hand_out(&mut st, id, &req));
+            if enough || st.config.oom_release_partial {
+                let (s, found) = self.grow(st, size, segment, pool, kind, stream)?;
+                st = s;
+                if let Some(id) = found {
+                    return Ok(self.hand_out(&mut st, id, &req));
+                }
             }
         }
-        // Wait for blocks held by other streams' events, then look again: the block we
-        // need may have become free (PyTorch never looks again: #189504).
         if capturing {
             // No synchronization and no cudaFree while a capture is underway.
             st.stats.num_ooms += 1;
             drop(st);
             return Err(self.oom_report(segment, false, stream));
         }
-        st = self.synchronize_events(st);
-        if let Some(id) = st.take_free_block(pool, kind, stream, size) {
-            return Ok(self.hand_out(&mut st, id, &req));
+        if st.config.oom_search_after_sync {
+            // The block needed may be one that other streams' events held back (PyTorch
+            // never looks again: pytorch#189504).
+            st = self.synchronize_events(st);
+            if let Some(id) = st.take_free_block(pool, kind, stream, size) {
+                return Ok(self.hand_out(&mut st, id, &req));
+            }
         }
-        // Free only as much cached memory as the request needs, largest blocks first...
-        st = self.release_cached(st, Some(segment));
-        let (s, found) = self.grow(st, size, segment, pool, kind, stream)?;
-        st = s;
-        if let Some(id) = found {
-            return Ok(self.hand_out(&mut st, id, &req));
+        if st.config.oom_release_partial {
+            // As much cached memory as the request needs, largest segments first.
+            st = self.release_cached(st, Some(segment));
+            let (s, found) = self.grow(st, size, segment, pool, kind, stream)?;
+            st = s;
+            if let Some(id) = found {
+                return Ok(self.hand_out(&mut st, id, &req));
+            }
         }
-        // ... then everything, as PyTorch does, and retry once more.
-        st = self.release_cached(st, None);
+        st = self.release_cached(self.synchronize_events(st), None);
         st.stats.num_alloc_retries += 1;
         let (s, found) = self.grow(st, size, segment, pool, kind, stream)?;
         st = s;
@@ -1080,11 +1037,8 @@ impl CachingAllocator {
         kind: PoolKind,
         stream: StreamHandle,
     ) -> Result<(MutexGuard<'a, State>, Option<usize>), AllocError> {
-        if st
-            .allowed_max
-            .is_some_and(|max| st.total_reserved + bytes > max)
-        {
-            return Ok((st, None));
+        if st.over_fraction(bytes) {
+            return self.refuse_over_fraction(st, bytes);
         }
         st.total_reserved += bytes;
         let capturing = !st.routes.is_empty();
@@ -1100,7 +1054,7 @@ impl CachingAllocator {
         if let Some(mode) = previous {
             let _ = self.driver.exchange_capture_mode(mode);
         }
-        let mut st = self.state.lock();
+        let mut st = self.lock();
         match result {
             Ok(ptr) => {
                 let id = st.insert_block(Block::new(
@@ -1139,12 +1093,14 @@ impl CachingAllocator {
         }
     }
 
-    /// `cross_stream_reuse`: the smallest whole free segment of another stream that fits
+    /// `cross_stream_reuse`: the smallest whole free segment of the request's pool, cached by
+    /// another stream, that fits
     /// (oversize rules apply), moved to `stream`, which is made to wait for the work its old
     /// stream enqueued so far. Only whole segments move, so a segment never mixes streams.
     fn take_from_other_stream(
         &self,
         st: &mut State,
+        pool: PoolId,
         kind: PoolKind,
         stream: StreamHandle,
         size: u64,
@@ -1160,7 +1116,8 @@ impl CachingAllocator {
             .pools
             .keys_of(kind)
             .filter(|k| {
-                k.stream != stream.raw
+                k.pool == pool
+                    && k.stream != stream.raw
                     && fits(k)
                     && !st.blocks[k.id].is_split()
                     && st.blocks[k.id].segment.is_none()
@@ -1187,6 +1144,26 @@ impl CachingAllocator {
         Ok(Some(found.id))
     }
 
+    /// A growth the memory fraction does not allow: no memory (the path goes on), or with
+    /// `throw_on_cudamalloc_oom` an out-of-memory error at once, counted in
+    /// `num_oom_rejections` (PyTorch's `alloc_block`, skipping every retry).
+    fn refuse_over_fraction<'a>(
+        &'a self,
+        mut st: MutexGuard<'a, State>,
+        bytes: u64,
+    ) -> Result<(MutexGuard<'a, State>, Option<usize>), AllocError> {
+        if !st.config.throw_on_cudamalloc_oom {
+            return Ok((st, None));
+        }
+        st.stats.num_oom_rejections += 1;
+        drop(st);
+        let mut report = self.oom_report(bytes, false, StreamHandle::legacy(self.device));
+        if let AllocError::OutOfMemory(oom) = &mut report {
+            oom.rejected_by_fraction = true;
+        }
+        Err(report)
+    }
+
     fn driver_oom(&self, e: DriverError, bytes: u64) -> AllocError {
         if e.is_out_of_memory() {
             self.oom_report(bytes, false, StreamHandle::legacy(self.device))
@@ -1202,7 +1179,7 @@ impl CachingAllocator {
         stream: StreamHandle,
     ) -> AllocError {
         let device_free = self.driver.mem_get_info(self.device).map_or(0, |(f, _)| f);
-        let mut st = self.state.lock();
+        let mut st = self.lock();
         st.history.record_oom(requested, device_free, stream.raw);
         let mut per_stream: FxHashMap<u64, (StreamHandle, u64)> = FxHashMap::default();
         let mut largest = 0;
@@ -1229,6 +1206,7 @@ impl CachingAllocator {
             cached_per_stream,
             non_releasable: st.stats.inactive_split_bytes.current() as u64,
             expandable_segments: st.config.expandable_segments,
+            rejected_by_fraction: false,
         };
         drop(st);
         let observers = self.oom_observers.lock().clone();
@@ -1251,23 +1229,17 @@ impl CachingAllocator {
                 .ok_or(AllocError::InvalidPointer(ptr))?;
             return Ok(self.driver.free(self.device, ptr)?);
         }
-        let mut settle_own = false;
-        if self.outstanding_credits() {
-            match thread_cache::with_slot(self.id, |slot| slot.park(ptr.0)) {
-                Some(Ok(())) => return Ok(()),
-                Some(Err(busy)) => settle_own = busy,
-                None => {}
-            }
+        if self.outstanding_credits()
+            && thread_cache::with_slot(self.id, |slot| slot.park(ptr.0)) == Some(true)
+        {
+            return Ok(());
         }
         let context = self.context.load(std::sync::atomic::Ordering::Relaxed);
         let free_frames = (context >= HistoryContext::All as u8).then(capture_frames);
-        let mut st = self.lock_op(settle_own);
+        let mut st = self.lock();
         let Some(id) = st.allocated_at(ptr.0) else {
             return Err(AllocError::InvalidPointer(ptr));
         };
-        if st.blocks[id].credited {
-            self.uncredit(&mut st, id)?;
-        }
         let uses = st.release_live(id, free_frames.as_ref());
         if uses.is_empty() {
             st.free_block(id);
@@ -1313,7 +1285,7 @@ impl CachingAllocator {
         let waited: Result<(), DriverError> = unrecorded
             .iter()
             .try_for_each(|s| self.driver.stream_synchronize(*s));
-        let mut st = self.state.lock();
+        let mut st = self.lock();
         st.blocks[id].event_count -= 1;
         if st.blocks[id].event_count == 0 {
             st.free_block(id);
@@ -1327,9 +1299,7 @@ impl CachingAllocator {
         if ptr.0 == 0 || !self.caching {
             return Ok(());
         }
-        let busy = self.outstanding_credits()
-            && thread_cache::with_slot(self.id, Slot::busy) == Some(true);
-        let mut st = self.lock_op(busy);
+        let mut st = self.lock();
         // A pointer inside an allocation (a view with an offset) protects the allocation.
         let id = match st.allocated_at(ptr.0) {
             Some(id) => id,
@@ -1342,10 +1312,6 @@ impl CachingAllocator {
         let b = &st.blocks[id];
         if stream.raw == b.stream || b.stream_uses.contains(&stream) {
             return Ok(());
-        }
-        // A block used by another stream needs events when freed: no lock-free reuse.
-        if b.credited {
-            self.uncredit(&mut st, id)?;
         }
         let b = &mut st.blocks[id];
         b.stream_uses.push(stream);
@@ -1401,18 +1367,20 @@ impl CachingAllocator {
         st.events.retain(|_, q| !q.is_empty());
     }
 
-    /// Waits (outside the lock) for every outstanding event and frees their blocks.
+    /// `synchronize_and_free_events`: waits (outside the lock) for every outstanding event
+    /// and frees their blocks; counted in `num_sync_all_streams` whether or not any was
+    /// outstanding, as PyTorch counts it.
     fn synchronize_events<'a>(&'a self, mut st: MutexGuard<'a, State>) -> MutexGuard<'a, State> {
+        st.stats.num_sync_all_streams += 1;
         if st.pending_events == 0 {
             return st;
         }
-        st.stats.num_sync_all_streams += 1;
         let events: Vec<(EventHandle, usize)> = st.events.drain().flat_map(|(_, q)| q).collect();
         drop(st);
         for (event, _) in &events {
             let _ = self.driver.event_synchronize(*event);
         }
-        let mut st = self.state.lock();
+        let mut st = self.lock();
         for (event, id) in events {
             st.complete_event(event, id);
         }
@@ -1435,7 +1403,7 @@ impl CachingAllocator {
             // A failed free leaves the address unusable; it was already unaccounted.
             let _ = self.driver.free(self.device, DevicePtr(p));
         }
-        self.state.lock()
+        self.lock()
     }
 
     /// Releases whole free segments: all of them (`None`) or, largest first, until
@@ -1471,80 +1439,96 @@ impl CachingAllocator {
         self.release_expandable(st, Unmap::All)
     }
 
-    /// With `max_split_size` set, frees oversize cached segments of this stream first.
+    /// `release_available_cached_blocks`, with `max_split_size` (M) set, for a request of
+    /// rounded `size` in the default pool: the smallest free block of this stream of at
+    /// least `max(size, M)` is freed if it is an ordinary one; else this stream's blocks
+    /// below that, largest first, while they are oversize, until as many bytes are freed
+    /// (expandable ones are passed over). Returns whether enough was freed; what was freed
+    /// stays freed either way.
     fn release_oversize<'a>(
         &'a self,
         mut st: MutexGuard<'a, State>,
         size: u64,
         kind: PoolKind,
         stream: StreamHandle,
-    ) -> MutexGuard<'a, State> {
+    ) -> (MutexGuard<'a, State>, bool) {
         let Some(m) = st.config.max_split_size else {
-            return st;
+            return (st, false);
         };
-        let key = size.max(m);
-        let mine = st.pools.keys_of(kind).filter(|k| {
-            k.stream == stream.raw
-                && !st.blocks[k.id].is_split()
-                && st.blocks[k.id].segment.is_none()
-                && k.size >= m
-        });
-        let mut victims: Vec<FreeKey> = mine.collect();
-        victims.sort_by_key(|k| std::cmp::Reverse(k.size));
-        let single = victims.iter().rev().find(|k| k.size >= key).copied();
-        let chosen: Vec<FreeKey> = match single {
-            Some(k) => vec![k],
-            None => {
+        let wanted = size.max(m);
+        let Some(list) = st.pools.list(PoolId::DEFAULT, stream.raw, kind) else {
+            return (st, false);
+        };
+        let whole = |id: usize| st.blocks[id].segment.is_none() && !st.blocks[id].is_split();
+        let (chosen, enough) = match list.first_from(key(wanted, 0)) {
+            Some(f) if st.blocks[f.id].segment.is_none() => (vec![f.id], true),
+            _ => {
+                let below: Vec<(u64, usize)> = list
+                    .iter()
+                    .map(|(k, id)| (key_size(k), id))
+                    .take_while(|(size, _)| *size < wanted)
+                    .collect();
                 let mut total = 0;
-                victims
-                    .into_iter()
-                    .take_while(|k| {
-                        let more = total < key;
-                        total += k.size;
-                        more
-                    })
-                    .collect()
+                let mut chosen = Vec::new();
+                for &(size, id) in below.iter().rev() {
+                    if total >= wanted || size < m {
+                        break;
+                    }
+                    if whole(id) {
+                        total += size;
+                        chosen.push(id);
+                    }
+                }
+                (chosen, total >= wanted)
             }
         };
         let ptrs = chosen
             .into_iter()
-            .map(|k| st.release_segment(k.id))
+            .map(|id| st.release_segment(id))
             .collect();
-        self.free_segments(st, ptrs)
+        (self.free_segments(st, ptrs), enough)
     }
 
-    /// `garbage_collection_threshold`: frees the oldest whole free large segments until
-    /// reserved memory is under the threshold. Works without a memory fraction too (the
-    /// device's memory is the limit then), unlike PyTorch.
-    fn garbage_collect<'a>(&'a self, mut st: MutexGuard<'a, State>) -> MutexGuard<'a, State> {
-        let limit_base = st.allowed_max.unwrap_or(self.device_total);
-        let limit = (st.config.garbage_collection_threshold * limit_base as f64) as u64;
-        if st.total_reserved <= limit {
+    /// `garbage_collect_cached_blocks`: once more than `garbage_collection_threshold` of
+    /// `limit` is reserved, frees whole free segments of the default large pool whose age
+    /// (searches of that pool since the block was freed) is at least the average, round
+    /// after round, until the excess is reclaimed or a round frees nothing. Expandable
+    /// blocks count in the average but are never freed, as in PyTorch.
+    fn garbage_collect<'a>(
+        &'a self,
+        mut st: MutexGuard<'a, State>,
+        limit: u64,
+    ) -> MutexGuard<'a, State> {
+        let threshold = (st.config.garbage_collection_threshold * limit as f64) as u64;
+        if st.total_reserved <= threshold {
             return st;
         }
-        let target = st.total_reserved - limit;
+        let target = st.total_reserved - threshold;
+        let mut candidates: Vec<(usize, u64)> = st
+            .pools
+            .keys_of(PoolKind::Large)
+            .filter(|k| k.pool.is_default() && !st.blocks[k.id].is_split())
+            .map(|k| (k.id, st.gc_clock - st.blocks[k.id].gc_base))
+            .collect();
+        let mut total_age: u64 = candidates.iter().map(|(_, age)| age).sum();
         let mut reclaimed = 0;
         let mut ptrs = Vec::new();
-        loop {
-            let candidates: Vec<FreeKey> = st
-                .pools
-                .keys_of(PoolKind::Large)
-                .filter(|k| !st.blocks[k.id].is_split() && st.blocks[k.id].segment.is_none())
-                .collect();
-            if candidates.is_empty() || reclaimed >= target {
-                break;
+        let mut freed_any = true;
+        while reclaimed < target && freed_any && !candidates.is_empty() {
+            let average = total_age as f64 / candidates.len() as f64;
+            freed_any = false;
+            let mut kept = Vec::with_capacity(candidates.len());
+            for (id, age) in candidates {
+                if st.blocks[id].segment.is_none() && age as f64 >= average {
+                    freed_any = true;
+                    reclaimed += st.blocks[id].size;
+                    total_age -= age;
+                    ptrs.push(st.release_segment(id));
+                } else {
+                    kept.push((id, age));
+                }
             }
-            let age = |k: &FreeKey| st.gc_clock - st.blocks[k.id].gc_base;
-            let average = candidates.iter().map(age).sum::<u64>() / candidates.len() as u64;
-            let old: Vec<FreeKey> = candidates
-                .iter()
-                .filter(|k| age(k) >= average)
-                .copied()
-                .collect();
-            for k in old {
-                reclaimed += k.size;
-                ptrs.push(st.release_segment(k.id));
-            }
+            candidates = kept;
         }
         self.free_segments(st, ptrs)
     }
@@ -1552,11 +1536,11 @@ impl CachingAllocator {
     /// `empty_cache`: waits for outstanding events, then gives every whole free segment
     /// back to the driver. Segments with a live piece stay (the "non-releasable" memory).
     pub fn empty_cache(&self) {
-        if !self.caching || self.state.lock().capturing() {
+        if !self.caching || self.lock().capturing() {
             // Nothing is synchronized or freed while a capture is underway.
             return;
         }
-        let st = self.synchronize_events(self.settled());
+        let st = self.synchronize_events(self.lock());
         drop(self.release_cached(st, None));
     }
 }
@@ -1780,7 +1764,9 @@ impl State {
         stream: StreamHandle,
         size: u64,
     ) -> Option<usize> {
-        if self.config.garbage_collection_threshold > 0.0 {
+        // PyTorch's `get_free_blocks_call_count` of the pool searched, kept for the only
+        // pool whose blocks garbage collection frees, and only while it is on.
+        if pool.is_default() && kind == PoolKind::Large && self.gc_enabled() {
             self.gc_clock += 1;
         }
         let best = self.best_fit(pool, kind, stream, size)?;
@@ -2170,7 +2156,7 @@ impl CachingAllocator {
         let bytes = want.clamp(page, cap.max(page)).div_ceil(page) * page;
         drop(st);
         let va = self.driver.vm_reserve(self.device, bytes)?;
-        let mut st = self.state.lock();
+        let mut st = self.lock();
         let segment = st.segments.len();
         st.segments.push(Some(ExpandableSegment {
             va,
@@ -2268,13 +2254,10 @@ impl CachingAllocator {
             !take
         });
         let created = to_map - reuse.len() as u64 * page;
-        if st
-            .allowed_max
-            .is_some_and(|max| st.total_reserved + created > max)
-        {
+        if st.over_fraction(created) {
             st.spare_pages[kind.index()].extend(reuse.into_iter().map(|h| (h, page)));
             st.undo_grow(&plan);
-            return Ok((st, None));
+            return self.refuse_over_fraction(st, created);
         }
         st.total_reserved += created;
         let jobs: Vec<(u64, u64)> = plan
@@ -2289,7 +2272,7 @@ impl CachingAllocator {
             .collect();
         drop(st);
         let (mapped, spare_back) = self.map_pages(&jobs, page, reuse);
-        let mut st = self.state.lock();
+        let mut st = self.lock();
         st.spare_pages[kind.index()].extend(spare_back.into_iter().map(|h| (h, page)));
         let handles = match mapped {
             Ok(h) => h,
@@ -2503,7 +2486,7 @@ impl CachingAllocator {
                 }
             }
         }
-        let mut st = self.state.lock();
+        let mut st = self.lock();
         let mut ranges = Vec::new();
         for (mid, addr, bytes, handles, stream, kind) in jobs {
             st.history
@@ -2529,7 +2512,7 @@ impl CachingAllocator {
         for va in ranges {
             let _ = self.driver.vm_release(va);
         }
-        self.state.lock()
+        self.lock()
     }
 
     /// Gives the spare pages of `expandable_segments_reclaim` back to the driver.
@@ -2546,7 +2529,7 @@ impl CachingAllocator {
         for (h, _) in spare.iter().flat_map(|(_, h)| h) {
             let _ = self.driver.vm_destroy(*h);
         }
-        let mut st = self.state.lock();
+        let mut st = self.lock();
         for (kind, handles) in spare {
             let bytes: u64 = handles.iter().map(|(_, p)| p).sum();
             st.stats.reserved_bytes.decrease(kind, bytes as i64);
@@ -2610,6 +2593,18 @@ impl State {
         }
     }
 
+    /// Whether growing by `bytes` would pass the memory fraction's limit.
+    fn over_fraction(&self, bytes: u64) -> bool {
+        self.allowed_max
+            .is_some_and(|max| self.total_reserved.saturating_add(bytes) > max)
+    }
+
+    /// Whether garbage collection runs (PyTorch: a memory fraction and a threshold).
+    fn gc_enabled(&self) -> bool {
+        self.config.garbage_collection_threshold > 0.0
+            && (self.allowed_max.is_some() || self.config.garbage_collection_without_fraction)
+    }
+
     /// Whether the blocks of `pool` may be given back to the driver.
     fn releasable(&self, pool: PoolId) -> bool {
         pool.is_default() || self.private.get(&pool).is_some_and(|p| p.use_count == 0)
@@ -2637,7 +2632,7 @@ impl CachingAllocator {
     /// the driver at the next `empty_cache` (or OOM retry); blocks still allocated from it
     /// stay valid until freed.
     pub fn release_pool(&self, pool: PoolId) -> Result<(), AllocError> {
-        let mut st = self.state.lock();
+        let mut st = self.lock();
         let p = st.private.get_mut(&pool).filter(|p| p.use_count > 0);
         let p =
             p.ok_or_else(|| AllocError::Pool(format!("releasePool: pool {pool} is not in use")))?;
@@ -2650,7 +2645,7 @@ impl CachingAllocator {
 
     /// Users of `pool` (`getPoolUseCount`), if it exists.
     pub fn pool_use_count(&self, pool: PoolId) -> Option<u32> {
-        self.state.lock().private.get(&pool).map(|p| p.use_count)
+        self.lock().private.get(&pool).map(|p| p.use_count)
     }
 
     /// Routes allocations that `route` takes into `pool` until [`end_allocate_to_pool`]
@@ -2663,7 +2658,7 @@ impl CachingAllocator {
                 "beginAllocateToPool: the default pool cannot be recorded to".into(),
             ));
         }
-        let mut st = self.settled();
+        let mut st = self.lock();
         if st.routes.iter().any(|(p, _)| *p == pool) {
             return Err(AllocError::Pool(format!(
                 "beginAllocateToPool: already recording to mempool_id {pool}"
@@ -2684,7 +2679,7 @@ impl CachingAllocator {
 
     /// Stops routing into `pool` (`endAllocateToPool`); the pool keeps its user.
     pub fn end_allocate_to_pool(&self, pool: PoolId) -> Result<(), AllocError> {
-        let mut st = self.state.lock();
+        let mut st = self.lock();
         let i = st.routes.iter().position(|(p, _)| *p == pool);
         let i = i.ok_or_else(|| {
             AllocError::Pool(format!(

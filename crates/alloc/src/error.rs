@@ -61,12 +61,24 @@ pub struct OutOfMemory {
     pub non_releasable: u64,
     /// Whether expandable segments are on.
     pub expandable_segments: bool,
+    /// Refused up front for passing the memory fraction (`throw_on_cudamalloc_oom`).
+    pub rejected_by_fraction: bool,
 }
 
 impl fmt::Display for OutOfMemory {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         if self.beyond_one_exabyte {
             return f.write_str("CUDA out of memory. Tried to allocate more than 1EB memory.");
+        }
+        if self.rejected_by_fraction {
+            // PyTorch's `alloc_block` with `throw_on_cudamalloc_oom`.
+            return write!(
+                f,
+                "CUDA out of memory. Allocation was preemptively rejected because it would exceed per_process_memory_fraction limit. Requested size: {}. Total allocated memory: {}. Memory limit: {}. Set throw_on_cudamalloc_oom:false to disable.",
+                format_size(self.requested),
+                format_size(self.reserved),
+                format_size(self.allowed.unwrap_or(self.device_total)),
+            );
         }
         write!(
             f,

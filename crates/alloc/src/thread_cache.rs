@@ -7,12 +7,13 @@
 //! the very same block and leave every other block as it was (no neighbour merged in front,
 //! a merged remainder split off again, no better-fitting free block, no intermediate
 //! statistic above its peak). A reuse then changes nothing but cumulative counters, which
-//! the credit records and which are folded into the statistics before anyone reads them.
-//! Reads, resets, snapshots, configuration and history changes, captures and `empty_cache`
-//! settle every slot first (parked blocks are freed for real, credits dropped). Every
-//! operation of a thread that takes the lock settles its own slot first, so a thread's
-//! operations apply in its program order; another thread sees a parked block once it is
-//! settled, and a request that would otherwise grow the cache settles all slots first.
+//! the credit records and which are folded into the statistics when the slot is settled.
+//! Every operation that takes the allocator's lock, of any thread, settles every slot first
+//! (parked blocks are freed for real, credits end). So at most one thread holds a credit at
+//! a time, the one whose locked operation came last, and its lock-free operations are a
+//! sequence that no other thread's operation interleaves: each of them is what the
+//! single-lock path would do at that point. Another thread's operation that comes later
+//! (a hand-over, or just a race lost) sees every free parked before it.
 use crate::tally::Tally;
 use ferrocuda_types::PoolKind;
 use std::cell::RefCell;
@@ -185,30 +186,21 @@ impl Slot {
         }
     }
 
-    /// Whether the slot holds a block (its owner settles it before taking the lock).
-    pub(crate) fn busy(&self) -> bool {
-        self.state.load(Ordering::Relaxed) != IDLE
-    }
-
-    /// The owner's lock-free free: parks `ptr` if it is the held block, else says whether
-    /// the slot must be settled under the lock.
+    /// The owner's lock-free free: parks `ptr` if it is the held block (else the caller
+    /// takes the lock, which settles the slot first).
     #[inline]
-    pub(crate) fn park(&self, ptr: u64) -> Result<(), bool> {
-        if self.ptr.load(Ordering::Relaxed) == ptr
+    pub(crate) fn park(&self, ptr: u64) -> bool {
+        self.ptr.load(Ordering::Relaxed) == ptr
             && self
                 .state
                 .compare_exchange(HELD, PARKED, Ordering::AcqRel, Ordering::Relaxed)
                 .is_ok()
-        {
-            return Ok(());
-        }
-        Err(self.busy())
     }
 
-    /// The owner's lock-free allocation: the parked block, if the request is the one its
-    /// credit was granted for (its address and size); else what the slot needs.
+    /// The owner's lock-free allocation: the parked block's address and size, if the
+    /// request is the one its credit was granted for.
     #[inline]
-    pub(crate) fn reuse(&self, bytes: u64, stream: u64) -> Result<(u64, u64), bool> {
+    pub(crate) fn reuse(&self, bytes: u64, stream: u64) -> Option<(u64, u64)> {
         if self.requested.load(Ordering::Relaxed) != bytes
             || self.stream.load(Ordering::Relaxed) != stream
             || self
@@ -216,12 +208,12 @@ impl Slot {
                 .compare_exchange(PARKED, BUSY, Ordering::Acquire, Ordering::Relaxed)
                 .is_err()
         {
-            return Err(self.busy());
+            return None;
         }
         let reuses = self.reuses.load(Ordering::Relaxed);
         self.reuses.store(reuses + 1, Ordering::Relaxed);
         self.state.store(HELD, Ordering::Release);
-        Ok((
+        Some((
             self.ptr.load(Ordering::Relaxed),
             self.size.load(Ordering::Relaxed),
         ))

@@ -178,9 +178,42 @@ fn out_of_memory_message_and_one_exabyte() -> TestResult {
     Ok(())
 }
 
+/// PyTorch's `release_cached_blocks` under out of memory: every cached segment goes, one
+/// retry and one sync of all streams are counted.
+#[test]
+fn out_of_memory_frees_every_cached_segment_and_counts_a_retry() -> TestResult {
+    let (fake, a) = setup(GIB, "", Completion::Eager);
+    let keep = a.allocate(100 * MIB, LEGACY)?;
+    let cached = [
+        a.allocate(300 * MIB, LEGACY)?,
+        a.allocate(200 * MIB, LEGACY)?,
+    ];
+    cached.iter().try_for_each(|c| a.free(c.ptr))?;
+    let frees_before = fake.calls(Call::Free);
+    let big = a.allocate(600 * MIB, LEGACY)?;
+    assert_eq!(
+        fake.calls(Call::Free),
+        frees_before + 2,
+        "both cached segments"
+    );
+    for (key, value) in [
+        ("num_alloc_retries", 1),
+        ("num_sync_all_streams", 1),
+        ("num_device_free", 2),
+        ("reserved_bytes.all.current", 700 * MIB as i64),
+    ] {
+        assert_eq!(stat(&a, key), value, "{key}");
+    }
+    a.free(big.ptr)?;
+    a.free(keep.ptr)?;
+    a.check_invariants()?;
+    Ok(())
+}
+
+/// `oom_release_partial`: the largest cached segments go only until the request fits.
 #[test]
 fn out_of_memory_retry_frees_only_what_it_needs() -> TestResult {
-    let (fake, a) = setup(GIB, "", Completion::Eager);
+    let (fake, a) = setup(GIB, "oom_release_partial:True", Completion::Eager);
     let keep = a.allocate(100 * MIB, LEGACY)?;
     let first = a.allocate(500 * MIB, LEGACY)?;
     a.free(first.ptr)?;
@@ -264,9 +297,35 @@ fn record_stream_delays_reuse_until_the_stream_catches_up() -> TestResult {
     Ok(())
 }
 
+/// PyTorch waits for every stream's events under out of memory, then frees every cached
+/// segment and retries: the block held back by the event is given back, not reused.
+#[test]
+fn record_stream_blocks_are_released_when_memory_runs_out() -> TestResult {
+    let (fake, a) = setup(64 * MIB, "", Completion::Manual);
+    let s0 = new_stream(&fake)?;
+    let s1 = new_stream(&fake)?;
+    let x = a.allocate(40 * MIB, s0)?;
+    fake.memset_async(x.ptr, MemsetValue::U8(1), 16, s1)?;
+    a.record_stream(x.ptr, s1)?;
+    a.free(x.ptr)?;
+    let y = a.allocate(40 * MIB, s0)?;
+    for (key, value) in [
+        ("num_sync_all_streams", 1),
+        ("num_alloc_retries", 1),
+        ("num_device_free", 1),
+        ("segment.all.current", 1),
+    ] {
+        assert_eq!(stat(&a, key), value, "{key}");
+    }
+    a.free(y.ptr)?;
+    a.check_invariants()?;
+    Ok(())
+}
+
+/// `oom_search_after_sync`: the cache is searched again once the events are waited for.
 #[test]
 fn record_stream_blocks_are_reclaimed_when_memory_runs_out() -> TestResult {
-    let (fake, a) = setup(64 * MIB, "", Completion::Manual);
+    let (fake, a) = setup(64 * MIB, "oom_search_after_sync:True", Completion::Manual);
     let s0 = new_stream(&fake)?;
     let s1 = new_stream(&fake)?;
     let x = a.allocate(40 * MIB, s0)?;
@@ -346,9 +405,32 @@ fn without_caching_every_request_goes_to_the_driver() -> TestResult {
     Ok(())
 }
 
+/// PyTorch collects garbage only under a memory fraction (`garbage_collect_cached_blocks`
+/// is called only with `set_fraction`).
+#[test]
+fn garbage_collection_needs_a_fraction() -> TestResult {
+    let (_, a) = setup(GIB, "garbage_collection_threshold:0.5", Completion::Eager);
+    let olds: Vec<_> = (0..4)
+        .map(|_| a.allocate(120 * MIB, LEGACY))
+        .collect::<Result<_, _>>()?;
+    olds.iter().try_for_each(|o| a.free(o.ptr))?;
+    let x = a.allocate(200 * MIB, LEGACY)?;
+    let y = a.allocate(200 * MIB, LEGACY)?;
+    assert_eq!(stat(&a, "num_device_free"), 0);
+    a.free(x.ptr)?;
+    a.free(y.ptr)?;
+    a.check_invariants()?;
+    Ok(())
+}
+
+/// `garbage_collection_without_fraction`: the device's memory is the limit.
 #[test]
 fn garbage_collection_frees_old_segments_without_a_fraction() -> TestResult {
-    let (_, a) = setup(GIB, "garbage_collection_threshold:0.5", Completion::Eager);
+    let (_, a) = setup(
+        GIB,
+        "garbage_collection_threshold:0.5,garbage_collection_without_fraction:True",
+        Completion::Eager,
+    );
     let olds: Vec<_> = (0..4)
         .map(|_| a.allocate(120 * MIB, LEGACY))
         .collect::<Result<_, _>>()?;
@@ -1030,6 +1112,81 @@ mod thread_cache {
         assert_eq!(stat(&a, "allocation.all.allocated"), 1500);
         assert_eq!(stat(&a, "allocation.all.current"), 0);
         a.check_invariants()?;
+        Ok(())
+    }
+
+    /// Runs `f` on a new thread and waits for it: everything before happens-before it, and
+    /// it happens-before everything after.
+    fn on_another_thread<T: Send>(
+        f: impl FnOnce() -> Result<T, AllocError> + Send,
+    ) -> Result<T, Box<dyn std::error::Error>> {
+        let result =
+            std::thread::scope(|s| s.spawn(f).join()).map_err(|_| "the other thread panicked")?;
+        Ok(result?)
+    }
+
+    /// Thread A frees, then hands over to thread B: B's request sees A's free, as under
+    /// PyTorch's one mutex (A's block comes back, not a new piece of the segment).
+    #[test]
+    fn a_block_freed_before_a_hand_over_serves_the_other_thread() -> TestResult {
+        let (_, a) = setup(80 * GIB, "", Completion::Eager);
+        let x = a.allocate(MIB, LEGACY)?;
+        a.free(x.ptr)?;
+        let y = on_another_thread(|| a.allocate(MIB, LEGACY))?;
+        assert_eq!(y.ptr, x.ptr);
+        assert_eq!(stat(&a, "allocated_bytes.all.peak"), MIB as i64);
+        assert_eq!(stat(&a, "active_bytes.all.peak"), MIB as i64);
+        assert_eq!(stat(&a, "requested_bytes.all.peak"), MIB as i64);
+        a.check_invariants()?;
+        Ok(())
+    }
+
+    /// Another thread's request after a hand-over processes events first: a block freed
+    /// behind `record_stream`, whose stream has since finished, is found by the owner of
+    /// the last credit too.
+    #[test]
+    fn a_request_after_another_threads_record_stream_free_processes_events() -> TestResult {
+        let (fake, a) = setup(80 * GIB, "", Completion::Manual);
+        let s1 = new_stream(&fake)?;
+        let x = a.allocate(MIB, LEGACY)?;
+        a.free(x.ptr)?; // parked in this thread's slot
+        let y = a.allocate(MIB, LEGACY)?;
+        assert_eq!(y.ptr, x.ptr);
+        on_another_thread(|| {
+            a.record_stream(y.ptr, s1)?;
+            a.free(y.ptr)
+        })?;
+        fake.advance(s1, None)?;
+        let z = a.allocate(MIB, LEGACY)?;
+        assert_eq!(z.ptr, x.ptr, "the event completed: the block is free again");
+        assert_eq!(stat(&a, "active.all.current"), 1);
+        a.check_invariants()?;
+        Ok(())
+    }
+
+    /// A layout change by another thread around a block this thread keeps reusing: the
+    /// statistics stay those of the single-lock path.
+    #[test]
+    fn another_threads_split_around_a_reused_block_keeps_the_books() -> TestResult {
+        let run = |config: &str| -> Result<Vec<i64>, Box<dyn std::error::Error>> {
+            let (_, a) = setup(80 * GIB, config, Completion::Eager);
+            let x = a.allocate(3 * MIB, LEGACY)?;
+            a.free(x.ptr)?;
+            let x = a.allocate(3 * MIB, LEGACY)?;
+            let tail = on_another_thread(|| a.allocate(4 * MIB, LEGACY))?;
+            a.free(x.ptr)?;
+            let x = a.allocate(3 * MIB, LEGACY)?;
+            on_another_thread(|| a.free(tail.ptr))?;
+            a.free(x.ptr)?;
+            let x = a.allocate(3 * MIB, LEGACY)?;
+            let stats = a.stats().to_map();
+            a.free(x.ptr)?;
+            a.check_invariants()?;
+            let mut values: Vec<_> = stats.into_iter().collect();
+            values.sort();
+            Ok(values.into_iter().map(|(_, v)| v).collect())
+        };
+        assert_eq!(run("")?, run("thread_cache:False")?);
         Ok(())
     }
 

@@ -7,6 +7,9 @@ use serde::{Deserialize, Serialize};
 use std::fmt;
 
 const MIB: u64 = 1 << 20;
+/// The largest `large_segment_size_mb`: 1 EB, the largest request an allocator accepts, so
+/// that size arithmetic on it cannot overflow.
+const MAX_SEGMENT_MB: u64 = 1 << 40;
 /// Entries of the `roundup_power2_divisions` table: intervals `[2^(20+k), 2^(21+k))`.
 pub const ROUNDUP_INTERVALS: usize = 16;
 
@@ -80,6 +83,19 @@ pub struct AllocatorConfig {
     /// would hand out the same block, and statistics account for every such reuse, so
     /// single-threaded programs see exactly PyTorch's addresses and statistics. On by default.
     pub thread_cache: bool,
+    /// `garbage_collection_without_fraction` (ferrocuda's own): garbage collection runs
+    /// without a memory fraction too, against the device's memory. PyTorch runs it only
+    /// with a fraction set. Off by default.
+    pub garbage_collection_without_fraction: bool,
+    /// `oom_release_partial` (ferrocuda's own): when no cached block fits and the device is
+    /// full, the largest whole cached segments are freed only until the request fits, and
+    /// the oversize step tries again after a partial release, before everything is freed.
+    /// PyTorch frees every cached segment. Off by default.
+    pub oom_release_partial: bool,
+    /// `oom_search_after_sync` (ferrocuda's own): when the device is full, the cache is
+    /// searched again after waiting for other streams' events, before anything is freed
+    /// (PyTorch never looks again). Off by default.
+    pub oom_search_after_sync: bool,
 }
 
 /// A virtual-address reserve: a fraction of device memory, or bytes (`12G`).
@@ -117,6 +133,9 @@ impl Default for AllocatorConfig {
             cross_stream_reuse: false,
             expandable_segments_reclaim: false,
             thread_cache: true,
+            garbage_collection_without_fraction: false,
+            oom_release_partial: false,
+            oom_search_after_sync: false,
         }
     }
 }
@@ -330,6 +349,12 @@ impl AllocatorConfig {
             if key.text == "large_segment_size_mb" {
                 let v = single(&p, key, value)?;
                 let mb = uint_value(v)?;
+                if mb > MAX_SEGMENT_MB {
+                    return Err(p.err(
+                        Some(v),
+                        format!("large_segment_size_mb must be at most {MAX_SEGMENT_MB} (1 EB)"),
+                    ));
+                }
                 if mb <= 10 {
                     return Err(p.err(
                         Some(v),
@@ -450,6 +475,15 @@ impl AllocatorConfig {
             "thread_cache" => {
                 self.thread_cache = bool_value(single(p, key, value)?)?;
             }
+            "garbage_collection_without_fraction" => {
+                self.garbage_collection_without_fraction = bool_value(single(p, key, value)?)?;
+            }
+            "oom_release_partial" => {
+                self.oom_release_partial = bool_value(single(p, key, value)?)?;
+            }
+            "oom_search_after_sync" => {
+                self.oom_search_after_sync = bool_value(single(p, key, value)?)?;
+            }
             "throw_on_cudamalloc_oom" => {
                 self.throw_on_cudamalloc_oom = bool_value(single(p, key, value)?)?
             }
@@ -482,6 +516,25 @@ impl AllocatorConfig {
                     format!("Unrecognized key '{}' in CUDA allocator config.", key.text),
                 ));
             }
+        }
+        self.check_supported(p, key)
+    }
+
+    /// Options that parse but are not built yet: setting one is an error rather than a
+    /// silent no-op (the pinned host allocator and `cudaMallocAsync` are still to come).
+    fn check_supported(&self, p: &Parser, key: &Token) -> Result<(), ConfigError> {
+        let unsupported = match key.text.as_str() {
+            k if k.starts_with("pinned_") => true,
+            "backend" => self.backend == Backend::CudaMallocAsync,
+            "graph_capture_record_stream_reuse" => self.graph_capture_record_stream_reuse,
+            "expandable_segments_reserve_by_class" => true,
+            _ => false,
+        };
+        if unsupported {
+            return Err(p.err(
+                Some(key),
+                format!("'{}' is not supported by ferrocuda yet", key.text),
+            ));
         }
         Ok(())
     }
