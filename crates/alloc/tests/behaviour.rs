@@ -4,49 +4,11 @@
 #![allow(clippy::panic, clippy::unwrap_used, clippy::expect_used)]
 use ferrocuda_alloc::{AllocError, Allocation, CachingAllocator};
 use ferrocuda_driver::{Call, Driver, FakeDriver, fake::Completion};
-use ferrocuda_types::{
-    AllocatorConfig, DeviceIndex, DevicePtr, MemsetValue, StreamFlags, StreamHandle,
-};
+use ferrocuda_types::{AllocatorConfig, DevicePtr, MemsetValue, StreamHandle};
 use std::sync::Arc;
 
-const MIB: u64 = 1 << 20;
-const GIB: u64 = 1 << 30;
-const D0: DeviceIndex = DeviceIndex(0);
-const LEGACY: StreamHandle = StreamHandle::legacy(D0);
-
-type TestResult = Result<(), Box<dyn std::error::Error>>;
-
-fn setup(
-    capacity: u64,
-    config: &str,
-    completion: Completion,
-) -> (Arc<FakeDriver>, CachingAllocator) {
-    let fake = Arc::new(
-        FakeDriver::builder()
-            .capacity(capacity)
-            .completion(completion)
-            .build(),
-    );
-    let config = AllocatorConfig::parse(config).unwrap_or_else(|e| panic!("{e}"));
-    let alloc =
-        CachingAllocator::new(fake.clone(), D0, config, true).unwrap_or_else(|e| panic!("{e}"));
-    (fake, alloc)
-}
-
-/// A non-blocking stream on the fake device.
-fn new_stream(fake: &FakeDriver) -> Result<StreamHandle, ferrocuda_driver::DriverError> {
-    fake.stream_create(
-        D0,
-        StreamFlags {
-            non_blocking: true,
-            priority: 0,
-        },
-    )
-}
-
-fn stat(a: &CachingAllocator, key: &str) -> i64 {
-    a.stats().to_map()[key]
-}
+mod common;
+use common::{D0, GIB, LEGACY, MIB, TestResult, new_stream, setup, stat};
 
 #[test]
 fn small_allocation_exact_stats() -> TestResult {

@@ -1,0 +1,48 @@
+//! What the allocator's test files share: an allocator on a fake device, a statistic by
+//! PyTorch's key, a stream.
+#![allow(dead_code, clippy::panic)]
+use ferrocuda_alloc::CachingAllocator;
+use ferrocuda_driver::{Driver, FakeDriver, fake::Completion};
+use ferrocuda_types::{AllocatorConfig, DeviceIndex, StreamFlags, StreamHandle};
+use std::sync::Arc;
+
+pub(crate) const MIB: u64 = 1 << 20;
+pub(crate) const GIB: u64 = 1 << 30;
+pub(crate) const D0: DeviceIndex = DeviceIndex(0);
+pub(crate) const LEGACY: StreamHandle = StreamHandle::legacy(D0);
+
+pub(crate) type TestResult = Result<(), Box<dyn std::error::Error>>;
+
+/// An allocator with `config` on a fake device of `capacity` bytes.
+pub(crate) fn setup(
+    capacity: u64,
+    config: &str,
+    completion: Completion,
+) -> (Arc<FakeDriver>, CachingAllocator) {
+    let fake = Arc::new(
+        FakeDriver::builder()
+            .capacity(capacity)
+            .completion(completion)
+            .build(),
+    );
+    let config = AllocatorConfig::parse(config).unwrap_or_else(|e| panic!("{e}"));
+    let alloc =
+        CachingAllocator::new(fake.clone(), D0, config, true).unwrap_or_else(|e| panic!("{e}"));
+    (fake, alloc)
+}
+
+/// A non-blocking stream on the fake device.
+pub(crate) fn new_stream(fake: &FakeDriver) -> Result<StreamHandle, ferrocuda_driver::DriverError> {
+    fake.stream_create(
+        D0,
+        StreamFlags {
+            non_blocking: true,
+            priority: 0,
+        },
+    )
+}
+
+/// A `memory_stats` value by its PyTorch key.
+pub(crate) fn stat(a: &CachingAllocator, key: &str) -> i64 {
+    a.stats().to_map()[key]
+}
