@@ -244,3 +244,79 @@ fn huge_sizes_are_refused_or_fail_cleanly() -> TestResult {
     }
     Ok(())
 }
+
+/// Page reclaim under an out-of-memory request keeps the books: reserved bytes equal a
+/// recount of the segments afterwards.
+#[test]
+fn page_reclaim_keeps_the_books_when_memory_runs_out() -> TestResult {
+    let (_, a) = setup(
+        80 * GIB,
+        "expandable_segments:True,expandable_segments_reclaim:True",
+        Completion::Eager,
+    );
+    let x = a.allocate(40 * MIB, LEGACY)?;
+    let y = a.allocate(2 * MIB, LEGACY)?;
+    a.free(x.ptr)?;
+    let err = a.allocate(81 * GIB, LEGACY).err();
+    assert!(matches!(err, Some(AllocError::OutOfMemory(_))), "{err:?}");
+    a.check_invariants()?;
+    let z = a.allocate(40 * MIB, LEGACY)?;
+    a.check_invariants()?;
+    a.free(y.ptr)?;
+    a.free(z.ptr)?;
+    a.empty_cache();
+    a.check_invariants()?;
+    assert_eq!(stat(&a, "reserved_bytes.all.current"), 0);
+    Ok(())
+}
+
+/// Many streams that each hold a little: no driver error, and requests do not slow down
+/// with the number of streams (20 000 streams in well under the test's time).
+#[test]
+fn many_streams_with_page_reclaim() -> TestResult {
+    let (fake, a) = setup(
+        80 * GIB,
+        "expandable_segments:True,expandable_segments_reclaim:True",
+        Completion::Eager,
+    );
+    let started = std::time::Instant::now();
+    let mut live = Vec::new();
+    for _ in 0..20_000 {
+        let s = new_stream(&fake)?;
+        match a.allocate(512, s) {
+            Ok(x) => live.push(x),
+            Err(AllocError::OutOfMemory(_)) => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+    a.check_invariants()?;
+    live.iter().try_for_each(|x| a.free(x.ptr))?;
+    a.empty_cache();
+    a.check_invariants()?;
+    assert!(started.elapsed().as_secs() < 60, "{:?}", started.elapsed());
+    Ok(())
+}
+
+/// Dropping an allocator gives every segment and page that is not handed out back to the
+/// driver.
+#[test]
+fn dropping_an_allocator_gives_its_memory_back() -> TestResult {
+    for config in ["", "expandable_segments:True"] {
+        let (fake, a) = setup(GIB, config, Completion::Eager);
+        let s = new_stream(&fake)?;
+        let (total, free_at_start) =
+            ferrocuda_driver::Driver::mem_get_info(&*fake, common::D0).map(|(f, t)| (t, f))?;
+        let xs: Vec<_> = [MIB, 30 * MIB, 500, 3 * MIB]
+            .into_iter()
+            .map(|n| a.allocate(n, s))
+            .collect::<Result<_, _>>()?;
+        a.free(xs[0].ptr)?;
+        a.free(xs[2].ptr)?;
+        a.free(xs[1].ptr)?;
+        a.free(xs[3].ptr)?;
+        drop(a);
+        let (free, _) = ferrocuda_driver::Driver::mem_get_info(&*fake, common::D0)?;
+        assert_eq!((free, total), (free_at_start, total), "{config}");
+    }
+    Ok(())
+}

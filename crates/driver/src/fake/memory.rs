@@ -92,10 +92,19 @@ impl Memory {
         self.devices.get(dev.as_usize()).map_or(0, |s| s.capacity)
     }
 
-    fn take_va(space: &mut DeviceSpace, bytes: u64, align: u64) -> DevicePtr {
+    /// Fresh addresses of the device's span (never reused); out of memory once the span is
+    /// used up, as the driver reports an exhausted address space.
+    fn take_va(space: &mut DeviceSpace, bytes: u64, align: u64) -> Result<DevicePtr, DriverError> {
         let base = round_up(space.next_va, align);
-        space.next_va = base + round_up(bytes.max(1), align);
-        DevicePtr(base)
+        let end = base.checked_add(round_up(bytes.max(1), align));
+        let span_end = ((space.next_va >> DEVICE_SPAN_BITS) + 1) << DEVICE_SPAN_BITS;
+        match end {
+            Some(end) if end <= span_end => {
+                space.next_va = end;
+                Ok(DevicePtr(base))
+            }
+            _ => Err(DriverError::OUT_OF_MEMORY),
+        }
     }
 
     /// Physical memory for the virtual-memory API (`cuMemCreate`).
@@ -165,7 +174,7 @@ impl Memory {
         if bytes == 0 || !bytes.is_multiple_of(GRANULARITY) {
             return Err(DriverError::INVALID_VALUE);
         }
-        let base = Self::take_va(space, bytes, GRANULARITY);
+        let base = Self::take_va(space, bytes, GRANULARITY)?;
         space.reservations.insert(base.0, bytes);
         Ok(base)
     }
@@ -291,7 +300,13 @@ impl Memory {
     ) -> Result<DevicePtr, DriverError> {
         let chunk = self.create_chunk(dev, bytes)?;
         let space = self.space(dev)?;
-        let at = Self::take_va(space, round_up(bytes, GRANULARITY), GRANULARITY);
+        let at = match Self::take_va(space, round_up(bytes, GRANULARITY), GRANULARITY) {
+            Ok(at) => at,
+            Err(e) => {
+                self.release_chunk(chunk)?;
+                return Err(e);
+            }
+        };
         space.mappings.insert(
             at.0,
             Mapping {
