@@ -818,7 +818,8 @@ impl CachingAllocator {
     /// Allocates `bytes` for use on `stream`. Zero bytes give a null pointer.
     pub fn allocate(&self, bytes: u64, stream: StreamHandle) -> Result<Allocation, AllocError> {
         if bytes >= ONE_EXABYTE {
-            self.lock().stats.num_ooms += 1;
+            // PyTorch refuses these before its device allocator (`NativeCachingAllocator::
+            // malloc`): no statistic, no history entry, no observer.
             return Err(self.oom_report(bytes, true, stream));
         }
         if bytes == 0 {
@@ -1224,7 +1225,9 @@ impl CachingAllocator {
     ) -> AllocError {
         let device_free = self.driver.mem_get_info(self.device).map_or(0, |(f, _)| f);
         let mut st = self.lock();
-        st.history.record_oom(requested, device_free, stream.raw);
+        if !beyond_one_exabyte {
+            st.history.record_oom(requested, device_free, stream.raw);
+        }
         let mut per_stream: FxHashMap<u64, (StreamHandle, u64)> = FxHashMap::default();
         let mut largest = 0;
         for key in st.pools.keys() {
@@ -1253,8 +1256,10 @@ impl CachingAllocator {
             rejected_by_fraction: false,
         };
         drop(st);
-        let observers = self.oom_observers.lock().clone();
-        observers.iter().for_each(|o| o(&report));
+        if !beyond_one_exabyte {
+            let observers = self.oom_observers.lock().clone();
+            observers.iter().for_each(|o| o(&report));
+        }
         AllocError::OutOfMemory(Box::new(report))
     }
 

@@ -320,3 +320,16 @@ fn dropping_an_allocator_gives_its_memory_back() -> TestResult {
     }
     Ok(())
 }
+
+/// Dropping an allocator also gives back the free segments of private pools that still
+/// have users (nobody can use them once the allocator is gone).
+#[test]
+fn dropping_an_allocator_gives_back_retained_private_pools() -> TestResult {
+    let (fake, a) = setup(GIB, "", Completion::Eager);
+    let pool = pool_with_a_free_segment(&a, 30 * MIB, LEGACY)?;
+    assert_eq!(pool_bytes(&a, pool), 30 * MIB);
+    drop(a);
+    let (free, total) = ferrocuda_driver::Driver::mem_get_info(&*fake, common::D0)?;
+    assert_eq!(free, total);
+    Ok(())
+}
