@@ -10,6 +10,9 @@
 //! - After every replay the allocator's books are checked against a recount of its blocks.
 #![forbid(unsafe_code)]
 
+pub mod options;
+pub mod pickle;
+pub mod pytorch;
 pub mod replay;
 pub mod report;
 pub mod trace;
