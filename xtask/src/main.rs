@@ -3,8 +3,12 @@
 //! - `gpu-bundle`: builds release test and bench binaries into `gpu-bundle/` (git-ignored)
 //!   with a `run.sh` that runs them against the real driver, fails on any skip, and ends with
 //!   `N passed, N failed`;
-//! - `bench`: the criterion benches (they need a GPU; without one they say they skipped).
+//! - `bench`: the criterion benches (they need a GPU; without one they say they skipped);
+//! - `cli-fuzz [--cases N] [--seed S] [--long] [--case N]`: the `ferrocuda` command against
+//!   generated and mutated traces (see [`fuzz`]); `ci` runs it with a fixed seed.
 #![forbid(unsafe_code)]
+
+mod fuzz;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode, Stdio};
@@ -22,7 +26,11 @@ fn main() -> ExitCode {
         "ci" => ci(),
         "gpu-bundle" => gpu_bundle(),
         "bench" => cargo(&["bench", "--workspace"]),
-        _ => Err("usage: cargo xtask <ci|gpu-bundle|bench>".into()),
+        "cli-fuzz" => {
+            let args: Vec<String> = std::env::args().skip(2).collect();
+            fuzz::Options::parse(&args).and_then(|o| cli_fuzz(&o))
+        }
+        _ => Err("usage: cargo xtask <ci|gpu-bundle|bench|cli-fuzz>".into()),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -70,11 +78,31 @@ fn ci() -> Result<(), String> {
         "warnings",
     ])?;
     cargo(&["test", "--workspace"])?;
+    cli_fuzz(&fuzz::Options::parse(&[])?)?;
     // Broken intra-doc links and other rustdoc warnings fail the build.
     cargo_with_env(
         &["doc", "--workspace", "--no-deps"],
         ("RUSTDOCFLAGS", "-D warnings"),
     )
+}
+
+/// Builds the `ferrocuda` command (debug: overflow checks on) and fuzzes it.
+fn cli_fuzz(options: &fuzz::Options) -> Result<(), String> {
+    let built = built_executables(
+        &["build", "-p", "ferrocuda-cli", "--bin", "ferrocuda"],
+        &["ferrocuda"],
+    )?;
+    let exe = built
+        .first()
+        .map(|(_, e)| e.clone())
+        .ok_or("no ferrocuda binary")?;
+    let trace = root().join("tests/data/resnet50_train.pickle.xz");
+    let xz = std::fs::read(&trace).map_err(|e| format!("{}: {e}", trace.display()))?;
+    let mut real = Vec::new();
+    lzma_rs::xz_decompress(&mut xz.as_slice(), &mut real).map_err(|e| e.to_string())?;
+    let work = fuzz::work_dir(&root());
+    std::fs::create_dir_all(&work).map_err(|e| e.to_string())?;
+    fuzz::fuzz(&exe, &real, &work, options)
 }
 
 /// Builds `args` with JSON messages and returns the executables of the named targets.

@@ -201,6 +201,20 @@ fn replay_command(
     if let Some(b) = bar {
         b.finish_and_clear();
     }
+    // What ran goes to stderr after the figures are out, so a failure stays one line.
+    if json {
+        emit(&(serde_json::to_string_pretty(&columns)? + "\n"))?;
+    } else {
+        let text: Vec<String> = devices
+            .iter()
+            .map(|(d, _)| {
+                let of_device: Vec<Figures> =
+                    columns.iter().filter(|c| c.device == *d).cloned().collect();
+                table(*d, devices.len() > 1, &of_device)
+            })
+            .collect();
+        emit(&text.join("\n"))?;
+    }
     note(&conf_note);
     if devices.len() > 1 {
         note(&format!(
@@ -212,19 +226,7 @@ fn replay_command(
     if let Some(r) = &reference {
         note(&format!("PyTorch's figures from {}", r.source));
     }
-    if json {
-        emit(&(serde_json::to_string_pretty(&columns)? + "\n"))
-    } else {
-        let text: Vec<String> = devices
-            .iter()
-            .map(|(d, _)| {
-                let of_device: Vec<Figures> =
-                    columns.iter().filter(|c| c.device == *d).cloned().collect();
-                table(*d, devices.len() > 1, &of_device)
-            })
-            .collect();
-        emit(&text.join("\n"))
-    }
+    Ok(())
 }
 
 fn gib(b: u64) -> String {
