@@ -271,7 +271,7 @@ fn input(r: &mut Rng, real: &[u8]) -> Result<Vec<u8>, String> {
         2 => real[..r.below(real.len() as u64) as usize].to_vec(),
         3 => {
             // Nesting: a list (or dict values) deeper than any snapshot.
-            let n = *r.pick(&[50usize, 99, 100, 101, 5000, 300_000]) as usize;
+            let n = *r.pick(&[50usize, 99, 100, 101, 5000, 300_000]);
             let mut b = vec![0x80, 2];
             b.extend(std::iter::repeat_n(b']', n));
             b.extend(std::iter::repeat_n(b'a', n - 1));
