@@ -1,18 +1,29 @@
 //! Records allocation history while a small workload runs on the GPU, then writes a
 //! snapshot that PyTorch's viewer reads (`torch.cuda._memory_viz`, pytorch.org/memory_viz).
 //!
-//! `cargo run --release --example snapshot -- [out.pickle]` (needs a GPU; the GPU bundle
+//! `cargo run --release --example snapshot -- [out.pickle]` (needs a GPU, or
+//! `FERROCUDA_BACKEND=fake` for the fake device; it says which it ran on. The GPU bundle
 //! runs it and checks the file with PyTorch's own viewer code).
 use ferrocuda::stream::DeviceBuffer;
 use ferrocuda::types::DeviceIndex;
 
-fn main() -> Result<(), Box<dyn std::error::Error>> {
+fn main() -> std::process::ExitCode {
+    match snapshot() {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("snapshot: {e}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn snapshot() -> Result<(), Box<dyn std::error::Error>> {
     let path = std::env::args()
         .nth(1)
         .unwrap_or_else(|| "snapshot.pickle".into());
     let rt = ferrocuda::runtime();
     if !rt.is_available() {
-        return Err("this example needs a GPU".into());
+        return Err("this example needs a GPU (or FERROCUDA_BACKEND=fake)".into());
     }
     let dev = DeviceIndex(0);
     ferrocuda::memory::record_memory_history(Some("all"), Some("all"), "all", 100_000)?;
@@ -32,8 +43,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     rt.synchronize(dev)?;
     ferrocuda::memory::dump_snapshot(std::path::Path::new(&path))?;
     ferrocuda::memory::caching_allocator_delete(raw)?;
+    let place = if rt.driver().backend() == "cuda" {
+        "the GPU"
+    } else {
+        "the fake device"
+    };
     println!(
-        "snapshot of {} live buffers written to {path} on the GPU ({} allocated)",
+        "snapshot of {} live buffers written to {path} on {place} ({} allocated)",
         keep.len() + 1,
         ferrocuda::types::format_size(ferrocuda::memory::memory_allocated(dev)?)
     );

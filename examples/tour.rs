@@ -1,12 +1,15 @@
 //! A tour of ferrocuda's foundation: devices, streams, events, a kernel compiled at run
-//! time, and a device buffer. Runs on the GPU when one is present and on the fake device
-//! otherwise, and says which.
+//! time, and a device buffer. Runs on the GPU when one is present (and
+//! `FERROCUDA_BACKEND=fake` does not ask for the fake device) and on the fake device
+//! otherwise, and says which. The allocator takes its configuration from the environment
+//! (`FERROCUDA_ALLOC_CONF`, else `PYTORCH_CUDA_ALLOC_CONF`) on both.
 //!
 //! `cargo run --release --example tour`
-use ferrocuda::alloc::DeviceAllocators;
+use ferrocuda::alloc::{DeviceAllocators, caching_disabled};
 use ferrocuda::driver::FakeDriver;
 use ferrocuda::stream::{DeviceBuffer, Module, Runtime};
-use ferrocuda::types::{DeviceIndex, EventFlags, KernelArg, LaunchConfig};
+use ferrocuda::types::{AllocatorConfig, DeviceIndex, EventFlags, KernelArg, LaunchConfig};
+use std::process::ExitCode;
 use std::sync::Arc;
 
 const SAXPY: &str = r#"
@@ -16,8 +19,20 @@ extern "C" __global__ void saxpy(float* y, const float* x, float a, unsigned int
 }
 "#;
 
+/// The allocator configuration from the environment, as the global runtime reads it, and
+/// which variable gave it; a malformed one is an error with the parser's message.
+fn env_config() -> Result<(AllocatorConfig, String), String> {
+    let var = |k: &str| std::env::var(k).ok();
+    let config = AllocatorConfig::from_env().map_err(|(name, e)| format!("{name}: {e}"))?;
+    let source = match AllocatorConfig::source(var) {
+        Some((name, value)) => format!("{name}={value}"),
+        None => "default (FERROCUDA_ALLOC_CONF and PYTORCH_CUDA_ALLOC_CONF unset)".into(),
+    };
+    Ok((config, source))
+}
+
 /// The fake device runs kernels as host functions registered under the kernel's name.
-fn fake_runtime() -> Arc<Runtime> {
+fn fake_runtime(config: AllocatorConfig) -> Arc<Runtime> {
     let fake = FakeDriver::default();
     fake.register_kernel("saxpy", |k| {
         let (y, x, a, n) = (
@@ -32,22 +47,39 @@ fn fake_runtime() -> Arc<Runtime> {
     });
     let fake = Arc::new(fake);
     let rt = Runtime::new(fake.clone());
-    DeviceAllocators::new(fake, Default::default(), true).install(&rt);
+    let caching = !caching_disabled(|k| std::env::var(k).ok());
+    DeviceAllocators::new(fake, config, caching).install(&rt);
     rt
 }
 
-fn main() -> Result<(), Box<dyn std::error::Error>> {
+fn main() -> ExitCode {
+    match tour() {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("tour: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn tour() -> Result<(), Box<dyn std::error::Error>> {
+    let (config, source) = env_config()?;
+    println!("allocator configuration: {source}");
     let gpu = ferrocuda::runtime();
-    let rt = if gpu.is_available() {
+    let rt = if gpu.is_available() && gpu.driver().backend() == "cuda" {
         gpu.clone()
     } else {
-        let why = gpu
-            .driver()
-            .device_count()
-            .err()
-            .map_or("no device".into(), |e| e.to_string());
-        println!("no usable GPU ({why}): running on the fake device");
-        fake_runtime()
+        let why = if gpu.driver().backend() == "fake" {
+            "FERROCUDA_BACKEND=fake".to_owned()
+        } else {
+            let e = gpu.driver().device_count().err();
+            format!(
+                "no usable GPU: {}",
+                e.map_or("no device".into(), |e| e.to_string())
+            )
+        };
+        println!("{why}: running on the fake device");
+        fake_runtime(config)
     };
     let dev = DeviceIndex(0);
     let props = rt.device_properties(dev)?;

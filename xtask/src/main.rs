@@ -1,10 +1,16 @@
 //! Project tasks, run as `cargo xtask <task>`:
-//! - `ci`: format check, clippy with `-D warnings`, every test, the docs (what `.ci/run` runs);
+//! - `ci`: the tools CI needs (python3), format check, clippy with `-D warnings`, every
+//!   test, the CLI fuzz with a fixed seed, the docs with no warning (what `.ci/run` runs);
+//! - `doc`: the docs, failing on any rustdoc or cargo warning;
 //! - `gpu-bundle`: builds release test and bench binaries into `gpu-bundle/` (git-ignored)
 //!   with a `run.sh` that runs them against the real driver, fails on any skip, and ends with
 //!   `N passed, N failed`;
-//! - `bench`: the criterion benches (they need a GPU; without one they say they skipped).
+//! - `bench`: the criterion benches (they need a GPU; without one they say they skipped);
+//! - `cli-fuzz [--cases N] [--seed S] [--long] [--case N]`: the `ferrocuda` command against
+//!   generated and mutated traces (see [`fuzz`]); `ci` runs it with a fixed seed.
 #![forbid(unsafe_code)]
+
+mod fuzz;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode, Stdio};
@@ -22,7 +28,12 @@ fn main() -> ExitCode {
         "ci" => ci(),
         "gpu-bundle" => gpu_bundle(),
         "bench" => cargo(&["bench", "--workspace"]),
-        _ => Err("usage: cargo xtask <ci|gpu-bundle|bench>".into()),
+        "doc" => doc(),
+        "cli-fuzz" => {
+            let args: Vec<String> = std::env::args().skip(2).collect();
+            fuzz::Options::parse(&args).and_then(|o| cli_fuzz(&o))
+        }
+        _ => Err("usage: cargo xtask <ci|gpu-bundle|bench|cli-fuzz>".into()),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -59,7 +70,33 @@ fn cargo_with_env(args: &[&str], (key, value): (&str, &str)) -> Result<(), Strin
     }
 }
 
+/// Tools the tests need beyond Rust, and which test needs each.
+const TOOLS: &[(&str, &str)] = &[(
+    "python3",
+    "ferrocuda-types' snapshot::tests::python_reads_it_as_pytorch_does reads ferrocuda's \
+     snapshot pickle with CPython's own unpickler",
+)];
+
+/// Checks up front that every tool of [`TOOLS`] runs (`runs` tries one), so a missing one
+/// is a clear message rather than a failing (or skipped) test later.
+fn require_tools(runs: impl Fn(&str) -> bool) -> Result<(), String> {
+    match TOOLS.iter().find(|(tool, _)| !runs(tool)) {
+        None => Ok(()),
+        Some((tool, why)) => Err(format!(
+            "{tool} is needed and was not found: {why}; install it (apt-get install {tool})"
+        )),
+    }
+}
+
 fn ci() -> Result<(), String> {
+    require_tools(|tool| {
+        Command::new(tool)
+            .arg("--version")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success())
+    })?;
     cargo(&["fmt", "--all", "--check"])?;
     cargo(&[
         "clippy",
@@ -70,11 +107,51 @@ fn ci() -> Result<(), String> {
         "warnings",
     ])?;
     cargo(&["test", "--workspace"])?;
-    // Broken intra-doc links and other rustdoc warnings fail the build.
-    cargo_with_env(
-        &["doc", "--workspace", "--no-deps"],
-        ("RUSTDOCFLAGS", "-D warnings"),
-    )
+    cli_fuzz(&fuzz::Options::parse(&[])?)?;
+    doc()
+}
+
+/// `cargo doc`: rustdoc warnings (broken intra-doc links) fail it, and so do cargo's own
+/// warnings, which `-D warnings` does not reach (an output file collision, where one
+/// crate's page silently replaces another's).
+fn doc() -> Result<(), String> {
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    eprintln!("+ RUSTDOCFLAGS=-D warnings cargo doc --workspace --no-deps");
+    let out = Command::new(cargo)
+        .args(["doc", "--workspace", "--no-deps"])
+        .env("RUSTDOCFLAGS", "-D warnings")
+        .current_dir(root())
+        .stderr(Stdio::piped())
+        .output()
+        .map_err(|e| e.to_string())?;
+    let log = String::from_utf8_lossy(&out.stderr);
+    eprint!("{log}");
+    if !out.status.success() {
+        return Err("cargo doc failed".into());
+    }
+    match log.lines().find(|l| l.starts_with("warning")) {
+        Some(w) => Err(format!("cargo doc warned: {w}")),
+        None => Ok(()),
+    }
+}
+
+/// Builds the `ferrocuda` command (debug: overflow checks on) and fuzzes it.
+fn cli_fuzz(options: &fuzz::Options) -> Result<(), String> {
+    let built = built_executables(
+        &["build", "-p", "ferrocuda-cli", "--bin", "ferrocuda"],
+        &["ferrocuda"],
+    )?;
+    let exe = built
+        .first()
+        .map(|(_, e)| e.clone())
+        .ok_or("no ferrocuda binary")?;
+    let trace = root().join("tests/data/resnet50_train.pickle.xz");
+    let xz = std::fs::read(&trace).map_err(|e| format!("{}: {e}", trace.display()))?;
+    let mut real = Vec::new();
+    lzma_rs::xz_decompress(&mut xz.as_slice(), &mut real).map_err(|e| e.to_string())?;
+    let work = fuzz::work_dir(&root());
+    std::fs::create_dir_all(&work).map_err(|e| e.to_string())?;
+    fuzz::fuzz(&exe, &real, &work, options)
 }
 
 /// Builds `args` with JSON messages and returns the executables of the named targets.
@@ -263,3 +340,18 @@ fi
 echo "$passed passed, $failed failed"
 [ "$failed" = 0 ]
 "#;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_missing_tool_is_named_with_the_test_that_needs_it() {
+        assert_eq!(require_tools(|_| true), Ok(()));
+        let err = require_tools(|t| t != "python3").err().unwrap_or_default();
+        assert!(
+            err.contains("python3 is needed") && err.contains("python_reads_it_as_pytorch_does"),
+            "{err}"
+        );
+    }
+}

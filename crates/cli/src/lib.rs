@@ -8,8 +8,25 @@
 //!   the segments are ours to decide.
 //! - The fake device keeps no bytes (`backing(false)`): a 60 GiB trace costs no host memory.
 //! - After every replay the allocator's books are checked against a recount of its blocks.
+//! - Files are hostile until read: a pickle is measured before it is decoded ([`pickle`]:
+//!   nesting depth 100, 2^30 values once memo references expand), decoded with the path of
+//!   every error (`event 3 of device 0 (device_traces[0][3]), field size`), and refused
+//!   when it has neither `device_traces` nor `segments` or a size above 2^50.
+//! - Options are checked before any file is read ([`options`]): `--capacity` with units and
+//!   a range, every `--conf` (or the environment's configuration) parsed.
+//! - Each device of a trace is replayed on a fake device of its own: PyTorch's allocators
+//!   are per device, so merging them would invent out-of-memory errors.
+//! - PyTorch's figures are shown beside ours when known ([`pytorch`]), compared per parsed
+//!   configuration.
+//!
+//! # What the layer above is responsible for
+//! The command (`main.rs`) ends every failure with one `ferrocuda: ...` line and exit code
+//! 1, and a closed stdout pipe quietly; nothing here prints.
 #![forbid(unsafe_code)]
 
+pub mod options;
+pub mod pickle;
+pub mod pytorch;
 pub mod replay;
 pub mod report;
 pub mod trace;

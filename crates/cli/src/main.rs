@@ -1,11 +1,17 @@
 //! `ferrocuda`: replay PyTorch allocation traces through ferrocuda's allocator.
+//!
+//! Every failure ends the command with one line on stderr (`ferrocuda: ...`) and exit code
+//! 1; a reader that closes the pipe early ends it quietly with exit code 0.
 #![forbid(unsafe_code)]
 
 use clap::{Parser, Subcommand};
-use ferrocuda_cli::replay::{Figures, replay};
+use ferrocuda_cli::options::{parse_capacity, resolve_confs};
+use ferrocuda_cli::pytorch;
+use ferrocuda_cli::replay::{Figures, replay_with};
 use ferrocuda_cli::report::{plot_html, summary};
-use ferrocuda_cli::trace::{read_device_traces, read_snapshot};
-use std::io::IsTerminal;
+use ferrocuda_cli::trace::{events, read_recording};
+use ferrocuda_types::format_size;
+use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -23,17 +29,25 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Replays a PyTorch memory snapshot's device traces through ferrocuda's allocator on the
-    /// fake device, once per --conf, and prints the figures side by side.
+    /// fake device, once per --conf, and prints the figures side by side (each device of
+    /// the trace separately, on a fake device of its own).
     Replay {
         /// A snapshot from torch.cuda.memory._snapshot() (pickle, optionally .xz or .gz).
         trace: PathBuf,
-        /// An allocator configuration (PYTORCH_CUDA_ALLOC_CONF grammar); repeat for columns.
-        /// Default: ferrocuda's default configuration.
+        /// An allocator configuration (PYTORCH_CUDA_ALLOC_CONF grammar; `default` or "" for
+        /// the defaults); repeat for columns. Without it: FERROCUDA_ALLOC_CONF, else
+        /// PYTORCH_CUDA_ALLOC_CONF, else PYTORCH_ALLOC_CONF, else the defaults.
         #[arg(long = "conf")]
         confs: Vec<String>,
-        /// Memory of the fake device, in GiB.
-        #[arg(long, default_value_t = 80)]
-        capacity: u64,
+        /// Memory of each fake device: GiB (`80`) or with a unit (`80G`, `512M`, `1T`);
+        /// 2M to 4T.
+        #[arg(long, default_value = "80")]
+        capacity: String,
+        /// PyTorch's figures to show beside ours (rows of model, conf and figures, as in
+        /// tests/data/pytorch-figures.json). Default: the recording's own memory_stats,
+        /// else a pytorch-figures.json beside the trace.
+        #[arg(long = "pytorch-figures")]
+        pytorch_figures: Option<PathBuf>,
         /// Print a JSON array instead of a table.
         #[arg(long)]
         json: bool,
@@ -54,84 +68,195 @@ enum Command {
     },
 }
 
+/// How the command ended, other than by succeeding.
+enum Failure {
+    /// The reader of stdout went away: end quietly.
+    BrokenPipe,
+    /// Anything else: one line on stderr.
+    Message(String),
+}
+
+impl<E: std::fmt::Display> From<E> for Failure {
+    fn from(e: E) -> Failure {
+        Failure::Message(e.to_string())
+    }
+}
+
 fn main() -> ExitCode {
     match run(Cli::parse()) {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("ferrocuda: {e}");
+        Ok(()) | Err(Failure::BrokenPipe) => ExitCode::SUCCESS,
+        Err(Failure::Message(m)) => {
+            // stderr may be unwritable too: nothing more to do then than the exit code.
+            let _ = writeln!(std::io::stderr(), "ferrocuda: {}", m.replace('\n', " "));
             ExitCode::FAILURE
         }
     }
 }
 
-fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
+/// Writes `text` to stdout; a write error is a failure, a closed pipe a quiet end.
+fn emit(text: &str) -> Result<(), Failure> {
+    let mut out = std::io::stdout().lock();
+    match out.write_all(text.as_bytes()).and_then(|()| out.flush()) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Err(Failure::BrokenPipe),
+        Err(e) => Err(Failure::Message(format!("cannot write to stdout: {e}"))),
+    }
+}
+
+/// A line on stderr about what ran (never fatal).
+fn note(text: &str) {
+    let _ = writeln!(std::io::stderr(), "ferrocuda: {text}");
+}
+
+fn run(cli: Cli) -> Result<(), Failure> {
     match cli.command {
         Command::Replay {
             trace,
             confs,
             capacity,
+            pytorch_figures,
             json,
-        } => {
-            let traces = read_device_traces(&trace)?;
-            let events: Vec<_> = traces.into_iter().flatten().collect();
-            let confs = if confs.is_empty() {
-                vec![String::new()]
-            } else {
-                confs
-            };
-            let bar = std::io::stderr().is_terminal().then(|| {
-                let bar = indicatif::ProgressBar::new((events.len() * confs.len()) as u64);
-                bar.set_style(
-                    indicatif::ProgressStyle::with_template(
-                        "{bar:40} {pos}/{len} events {per_sec}",
-                    )
-                    .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
-                );
-                bar
-            });
-            let mut columns = Vec::new();
-            for (i, conf) in confs.iter().enumerate() {
-                let base = (i * events.len()) as u64;
-                let (figures, _) = replay(&events, conf, capacity << 30, |done| {
-                    if let Some(b) = &bar {
-                        b.set_position(base + done);
-                    }
-                })?;
-                columns.push(figures);
-            }
-            if let Some(b) = bar {
-                b.finish_and_clear();
-            }
-            if json {
-                println!("{}", serde_json::to_string_pretty(&columns)?);
-            } else {
-                print!("{}", table(&columns));
-            }
-            Ok(())
-        }
+        } => replay_command(&trace, &confs, &capacity, pytorch_figures, json),
         Command::Summary { snapshot } => {
-            print!("{}", summary(&read_snapshot(&snapshot)?));
-            Ok(())
+            let recording = read_recording(&snapshot)?;
+            emit(&summary(&recording.snapshot))
         }
         Command::Plot { snapshot, output } => {
             let title = format!("ferrocuda memory: {}", snapshot.display());
-            std::fs::write(&output, plot_html(&read_snapshot(&snapshot)?, &title))
+            let page = plot_html(&read_recording(&snapshot)?.snapshot, &title);
+            std::fs::write(&output, page)
                 .map_err(|e| format!("cannot write {}: {e}", output.display()))?;
             Ok(())
         }
     }
 }
 
+fn progress_bar(total: u64) -> Option<indicatif::ProgressBar> {
+    std::io::stderr().is_terminal().then(|| {
+        let bar = indicatif::ProgressBar::new(total);
+        bar.set_style(
+            indicatif::ProgressStyle::with_template("{bar:40} {pos}/{len} events {per_sec}")
+                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+        );
+        bar
+    })
+}
+
+fn replay_command(
+    trace: &std::path::Path,
+    flags: &[String],
+    capacity: &str,
+    sidecar: Option<PathBuf>,
+    json: bool,
+) -> Result<(), Failure> {
+    // Options first: a bad one is reported before any file is read or replay is run.
+    let capacity = parse_capacity(capacity)?;
+    let (confs, conf_note) = resolve_confs(flags, |k| std::env::var(k).ok())?;
+    let recording = read_recording(trace)?;
+    let devices: Vec<(u16, Vec<_>)> = recording
+        .snapshot
+        .device_traces
+        .iter()
+        .enumerate()
+        .filter(|(_, t)| !t.is_empty())
+        .map(|(d, t)| Ok((u16::try_from(d)?, events(t))))
+        .collect::<Result<_, std::num::TryFromIntError>>()
+        .map_err(|_| "more than 65536 device traces")?;
+    if devices.is_empty() {
+        return Err(Failure::Message(format!(
+            "{}: no allocation history to replay (device_traces is {}; record it with \
+             torch.cuda.memory._record_memory_history before taking the snapshot)",
+            trace.display(),
+            if recording.has_history {
+                "empty"
+            } else {
+                "missing"
+            }
+        )));
+    }
+    let reference = pytorch::find(trace, &recording, sidecar.as_deref())?;
+    let total: usize = devices.iter().map(|(_, e)| e.len()).sum();
+    let bar = progress_bar((total * confs.len()) as u64);
+    let mut columns = Vec::new();
+    let mut done = 0u64;
+    for (device, events) in &devices {
+        for conf in &confs {
+            let (mut figures, _) =
+                replay_with(events, &conf.label, conf.config.clone(), capacity, |n| {
+                    if let Some(b) = &bar {
+                        b.set_position(done + n);
+                    }
+                })?;
+            done += events.len() as u64;
+            figures.device = *device;
+            if *device == 0 {
+                figures.pytorch = reference
+                    .as_ref()
+                    .and_then(|r| r.figures(&conf.config))
+                    .cloned();
+            }
+            columns.push(figures);
+        }
+    }
+    if let Some(b) = bar {
+        b.finish_and_clear();
+    }
+    // What ran goes to stderr after the figures are out, so a failure stays one line.
+    if json {
+        emit(&(serde_json::to_string_pretty(&columns)? + "\n"))?;
+    } else {
+        let text: Vec<String> = devices
+            .iter()
+            .map(|(d, _)| {
+                let of_device: Vec<Figures> =
+                    columns.iter().filter(|c| c.device == *d).cloned().collect();
+                table(*d, devices.len() > 1, &of_device)
+            })
+            .collect();
+        emit(&text.join("\n"))?;
+    }
+    note(&conf_note);
+    if devices.len() > 1 {
+        note(&format!(
+            "the trace has {} devices: each device separately, on a fake device of {} of its own",
+            devices.len(),
+            format_size(capacity)
+        ));
+    }
+    if let Some(r) = &reference {
+        note(&format!("PyTorch's figures from {}", r.source));
+    }
+    Ok(())
+}
+
 fn gib(b: u64) -> String {
     format!("{:.3} GiB", b as f64 / (1u64 << 30) as f64)
+}
+
+/// PyTorch's figure against ours: `= ours`, `ours +217.0 KiB`, or `n/a`.
+fn versus(theirs: Option<u64>, ours: u64) -> String {
+    match theirs {
+        None => "n/a".into(),
+        Some(t) if t == ours => "= ours".into(),
+        Some(t) if ours > t => format!("ours +{}", format_size(ours - t)),
+        Some(t) => format!("ours -{}", format_size(t - ours)),
+    }
+}
+
+fn count_versus(theirs: Option<u64>, ours: u64) -> String {
+    match theirs {
+        None => "n/a".into(),
+        Some(t) if t == ours => "= ours".into(),
+        Some(t) => format!("{t} (ours {ours})"),
+    }
 }
 
 /// A table row: its name and how to print one configuration's figure.
 type Row = (&'static str, fn(&Figures) -> String);
 
-/// One column per configuration.
-fn table(columns: &[Figures]) -> String {
-    let rows: [Row; 9] = [
+/// One column per configuration, for one device.
+fn table(device: u16, heading: bool, columns: &[Figures]) -> String {
+    let mut rows: Vec<Row> = vec![
         ("peak requested", |f| gib(f.peak_requested)),
         ("peak allocated", |f| gib(f.peak_allocated)),
         ("peak reserved", |f| gib(f.peak_reserved)),
@@ -146,21 +271,65 @@ fn table(columns: &[Figures]) -> String {
             format!("{:.2e}", f.events as f64 / f.seconds.max(1e-9))
         }),
     ];
+    if columns.iter().any(|c| c.pytorch.is_some()) {
+        rows.extend::<[Row; 5]>([
+            ("  PyTorch peak requested", |f| {
+                versus(
+                    f.pytorch.as_ref().and_then(|p| p.peak_requested),
+                    f.peak_requested,
+                )
+            }),
+            ("  PyTorch peak allocated", |f| {
+                versus(
+                    f.pytorch.as_ref().and_then(|p| p.peak_allocated),
+                    f.peak_allocated,
+                )
+            }),
+            ("  PyTorch peak reserved", |f| {
+                versus(
+                    f.pytorch.as_ref().and_then(|p| p.peak_reserved),
+                    f.peak_reserved,
+                )
+            }),
+            ("  PyTorch device allocs", |f| {
+                count_versus(
+                    f.pytorch.as_ref().and_then(|p| p.num_device_alloc),
+                    f.num_device_alloc,
+                )
+            }),
+            ("  PyTorch device frees", |f| {
+                count_versus(
+                    f.pytorch.as_ref().and_then(|p| p.num_device_free),
+                    f.num_device_free,
+                )
+            }),
+        ]);
+    }
+    let cells: Vec<Vec<String>> = rows
+        .iter()
+        .map(|(_, cell)| columns.iter().map(cell).collect())
+        .collect();
     let width = columns
         .iter()
-        .map(|c| c.conf.len())
+        .map(|c| c.conf.chars().count())
+        .chain(cells.iter().flatten().map(|c| c.chars().count()))
         .max()
         .unwrap_or(0)
         .max(14);
-    let mut out = format!("{:20}", "");
+    let title = if heading {
+        format!("cuda:{device}")
+    } else {
+        String::new()
+    };
+    let mut out = format!("{title:26}");
     for c in columns {
         out += &format!(" | {:>width$}", c.conf);
     }
     out.push('\n');
-    for (name, cell) in rows {
-        out += &format!("{name:20}");
-        for c in columns {
-            out += &format!(" | {:>width$}", cell(c));
+    for ((name, _), row) in rows.iter().zip(&cells) {
+        out += &format!("{name:26}");
+        for cell in row {
+            out += &format!(" | {cell:>width$}");
         }
         out.push('\n');
     }

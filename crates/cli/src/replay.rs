@@ -1,4 +1,5 @@
 //! Replaying a device trace through ferrocuda's allocator on the fake device.
+use crate::pytorch::PytorchFigures;
 use crate::trace::{Action, Event};
 use ferrocuda_alloc::{AllocError, CachingAllocator};
 use ferrocuda_driver::{Driver, FakeDriver};
@@ -14,6 +15,8 @@ const DEV: DeviceIndex = DeviceIndex(0);
 pub struct Figures {
     /// The allocator configuration replayed.
     pub conf: String,
+    /// The device of the trace whose events were replayed.
+    pub device: u16,
     /// Peak of the bytes the program asked for (sum of live requests).
     pub peak_requested: u64,
     /// Peak of allocated (rounded) bytes.
@@ -32,6 +35,9 @@ pub struct Figures {
     pub events: u64,
     /// Wall time of the replay.
     pub seconds: f64,
+    /// PyTorch's own figures for this trace and configuration, when known.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pytorch: Option<PytorchFigures>,
 }
 
 /// Why a replay stopped.
@@ -65,12 +71,24 @@ pub fn replay(
     events: &[Event],
     conf: &str,
     capacity: u64,
-    mut progress: impl FnMut(u64),
+    progress: impl FnMut(u64),
 ) -> Result<(Figures, CachingAllocator), ReplayError> {
     let config = AllocatorConfig::parse(conf).map_err(|source| ReplayError::Config {
         conf: conf.to_owned(),
         source,
     })?;
+    let label = if conf.is_empty() { "default" } else { conf };
+    replay_with(events, label, config, capacity, progress)
+}
+
+/// [`replay`] with a parsed configuration, shown as `label` in the figures.
+pub fn replay_with(
+    events: &[Event],
+    label: &str,
+    config: AllocatorConfig,
+    capacity: u64,
+    mut progress: impl FnMut(u64),
+) -> Result<(Figures, CachingAllocator), ReplayError> {
     let fake = Arc::new(
         FakeDriver::builder()
             .capacity(capacity)
@@ -144,11 +162,8 @@ pub fn replay(
     let stats = allocator.stats();
     let peak_reserved = stats.reserved_bytes.all.peak as u64;
     let figures = Figures {
-        conf: if conf.is_empty() {
-            "default".into()
-        } else {
-            conf.to_owned()
-        },
+        conf: label.to_owned(),
+        device: 0,
         peak_requested,
         peak_allocated: stats.allocated_bytes.all.peak as u64,
         peak_reserved,
@@ -162,6 +177,7 @@ pub fn replay(
         num_ooms: ooms,
         events: events.len() as u64,
         seconds,
+        pytorch: None,
     };
     Ok((figures, allocator))
 }

@@ -22,12 +22,13 @@ fn timeline(snapshot: &Snapshot, device: usize) -> Vec<(u64, i64, i64)> {
     trace
         .iter()
         .map(|e| {
-            let size = e.size as i64;
+            // Sizes are at most 2^50 (checked on reading); sums saturate.
+            let size = i64::try_from(e.size).unwrap_or(i64::MAX);
             match e.action.as_str() {
-                "alloc" => requested += size,
-                "free_completed" => requested -= size,
-                "segment_alloc" | "segment_map" => reserved += size,
-                "segment_free" | "segment_unmap" => reserved -= size,
+                "alloc" => requested = requested.saturating_add(size),
+                "free_completed" => requested = requested.saturating_sub(size),
+                "segment_alloc" | "segment_map" => reserved = reserved.saturating_add(size),
+                "segment_free" | "segment_unmap" => reserved = reserved.saturating_sub(size),
                 _ => {}
             }
             (e.time_us, requested, reserved)
@@ -68,19 +69,24 @@ pub fn stats_from_snapshot(snapshot: &Snapshot, device: u16) -> DeviceStats {
     let line = timeline(snapshot, usize::from(device));
     if let Some(&(_, end_requested, end_reserved)) = line.last() {
         let lift = |stat: &mut Stat, end: i64, max: i64| {
-            stat.peak = stat.peak.max(stat.current + (max - end))
+            stat.peak = stat
+                .peak
+                .max(stat.current.saturating_add(max.saturating_sub(end)))
         };
         let max_requested = line.iter().map(|p| p.1).max().unwrap_or(0);
         let max_reserved = line.iter().map(|p| p.2).max().unwrap_or(0);
         lift(&mut s.requested_bytes.all, end_requested, max_requested);
         lift(&mut s.reserved_bytes.all, end_reserved, max_reserved);
-        let trace = &snapshot.device_traces[usize::from(device)];
+        let trace = snapshot
+            .device_traces
+            .get(usize::from(device))
+            .map_or(&[][..], Vec::as_slice);
         let total = |action: &str| {
             trace
                 .iter()
                 .filter(|e| e.action == action)
-                .map(|e| e.size as i64)
-                .sum::<i64>()
+                .map(|e| i64::try_from(e.size).unwrap_or(i64::MAX))
+                .fold(0i64, i64::saturating_add)
         };
         s.requested_bytes.all.allocated = total("alloc");
         s.requested_bytes.all.freed = total("free_completed");
@@ -113,11 +119,32 @@ pub fn devices(snapshot: &Snapshot) -> Vec<u16> {
     d
 }
 
-/// `memory_summary` for every device of a snapshot.
+/// What each figure of the table is, printed under it: a snapshot holds the state at one
+/// moment and a history of requests and segments, not PyTorch's running statistics.
+pub const SUMMARY_NOTES: &str = "\
+How these figures were derived from the snapshot (it holds the state at one moment and a \
+history, not PyTorch's running statistics):
+- Cur Usage: the snapshot's segments and blocks when it was taken.
+- Peak Usage of Requested memory and GPU reserved memory (all pools): from the trace of \
+requests and segments, so a peak may lie above every other row's.
+- other Peak Usage figures are the current values (the trace does not record them): \
+Allocated memory may show a peak below Requested memory's.
+- Tot Alloc / Tot Freed of Requested memory (all pools): sums of the trace's alloc and \
+free_completed events; of the other rows: the current values and 0.
+- from large pool / from small pool: from the segments alone, so pool rows need not add up \
+to the all-pools row above them where that row comes from the trace.
+";
+
+/// `memory_summary` for every device of a snapshot, each followed by [`SUMMARY_NOTES`]; a
+/// snapshot with no segments and no history says so.
 pub fn summary(snapshot: &Snapshot) -> String {
-    devices(snapshot)
+    let devices = devices(snapshot);
+    if devices.is_empty() {
+        return "The snapshot has no segments and no history: nothing to summarize.\n".into();
+    }
+    devices
         .into_iter()
-        .map(|d| stats_from_snapshot(snapshot, d).summary(d, false))
+        .map(|d| stats_from_snapshot(snapshot, d).summary(d, false) + SUMMARY_NOTES)
         .collect::<Vec<_>>()
         .join("\n")
 }
@@ -149,11 +176,11 @@ pub fn plot_html(snapshot: &Snapshot, title: &str) -> String {
         } else {
             // Shift so that the end of the trace matches the snapshot's current state.
             let (_, end_req, end_res) = line[line.len() - 1];
-            let req0 = stats.requested_bytes.all.current - end_req;
-            let res0 = stats.reserved_bytes.all.current - end_res;
+            let req0 = stats.requested_bytes.all.current.saturating_sub(end_req);
+            let res0 = stats.reserved_bytes.all.current.saturating_sub(end_res);
             let top = line
                 .iter()
-                .map(|p| (p.1 + req0).max(p.2 + res0))
+                .map(|p| p.1.saturating_add(req0).max(p.2.saturating_add(res0)))
                 .max()
                 .unwrap_or(1)
                 .max(1) as f64;
@@ -180,8 +207,8 @@ pub fn plot_html(snapshot: &Snapshot, title: &str) -> String {
                  <text x=\"80\" y=\"{ly}\" font-size=\"12\" fill=\"#36c\">requested</text>\
                  <text x=\"{tx}\" y=\"{ly}\" font-size=\"12\" text-anchor=\"end\">{secs:.3} s, {n} events</text></svg>",
                 hh = h + 30.0,
-                res = points(&|p| p.2 + res0),
-                req = points(&|p| p.1 + req0),
+                res = points(&|p| p.2.saturating_add(res0)),
+                req = points(&|p| p.1.saturating_add(req0)),
                 top = escape(&format_size(top as u64)),
                 ly = h + 16.0,
                 tx = w - 4.0,

@@ -38,6 +38,7 @@ pub use launch::{
     CaptureMode, CaptureStatus, EventFlags, KernelArg, LaunchConfig, MemsetValue, StreamFlags,
 };
 pub use snapshot::{
-    AllocatorSettings, Frame, Snapshot, SnapshotBlock, SnapshotSegment, TraceEntry,
+    AllocatorSettings, ExternalAnnotation, Frame, Snapshot, SnapshotBlock, SnapshotSegment,
+    TraceEntry,
 };
 pub use stats::{DeviceStats, PoolKind, Stat, StatArray, format_size};

@@ -1,0 +1,188 @@
+//! The replay's options, checked before any file is read: the fake device's capacity and
+//! the allocator configurations (`--conf`, else the environment as the facade reads it).
+use ferrocuda_types::{AllocatorConfig, ConfigError};
+
+const MIB: u64 = 1 << 20;
+const GIB: u64 = 1 << 30;
+/// Smallest `--capacity`: one 2 MiB page of the fake device.
+pub const MIN_CAPACITY: u64 = 2 * MIB;
+/// Largest `--capacity`: 4 TiB (a fake device's address span is 16 TiB, and expandable
+/// segments reserve address space beyond the memory they map).
+pub const MAX_CAPACITY: u64 = 4 << 40;
+
+/// Parses `--capacity`: a whole number of GiB (`80`), or a whole number with a binary unit
+/// as the allocator configuration writes sizes (`80G`, `512M`, `1T`, also `80GiB`).
+pub fn parse_capacity(text: &str) -> Result<u64, String> {
+    let bad = |why: &str| format!("--capacity {text:?}: {why}");
+    let t = text.trim();
+    let digits = t.bytes().take_while(u8::is_ascii_digit).count();
+    let (number, unit) = t.split_at(digits);
+    if number.is_empty() {
+        return Err(bad(
+            "expected a whole number with an optional unit K, M, G or T (80G, 512M)",
+        ));
+    }
+    let scale = match unit.strip_suffix("iB").unwrap_or(unit) {
+        "" | "G" => GIB,
+        "K" => 1 << 10,
+        "M" => MIB,
+        "T" => 1 << 40,
+        _ => return Err(bad("unknown unit (use K, M, G or T; no unit means G)")),
+    };
+    let bytes = number
+        .parse::<u64>()
+        .ok()
+        .and_then(|n| n.checked_mul(scale))
+        .filter(|b| (MIN_CAPACITY..=MAX_CAPACITY).contains(b))
+        .ok_or_else(|| bad("out of range: the fake device takes 2M to 4T"))?;
+    Ok(bytes)
+}
+
+/// One configuration to replay: its column label and the parsed configuration.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Conf {
+    /// `default`, or the string as given.
+    pub label: String,
+    /// The configuration.
+    pub config: AllocatorConfig,
+}
+
+/// Why the configurations cannot be used.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ConfError {
+    /// A `--conf` does not parse.
+    #[error("--conf {conf:?}: {source}")]
+    Flag {
+        /// The string.
+        conf: String,
+        /// Why.
+        source: ConfigError,
+    },
+    /// The environment's configuration does not parse.
+    #[error("{var}={conf:?}: {source}")]
+    Env {
+        /// The variable.
+        var: &'static str,
+        /// Its value.
+        conf: String,
+        /// Why.
+        source: ConfigError,
+    },
+}
+
+fn conf(text: &str) -> Result<Conf, ConfigError> {
+    if text.trim().is_empty() || text.trim() == "default" {
+        return Ok(Conf {
+            label: "default".into(),
+            config: AllocatorConfig::default(),
+        });
+    }
+    Ok(Conf {
+        label: text.to_owned(),
+        config: AllocatorConfig::parse(text)?,
+    })
+}
+
+/// The configurations to replay, every one parsed before any replay: the `--conf` flags
+/// (`default` and the empty string are the default configuration), else the environment's
+/// (`FERROCUDA_ALLOC_CONF`, `PYTORCH_CUDA_ALLOC_CONF`, `PYTORCH_ALLOC_CONF`, read through
+/// `var`), else the default. The note says which ran.
+pub fn resolve_confs(
+    flags: &[String],
+    var: impl Fn(&str) -> Option<String>,
+) -> Result<(Vec<Conf>, String), ConfError> {
+    let env = AllocatorConfig::source(var);
+    if !flags.is_empty() {
+        let confs = flags
+            .iter()
+            .map(|f| {
+                conf(f).map_err(|source| ConfError::Flag {
+                    conf: f.clone(),
+                    source,
+                })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let note = match env {
+            Some((var, _)) => format!("configurations from --conf ({var} is not used)"),
+            None => "configurations from --conf".into(),
+        };
+        return Ok((confs, note));
+    }
+    match env {
+        Some((var, value)) => {
+            let c = conf(&value).map_err(|source| ConfError::Env {
+                var,
+                conf: value.clone(),
+                source,
+            })?;
+            Ok((vec![c], format!("configuration from {var}={value}")))
+        }
+        None => Ok((
+            vec![conf("").map_err(|source| ConfError::Flag {
+                conf: String::new(),
+                source,
+            })?],
+            "default configuration (no --conf; FERROCUDA_ALLOC_CONF, PYTORCH_CUDA_ALLOC_CONF \
+             and PYTORCH_ALLOC_CONF unset)"
+                .into(),
+        )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn capacities() {
+        assert_eq!(parse_capacity("80"), Ok(80 * GIB));
+        assert_eq!(parse_capacity("80G"), Ok(80 * GIB));
+        assert_eq!(parse_capacity("80GiB"), Ok(80 * GIB));
+        assert_eq!(parse_capacity("512M"), Ok(512 * MIB));
+        assert_eq!(parse_capacity("4T"), Ok(MAX_CAPACITY));
+        assert_eq!(parse_capacity("2048K"), Ok(MIN_CAPACITY));
+        for bad in [
+            "0",
+            "17179869184",
+            "17179869189",
+            "18446744073709551616",
+            "1K",
+            "5T",
+            "80g",
+            "1.5G",
+            "-1",
+            "",
+            "G",
+            "80 G B",
+        ] {
+            assert!(parse_capacity(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn confs_come_from_flags_then_the_environment() {
+        let none = |_: &str| None;
+        let (c, note) = resolve_confs(&[], none)
+            .map_err(|e| e.to_string())
+            .unwrap_or_default();
+        assert_eq!(c.len(), 1);
+        assert_eq!(c[0].label, "default");
+        assert!(note.contains("unset"));
+        let env =
+            |k: &str| (k == "PYTORCH_CUDA_ALLOC_CONF").then(|| "expandable_segments:True".into());
+        let r = resolve_confs(&[], env).ok();
+        assert!(
+            r.as_ref()
+                .is_some_and(|(c, _)| c[0].config.expandable_segments)
+        );
+        let flags = vec!["default".to_owned(), String::new()];
+        let r = resolve_confs(&flags, env).ok();
+        assert!(
+            r.is_some_and(|(c, n)| c.iter().all(|c| c.label == "default")
+                && n.contains("PYTORCH_CUDA_ALLOC_CONF is not used"))
+        );
+        let flags = vec![String::new(), "bogus:1".to_owned()];
+        assert!(resolve_confs(&flags, none).is_err());
+    }
+}

@@ -1,0 +1,430 @@
+//! The `ferrocuda` command under hostile input (issue 11): every bad input ends the command
+//! with a one-line message and exit code 1; nothing panics, aborts or hangs, and nothing
+//! silently replays something other than what was asked for.
+use serde_json::json;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+
+type TestResult = Result<(), Box<dyn std::error::Error>>;
+
+const EXE: &str = env!("CARGO_BIN_EXE_ferrocuda");
+
+fn data(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/data")
+        .join(name)
+}
+
+/// A scratch directory for one test.
+fn scratch(test: &str) -> Result<PathBuf, std::io::Error> {
+    let dir = std::env::temp_dir().join(format!("ferrocuda-hostile-{}-{test}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    Ok(dir)
+}
+
+fn write_pickle(path: &Path, value: &serde_json::Value) -> TestResult {
+    let bytes = serde_pickle::to_vec(value, serde_pickle::SerOptions::new())?;
+    std::fs::write(path, bytes)?;
+    Ok(())
+}
+
+/// Runs `command` to its end, killing it after 60 s (a hang fails the test, not the run).
+fn output(command: &mut Command) -> Result<Output, std::io::Error> {
+    let child = command
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()?;
+    let pid = child.id().to_string();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || tx.send(child.wait_with_output()));
+    match rx.recv_timeout(std::time::Duration::from_secs(60)) {
+        Ok(out) => out,
+        Err(_) => {
+            let _ = Command::new("kill").args(["-9", &pid]).status();
+            Err(std::io::Error::other("hung: killed after 60 s"))
+        }
+    }
+}
+
+/// Runs the command with no allocator configuration in the environment.
+fn ferrocuda(args: &[&str]) -> Result<Output, std::io::Error> {
+    output(
+        Command::new(EXE)
+            .args(args)
+            .env_remove("FERROCUDA_ALLOC_CONF")
+            .env_remove("PYTORCH_CUDA_ALLOC_CONF")
+            .env_remove("PYTORCH_ALLOC_CONF"),
+    )
+}
+
+fn stderr(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+fn stdout(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// A failure as the command must report one: exit code 1, one line on stderr that starts
+/// with `ferrocuda: ` and contains every piece of `wanted`.
+fn assert_one_line_failure(out: &Output, wanted: &[&str]) {
+    let err = stderr(out);
+    assert_eq!(out.status.code(), Some(1), "stderr: {err}");
+    assert_eq!(err.lines().count(), 1, "one line: {err}");
+    assert!(err.starts_with("ferrocuda: "), "{err}");
+    for w in wanted {
+        assert!(err.contains(w), "{w:?} not in {err}");
+    }
+}
+
+fn event(action: &str, addr: u64, size: u64) -> serde_json::Value {
+    json!({"action": action, "addr": addr, "size": size, "stream": 0, "time_us": 1})
+}
+
+fn snapshot(device_traces: serde_json::Value) -> serde_json::Value {
+    json!({"segments": [], "device_traces": device_traces})
+}
+
+#[test]
+fn a_pickle_nested_300000_levels_deep_is_an_error_not_a_stack_overflow() -> TestResult {
+    let dir = scratch("deep")?;
+    let path = dir.join("deep.pickle");
+    // 300 000 empty lists, each appended into the one below: a list nested 300 000 deep.
+    let n = 300_000;
+    let mut bytes = vec![0x80, 2];
+    bytes.extend(std::iter::repeat_n(b']', n));
+    bytes.extend(std::iter::repeat_n(b'a', n - 1));
+    bytes.push(b'.');
+    std::fs::write(&path, &bytes)?;
+    for command in ["replay", "summary"] {
+        let out = ferrocuda(&[command, &path.to_string_lossy()])?;
+        assert_one_line_failure(&out, &["nested", "deeper than"]);
+    }
+    // A memo reference doubled at every level: a small file, 2^60 values once expanded,
+    // under a key the reader skips (skipping walks every value).
+    let mut bomb = vec![0x80, 2, b']', b'q', 0];
+    for level in 1..=60u8 {
+        bomb.extend([
+            b']',
+            b'(',
+            b'h',
+            level - 1,
+            b'h',
+            level - 1,
+            b'e',
+            b'q',
+            level,
+        ]);
+    }
+    bomb.extend([b'}', b'(']);
+    for key in ["segments", "device_traces", "junk"] {
+        bomb.push(b'X');
+        bomb.extend((key.len() as u32).to_le_bytes());
+        bomb.extend(key.as_bytes());
+        bomb.extend(if key == "junk" {
+            vec![b'h', 60]
+        } else {
+            vec![b']']
+        });
+    }
+    bomb.extend([b'u', b'.']);
+    let path = dir.join("bomb.pickle");
+    std::fs::write(&path, &bomb)?;
+    let out = ferrocuda(&["summary", &path.to_string_lossy()])?;
+    assert_one_line_failure(&out, &["values"]);
+    let _ = std::fs::remove_dir_all(dir);
+    Ok(())
+}
+
+#[test]
+fn output_errors_end_the_command_with_a_message_and_a_broken_pipe_ends_quietly() -> TestResult {
+    let trace = data("resnet50_train.pickle.xz");
+    let full = std::fs::OpenOptions::new().write(true).open("/dev/full")?;
+    let out = Command::new(EXE)
+        .arg("summary")
+        .arg(&trace)
+        .stdout(Stdio::from(full))
+        .output()?;
+    assert_one_line_failure(&out, &["cannot write", "stdout"]);
+    assert!(!stderr(&out).contains("panicked"));
+
+    // A reader that goes away before the command writes (decompressing takes a while).
+    let mut child = Command::new(EXE)
+        .arg("summary")
+        .arg(&trace)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()?;
+    drop(child.stdout.take());
+    let out = child.wait_with_output()?;
+    assert_eq!(stderr(&out), "", "a broken pipe ends quietly");
+    assert_eq!(out.status.code(), Some(0));
+    Ok(())
+}
+
+#[test]
+fn capacity_is_range_checked_and_takes_units() -> TestResult {
+    let trace = data("resnet50_train.pickle.xz");
+    let t = trace.to_string_lossy();
+    for bad in [
+        "17179869189",
+        "17179869184",
+        "0",
+        "80X",
+        "-1",
+        "1.5G",
+        "",
+        "1K",
+    ] {
+        let out = ferrocuda(&["replay", &t, &format!("--capacity={bad}")])?;
+        assert_one_line_failure(&out, &["--capacity"]);
+    }
+    for (good, ooms) in [
+        ("80G", false),
+        ("80", false),
+        ("81920M", false),
+        ("512M", true),
+    ] {
+        let out = ferrocuda(&["replay", &t, "--capacity", good, "--json"])?;
+        assert!(out.status.success(), "{good}: {}", stderr(&out));
+        let json: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+        assert_eq!(
+            json[0]["num_ooms"].as_u64().map(|n| n > 0),
+            Some(ooms),
+            "{good}"
+        );
+    }
+    Ok(())
+}
+
+#[test]
+fn a_dict_that_is_not_a_snapshot_is_an_error_naming_what_is_missing() -> TestResult {
+    let dir = scratch("notsnap")?;
+    let path = dir.join("a.pickle");
+    write_pickle(&path, &json!({"a": 1}))?;
+    let p = path.to_string_lossy();
+    for command in ["replay", "summary"] {
+        let out = ferrocuda(&[command, &p])?;
+        assert_one_line_failure(&out, &["device_traces", "segments"]);
+    }
+    let out = ferrocuda(&["plot", &p, "-o", &dir.join("x.html").to_string_lossy()])?;
+    assert_one_line_failure(&out, &["device_traces", "segments"]);
+    write_pickle(&path, &json!([1, 2]))?;
+    let out = ferrocuda(&["summary", &p])?;
+    assert_one_line_failure(&out, &["dict"]);
+    // Segments without history: summary works, replay says there is nothing to replay.
+    write_pickle(&path, &json!({"segments": []}))?;
+    let out = ferrocuda(&["replay", &p])?;
+    assert_one_line_failure(&out, &["no allocation history", "device_traces"]);
+    let _ = std::fs::remove_dir_all(dir);
+    Ok(())
+}
+
+#[test]
+fn devices_are_replayed_separately() -> TestResult {
+    let dir = scratch("devices")?;
+    let path = dir.join("two.pickle");
+    let gib50 = 50u64 << 30;
+    let dev = |addr| {
+        json!([
+            event("alloc", addr, gib50),
+            event("free_completed", addr, gib50)
+        ])
+    };
+    write_pickle(&path, &snapshot(json!([dev(1 << 40), dev(2 << 40)])))?;
+    let p = path.to_string_lossy();
+    let out = ferrocuda(&["replay", &p, "--json"])?;
+    assert!(out.status.success(), "{}", stderr(&out));
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+    let rows = json.as_array().ok_or("an array")?;
+    assert_eq!(rows.len(), 2, "{json}");
+    for (i, row) in rows.iter().enumerate() {
+        assert_eq!(row["device"], i, "{json}");
+        assert_eq!(row["num_ooms"], 0, "{json}");
+        assert_eq!(row["peak_requested"], gib50, "{json}");
+    }
+    let out = ferrocuda(&["replay", &p])?;
+    let text = stdout(&out);
+    assert!(text.contains("cuda:0") && text.contains("cuda:1"), "{text}");
+    assert!(
+        stderr(&out).contains("each device separately"),
+        "{}",
+        stderr(&out)
+    );
+    let _ = std::fs::remove_dir_all(dir);
+    Ok(())
+}
+
+#[test]
+fn replay_takes_the_configuration_from_the_environment() -> TestResult {
+    let trace = data("resnet50_train.pickle.xz");
+    for var in ["FERROCUDA_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"] {
+        let out = Command::new(EXE)
+            .arg("replay")
+            .arg(&trace)
+            .env_remove("FERROCUDA_ALLOC_CONF")
+            .env_remove("PYTORCH_ALLOC_CONF")
+            .env(var, "expandable_segments:True")
+            .output()?;
+        assert!(out.status.success(), "{}", stderr(&out));
+        assert!(
+            stdout(&out).contains("expandable_segments:True") && stdout(&out).contains("1.0103"),
+            "{}",
+            stdout(&out)
+        );
+        assert!(
+            stderr(&out).contains(&format!("{var}=expandable_segments:True")),
+            "{}",
+            stderr(&out)
+        );
+    }
+    let out = Command::new(EXE)
+        .arg("replay")
+        .arg(&trace)
+        .env("FERROCUDA_ALLOC_CONF", "max_split_size_mb:2")
+        .output()?;
+    assert_one_line_failure(
+        &out,
+        &[
+            "FERROCUDA_ALLOC_CONF",
+            "invalid allocator config at character 18",
+        ],
+    );
+    assert!(!stderr(&out).contains("ConfigError"), "Display, not Debug");
+    // --conf wins over the environment, and says so.
+    let out = Command::new(EXE)
+        .arg("replay")
+        .arg(&trace)
+        .args(["--conf", "default"])
+        .env("FERROCUDA_ALLOC_CONF", "bogus:1")
+        .output()?;
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(stdout(&out).contains("1.3563"), "{}", stdout(&out));
+    Ok(())
+}
+
+#[test]
+fn conf_default_is_accepted_and_every_conf_is_parsed_before_anything_is_read() -> TestResult {
+    let trace = data("resnet50_train.pickle.xz");
+    let t = trace.to_string_lossy();
+    let out = ferrocuda(&["replay", &t, "--conf", "default", "--json"])?;
+    assert!(out.status.success(), "{}", stderr(&out));
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+    assert_eq!(json[0]["conf"], "default");
+    // The bad second --conf is reported before the (missing) trace is even opened.
+    let out = ferrocuda(&[
+        "replay",
+        "/nonexistent.pickle",
+        "--conf",
+        "",
+        "--conf",
+        "bogus:1",
+    ])?;
+    assert_one_line_failure(&out, &["--conf \"bogus:1\"", "Unrecognized key 'bogus'"]);
+    Ok(())
+}
+
+#[test]
+fn decoding_errors_name_the_event_and_the_field() -> TestResult {
+    let dir = scratch("decode")?;
+    let path = dir.join("bad.pickle");
+    let p = path.to_string_lossy();
+    let good = event("alloc", 4096, 512);
+    let bad = json!({"action": "alloc", "addr": 8192, "size": "512", "stream": 0, "time_us": 1});
+    write_pickle(&path, &snapshot(json!([[good.clone(), bad]])))?;
+    let out = ferrocuda(&["replay", &p])?;
+    assert_one_line_failure(&out, &["event 1 of device 0", "size"]);
+    // 2^63 does not fit the signed integers pickle readers use: say so.
+    let huge =
+        json!({"action": "alloc", "addr": 1u64 << 63, "size": 512, "stream": 0, "time_us": 1});
+    write_pickle(&path, &snapshot(json!([[good, huge]])))?;
+    let out = ferrocuda(&["replay", &p])?;
+    assert_one_line_failure(&out, &["event 1 of device 0", "addr", "2^63"]);
+    let _ = std::fs::remove_dir_all(dir);
+    Ok(())
+}
+
+#[test]
+fn the_table_shows_pytorchs_figures_beside_ours() -> TestResult {
+    // The sidecar tests/data/pytorch-figures.json holds PyTorch's figures for this trace.
+    let trace = data("resnet50_train.pickle.xz");
+    let out = ferrocuda(&[
+        "replay",
+        &trace.to_string_lossy(),
+        "--conf",
+        "default",
+        "--conf",
+        "expandable_segments:True",
+        "--conf",
+        "max_split_size_mb:100",
+    ])?;
+    let text = stdout(&out);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let row = |name: &str| {
+        text.lines()
+            .find(|l| l.starts_with(name))
+            .unwrap_or_default()
+            .to_owned()
+    };
+    let reserved = row("  PyTorch peak reserved");
+    assert!(reserved.matches("= ours").count() == 2, "{text}");
+    assert!(
+        reserved.contains("n/a"),
+        "no figures for max_split_size_mb: {text}"
+    );
+    assert!(
+        row("  PyTorch peak allocated").matches("= ours").count() == 2,
+        "{text}"
+    );
+    // GPT-2's default peak allocated is 217 KiB above PyTorch's (README): shown as such.
+    let out = ferrocuda(&["replay", &data("gpt2_train.pickle.xz").to_string_lossy()])?;
+    let text = stdout(&out);
+    assert!(
+        text.lines()
+            .any(|l| l.starts_with("  PyTorch peak allocated") && l.contains("ours +217.00 KiB")),
+        "{text}"
+    );
+
+    // The recording's own memory_stats, when a snapshot carries them.
+    let dir = scratch("stats")?;
+    let path = dir.join("withstats.pickle");
+    let mut s = snapshot(json!([[
+        event("alloc", 4096, 1000),
+        event("free_completed", 4096, 1000)
+    ]]));
+    s["memory_stats"] = json!({
+        "requested_bytes.all.peak": 1000, "allocated_bytes.all.peak": 1024,
+        "reserved_bytes.all.peak": 2 << 20, "num_device_alloc": 1, "num_device_free": 0
+    });
+    write_pickle(&path, &s)?;
+    let out = ferrocuda(&["replay", &path.to_string_lossy()])?;
+    let text = stdout(&out);
+    assert!(out.status.success(), "{}", stderr(&out));
+    for name in ["requested", "allocated", "reserved"] {
+        assert!(
+            text.lines()
+                .any(|l| l.starts_with(&format!("  PyTorch peak {name}")) && l.contains("= ours")),
+            "{text}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(dir);
+    Ok(())
+}
+
+#[test]
+fn summary_says_where_each_figure_comes_from() -> TestResult {
+    let out = ferrocuda(&[
+        "summary",
+        &data("resnet50_train.pickle.xz").to_string_lossy(),
+    ])?;
+    let text = stdout(&out);
+    assert!(out.status.success());
+    for note in [
+        "Peak Usage of Requested memory and GPU reserved memory (all pools): from the trace",
+        "other Peak Usage figures are the current values",
+        "pool rows need not add up",
+    ] {
+        assert!(text.contains(note), "{note:?} missing: {text}");
+    }
+    Ok(())
+}

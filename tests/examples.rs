@@ -1,0 +1,84 @@
+//! The examples on the fake device (CI has no GPU): each works there and says where it ran,
+//! takes the allocator configuration from the environment, and reports a malformed one by
+//! its message.
+use std::path::PathBuf;
+use std::process::{Command, Output};
+
+/// An example's binary: `cargo test` builds examples beside the test binaries' `deps`.
+fn example(name: &str) -> Option<PathBuf> {
+    let exe = std::env::current_exe().ok()?;
+    let dir = exe.parent()?.parent()?.join("examples");
+    let path = dir.join(name);
+    path.exists().then_some(path)
+}
+
+fn run(name: &str, env: &[(&str, &str)], args: &[&str]) -> Result<Output, String> {
+    let exe = example(name).ok_or(format!(
+        "example {name} not built: `cargo test` builds the examples (a `--test` filter does not; `cargo build --examples` then)"
+    ))?;
+    let mut cmd = Command::new(exe);
+    cmd.args(args)
+        .env("FERROCUDA_BACKEND", "fake")
+        .env_remove("FERROCUDA_ALLOC_CONF")
+        .env_remove("PYTORCH_CUDA_ALLOC_CONF")
+        .env_remove("PYTORCH_ALLOC_CONF");
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    cmd.output().map_err(|e| e.to_string())
+}
+
+fn text(out: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
+#[test]
+fn tour_runs_on_the_fake_backend_with_the_environments_configuration() -> Result<(), String> {
+    let out = run("tour", &[], &[])?;
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(
+        text(&out).contains("tour done on the fake device"),
+        "{}",
+        text(&out)
+    );
+    let out = run(
+        "tour",
+        &[("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")],
+        &[],
+    )?;
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(
+        text(&out)
+            .contains("allocator configuration: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"),
+        "{}",
+        text(&out)
+    );
+    let out = run("tour", &[("FERROCUDA_ALLOC_CONF", "bogus:1")], &[])?;
+    assert!(!out.status.success());
+    let t = text(&out);
+    assert!(
+        t.contains("FERROCUDA_ALLOC_CONF") && t.contains("invalid allocator config at character 0"),
+        "{t}"
+    );
+    assert!(!t.contains("ConfigError {"), "Display, not Debug: {t}");
+    Ok(())
+}
+
+#[test]
+fn snapshot_example_says_it_ran_on_the_fake_device() -> Result<(), String> {
+    let path =
+        std::env::temp_dir().join(format!("ferrocuda-example-{}.pickle", std::process::id()));
+    let out = run("snapshot", &[], &[&path.to_string_lossy()])?;
+    let _ = std::fs::remove_file(&path);
+    let t = text(&out);
+    assert!(out.status.success(), "{t}");
+    assert!(
+        t.contains("on the fake device") && !t.contains("on the GPU"),
+        "{t}"
+    );
+    Ok(())
+}
