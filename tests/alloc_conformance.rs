@@ -108,7 +108,8 @@ fn out_of_memory_text_and_retry(h: &Harness) -> TestResult {
     assert_eq!(second.ptr, first.ptr, "the retry finds the freed block");
     a.free(second.ptr)?;
     a.empty_cache();
-    assert_eq!(stat(&a, "num_ooms"), 3);
+    // The 1 EB refusal is not counted (PyTorch refuses it before its device allocator).
+    assert_eq!(stat(&a, "num_ooms"), 2);
     Ok(())
 }
 
