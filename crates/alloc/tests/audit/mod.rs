@@ -5,15 +5,13 @@
 
 use ferrocuda_alloc::CachingAllocator;
 use ferrocuda_driver::{Driver, FakeDriver, fake::Completion};
-use ferrocuda_types::{AllocatorConfig, DeviceIndex, StreamFlags, StreamHandle};
+use ferrocuda_types::{AllocatorConfig, StreamFlags, StreamHandle};
 use std::sync::Arc;
 
-pub(crate) const MIB: u64 = 1 << 20;
-pub(crate) const GIB: u64 = 1 << 30;
-pub(crate) const D0: DeviceIndex = DeviceIndex(0);
-pub(crate) const LEGACY: StreamHandle = StreamHandle::legacy(D0);
-
-pub(crate) type TestResult = Result<(), Box<dyn std::error::Error>>;
+#[path = "../common/mod.rs"]
+mod common;
+#[allow(unused_imports)] // each test file uses a different subset
+pub(crate) use common::{D0, GIB, LEGACY, MIB, TestResult};
 
 /// A fake device of `capacity` bytes (eager completion) and a caching allocator on it with
 /// `config` (PyTorch's grammar). Panics if either cannot be made.
