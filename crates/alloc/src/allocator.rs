@@ -419,17 +419,12 @@ pub struct CachingAllocator {
 impl Drop for CachingAllocator {
     /// Gives back every segment, page, address range and event not handed out (private
     /// pools lose their users with the allocator). Blocks still allocated keep their
-    /// segments, so a pointer kept past the allocator never sees its memory reused; they
-    /// are reported on standard error.
+    /// segments, so a pointer kept past the allocator never sees its memory reused. Nothing
+    /// is printed: a library does not write to the program's standard error, and the
+    /// caller can read `allocated_bytes` before dropping.
     fn drop(&mut self) {
         if self.caching {
-            let live = self.give_back_everything();
-            if live.0 > 0 {
-                eprintln!(
-                    "ferrocuda: the caching allocator of device {} was dropped with {} blocks ({} bytes) still allocated; their segments stay reserved",
-                    self.device.0, live.0, live.1
-                );
-            }
+            self.give_back_everything();
         }
         for slot in &self.state.get_mut().slots {
             slot.retired.store(true, Ordering::Release);
@@ -1583,24 +1578,17 @@ impl CachingAllocator {
     }
 
     /// What `Drop` does: waits for outstanding events, ends every private pool's retention,
-    /// frees every free segment and page and destroys the spare events. Returns the blocks
-    /// (count, bytes) still allocated.
-    fn give_back_everything(&self) -> (usize, u64) {
+    /// frees every free segment and page and destroys the spare events.
+    fn give_back_everything(&self) {
         let mut st = self.lock();
         st.private.values_mut().for_each(|p| p.use_count = 0);
         st.routes.clear();
         let mut st = self.release_cached(self.synchronize_events(st), None);
         let events = std::mem::take(&mut st.spare_events);
-        let live = st
-            .blocks
-            .iter()
-            .filter(|b| !b.vacant && b.allocated)
-            .fold((0, 0), |(n, bytes), b| (n + 1, bytes + b.size));
         drop(st);
         for e in events {
             let _ = self.driver.event_destroy(e);
         }
-        live
     }
 
     /// `empty_cache`: waits for outstanding events, then gives every whole free segment
