@@ -7,7 +7,10 @@
 //!   `N passed, N failed`;
 //! - `bench`: the criterion benches (they need a GPU; without one they say they skipped);
 //! - `cli-fuzz [--cases N] [--seed S] [--long] [--case N]`: the `ferrocuda` command against
-//!   generated and mutated traces (see [`fuzz`]); `ci` runs it with a fixed seed.
+//!   generated and mutated traces (see [`fuzz`]); `ci` runs it with a fixed seed;
+//! - `alloc-fuzz [--programs N] [--seed S]`: the allocator's structure-aware fuzz
+//!   (`crates/alloc/tests/fuzz.rs`) in release, 100 000 programs unless told (CI runs 600
+//!   in the ordinary test run).
 #![forbid(unsafe_code)]
 
 mod fuzz;
@@ -33,7 +36,11 @@ fn main() -> ExitCode {
             let args: Vec<String> = std::env::args().skip(2).collect();
             fuzz::Options::parse(&args).and_then(|o| cli_fuzz(&o))
         }
-        _ => Err("usage: cargo xtask <ci|gpu-bundle|bench|cli-fuzz>".into()),
+        "alloc-fuzz" => {
+            let args: Vec<String> = std::env::args().skip(2).collect();
+            alloc_fuzz(&args)
+        }
+        _ => Err("usage: cargo xtask <ci|gpu-bundle|bench|doc|cli-fuzz|alloc-fuzz>".into()),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -51,15 +58,16 @@ fn root() -> PathBuf {
 }
 
 fn cargo(args: &[&str]) -> Result<(), String> {
-    cargo_with_env(args, ("FERROCUDA_XTASK", "1"))
+    cargo_with_env(args, &[("FERROCUDA_XTASK", "1")])
 }
 
-fn cargo_with_env(args: &[&str], (key, value): (&str, &str)) -> Result<(), String> {
+fn cargo_with_env(args: &[&str], env: &[(&str, &str)]) -> Result<(), String> {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    eprintln!("+ {key}={value} cargo {}", args.join(" "));
+    let shown: Vec<String> = env.iter().map(|(k, v)| format!("{k}={v} ")).collect();
+    eprintln!("+ {}cargo {}", shown.concat(), args.join(" "));
     let status = Command::new(cargo)
         .args(args)
-        .env(key, value)
+        .envs(env.iter().copied())
         .current_dir(root())
         .status()
         .map_err(|e| e.to_string())?;
@@ -133,6 +141,46 @@ fn doc() -> Result<(), String> {
         Some(w) => Err(format!("cargo doc warned: {w}")),
         None => Ok(()),
     }
+}
+
+/// `alloc-fuzz [--programs N] [--seed S]`: the allocator fuzz test in release, with the
+/// program count and seed passed through its environment variables.
+fn alloc_fuzz(args: &[String]) -> Result<(), String> {
+    let mut programs = "100000".to_string();
+    let mut seed = "20261123".to_string();
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        let target = match a.as_str() {
+            "--programs" => &mut programs,
+            "--seed" => &mut seed,
+            _ => {
+                return Err(format!(
+                    "unknown option {a}: alloc-fuzz [--programs N] [--seed S]"
+                ));
+            }
+        };
+        let value = it.next().ok_or(format!("{a} needs a number"))?;
+        value
+            .parse::<u64>()
+            .map_err(|e| format!("{a} {value}: {e}"))?;
+        value.clone_into(target);
+    }
+    cargo_with_env(
+        &[
+            "test",
+            "--release",
+            "-p",
+            "ferrocuda-alloc",
+            "--test",
+            "fuzz",
+            "--",
+            "--nocapture",
+        ],
+        &[
+            ("FERROCUDA_FUZZ_PROGRAMS", &programs),
+            ("FERROCUDA_FUZZ_SEED", &seed),
+        ],
+    )
 }
 
 /// Builds the `ferrocuda` command (debug: overflow checks on) and fuzzes it.

@@ -1503,9 +1503,12 @@ impl CachingAllocator {
         let Some(list) = st.pools.list(PoolId::DEFAULT, stream.raw, kind) else {
             return (st, false);
         };
+        // Only whole segments: a free block over the limit can still be a piece of a
+        // segment split under an earlier, larger `max_split_size_mb`, and PyTorch's
+        // `release_block` would free the segment under its live neighbours.
         let whole = |id: usize| st.blocks[id].segment.is_none() && !st.blocks[id].is_split();
         let (chosen, enough) = match list.first_from(key(wanted, 0)) {
-            Some(f) if st.blocks[f.id].segment.is_none() => (vec![f.id], true),
+            Some(f) if whole(f.id) => (vec![f.id], true),
             _ => {
                 let below: Vec<(u64, usize)> = list
                     .iter()
@@ -2102,6 +2105,12 @@ impl State {
         None
     }
 
+    /// The page size of the expandable segment that block `id` lies in.
+    fn segment_page(&self, id: usize) -> Option<u64> {
+        let seg = self.blocks[id].segment.get()?;
+        self.segments.get(seg)?.as_ref().map(|s| s.page)
+    }
+
     /// Cuts the first `bytes` of block `id` off into a new block, which it returns.
     fn split_front(&mut self, id: usize, bytes: u64) -> usize {
         let b = &self.blocks[id];
@@ -2255,16 +2264,21 @@ impl CachingAllocator {
         kind: PoolKind,
         stream: StreamHandle,
     ) -> Result<(MutexGuard<'a, State>, Option<usize>), AllocError> {
-        let page = self.page_size(&st, kind)?;
         let start = match st.find_expandable(stream, kind, size) {
             Some(s) => s,
             None => {
+                let page = self.page_size(&st, kind)?;
                 st = self.new_segment(st, kind, stream, page)?;
                 match st.find_expandable(stream, kind, size) {
                     Some(s) => s,
                     None => return Ok((st, None)),
                 }
             }
+        };
+        // A segment keeps the page size it was made with, whatever the configuration says
+        // now (`large_segment_size_mb` may have changed since).
+        let Some(page) = st.segment_page(start) else {
+            return Ok((st, None));
         };
         let mut plan = Vec::new();
         let (mut covered, mut cur) = (0, Some(start));
@@ -2309,6 +2323,7 @@ impl CachingAllocator {
                     stream,
                     kind,
                     pages: pages - spare_now,
+                    page,
                 },
             );
         }
@@ -2474,8 +2489,12 @@ impl CachingAllocator {
             .filter(|k| st.blocks[k.id].segment.is_some())
             .filter(|k| match scope {
                 Unmap::All => true,
-                Unmap::Reclaim { stream, kind, .. } => {
-                    k.stream == stream.raw && st.blocks[k.id].pool == kind
+                Unmap::Reclaim {
+                    stream, kind, page, ..
+                } => {
+                    k.stream == stream.raw
+                        && st.blocks[k.id].pool == kind
+                        && st.segment_page(k.id) == Some(page)
                 }
             })
             .map(|k| k.id)
@@ -2615,11 +2634,13 @@ impl CachingAllocator {
 enum Unmap {
     /// All of them, releasing the physical memory (`empty_cache`, the OOM path).
     All,
-    /// Up to `pages` of one (stream, pool), kept as spare pages to map again elsewhere.
+    /// Up to `pages` pages of `page` bytes of one (stream, pool), kept as spare pages to
+    /// map again elsewhere.
     Reclaim {
         stream: StreamHandle,
         kind: PoolKind,
         pages: u64,
+        page: u64,
     },
 }
 

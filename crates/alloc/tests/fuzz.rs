@@ -6,7 +6,8 @@
 //! (`check_invariants`), no two live allocations overlap, and every error is a typed one.
 //! At the end the allocator is dropped and the device must have all its memory back.
 //!
-//! `FERROCUDA_FUZZ_PROGRAMS` (default 600) and `FERROCUDA_FUZZ_SEED` set the run;
+//! `FERROCUDA_FUZZ_PROGRAMS` (default 600) and `FERROCUDA_FUZZ_SEED` set the run, and
+//! `FERROCUDA_FUZZ_TRAIL` how many of a failing program's last steps are shown (5);
 //! `cargo xtask alloc-fuzz --programs N` runs it in release.
 #![allow(clippy::panic, clippy::unwrap_used, clippy::expect_used)]
 mod common;
@@ -231,7 +232,6 @@ fn env_number(name: &str, default: u64) -> u64 {
 }
 
 #[test]
-#[ignore = "finds open defects, listed in the allocator issue's notes; run with --ignored"]
 fn random_programs_keep_every_invariant() {
     let programs = env_number("FERROCUDA_FUZZ_PROGRAMS", 600);
     let seed = env_number("FERROCUDA_FUZZ_SEED", 20261123);
@@ -254,7 +254,8 @@ fn random_programs_keep_every_invariant() {
         }
         let outcome = outcome.and_then(|()| p.finish());
         if let Err(e) = outcome {
-            let last: Vec<_> = trail.iter().rev().take(5).rev().collect();
+            let keep = env_number("FERROCUDA_FUZZ_TRAIL", 5) as usize;
+            let last: Vec<_> = trail.iter().rev().take(keep).rev().collect();
             failures.push(format!(
                 "program {n} (seed {}) config {config:?}: {e}; last steps {last:?}",
                 seed + n

@@ -333,3 +333,48 @@ fn dropping_an_allocator_gives_back_retained_private_pools() -> TestResult {
     assert_eq!(free, total);
     Ok(())
 }
+
+/// A free piece over a `max_split_size_mb` lowered at run time is still a piece of a split
+/// segment: the oversize release must not free the segment under its live neighbour
+/// (PyTorch's `release_block` would hand the whole segment back to `cudaFree`).
+#[test]
+fn oversize_release_skips_a_piece_of_a_split_segment() -> TestResult {
+    let (_, a) = setup(64 * MIB, "max_split_size_mb:64", Completion::Eager);
+    let whole = a.allocate(60 * MIB, LEGACY)?;
+    a.free(whole.ptr)?;
+    let live = a.allocate(30 * MIB, LEGACY)?; // splits the 60 MiB segment
+    a.update_config("max_split_size_mb:20")?; // the free 30 MiB piece is now oversize
+    let err = a.allocate(10 * MIB, LEGACY).err();
+    assert!(matches!(err, Some(AllocError::OutOfMemory(_))), "{err:?}");
+    assert_eq!(stat(&a, "num_device_free"), 0);
+    assert_eq!(stat(&a, "allocated_bytes.all.current"), 30 * MIB as i64);
+    a.check_invariants()?;
+    a.free(live.ptr)?;
+    a.check_invariants()?;
+    Ok(())
+}
+
+/// An expandable segment keeps the page size it was made with when `large_segment_size_mb`
+/// changes at run time: growing it maps its own pages, and dropping the allocator gives
+/// every page back.
+#[test]
+fn expandable_segments_keep_their_page_size_across_a_config_change() -> TestResult {
+    let (fake, a) = setup(
+        GIB,
+        "expandable_segments:True,large_segment_size_mb:32",
+        Completion::Eager,
+    );
+    let first = a.allocate(8 * MIB, LEGACY)?;
+    assert_eq!(stat(&a, "reserved_bytes.all.current"), 32 * MIB as i64);
+    a.update_config("expandable_segments:True,large_segment_size_mb:12")?;
+    let second = a.allocate(30 * MIB, LEGACY)?; // grows the 32 MiB-page segment
+    assert_eq!(second.ptr.0, first.ptr.0 + 8 * MIB);
+    assert_eq!(stat(&a, "reserved_bytes.all.current"), 64 * MIB as i64);
+    a.check_invariants()?;
+    a.free(first.ptr)?;
+    a.free(second.ptr)?;
+    drop(a);
+    let (free, total) = ferrocuda_driver::Driver::mem_get_info(&*fake, common::D0)?;
+    assert_eq!(free, total);
+    Ok(())
+}
