@@ -3,6 +3,7 @@
 //! The helpers of `allocate` and `free` under the lock are `#[inline(always)]`: a churn of
 //! mixed requests spent a tenth of its instructions in their calls (saving and restoring
 //! registers, passing results through memory), and inlining them cut its time by 3%.
+use crate::block::{Block, Blocks, Link, NO_LIST};
 use crate::error::{AllocError, OutOfMemory};
 use crate::free_list::{Found, FreeList, key, key_size};
 use crate::history::{History, HistoryContext, HistoryMode, HistoryOptions, capture_frames};
@@ -25,12 +26,6 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
 const SMALL_SIZE: u64 = crate::rounding::SMALL_SIZE;
-
-/// Slab slots added at a time.
-const SLAB_CHUNK: usize = 64;
-
-/// A block whose free lists were not looked up yet.
-const NO_LIST: u32 = u32::MAX;
 
 /// Whose allocations a pool being recorded to takes.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -190,134 +185,6 @@ impl Pools {
     }
 }
 
-/// A block index, or none: an `Option<usize>` in four bytes, so that a block's hot fields
-/// fit one cache line.
-#[derive(Copy, Clone, Debug, PartialEq, Eq)]
-struct Link(u32);
-
-impl Link {
-    const NONE: Link = Link(u32::MAX);
-
-    #[inline]
-    fn get(self) -> Option<usize> {
-        (self != Link::NONE).then_some(self.0 as usize)
-    }
-
-    fn is_some(self) -> bool {
-        self != Link::NONE
-    }
-
-    fn is_none(self) -> bool {
-        self == Link::NONE
-    }
-}
-
-impl From<Option<usize>> for Link {
-    #[inline]
-    fn from(id: Option<usize>) -> Link {
-        // Block indices stay far below u32::MAX (that many blocks would take 512 GiB).
-        id.map_or(Link::NONE, |i| Link(i as u32))
-    }
-}
-
-/// A block of device memory. What allocation and free touch comes first and fills one
-/// cache line (the type is aligned to it); the rest, used by streams, events, history and
-/// expandable segments, lies in the next line, so a churn of blocks keeps only the first
-/// lines in the processor's nearest cache.
-#[derive(Clone, Debug)]
-#[repr(C, align(64))]
-struct Block {
-    ptr: u64,
-    size: u64,
-    requested: u64,
-    gc_base: u64,
-    /// The stream's raw handle (its device is the allocator's).
-    stream: u64,
-    prev: Link,
-    next: Link,
-    /// The expandable segment it belongs to, if any.
-    segment: Link,
-    /// Its free lists' index in `Pools` ([`NO_LIST`] until first looked up); a block's
-    /// pool and stream, and so this index, change only with `cross_stream_reuse`.
-    list: u32,
-    pool: PoolKind,
-    allocated: bool,
-    in_pool: bool,
-    /// Counted in `oversize_allocations` when handed out (the limit may change later).
-    oversize: bool,
-    /// The slab slot is free.
-    vacant: bool,
-    /// `stream_uses` is not empty.
-    has_uses: bool,
-    /// `frames` is set.
-    has_frames: bool,
-    // ---- the second cache line ----
-    event_count: u32,
-    /// Backed by device memory (always, except unmapped ranges of expandable segments).
-    mapped: bool,
-    /// Taken out of the free or unmapped sets while the driver works on it, unlocked.
-    busy: bool,
-    stream_uses: Vec<StreamHandle>,
-    /// Where it was allocated, when history records stacks.
-    frames: Option<Arc<[Frame]>>,
-    /// The memory pool (default, or a graph's private pool).
-    pool_id: PoolId,
-}
-
-// The hot fields fill the first cache line exactly; the cold ones the second.
-const _: () = assert!(std::mem::offset_of!(Block, event_count) == 64);
-const _: () = assert!(std::mem::size_of::<Block>() == 128);
-
-impl Block {
-    /// A free, unlinked block (not yet in any free list).
-    fn new(
-        ptr: u64,
-        size: u64,
-        stream: u64,
-        pool: PoolKind,
-        mapped: bool,
-        segment: Link,
-        pool_id: PoolId,
-    ) -> Block {
-        Block {
-            ptr,
-            size,
-            requested: 0,
-            gc_base: 0,
-            stream,
-            prev: Link::NONE,
-            next: Link::NONE,
-            segment,
-            list: NO_LIST,
-            pool,
-            allocated: false,
-            in_pool: false,
-            oversize: false,
-            vacant: false,
-            has_uses: false,
-            has_frames: false,
-            event_count: 0,
-            mapped,
-            busy: false,
-            stream_uses: Vec::new(),
-            frames: None,
-            pool_id,
-        }
-    }
-
-    /// An unused slab slot.
-    fn vacant() -> Block {
-        Block {
-            vacant: true,
-            ..Block::new(0, 0, 0, PoolKind::Small, false, Link::NONE, PoolId::DEFAULT)
-        }
-    }
-
-    fn is_split(&self) -> bool {
-        self.prev.is_some() | self.next.is_some()
-    }
-}
-
 /// An expandable segment: one reserved address range of a (stream, pool), mapped page by
 /// page as it grows (allocator spec §4).
 struct ExpandableSegment {
@@ -357,12 +224,8 @@ pub struct BlockInfo {
 struct State {
     device: DeviceIndex,
     config: AllocatorConfig,
-    blocks: Vec<Block>,
-    vacant: Vec<usize>,
+    blocks: Blocks,
     pools: Pools,
-    /// Every block by address (allocated or not): an allocation that takes a whole free
-    /// block, or a free that merges nothing, changes nothing here.
-    by_addr: FxHashMap<u64, usize>,
     events: FxHashMap<u64, VecDeque<(EventHandle, usize)>>,
     pending_events: usize,
     spare_events: Vec<EventHandle>,
@@ -475,10 +338,8 @@ impl CachingAllocator {
             state: Mutex::new(State {
                 device,
                 config,
-                blocks: Vec::new(),
-                vacant: Vec::new(),
+                blocks: Blocks::default(),
                 pools: Pools::default(),
-                by_addr: FxHashMap::default(),
                 events: FxHashMap::default(),
                 pending_events: 0,
                 spare_events: Vec::new(),
@@ -775,24 +636,7 @@ impl CachingAllocator {
                 "{credits} credits outstanding after settling every slot"
             ));
         }
-        let blocks_alive = st.blocks.iter().filter(|b| !b.vacant).count();
-        let misplaced = st
-            .blocks
-            .iter()
-            .enumerate()
-            .find(|(id, b)| !b.vacant && st.by_addr.get(&b.ptr) != Some(id));
-        if let Some((id, b)) = misplaced {
-            return Err(format!(
-                "block {id} at {:#x} is not found by its address",
-                b.ptr
-            ));
-        }
-        if st.by_addr.len() != blocks_alive {
-            return Err(format!(
-                "{} addresses mapped for {blocks_alive} blocks",
-                st.by_addr.len()
-            ));
-        }
+        st.blocks.check_addresses()?;
         let free = st.pools.len();
         let in_pool = st
             .blocks
@@ -1097,7 +941,7 @@ impl CachingAllocator {
         let mut st = self.lock();
         match result {
             Ok(ptr) => {
-                let id = st.insert_block(Block::new(
+                let id = st.blocks.insert(Block::new(
                     ptr.0,
                     bytes,
                     stream.raw,
@@ -1281,7 +1125,7 @@ impl CachingAllocator {
         let context = self.context.load(std::sync::atomic::Ordering::Relaxed);
         let free_frames = (context >= HistoryContext::All as u8).then(capture_frames);
         let mut st = self.lock();
-        let Some(id) = st.allocated_at(ptr.0) else {
+        let Some(id) = st.blocks.allocated_at(ptr.0) else {
             return Err(AllocError::InvalidPointer(ptr));
         };
         let uses = st.release_live(id, free_frames.as_ref());
@@ -1345,7 +1189,7 @@ impl CachingAllocator {
         }
         let mut st = self.lock();
         // A pointer inside an allocation (a view with an offset) protects the allocation.
-        let id = match st.allocated_at(ptr.0) {
+        let id = match st.blocks.allocated_at(ptr.0) {
             Some(id) => id,
             None => st
                 .blocks
@@ -1615,14 +1459,6 @@ impl State {
         }
     }
 
-    /// The allocated block at `ptr`, if any.
-    fn allocated_at(&self, ptr: u64) -> Option<usize> {
-        self.by_addr
-            .get(&ptr)
-            .copied()
-            .filter(|&id| self.blocks[id].allocated)
-    }
-
     /// `free`'s bookkeeping for allocated block `id`: no longer allocated, history and
     /// statistics told. Returns the other streams that used it.
     #[inline(always)]
@@ -1667,12 +1503,12 @@ impl State {
         // (With expandable segments switched off, the search skips expandable blocks.)
         if (expandable && !c.expandable_segments)
             || b.size != req.size
-            || self.mergeable(b.prev).is_some()
+            || self.blocks.mergeable(b.prev).is_some()
         {
             return None;
         }
         // The free merges the free block after it, if any...
-        let next = self.mergeable(b.next);
+        let next = self.blocks.mergeable(b.next);
         let next_size = next.map_or(0, |n| self.blocks[n].size);
         let merged = b.size + next_size;
         let max_split = c.max_split_size.unwrap_or(u64::MAX);
@@ -1691,11 +1527,12 @@ impl State {
                 .find(|(k, _)| Some(*k) != next_key)
         });
         let merged_next = next.map_or(b.next, |n| self.blocks[n].next);
-        let growable = merged + self.unmapped_after(merged_next);
+        let growable = merged + self.blocks.unmapped_after(merged_next);
         if rival.is_some_and(|(k, r)| {
             k < key(merged, b.ptr)
                 || (expandable
-                    && self.blocks[r].size + self.unmapped_after(self.blocks[r].next) < growable)
+                    && self.blocks[r].size + self.blocks.unmapped_after(self.blocks[r].next)
+                        < growable)
         }) {
             return None;
         }
@@ -1728,39 +1565,6 @@ impl State {
             inactive,
             inactive_bytes,
         })
-    }
-
-    fn vacate(&mut self, id: usize) {
-        let ptr = self.blocks[id].ptr;
-        // Its address may already belong to the block that absorbed it.
-        if self.by_addr.get(&ptr) == Some(&id) {
-            self.by_addr.remove(&ptr);
-        }
-        self.vacate_record(id);
-    }
-
-    /// Frees a block's slab slot (its address is no longer mapped to it).
-    fn vacate_record(&mut self, id: usize) {
-        self.blocks[id].vacant = true;
-        self.vacant.push(id);
-    }
-
-    fn insert_block(&mut self, b: Block) -> usize {
-        let ptr = b.ptr;
-        let id = match self.vacant.pop() {
-            Some(id) => id,
-            None => {
-                // Slots are added in chunks, so that a split rarely finds none spare (which
-                // splits do is random to the branch predictor).
-                let first = self.blocks.len();
-                self.blocks.resize_with(first + SLAB_CHUNK, Block::vacant);
-                self.vacant.extend((first + 1..first + SLAB_CHUNK).rev());
-                first
-            }
-        };
-        self.blocks[id] = b;
-        self.by_addr.insert(ptr, id);
-        id
     }
 
     #[inline(always)]
@@ -1807,7 +1611,8 @@ impl State {
         }
         // A block at the mapped frontier could grow by the unmapped range after it; an
         // interior block that fits wins over it, so the frontier stays free for growth.
-        let growable = |i: usize| self.blocks[i].size + self.unmapped_after(self.blocks[i].next);
+        let growable =
+            |i: usize| self.blocks[i].size + self.blocks.unmapped_after(self.blocks[i].next);
         let mut best = first;
         for (k, next) in candidates {
             if self.blocks[best.id].segment.is_none() || growable(next) >= growable(best.id) {
@@ -1872,18 +1677,6 @@ impl State {
         (by_minimum & minimum) | (!by_minimum & large)
     }
 
-    /// The bytes of the unmapped range `next` (a block's successor), if it is one: what an
-    /// expandable block there could grow by.
-    fn unmapped_after(&self, next: Link) -> u64 {
-        next.get().map_or(0, |n| {
-            if self.blocks[n].mapped {
-                0
-            } else {
-                self.blocks[n].size
-            }
-        })
-    }
-
     /// `alloc_found_block`: splits if worthwhile and hands the low part out (returned with
     /// its id).
     #[inline(always)]
@@ -1895,7 +1688,7 @@ impl State {
         let counted = self.blocks[id].segment.is_none();
         let id = if self.should_split(id, size) {
             let remaining = self.blocks[id].size - size;
-            let new = self.split_front(id, size);
+            let new = self.blocks.split_front(id, size);
             self.pool_insert(id);
             if counted && was_split {
                 self.stats.inactive_split_bytes.decrease(kind, size as i64);
@@ -1965,10 +1758,6 @@ impl State {
         }
     }
 
-    fn mergeable(&self, neighbour: Link) -> Option<usize> {
-        neighbour.get().filter(|&n| self.blocks[n].in_pool)
-    }
-
     /// `free_block`: merges with free neighbours and returns the block to its pool.
     #[inline(always)]
     fn free_block(&mut self, id: usize) {
@@ -1987,11 +1776,11 @@ impl State {
         // already mapped to it), else this one absorbs a free block after it. Either way
         // one address leaves the map.
         let mut keep = id;
-        if let Some(p) = self.mergeable(prev) {
+        if let Some(p) = self.blocks.mergeable(prev) {
             self.absorb(p, id, counted, kind);
             keep = p;
         }
-        if let Some(n) = self.mergeable(next) {
+        if let Some(n) = self.blocks.mergeable(next) {
             self.absorb(keep, n, counted, kind);
         }
         self.history
@@ -2021,7 +1810,7 @@ impl State {
                 .inactive_split_bytes
                 .decrease(kind, free_size as i64);
         }
-        self.absorb_next(id, next);
+        self.blocks.absorb_next(id, next);
     }
 
     /// Takes a whole free segment out of the books; the caller frees the returned address.
@@ -2045,7 +1834,7 @@ impl State {
         s.reserved_bytes.decrease(kind, size as i64);
         s.num_device_free += 1;
         self.total_reserved -= size;
-        self.vacate(id);
+        self.blocks.vacate(id);
         ptr
     }
 }
@@ -2077,12 +1866,6 @@ impl State {
         }
     }
 
-    /// Whether a block can become part of a growing range: free and mapped, or unmapped.
-    fn growable(&self, id: usize) -> bool {
-        let b = &self.blocks[id];
-        b.in_pool || (!b.mapped && !b.busy)
-    }
-
     /// `find_expandable_block`: the first place, in address order, from which free and
     /// unmapped blocks of this stream's segments cover `size`: an unmapped range, or the
     /// free block just before it.
@@ -2094,7 +1877,7 @@ impl State {
                 _ => u,
             };
             let (mut covered, mut cur) = (0, Some(start));
-            while let Some(id) = cur.filter(|&i| self.growable(i)) {
+            while let Some(id) = cur.filter(|&i| self.blocks[i].growable()) {
                 covered += self.blocks[id].size;
                 if covered >= size {
                     return Some(start);
@@ -2111,43 +1894,6 @@ impl State {
         self.segments.get(seg)?.as_ref().map(|s| s.page)
     }
 
-    /// Cuts the first `bytes` of block `id` off into a new block, which it returns.
-    fn split_front(&mut self, id: usize, bytes: u64) -> usize {
-        let b = &self.blocks[id];
-        let front = Block {
-            prev: b.prev,
-            next: Link::from(Some(id)),
-            list: b.list,
-            ..Block::new(
-                b.ptr, bytes, b.stream, b.pool, b.mapped, b.segment, b.pool_id,
-            )
-        };
-        let new = self.insert_block(front);
-        if let Some(p) = self.blocks[new].prev.get() {
-            self.blocks[p].next = Link::from(Some(new));
-        }
-        let b = &mut self.blocks[id];
-        b.ptr += bytes;
-        b.size -= bytes;
-        b.prev = Link::from(Some(new));
-        self.by_addr.insert(b.ptr, id);
-        new
-    }
-
-    /// Merges `next` (which must follow `id` directly) into `id`.
-    fn absorb_next(&mut self, id: usize, next: usize) {
-        let n = &self.blocks[next];
-        let (n_ptr, n_size, after) = (n.ptr, n.size, n.next);
-        let b = &mut self.blocks[id];
-        b.size += n_size;
-        b.next = after;
-        if let Some(a) = after.get() {
-            self.blocks[a].prev = Link::from(Some(id));
-        }
-        self.by_addr.remove(&n_ptr);
-        self.vacate_record(next);
-    }
-
     /// Records a range that was just unmapped: merged with unmapped neighbours, back in the
     /// unmapped set. Returns the segment's reservation if the segment is now entirely
     /// unmapped (it is then destroyed, and the caller gives the range back).
@@ -2160,7 +1906,7 @@ impl State {
             .filter(|&p| !self.blocks[p].mapped && !self.blocks[p].busy)
         {
             self.unmapped_remove(p);
-            self.absorb_next(p, id);
+            self.blocks.absorb_next(p, id);
             return self.settle_unmapped_at(p);
         }
         self.settle_unmapped_at(id)
@@ -2173,7 +1919,7 @@ impl State {
             .filter(|&n| !self.blocks[n].mapped && !self.blocks[n].busy)
         {
             self.unmapped_remove(n);
-            self.absorb_next(id, n);
+            self.blocks.absorb_next(id, n);
         }
         let b = &self.blocks[id];
         if b.prev.is_none() && b.next.is_none() {
@@ -2182,7 +1928,7 @@ impl State {
                 .get()
                 .and_then(|s| self.segments.get_mut(s))
                 .and_then(Option::take);
-            self.vacate(id);
+            self.blocks.vacate(id);
             return seg.map(|s| s.va);
         }
         self.unmapped_insert(id);
@@ -2240,7 +1986,7 @@ impl CachingAllocator {
             handles: vec![None; (bytes / page) as usize],
             stream,
         }));
-        let id = st.insert_block(Block::new(
+        let id = st.blocks.insert(Block::new(
             va.base.0,
             bytes,
             stream.raw,
@@ -2283,7 +2029,7 @@ impl CachingAllocator {
         let mut plan = Vec::new();
         let (mut covered, mut cur) = (0, Some(start));
         while covered < size {
-            let Some(id) = cur.filter(|&i| st.growable(i)) else {
+            let Some(id) = cur.filter(|&i| st.blocks[i].growable()) else {
                 return Ok((st, None));
             };
             let b = &st.blocks[id];
@@ -2375,7 +2121,7 @@ impl CachingAllocator {
                 Grow::Take(id) => pieces.push(id),
                 Grow::Map(id, bytes) => {
                     let piece = if bytes < st.blocks[id].size {
-                        let front = st.split_front(id, bytes);
+                        let front = st.blocks.split_front(id, bytes);
                         st.blocks[id].busy = false;
                         st.unmapped_insert(id);
                         front
@@ -2407,7 +2153,7 @@ impl CachingAllocator {
         st.stats.reserved_bytes.increase(kind, created as i64);
         let first = pieces[0];
         for next in pieces.into_iter().skip(1) {
-            st.absorb_next(first, next);
+            st.blocks.absorb_next(first, next);
         }
         st.blocks[first].busy = false;
         Ok((st, Some(first)))
@@ -2530,11 +2276,11 @@ impl CachingAllocator {
             let mut mid = id;
             let head_bytes = first - st.blocks[id].ptr;
             if head_bytes > 0 {
-                let head = st.split_front(id, head_bytes);
+                let head = st.blocks.split_front(id, head_bytes);
                 st.pool_insert(head);
             }
             if last < end {
-                mid = st.split_front(id, last - first);
+                mid = st.blocks.split_front(id, last - first);
                 st.pool_insert(id);
             }
             st.blocks[mid].busy = true;

@@ -32,6 +32,7 @@
 #![forbid(unsafe_code)]
 
 mod allocator;
+mod block;
 mod devices;
 mod error;
 mod free_list;

@@ -1,0 +1,291 @@
+//! Block records: every piece of device memory the allocator knows, in a slab with 32-bit
+//! neighbour links, found by address. Splitting a block and merging neighbours happen
+//! here; which list a free block sits in is the free pools' business (`free_pools`).
+use ferrocuda_types::{Frame, PoolId, PoolKind, StreamHandle};
+use rustc_hash::FxHashMap;
+use std::sync::Arc;
+
+/// Slab slots added at a time.
+const SLAB_CHUNK: usize = 64;
+
+/// A block whose free lists were not looked up yet.
+pub(crate) const NO_LIST: u32 = u32::MAX;
+
+/// A block index, or none: an `Option<usize>` in four bytes, so that a block's hot fields
+/// fit one cache line.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Link(u32);
+
+impl Link {
+    pub(crate) const NONE: Link = Link(u32::MAX);
+
+    #[inline]
+    pub(crate) fn get(self) -> Option<usize> {
+        (self != Link::NONE).then_some(self.0 as usize)
+    }
+
+    pub(crate) fn is_some(self) -> bool {
+        self != Link::NONE
+    }
+
+    pub(crate) fn is_none(self) -> bool {
+        self == Link::NONE
+    }
+}
+
+impl From<Option<usize>> for Link {
+    #[inline]
+    fn from(id: Option<usize>) -> Link {
+        // Block indices stay far below u32::MAX (that many blocks would take 512 GiB).
+        id.map_or(Link::NONE, |i| Link(i as u32))
+    }
+}
+
+/// A block of device memory. What allocation and free touch comes first and fills one
+/// cache line (the type is aligned to it); the rest, used by streams, events, history and
+/// expandable segments, lies in the next line, so a churn of blocks keeps only the first
+/// lines in the processor's nearest cache.
+#[derive(Clone, Debug)]
+#[repr(C, align(64))]
+pub(crate) struct Block {
+    pub(crate) ptr: u64,
+    pub(crate) size: u64,
+    pub(crate) requested: u64,
+    pub(crate) gc_base: u64,
+    /// The stream's raw handle (its device is the allocator's).
+    pub(crate) stream: u64,
+    pub(crate) prev: Link,
+    pub(crate) next: Link,
+    /// The expandable segment it belongs to, if any.
+    pub(crate) segment: Link,
+    /// Its free lists' index in the free pools ([`NO_LIST`] until first looked up); a
+    /// block's pool and stream, and so this index, change only with `cross_stream_reuse`.
+    pub(crate) list: u32,
+    pub(crate) pool: PoolKind,
+    pub(crate) allocated: bool,
+    pub(crate) in_pool: bool,
+    /// Counted in `oversize_allocations` when handed out (the limit may change later).
+    pub(crate) oversize: bool,
+    /// The slab slot is free.
+    pub(crate) vacant: bool,
+    /// `stream_uses` is not empty.
+    pub(crate) has_uses: bool,
+    /// `frames` is set.
+    pub(crate) has_frames: bool,
+    // ---- the second cache line ----
+    pub(crate) event_count: u32,
+    /// Backed by device memory (always, except unmapped ranges of expandable segments).
+    pub(crate) mapped: bool,
+    /// Taken out of the free or unmapped sets while the driver works on it, unlocked.
+    pub(crate) busy: bool,
+    pub(crate) stream_uses: Vec<StreamHandle>,
+    /// Where it was allocated, when history records stacks.
+    pub(crate) frames: Option<Arc<[Frame]>>,
+    /// The memory pool (default, or a graph's private pool).
+    pub(crate) pool_id: PoolId,
+}
+
+// The hot fields fill the first cache line exactly; the cold ones the second.
+const _: () = assert!(std::mem::offset_of!(Block, event_count) == 64);
+const _: () = assert!(std::mem::size_of::<Block>() == 128);
+
+impl Block {
+    /// A free, unlinked block (not yet in any free list).
+    pub(crate) fn new(
+        ptr: u64,
+        size: u64,
+        stream: u64,
+        pool: PoolKind,
+        mapped: bool,
+        segment: Link,
+        pool_id: PoolId,
+    ) -> Block {
+        Block {
+            ptr,
+            size,
+            requested: 0,
+            gc_base: 0,
+            stream,
+            prev: Link::NONE,
+            next: Link::NONE,
+            segment,
+            list: NO_LIST,
+            pool,
+            allocated: false,
+            in_pool: false,
+            oversize: false,
+            vacant: false,
+            has_uses: false,
+            has_frames: false,
+            event_count: 0,
+            mapped,
+            busy: false,
+            stream_uses: Vec::new(),
+            frames: None,
+            pool_id,
+        }
+    }
+
+    /// An unused slab slot.
+    fn vacant() -> Block {
+        Block {
+            vacant: true,
+            ..Block::new(0, 0, 0, PoolKind::Small, false, Link::NONE, PoolId::DEFAULT)
+        }
+    }
+
+    pub(crate) fn is_split(&self) -> bool {
+        self.prev.is_some() | self.next.is_some()
+    }
+
+    /// Free or unmapped, and not being worked on: can become part of a growing
+    /// expandable range.
+    pub(crate) fn growable(&self) -> bool {
+        self.in_pool || (!self.mapped && !self.busy)
+    }
+}
+
+/// Every block, by index (a slab: indices stay valid while a block lives) and by address.
+/// Reads go through the slice (`blocks[id]`, `blocks.iter()`).
+#[derive(Debug, Default)]
+pub(crate) struct Blocks {
+    slab: Vec<Block>,
+    vacant: Vec<usize>,
+    /// Every block by address (allocated or not): an allocation that takes a whole free
+    /// block, or a free that merges nothing, changes nothing here.
+    by_addr: FxHashMap<u64, usize>,
+}
+
+impl std::ops::Deref for Blocks {
+    type Target = [Block];
+    fn deref(&self) -> &[Block] {
+        &self.slab
+    }
+}
+
+impl std::ops::DerefMut for Blocks {
+    fn deref_mut(&mut self) -> &mut [Block] {
+        &mut self.slab
+    }
+}
+
+impl Blocks {
+    /// Stores `b`, returning its index.
+    pub(crate) fn insert(&mut self, b: Block) -> usize {
+        let ptr = b.ptr;
+        let id = match self.vacant.pop() {
+            Some(id) => id,
+            None => {
+                // Slots are added in chunks, so that a split rarely finds none spare (which
+                // splits do is random to the branch predictor).
+                let first = self.slab.len();
+                self.slab.resize_with(first + SLAB_CHUNK, Block::vacant);
+                self.vacant.extend((first + 1..first + SLAB_CHUNK).rev());
+                first
+            }
+        };
+        self.slab[id] = b;
+        self.by_addr.insert(ptr, id);
+        id
+    }
+
+    /// Forgets block `id` (its address too, unless a block that absorbed it owns it now).
+    pub(crate) fn vacate(&mut self, id: usize) {
+        let ptr = self.slab[id].ptr;
+        if self.by_addr.get(&ptr) == Some(&id) {
+            self.by_addr.remove(&ptr);
+        }
+        self.vacate_record(id);
+    }
+
+    /// Frees a block's slab slot (its address is no longer mapped to it).
+    fn vacate_record(&mut self, id: usize) {
+        self.slab[id].vacant = true;
+        self.vacant.push(id);
+    }
+
+    /// The allocated block at `ptr`, if any.
+    pub(crate) fn allocated_at(&self, ptr: u64) -> Option<usize> {
+        self.by_addr
+            .get(&ptr)
+            .copied()
+            .filter(|&id| self.slab[id].allocated)
+    }
+
+    /// Cuts the first `bytes` of block `id` off into a new block, which it returns.
+    pub(crate) fn split_front(&mut self, id: usize, bytes: u64) -> usize {
+        let b = &self.slab[id];
+        let front = Block {
+            prev: b.prev,
+            next: Link::from(Some(id)),
+            list: b.list,
+            ..Block::new(
+                b.ptr, bytes, b.stream, b.pool, b.mapped, b.segment, b.pool_id,
+            )
+        };
+        let new = self.insert(front);
+        if let Some(p) = self.slab[new].prev.get() {
+            self.slab[p].next = Link::from(Some(new));
+        }
+        let b = &mut self.slab[id];
+        b.ptr += bytes;
+        b.size -= bytes;
+        b.prev = Link::from(Some(new));
+        self.by_addr.insert(b.ptr, id);
+        new
+    }
+
+    /// Merges `next` (which must follow `id` directly) into `id`.
+    pub(crate) fn absorb_next(&mut self, id: usize, next: usize) {
+        let n = &self.slab[next];
+        let (n_ptr, n_size, after) = (n.ptr, n.size, n.next);
+        let b = &mut self.slab[id];
+        b.size += n_size;
+        b.next = after;
+        if let Some(a) = after.get() {
+            self.slab[a].prev = Link::from(Some(id));
+        }
+        self.by_addr.remove(&n_ptr);
+        self.vacate_record(next);
+    }
+
+    /// The neighbour `link`, if it is free in a pool (a merge candidate).
+    pub(crate) fn mergeable(&self, link: Link) -> Option<usize> {
+        link.get().filter(|&n| self.slab[n].in_pool)
+    }
+
+    /// The bytes of the unmapped range `next` (a block's successor), if it is one: what an
+    /// expandable block there could grow by.
+    pub(crate) fn unmapped_after(&self, next: Link) -> u64 {
+        next.get().map_or(0, |n| {
+            if self.slab[n].mapped {
+                0
+            } else {
+                self.slab[n].size
+            }
+        })
+    }
+
+    /// Every live block is found by its address and no address names a dead one.
+    pub(crate) fn check_addresses(&self) -> Result<(), String> {
+        let alive = self.slab.iter().filter(|b| !b.vacant).count();
+        let misplaced = self
+            .slab
+            .iter()
+            .enumerate()
+            .find(|(id, b)| !b.vacant && self.by_addr.get(&b.ptr) != Some(id));
+        if let Some((id, b)) = misplaced {
+            return Err(format!(
+                "block {id} at {:#x} is not found by its address",
+                b.ptr
+            ));
+        }
+        if self.by_addr.len() != alive {
+            return Err(format!(
+                "{} addresses mapped for {alive} blocks",
+                self.by_addr.len()
+            ));
+        }
+        Ok(())
+    }
+}
