@@ -5,7 +5,8 @@
 //! registers, passing results through memory), and inlining them cut its time by 3%.
 use crate::block::{Block, Blocks, Link, NO_LIST};
 use crate::error::{AllocError, OutOfMemory};
-use crate::free_list::{Found, FreeList, key, key_size};
+use crate::free_list::{key, key_size};
+use crate::free_pools::{FreeKey, Pools, oversize_refuses};
 use crate::history::{History, HistoryContext, HistoryMode, HistoryOptions, capture_frames};
 use crate::rounding::{ONE_EXABYTE, allocation_size, pool_kind, round_size};
 use crate::tally::Tally;
@@ -75,116 +76,6 @@ pub struct Allocation {
     pub stream: StreamHandle,
 }
 
-/// A free block as the slow paths see it. The free lists order blocks per stream by
-/// (size, address), which with the stream is PyTorch's (stream, size, address) order.
-#[derive(Copy, Clone, Debug, PartialEq, Eq)]
-struct FreeKey {
-    pool: PoolId,
-    stream: u64,
-    size: u64,
-    ptr: u64,
-    id: usize,
-}
-
-/// Free lists per stream, small and large pool. The last one used is looked at first; the
-/// others are found by a hash of (pool, stream), so a request costs the same with 10 or
-/// 100 000 streams.
-/// Walks over every free block visit only the lists that hold some, so that they cost
-/// what they inspect, however many streams hold nothing.
-#[derive(Debug, Default)]
-struct Pools {
-    streams: Vec<((PoolId, u64), [FreeList; 2])>,
-    positions: FxHashMap<(PoolId, u64), usize>,
-    /// Indices of the non-empty lists, per pool kind, in creation order.
-    occupied: [std::collections::BTreeSet<u32>; 2],
-    last: usize,
-}
-
-impl Pools {
-    #[inline]
-    fn position(&self, pool: PoolId, stream: u64) -> Option<usize> {
-        if self
-            .streams
-            .get(self.last)
-            .is_some_and(|(s, _)| *s == (pool, stream))
-        {
-            return Some(self.last);
-        }
-        self.positions.get(&(pool, stream)).copied()
-    }
-
-    fn list(&self, pool: PoolId, stream: u64, kind: PoolKind) -> Option<&FreeList> {
-        let i = self.position(pool, stream)?;
-        Some(&self.streams[i].1[kind.index()])
-    }
-
-    /// The index of the lists of (pool, stream), made if new. Indices never change.
-    fn index(&mut self, pool: PoolId, stream: u64) -> u32 {
-        let i = match self.position(pool, stream) {
-            Some(i) => i,
-            None => {
-                self.streams.push(((pool, stream), Default::default()));
-                let i = self.streams.len() - 1;
-                self.positions.insert((pool, stream), i);
-                i
-            }
-        };
-        self.last = i;
-        // Few (pool, stream) pairs exist: far fewer than u32::MAX.
-        i as u32
-    }
-
-    fn at(&mut self, index: u32, kind: PoolKind) -> &mut FreeList {
-        &mut self.streams[index as usize].1[kind.index()]
-    }
-
-    #[inline(always)]
-    fn insert(&mut self, index: u32, kind: PoolKind, k: u128, id: usize) {
-        let list = self.at(index, kind);
-        list.insert(k, id);
-        if list.len() == 1 {
-            self.occupied[kind.index()].insert(index);
-        }
-    }
-
-    /// Notes that list (`index`, `kind`) may have become empty.
-    #[inline(always)]
-    fn removed(&mut self, index: u32, kind: PoolKind) {
-        if self.at(index, kind).len() == 0 {
-            self.occupied[kind.index()].remove(&index);
-        }
-    }
-
-    /// Every free block of pool `kind`, stream by stream.
-    fn keys_of(&self, kind: PoolKind) -> impl Iterator<Item = FreeKey> + '_ {
-        self.occupied[kind.index()]
-            .iter()
-            .map(|&i| &self.streams[i as usize])
-            .flat_map(move |((pool, stream), lists)| {
-                lists[kind.index()].iter().map(move |(k, id)| FreeKey {
-                    pool: *pool,
-                    stream: *stream,
-                    size: key_size(k),
-                    ptr: k as u64,
-                    id,
-                })
-            })
-    }
-
-    /// Every free block.
-    fn keys(&self) -> impl Iterator<Item = FreeKey> + '_ {
-        self.keys_of(PoolKind::Small)
-            .chain(self.keys_of(PoolKind::Large))
-    }
-
-    fn len(&self) -> usize {
-        self.streams
-            .iter()
-            .map(|(_, l)| l[0].len() + l[1].len())
-            .sum()
-    }
-}
-
 /// An expandable segment: one reserved address range of a (stream, pool), mapped page by
 /// page as it grows (allocator spec §4).
 struct ExpandableSegment {
@@ -233,7 +124,6 @@ struct State {
     /// Bytes held from the driver, including segments being allocated right now.
     total_reserved: u64,
     allowed_max: Option<u64>,
-    gc_clock: u64,
     /// Segments counted in `oversize_segments`, by address.
     oversize_segments: rustc_hash::FxHashSet<u64>,
     /// Expandable segments (a slab; `None` once destroyed).
@@ -346,7 +236,6 @@ impl CachingAllocator {
                 stats,
                 total_reserved: 0,
                 allowed_max: None,
-                gc_clock: 0,
                 oversize_segments: Default::default(),
                 segments: Vec::new(),
                 unmapped: FxHashMap::default(),
@@ -989,13 +878,7 @@ impl CachingAllocator {
         stream: StreamHandle,
         size: u64,
     ) -> Result<Option<usize>, AllocError> {
-        let max_split = st.config.max_split_size.unwrap_or(u64::MAX);
-        let rounding = st.config.max_non_split_rounding;
-        let fits = |k: &FreeKey| {
-            k.size >= size
-                && !(size < max_split && k.size >= max_split)
-                && !(size >= max_split && k.size >= size.saturating_add(rounding))
-        };
+        let fits = |k: &FreeKey| k.size >= size && !oversize_refuses(size, k.size, &st.config);
         let best = st
             .pools
             .keys_of(kind)
@@ -1399,7 +1282,7 @@ impl CachingAllocator {
             .pools
             .keys_of(PoolKind::Large)
             .filter(|k| k.pool.is_default() && !st.blocks[k.id].is_split())
-            .map(|k| (k.id, st.gc_clock - st.blocks[k.id].gc_base))
+            .map(|k| (k.id, st.pools.gc_clock - st.blocks[k.id].gc_base))
             .collect();
         let mut total_age: u64 = candidates.iter().map(|(_, age)| age).sum();
         let mut reclaimed = 0;
@@ -1511,10 +1394,7 @@ impl State {
         let next = self.blocks.mergeable(b.next);
         let next_size = next.map_or(0, |n| self.blocks[n].size);
         let merged = b.size + next_size;
-        let max_split = c.max_split_size.unwrap_or(u64::MAX);
-        if (b.size < max_split && merged >= max_split)
-            || (b.size >= max_split && merged >= b.size.saturating_add(c.max_non_split_rounding))
-        {
+        if oversize_refuses(b.size, merged, c) {
             return None;
         }
         // ... the search must find the merged block first (an expandable one must also not
@@ -1569,61 +1449,16 @@ impl State {
 
     #[inline(always)]
     fn pool_insert(&mut self, id: usize) {
-        let b = &mut self.blocks[id];
-        b.gc_base = self.gc_clock;
-        b.in_pool = true;
-        if b.list == NO_LIST {
-            b.list = self.pools.index(b.pool_id, b.stream);
-        }
-        self.pools.insert(b.list, b.pool, key(b.size, b.ptr), id);
+        self.pools.add(&mut self.blocks, id);
     }
 
     #[inline(always)]
     fn pool_remove(&mut self, id: usize) {
-        let b = &mut self.blocks[id];
-        b.in_pool = false;
-        let (list, kind) = (b.list, b.pool);
-        self.pools.at(list, kind).remove(key(b.size, b.ptr));
-        self.pools.removed(list, kind);
+        self.pools.remove(&mut self.blocks, id);
     }
 
-    /// The best-fit free block of `stream` for `size` (spec §2.3), with expandable blocks
-    /// judged by what they can grow to (spec §4.5).
-    #[inline(always)]
-    fn best_fit(
-        &self,
-        pool: PoolId,
-        kind: PoolKind,
-        stream: StreamHandle,
-        size: u64,
-    ) -> Option<Found> {
-        let list = self.pools.list(pool, stream.raw, kind)?;
-        let first = list.first_from(key(size, 0))?;
-        if self.blocks[first.id].segment.is_none() {
-            return Some(first);
-        }
-        let mut candidates = list.range_from(first.key).skip(1);
-        if !self.config.expandable_segments {
-            // Expandable segments were switched off: only non-expandable blocks serve.
-            return candidates
-                .find(|(_, i)| self.blocks[*i].segment.is_none())
-                .map(|(k, i)| Found::by_key(k, i));
-        }
-        // A block at the mapped frontier could grow by the unmapped range after it; an
-        // interior block that fits wins over it, so the frontier stays free for growth.
-        let growable =
-            |i: usize| self.blocks[i].size + self.blocks.unmapped_after(self.blocks[i].next);
-        let mut best = first;
-        for (k, next) in candidates {
-            if self.blocks[best.id].segment.is_none() || growable(next) >= growable(best.id) {
-                break;
-            }
-            best = Found::by_key(k, next);
-        }
-        Some(best)
-    }
-
-    /// Best fit on the same stream, with the oversize rules (spec §1.5, §2.3).
+    /// Best fit on the request's stream with the oversize rules; a search of the default
+    /// large pool ticks the garbage-collection clock while collection is on.
     #[inline(always)]
     fn take_free_block(
         &mut self,
@@ -1632,26 +1467,14 @@ impl State {
         stream: StreamHandle,
         size: u64,
     ) -> Option<usize> {
-        // PyTorch's `get_free_blocks_call_count` of the pool searched, kept for the only
-        // pool whose blocks garbage collection frees, and only while it is on.
-        if pool.is_default() && kind == PoolKind::Large && self.gc_enabled() {
-            self.gc_clock += 1;
-        }
-        let best = self.best_fit(pool, kind, stream, size)?;
-        let found = key_size(best.key);
-        let max_split = self.config.max_split_size.unwrap_or(u64::MAX);
-        if (size < max_split && found >= max_split)
-            || (size >= max_split
-                && found >= size.saturating_add(self.config.max_non_split_rounding))
-        {
-            return None;
-        }
-        let b = &mut self.blocks[best.id];
-        b.in_pool = false;
-        let (list, kind) = (b.list, b.pool);
-        self.pools.at(list, kind).remove_found(best);
-        self.pools.removed(list, kind);
-        Some(best.id)
+        let count = pool.is_default() && kind == PoolKind::Large && self.gc_enabled();
+        self.pools.take(
+            &mut self.blocks,
+            (pool, kind, stream),
+            size,
+            &self.config,
+            count,
+        )
     }
 
     fn should_split(&self, id: usize, size: u64) -> bool {

@@ -36,6 +36,7 @@ mod block;
 mod devices;
 mod error;
 mod free_list;
+mod free_pools;
 pub mod history;
 pub mod rounding;
 mod tally;

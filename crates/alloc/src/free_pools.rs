@@ -1,0 +1,215 @@
+//! The free pools: free blocks per (memory pool, stream), small and large, ordered by
+//! (size, address) as PyTorch's `BlockPool::blocks` set, and the searches over them (best
+//! fit, and the oversize rule of `max_split_size_mb`, written once here).
+use crate::block::{Blocks, NO_LIST};
+use crate::free_list::{Found, FreeList, key, key_size};
+use ferrocuda_types::{AllocatorConfig, PoolId, PoolKind, StreamHandle};
+use rustc_hash::FxHashMap;
+use std::collections::BTreeSet;
+
+/// A free block as the slow paths see it. The free lists order blocks per stream by
+/// (size, address), which with the stream is PyTorch's (stream, size, address) order.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub(crate) struct FreeKey {
+    pub(crate) pool: PoolId,
+    pub(crate) stream: u64,
+    pub(crate) size: u64,
+    pub(crate) ptr: u64,
+    pub(crate) id: usize,
+}
+
+/// PyTorch's oversize rule (`get_free_block`): a request below `max_split_size` never takes
+/// a block at or above it, and one above it takes a block at most
+/// `max_non_split_rounding` larger. Whether a free block of `found` bytes is refused to a
+/// request of rounded `size`.
+pub(crate) fn oversize_refuses(size: u64, found: u64, config: &AllocatorConfig) -> bool {
+    let max_split = config.max_split_size.unwrap_or(u64::MAX);
+    (size < max_split && found >= max_split)
+        || (size >= max_split && found >= size.saturating_add(config.max_non_split_rounding))
+}
+
+/// Free lists per stream, small and large pool. The last one used is looked at first; the
+/// others are found by a hash of (pool, stream), so a request costs the same with 10 or
+/// 100 000 streams.
+/// Walks over every free block visit only the lists that hold some, so that they cost
+/// what they inspect, however many streams hold nothing.
+#[derive(Debug, Default)]
+pub(crate) struct Pools {
+    streams: Vec<((PoolId, u64), [FreeList; 2])>,
+    positions: FxHashMap<(PoolId, u64), usize>,
+    /// Indices of the non-empty lists, per pool kind, in creation order.
+    occupied: [BTreeSet<u32>; 2],
+    last: usize,
+    /// PyTorch's `get_free_blocks_call_count` of the default large pool, the only pool
+    /// whose blocks garbage collection frees: a block's age is this clock's advance since
+    /// it was freed.
+    pub(crate) gc_clock: u64,
+}
+
+impl Pools {
+    #[inline]
+    fn position(&self, pool: PoolId, stream: u64) -> Option<usize> {
+        if self
+            .streams
+            .get(self.last)
+            .is_some_and(|(s, _)| *s == (pool, stream))
+        {
+            return Some(self.last);
+        }
+        self.positions.get(&(pool, stream)).copied()
+    }
+
+    /// The free list of (`pool`, `stream`, `kind`), if one was ever made.
+    pub(crate) fn list(&self, pool: PoolId, stream: u64, kind: PoolKind) -> Option<&FreeList> {
+        let i = self.position(pool, stream)?;
+        Some(&self.streams[i].1[kind.index()])
+    }
+
+    /// The index of the lists of (pool, stream), made if new. Indices never change.
+    fn index(&mut self, pool: PoolId, stream: u64) -> u32 {
+        let i = match self.position(pool, stream) {
+            Some(i) => i,
+            None => {
+                self.streams.push(((pool, stream), Default::default()));
+                let i = self.streams.len() - 1;
+                self.positions.insert((pool, stream), i);
+                i
+            }
+        };
+        self.last = i;
+        // Few (pool, stream) pairs exist: far fewer than u32::MAX.
+        i as u32
+    }
+
+    fn at(&mut self, index: u32, kind: PoolKind) -> &mut FreeList {
+        &mut self.streams[index as usize].1[kind.index()]
+    }
+
+    /// Notes that list (`index`, `kind`) may have become empty.
+    #[inline(always)]
+    fn removed(&mut self, index: u32, kind: PoolKind) {
+        if self.at(index, kind).len() == 0 {
+            self.occupied[kind.index()].remove(&index);
+        }
+    }
+
+    /// Puts free block `id` into its list (`BlockPool::insert_into_blocks`), stamping its
+    /// age.
+    #[inline(always)]
+    pub(crate) fn add(&mut self, blocks: &mut Blocks, id: usize) {
+        let b = &mut blocks[id];
+        b.gc_base = self.gc_clock;
+        b.in_pool = true;
+        if b.list == NO_LIST {
+            b.list = self.index(b.pool_id, b.stream);
+        }
+        let (index, kind) = (b.list, b.pool);
+        let list = self.at(index, kind);
+        list.insert(key(b.size, b.ptr), id);
+        if list.len() == 1 {
+            self.occupied[kind.index()].insert(index);
+        }
+    }
+
+    /// Takes block `id` out of its list.
+    #[inline(always)]
+    pub(crate) fn remove(&mut self, blocks: &mut Blocks, id: usize) {
+        let b = &mut blocks[id];
+        b.in_pool = false;
+        let (list, kind) = (b.list, b.pool);
+        self.at(list, kind).remove(key(b.size, b.ptr));
+        self.removed(list, kind);
+    }
+
+    /// The best-fit free block of `stream` for `size` (`get_free_block`'s `lower_bound`),
+    /// with expandable blocks judged by what they can grow to: a block at the mapped
+    /// frontier could grow by the unmapped range after it, so an interior block that fits
+    /// wins over it. With expandable segments switched off (`expandable`), only ordinary
+    /// blocks serve.
+    #[inline(always)]
+    fn best_fit(
+        &self,
+        blocks: &Blocks,
+        at: (PoolId, PoolKind, StreamHandle),
+        size: u64,
+        expandable: bool,
+    ) -> Option<Found> {
+        let (pool, kind, stream) = at;
+        let list = self.list(pool, stream.raw, kind)?;
+        let first = list.first_from(key(size, 0))?;
+        if blocks[first.id].segment.is_none() {
+            return Some(first);
+        }
+        let mut candidates = list.range_from(first.key).skip(1);
+        if !expandable {
+            return candidates
+                .find(|(_, i)| blocks[*i].segment.is_none())
+                .map(|(k, i)| Found::by_key(k, i));
+        }
+        let growable = |i: usize| blocks[i].size + blocks.unmapped_after(blocks[i].next);
+        let mut best = first;
+        for (k, next) in candidates {
+            if blocks[best.id].segment.is_none() || growable(next) >= growable(best.id) {
+                break;
+            }
+            best = Found::by_key(k, next);
+        }
+        Some(best)
+    }
+
+    /// `get_free_block`: best fit on the request's stream under the oversize rule, taken
+    /// out of its list. `count_search` ticks the garbage-collection clock.
+    #[inline(always)]
+    pub(crate) fn take(
+        &mut self,
+        blocks: &mut Blocks,
+        at: (PoolId, PoolKind, StreamHandle),
+        size: u64,
+        config: &AllocatorConfig,
+        count_search: bool,
+    ) -> Option<usize> {
+        if count_search {
+            self.gc_clock += 1;
+        }
+        let best = self.best_fit(blocks, at, size, config.expandable_segments)?;
+        if oversize_refuses(size, key_size(best.key), config) {
+            return None;
+        }
+        let b = &mut blocks[best.id];
+        b.in_pool = false;
+        let (list, kind) = (b.list, b.pool);
+        self.at(list, kind).remove_found(best);
+        self.removed(list, kind);
+        Some(best.id)
+    }
+
+    /// Every free block of pool `kind`, stream by stream.
+    pub(crate) fn keys_of(&self, kind: PoolKind) -> impl Iterator<Item = FreeKey> + '_ {
+        self.occupied[kind.index()]
+            .iter()
+            .map(|&i| &self.streams[i as usize])
+            .flat_map(move |((pool, stream), lists)| {
+                lists[kind.index()].iter().map(move |(k, id)| FreeKey {
+                    pool: *pool,
+                    stream: *stream,
+                    size: key_size(k),
+                    ptr: k as u64,
+                    id,
+                })
+            })
+    }
+
+    /// Every free block.
+    pub(crate) fn keys(&self) -> impl Iterator<Item = FreeKey> + '_ {
+        self.keys_of(PoolKind::Small)
+            .chain(self.keys_of(PoolKind::Large))
+    }
+
+    /// How many free blocks the lists hold.
+    pub(crate) fn len(&self) -> usize {
+        self.streams
+            .iter()
+            .map(|(_, l)| l[0].len() + l[1].len())
+            .sum()
+    }
+}
