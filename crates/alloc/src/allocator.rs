@@ -9,12 +9,13 @@ use crate::free_list::{key, key_size};
 use crate::free_pools::{FreeKey, Pools, oversize_refuses};
 use crate::history::{History, HistoryContext, HistoryMode, HistoryOptions, capture_frames};
 use crate::rounding::{ONE_EXABYTE, allocation_size, pool_kind, round_size};
+use crate::stream_order::StreamOrder;
 use crate::tally::Tally;
 use crate::thread_cache::{self, Credit, PARKED, Shared, Slot};
 use ferrocuda_driver::{Driver, DriverError};
 use ferrocuda_types::{
-    AllocatorConfig, DeviceIndex, DevicePtr, DeviceStats, EventFlags, EventHandle, PhysHandle,
-    PoolKind, StreamHandle, VaRange,
+    AllocatorConfig, DeviceIndex, DevicePtr, DeviceStats, EventHandle, PhysHandle, PoolKind,
+    StreamHandle, VaRange,
 };
 use ferrocuda_types::{
     AllocatorSettings, CaptureMode, CaptureStatus, Frame, PoolId, SnapshotBlock, SnapshotSegment,
@@ -22,7 +23,6 @@ use ferrocuda_types::{
 };
 use parking_lot::{Mutex, MutexGuard};
 use rustc_hash::FxHashMap;
-use std::collections::VecDeque;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
@@ -117,9 +117,8 @@ struct State {
     config: AllocatorConfig,
     blocks: Blocks,
     pools: Pools,
-    events: FxHashMap<u64, VecDeque<(EventHandle, usize)>>,
-    pending_events: usize,
-    spare_events: Vec<EventHandle>,
+    /// Events holding freed blocks back for the streams that used them.
+    order: StreamOrder,
     stats: Tally,
     /// Bytes held from the driver, including segments being allocated right now.
     total_reserved: u64,
@@ -135,9 +134,6 @@ struct State {
     private: FxHashMap<PoolId, PrivatePool>,
     /// Pools being recorded to, newest last, with whose allocations they take.
     routes: Vec<(PoolId, Route)>,
-    /// Blocks freed with other streams' uses while a capture was underway: their events
-    /// are recorded once no capture is (event queries are illegal during capture).
-    deferred: Vec<(usize, Vec<StreamHandle>)>,
     /// Physical pages unmapped by `expandable_segments_reclaim`, waiting to be mapped again,
     /// per pool (small pages, large pages). They still count as reserved.
     spare_pages: [Vec<(PhysHandle, u64)>; 2],
@@ -230,9 +226,7 @@ impl CachingAllocator {
                 config,
                 blocks: Blocks::default(),
                 pools: Pools::default(),
-                events: FxHashMap::default(),
-                pending_events: 0,
-                spare_events: Vec::new(),
+                order: StreamOrder::default(),
                 stats,
                 total_reserved: 0,
                 allowed_max: None,
@@ -243,7 +237,6 @@ impl CachingAllocator {
                 spare_pages: [Vec::new(), Vec::new()],
                 private: FxHashMap::default(),
                 routes: Vec::new(),
-                deferred: Vec::new(),
                 slots: Vec::new(),
             }),
         };
@@ -892,18 +885,13 @@ impl CachingAllocator {
             .min_by_key(|k| (k.size, k.ptr));
         let Some(found) = best else { return Ok(None) };
         let owner = st.stream_handle(st.blocks[found.id].stream);
-        let event = match st.spare_events.pop() {
-            Some(e) => e,
-            None => self
-                .driver
-                .event_create(self.device, EventFlags::default())?,
-        };
+        let event = st.order.event(&*self.driver, self.device)?;
         let ordered = self
             .driver
             .event_record(event, owner)
             .and_then(|()| self.driver.stream_wait_event(stream, event));
         // The wait captured the event's state: it can be recorded again at once.
-        st.spare_events.push(event);
+        st.order.give_back(event);
         ordered?;
         st.pool_remove(found.id);
         st.blocks[found.id].stream = stream.raw;
@@ -1018,34 +1006,12 @@ impl CachingAllocator {
         }
         if st.capturing() {
             // Recording or querying events is illegal during capture: decide after it.
-            st.blocks[id].event_count += 1;
-            st.deferred.push((id, uses));
+            let State { order, blocks, .. } = &mut *st;
+            order.defer(blocks, id, uses);
             return Ok(());
         }
-        let mut unrecorded = Vec::new();
-        for stream in uses {
-            let event = match st.spare_events.pop() {
-                Some(e) => Ok(e),
-                None => self.driver.event_create(self.device, EventFlags::default()),
-            };
-            let recorded = event.and_then(|e| {
-                self.driver
-                    .event_record(e, stream)
-                    .map(|()| e)
-                    .inspect_err(|_| st.spare_events.push(e))
-            });
-            match recorded {
-                Ok(event) => {
-                    st.events
-                        .entry(stream.raw)
-                        .or_default()
-                        .push_back((event, id));
-                    st.blocks[id].event_count += 1;
-                    st.pending_events += 1;
-                }
-                Err(_) => unrecorded.push(stream),
-            }
-        }
+        let State { order, blocks, .. } = &mut *st;
+        let unrecorded = order.record(&*self.driver, self.device, blocks, id, uses);
         if unrecorded.is_empty() {
             return Ok(());
         }
@@ -1090,52 +1056,26 @@ impl CachingAllocator {
         Ok(())
     }
 
-    /// Frees blocks whose events completed, stream by stream, in order.
+    /// Frees blocks whose events completed, stream by stream, in order (after recording
+    /// the events of blocks freed during a capture that has ended).
     fn process_events(&self, st: &mut State) {
-        if (st.deferred.is_empty() && st.pending_events == 0) || st.capturing() {
+        if st.order.is_quiet() || st.capturing() {
             return;
         }
-        for (id, uses) in std::mem::take(&mut st.deferred) {
-            st.blocks[id].event_count -= 1;
-            let mut recorded = 0;
-            for stream in uses {
-                let event = match st.spare_events.pop() {
-                    Some(e) => Ok(e),
-                    None => self.driver.event_create(self.device, EventFlags::default()),
-                };
-                // A stream that cannot take an event now: wait for it here (rare).
-                match event.and_then(|e| self.driver.event_record(e, stream).map(|()| e)) {
-                    Ok(e) => {
-                        st.events.entry(stream.raw).or_default().push_back((e, id));
-                        st.blocks[id].event_count += 1;
-                        st.pending_events += 1;
-                        recorded += 1;
-                    }
-                    Err(_) => {
-                        let _ = self.driver.stream_synchronize(stream);
-                    }
-                }
+        let deferred = st.order.take_deferred(&mut st.blocks);
+        for (id, uses) in deferred {
+            let State { order, blocks, .. } = &mut *st;
+            // A stream that cannot take an event now: wait for it here (rare).
+            for stream in order.record(&*self.driver, self.device, blocks, id, uses) {
+                let _ = self.driver.stream_synchronize(stream);
             }
-            if recorded == 0 && st.blocks[id].event_count == 0 && !st.blocks[id].allocated {
+            if st.blocks[id].event_count == 0 && !st.blocks[id].allocated {
                 st.free_block(id);
             }
         }
-        if st.pending_events == 0 {
-            return;
+        for (event, id) in st.order.completed(&*self.driver) {
+            st.complete_event(event, id);
         }
-        let streams: Vec<u64> = st.events.keys().copied().collect();
-        for s in streams {
-            // A failed query counts as not ready; the block is reclaimed at the next sync.
-            while let Some(&(event, id)) = st.events.get(&s).and_then(|q| q.front())
-                && self.driver.event_query(event).unwrap_or(false)
-            {
-                if let Some(q) = st.events.get_mut(&s) {
-                    q.pop_front();
-                }
-                st.complete_event(event, id);
-            }
-        }
-        st.events.retain(|_, q| !q.is_empty());
     }
 
     /// `synchronize_and_free_events`: waits (outside the lock) for every outstanding event
@@ -1143,10 +1083,10 @@ impl CachingAllocator {
     /// outstanding, as PyTorch counts it.
     fn synchronize_events<'a>(&'a self, mut st: MutexGuard<'a, State>) -> MutexGuard<'a, State> {
         st.stats.num_sync_all_streams += 1;
-        if st.pending_events == 0 {
+        if !st.order.has_pending() {
             return st;
         }
-        let events: Vec<(EventHandle, usize)> = st.events.drain().flat_map(|(_, q)| q).collect();
+        let events = st.order.drain();
         drop(st);
         for (event, _) in &events {
             let _ = self.driver.event_synchronize(*event);
@@ -1314,7 +1254,7 @@ impl CachingAllocator {
         st.private.values_mut().for_each(|p| p.use_count = 0);
         st.routes.clear();
         let mut st = self.release_cached(self.synchronize_events(st), None);
-        let events = std::mem::take(&mut st.spare_events);
+        let events = st.order.take_spare();
         drop(st);
         for e in events {
             let _ = self.driver.event_destroy(e);
@@ -1376,8 +1316,7 @@ impl State {
             || c.garbage_collection_threshold > 0.0
             || self.history.options.mode != HistoryMode::Off
             || !self.routes.is_empty()
-            || self.pending_events > 0
-            || !self.deferred.is_empty()
+            || !self.order.is_quiet()
         {
             return None;
         }
@@ -1571,12 +1510,10 @@ impl State {
         )
     }
 
+    /// An event of block `id` completed: the block is freed once it waits for none and is
+    /// no longer allocated.
     fn complete_event(&mut self, event: EventHandle, id: usize) {
-        self.spare_events.push(event);
-        self.pending_events -= 1;
-        let b = &mut self.blocks[id];
-        b.event_count -= 1;
-        if b.event_count == 0 && !b.allocated {
+        if self.order.complete(&mut self.blocks, event, id) && !self.blocks[id].allocated {
             self.free_block(id);
         }
     }

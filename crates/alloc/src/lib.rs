@@ -39,6 +39,7 @@ mod free_list;
 mod free_pools;
 pub mod history;
 pub mod rounding;
+mod stream_order;
 mod tally;
 mod thread_cache;
 
