@@ -5,6 +5,7 @@
 //! registers, passing results through memory), and inlining them cut its time by 3%.
 use crate::block::{Block, Blocks, Link, NO_LIST};
 use crate::error::{AllocError, OutOfMemory};
+use crate::expandable::{Expandable, ExpandableSegment, Grow, Unmap};
 use crate::free_list::{key, key_size};
 use crate::free_pools::{FreeKey, Pools, oversize_refuses};
 use crate::history::{History, HistoryContext, HistoryMode, HistoryOptions, capture_frames};
@@ -15,7 +16,7 @@ use crate::thread_cache::{self, Credit, PARKED, Shared, Slot};
 use ferrocuda_driver::{Driver, DriverError};
 use ferrocuda_types::{
     AllocatorConfig, DeviceIndex, DevicePtr, DeviceStats, EventHandle, PhysHandle, PoolKind,
-    StreamHandle, VaRange,
+    StreamHandle,
 };
 use ferrocuda_types::{
     AllocatorSettings, CaptureMode, CaptureStatus, Frame, PoolId, SnapshotBlock, SnapshotSegment,
@@ -76,15 +77,6 @@ pub struct Allocation {
     pub stream: StreamHandle,
 }
 
-/// An expandable segment: one reserved address range of a (stream, pool), mapped page by
-/// page as it grows (allocator spec §4).
-struct ExpandableSegment {
-    va: VaRange,
-    page: u64,
-    handles: Vec<Option<PhysHandle>>,
-    stream: StreamHandle,
-}
-
 /// A block of the allocator as tests and snapshots see it.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub struct BlockInfo {
@@ -125,18 +117,13 @@ struct State {
     allowed_max: Option<u64>,
     /// Segments counted in `oversize_segments`, by address.
     oversize_segments: rustc_hash::FxHashSet<u64>,
-    /// Expandable segments (a slab; `None` once destroyed).
-    segments: Vec<Option<ExpandableSegment>>,
-    /// Unmapped ranges of expandable segments per (stream, pool), by address.
-    unmapped: FxHashMap<(u64, u8), std::collections::BTreeMap<u64, usize>>,
+    /// Expandable segments: ranges, pages, unmapped pieces, spare pages.
+    expandable: Expandable,
     history: History,
     /// Private pools by id.
     private: FxHashMap<PoolId, PrivatePool>,
     /// Pools being recorded to, newest last, with whose allocations they take.
     routes: Vec<(PoolId, Route)>,
-    /// Physical pages unmapped by `expandable_segments_reclaim`, waiting to be mapped again,
-    /// per pool (small pages, large pages). They still count as reserved.
-    spare_pages: [Vec<(PhysHandle, u64)>; 2],
     /// Every thread's slot in this allocator (`thread_cache`).
     slots: Vec<Arc<Slot>>,
 }
@@ -231,10 +218,8 @@ impl CachingAllocator {
                 total_reserved: 0,
                 allowed_max: None,
                 oversize_segments: Default::default(),
-                segments: Vec::new(),
-                unmapped: FxHashMap::default(),
+                expandable: Expandable::default(),
                 history: History::default(),
-                spare_pages: [Vec::new(), Vec::new()],
                 private: FxHashMap::default(),
                 routes: Vec::new(),
                 slots: Vec::new(),
@@ -485,8 +470,8 @@ impl CachingAllocator {
         }
         // Pages unmapped for reuse by `expandable_segments_reclaim` are still reserved.
         for kind in [PoolKind::Small, PoolKind::Large] {
-            let spare: u64 = st.spare_pages[kind.index()].iter().map(|(_, p)| p).sum();
-            want.reserved_bytes.increase(kind, spare as i64);
+            want.reserved_bytes
+                .increase(kind, st.expandable.spare_bytes(kind) as i64);
         }
         let have = st.stats.snapshot();
         for ((name, a), (_, b)) in have.arrays().into_iter().zip(want.arrays()) {
@@ -503,7 +488,13 @@ impl CachingAllocator {
                 }
             }
         }
-        let spare: u64 = st.spare_pages.iter().flatten().map(|(_, p)| p).sum();
+        let spare: u64 = st
+            .expandable
+            .spare_pages
+            .iter()
+            .flatten()
+            .map(|(_, p)| p)
+            .sum();
         let reserved: u64 = segments.values().map(|s| s.1).sum::<u64>() + spare;
         if reserved != st.total_reserved {
             return Err(format!(
@@ -1599,103 +1590,6 @@ impl State {
     }
 }
 
-/// One step of growing an expandable range: a free mapped block to take as it is, or the
-/// first `bytes` of an unmapped range to map.
-#[derive(Copy, Clone, Debug)]
-enum Grow {
-    Take(usize),
-    Map(usize, u64),
-}
-
-impl State {
-    fn unmapped_key(&self, id: usize) -> ((u64, u8), u64) {
-        let b = &self.blocks[id];
-        ((b.stream, b.pool.index() as u8), b.ptr)
-    }
-
-    fn unmapped_insert(&mut self, id: usize) {
-        let (set, ptr) = self.unmapped_key(id);
-        self.blocks[id].busy = false;
-        self.unmapped.entry(set).or_default().insert(ptr, id);
-    }
-
-    fn unmapped_remove(&mut self, id: usize) {
-        let (set, ptr) = self.unmapped_key(id);
-        if let Some(m) = self.unmapped.get_mut(&set) {
-            m.remove(&ptr);
-        }
-    }
-
-    /// `find_expandable_block`: the first place, in address order, from which free and
-    /// unmapped blocks of this stream's segments cover `size`: an unmapped range, or the
-    /// free block just before it.
-    fn find_expandable(&self, stream: StreamHandle, kind: PoolKind, size: u64) -> Option<usize> {
-        let set = self.unmapped.get(&(stream.raw, kind.index() as u8))?;
-        for &u in set.values() {
-            let start = match self.blocks[u].prev.get() {
-                Some(p) if self.blocks[p].in_pool => p,
-                _ => u,
-            };
-            let (mut covered, mut cur) = (0, Some(start));
-            while let Some(id) = cur.filter(|&i| self.blocks[i].growable()) {
-                covered += self.blocks[id].size;
-                if covered >= size {
-                    return Some(start);
-                }
-                cur = self.blocks[id].next.get();
-            }
-        }
-        None
-    }
-
-    /// The page size of the expandable segment that block `id` lies in.
-    fn segment_page(&self, id: usize) -> Option<u64> {
-        let seg = self.blocks[id].segment.get()?;
-        self.segments.get(seg)?.as_ref().map(|s| s.page)
-    }
-
-    /// Records a range that was just unmapped: merged with unmapped neighbours, back in the
-    /// unmapped set. Returns the segment's reservation if the segment is now entirely
-    /// unmapped (it is then destroyed, and the caller gives the range back).
-    fn settle_unmapped(&mut self, id: usize) -> Option<VaRange> {
-        self.blocks[id].mapped = false;
-        self.blocks[id].busy = false;
-        if let Some(p) = self.blocks[id]
-            .prev
-            .get()
-            .filter(|&p| !self.blocks[p].mapped && !self.blocks[p].busy)
-        {
-            self.unmapped_remove(p);
-            self.blocks.absorb_next(p, id);
-            return self.settle_unmapped_at(p);
-        }
-        self.settle_unmapped_at(id)
-    }
-
-    fn settle_unmapped_at(&mut self, id: usize) -> Option<VaRange> {
-        if let Some(n) = self.blocks[id]
-            .next
-            .get()
-            .filter(|&n| !self.blocks[n].mapped && !self.blocks[n].busy)
-        {
-            self.unmapped_remove(n);
-            self.blocks.absorb_next(id, n);
-        }
-        let b = &self.blocks[id];
-        if b.prev.is_none() && b.next.is_none() {
-            let seg = b
-                .segment
-                .get()
-                .and_then(|s| self.segments.get_mut(s))
-                .and_then(Option::take);
-            self.blocks.vacate(id);
-            return seg.map(|s| s.va);
-        }
-        self.unmapped_insert(id);
-        None
-    }
-}
-
 impl CachingAllocator {
     /// The page of an expandable segment of `kind`: 2 MiB small, the large segment size
     /// large; it must be a multiple of the driver's granularity (queried, not assumed).
@@ -1739,13 +1633,12 @@ impl CachingAllocator {
             Err(e) => return Err(e.into()),
         };
         let mut st = self.lock();
-        let segment = st.segments.len();
-        st.segments.push(Some(ExpandableSegment {
+        let segment = st.expandable.add(ExpandableSegment {
             va,
             page,
             handles: vec![None; (bytes / page) as usize],
             stream,
-        }));
+        });
         let id = st.blocks.insert(Block::new(
             va.base.0,
             bytes,
@@ -1770,12 +1663,12 @@ impl CachingAllocator {
         kind: PoolKind,
         stream: StreamHandle,
     ) -> Result<(MutexGuard<'a, State>, Option<usize>), AllocError> {
-        let start = match st.find_expandable(stream, kind, size) {
+        let start = match st.expandable.find(&st.blocks, stream, kind, size) {
             Some(s) => s,
             None => {
                 let page = self.page_size(&st, kind)?;
                 st = self.new_segment(st, kind, stream, page)?;
-                match st.find_expandable(stream, kind, size) {
+                match st.expandable.find(&st.blocks, stream, kind, size) {
                     Some(s) => s,
                     None => return Ok((st, None)),
                 }
@@ -1783,7 +1676,7 @@ impl CachingAllocator {
         };
         // A segment keeps the page size it was made with, whatever the configuration says
         // now (`large_segment_size_mb` may have changed since).
-        let Some(page) = st.segment_page(start) else {
+        let Some(page) = st.expandable.page_of(&st.blocks, start) else {
             return Ok((st, None));
         };
         let mut plan = Vec::new();
@@ -1818,7 +1711,7 @@ impl CachingAllocator {
         // `expandable_segments_reclaim`: free whole pages elsewhere in this stream's ranges
         // are unmapped (after a stream sync) and mapped here instead of new memory.
         let pages = to_map / page;
-        let spare_now = st.spare_pages[kind.index()]
+        let spare_now = st.expandable.spare_pages[kind.index()]
             .iter()
             .filter(|(_, p)| *p == page)
             .count() as u64;
@@ -1834,7 +1727,7 @@ impl CachingAllocator {
             );
         }
         let mut reuse: Vec<PhysHandle> = Vec::new();
-        st.spare_pages[kind.index()].retain(|&(h, p)| {
+        st.expandable.spare_pages[kind.index()].retain(|&(h, p)| {
             let take = p == page && (reuse.len() as u64) < pages;
             if take {
                 reuse.push(h);
@@ -1843,7 +1736,7 @@ impl CachingAllocator {
         });
         let created = to_map - reuse.len() as u64 * page;
         if st.over_fraction(created) {
-            st.spare_pages[kind.index()].extend(reuse.into_iter().map(|h| (h, page)));
+            st.expandable.spare_pages[kind.index()].extend(reuse.into_iter().map(|h| (h, page)));
             st.undo_grow(&plan);
             return self.refuse_over_fraction(st, created);
         }
@@ -1861,7 +1754,7 @@ impl CachingAllocator {
         drop(st);
         let (mapped, spare_back) = self.map_pages(&jobs, page, reuse);
         let mut st = self.lock();
-        st.spare_pages[kind.index()].extend(spare_back.into_iter().map(|h| (h, page)));
+        st.expandable.spare_pages[kind.index()].extend(spare_back.into_iter().map(|h| (h, page)));
         let handles = match mapped {
             Ok(h) => h,
             Err(e) => {
@@ -1888,21 +1781,9 @@ impl CachingAllocator {
                     } else {
                         id
                     };
-                    let b = &mut st.blocks[piece];
-                    b.mapped = true;
-                    let (ptr, seg) = (b.ptr, b.segment.get());
-                    if let Some(segment) = seg
-                        .and_then(|s| st.segments.get_mut(s))
-                        .and_then(Option::as_mut)
-                    {
-                        let first = ((ptr - segment.va.base.0) / segment.page) as usize;
-                        for (slot, h) in segment.handles[first..]
-                            .iter_mut()
-                            .zip(handles.next().unwrap_or_default())
-                        {
-                            *slot = Some(h);
-                        }
-                    }
+                    st.blocks[piece].mapped = true;
+                    let ptr = st.blocks[piece].ptr;
+                    st.store_pages(piece, handles.next().unwrap_or_default());
                     st.stats.num_device_alloc += 1;
                     st.history
                         .record("segment_map", ptr, bytes, stream.raw, None);
@@ -2000,7 +1881,7 @@ impl CachingAllocator {
                 } => {
                     k.stream == stream.raw
                         && st.blocks[k.id].pool == kind
-                        && st.segment_page(k.id) == Some(page)
+                        && st.expandable.page_of(&st.blocks, k.id) == Some(page)
                 }
             })
             .map(|k| k.id)
@@ -2015,12 +1896,7 @@ impl CachingAllocator {
                 break;
             }
             let b = &st.blocks[id];
-            let Some(seg) = b
-                .segment
-                .get()
-                .and_then(|s| st.segments.get(s))
-                .and_then(Option::as_ref)
-            else {
+            let Some(seg) = st.expandable.segment_of(&st.blocks, id) else {
                 continue;
             };
             let (base, page) = (seg.va.base.0, seg.page);
@@ -2044,21 +1920,7 @@ impl CachingAllocator {
                 st.pool_insert(id);
             }
             st.blocks[mid].busy = true;
-            let seg_id = st.blocks[mid].segment.get();
-            let handles: Vec<PhysHandle> = match seg_id
-                .and_then(|s| st.segments.get_mut(s))
-                .and_then(Option::as_mut)
-            {
-                Some(segment) => {
-                    let from = ((first - base) / page) as usize;
-                    let to = ((last - base) / page) as usize;
-                    segment.handles[from..to]
-                        .iter_mut()
-                        .filter_map(Option::take)
-                        .collect()
-                }
-                None => Vec::new(),
-            };
+            let handles = st.take_pages(mid, first, last);
             jobs.push((mid, first, last - first, handles, stream, kind));
         }
         if jobs.is_empty() {
@@ -2093,7 +1955,8 @@ impl CachingAllocator {
             } else {
                 // Kept for remapping: still physical memory, still reserved.
                 let page = bytes / handles.len().max(1) as u64;
-                st.spare_pages[kind.index()].extend(handles.into_iter().map(|h| (h, page)));
+                st.expandable.spare_pages[kind.index()]
+                    .extend(handles.into_iter().map(|h| (h, page)));
             }
             ranges.extend(st.settle_unmapped(mid));
         }
@@ -2114,7 +1977,12 @@ impl CachingAllocator {
     fn destroy_spare_pages<'a>(&'a self, mut st: MutexGuard<'a, State>) -> MutexGuard<'a, State> {
         let spare: Vec<(PoolKind, Vec<(PhysHandle, u64)>)> = [PoolKind::Small, PoolKind::Large]
             .into_iter()
-            .map(|kind| (kind, std::mem::take(&mut st.spare_pages[kind.index()])))
+            .map(|kind| {
+                (
+                    kind,
+                    std::mem::take(&mut st.expandable.spare_pages[kind.index()]),
+                )
+            })
             .filter(|(_, h)| !h.is_empty())
             .collect();
         if spare.is_empty() {
@@ -2133,21 +2001,6 @@ impl CachingAllocator {
         }
         st
     }
-}
-
-/// Which free expandable pages to unmap.
-#[derive(Copy, Clone, Debug)]
-enum Unmap {
-    /// All of them, releasing the physical memory (`empty_cache`, the OOM path).
-    All,
-    /// Up to `pages` pages of `page` bytes of one (stream, pool), kept as spare pages to
-    /// map again elsewhere.
-    Reclaim {
-        stream: StreamHandle,
-        kind: PoolKind,
-        pages: u64,
-        page: u64,
-    },
 }
 
 impl State {
@@ -2174,6 +2027,26 @@ impl State {
         self.routes
             .iter()
             .any(|(_, r)| matches!(r, Route::Capture(_)))
+    }
+
+    fn unmapped_insert(&mut self, id: usize) {
+        self.expandable.insert_unmapped(&mut self.blocks, id);
+    }
+
+    fn unmapped_remove(&mut self, id: usize) {
+        self.expandable.remove_unmapped(&self.blocks, id);
+    }
+
+    fn store_pages(&mut self, id: usize, pages: Vec<PhysHandle>) {
+        self.expandable.store_pages(&self.blocks, id, pages);
+    }
+
+    fn take_pages(&mut self, id: usize, first: u64, last: u64) -> Vec<PhysHandle> {
+        self.expandable.take_pages(&self.blocks, id, first, last)
+    }
+
+    fn settle_unmapped(&mut self, id: usize) -> Option<ferrocuda_types::VaRange> {
+        self.expandable.settle_unmapped(&mut self.blocks, id)
     }
 
     /// Puts back the blocks a growth plan set aside: taken free blocks return to their free

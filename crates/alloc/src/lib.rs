@@ -35,6 +35,7 @@ mod allocator;
 mod block;
 mod devices;
 mod error;
+mod expandable;
 mod free_list;
 mod free_pools;
 pub mod history;

@@ -1,0 +1,202 @@
+//! The address space of expandable segments (PyTorch's `ExpandableSegment`,
+//! c10/cuda/CUDACachingAllocator.cpp): one reserved range per (stream, pool), mapped page
+//! by page as it grows. This type owns the ranges, their pages, the unmapped pieces (as
+//! blocks that are not mapped) and the spare pages of `expandable_segments_reclaim`; the
+//! driver calls that map and unmap are the allocator's.
+use crate::block::Blocks;
+use ferrocuda_types::{PhysHandle, PoolKind, StreamHandle, VaRange};
+use rustc_hash::FxHashMap;
+use std::collections::BTreeMap;
+
+/// One reserved address range of a (stream, pool) and the physical page mapped at each
+/// page of it.
+pub(crate) struct ExpandableSegment {
+    pub(crate) va: VaRange,
+    /// The page size it was made with (it keeps it when the configuration changes).
+    pub(crate) page: u64,
+    pub(crate) handles: Vec<Option<PhysHandle>>,
+    pub(crate) stream: StreamHandle,
+}
+
+/// One step of growing an expandable range: a free mapped block to take as it is, or the
+/// first `bytes` of an unmapped range to map.
+#[derive(Copy, Clone, Debug)]
+pub(crate) enum Grow {
+    Take(usize),
+    Map(usize, u64),
+}
+
+/// Which free expandable pages to unmap.
+#[derive(Copy, Clone, Debug)]
+pub(crate) enum Unmap {
+    /// All of them, releasing the physical memory (`empty_cache`, the OOM path).
+    All,
+    /// Up to `pages` pages of `page` bytes of one (stream, pool), kept as spare pages to
+    /// map again elsewhere.
+    Reclaim {
+        stream: StreamHandle,
+        kind: PoolKind,
+        pages: u64,
+        page: u64,
+    },
+}
+
+#[derive(Default)]
+pub(crate) struct Expandable {
+    /// The segments (a slab; `None` once destroyed).
+    segments: Vec<Option<ExpandableSegment>>,
+    /// Unmapped ranges per (stream, pool), by address.
+    unmapped: FxHashMap<(u64, u8), BTreeMap<u64, usize>>,
+    /// Physical pages unmapped by `expandable_segments_reclaim`, waiting to be mapped again,
+    /// per pool (small pages, large pages), with their size. They still count as reserved.
+    pub(crate) spare_pages: [Vec<(PhysHandle, u64)>; 2],
+}
+
+impl Expandable {
+    /// Adds a segment, returning its index (what its blocks' `segment` link names).
+    pub(crate) fn add(&mut self, segment: ExpandableSegment) -> usize {
+        self.segments.push(Some(segment));
+        self.segments.len() - 1
+    }
+
+    /// The segment that block `id` lies in, if it is expandable.
+    pub(crate) fn segment_of(&self, blocks: &Blocks, id: usize) -> Option<&ExpandableSegment> {
+        let seg = blocks[id].segment.get()?;
+        self.segments.get(seg)?.as_ref()
+    }
+
+    fn segment_of_mut(&mut self, blocks: &Blocks, id: usize) -> Option<&mut ExpandableSegment> {
+        let seg = blocks[id].segment.get()?;
+        self.segments.get_mut(seg)?.as_mut()
+    }
+
+    /// The page size of the expandable segment that block `id` lies in.
+    pub(crate) fn page_of(&self, blocks: &Blocks, id: usize) -> Option<u64> {
+        self.segment_of(blocks, id).map(|s| s.page)
+    }
+
+    /// Notes the pages just mapped at block `id` (which starts on a page).
+    pub(crate) fn store_pages(&mut self, blocks: &Blocks, id: usize, pages: Vec<PhysHandle>) {
+        let ptr = blocks[id].ptr;
+        if let Some(segment) = self.segment_of_mut(blocks, id) {
+            let first = ((ptr - segment.va.base.0) / segment.page) as usize;
+            for (slot, h) in segment.handles[first..].iter_mut().zip(pages) {
+                *slot = Some(h);
+            }
+        }
+    }
+
+    /// Takes the pages mapped over [`first`, `last`) of block `id`'s segment out of it.
+    pub(crate) fn take_pages(
+        &mut self,
+        blocks: &Blocks,
+        id: usize,
+        first: u64,
+        last: u64,
+    ) -> Vec<PhysHandle> {
+        let Some(segment) = self.segment_of_mut(blocks, id) else {
+            return Vec::new();
+        };
+        let base = segment.va.base.0;
+        let from = ((first - base) / segment.page) as usize;
+        let to = ((last - base) / segment.page) as usize;
+        segment.handles[from..to]
+            .iter_mut()
+            .filter_map(Option::take)
+            .collect()
+    }
+
+    fn unmapped_key(blocks: &Blocks, id: usize) -> ((u64, u8), u64) {
+        let b = &blocks[id];
+        ((b.stream, b.pool.index() as u8), b.ptr)
+    }
+
+    /// Puts unmapped block `id` into the unmapped set.
+    pub(crate) fn insert_unmapped(&mut self, blocks: &mut Blocks, id: usize) {
+        let (set, ptr) = Self::unmapped_key(blocks, id);
+        blocks[id].busy = false;
+        self.unmapped.entry(set).or_default().insert(ptr, id);
+    }
+
+    /// Takes unmapped block `id` out of the unmapped set.
+    pub(crate) fn remove_unmapped(&mut self, blocks: &Blocks, id: usize) {
+        let (set, ptr) = Self::unmapped_key(blocks, id);
+        if let Some(m) = self.unmapped.get_mut(&set) {
+            m.remove(&ptr);
+        }
+    }
+
+    /// `find_expandable_block`: the first place, in address order, from which free and
+    /// unmapped blocks of this stream's segments cover `size`: an unmapped range, or the
+    /// free block just before it.
+    pub(crate) fn find(
+        &self,
+        blocks: &Blocks,
+        stream: StreamHandle,
+        kind: PoolKind,
+        size: u64,
+    ) -> Option<usize> {
+        let set = self.unmapped.get(&(stream.raw, kind.index() as u8))?;
+        for &u in set.values() {
+            let start = match blocks[u].prev.get() {
+                Some(p) if blocks[p].in_pool => p,
+                _ => u,
+            };
+            let (mut covered, mut cur) = (0, Some(start));
+            while let Some(id) = cur.filter(|&i| blocks[i].growable()) {
+                covered += blocks[id].size;
+                if covered >= size {
+                    return Some(start);
+                }
+                cur = blocks[id].next.get();
+            }
+        }
+        None
+    }
+
+    /// Records a range that was just unmapped: merged with unmapped neighbours, back in the
+    /// unmapped set. Returns the segment's reservation if the segment is now entirely
+    /// unmapped (it is then destroyed, and the caller gives the range back).
+    pub(crate) fn settle_unmapped(&mut self, blocks: &mut Blocks, id: usize) -> Option<VaRange> {
+        blocks[id].mapped = false;
+        blocks[id].busy = false;
+        if let Some(p) = blocks[id]
+            .prev
+            .get()
+            .filter(|&p| !blocks[p].mapped && !blocks[p].busy)
+        {
+            self.remove_unmapped(blocks, p);
+            blocks.absorb_next(p, id);
+            return self.settle_unmapped_at(blocks, p);
+        }
+        self.settle_unmapped_at(blocks, id)
+    }
+
+    fn settle_unmapped_at(&mut self, blocks: &mut Blocks, id: usize) -> Option<VaRange> {
+        if let Some(n) = blocks[id]
+            .next
+            .get()
+            .filter(|&n| !blocks[n].mapped && !blocks[n].busy)
+        {
+            self.remove_unmapped(blocks, n);
+            blocks.absorb_next(id, n);
+        }
+        let b = &blocks[id];
+        if b.prev.is_none() && b.next.is_none() {
+            let seg = b
+                .segment
+                .get()
+                .and_then(|s| self.segments.get_mut(s))
+                .and_then(Option::take);
+            blocks.vacate(id);
+            return seg.map(|s| s.va);
+        }
+        self.insert_unmapped(blocks, id);
+        None
+    }
+
+    /// Bytes of spare pages of pool `kind`.
+    pub(crate) fn spare_bytes(&self, kind: PoolKind) -> u64 {
+        self.spare_pages[kind.index()].iter().map(|(_, p)| p).sum()
+    }
+}
