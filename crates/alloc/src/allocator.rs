@@ -9,6 +9,8 @@ use crate::expandable::{Expandable, ExpandableSegment, Grow, Unmap};
 use crate::free_list::{key, key_size};
 use crate::free_pools::{FreeKey, Pools, oversize_refuses};
 use crate::history::{History, HistoryContext, HistoryMode, HistoryOptions, capture_frames};
+use crate::private_pools::PrivatePools;
+use crate::private_pools::Route;
 use crate::rounding::{ONE_EXABYTE, allocation_size, pool_kind, round_size};
 use crate::stream_order::StreamOrder;
 use crate::tally::Tally;
@@ -28,27 +30,6 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
 const SMALL_SIZE: u64 = crate::rounding::SMALL_SIZE;
-
-/// Whose allocations a pool being recorded to takes.
-#[derive(Copy, Clone, Debug, PartialEq, Eq)]
-pub enum Route {
-    /// Allocations on any stream taking part in this stream capture (forked side streams
-    /// included): what a graph capture uses.
-    Capture(u64),
-    /// Allocations on this stream.
-    Stream(StreamHandle),
-    /// Allocations made by this thread.
-    Thread(std::thread::ThreadId),
-}
-
-/// A graph's private pool.
-#[derive(Debug)]
-struct PrivatePool {
-    /// Graphs (or handles) holding it; at 0 it is freeable.
-    use_count: u32,
-    /// Device segments it holds.
-    segments: u32,
-}
 
 /// One allocation request on its way through the paths.
 struct Request {
@@ -120,10 +101,8 @@ struct State {
     /// Expandable segments: ranges, pages, unmapped pieces, spare pages.
     expandable: Expandable,
     history: History,
-    /// Private pools by id.
-    private: FxHashMap<PoolId, PrivatePool>,
-    /// Pools being recorded to, newest last, with whose allocations they take.
-    routes: Vec<(PoolId, Route)>,
+    /// Private pools and the routes into them.
+    private: PrivatePools,
     /// Every thread's slot in this allocator (`thread_cache`).
     slots: Vec<Arc<Slot>>,
 }
@@ -220,8 +199,7 @@ impl CachingAllocator {
                 oversize_segments: Default::default(),
                 expandable: Expandable::default(),
                 history: History::default(),
-                private: FxHashMap::default(),
-                routes: Vec::new(),
+                private: PrivatePools::default(),
                 slots: Vec::new(),
             }),
         };
@@ -584,7 +562,7 @@ impl CachingAllocator {
         let mut st = self.lock();
         self.process_events(&mut st);
         let size = round_size(bytes, &st.config);
-        let pool = st.route(stream, capture);
+        let pool = st.private.route(stream, capture);
         let req = Request {
             size,
             requested: bytes,
@@ -798,7 +776,7 @@ impl CachingAllocator {
             return self.refuse_over_fraction(st, bytes);
         }
         st.total_reserved += bytes;
-        let capturing = !st.routes.is_empty();
+        let capturing = st.private.routing();
         drop(st);
         // A device allocation made while this thread captures is legal in relaxed mode (it is
         // not part of the graph); other modes would refuse it and break the capture.
@@ -830,9 +808,7 @@ impl CachingAllocator {
                 }
                 st.history
                     .record("segment_alloc", ptr.0, bytes, stream.raw, None);
-                if let Some(p) = st.private.get_mut(&pool) {
-                    p.segments += 1;
-                }
+                st.private.segment_added(pool);
                 let s = &mut st.stats;
                 s.segment.increase(kind, 1);
                 s.reserved_bytes.increase(kind, bytes as i64);
@@ -1121,7 +1097,7 @@ impl CachingAllocator {
             .filter(|k| {
                 !st.blocks[k.id].is_split()
                     && st.blocks[k.id].segment.is_none()
-                    && st.releasable(k.pool)
+                    && st.private.releasable(k.pool)
             })
             .collect();
         candidates.sort_by_key(|k| std::cmp::Reverse(k.size));
@@ -1242,8 +1218,7 @@ impl CachingAllocator {
     /// frees every free segment and page and destroys the spare events.
     fn give_back_everything(&self) {
         let mut st = self.lock();
-        st.private.values_mut().for_each(|p| p.use_count = 0);
-        st.routes.clear();
+        st.private.forget_users();
         let mut st = self.release_cached(self.synchronize_events(st), None);
         let events = st.order.take_spare();
         drop(st);
@@ -1306,7 +1281,7 @@ impl State {
         if !c.thread_cache
             || c.garbage_collection_threshold > 0.0
             || self.history.options.mode != HistoryMode::Off
-            || !self.routes.is_empty()
+            || self.private.routing()
             || !self.order.is_quiet()
         {
             return None;
@@ -1571,12 +1546,7 @@ impl State {
         let (ptr, size, kind) = (b.ptr, b.size, b.pool);
         let (stream, pool) = (self.blocks[id].stream, self.blocks[id].pool_id);
         self.history.record("segment_free", ptr, size, stream, None);
-        if let Some(p) = self.private.get_mut(&pool) {
-            p.segments -= 1;
-            if p.segments == 0 && p.use_count == 0 {
-                self.private.remove(&pool);
-            }
-        }
+        self.private.segment_released(pool);
         if self.oversize_segments.remove(&ptr) {
             self.stats.oversize_segments.decrease(1);
         }
@@ -2004,29 +1974,9 @@ impl CachingAllocator {
 }
 
 impl State {
-    /// The pool an allocation on `stream` (in capture `capture`, if any) is served from:
-    /// the newest route that takes it, else the default pool.
-    fn route(&self, stream: StreamHandle, capture: Option<u64>) -> PoolId {
-        if self.routes.is_empty() {
-            return PoolId::DEFAULT;
-        }
-        let me = std::thread::current().id();
-        self.routes
-            .iter()
-            .rev()
-            .find(|(_, route)| match *route {
-                Route::Capture(id) => capture == Some(id),
-                Route::Stream(s) => s == stream,
-                Route::Thread(t) => t == me,
-            })
-            .map_or(PoolId::DEFAULT, |(pool, _)| *pool)
-    }
-
     /// Whether any stream capture records into a pool now.
     fn capturing(&self) -> bool {
-        self.routes
-            .iter()
-            .any(|(_, r)| matches!(r, Route::Capture(_)))
+        self.private.capturing()
     }
 
     fn unmapped_insert(&mut self, id: usize) {
@@ -2074,48 +2024,24 @@ impl State {
         self.config.garbage_collection_threshold > 0.0
             && (self.allowed_max.is_some() || self.config.garbage_collection_without_fraction)
     }
-
-    /// Whether the blocks of `pool` may be given back to the driver.
-    fn releasable(&self, pool: PoolId) -> bool {
-        pool.is_default() || self.private.get(&pool).is_some_and(|p| p.use_count == 0)
-    }
 }
 
 impl CachingAllocator {
     /// Creates private pool `pool`, or adds a user to it (`create_or_incref`).
     pub fn retain_pool(&self, pool: PoolId) {
-        if pool.is_default() {
-            return;
-        }
-        self.state
-            .lock()
-            .private
-            .entry(pool)
-            .or_insert(PrivatePool {
-                use_count: 0,
-                segments: 0,
-            })
-            .use_count += 1;
+        self.lock().private.retain(pool);
     }
 
     /// Drops a user of `pool` (`releasePool`). At zero users its free segments go back to
     /// the driver at the next `empty_cache` (or OOM retry); blocks still allocated from it
     /// stay valid until freed.
     pub fn release_pool(&self, pool: PoolId) -> Result<(), AllocError> {
-        let mut st = self.lock();
-        let p = st.private.get_mut(&pool).filter(|p| p.use_count > 0);
-        let p =
-            p.ok_or_else(|| AllocError::Pool(format!("releasePool: pool {pool} is not in use")))?;
-        p.use_count -= 1;
-        if p.use_count == 0 && p.segments == 0 {
-            st.private.remove(&pool);
-        }
-        Ok(())
+        self.lock().private.release(pool)
     }
 
     /// Users of `pool` (`getPoolUseCount`), if it exists.
     pub fn pool_use_count(&self, pool: PoolId) -> Option<u32> {
-        self.lock().private.get(&pool).map(|p| p.use_count)
+        self.lock().private.use_count(pool)
     }
 
     /// Routes allocations that `route` takes into `pool` until [`end_allocate_to_pool`]
@@ -2123,25 +2049,7 @@ impl CachingAllocator {
     ///
     /// [`end_allocate_to_pool`]: CachingAllocator::end_allocate_to_pool
     pub fn begin_allocate_to_pool(&self, pool: PoolId, route: Route) -> Result<(), AllocError> {
-        if pool.is_default() {
-            return Err(AllocError::Pool(
-                "beginAllocateToPool: the default pool cannot be recorded to".into(),
-            ));
-        }
-        let mut st = self.lock();
-        if st.routes.iter().any(|(p, _)| *p == pool) {
-            return Err(AllocError::Pool(format!(
-                "beginAllocateToPool: already recording to mempool_id {pool}"
-            )));
-        }
-        st.private
-            .entry(pool)
-            .or_insert(PrivatePool {
-                use_count: 0,
-                segments: 0,
-            })
-            .use_count += 1;
-        st.routes.push((pool, route));
+        self.lock().private.begin(pool, route)?;
         self.routing
             .fetch_add(1, std::sync::atomic::Ordering::Release);
         Ok(())
@@ -2149,14 +2057,7 @@ impl CachingAllocator {
 
     /// Stops routing into `pool` (`endAllocateToPool`); the pool keeps its user.
     pub fn end_allocate_to_pool(&self, pool: PoolId) -> Result<(), AllocError> {
-        let mut st = self.lock();
-        let i = st.routes.iter().position(|(p, _)| *p == pool);
-        let i = i.ok_or_else(|| {
-            AllocError::Pool(format!(
-                "endAllocatePool: not currently recording to mempool_id {pool}"
-            ))
-        })?;
-        st.routes.remove(i);
+        self.lock().private.end(pool)?;
         self.routing
             .fetch_sub(1, std::sync::atomic::Ordering::Release);
         Ok(())

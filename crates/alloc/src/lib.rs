@@ -39,11 +39,13 @@ mod expandable;
 mod free_list;
 mod free_pools;
 pub mod history;
+mod private_pools;
 pub mod rounding;
 mod stream_order;
 mod tally;
 mod thread_cache;
 
-pub use allocator::{Allocation, BlockInfo, CachingAllocator, OomObserver, Route};
+pub use allocator::{Allocation, BlockInfo, CachingAllocator, OomObserver};
 pub use devices::{DeviceAllocators, caching_disabled};
 pub use error::{AllocError, OutOfMemory};
+pub use private_pools::Route;

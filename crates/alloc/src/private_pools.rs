@@ -1,0 +1,150 @@
+//! Private memory pools (a CUDA graph's pool, PyTorch's `PrivatePool` and
+//! `beginAllocateToPool`/`endAllocateToPool`/`releasePool` in
+//! c10/cuda/CUDACachingAllocator.cpp): which allocations are routed to which pool, how
+//! many users keep each pool, and so the one rule of which pools a release may touch.
+use crate::error::AllocError;
+use ferrocuda_types::{PoolId, StreamHandle};
+use rustc_hash::FxHashMap;
+
+/// Whose allocations a pool being recorded to takes.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum Route {
+    /// Allocations on any stream taking part in this stream capture (forked side streams
+    /// included): what a graph capture uses.
+    Capture(u64),
+    /// Allocations on this stream.
+    Stream(StreamHandle),
+    /// Allocations made by this thread.
+    Thread(std::thread::ThreadId),
+}
+
+/// A graph's private pool.
+#[derive(Debug, Default)]
+struct PrivatePool {
+    /// Graphs (or handles) holding it; at 0 it is freeable.
+    use_count: u32,
+    /// Device segments it holds.
+    segments: u32,
+}
+
+#[derive(Debug, Default)]
+pub(crate) struct PrivatePools {
+    pools: FxHashMap<PoolId, PrivatePool>,
+    /// Pools being recorded to, newest last, with whose allocations they take.
+    routes: Vec<(PoolId, Route)>,
+}
+
+impl PrivatePools {
+    /// The pool an allocation on `stream` (in capture `capture`, if any) is served from:
+    /// the newest route that takes it, else the default pool.
+    pub(crate) fn route(&self, stream: StreamHandle, capture: Option<u64>) -> PoolId {
+        if self.routes.is_empty() {
+            return PoolId::DEFAULT;
+        }
+        let me = std::thread::current().id();
+        self.routes
+            .iter()
+            .rev()
+            .find(|(_, route)| match *route {
+                Route::Capture(id) => capture == Some(id),
+                Route::Stream(s) => s == stream,
+                Route::Thread(t) => t == me,
+            })
+            .map_or(PoolId::DEFAULT, |(pool, _)| *pool)
+    }
+
+    /// Whether any pool is being recorded to.
+    pub(crate) fn routing(&self) -> bool {
+        !self.routes.is_empty()
+    }
+
+    /// Whether any stream capture records into a pool now.
+    pub(crate) fn capturing(&self) -> bool {
+        self.routes
+            .iter()
+            .any(|(_, r)| matches!(r, Route::Capture(_)))
+    }
+
+    /// Whether the blocks of `pool` may be given back to the driver: the default pool's,
+    /// and those of a private pool nobody holds. Garbage collection and the oversize
+    /// release go further and touch the default pool only (as PyTorch's do).
+    pub(crate) fn releasable(&self, pool: PoolId) -> bool {
+        pool.is_default() || self.pools.get(&pool).is_some_and(|p| p.use_count == 0)
+    }
+
+    /// A segment was allocated for `pool`.
+    pub(crate) fn segment_added(&mut self, pool: PoolId) {
+        if let Some(p) = self.pools.get_mut(&pool) {
+            p.segments += 1;
+        }
+    }
+
+    /// A segment of `pool` went back to the driver; an unheld pool with none left ends.
+    pub(crate) fn segment_released(&mut self, pool: PoolId) {
+        if let Some(p) = self.pools.get_mut(&pool) {
+            p.segments -= 1;
+            if p.segments == 0 && p.use_count == 0 {
+                self.pools.remove(&pool);
+            }
+        }
+    }
+
+    /// `create_or_incref`.
+    pub(crate) fn retain(&mut self, pool: PoolId) {
+        if !pool.is_default() {
+            self.pools.entry(pool).or_default().use_count += 1;
+        }
+    }
+
+    /// `releasePool`: one user fewer.
+    pub(crate) fn release(&mut self, pool: PoolId) -> Result<(), AllocError> {
+        let p = self.pools.get_mut(&pool).filter(|p| p.use_count > 0);
+        let p =
+            p.ok_or_else(|| AllocError::Pool(format!("releasePool: pool {pool} is not in use")))?;
+        p.use_count -= 1;
+        if p.use_count == 0 && p.segments == 0 {
+            self.pools.remove(&pool);
+        }
+        Ok(())
+    }
+
+    /// `getPoolUseCount`, if the pool exists.
+    pub(crate) fn use_count(&self, pool: PoolId) -> Option<u32> {
+        self.pools.get(&pool).map(|p| p.use_count)
+    }
+
+    /// `beginAllocateToPool`: routes what `route` takes into `pool`, which gains a user.
+    pub(crate) fn begin(&mut self, pool: PoolId, route: Route) -> Result<(), AllocError> {
+        if pool.is_default() {
+            return Err(AllocError::Pool(
+                "beginAllocateToPool: the default pool cannot be recorded to".into(),
+            ));
+        }
+        if self.routes.iter().any(|(p, _)| *p == pool) {
+            return Err(AllocError::Pool(format!(
+                "beginAllocateToPool: already recording to mempool_id {pool}"
+            )));
+        }
+        self.retain(pool);
+        self.routes.push((pool, route));
+        Ok(())
+    }
+
+    /// `endAllocateToPool`: stops routing into `pool`, which keeps its user.
+    pub(crate) fn end(&mut self, pool: PoolId) -> Result<(), AllocError> {
+        let i = self.routes.iter().position(|(p, _)| *p == pool);
+        let i = i.ok_or_else(|| {
+            AllocError::Pool(format!(
+                "endAllocatePool: not currently recording to mempool_id {pool}"
+            ))
+        })?;
+        self.routes.remove(i);
+        Ok(())
+    }
+
+    /// The allocator is going: no route stays and no pool keeps users.
+    pub(crate) fn forget_users(&mut self) {
+        self.pools.values_mut().for_each(|p| p.use_count = 0);
+        self.routes.clear();
+    }
+}
