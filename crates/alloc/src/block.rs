@@ -1,9 +1,49 @@
 //! Block records: every piece of device memory the allocator knows, in a slab with 32-bit
 //! neighbour links, found by address. Splitting a block and merging neighbours happen
 //! here; which list a free block sits in is the free pools' business (`free_pools`).
-use ferrocuda_types::{Frame, PoolId, PoolKind, StreamHandle};
+use ferrocuda_types::{DevicePtr, Frame, PoolId, PoolKind, StreamHandle};
 use rustc_hash::FxHashMap;
 use std::sync::Arc;
+
+/// A live allocation handed out by [`CachingAllocator::allocate`](crate::CachingAllocator::allocate).
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct Allocation {
+    /// Its address (null for a zero-byte request).
+    pub ptr: DevicePtr,
+    /// Bytes usable (the rounded size).
+    pub size: u64,
+    /// Bytes asked for.
+    pub requested: u64,
+    /// The stream it was allocated on.
+    pub stream: StreamHandle,
+}
+
+/// A block of the allocator as tests and snapshots see it.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct BlockInfo {
+    /// Address.
+    pub ptr: DevicePtr,
+    /// Size in bytes.
+    pub size: u64,
+    /// Requested bytes (allocated blocks).
+    pub requested: u64,
+    /// Pool.
+    pub pool: PoolKind,
+    /// Allocated to a user.
+    pub allocated: bool,
+    /// Freed but waiting for events on other streams.
+    pub pending_events: bool,
+    /// Address of the segment it was carved from.
+    pub segment: DevicePtr,
+    /// Its allocation stream.
+    pub stream: StreamHandle,
+    /// Backed by device memory (false only for unmapped ranges of expandable segments).
+    pub mapped: bool,
+    /// Part of an expandable segment.
+    pub expandable: bool,
+    /// The pool it belongs to.
+    pub pool_id: PoolId,
+}
 
 /// Slab slots added at a time.
 const SLAB_CHUNK: usize = 64;

@@ -34,18 +34,26 @@
 mod allocator;
 mod block;
 mod devices;
+mod engine;
 mod error;
 mod expandable;
+mod expandable_mapping;
 mod free_list;
 mod free_pools;
 pub mod history;
+mod inspect;
 mod private_pools;
+mod release;
 pub mod rounding;
+mod slow_path;
+mod state;
 mod stream_order;
 mod tally;
 mod thread_cache;
 
-pub use allocator::{Allocation, BlockInfo, CachingAllocator, OomObserver};
+pub use allocator::CachingAllocator;
+pub use block::{Allocation, BlockInfo};
 pub use devices::{DeviceAllocators, caching_disabled};
+pub use engine::OomObserver;
 pub use error::{AllocError, OutOfMemory};
 pub use private_pools::Route;

@@ -14,6 +14,11 @@
 //! sequence that no other thread's operation interleaves: each of them is what the
 //! single-lock path would do at that point. Another thread's operation that comes later
 //! (a hand-over, or just a race lost) sees every free parked before it.
+use crate::block::Allocation;
+use crate::free_list::key;
+use crate::free_pools::oversize_refuses;
+use crate::history::HistoryMode;
+use crate::state::{Request, State};
 use crate::tally::Tally;
 use ferrocuda_types::PoolKind;
 use std::cell::RefCell;
@@ -282,4 +287,206 @@ pub(crate) fn register(allocator: u64, shared: &Arc<Shared>) -> Option<Arc<Slot>
 pub(crate) fn next_allocator_id() -> u64 {
     static NEXT: AtomicU64 = AtomicU64::new(1);
     NEXT.fetch_add(1, Ordering::Relaxed)
+}
+
+/// Every thread's slot in one allocator, kept under the allocator's lock.
+#[derive(Debug, Default)]
+pub(crate) struct Registry(Vec<Arc<Slot>>);
+
+impl Registry {
+    /// The allocator is gone: each owner's table drops its slot.
+    pub(crate) fn retire(&self) {
+        for slot in &self.0 {
+            slot.retired.store(true, Ordering::Release);
+        }
+    }
+}
+
+/// One allocator's side of the protocol: its key in the threads' slot tables and what it
+/// shares with its slots.
+#[derive(Debug)]
+pub(crate) struct ThreadCache {
+    id: u64,
+    shared: Arc<Shared>,
+}
+
+impl ThreadCache {
+    pub(crate) fn new() -> ThreadCache {
+        ThreadCache {
+            id: next_allocator_id(),
+            shared: Arc::new(Shared::default()),
+        }
+    }
+
+    /// Whether any slot holds a block (if the calling thread's does, this is true: its own
+    /// grant counted it, and only taking the block out of the slot uncounts it).
+    #[inline]
+    fn outstanding(&self) -> bool {
+        self.shared.credits.load(Ordering::Acquire) > 0
+    }
+
+    /// Credits outstanding (zero right after [`ThreadCache::settle_all`]).
+    pub(crate) fn credits(&self) -> usize {
+        self.shared.credits.load(Ordering::Acquire)
+    }
+
+    /// The owner's lock-free allocation: the block it parked, if its credit covers
+    /// (`bytes`, `stream`). With no credit outstanding, no slot can hold a block.
+    #[inline]
+    pub(crate) fn reuse(&self, bytes: u64, stream: u64) -> Option<(u64, u64)> {
+        if !self.outstanding() {
+            return None;
+        }
+        with_slot(self.id, |s| s.reuse(bytes, stream)).flatten()
+    }
+
+    /// The owner's lock-free free: parks `ptr` if it is the block its slot holds.
+    #[inline]
+    pub(crate) fn park(&self, ptr: u64) -> bool {
+        self.outstanding() && with_slot(self.id, |slot| slot.park(ptr)) == Some(true)
+    }
+
+    /// Whether taking the lock must settle slots first (read with the lock held: exact,
+    /// since credits are granted and ended with it held).
+    #[inline(always)]
+    pub(crate) fn needs_settling(&self) -> bool {
+        self.shared.credits.load(Ordering::Relaxed) > 0
+            || self.shared.orphans.load(Ordering::Acquire) > 0
+    }
+
+    /// Settles every slot (parked blocks are freed for real, every credit ends) and forgets
+    /// the slots of exited threads. Every locked operation does this first.
+    pub(crate) fn settle_all(&self, st: &mut State, registry: &mut Registry) {
+        self.shared.orphans.store(0, Ordering::Release);
+        for slot in &registry.0 {
+            settle(st, slot);
+        }
+        registry.0.retain(|s| !s.orphaned.load(Ordering::Acquire));
+    }
+
+    /// After block `id` was handed out for `req` as `allocation`: credits it to the calling
+    /// thread's slot where one is due (the slot made at the thread's first credit).
+    #[inline(always)]
+    pub(crate) fn grant(
+        &self,
+        st: &mut State,
+        registry: &mut Registry,
+        id: usize,
+        req: &Request,
+        allocation: &Allocation,
+    ) {
+        if !self.shared.wants_credit() {
+            return;
+        }
+        let Some(credit) = credit(st, id, req) else {
+            return;
+        };
+        let (ptr, stream) = (allocation.ptr.0, allocation.stream.raw);
+        let granted = with_slot(self.id, |slot| {
+            // The slot is idle (the operation began by settling it), unless it took the
+            // lock more than once on the way.
+            settle(st, slot);
+            slot.grant(id, ptr, stream, credit);
+        });
+        if granted.is_none()
+            && let Some(slot) = register(self.id, &self.shared)
+        {
+            slot.grant(id, ptr, stream, credit);
+            registry.0.push(slot);
+        }
+    }
+}
+
+/// Folds a slot's reuses into the statistics, frees its parked block for real and ends
+/// its credit.
+fn settle(st: &mut State, slot: &Slot) {
+    let Some(was) = slot.seize() else {
+        return;
+    };
+    slot.fold_into(&mut st.stats);
+    slot.end_credit();
+    if was == PARKED {
+        let id = slot.block.load(Ordering::Relaxed);
+        // A credited block has no other stream's uses: freeing it needs no event.
+        let uses = st.release_live(id, None);
+        debug_assert!(uses.is_empty());
+        st.free_block(id);
+    }
+}
+
+/// The credit of live block `id`, just handed out for `req`: due when
+/// PyTorch's free of it followed by the same request would hand out the same block and
+/// leave every other block and every current statistic as they were, with no peak
+/// passed on the way (see `thread_cache`).
+fn credit(st: &State, id: usize, req: &Request) -> Option<Credit> {
+    let c = &st.config;
+    if !c.thread_cache
+        || c.garbage_collection_threshold > 0.0
+        || st.history.options.mode != HistoryMode::Off
+        || st.private.routing()
+        || !st.order.is_quiet()
+    {
+        return None;
+    }
+    let b = &st.blocks[id];
+    let expandable = b.segment.is_some();
+    // (With expandable segments switched off, the search skips expandable blocks.)
+    if (expandable && !c.expandable_segments)
+        || b.size != req.size
+        || st.blocks.mergeable(b.prev).is_some()
+    {
+        return None;
+    }
+    // The free merges the free block after it, if any...
+    let next = st.blocks.mergeable(b.next);
+    let next_size = next.map_or(0, |n| st.blocks[n].size);
+    let merged = b.size + next_size;
+    if oversize_refuses(b.size, merged, c) {
+        return None;
+    }
+    // ... the search must find the merged block first (an expandable one must also not
+    // be passed over for the next candidate, which could grow by less: spec §4.5). Best
+    // fit has just chosen this block, so only blocks freed by other threads while the
+    // slow path waited for the driver (lock released) can fail these checks...
+    let next_key = next.map(|n| key(next_size, st.blocks[n].ptr));
+    let rival = st.pools.list(b.pool_id, b.stream, b.pool).and_then(|l| {
+        l.range_from(key(b.size, 0))
+            .find(|(k, _)| Some(*k) != next_key)
+    });
+    let merged_next = next.map_or(b.next, |n| st.blocks[n].next);
+    let growable = merged + st.blocks.unmapped_after(merged_next);
+    if rival.is_some_and(|(k, r)| {
+        k < key(merged, b.ptr)
+            || (expandable
+                && st.blocks[r].size + st.blocks.unmapped_after(st.blocks[r].next) < growable)
+    }) {
+        return None;
+    }
+    // ... and split the same remainder off again.
+    if next.is_some() && !st.split_worthwhile(expandable, b.pool, b.size, next_size) {
+        return None;
+    }
+    // How `inactive_split` moves: (counted at all, bytes counted, rise of the count and
+    // of the bytes between the free and the search). Expandable blocks never count.
+    let (inactive, inactive_bytes, rise) = match next {
+        _ if expandable => (false, 0, (0, 0)),
+        None if b.is_split() => (true, b.size, (1, b.size)),
+        None => (false, 0, (0, 0)),
+        Some(n) if b.prev.is_some() || st.blocks[n].next.is_some() => (true, merged, (0, b.size)),
+        Some(_) => (true, next_size, (0, 0)),
+    };
+    let s = &st.stats;
+    if s.inactive_split.would_peak(b.pool, rise.0 as i64)
+        || s.inactive_split_bytes.would_peak(b.pool, rise.1 as i64)
+    {
+        return None;
+    }
+    Some(Credit {
+        kind: b.pool,
+        size: b.size,
+        requested: b.requested,
+        oversize: b.oversize,
+        inactive,
+        inactive_bytes,
+    })
 }

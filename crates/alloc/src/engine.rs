@@ -1,0 +1,262 @@
+//! The allocator's core: the device, the driver and the state behind one lock, and the
+//! steps every path shares (taking the lock, which settles the thread cache first; waiting
+//! for events; giving segments back; the out-of-memory report). The paths that grow and
+//! shrink the cache are further `impl Engine` blocks, each in its own file, calling only
+//! downwards: `slow_path` → `release` → `expandable_mapping` → this file.
+use crate::error::{AllocError, OutOfMemory};
+use crate::state::State;
+use crate::thread_cache::{Registry, ThreadCache};
+use ferrocuda_driver::{Driver, DriverError};
+use ferrocuda_types::{DeviceIndex, DevicePtr, StreamHandle};
+use parking_lot::{Mutex, MutexGuard};
+use rustc_hash::FxHashMap;
+use std::sync::Arc;
+
+/// Called with the report of every out-of-memory error, outside the allocator's lock
+/// (`torch._C._cuda_attach_out_of_memory_observer`).
+pub type OomObserver = Arc<dyn Fn(&OutOfMemory) + Send + Sync>;
+
+/// What the lock guards: the state, and every thread's slot in this allocator.
+pub(crate) struct Locked {
+    pub(crate) state: State,
+    pub(crate) slots: Registry,
+}
+
+impl std::ops::Deref for Locked {
+    type Target = State;
+    fn deref(&self) -> &State {
+        &self.state
+    }
+}
+
+impl std::ops::DerefMut for Locked {
+    fn deref_mut(&mut self) -> &mut State {
+        &mut self.state
+    }
+}
+
+/// The lock, held.
+pub(crate) type Guard<'a> = MutexGuard<'a, Locked>;
+
+/// One device's allocator below its public face. Lock discipline: one mutex guards the
+/// state; it is never held across `malloc`, `free` or a synchronization of the driver
+/// (only across non-blocking event record and query).
+pub(crate) struct Engine {
+    pub(crate) driver: Arc<dyn Driver>,
+    pub(crate) device: DeviceIndex,
+    pub(crate) device_total: u64,
+    pub(crate) oom_observers: Mutex<Vec<OomObserver>>,
+    /// The driver's mapping granularity, asked once.
+    pub(crate) granularity: std::sync::OnceLock<u64>,
+    /// This allocator's side of the per-thread front end.
+    pub(crate) cache: ThreadCache,
+    pub(crate) state: Mutex<Locked>,
+}
+
+impl Engine {
+    pub(crate) fn new(
+        driver: Arc<dyn Driver>,
+        device: DeviceIndex,
+        device_total: u64,
+        state: State,
+    ) -> Engine {
+        Engine {
+            driver,
+            device,
+            device_total,
+            oom_observers: Mutex::new(Vec::new()),
+            granularity: std::sync::OnceLock::new(),
+            cache: ThreadCache::new(),
+            state: Mutex::new(Locked {
+                state,
+                slots: Registry::default(),
+            }),
+        }
+    }
+
+    /// Locks the state for an operation, settling every thread-cache slot first: parked
+    /// blocks are freed for real and every credit is dropped. At most one thread therefore
+    /// holds a credit at any time (its grant is the last locked operation), and every
+    /// locked operation sees every free that happened before it, as under PyTorch's one
+    /// mutex. Also taken again after a driver call made outside the lock.
+    #[inline(always)]
+    pub(crate) fn lock(&self) -> Guard<'_> {
+        let mut g = self.state.lock();
+        if self.cache.needs_settling() {
+            let Locked { state, slots } = &mut *g;
+            self.cache.settle_all(state, slots);
+        }
+        g
+    }
+
+    /// Holds freed block `id` back until the other streams that used it (`uses`) are done:
+    /// an event on each, recorded now, or after the capture underway. A stream that takes
+    /// no event is waited for instead (outside the lock), so the block is never reused
+    /// early and never drops out of the books.
+    pub(crate) fn hold_back(
+        &self,
+        mut st: Guard<'_>,
+        id: usize,
+        uses: Vec<StreamHandle>,
+    ) -> Result<(), AllocError> {
+        let State {
+            order,
+            blocks,
+            private,
+            ..
+        } = &mut st.state;
+        if private.capturing() {
+            // Recording or querying events is illegal during capture: decide after it.
+            order.defer(blocks, id, uses);
+            return Ok(());
+        }
+        let unrecorded = order.record(&*self.driver, self.device, blocks, id, uses);
+        if unrecorded.is_empty() {
+            return Ok(());
+        }
+        st.blocks[id].event_count += 1;
+        drop(st);
+        let waited: Result<(), DriverError> = unrecorded
+            .iter()
+            .try_for_each(|s| self.driver.stream_synchronize(*s));
+        let mut st = self.lock();
+        st.blocks[id].event_count -= 1;
+        if st.blocks[id].event_count == 0 {
+            st.free_block(id);
+        }
+        waited.map_err(AllocError::Driver)
+    }
+
+    pub(crate) fn oom_report(
+        &self,
+        requested: u64,
+        beyond_one_exabyte: bool,
+        stream: StreamHandle,
+    ) -> AllocError {
+        let device_free = self.driver.mem_get_info(self.device).map_or(0, |(f, _)| f);
+        let mut st = self.lock();
+        if !beyond_one_exabyte {
+            st.history.record_oom(requested, device_free, stream.raw);
+        }
+        let mut per_stream: FxHashMap<u64, (StreamHandle, u64)> = FxHashMap::default();
+        let mut largest = 0;
+        for key in st.pools.keys() {
+            let b = &st.blocks[key.id];
+            largest = largest.max(b.size);
+            per_stream
+                .entry(b.stream)
+                .or_insert((st.stream_handle(b.stream), 0))
+                .1 += b.size;
+        }
+        let mut cached_per_stream: Vec<(StreamHandle, u64)> = per_stream.into_values().collect();
+        cached_per_stream.sort_by_key(|(s, _)| s.raw);
+        let report = OutOfMemory {
+            device: self.device.0,
+            requested,
+            beyond_one_exabyte,
+            device_total: self.device_total,
+            device_free,
+            allowed: st.allowed_max,
+            allocated: st.stats.allocated_bytes.current() as u64,
+            reserved: st.stats.reserved_bytes.current() as u64,
+            largest_free_block: largest,
+            cached_per_stream,
+            non_releasable: st.stats.inactive_split_bytes.current() as u64,
+            expandable_segments: st.config.expandable_segments,
+            rejected_by_fraction: false,
+        };
+        drop(st);
+        if !beyond_one_exabyte {
+            let observers = self.oom_observers.lock().clone();
+            observers.iter().for_each(|o| o(&report));
+        }
+        AllocError::OutOfMemory(Box::new(report))
+    }
+
+    // ---- free and streams ----------------------------------------------------------------
+
+    pub(crate) fn driver_oom(&self, e: DriverError, bytes: u64) -> AllocError {
+        if e.is_out_of_memory() {
+            self.oom_report(bytes, false, StreamHandle::legacy(self.device))
+        } else {
+            AllocError::Driver(e)
+        }
+    }
+
+    /// A growth the memory fraction does not allow: no memory (the path goes on), or with
+    /// `throw_on_cudamalloc_oom` an out-of-memory error at once, counted in
+    /// `num_oom_rejections` (PyTorch's `alloc_block`, skipping every retry).
+    pub(crate) fn refuse_over_fraction<'a>(
+        &'a self,
+        mut st: Guard<'a>,
+        bytes: u64,
+    ) -> Result<(Guard<'a>, Option<usize>), AllocError> {
+        if !st.config.throw_on_cudamalloc_oom {
+            return Ok((st, None));
+        }
+        st.stats.num_oom_rejections += 1;
+        drop(st);
+        let mut report = self.oom_report(bytes, false, StreamHandle::legacy(self.device));
+        if let AllocError::OutOfMemory(oom) = &mut report {
+            oom.rejected_by_fraction = true;
+        }
+        Err(report)
+    }
+
+    /// Frees blocks whose events completed, stream by stream, in order (after recording
+    /// the events of blocks freed during a capture that has ended).
+    pub(crate) fn process_events(&self, st: &mut State) {
+        if st.order.is_quiet() || st.capturing() {
+            return;
+        }
+        let deferred = st.order.take_deferred(&mut st.blocks);
+        for (id, uses) in deferred {
+            let State { order, blocks, .. } = &mut *st;
+            // A stream that cannot take an event now: wait for it here (rare).
+            for stream in order.record(&*self.driver, self.device, blocks, id, uses) {
+                let _ = self.driver.stream_synchronize(stream);
+            }
+            if st.blocks[id].event_count == 0 && !st.blocks[id].allocated {
+                st.free_block(id);
+            }
+        }
+        for (event, id) in st.order.completed(&*self.driver) {
+            st.complete_event(event, id);
+        }
+    }
+
+    /// `synchronize_and_free_events`: waits (outside the lock) for every outstanding event
+    /// and frees their blocks; counted in `num_sync_all_streams` whether or not any was
+    /// outstanding, as PyTorch counts it.
+    pub(crate) fn synchronize_events<'a>(&'a self, mut st: Guard<'a>) -> Guard<'a> {
+        st.stats.num_sync_all_streams += 1;
+        if !st.order.has_pending() {
+            return st;
+        }
+        let events = st.order.drain();
+        drop(st);
+        for (event, _) in &events {
+            let _ = self.driver.event_synchronize(*event);
+        }
+        let mut st = self.lock();
+        for (event, id) in events {
+            st.complete_event(event, id);
+        }
+        st
+    }
+
+    // ---- giving memory back --------------------------------------------------------------
+
+    /// Frees segments (outside the lock).
+    pub(crate) fn free_segments<'a>(&'a self, st: Guard<'a>, ptrs: Vec<u64>) -> Guard<'a> {
+        if ptrs.is_empty() {
+            return st;
+        }
+        drop(st);
+        for p in ptrs {
+            // A failed free leaves the address unusable; it was already unaccounted.
+            let _ = self.driver.free(self.device, DevicePtr(p));
+        }
+        self.lock()
+    }
+}

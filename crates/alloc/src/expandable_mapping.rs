@@ -1,0 +1,420 @@
+//! Growing and shrinking expandable segments with the driver (PyTorch's
+//! `ExpandableSegment::map`/`unmap` and `try_allocate_expandable_block`): reserving a
+//! range, mapping pages transactionally, unmapping free pages (all of them, or the ones
+//! `expandable_segments_reclaim` moves), with the lock released around every driver call.
+use crate::block::{Block, Link};
+use crate::engine::{Engine, Guard};
+use crate::error::AllocError;
+use crate::expandable::{ExpandableSegment, Grow, Unmap};
+use crate::state::State;
+use ferrocuda_driver::DriverError;
+use ferrocuda_types::{DevicePtr, PhysHandle, PoolId, PoolKind, StreamHandle};
+
+impl Engine {
+    /// The page of an expandable segment of `kind`: 2 MiB small, the large segment size
+    /// large; it must be a multiple of the driver's granularity (queried, not assumed).
+    pub(crate) fn page_size(&self, st: &State, kind: PoolKind) -> Result<u64, AllocError> {
+        let page = match kind {
+            PoolKind::Small => crate::rounding::SMALL_BUFFER,
+            PoolKind::Large => st.config.large_segment_size,
+        };
+        let granularity = *self
+            .granularity
+            .get_or_init(|| self.driver.vm_granularity(self.device).unwrap_or(0));
+        if granularity == 0 || page % granularity != 0 {
+            return Err(AllocError::Driver(DriverError::NOT_SUPPORTED));
+        }
+        Ok(page)
+    }
+
+    /// Reserves a new expandable segment's address range (outside the lock): 9/8 of the
+    /// device, or `expandable_segments_reserve`, never more than 9/8.
+    pub(crate) fn new_segment<'a>(
+        &'a self,
+        st: Guard<'a>,
+        kind: PoolKind,
+        stream: StreamHandle,
+        page: u64,
+    ) -> Result<Guard<'a>, AllocError> {
+        let cap = self.device_total + self.device_total / 8;
+        let want = match st.config.expandable_segments_reserve {
+            Some(ferrocuda_types::ReserveSize::Fraction(f)) => {
+                (f * self.device_total as f64) as u64
+            }
+            Some(ferrocuda_types::ReserveSize::Bytes(b)) => b,
+            None => cap,
+        };
+        let bytes = want.clamp(page, cap.max(page)).div_ceil(page) * page;
+        drop(st);
+        let va = match self.driver.vm_reserve(self.device, bytes) {
+            Ok(va) => va,
+            // Address space used up: no room, like a device out of memory.
+            Err(e) if e.is_out_of_memory() => return Ok(self.lock()),
+            Err(e) => return Err(e.into()),
+        };
+        let mut st = self.lock();
+        let segment = st.expandable.add(ExpandableSegment {
+            va,
+            page,
+            handles: vec![None; (bytes / page) as usize],
+            stream,
+        });
+        let id = st.blocks.insert(Block::new(
+            va.base.0,
+            bytes,
+            stream.raw,
+            kind,
+            false,
+            Link::from(Some(segment)),
+            PoolId::DEFAULT,
+        ));
+        st.unmapped_insert(id);
+        Ok(st)
+    }
+
+    /// `try_allocate_expandable_block`: finds (or reserves) room for `size` bytes in this
+    /// stream's expandable segments, maps what is missing, and returns the range as one
+    /// free block. Mapping is transactional: if any page fails, the pages mapped by this
+    /// call are unmapped and released, and the segment is as it was (PyTorch #188008).
+    pub(crate) fn alloc_expandable<'a>(
+        &'a self,
+        mut st: Guard<'a>,
+        size: u64,
+        kind: PoolKind,
+        stream: StreamHandle,
+    ) -> Result<(Guard<'a>, Option<usize>), AllocError> {
+        let start = match st.expandable.find(&st.blocks, stream, kind, size) {
+            Some(s) => s,
+            None => {
+                let page = self.page_size(&st, kind)?;
+                st = self.new_segment(st, kind, stream, page)?;
+                match st.expandable.find(&st.blocks, stream, kind, size) {
+                    Some(s) => s,
+                    None => return Ok((st, None)),
+                }
+            }
+        };
+        // A segment keeps the page size it was made with, whatever the configuration says
+        // now (`large_segment_size_mb` may have changed since).
+        let Some(page) = st.expandable.page_of(&st.blocks, start) else {
+            return Ok((st, None));
+        };
+        let mut plan = Vec::new();
+        let (mut covered, mut cur) = (0, Some(start));
+        while covered < size {
+            let Some(id) = cur.filter(|&i| st.blocks[i].growable()) else {
+                return Ok((st, None));
+            };
+            let b = &st.blocks[id];
+            if b.in_pool {
+                plan.push(Grow::Take(id));
+                covered += b.size;
+            } else {
+                let bytes = ((size - covered).div_ceil(page) * page).min(b.size);
+                plan.push(Grow::Map(id, bytes));
+                covered += bytes;
+            }
+            cur = b.next.get();
+        }
+        let to_map: u64 = plan
+            .iter()
+            .map(|g| if let Grow::Map(_, b) = g { *b } else { 0 })
+            .sum();
+        for g in &plan {
+            match *g {
+                Grow::Take(id) => st.pool_remove(id),
+                Grow::Map(id, _) => st.unmapped_remove(id),
+            }
+            let (Grow::Take(id) | Grow::Map(id, _)) = *g;
+            st.blocks[id].busy = true;
+        }
+        // `expandable_segments_reclaim`: free whole pages elsewhere in this stream's ranges
+        // are unmapped (after a stream sync) and mapped here instead of new memory.
+        let pages = to_map / page;
+        let spare_now = st.expandable.spare_pages[kind.index()]
+            .iter()
+            .filter(|(_, p)| *p == page)
+            .count() as u64;
+        if st.config.expandable_segments_reclaim && pages > spare_now {
+            st = self.release_expandable(
+                st,
+                Unmap::Reclaim {
+                    stream,
+                    kind,
+                    pages: pages - spare_now,
+                    page,
+                },
+            );
+        }
+        let mut reuse: Vec<PhysHandle> = Vec::new();
+        st.expandable.spare_pages[kind.index()].retain(|&(h, p)| {
+            let take = p == page && (reuse.len() as u64) < pages;
+            if take {
+                reuse.push(h);
+            }
+            !take
+        });
+        let created = to_map - reuse.len() as u64 * page;
+        if st.over_fraction(created) {
+            st.expandable.spare_pages[kind.index()].extend(reuse.into_iter().map(|h| (h, page)));
+            st.undo_grow(&plan);
+            return self.refuse_over_fraction(st, created);
+        }
+        st.total_reserved += created;
+        let jobs: Vec<(u64, u64)> = plan
+            .iter()
+            .filter_map(|g| {
+                if let Grow::Map(id, b) = *g {
+                    Some((st.blocks[id].ptr, b))
+                } else {
+                    None
+                }
+            })
+            .collect();
+        drop(st);
+        let (mapped, spare_back) = self.map_pages(&jobs, page, reuse);
+        let mut st = self.lock();
+        st.expandable.spare_pages[kind.index()].extend(spare_back.into_iter().map(|h| (h, page)));
+        let handles = match mapped {
+            Ok(h) => h,
+            Err(e) => {
+                st.total_reserved -= created;
+                st.undo_grow(&plan);
+                return if e.is_out_of_memory() {
+                    Ok((st, None))
+                } else {
+                    Err(e.into())
+                };
+            }
+        };
+        let mut pieces = Vec::new();
+        let mut handles = handles.into_iter();
+        for g in plan {
+            match g {
+                Grow::Take(id) => pieces.push(id),
+                Grow::Map(id, bytes) => {
+                    let piece = if bytes < st.blocks[id].size {
+                        let front = st.blocks.split_front(id, bytes);
+                        st.blocks[id].busy = false;
+                        st.unmapped_insert(id);
+                        front
+                    } else {
+                        id
+                    };
+                    st.blocks[piece].mapped = true;
+                    let ptr = st.blocks[piece].ptr;
+                    st.store_pages(piece, handles.next().unwrap_or_default());
+                    st.stats.num_device_alloc += 1;
+                    st.history
+                        .record("segment_map", ptr, bytes, stream.raw, None);
+                    pieces.push(piece);
+                }
+            }
+        }
+        st.stats.reserved_bytes.increase(kind, created as i64);
+        let first = pieces[0];
+        for next in pieces.into_iter().skip(1) {
+            st.blocks.absorb_next(first, next);
+        }
+        st.blocks[first].busy = false;
+        Ok((st, Some(first)))
+    }
+
+    /// Maps `bytes` at each address, a page at a time, then grants access. All or nothing.
+    /// Returns the pages mapped per job (or the error), and the spare pages not used (all
+    /// of them after a failure: a rollback unmaps them again).
+    pub(crate) fn map_pages(
+        &self,
+        jobs: &[(u64, u64)],
+        page: u64,
+        mut spare: Vec<PhysHandle>,
+    ) -> (Result<Vec<Vec<PhysHandle>>, DriverError>, Vec<PhysHandle>) {
+        let d = &self.driver;
+        let from_spare: std::collections::HashSet<PhysHandle> = spare.iter().copied().collect();
+        let mut done: Vec<Vec<PhysHandle>> = Vec::new();
+        let mut result = Ok(());
+        'jobs: for &(addr, bytes) in jobs {
+            done.push(Vec::new());
+            for p in 0..bytes / page {
+                let h = match spare.pop() {
+                    Some(h) => h,
+                    None => match d.vm_create(self.device, page) {
+                        Ok(h) => h,
+                        Err(e) => {
+                            result = Err(e);
+                            break 'jobs;
+                        }
+                    },
+                };
+                if let Err(e) = d.vm_map(DevicePtr(addr + p * page), h) {
+                    if from_spare.contains(&h) {
+                        spare.push(h);
+                    } else {
+                        let _ = d.vm_destroy(h);
+                    }
+                    result = Err(e);
+                    break 'jobs;
+                }
+                if let Some(v) = done.last_mut() {
+                    v.push(h);
+                }
+            }
+            if let Err(e) = d.vm_set_access(self.device, DevicePtr(addr), bytes) {
+                result = Err(e);
+                break;
+            }
+        }
+        match result {
+            Ok(()) => (Ok(done), spare),
+            Err(e) => {
+                for (&(addr, _), handles) in jobs.iter().zip(&done) {
+                    for (p, h) in handles.iter().enumerate() {
+                        let _ = d.vm_unmap(self.device, DevicePtr(addr + p as u64 * page), page);
+                        if from_spare.contains(h) {
+                            spare.push(*h);
+                        } else {
+                            let _ = d.vm_destroy(*h);
+                        }
+                    }
+                }
+                (Err(e), spare)
+            }
+        }
+    }
+
+    /// Unmaps the whole pages inside free expandable blocks (partial pages at either end
+    /// stay mapped), after waiting for each segment's stream: the driver's unmap does not
+    /// wait for queued work. Segments left entirely unmapped give their range back.
+    pub(crate) fn release_expandable<'a>(&'a self, mut st: Guard<'a>, scope: Unmap) -> Guard<'a> {
+        let candidates: Vec<usize> = st
+            .pools
+            .keys()
+            .filter(|k| st.blocks[k.id].segment.is_some())
+            .filter(|k| match scope {
+                Unmap::All => true,
+                Unmap::Reclaim {
+                    stream, kind, page, ..
+                } => {
+                    k.stream == stream.raw
+                        && st.blocks[k.id].pool == kind
+                        && st.expandable.page_of(&st.blocks, k.id) == Some(page)
+                }
+            })
+            .map(|k| k.id)
+            .collect();
+        let mut wanted = match scope {
+            Unmap::All => u64::MAX,
+            Unmap::Reclaim { pages, .. } => pages,
+        };
+        let mut jobs: Vec<(usize, u64, u64, Vec<PhysHandle>, StreamHandle, PoolKind)> = Vec::new();
+        for id in candidates {
+            if wanted == 0 {
+                break;
+            }
+            let b = &st.blocks[id];
+            let Some(seg) = st.expandable.segment_of(&st.blocks, id) else {
+                continue;
+            };
+            let (base, page) = (seg.va.base.0, seg.page);
+            let first = base + (b.ptr - base).div_ceil(page) * page;
+            let last = base + (b.ptr + b.size - base) / page * page;
+            if last <= first {
+                continue;
+            }
+            let last = last.min(first.saturating_add(wanted.saturating_mul(page)));
+            wanted -= (last - first) / page;
+            let (end, kind, stream) = (b.ptr + b.size, b.pool, seg.stream);
+            st.pool_remove(id);
+            let mut mid = id;
+            let head_bytes = first - st.blocks[id].ptr;
+            if head_bytes > 0 {
+                let head = st.blocks.split_front(id, head_bytes);
+                st.pool_insert(head);
+            }
+            if last < end {
+                mid = st.blocks.split_front(id, last - first);
+                st.pool_insert(id);
+            }
+            st.blocks[mid].busy = true;
+            let handles = st.take_pages(mid, first, last);
+            jobs.push((mid, first, last - first, handles, stream, kind));
+        }
+        if jobs.is_empty() {
+            return match scope {
+                Unmap::All => self.destroy_spare_pages(st),
+                Unmap::Reclaim { .. } => st,
+            };
+        }
+        drop(st);
+        let mut synced: Vec<StreamHandle> = Vec::new();
+        for (_, addr, bytes, handles, stream, _) in &jobs {
+            if !synced.contains(stream) {
+                let _ = self.driver.stream_synchronize(*stream);
+                synced.push(*stream);
+            }
+            let _ = self.driver.vm_unmap(self.device, DevicePtr(*addr), *bytes);
+            if matches!(scope, Unmap::All) {
+                for h in handles {
+                    let _ = self.driver.vm_destroy(*h);
+                }
+            }
+        }
+        let mut st = self.lock();
+        let mut ranges = Vec::new();
+        for (mid, addr, bytes, handles, stream, kind) in jobs {
+            st.history
+                .record("segment_unmap", addr, bytes, stream.raw, None);
+            if matches!(scope, Unmap::All) {
+                st.stats.reserved_bytes.decrease(kind, bytes as i64);
+                st.stats.num_device_free += 1;
+                st.total_reserved -= bytes;
+            } else {
+                // Kept for remapping: still physical memory, still reserved.
+                let page = bytes / handles.len().max(1) as u64;
+                st.expandable.spare_pages[kind.index()]
+                    .extend(handles.into_iter().map(|h| (h, page)));
+            }
+            ranges.extend(st.settle_unmapped(mid));
+        }
+        if matches!(scope, Unmap::All) {
+            st = self.destroy_spare_pages(st);
+        }
+        if ranges.is_empty() {
+            return st;
+        }
+        drop(st);
+        for va in ranges {
+            let _ = self.driver.vm_release(va);
+        }
+        self.lock()
+    }
+
+    /// Gives the spare pages of `expandable_segments_reclaim` back to the driver.
+    pub(crate) fn destroy_spare_pages<'a>(&'a self, mut st: Guard<'a>) -> Guard<'a> {
+        let spare: Vec<(PoolKind, Vec<(PhysHandle, u64)>)> = [PoolKind::Small, PoolKind::Large]
+            .into_iter()
+            .map(|kind| {
+                (
+                    kind,
+                    std::mem::take(&mut st.expandable.spare_pages[kind.index()]),
+                )
+            })
+            .filter(|(_, h)| !h.is_empty())
+            .collect();
+        if spare.is_empty() {
+            return st;
+        }
+        drop(st);
+        for (h, _) in spare.iter().flat_map(|(_, h)| h) {
+            let _ = self.driver.vm_destroy(*h);
+        }
+        let mut st = self.lock();
+        for (kind, handles) in spare {
+            let bytes: u64 = handles.iter().map(|(_, p)| p).sum();
+            st.stats.reserved_bytes.decrease(kind, bytes as i64);
+            st.stats.num_device_free += 1;
+            st.total_reserved -= bytes;
+        }
+        st
+    }
+}

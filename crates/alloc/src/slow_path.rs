@@ -1,0 +1,222 @@
+//! What `DeviceCachingAllocator::malloc` (c10/cuda/CUDACachingAllocator.cpp) does when
+//! best fit finds nothing: garbage collection, taking over another stream's segment
+//! (`cross_stream_reuse`), a new segment or expandable range, the oversize release, the
+//! release of the whole cache and a last, counted retry, then out of memory. It finds a
+//! block; handing it out is the allocator's.
+use crate::block::{Block, Link, NO_LIST};
+use crate::engine::{Engine, Guard};
+use crate::error::AllocError;
+use crate::free_pools::{FreeKey, oversize_refuses};
+use crate::rounding::allocation_size;
+use crate::state::{Request, State};
+use ferrocuda_types::{CaptureMode, PoolId, PoolKind, StreamHandle};
+
+impl Engine {
+    /// What `DeviceCachingAllocator::malloc` (c10/cuda/CUDACachingAllocator.cpp) does when
+    /// best fit finds nothing: garbage collection (with a memory fraction), a new segment,
+    /// the oversize release (`release_available_cached_blocks`) and a new segment, then
+    /// `release_cached_blocks` (every event waited for, every cached segment of the default
+    /// pool and of unretained private pools freed) and a last, counted retry. The
+    /// ferrocuda-only keys `garbage_collection_without_fraction`, `cross_stream_reuse`,
+    /// `oom_search_after_sync` and `oom_release_partial` add their steps.
+    pub(crate) fn slow_path<'a>(
+        &'a self,
+        mut st: Guard<'a>,
+        req: &Request,
+    ) -> Result<(Guard<'a>, usize), AllocError> {
+        let Request {
+            size,
+            kind,
+            stream,
+            pool,
+            ..
+        } = *req;
+        let segment = allocation_size(size, &st.config);
+        // While a capture is underway nothing may be freed or synchronized: only new memory.
+        let capturing = st.capturing();
+        if st.gc_enabled() && !capturing {
+            let limit = st.allowed_max.unwrap_or(self.device_total);
+            st = self.garbage_collect(st, limit);
+        }
+        if st.config.cross_stream_reuse
+            && !capturing
+            && let Some(id) = self.take_from_other_stream(&mut st, pool, kind, stream, size)?
+        {
+            return Ok((st, id));
+        }
+        let (s, found) = self.grow(st, size, segment, pool, kind, stream)?;
+        st = s;
+        if let Some(id) = found {
+            return Ok((st, id));
+        }
+        // The oversize release touches the default pool only: PyTorch's also frees blocks
+        // of a private pool being recorded to (pytorch#159594).
+        if st.config.max_split_size.is_some() && pool.is_default() && !capturing {
+            let (s, enough) = self.release_oversize(st, size, kind, stream);
+            st = s;
+            if enough || st.config.oom_release_partial {
+                let (s, found) = self.grow(st, size, segment, pool, kind, stream)?;
+                st = s;
+                if let Some(id) = found {
+                    return Ok((st, id));
+                }
+            }
+        }
+        if capturing {
+            // No synchronization and no cudaFree while a capture is underway.
+            st.stats.num_ooms += 1;
+            drop(st);
+            return Err(self.oom_report(segment, false, stream));
+        }
+        if st.config.oom_search_after_sync {
+            // The block needed may be one that other streams' events held back (PyTorch
+            // never looks again: pytorch#189504).
+            st = self.synchronize_events(st);
+            if let Some(id) = st.take_free_block(pool, kind, stream, size) {
+                return Ok((st, id));
+            }
+        }
+        if st.config.oom_release_partial {
+            // As much cached memory as the request needs, largest segments first.
+            st = self.release_cached(st, Some(segment));
+            let (s, found) = self.grow(st, size, segment, pool, kind, stream)?;
+            st = s;
+            if let Some(id) = found {
+                return Ok((st, id));
+            }
+        }
+        st = self.release_cached(self.synchronize_events(st), None);
+        st.stats.num_alloc_retries += 1;
+        let (s, found) = self.grow(st, size, segment, pool, kind, stream)?;
+        st = s;
+        if let Some(id) = found {
+            return Ok((st, id));
+        }
+        st.stats.num_ooms += 1;
+        drop(st);
+        Err(self.oom_report(segment, false, stream))
+    }
+
+    /// `alloc_block`: more device memory for a request of rounded `size`: a mapped
+    /// expandable range when expandable segments are on, else a new `segment`-byte segment.
+    pub(crate) fn grow<'a>(
+        &'a self,
+        st: Guard<'a>,
+        size: u64,
+        segment: u64,
+        pool: PoolId,
+        kind: PoolKind,
+        stream: StreamHandle,
+    ) -> Result<(Guard<'a>, Option<usize>), AllocError> {
+        // Private (graph) pools use plain segments.
+        if st.config.expandable_segments && pool.is_default() {
+            self.alloc_expandable(st, size, kind, stream)
+        } else {
+            self.alloc_segment(st, segment, pool, kind, stream)
+        }
+    }
+
+    /// `alloc_block`: a new segment from the driver, outside the lock. `Ok(None)` when the
+    /// device (or the memory fraction) has no room.
+    pub(crate) fn alloc_segment<'a>(
+        &'a self,
+        mut st: Guard<'a>,
+        bytes: u64,
+        pool: PoolId,
+        kind: PoolKind,
+        stream: StreamHandle,
+    ) -> Result<(Guard<'a>, Option<usize>), AllocError> {
+        if st.over_fraction(bytes) {
+            return self.refuse_over_fraction(st, bytes);
+        }
+        st.total_reserved += bytes;
+        let capturing = st.private.routing();
+        drop(st);
+        // A device allocation made while this thread captures is legal in relaxed mode (it is
+        // not part of the graph); other modes would refuse it and break the capture.
+        let previous = if capturing {
+            self.driver.exchange_capture_mode(CaptureMode::Relaxed).ok()
+        } else {
+            None
+        };
+        let result = self.driver.malloc(self.device, bytes);
+        if let Some(mode) = previous {
+            let _ = self.driver.exchange_capture_mode(mode);
+        }
+        let mut st = self.lock();
+        match result {
+            Ok(ptr) => {
+                let id = st.blocks.insert(Block::new(
+                    ptr.0,
+                    bytes,
+                    stream.raw,
+                    kind,
+                    true,
+                    Link::NONE,
+                    pool,
+                ));
+                let oversize = st.config.max_split_size.is_some_and(|m| bytes >= m);
+                if oversize {
+                    st.oversize_segments.insert(ptr.0);
+                    st.stats.oversize_segments.increase(1);
+                }
+                st.history
+                    .record("segment_alloc", ptr.0, bytes, stream.raw, None);
+                st.private.segment_added(pool);
+                let s = &mut st.stats;
+                s.segment.increase(kind, 1);
+                s.reserved_bytes.increase(kind, bytes as i64);
+                s.num_device_alloc += 1;
+                Ok((st, Some(id)))
+            }
+            Err(e) if e.is_out_of_memory() => {
+                st.total_reserved -= bytes;
+                Ok((st, None))
+            }
+            Err(e) => {
+                st.total_reserved -= bytes;
+                Err(AllocError::Driver(e))
+            }
+        }
+    }
+
+    /// `cross_stream_reuse`: the smallest whole free segment of the request's pool, cached by
+    /// another stream, that fits
+    /// (oversize rules apply), moved to `stream`, which is made to wait for the work its old
+    /// stream enqueued so far. Only whole segments move, so a segment never mixes streams.
+    pub(crate) fn take_from_other_stream(
+        &self,
+        st: &mut State,
+        pool: PoolId,
+        kind: PoolKind,
+        stream: StreamHandle,
+        size: u64,
+    ) -> Result<Option<usize>, AllocError> {
+        let fits = |k: &FreeKey| k.size >= size && !oversize_refuses(size, k.size, &st.config);
+        let best = st
+            .pools
+            .keys_of(kind)
+            .filter(|k| {
+                k.pool == pool
+                    && k.stream != stream.raw
+                    && fits(k)
+                    && !st.blocks[k.id].is_split()
+                    && st.blocks[k.id].segment.is_none()
+            })
+            .min_by_key(|k| (k.size, k.ptr));
+        let Some(found) = best else { return Ok(None) };
+        let owner = st.stream_handle(st.blocks[found.id].stream);
+        let event = st.order.event(&*self.driver, self.device)?;
+        let ordered = self
+            .driver
+            .event_record(event, owner)
+            .and_then(|()| self.driver.stream_wait_event(stream, event));
+        // The wait captured the event's state: it can be recorded again at once.
+        st.order.give_back(event);
+        ordered?;
+        st.pool_remove(found.id);
+        st.blocks[found.id].stream = stream.raw;
+        st.blocks[found.id].list = NO_LIST;
+        Ok(Some(found.id))
+    }
+}

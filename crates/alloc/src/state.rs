@@ -1,0 +1,350 @@
+//! What the allocator's lock guards, and the block-level steps of PyTorch's
+//! `DeviceCachingAllocator` (c10/cuda/CUDACachingAllocator.cpp) on it: handing a found
+//! block out (`alloc_found_block`), freeing one (`free_block`, with the merges and the
+//! `inactive_split` books), taking a whole segment out of the books. Each part of the
+//! state is a type of its own (blocks, free pools, stream order, expandable address space,
+//! private pools); this file composes them. Nothing here calls the driver.
+use crate::block::{Allocation, Blocks};
+use crate::expandable::{Expandable, Grow};
+use crate::free_pools::Pools;
+use crate::history::{History, HistoryContext};
+use crate::private_pools::PrivatePools;
+use crate::stream_order::StreamOrder;
+use crate::tally::Tally;
+use ferrocuda_types::{
+    AllocatorConfig, DeviceIndex, DevicePtr, EventHandle, Frame, PhysHandle, PoolId, PoolKind,
+    StreamHandle,
+};
+use std::sync::Arc;
+
+const SMALL_SIZE: u64 = crate::rounding::SMALL_SIZE;
+
+/// One allocation request on its way through the paths.
+pub(crate) struct Request {
+    /// Rounded size.
+    pub(crate) size: u64,
+    /// Bytes asked for.
+    pub(crate) requested: u64,
+    pub(crate) kind: PoolKind,
+    pub(crate) stream: StreamHandle,
+    /// The pool it is served from: default, or a private pool it is routed to.
+    pub(crate) pool: PoolId,
+    /// Where it was made, when history records stacks.
+    pub(crate) frames: Option<Arc<[Frame]>>,
+}
+
+/// What the allocator's lock guards.
+pub(crate) struct State {
+    pub(crate) device: DeviceIndex,
+    pub(crate) config: AllocatorConfig,
+    pub(crate) blocks: Blocks,
+    pub(crate) pools: Pools,
+    /// Events holding freed blocks back for the streams that used them.
+    pub(crate) order: StreamOrder,
+    pub(crate) stats: Tally,
+    /// Bytes held from the driver, including segments being allocated right now.
+    pub(crate) total_reserved: u64,
+    pub(crate) allowed_max: Option<u64>,
+    /// Segments counted in `oversize_segments`, by address.
+    pub(crate) oversize_segments: rustc_hash::FxHashSet<u64>,
+    /// Expandable segments: ranges, pages, unmapped pieces, spare pages.
+    pub(crate) expandable: Expandable,
+    pub(crate) history: History,
+    /// Private pools and the routes into them.
+    pub(crate) private: PrivatePools,
+}
+
+impl State {
+    /// The handle of this device's stream `raw`.
+    pub(crate) fn stream_handle(&self, raw: u64) -> StreamHandle {
+        StreamHandle {
+            device: self.device,
+            raw,
+        }
+    }
+
+    /// `free`'s bookkeeping for allocated block `id`: no longer allocated, history and
+    /// statistics told. Returns the other streams that used it.
+    #[inline(always)]
+    pub(crate) fn release_live(
+        &mut self,
+        id: usize,
+        frames: Option<&Arc<[Frame]>>,
+    ) -> Vec<StreamHandle> {
+        let b = &mut self.blocks[id];
+        b.allocated = false;
+        let (ptr, requested, stream) = (b.ptr, b.requested, b.stream);
+        let (kind, size, oversize) = (b.pool, b.size, b.oversize);
+        // (Looked at only when there are some: the list lies in the block's cold line.)
+        let uses = if std::mem::take(&mut b.has_uses) {
+            std::mem::take(&mut b.stream_uses)
+        } else {
+            Vec::new()
+        };
+        self.history
+            .record("free_requested", ptr, requested, stream, frames);
+        self.stats.allocation.decrease(kind, 1);
+        self.stats.allocated_bytes.decrease(kind, size as i64);
+        if oversize {
+            self.stats.oversize_allocations.decrease(1);
+        }
+        uses
+    }
+
+    #[inline(always)]
+    pub(crate) fn pool_insert(&mut self, id: usize) {
+        self.pools.add(&mut self.blocks, id);
+    }
+
+    #[inline(always)]
+    pub(crate) fn pool_remove(&mut self, id: usize) {
+        self.pools.remove(&mut self.blocks, id);
+    }
+
+    /// Best fit on the request's stream with the oversize rules; a search of the default
+    /// large pool ticks the garbage-collection clock while collection is on.
+    #[inline(always)]
+    pub(crate) fn take_free_block(
+        &mut self,
+        pool: PoolId,
+        kind: PoolKind,
+        stream: StreamHandle,
+        size: u64,
+    ) -> Option<usize> {
+        let count = pool.is_default() && kind == PoolKind::Large && self.gc_enabled();
+        self.pools.take(
+            &mut self.blocks,
+            (pool, kind, stream),
+            size,
+            &self.config,
+            count,
+        )
+    }
+
+    pub(crate) fn should_split(&self, id: usize, size: u64) -> bool {
+        let b = &self.blocks[id];
+        self.split_worthwhile(b.segment.is_some(), b.pool, size, b.size - size)
+    }
+
+    /// Whether a free block cut for `size` keeps `remaining` bytes as a block of its own.
+    pub(crate) fn split_worthwhile(
+        &self,
+        expandable: bool,
+        kind: PoolKind,
+        size: u64,
+        remaining: u64,
+    ) -> bool {
+        // Expandable blocks and the small pool keep any remainder of a minimum block; the
+        // large pool keeps one above the small-pool size, below `max_split_size`. Both are
+        // computed and one picked without a branch: which pool a request hits is random.
+        let by_minimum = expandable | (kind == PoolKind::Small);
+        let minimum = remaining >= crate::rounding::MIN_BLOCK_SIZE;
+        let large =
+            (size < self.config.max_split_size.unwrap_or(u64::MAX)) & (remaining > SMALL_SIZE);
+        (by_minimum & minimum) | (!by_minimum & large)
+    }
+
+    /// `alloc_found_block`: splits if worthwhile and hands the low part out (returned with
+    /// its id).
+    #[inline(always)]
+    pub(crate) fn use_block(&mut self, id: usize, req: &Request) -> (usize, Allocation) {
+        let (size, requested) = (req.size, req.requested);
+        let kind = self.blocks[id].pool;
+        let was_split = self.blocks[id].is_split();
+        // Expandable blocks are never counted as inactive splits (PyTorch's rule).
+        let counted = self.blocks[id].segment.is_none();
+        let id = if self.should_split(id, size) {
+            let remaining = self.blocks[id].size - size;
+            let new = self.blocks.split_front(id, size);
+            self.pool_insert(id);
+            if counted && was_split {
+                self.stats.inactive_split_bytes.decrease(kind, size as i64);
+            } else if counted {
+                self.stats.inactive_split.increase(kind, 1);
+                self.stats
+                    .inactive_split_bytes
+                    .increase(kind, remaining as i64);
+            }
+            new
+        } else {
+            if counted && was_split {
+                self.stats.inactive_split.decrease(kind, 1);
+                self.stats
+                    .inactive_split_bytes
+                    .decrease(kind, self.blocks[id].size as i64);
+            }
+            id
+        };
+        let max_split = self.config.max_split_size;
+        let b = &mut self.blocks[id];
+        let (ptr, size, stream) = (b.ptr, b.size, b.stream);
+        let oversize = max_split.is_some_and(|m| size >= m);
+        b.allocated = true;
+        b.requested = requested;
+        b.oversize = oversize;
+        if req.frames.is_some() {
+            // (A free block has none: `free_block` took them.)
+            b.frames = req.frames.clone();
+            b.has_frames = true;
+        }
+        let s = &mut self.stats;
+        s.allocation.increase(kind, 1);
+        s.allocated_bytes.increase(kind, size as i64);
+        s.active.increase(kind, 1);
+        s.active_bytes.increase(kind, size as i64);
+        s.requested_bytes.increase(kind, requested as i64);
+        if oversize {
+            s.oversize_allocations.increase(1);
+        }
+        let on_trace = self.history.options.context >= HistoryContext::Alloc;
+        self.history.record(
+            "alloc",
+            ptr,
+            requested,
+            stream,
+            req.frames.as_ref().filter(|_| on_trace),
+        );
+        (
+            id,
+            Allocation {
+                ptr: DevicePtr(ptr),
+                size,
+                requested,
+                stream: self.stream_handle(stream),
+            },
+        )
+    }
+
+    /// An event of block `id` completed: the block is freed once it waits for none and is
+    /// no longer allocated.
+    pub(crate) fn complete_event(&mut self, event: EventHandle, id: usize) {
+        if self.order.complete(&mut self.blocks, event, id) && !self.blocks[id].allocated {
+            self.free_block(id);
+        }
+    }
+
+    /// `free_block`: merges with free neighbours and returns the block to its pool.
+    #[inline(always)]
+    pub(crate) fn free_block(&mut self, id: usize) {
+        let b = &mut self.blocks[id];
+        let (ptr, stream, kind) = (b.ptr, b.stream, b.pool);
+        let (size, requested, counted) = (b.size, b.requested, b.segment.is_none());
+        let frames = if std::mem::take(&mut b.has_frames) {
+            let with_frames = self.history.options.context >= HistoryContext::All;
+            b.frames.take().filter(|_| with_frames)
+        } else {
+            None
+        };
+        b.requested = 0;
+        let (prev, next) = (b.prev, b.next);
+        // The record that stays: a free block before this one absorbs it (its address is
+        // already mapped to it), else this one absorbs a free block after it. Either way
+        // one address leaves the map.
+        let mut keep = id;
+        if let Some(p) = self.blocks.mergeable(prev) {
+            self.absorb(p, id, counted, kind);
+            keep = p;
+        }
+        if let Some(n) = self.blocks.mergeable(next) {
+            self.absorb(keep, n, counted, kind);
+        }
+        self.history
+            .record("free_completed", ptr, requested, stream, frames.as_ref());
+        if counted && self.blocks[keep].is_split() {
+            let bytes = self.blocks[keep].size;
+            self.stats.inactive_split.increase(kind, 1);
+            self.stats.inactive_split_bytes.increase(kind, bytes as i64);
+        }
+        self.pool_insert(keep);
+        let s = &mut self.stats;
+        s.active.decrease(kind, 1);
+        s.active_bytes.decrease(kind, size as i64);
+        s.requested_bytes.decrease(kind, requested as i64);
+    }
+
+    /// `free_block`'s merge: block `id` takes in `next`, the block right after it, one of
+    /// them being free in the pool (it leaves the pool and, if counted, the inactive splits).
+    #[inline(always)]
+    fn absorb(&mut self, id: usize, next: usize, counted: bool, kind: PoolKind) {
+        let free = if self.blocks[id].in_pool { id } else { next };
+        self.pool_remove(free);
+        if counted {
+            let free_size = self.blocks[free].size;
+            self.stats.inactive_split.decrease(kind, 1);
+            self.stats
+                .inactive_split_bytes
+                .decrease(kind, free_size as i64);
+        }
+        self.blocks.absorb_next(id, next);
+    }
+
+    /// Takes a whole free segment out of the books; the caller frees the returned address.
+    pub(crate) fn release_segment(&mut self, id: usize) -> u64 {
+        self.pool_remove(id);
+        let b = &self.blocks[id];
+        let (ptr, size, kind) = (b.ptr, b.size, b.pool);
+        let (stream, pool) = (self.blocks[id].stream, self.blocks[id].pool_id);
+        self.history.record("segment_free", ptr, size, stream, None);
+        self.private.segment_released(pool);
+        if self.oversize_segments.remove(&ptr) {
+            self.stats.oversize_segments.decrease(1);
+        }
+        let s = &mut self.stats;
+        s.segment.decrease(kind, 1);
+        s.reserved_bytes.decrease(kind, size as i64);
+        s.num_device_free += 1;
+        self.total_reserved -= size;
+        self.blocks.vacate(id);
+        ptr
+    }
+    /// Whether any stream capture records into a pool now.
+    pub(crate) fn capturing(&self) -> bool {
+        self.private.capturing()
+    }
+
+    pub(crate) fn unmapped_insert(&mut self, id: usize) {
+        self.expandable.insert_unmapped(&mut self.blocks, id);
+    }
+
+    pub(crate) fn unmapped_remove(&mut self, id: usize) {
+        self.expandable.remove_unmapped(&self.blocks, id);
+    }
+
+    pub(crate) fn store_pages(&mut self, id: usize, pages: Vec<PhysHandle>) {
+        self.expandable.store_pages(&self.blocks, id, pages);
+    }
+
+    pub(crate) fn take_pages(&mut self, id: usize, first: u64, last: u64) -> Vec<PhysHandle> {
+        self.expandable.take_pages(&self.blocks, id, first, last)
+    }
+
+    pub(crate) fn settle_unmapped(&mut self, id: usize) -> Option<ferrocuda_types::VaRange> {
+        self.expandable.settle_unmapped(&mut self.blocks, id)
+    }
+
+    /// Puts back the blocks a growth plan set aside: taken free blocks return to their free
+    /// list, holes to be mapped to the unmapped set.
+    pub(crate) fn undo_grow(&mut self, plan: &[Grow]) {
+        for g in plan {
+            match *g {
+                Grow::Take(id) => {
+                    self.blocks[id].busy = false;
+                    self.pool_insert(id);
+                }
+                Grow::Map(id, _) => self.unmapped_insert(id),
+            }
+        }
+    }
+
+    /// Whether growing by `bytes` would pass the memory fraction's limit.
+    pub(crate) fn over_fraction(&self, bytes: u64) -> bool {
+        self.allowed_max
+            .is_some_and(|max| self.total_reserved.saturating_add(bytes) > max)
+    }
+
+    /// Whether garbage collection runs (PyTorch: a memory fraction and a threshold).
+    pub(crate) fn gc_enabled(&self) -> bool {
+        self.config.garbage_collection_threshold > 0.0
+            && (self.allowed_max.is_some() || self.config.garbage_collection_without_fraction)
+    }
+}
