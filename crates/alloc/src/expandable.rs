@@ -41,6 +41,19 @@ pub(crate) enum Unmap {
     },
 }
 
+/// Whole free pages cut out of a free block to be unmapped: `block` spans
+/// [`addr`, `addr + bytes`) and is set aside (busy) until they are.
+pub(crate) struct UnmapJob {
+    pub(crate) block: usize,
+    pub(crate) addr: u64,
+    pub(crate) bytes: u64,
+    pub(crate) page: u64,
+    /// The physical pages mapped there, taken out of the segment.
+    pub(crate) pages: Vec<PhysHandle>,
+    pub(crate) stream: StreamHandle,
+    pub(crate) kind: PoolKind,
+}
+
 #[derive(Default)]
 pub(crate) struct Expandable {
     /// The segments (a slab; `None` once destroyed).
@@ -193,6 +206,32 @@ impl Expandable {
         }
         self.insert_unmapped(blocks, id);
         None
+    }
+
+    /// How many spare pages of `page` bytes pool `kind` has.
+    pub(crate) fn spare_count(&self, kind: PoolKind, page: u64) -> u64 {
+        self.spare_pages[kind.index()]
+            .iter()
+            .filter(|(_, p)| *p == page)
+            .count() as u64
+    }
+
+    /// Takes up to `pages` spare pages of `page` bytes of pool `kind`.
+    pub(crate) fn take_spare(&mut self, kind: PoolKind, page: u64, pages: u64) -> Vec<PhysHandle> {
+        let mut taken = Vec::new();
+        self.spare_pages[kind.index()].retain(|&(h, p)| {
+            let take = p == page && (taken.len() as u64) < pages;
+            if take {
+                taken.push(h);
+            }
+            !take
+        });
+        taken
+    }
+
+    /// Puts pages of `page` bytes of pool `kind` (back) among the spare ones.
+    pub(crate) fn put_spare(&mut self, kind: PoolKind, page: u64, pages: Vec<PhysHandle>) {
+        self.spare_pages[kind.index()].extend(pages.into_iter().map(|h| (h, page)));
     }
 
     /// Bytes of spare pages of pool `kind`.

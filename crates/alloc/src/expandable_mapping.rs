@@ -5,7 +5,7 @@
 use crate::block::{Block, Link};
 use crate::engine::{Engine, Guard};
 use crate::error::AllocError;
-use crate::expandable::{ExpandableSegment, Grow, Unmap};
+use crate::expandable::{ExpandableSegment, Grow, Unmap, UnmapJob};
 use crate::state::State;
 use ferrocuda_driver::DriverError;
 use ferrocuda_types::{DevicePtr, PhysHandle, PoolId, PoolKind, StreamHandle};
@@ -99,42 +99,13 @@ impl Engine {
         let Some(page) = st.expandable.page_of(&st.blocks, start) else {
             return Ok((st, None));
         };
-        let mut plan = Vec::new();
-        let (mut covered, mut cur) = (0, Some(start));
-        while covered < size {
-            let Some(id) = cur.filter(|&i| st.blocks[i].growable()) else {
-                return Ok((st, None));
-            };
-            let b = &st.blocks[id];
-            if b.in_pool {
-                plan.push(Grow::Take(id));
-                covered += b.size;
-            } else {
-                let bytes = ((size - covered).div_ceil(page) * page).min(b.size);
-                plan.push(Grow::Map(id, bytes));
-                covered += bytes;
-            }
-            cur = b.next.get();
-        }
-        let to_map: u64 = plan
-            .iter()
-            .map(|g| if let Grow::Map(_, b) = g { *b } else { 0 })
-            .sum();
-        for g in &plan {
-            match *g {
-                Grow::Take(id) => st.pool_remove(id),
-                Grow::Map(id, _) => st.unmapped_remove(id),
-            }
-            let (Grow::Take(id) | Grow::Map(id, _)) = *g;
-            st.blocks[id].busy = true;
-        }
+        let Some((plan, to_map)) = st.plan_growth(start, size, page) else {
+            return Ok((st, None));
+        };
         // `expandable_segments_reclaim`: free whole pages elsewhere in this stream's ranges
         // are unmapped (after a stream sync) and mapped here instead of new memory.
         let pages = to_map / page;
-        let spare_now = st.expandable.spare_pages[kind.index()]
-            .iter()
-            .filter(|(_, p)| *p == page)
-            .count() as u64;
+        let spare_now = st.expandable.spare_count(kind, page);
         if st.config.expandable_segments_reclaim && pages > spare_now {
             st = self.release_expandable(
                 st,
@@ -146,17 +117,10 @@ impl Engine {
                 },
             );
         }
-        let mut reuse: Vec<PhysHandle> = Vec::new();
-        st.expandable.spare_pages[kind.index()].retain(|&(h, p)| {
-            let take = p == page && (reuse.len() as u64) < pages;
-            if take {
-                reuse.push(h);
-            }
-            !take
-        });
+        let reuse = st.expandable.take_spare(kind, page, pages);
         let created = to_map - reuse.len() as u64 * page;
         if st.over_fraction(created) {
-            st.expandable.spare_pages[kind.index()].extend(reuse.into_iter().map(|h| (h, page)));
+            st.expandable.put_spare(kind, page, reuse);
             st.undo_grow(&plan);
             return self.refuse_over_fraction(st, created);
         }
@@ -174,7 +138,7 @@ impl Engine {
         drop(st);
         let (mapped, spare_back) = self.map_pages(&jobs, page, reuse);
         let mut st = self.lock();
-        st.expandable.spare_pages[kind.index()].extend(spare_back.into_iter().map(|h| (h, page)));
+        st.expandable.put_spare(kind, page, spare_back);
         let handles = match mapped {
             Ok(h) => h,
             Err(e) => {
@@ -187,36 +151,7 @@ impl Engine {
                 };
             }
         };
-        let mut pieces = Vec::new();
-        let mut handles = handles.into_iter();
-        for g in plan {
-            match g {
-                Grow::Take(id) => pieces.push(id),
-                Grow::Map(id, bytes) => {
-                    let piece = if bytes < st.blocks[id].size {
-                        let front = st.blocks.split_front(id, bytes);
-                        st.blocks[id].busy = false;
-                        st.unmapped_insert(id);
-                        front
-                    } else {
-                        id
-                    };
-                    st.blocks[piece].mapped = true;
-                    let ptr = st.blocks[piece].ptr;
-                    st.store_pages(piece, handles.next().unwrap_or_default());
-                    st.stats.num_device_alloc += 1;
-                    st.history
-                        .record("segment_map", ptr, bytes, stream.raw, None);
-                    pieces.push(piece);
-                }
-            }
-        }
-        st.stats.reserved_bytes.increase(kind, created as i64);
-        let first = pieces[0];
-        for next in pieces.into_iter().skip(1) {
-            st.blocks.absorb_next(first, next);
-        }
-        st.blocks[first].busy = false;
+        let first = st.commit_growth(plan, handles, stream, kind, created);
         Ok((st, Some(first)))
     }
 
@@ -306,38 +241,15 @@ impl Engine {
             Unmap::All => u64::MAX,
             Unmap::Reclaim { pages, .. } => pages,
         };
-        let mut jobs: Vec<(usize, u64, u64, Vec<PhysHandle>, StreamHandle, PoolKind)> = Vec::new();
+        let mut jobs: Vec<UnmapJob> = Vec::new();
         for id in candidates {
             if wanted == 0 {
                 break;
             }
-            let b = &st.blocks[id];
-            let Some(seg) = st.expandable.segment_of(&st.blocks, id) else {
-                continue;
-            };
-            let (base, page) = (seg.va.base.0, seg.page);
-            let first = base + (b.ptr - base).div_ceil(page) * page;
-            let last = base + (b.ptr + b.size - base) / page * page;
-            if last <= first {
-                continue;
+            if let Some(job) = st.cut_pages(id, wanted) {
+                wanted -= job.bytes / job.page;
+                jobs.push(job);
             }
-            let last = last.min(first.saturating_add(wanted.saturating_mul(page)));
-            wanted -= (last - first) / page;
-            let (end, kind, stream) = (b.ptr + b.size, b.pool, seg.stream);
-            st.pool_remove(id);
-            let mut mid = id;
-            let head_bytes = first - st.blocks[id].ptr;
-            if head_bytes > 0 {
-                let head = st.blocks.split_front(id, head_bytes);
-                st.pool_insert(head);
-            }
-            if last < end {
-                mid = st.blocks.split_front(id, last - first);
-                st.pool_insert(id);
-            }
-            st.blocks[mid].busy = true;
-            let handles = st.take_pages(mid, first, last);
-            jobs.push((mid, first, last - first, handles, stream, kind));
         }
         if jobs.is_empty() {
             return match scope {
@@ -347,34 +259,35 @@ impl Engine {
         }
         drop(st);
         let mut synced: Vec<StreamHandle> = Vec::new();
-        for (_, addr, bytes, handles, stream, _) in &jobs {
-            if !synced.contains(stream) {
-                let _ = self.driver.stream_synchronize(*stream);
-                synced.push(*stream);
+        for job in &jobs {
+            if !synced.contains(&job.stream) {
+                let _ = self.driver.stream_synchronize(job.stream);
+                synced.push(job.stream);
             }
-            let _ = self.driver.vm_unmap(self.device, DevicePtr(*addr), *bytes);
+            let _ = self
+                .driver
+                .vm_unmap(self.device, DevicePtr(job.addr), job.bytes);
             if matches!(scope, Unmap::All) {
-                for h in handles {
+                for h in &job.pages {
                     let _ = self.driver.vm_destroy(*h);
                 }
             }
         }
         let mut st = self.lock();
         let mut ranges = Vec::new();
-        for (mid, addr, bytes, handles, stream, kind) in jobs {
+        for job in jobs {
+            let (kind, bytes) = (job.kind, job.bytes);
             st.history
-                .record("segment_unmap", addr, bytes, stream.raw, None);
+                .record("segment_unmap", job.addr, bytes, job.stream.raw, None);
             if matches!(scope, Unmap::All) {
                 st.stats.reserved_bytes.decrease(kind, bytes as i64);
                 st.stats.num_device_free += 1;
                 st.total_reserved -= bytes;
             } else {
                 // Kept for remapping: still physical memory, still reserved.
-                let page = bytes / handles.len().max(1) as u64;
-                st.expandable.spare_pages[kind.index()]
-                    .extend(handles.into_iter().map(|h| (h, page)));
+                st.expandable.put_spare(kind, job.page, job.pages);
             }
-            ranges.extend(st.settle_unmapped(mid));
+            ranges.extend(st.settle_unmapped(job.block));
         }
         if matches!(scope, Unmap::All) {
             st = self.destroy_spare_pages(st);

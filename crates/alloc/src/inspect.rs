@@ -157,41 +157,7 @@ impl CachingAllocator {
                 return Err(format!("blocks overlap: {:?} and {:?}", w[0], w[1]));
             }
         }
-        let mut want = DeviceStats::default();
-        // (pool, mapped bytes, blocks, expandable) per segment.
-        let mut segments: FxHashMap<u64, (PoolKind, u64, usize, bool)> = FxHashMap::default();
-        for b in &blocks {
-            let seg = segments
-                .entry(b.segment.0)
-                .or_insert((b.pool, 0, 0, b.expandable));
-            if b.mapped {
-                seg.1 += b.size;
-            }
-            seg.2 += 1;
-        }
-        for b in blocks.iter().filter(|b| b.mapped) {
-            // Expandable blocks never count as inactive splits.
-            let split = !b.expandable && segments.get(&b.segment.0).is_some_and(|s| s.2 > 1);
-            if b.allocated {
-                want.allocation.increase(b.pool, 1);
-                want.allocated_bytes.increase(b.pool, b.size as i64);
-            }
-            if b.allocated || b.pending_events {
-                want.active.increase(b.pool, 1);
-                want.active_bytes.increase(b.pool, b.size as i64);
-                want.requested_bytes.increase(b.pool, b.requested as i64);
-            } else if split {
-                want.inactive_split.increase(b.pool, 1);
-                want.inactive_split_bytes.increase(b.pool, b.size as i64);
-            }
-        }
-        for (kind, size, _, expandable) in segments.values() {
-            // Expandable memory counts as reserved, but not as segments (PyTorch's rule).
-            if !expandable {
-                want.segment.increase(*kind, 1);
-            }
-            want.reserved_bytes.increase(*kind, *size as i64);
-        }
+        let (mut want, segment_bytes) = recount(&blocks);
         // Pages unmapped for reuse by `expandable_segments_reclaim` are still reserved.
         for kind in [PoolKind::Small, PoolKind::Large] {
             want.reserved_bytes
@@ -219,7 +185,7 @@ impl CachingAllocator {
             .flatten()
             .map(|(_, p)| p)
             .sum();
-        let reserved: u64 = segments.values().map(|s| s.1).sum::<u64>() + spare;
+        let reserved: u64 = segment_bytes + spare;
         if reserved != st.total_reserved {
             return Err(format!(
                 "reserved {} but segments sum to {reserved}",
@@ -258,4 +224,46 @@ impl CachingAllocator {
             .filter(|b| b.pool_id == pool)
             .collect()
     }
+}
+
+/// The current statistics a recount of `blocks` gives (spare pages aside), and the bytes
+/// of their segments.
+fn recount(blocks: &[BlockInfo]) -> (DeviceStats, u64) {
+    let mut want = DeviceStats::default();
+    // (pool, mapped bytes, blocks, expandable) per segment.
+    let mut segments: FxHashMap<u64, (PoolKind, u64, usize, bool)> = FxHashMap::default();
+    for b in blocks {
+        let seg = segments
+            .entry(b.segment.0)
+            .or_insert((b.pool, 0, 0, b.expandable));
+        if b.mapped {
+            seg.1 += b.size;
+        }
+        seg.2 += 1;
+    }
+    for b in blocks.iter().filter(|b| b.mapped) {
+        // Expandable blocks never count as inactive splits.
+        let split = !b.expandable && segments.get(&b.segment.0).is_some_and(|s| s.2 > 1);
+        if b.allocated {
+            want.allocation.increase(b.pool, 1);
+            want.allocated_bytes.increase(b.pool, b.size as i64);
+        }
+        if b.allocated || b.pending_events {
+            want.active.increase(b.pool, 1);
+            want.active_bytes.increase(b.pool, b.size as i64);
+            want.requested_bytes.increase(b.pool, b.requested as i64);
+        } else if split {
+            want.inactive_split.increase(b.pool, 1);
+            want.inactive_split_bytes.increase(b.pool, b.size as i64);
+        }
+    }
+    for (kind, size, _, expandable) in segments.values() {
+        // Expandable memory counts as reserved, but not as segments (PyTorch's rule).
+        if !expandable {
+            want.segment.increase(*kind, 1);
+        }
+        want.reserved_bytes.increase(*kind, *size as i64);
+    }
+    let bytes = segments.values().map(|s| s.1).sum();
+    (want, bytes)
 }

@@ -5,7 +5,7 @@
 //! state is a type of its own (blocks, free pools, stream order, expandable address space,
 //! private pools); this file composes them. Nothing here calls the driver.
 use crate::block::{Allocation, Blocks};
-use crate::expandable::{Expandable, Grow};
+use crate::expandable::{Expandable, Grow, UnmapJob};
 use crate::free_pools::Pools;
 use crate::history::{History, HistoryContext};
 use crate::private_pools::PrivatePools;
@@ -320,6 +320,125 @@ impl State {
 
     pub(crate) fn settle_unmapped(&mut self, id: usize) -> Option<ferrocuda_types::VaRange> {
         self.expandable.settle_unmapped(&mut self.blocks, id)
+    }
+
+    /// The steps that grow the expandable range starting at block `start` to `size` bytes
+    /// (free blocks taken as they are, unmapped ranges mapped a `page` at a time), with the
+    /// bytes to map; each block is set aside (busy) until [`State::commit_growth`] or
+    /// [`State::undo_grow`]. `None`, with nothing changed, if the range cannot grow so far.
+    pub(crate) fn plan_growth(
+        &mut self,
+        start: usize,
+        size: u64,
+        page: u64,
+    ) -> Option<(Vec<Grow>, u64)> {
+        let mut plan = Vec::new();
+        let (mut covered, mut to_map, mut cur) = (0, 0, Some(start));
+        while covered < size {
+            let id = cur.filter(|&i| self.blocks[i].growable())?;
+            let b = &self.blocks[id];
+            if b.in_pool {
+                plan.push(Grow::Take(id));
+                covered += b.size;
+            } else {
+                let bytes = ((size - covered).div_ceil(page) * page).min(b.size);
+                plan.push(Grow::Map(id, bytes));
+                covered += bytes;
+                to_map += bytes;
+            }
+            cur = b.next.get();
+        }
+        for g in &plan {
+            match *g {
+                Grow::Take(id) => self.pool_remove(id),
+                Grow::Map(id, _) => self.unmapped_remove(id),
+            }
+            let (Grow::Take(id) | Grow::Map(id, _)) = *g;
+            self.blocks[id].busy = true;
+        }
+        Some((plan, to_map))
+    }
+
+    /// Books a growth whose pages were mapped (`pages`, one list per `Grow::Map` step, in
+    /// order; `created` bytes of them new): the mapped pieces and the free blocks taken
+    /// become one free block, which it returns.
+    pub(crate) fn commit_growth(
+        &mut self,
+        plan: Vec<Grow>,
+        pages: Vec<Vec<PhysHandle>>,
+        stream: StreamHandle,
+        kind: PoolKind,
+        created: u64,
+    ) -> usize {
+        let mut pieces = Vec::new();
+        let mut handles = pages.into_iter();
+        for g in plan {
+            match g {
+                Grow::Take(id) => pieces.push(id),
+                Grow::Map(id, bytes) => {
+                    let piece = if bytes < self.blocks[id].size {
+                        let front = self.blocks.split_front(id, bytes);
+                        self.blocks[id].busy = false;
+                        self.unmapped_insert(id);
+                        front
+                    } else {
+                        id
+                    };
+                    self.blocks[piece].mapped = true;
+                    let ptr = self.blocks[piece].ptr;
+                    self.store_pages(piece, handles.next().unwrap_or_default());
+                    self.stats.num_device_alloc += 1;
+                    self.history
+                        .record("segment_map", ptr, bytes, stream.raw, None);
+                    pieces.push(piece);
+                }
+            }
+        }
+        self.stats.reserved_bytes.increase(kind, created as i64);
+        let first = pieces[0];
+        for next in pieces.into_iter().skip(1) {
+            self.blocks.absorb_next(first, next);
+        }
+        self.blocks[first].busy = false;
+        first
+    }
+
+    /// Cuts the whole pages (at most `wanted` of them) out of free expandable block `id`:
+    /// the head and tail around them go back to the free list, the pages' range is set
+    /// aside for unmapping. `None` if the block holds no whole page.
+    pub(crate) fn cut_pages(&mut self, id: usize, wanted: u64) -> Option<UnmapJob> {
+        let b = &self.blocks[id];
+        let seg = self.expandable.segment_of(&self.blocks, id)?;
+        let (base, page, stream) = (seg.va.base.0, seg.page, seg.stream);
+        let first = base + (b.ptr - base).div_ceil(page) * page;
+        let last = base + (b.ptr + b.size - base) / page * page;
+        if last <= first {
+            return None;
+        }
+        let last = last.min(first.saturating_add(wanted.saturating_mul(page)));
+        let (end, kind) = (b.ptr + b.size, b.pool);
+        self.pool_remove(id);
+        let mut mid = id;
+        let head_bytes = first - self.blocks[id].ptr;
+        if head_bytes > 0 {
+            let head = self.blocks.split_front(id, head_bytes);
+            self.pool_insert(head);
+        }
+        if last < end {
+            mid = self.blocks.split_front(id, last - first);
+            self.pool_insert(id);
+        }
+        self.blocks[mid].busy = true;
+        let pages = self.take_pages(mid, first, last);
+        Some(UnmapJob {
+            block: mid,
+            addr: first,
+            bytes: last - first,
+            page,
+            pages,
+            stream,
+            kind,
+        })
     }
 
     /// Puts back the blocks a growth plan set aside: taken free blocks return to their free
