@@ -8,22 +8,31 @@
 //! order, statistics and their keys, the OOM message.
 //!
 //! # Design choices
-//! - **Beyond PyTorch** (spec §11.4): after waiting for outstanding events the free-block
-//!   search runs again (PyTorch #189504); before freeing the whole cache the slow path frees
-//!   only as much as the request needs, largest segments first; garbage collection works
-//!   without a memory fraction (the device's memory is the limit); the OOM message adds the
-//!   largest free block, cached bytes per stream and non-releasable split bytes.
+//! - **Exact by default, better by choice**: with PyTorch's keys only, every pointer,
+//!   statistic, snapshot and out-of-memory outcome is PyTorch's; each improvement is a
+//!   ferrocuda-only key, off by default (`cross_stream_reuse`, `oom_search_after_sync`,
+//!   `oom_release_partial`, `garbage_collection_without_fraction`,
+//!   `expandable_segments_reclaim`, `large_segment_size_mb`).
 //! - **No lock across blocking driver calls**: `malloc`, `free` and synchronizations run
 //!   with the allocator's mutex released (segments being allocated are counted in advance
 //!   so the memory fraction holds). Event record and query, which do not block, run under it.
+//! - **One type per part of the state, calls going one way.** `block` (the slab of block
+//!   records, links, split and merge), `free_pools` (free lists per pool and stream, best
+//!   fit, the oversize rule), `stream_order` (events that hold freed blocks back),
+//!   `expandable` (address ranges, pages, unmapped pieces), `private_pools` (routes, users,
+//!   which pools a release may touch) are composed by `state`, which does the block-level
+//!   steps. `engine` holds the lock and the steps every path shares; `slow_path` calls
+//!   `release`, which calls `expandable_mapping`, which calls `engine`; `allocator` is the
+//!   public face and `inspect` reads. No two modules import each other.
 //! - Block storage is a slab with 32-bit indices for the address-ordered neighbour links;
 //!   what allocation and free touch of a block fills one cache line, the rest (stream uses,
 //!   stacks, events, pool id) the next. Free blocks are kept per (pool, stream) in (size,
 //!   address) order, as PyTorch's `std::set`, binned by size (`free_list`).
-//! - **A per-thread front end** (`thread_cache`, on by default): the block a thread just
-//!   freed comes back to it without the lock when PyTorch's free-then-best-fit would return
-//!   that very block; reuses are folded into the statistics before anything reads them, so
-//!   results stay exactly PyTorch's for each thread.
+//! - **A per-thread front end** (`thread_cache`, on by default, the whole protocol in that
+//!   file): the block a thread just freed comes back to it without the lock when PyTorch's
+//!   free-then-best-fit would return that very block; every locked operation of any thread
+//!   settles every parked block first, so results are PyTorch's for any interleaving
+//!   consistent with happens-before.
 //!
 //! # What the layer above must do
 //! - Pick the stream: an allocation is tied to the stream it was made on.
