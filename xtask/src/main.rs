@@ -10,7 +10,9 @@
 //!   generated and mutated traces (see [`fuzz`]); `ci` runs it with a fixed seed;
 //! - `alloc-fuzz [--programs N] [--seed S]`: the allocator's structure-aware fuzz
 //!   (`crates/alloc/tests/fuzz.rs`) in release, 100 000 programs unless told (CI runs 600
-//!   in the ordinary test run).
+//!   in the ordinary test run);
+//! - `loom`: the thread cache's slot protocol under `loom` (`--cfg loom`, its own target
+//!   folder); `ci` runs it.
 #![forbid(unsafe_code)]
 
 mod fuzz;
@@ -36,11 +38,12 @@ fn main() -> ExitCode {
             let args: Vec<String> = std::env::args().skip(2).collect();
             fuzz::Options::parse(&args).and_then(|o| cli_fuzz(&o))
         }
+        "loom" => loom(),
         "alloc-fuzz" => {
             let args: Vec<String> = std::env::args().skip(2).collect();
             alloc_fuzz(&args)
         }
-        _ => Err("usage: cargo xtask <ci|gpu-bundle|bench|doc|cli-fuzz|alloc-fuzz>".into()),
+        _ => Err("usage: cargo xtask <ci|gpu-bundle|bench|doc|cli-fuzz|alloc-fuzz|loom>".into()),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -115,6 +118,7 @@ fn ci() -> Result<(), String> {
         "warnings",
     ])?;
     cargo(&["test", "--workspace"])?;
+    loom()?;
     cli_fuzz(&fuzz::Options::parse(&[])?)?;
     doc()
 }
@@ -181,6 +185,36 @@ fn alloc_fuzz(args: &[String]) -> Result<(), String> {
             ("FERROCUDA_FUZZ_SEED", &seed),
         ],
     )
+}
+
+/// The loom model of the thread cache (`crates/alloc/src/thread_cache.rs`, `loom_model`),
+/// built with `--cfg loom` in `target/loom`; fails if no model ran.
+fn loom() -> Result<(), String> {
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let args = ["test", "-p", "ferrocuda-alloc", "--lib", "loom_model"];
+    eprintln!("+ RUSTFLAGS=\"--cfg loom\" cargo {}", args.join(" "));
+    let out = Command::new(cargo)
+        .args(args)
+        .env("RUSTFLAGS", "--cfg loom")
+        .env("CARGO_TARGET_DIR", root().join("target").join("loom"))
+        .current_dir(root())
+        .stderr(Stdio::inherit())
+        .output()
+        .map_err(|e| e.to_string())?;
+    let log = String::from_utf8_lossy(&out.stdout);
+    eprint!("{log}");
+    if !out.status.success() {
+        return Err("the loom model failed".into());
+    }
+    let ran: usize = log
+        .lines()
+        .filter_map(|l| l.strip_prefix("test result: ok. "))
+        .filter_map(|l| l.split(' ').next()?.parse::<usize>().ok())
+        .sum();
+    if ran == 0 {
+        return Err("no loom model ran (was the test renamed?)".into());
+    }
+    Ok(())
 }
 
 /// Builds the `ferrocuda` command (debug: overflow checks on) and fuzzes it.

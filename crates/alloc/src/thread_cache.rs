@@ -23,7 +23,61 @@ use crate::tally::Tally;
 use ferrocuda_types::PoolKind;
 use std::cell::RefCell;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use sync::{AtomicBool, AtomicU8, AtomicU32, AtomicU64, AtomicUsize, LockedCell, Ordering};
+
+/// The atomics of the slot protocol: the standard ones, or `loom`'s under `--cfg loom`,
+/// where `tests::loom_model` checks the protocol under every interleaving loom explores.
+mod sync {
+    #[cfg(loom)]
+    pub(crate) use loom::sync::atomic::{
+        AtomicBool, AtomicU8, AtomicU32, AtomicU64, AtomicUsize, Ordering,
+    };
+    #[cfg(loom)]
+    pub(crate) use loom::thread::yield_now;
+    #[cfg(not(loom))]
+    pub(crate) use std::sync::atomic::{
+        AtomicBool, AtomicU8, AtomicU32, AtomicU64, AtomicUsize, Ordering,
+    };
+    #[cfg(not(loom))]
+    pub(crate) use std::thread::yield_now;
+
+    /// A value read and written only with the allocator's lock held (the cell itself needs
+    /// no lock then, but the type system does not know it).
+    #[derive(Debug, Default)]
+    pub(crate) struct LockedCell<T> {
+        #[cfg(not(loom))]
+        cell: parking_lot::Mutex<T>,
+        #[cfg(loom)]
+        cell: loom::sync::Mutex<T>,
+    }
+
+    impl<T: Copy> LockedCell<T> {
+        pub(crate) fn new(value: T) -> LockedCell<T> {
+            LockedCell {
+                #[cfg(not(loom))]
+                cell: parking_lot::Mutex::new(value),
+                #[cfg(loom)]
+                cell: loom::sync::Mutex::new(value),
+            }
+        }
+
+        pub(crate) fn get(&self) -> T {
+            #[cfg(not(loom))]
+            let value = *self.cell.lock();
+            #[cfg(loom)]
+            let value = *self.cell.lock().unwrap_or_else(|e| e.into_inner());
+            value
+        }
+
+        pub(crate) fn set(&self, value: T) {
+            #[cfg(not(loom))]
+            let mut cell = self.cell.lock();
+            #[cfg(loom)]
+            let mut cell = self.cell.lock().unwrap_or_else(|e| e.into_inner());
+            *cell = value;
+        }
+    }
+}
 
 /// No credited block.
 pub(crate) const IDLE: u8 = 0;
@@ -96,7 +150,7 @@ pub(crate) struct Slot {
     pub reuses: AtomicU64,
     /// The whole credit, for folding reuses into the statistics (read and written under the
     /// allocator's lock; the fields a reuse needs are copied into the atomics above).
-    credit: parking_lot::Mutex<Option<Credit>>,
+    credit: LockedCell<Option<Credit>>,
     /// The current credit was used (under the allocator's lock).
     used: AtomicBool,
     /// The owner thread has exited; the allocator settles and drops the slot.
@@ -130,12 +184,29 @@ impl Credit {
 }
 
 impl Slot {
+    fn new(shared: &Arc<Shared>) -> Slot {
+        Slot {
+            state: AtomicU8::new(IDLE),
+            block: AtomicUsize::new(0),
+            ptr: AtomicU64::new(0),
+            stream: AtomicU64::new(0),
+            requested: AtomicU64::new(0),
+            size: AtomicU64::new(0),
+            reuses: AtomicU64::new(0),
+            credit: LockedCell::new(None),
+            used: AtomicBool::new(false),
+            orphaned: AtomicBool::new(false),
+            retired: AtomicBool::new(false),
+            shared: shared.clone(),
+        }
+    }
+
     /// Folds the reuses so far into `stats` (with the allocator's lock held and the slot
     /// seized).
     pub(crate) fn fold_into(&self, stats: &mut Tally) {
         let reuses = self.reuses.swap(0, Ordering::Relaxed);
         if reuses > 0
-            && let Some(credit) = *self.credit.lock()
+            && let Some(credit) = self.credit.get()
         {
             self.used.store(true, Ordering::Relaxed);
             credit.fold(stats, reuses);
@@ -166,7 +237,7 @@ impl Slot {
         self.stream.store(stream, Ordering::Relaxed);
         self.requested.store(credit.requested, Ordering::Relaxed);
         self.size.store(credit.size, Ordering::Relaxed);
-        *self.credit.lock() = Some(credit);
+        self.credit.set(Some(credit));
         self.shared.credits.fetch_add(1, Ordering::Relaxed);
         self.state.store(HELD, Ordering::Release);
     }
@@ -177,7 +248,7 @@ impl Slot {
         loop {
             match self.state.load(Ordering::Acquire) {
                 IDLE => return None,
-                BUSY => std::thread::yield_now(),
+                BUSY => sync::yield_now(),
                 s => {
                     if self
                         .state
@@ -262,20 +333,7 @@ pub(crate) fn register(allocator: u64, shared: &Arc<Shared>) -> Option<Arc<Slot>
         .try_with(|s| {
             let mut slots = s.try_borrow_mut().ok()?;
             slots.0.retain(|(_, s)| !s.retired.load(Ordering::Acquire));
-            let slot = Arc::new(Slot {
-                state: AtomicU8::new(IDLE),
-                block: AtomicUsize::new(0),
-                ptr: AtomicU64::new(0),
-                stream: AtomicU64::new(0),
-                requested: AtomicU64::new(0),
-                size: AtomicU64::new(0),
-                reuses: AtomicU64::new(0),
-                credit: parking_lot::Mutex::new(None),
-                used: AtomicBool::new(false),
-                orphaned: AtomicBool::new(false),
-                retired: AtomicBool::new(false),
-                shared: shared.clone(),
-            });
+            let slot = Arc::new(Slot::new(shared));
             slots.0.push((allocator, slot.clone()));
             Some(slot)
         })
@@ -285,8 +343,9 @@ pub(crate) fn register(allocator: u64, shared: &Arc<Shared>) -> Option<Arc<Slot>
 
 /// A process-unique allocator id (ids are never reused, so a stale slot never matches).
 pub(crate) fn next_allocator_id() -> u64 {
-    static NEXT: AtomicU64 = AtomicU64::new(1);
-    NEXT.fetch_add(1, Ordering::Relaxed)
+    // (Outside the model: a static needs the standard atomic.)
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+    NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
 }
 
 /// Every thread's slot in one allocator, kept under the allocator's lock.
@@ -489,4 +548,167 @@ fn credit(st: &State, id: usize, req: &Request) -> Option<Credit> {
         inactive,
         inactive_bytes,
     })
+}
+
+#[cfg(all(test, loom))]
+mod loom_model {
+    //! The slot protocol under every interleaving `loom` explores: the owner thread frees
+    //! its credited block (park) and asks for it again (reuse) without the lock, while
+    //! another thread's locked operation settles the slot (seize, fold, end the credit,
+    //! free a parked block for real). Run with
+    //! `RUSTFLAGS="--cfg loom" cargo test -p ferrocuda-alloc --lib loom_model --release`
+    //! (`cargo xtask loom`).
+    use super::*;
+    use loom::sync::Mutex;
+    use loom::thread;
+
+    const PTR: u64 = 0x1000;
+    const BYTES: u64 = 512;
+    const STREAM: u64 = 7;
+
+    fn credit() -> Credit {
+        Credit {
+            kind: PoolKind::Small,
+            size: BYTES,
+            requested: BYTES,
+            oversize: false,
+            inactive: false,
+            inactive_bytes: 0,
+        }
+    }
+
+    /// What the owner did: each reuse it got, and whether it still holds the block at the
+    /// end (as allocated memory the allocator's books must count).
+    #[derive(Debug, Default)]
+    struct Owner {
+        reuses: u64,
+        holds: bool,
+        parked_last: bool,
+    }
+
+    /// The owner frees and reallocates `rounds` times; each lock-free step that fails
+    /// stands for the same step through the allocator's lock (which settles first, so
+    /// the slot is idle then and the books see the operation directly).
+    fn owner(slot: &Slot, rounds: usize) -> Owner {
+        let mut me = Owner {
+            holds: true,
+            ..Owner::default()
+        };
+        for _ in 0..rounds {
+            if !me.holds {
+                break;
+            }
+            if slot.park(PTR) {
+                me.holds = false;
+                me.parked_last = true;
+                match slot.reuse(BYTES, STREAM) {
+                    Some((ptr, size)) => {
+                        assert_eq!((ptr, size), (PTR, BYTES));
+                        me.reuses += 1;
+                        me.holds = true;
+                        me.parked_last = false;
+                    }
+                    // Settled meanwhile: the parked block was freed for real.
+                    None => break,
+                }
+            } else {
+                // Settled before the free: this free goes through the lock.
+                me.holds = false;
+                me.parked_last = false;
+                break;
+            }
+        }
+        me
+    }
+
+    /// The settling side of a locked operation: what it saw and folded.
+    #[derive(Debug, Default)]
+    struct Settled {
+        seized: Option<u8>,
+        folded: i64,
+        freed_parked: bool,
+    }
+
+    fn settle_once(slot: &Slot, lock: &Mutex<Tally>) -> Settled {
+        let mut stats = lock.lock().unwrap_or_else(|e| e.into_inner());
+        let before = stats.snapshot().allocation.all.allocated;
+        let seized = slot.seize();
+        if seized.is_some() {
+            slot.fold_into(&mut stats);
+            slot.end_credit();
+        }
+        Settled {
+            seized,
+            folded: stats.snapshot().allocation.all.allocated - before,
+            freed_parked: seized == Some(PARKED),
+        }
+    }
+
+    fn granted_slot() -> (Arc<Shared>, Arc<Slot>) {
+        let shared = Arc::new(Shared::default());
+        let slot = Arc::new(Slot::new(&shared));
+        slot.grant(3, PTR, STREAM, credit());
+        (shared, slot)
+    }
+
+    /// Exactly one side ends up with the block; every reuse is folded exactly once; the
+    /// credit ends and the slot is idle.
+    #[test]
+    fn a_settle_racing_the_owner_keeps_one_owner_and_every_reuse() {
+        loom::model(|| {
+            let (shared, slot) = granted_slot();
+            let lock = Arc::new(Mutex::new(Tally::default()));
+            let settler = {
+                let (slot, lock) = (slot.clone(), lock.clone());
+                thread::spawn(move || settle_once(&slot, &lock))
+            };
+            let me = owner(&slot, 2);
+            let settled = settler.join().expect("settler");
+            // The owner's last lock-free operation may come after the settle: a later
+            // locked operation settles again (here, directly).
+            let late = settle_once(&slot, &lock);
+            let folded = settled.folded + late.folded;
+            assert_eq!(folded, me.reuses as i64, "{me:?} {settled:?} {late:?}");
+            let freed = settled.freed_parked || late.freed_parked;
+            assert!(
+                !(me.holds && freed),
+                "both hold the block: {me:?} {settled:?}"
+            );
+            if me.parked_last {
+                assert!(freed, "a parked block was never freed: {me:?} {settled:?}");
+            }
+            assert_eq!(slot.state.load(Ordering::Acquire), IDLE);
+            assert_eq!(shared.credits.load(Ordering::Acquire), 0);
+            assert_eq!(slot.reuses.load(Ordering::Acquire), 0);
+        });
+    }
+
+    /// Two locked operations (serialised by the lock) and the owner: the credit ends once.
+    #[test]
+    fn two_settles_end_the_credit_once() {
+        loom::model(|| {
+            let (shared, slot) = granted_slot();
+            let lock = Arc::new(Mutex::new(Tally::default()));
+            let settlers: Vec<_> = (0..2)
+                .map(|_| {
+                    let (slot, lock) = (slot.clone(), lock.clone());
+                    thread::spawn(move || settle_once(&slot, &lock))
+                })
+                .collect();
+            let me = owner(&slot, 1);
+            let seized: Vec<Settled> = settlers
+                .into_iter()
+                .map(|t| t.join().expect("settler"))
+                .collect();
+            let late = settle_once(&slot, &lock);
+            let ends = seized
+                .iter()
+                .chain([&late])
+                .filter(|s| s.seized.is_some())
+                .count();
+            assert!(ends >= 1, "{me:?}");
+            assert_eq!(shared.credits.load(Ordering::Acquire), 0);
+            assert_eq!(slot.state.load(Ordering::Acquire), IDLE);
+        });
+    }
 }
