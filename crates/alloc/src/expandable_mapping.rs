@@ -11,12 +11,15 @@ use ferrocuda_driver::DriverError;
 use ferrocuda_types::{DevicePtr, PhysHandle, PoolId, PoolKind, StreamHandle};
 
 impl Engine {
-    /// The page of an expandable segment of `kind`: 2 MiB small, the large segment size
-    /// large; it must be a multiple of the driver's granularity (queried, not assumed).
+    /// The page of a new expandable segment of `kind`: 2 MiB small; large,
+    /// `expandable_segments_page_mb` or else the large segment size; it must be a multiple of the driver's granularity (queried, not assumed).
     pub(crate) fn page_size(&self, st: &State, kind: PoolKind) -> Result<u64, AllocError> {
         let page = match kind {
             PoolKind::Small => crate::rounding::SMALL_BUFFER,
-            PoolKind::Large => st.config.large_segment_size,
+            PoolKind::Large => st
+                .config
+                .expandable_segments_page
+                .unwrap_or(st.config.large_segment_size),
         };
         let granularity = *self
             .granularity

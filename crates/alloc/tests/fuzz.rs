@@ -35,6 +35,11 @@ const KEYS: &[&[&str]] = &[
     &["max_non_split_rounding_mb:32"],
     &["throw_on_cudamalloc_oom:True"],
     &["expandable_segments_reclaim:True"],
+    &[
+        "expandable_segments_page_mb:2",
+        "expandable_segments_page_mb:6",
+    ],
+    &["ferrocuda_recommended:True"],
     &["cross_stream_reuse:True"],
     &["thread_cache:False"],
     &["garbage_collection_without_fraction:True"],

