@@ -2,7 +2,8 @@
 //! PyTorch's (same sizes, same churn generator, same "wall time / (iterations × threads)"):
 //! a cached alloc+free pair on 1 thread and on 8 threads, and a 1024-live mixed churn; and
 //! the 1 MiB pair with `thread_cache:False` (every request through the allocator's lock)
-//! and with `expandable_segments:True`.
+//! and with `expandable_segments:True`; and the 1 MiB pair, 8 threads and churn again with
+//! `ferrocuda_recommended:True` (`_recommended`).
 //!
 //! On the GPU bundle it runs over the real driver (required there); elsewhere over the fake
 //! device, where the hot path is the same code (it makes no driver call once cached).
@@ -67,7 +68,37 @@ fn hot_path(c: &mut Criterion) {
         g.bench_function(name, |b| b.iter(|| pair(&other, 1 << 20)));
         other.empty_cache();
     }
-    g.bench_function("pair_1MiB_8threads", |b| {
+    // The three headline figures, for the default configuration and the recommended set.
+    let recommended = Arc::new(
+        CachingAllocator::new(
+            driver.clone(),
+            DEV,
+            AllocatorConfig::parse("ferrocuda_recommended:True").expect("config"),
+            true,
+        )
+        .expect("allocator"),
+    );
+    for (suffix, a) in [("", &a), ("_recommended", &recommended)] {
+        headline(&mut g, suffix, a);
+    }
+    g.finish();
+    a.empty_cache();
+    recommended.empty_cache();
+}
+
+/// A cached 1 MiB pair, the same on 8 threads, and the 1024-live mixed churn.
+fn headline(
+    g: &mut criterion::BenchmarkGroup<'_, criterion::measurement::WallTime>,
+    suffix: &str,
+    a: &Arc<CachingAllocator>,
+) {
+    if !suffix.is_empty() {
+        pair(a, 1 << 20);
+        g.bench_function(format!("pair_1MiB{suffix}"), |b| {
+            b.iter(|| pair(a, 1 << 20))
+        });
+    }
+    g.bench_function(format!("pair_1MiB_8threads{suffix}"), |b| {
         b.iter_custom(|iters| {
             let start = Instant::now();
             std::thread::scope(|s| {
@@ -79,7 +110,7 @@ fn hot_path(c: &mut Criterion) {
             start.elapsed() / 8
         })
     });
-    g.bench_function("churn_1024_live", |b| {
+    g.bench_function(format!("churn_1024_live{suffix}"), |b| {
         b.iter_custom(|iters| {
             let mut live: Vec<Option<u64>> = vec![None; 1024];
             let mut s: u64 = 88172645463325252;
@@ -104,8 +135,6 @@ fn hot_path(c: &mut Criterion) {
             elapsed
         })
     });
-    g.finish();
-    a.empty_cache();
 }
 
 criterion_group! {
