@@ -33,10 +33,12 @@
 mod cuda;
 mod error;
 pub mod fake;
+pub mod nvml;
 
 pub use cuda::{CudaDriver, RawGraph, RawLaunch};
 pub use error::{CompileError, DriverError};
 pub use fake::{Completion, FakeDriver, FakeDriverBuilder, KernelContext};
+pub use nvml::NvmlError;
 
 use ferrocuda_types::{
     CaptureMode, CaptureStatus, DeviceIndex, DeviceProperties, DevicePtr, EventFlags, EventHandle,
