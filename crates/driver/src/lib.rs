@@ -33,6 +33,7 @@
 mod cuda;
 mod error;
 pub mod fake;
+pub mod fork;
 pub mod nvml;
 
 pub use cuda::{CudaDriver, RawGraph, RawLaunch};
