@@ -82,3 +82,13 @@ pub fn is_available() -> bool {
 pub fn device_count() -> usize {
     runtime().device_count()
 }
+
+/// `torch.cuda.is_initialized()` for the global runtime.
+pub fn is_initialized() -> bool {
+    runtime().is_initialized()
+}
+
+/// `torch.cuda.init()` for the global runtime.
+pub fn init() -> Result<(), stream::StreamError> {
+    runtime().init()
+}

@@ -8,7 +8,7 @@
 //! Every handle a caller passes is checked against a registry of the objects this driver
 //! created, so a stale or made-up handle is `CUDA_ERROR_INVALID_HANDLE`, never a wild pointer
 //! handed to libcuda.
-use crate::{CompileError, Driver, DriverError};
+use crate::{CompileError, Driver, DriverError, NvmlError};
 use cudarc::driver::sys;
 use cudarc::nvrtc::sys as nvrtc_sys;
 use ferrocuda_types::{
@@ -123,6 +123,11 @@ impl CudaDriver {
             registry: RwLock::new(Registry::default()),
             nvrtc_version: OnceLock::new(),
         })
+    }
+
+    /// Whether this driver has initialised libcuda (`cuInit`), successfully or not.
+    pub fn is_initialized(&self) -> bool {
+        true
     }
 
     /// Why no device can be used, if none can.
@@ -433,6 +438,10 @@ impl Driver for CudaDriver {
 
     fn device_count(&self) -> Result<usize, DriverError> {
         Ok(self.loaded()?.devices.len())
+    }
+
+    fn nvml_device_count(&self) -> Result<usize, NvmlError> {
+        crate::nvml::device_count()
     }
 
     fn device_properties(&self, dev: DeviceIndex) -> Result<DeviceProperties, DriverError> {

@@ -60,6 +60,11 @@ pub trait Driver: Send + Sync + std::fmt::Debug + 'static {
     /// Devices visible to this process. Without a driver, the reason (the runtime above
     /// reports 0 devices then, as `torch.cuda.device_count()` does).
     fn device_count(&self) -> Result<usize, DriverError>;
+    /// Devices NVML reports, asked without initialising the driver (PyTorch's NVML-based
+    /// availability check): the real backend asks libnvidia-ml ([`nvml::device_count`]), the
+    /// fake answers what it was built with (by default no NVML, as on a machine without an
+    /// NVIDIA driver).
+    fn nvml_device_count(&self) -> Result<usize, NvmlError>;
     /// Name, capability, memory and SM count of `dev`.
     fn device_properties(&self, dev: DeviceIndex) -> Result<DeviceProperties, DriverError>;
     /// `(free, total)` device memory in bytes (`cuMemGetInfo`).

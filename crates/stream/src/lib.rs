@@ -28,6 +28,7 @@
 //! - Not use guards across threads (they are `!Send`).
 #![forbid(unsafe_code)]
 
+mod availability;
 mod buffer;
 mod error;
 mod event;
@@ -39,6 +40,7 @@ mod stream;
 #[cfg(feature = "conformance")]
 pub mod conformance;
 
+pub use availability::AvailabilityCheck;
 pub use buffer::DeviceBuffer;
 pub use error::{Result, StreamError};
 pub use event::Event;

