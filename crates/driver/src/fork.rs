@@ -8,12 +8,34 @@
 //! the 'spawn' start method". A child forked before that point is an ordinary process and
 //! may initialise CUDA itself.
 //!
-//! [`in_bad_fork`] is that mark. [`fork_and_wait`] forks from Rust, for programs and tests
-//! that need what Python's `multiprocessing` "fork" start method does.
+//! Both drivers do the same, at their initialisation: [`CudaDriver`](crate::CudaDriver)
+//! before `cuInit`, [`FakeDriver`](crate::FakeDriver) at its first driver act (it models a
+//! CUDA process, so CI checks the behaviour). [`in_bad_fork`] is the mark; in a bad fork every
+//! driver call of either backend fails with [`DriverError::BAD_FORK`](crate::DriverError::BAD_FORK),
+//! whatever driver object it is made on. [`fork_and_wait`] forks from Rust, for programs and
+//! tests that need what Python's `multiprocessing` "fork" start method does.
 use std::io;
+use std::sync::Once;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 static IN_BAD_FORK: AtomicBool = AtomicBool::new(false);
+static POISON: Once = Once::new();
+
+/// The child handler: one atomic store, which is async-signal-safe.
+extern "C" fn forked_child() {
+    IN_BAD_FORK.store(true, Ordering::Relaxed);
+}
+
+/// Marks this process as one that has initialised CUDA: a child forked from now on is a bad
+/// fork (PyTorch's `poison_fork`). Called by the drivers before they initialise.
+pub(crate) fn poison_fork() {
+    POISON.call_once(|| {
+        // SAFETY: registers a plain `extern "C" fn` that lives as long as the process and
+        // only stores to an atomic. It fails only without memory for the handler (ENOMEM);
+        // PyTorch ignores that too, as nothing better can be done.
+        let _ = unsafe { libc::pthread_atfork(None, None, Some(forked_child)) };
+    });
+}
 
 /// Whether this process is a child forked after CUDA was initialised in its parent
 /// (PyTorch's `torch._C._cuda_isInBadFork()`). Every driver call in it fails with

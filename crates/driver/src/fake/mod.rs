@@ -5,6 +5,10 @@
 //! [`FakeDriver::advance`] (or when the host blocks on it: a synchronize completes what it
 //! waits for, as a real GPU eventually would). Capture turns enqueued work into graph nodes
 //! and enforces the capture rules of the graphs spec §8.2–8.3 with the driver's codes.
+//!
+//! It is initialised as a CUDA process is: by its first driver act (its `cuInit`), which marks
+//! the process for [`fork`](crate::fork) safety; in a child forked after that, every act fails
+//! with [`DriverError::BAD_FORK`]. Its NVML answers what [`FakeDriverBuilder::nvml`] says.
 mod memory;
 mod work;
 
@@ -437,10 +441,15 @@ impl FakeDriver {
         self.state.lock().memory.backed_bytes()
     }
 
-    /// Counts the call, takes the lock, and applies an injected failure if one is due.
+    /// Counts the call, refuses it in a bad fork, marks the process for fork safety at the
+    /// first call, takes the lock, and applies an injected failure if one is due.
     fn enter(&self, call: Call) -> Result<MutexGuard<'_, State>, DriverError> {
         self.count(call);
+        if crate::fork::in_bad_fork() {
+            return Err(DriverError::BAD_FORK);
+        }
         if !self.initialized.load(Ordering::Relaxed) {
+            crate::fork::poison_fork();
             self.initialized.store(true, Ordering::Relaxed);
         }
         if self.hooked.load(Ordering::Acquire) {
