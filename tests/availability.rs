@@ -3,7 +3,10 @@
 //! The NVML-based check must answer without initialising CUDA when NVML answers, and fall
 //! back to the driver, answering as it does, when NVML is missing or fails. Forks are in
 //! `tests/fork.rs`.
-use ferrocuda::driver::{Call, FakeDriver, NvmlError};
+//!
+//! The last test is the real driver's: ignored (skipped, with the reason) without a GPU, run
+//! by the GPU bundle with `--include-ignored`, where a missing GPU or NVML fails it.
+use ferrocuda::driver::{Call, CudaDriver, Driver, FakeDriver, NvmlError};
 use ferrocuda::stream::{AvailabilityCheck, DeviceBuffer, KernelCache, Runtime};
 use ferrocuda::types::DeviceIndex;
 use std::sync::Arc;
@@ -118,4 +121,32 @@ fn device_count_asks_nvml_until_initialised() -> TestResult {
     assert!(rt.is_available_by(AvailabilityCheck::Nvml));
     assert_eq!(fake.calls(Call::NvmlDeviceCount), 1);
     Ok(())
+}
+
+/// On the GPU machine, which has libnvidia-ml, the NVML-based check answers true and leaves
+/// CUDA uninitialised (no `cuInit`); the driver's check then agrees.
+#[test]
+#[ignore = "needs a GPU and NVML: runs in the GPU bundle (cargo xtask gpu-bundle)"]
+fn cuda_the_nvml_check_answers_true_without_initialising_cuda() {
+    let cuda = Arc::new(CudaDriver::new());
+    let rt = Runtime::with_kernel_cache(cuda.clone(), KernelCache::at(None));
+    let nvml = cuda.nvml_device_count();
+    eprintln!("NVML: {nvml:?}");
+    assert!(
+        matches!(nvml, Ok(n) if n > 0),
+        "NVML must see a GPU here: {nvml:?}"
+    );
+    assert!(
+        rt.is_available_by(AvailabilityCheck::Nvml),
+        "not available by NVML (CUDA_VISIBLE_DEVICES={:?})",
+        std::env::var("CUDA_VISIBLE_DEVICES")
+    );
+    assert!(
+        !cuda.is_initialized() && !rt.is_initialized(),
+        "the NVML check initialised CUDA (CUDA_VISIBLE_DEVICES={:?}: a UUID list falls back to \
+         the driver)",
+        std::env::var("CUDA_VISIBLE_DEVICES")
+    );
+    assert!(rt.is_available_by(AvailabilityCheck::Driver));
+    assert!(cuda.is_initialized() && rt.is_initialized());
 }
