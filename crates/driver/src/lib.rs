@@ -12,8 +12,15 @@
 //!   the layers above own lifetimes. Both backends still check every handle they are given
 //!   against the objects they created, so a handle used after its object was destroyed (or
 //!   one made up) is a typed `CUDA_ERROR_INVALID_HANDLE`, never undefined behaviour.
-//! - **No driver is data.** [`CudaDriver::new`] never fails: without libcuda, or without a
-//!   device, it reports zero devices and every call returns a [`DriverError`].
+//! - **No driver is data.** [`CudaDriver::new`] never fails and initialises nothing: libcuda
+//!   is loaded at the first driver act; without it, or without a device, the driver reports
+//!   zero devices and every call returns a [`DriverError`]. No NVML is data too
+//!   ([`NvmlError`]).
+//! - **Fork safety is the driver's** ([`fork`]): initialising a driver marks the process, as
+//!   PyTorch's `poison_fork`; in a child forked afterwards every call of either backend
+//!   fails with [`DriverError::BAD_FORK`] before reaching libcuda.
+//! - **NVML is asked without CUDA** ([`Driver::nvml_device_count`], [`nvml`]), for
+//!   PyTorch's NVML-based availability check; the fake models it.
 //! - **Errors format from a static table** ([`DriverError`]): printing an error never calls
 //!   the driver.
 //! - **The fake is a real backend** (after wgpu's no-op backend): device memory is address
@@ -29,6 +36,7 @@
 //! - Order work between streams itself (events); the driver does no implicit syncing beyond
 //!   CUDA's own.
 //! - Not hold its own locks across driver calls that can block (synchronize, free).
+//! - Apply `CUDA_VISIBLE_DEVICES` to NVML's count itself (libcuda applies it to its own).
 
 mod cuda;
 mod error;

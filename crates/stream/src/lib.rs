@@ -8,6 +8,12 @@
 //! [`DeviceBuffer`].
 //!
 //! # Design choices
+//! - **Lazy initialisation, as PyTorch's.** Making a [`Runtime`] asks the driver nothing;
+//!   the first call that needs a device initialises CUDA ([`Runtime::init`],
+//!   [`Runtime::is_initialized`]). In a child forked after that, every such call is
+//!   [`StreamError::BadFork`], with PyTorch's message. [`Runtime::device_count`] asks NVML
+//!   until CUDA is initialised, and [`AvailabilityCheck`] (PyTorch's
+//!   `PYTORCH_NVML_BASED_CUDA_CHECK`) decides whether `is_available` does too.
 //! - **`Arc<dyn Driver>`, not generics.** The backend is chosen at run time (GPU when
 //!   present, the fake device otherwise); one virtual call per driver act costs nothing next
 //!   to a launch.
