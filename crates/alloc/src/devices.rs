@@ -1,7 +1,7 @@
 //! One caching allocator per device, created on first use, serving a runtime's buffers.
 use crate::{AllocError, CachingAllocator};
-use ferrocuda_driver::{Driver, DriverError};
-use ferrocuda_stream::{MemoryResource, Runtime, StreamError};
+use ferrocuda_driver::Driver;
+use ferrocuda_stream::{MemoryResource, PerDevice, Runtime, StreamError};
 use ferrocuda_types::{AllocatorConfig, DeviceIndex, DevicePtr, StreamHandle};
 use parking_lot::RwLock;
 use std::sync::{Arc, OnceLock};
@@ -26,8 +26,8 @@ pub struct DeviceAllocators {
     driver: Arc<dyn Driver>,
     config: RwLock<AllocatorConfig>,
     caching: bool,
-    /// One slot per device, or why there are none; made at the first use.
-    devices: OnceLock<Result<Vec<OnceLock<CachingAllocator>>, DriverError>>,
+    /// One slot per device, made at the first use.
+    devices: PerDevice<OnceLock<CachingAllocator>>,
 }
 
 impl DeviceAllocators {
@@ -41,27 +41,14 @@ impl DeviceAllocators {
             driver,
             config: RwLock::new(config),
             caching,
-            devices: OnceLock::new(),
+            devices: PerDevice::default(),
         })
     }
 
-    /// The device slots, asking the driver for its devices at the first call; in a child
-    /// forked after CUDA was initialised, [`StreamError::BadFork`] (as every lazy
-    /// initialisation in PyTorch).
+    /// The device slots, asking the driver for its devices at the first call (in a bad fork,
+    /// [`StreamError::BadFork`]).
     fn slots(&self) -> Result<&[OnceLock<CachingAllocator>], StreamError> {
-        if ferrocuda_driver::fork::in_bad_fork() {
-            return Err(StreamError::BadFork);
-        }
-        let slots = self
-            .devices
-            .get_or_init(|| match self.driver.device_count()? {
-                0 => Err(DriverError::NO_DEVICE),
-                n => Ok((0..n).map(|_| OnceLock::new()).collect()),
-            });
-        match slots {
-            Ok(s) => Ok(s),
-            Err(reason) => Err(StreamError::NotAvailable { reason: *reason }),
-        }
+        self.devices.get_or_init(&*self.driver, |_| OnceLock::new())
     }
 
     /// Allocators configured from the environment: `FERROCUDA_ALLOC_CONF`, else
@@ -104,8 +91,8 @@ impl DeviceAllocators {
 
     /// Allocators created so far (none in a bad fork: the child must not use them).
     pub fn created(&self) -> impl Iterator<Item = &CachingAllocator> {
-        let made = match self.devices.get() {
-            Some(Ok(slots)) if !ferrocuda_driver::fork::in_bad_fork() => slots.as_slice(),
+        let made = match self.devices.made() {
+            Some(Ok(slots)) if !ferrocuda_driver::fork::in_bad_fork() => slots,
             _ => &[],
         };
         made.iter().filter_map(OnceLock::get)

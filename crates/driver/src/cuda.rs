@@ -1,11 +1,12 @@
 //! The real backend: CUDA's driver API through `cudarc::driver::{sys, result}`.
 //!
-//! libcuda is loaded at run time, by the driver's first act, not by [`CudaDriver::new`]: first
-//! `is_culib_present()`, then (the process marked for [`fork`](crate::fork) safety) `cuInit`;
-//! with no library, or when `cuInit` fails, the driver reports zero devices and every other
-//! call returns that error. In a child forked after CUDA was initialised every call returns
-//! [`DriverError::BAD_FORK`] and libcuda is not touched. Contexts are the devices' primary contexts, retained lazily (as the
-//! CUDA runtime and PyTorch do) and bound to the calling thread only when it differs.
+//! libcuda is loaded at run time, by the driver's first act, not by [`CudaDriver::new`]:
+//! first `is_culib_present()`, then (the process marked for [`fork`](crate::fork) safety)
+//! `cuInit`; with no library, or when `cuInit` fails, the driver reports zero devices and
+//! every other call returns that error. In a child forked after CUDA was initialised every
+//! call returns [`DriverError::BAD_FORK`] and libcuda is not touched. Contexts are the
+//! devices' primary contexts, retained lazily (as the CUDA runtime and PyTorch do) and bound
+//! to the calling thread only when it differs.
 //!
 //! Every handle a caller passes is checked against a registry of the objects this driver
 //! created, so a stale or made-up handle is `CUDA_ERROR_INVALID_HANDLE`, never a wild pointer

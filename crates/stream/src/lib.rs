@@ -40,6 +40,7 @@ mod error;
 mod event;
 mod memory;
 mod module;
+mod per_device;
 mod runtime;
 mod stream;
 
@@ -53,5 +54,6 @@ pub use event::Event;
 pub use ferrocuda_driver::Driver;
 pub use memory::{DriverMemory, MemoryResource};
 pub use module::{CacheOutcome, Function, KernelCache, Module};
+pub use per_device::PerDevice;
 pub use runtime::{DeviceGuard, Runtime, STREAMS_PER_POOL, StreamGuard};
 pub use stream::Stream;

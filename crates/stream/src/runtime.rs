@@ -1,6 +1,6 @@
 //! The runtime: one driver, its devices, the per-thread current device and streams.
-use crate::{AvailabilityCheck, Event, Result, Stream, StreamError};
-use ferrocuda_driver::{Driver, DriverError};
+use crate::{AvailabilityCheck, Event, PerDevice, Result, Stream, StreamError};
+use ferrocuda_driver::Driver;
 use ferrocuda_types::{
     Device, DeviceIndex, DeviceKind, DeviceProperties, EventFlags, StreamFlags, StreamHandle,
 };
@@ -52,7 +52,7 @@ pub struct Runtime {
     id: u64,
     driver: Arc<dyn Driver>,
     /// The devices found at initialisation, or why there are none.
-    devices: OnceLock<std::result::Result<Vec<DeviceState>, DriverError>>,
+    devices: PerDevice<DeviceState>,
     pub(crate) kernel_cache: crate::module::KernelCache,
     memory: parking_lot::RwLock<Arc<dyn crate::MemoryResource>>,
 }
@@ -70,7 +70,7 @@ impl Runtime {
     ) -> Arc<Runtime> {
         Arc::new(Runtime {
             id: NEXT_RUNTIME_ID.fetch_add(1, Ordering::Relaxed),
-            devices: OnceLock::new(),
+            devices: PerDevice::default(),
             kernel_cache: cache,
             memory: parking_lot::RwLock::new(Arc::new(crate::DriverMemory(driver.clone()))),
             driver,
@@ -105,40 +105,17 @@ impl Runtime {
     /// Whether this runtime has initialised CUDA, with a device, and this process is not a
     /// child forked since (`torch.cuda.is_initialized()`).
     pub fn is_initialized(&self) -> bool {
-        matches!(self.devices.get(), Some(Ok(_))) && !ferrocuda_driver::fork::in_bad_fork()
+        matches!(self.devices.made(), Some(Ok(_))) && !ferrocuda_driver::fork::in_bad_fork()
     }
 
-    /// The devices, initialising at the first call. Every lazy initialisation, and so every
-    /// call that needs a device, fails with [`StreamError::BadFork`] in a bad fork, as
-    /// PyTorch's `_lazy_init` raises.
+    /// The devices, initialising at the first call (in a bad fork, [`StreamError::BadFork`]).
     fn devices(&self) -> Result<&[DeviceState]> {
-        if ferrocuda_driver::fork::in_bad_fork() {
-            return Err(StreamError::BadFork);
-        }
-        match self.devices.get_or_init(|| self.discover()) {
-            Ok(states) => Ok(states),
-            Err(reason) => Err(StreamError::NotAvailable { reason: *reason }),
-        }
-    }
-
-    fn discover(&self) -> std::result::Result<Vec<DeviceState>, DriverError> {
-        let count = match self.driver.device_count()? {
-            0 => return Err(DriverError::NO_DEVICE),
-            n => n.min(usize::from(u16::MAX)) as u16,
-        };
-        Ok((0..count)
-            .map(|d| DeviceState {
-                default_stream: Stream::wrap(
-                    self.driver.clone(),
-                    StreamHandle::legacy(DeviceIndex(d)),
-                    0,
-                    false,
-                ),
-                pools: Default::default(),
-                properties: OnceLock::new(),
-                priority_range: Mutex::new(None),
-            })
-            .collect())
+        self.devices.get_or_init(&*self.driver, |d| DeviceState {
+            default_stream: Stream::wrap(self.driver.clone(), StreamHandle::legacy(d), 0, false),
+            pools: Default::default(),
+            properties: OnceLock::new(),
+            priority_range: Mutex::new(None),
+        })
     }
 
     /// Whether at least one device can be used (`torch.cuda.is_available()`), checked as
@@ -163,7 +140,7 @@ impl Runtime {
     /// that counting leaves CUDA uninitialised and a later fork safe; where NVML cannot say,
     /// the driver's, initialising CUDA. 0 without a driver.
     pub fn device_count(&self) -> usize {
-        if self.devices.get().is_none() {
+        if self.devices.made().is_none() {
             let visible = std::env::var("CUDA_VISIBLE_DEVICES").ok();
             let nvml = crate::availability::nvml_visible_count(visible.as_deref(), || {
                 self.driver.nvml_device_count()
@@ -178,9 +155,9 @@ impl Runtime {
     /// The devices found at initialisation (PyTorch's `_cuda_getDeviceCount`, which keeps
     /// its first count), initialising now if needed; 0 when that fails.
     fn driver_device_count(&self) -> usize {
-        match self.devices.get() {
-            Some(found) => found.as_ref().map_or(0, Vec::len),
-            None => self.devices().map_or(0, <[DeviceState]>::len),
+        match self.devices.made() {
+            Some(found) => found.map_or(0, <[_]>::len),
+            None => self.devices().map_or(0, <[_]>::len),
         }
     }
 
