@@ -11,7 +11,13 @@
 //! # Design choices
 //! - One global [`Runtime`](stream::Runtime), made on first use: the real driver, unless
 //!   `FERROCUDA_BACKEND=fake` asks for the fake device. Without a driver the runtime exists
-//!   and reports `is_available() == false`, as `torch.cuda` does.
+//!   and reports `is_available() == false`, as `torch.cuda` does. Making it initialises no
+//!   CUDA: that waits for the first call that needs a device ([`init`], [`is_initialized`]).
+//! - [`is_available`] is checked as `torch.cuda.is_available()` is: by the driver, which
+//!   initialises CUDA (a child forked afterwards gets PyTorch's "Cannot re-initialize CUDA
+//!   in forked subprocess" on its first CUDA call), or, with
+//!   `FERROCUDA_NVML_BASED_CUDA_CHECK=1` (else `PYTORCH_NVML_BASED_CUDA_CHECK=1`), by NVML,
+//!   leaving CUDA uninitialised and the process safe to fork, with the driver as fallback.
 //! - One caching allocator per device behind it, configured from `FERROCUDA_ALLOC_CONF`
 //!   (else `PYTORCH_CUDA_ALLOC_CONF`) and installed as the runtime's memory resource, so
 //!   every [`DeviceBuffer`](stream::DeviceBuffer) allocates through it. A malformed
@@ -73,12 +79,24 @@ pub fn runtime() -> &'static Arc<stream::Runtime> {
     })
 }
 
-/// `torch.cuda.is_available()` for the global runtime.
+/// `torch.cuda.is_available()` for the global runtime (see [`stream::AvailabilityCheck`]).
 pub fn is_available() -> bool {
     runtime().is_available()
 }
 
-/// `torch.cuda.device_count()` for the global runtime.
+/// `torch.cuda.device_count()` for the global runtime: NVML's count until CUDA is
+/// initialised (where NVML answers), the driver's after.
 pub fn device_count() -> usize {
     runtime().device_count()
+}
+
+/// `torch.cuda.is_initialized()` for the global runtime: false until CUDA is initialised, and
+/// in a child forked after that.
+pub fn is_initialized() -> bool {
+    runtime().is_initialized()
+}
+
+/// `torch.cuda.init()` for the global runtime: initialises CUDA now.
+pub fn init() -> Result<(), stream::StreamError> {
+    runtime().init()
 }

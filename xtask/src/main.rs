@@ -21,7 +21,12 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode, Stdio};
 
 /// Test binaries that go into the GPU bundle.
-const GPU_TESTS: &[&str] = &["conformance_cuda", "alloc_conformance", "graph_conformance"];
+const GPU_TESTS: &[&str] = &[
+    "conformance_cuda",
+    "alloc_conformance",
+    "graph_conformance",
+    "availability",
+];
 /// Bench binaries that go into the GPU bundle.
 const GPU_BENCHES: &[&str] = &["launch", "alloc", "expandable", "graph"];
 /// Examples that go into the GPU bundle (each must succeed and say it ran on the GPU).

@@ -1,7 +1,7 @@
 //! One caching allocator per device, created on first use, serving a runtime's buffers.
 use crate::{AllocError, CachingAllocator};
-use ferrocuda_driver::{Driver, DriverError};
-use ferrocuda_stream::{MemoryResource, Runtime, StreamError};
+use ferrocuda_driver::Driver;
+use ferrocuda_stream::{MemoryResource, PerDevice, Runtime, StreamError};
 use ferrocuda_types::{AllocatorConfig, DeviceIndex, DevicePtr, StreamHandle};
 use parking_lot::RwLock;
 use std::sync::{Arc, OnceLock};
@@ -20,13 +20,14 @@ pub fn caching_disabled(var: impl Fn(&str) -> Option<String>) -> bool {
 
 /// The allocators of every device of one driver. It holds the driver, not a runtime: the
 /// runtime holds it (as its memory resource), and the other way round would be a cycle.
+/// Making it initialises nothing: the driver is asked for its devices at the first use.
 #[derive(Debug)]
 pub struct DeviceAllocators {
     driver: Arc<dyn Driver>,
-    unavailable: Option<DriverError>,
     config: RwLock<AllocatorConfig>,
     caching: bool,
-    devices: Vec<OnceLock<CachingAllocator>>,
+    /// One slot per device, made at the first use.
+    devices: PerDevice<OnceLock<CachingAllocator>>,
 }
 
 impl DeviceAllocators {
@@ -36,19 +37,18 @@ impl DeviceAllocators {
         config: AllocatorConfig,
         caching: bool,
     ) -> Arc<DeviceAllocators> {
-        let (count, unavailable) = match driver.device_count() {
-            Ok(0) => (0, Some(DriverError::NO_DEVICE)),
-            Ok(n) => (n, None),
-            Err(e) => (0, Some(e)),
-        };
-        let devices = (0..count).map(|_| OnceLock::new()).collect();
         Arc::new(DeviceAllocators {
             driver,
-            unavailable,
             config: RwLock::new(config),
             caching,
-            devices,
+            devices: PerDevice::default(),
         })
+    }
+
+    /// The device slots, asking the driver for its devices at the first call (in a bad fork,
+    /// [`StreamError::BadFork`]).
+    fn slots(&self) -> Result<&[OnceLock<CachingAllocator>], StreamError> {
+        self.devices.get_or_init(&*self.driver, |_| OnceLock::new())
     }
 
     /// Allocators configured from the environment: `FERROCUDA_ALLOC_CONF`, else
@@ -70,16 +70,12 @@ impl DeviceAllocators {
 
     /// The allocator of `dev`, created on first use.
     pub fn device(&self, dev: DeviceIndex) -> Result<&CachingAllocator, AllocError> {
-        let count = self.devices.len();
-        let slot = self
-            .devices
+        let slots = self.slots()?;
+        let slot = slots
             .get(dev.as_usize())
-            .ok_or(match self.unavailable {
-                Some(reason) => StreamError::NotAvailable { reason },
-                None => StreamError::InvalidDevice {
-                    index: dev.0,
-                    count,
-                },
+            .ok_or(StreamError::InvalidDevice {
+                index: dev.0,
+                count: slots.len(),
             })?;
         if let Some(a) = slot.get() {
             return Ok(a);
@@ -93,9 +89,13 @@ impl DeviceAllocators {
         Ok(slot.get_or_init(|| made))
     }
 
-    /// Allocators created so far.
+    /// Allocators created so far (none in a bad fork: the child must not use them).
     pub fn created(&self) -> impl Iterator<Item = &CachingAllocator> {
-        self.devices.iter().filter_map(OnceLock::get)
+        let made = match self.devices.made() {
+            Some(Ok(slots)) if !ferrocuda_driver::fork::in_bad_fork() => slots,
+            _ => &[],
+        };
+        made.iter().filter_map(OnceLock::get)
     }
 
     /// Applies a configuration string to every device, now and later
@@ -113,9 +113,10 @@ impl DeviceAllocators {
 
     /// A snapshot of every device in use: segments by address, history per device.
     pub fn snapshot(&self) -> Result<ferrocuda_types::Snapshot, AllocError> {
+        let slots = self.slots()?;
         let mut segments = Vec::new();
-        let mut device_traces = vec![Vec::new(); self.devices.len()];
-        for (dev, slot) in self.devices.iter().enumerate() {
+        let mut device_traces = vec![Vec::new(); slots.len()];
+        for (dev, slot) in slots.iter().enumerate() {
             if let Some(a) = slot.get() {
                 let (s, trace) = a.snapshot();
                 segments.extend(s);

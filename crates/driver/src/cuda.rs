@@ -1,14 +1,17 @@
 //! The real backend: CUDA's driver API through `cudarc::driver::{sys, result}`.
 //!
-//! libcuda is loaded at run time. [`CudaDriver::new`] first asks `is_culib_present()`; with
-//! no library, or when `cuInit` fails, the driver reports zero devices and every other call
-//! returns that error. Contexts are the devices' primary contexts, retained lazily (as the
-//! CUDA runtime and PyTorch do) and bound to the calling thread only when it differs.
+//! libcuda is loaded at run time, by the driver's first act, not by [`CudaDriver::new`]:
+//! first `is_culib_present()`, then (the process marked for [`fork`](crate::fork) safety)
+//! `cuInit`; with no library, or when `cuInit` fails, the driver reports zero devices and
+//! every other call returns that error. In a child forked after CUDA was initialised every
+//! call returns [`DriverError::BAD_FORK`] and libcuda is not touched. Contexts are the
+//! devices' primary contexts, retained lazily (as the CUDA runtime and PyTorch do) and bound
+//! to the calling thread only when it differs.
 //!
 //! Every handle a caller passes is checked against a registry of the objects this driver
 //! created, so a stale or made-up handle is `CUDA_ERROR_INVALID_HANDLE`, never a wild pointer
 //! handed to libcuda.
-use crate::{CompileError, Driver, DriverError};
+use crate::{CompileError, Driver, DriverError, NvmlError};
 use cudarc::driver::sys;
 use cudarc::nvrtc::sys as nvrtc_sys;
 use ferrocuda_types::{
@@ -70,14 +73,15 @@ struct Loaded {
 /// The real CUDA driver: libcuda loaded at run time, primary contexts bound lazily, every
 /// handle checked against a registry of the objects this driver created.
 pub struct CudaDriver {
-    loaded: Result<Loaded, DriverError>,
+    loaded: OnceLock<Result<Loaded, DriverError>>,
 }
 
 impl std::fmt::Debug for CudaDriver {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match &self.loaded {
-            Ok(l) => write!(f, "CudaDriver {{ devices: {} }}", l.devices.len()),
-            Err(e) => write!(f, "CudaDriver {{ unavailable: {e} }}"),
+        match self.loaded.get() {
+            None => write!(f, "CudaDriver {{ uninitialised }}"),
+            Some(Ok(l)) => write!(f, "CudaDriver {{ devices: {} }}", l.devices.len()),
+            Some(Err(e)) => write!(f, "CudaDriver {{ unavailable: {e} }}"),
         }
     }
 }
@@ -89,11 +93,12 @@ impl Default for CudaDriver {
 }
 
 impl CudaDriver {
-    /// Loads libcuda and initializes it. Never fails: without a driver or a device the
-    /// result reports zero devices, and [`CudaDriver::unavailable_reason`] says why.
+    /// A driver that loads and initialises libcuda at its first driver act. Never fails:
+    /// without a driver or a device it reports zero devices, and
+    /// [`CudaDriver::unavailable_reason`] says why.
     pub fn new() -> CudaDriver {
         CudaDriver {
-            loaded: Self::load(),
+            loaded: OnceLock::new(),
         }
     }
 
@@ -102,6 +107,7 @@ impl CudaDriver {
         if !unsafe { sys::is_culib_present() } {
             return Err(DriverError::LIBRARY_NOT_FOUND);
         }
+        crate::fork::poison_fork();
         // SAFETY: cuInit(0) is the documented first call; the library is present.
         check(unsafe { sys::cuInit(0) })?;
         let mut count = 0;
@@ -125,17 +131,28 @@ impl CudaDriver {
         })
     }
 
-    /// Why no device can be used, if none can.
+    /// Whether this driver has made its first driver act (loading libcuda and `cuInit`),
+    /// successfully or not. Asking NVML is not one.
+    pub fn is_initialized(&self) -> bool {
+        self.loaded.get().is_some()
+    }
+
+    /// Why no device can be used, if none can (initialising the driver to find out).
     pub fn unavailable_reason(&self) -> Option<DriverError> {
-        match &self.loaded {
-            Err(e) => Some(*e),
+        match self.loaded() {
+            Err(e) => Some(e),
             Ok(l) if l.devices.is_empty() => Some(DriverError::NO_DEVICE),
             Ok(_) => None,
         }
     }
 
+    /// The loaded driver, loading it at the first call; in a bad fork, that error before
+    /// anything else.
     fn loaded(&self) -> Result<&Loaded, DriverError> {
-        self.loaded.as_ref().map_err(|e| *e)
+        if crate::fork::in_bad_fork() {
+            return Err(DriverError::BAD_FORK);
+        }
+        self.loaded.get_or_init(Self::load).as_ref().map_err(|e| *e)
     }
 
     /// Makes `dev`'s primary context current on this thread.
@@ -433,6 +450,10 @@ impl Driver for CudaDriver {
 
     fn device_count(&self) -> Result<usize, DriverError> {
         Ok(self.loaded()?.devices.len())
+    }
+
+    fn nvml_device_count(&self) -> Result<usize, NvmlError> {
+        crate::nvml::device_count()
     }
 
     fn device_properties(&self, dev: DeviceIndex) -> Result<DeviceProperties, DriverError> {

@@ -16,6 +16,7 @@ pub struct DriverError {
 
 /// Every `CUresult` of CUDA 13.0 with its name.
 static TABLE: &[(i32, &str)] = &[
+    (-4, "FERROCUDA_BAD_FORK"),
     (-3, "FERROCUDA_NVRTC_LIBRARY_NOT_FOUND"),
     (-2, "FERROCUDA_KERNEL_NOT_REGISTERED"),
     (-1, "FERROCUDA_DRIVER_LIBRARY_NOT_FOUND"),
@@ -151,6 +152,12 @@ impl DriverError {
     pub const NVRTC_NOT_FOUND: DriverError = DriverError {
         code: -3,
         name: "FERROCUDA_NVRTC_LIBRARY_NOT_FOUND",
+    };
+    /// A driver call in a child forked after CUDA was initialised in its parent (see
+    /// [`fork`](crate::fork)). It displays as PyTorch's message for this case.
+    pub const BAD_FORK: DriverError = DriverError {
+        code: -4,
+        name: "FERROCUDA_BAD_FORK",
     };
     /// `CUDA_ERROR_INVALID_VALUE` (1).
     pub const INVALID_VALUE: DriverError = DriverError {
@@ -684,8 +691,15 @@ impl DriverError {
     }
 }
 
+/// PyTorch's message for a CUDA call in a bad fork (`torch.cuda._lazy_init`).
+const BAD_FORK_MESSAGE: &str = "Cannot re-initialize CUDA in forked subprocess. To use CUDA with \
+                                multiprocessing, you must use the 'spawn' start method";
+
 impl fmt::Display for DriverError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if *self == Self::BAD_FORK {
+            return f.write_str(BAD_FORK_MESSAGE);
+        }
         write!(f, "{} ({})", self.name, self.code)
     }
 }
@@ -725,6 +739,16 @@ mod tests {
         assert!(
             TABLE.windows(2).all(|w| w[0].0 < w[1].0),
             "table sorted and unique"
+        );
+    }
+
+    #[test]
+    fn a_bad_fork_reads_as_pytorch_says_it() {
+        assert_eq!(DriverError::from_code(-4), DriverError::BAD_FORK);
+        assert_eq!(
+            DriverError::BAD_FORK.to_string(),
+            "Cannot re-initialize CUDA in forked subprocess. To use CUDA with multiprocessing, \
+             you must use the 'spawn' start method"
         );
     }
 }

@@ -12,8 +12,15 @@
 //!   the layers above own lifetimes. Both backends still check every handle they are given
 //!   against the objects they created, so a handle used after its object was destroyed (or
 //!   one made up) is a typed `CUDA_ERROR_INVALID_HANDLE`, never undefined behaviour.
-//! - **No driver is data.** [`CudaDriver::new`] never fails: without libcuda, or without a
-//!   device, it reports zero devices and every call returns a [`DriverError`].
+//! - **No driver is data.** [`CudaDriver::new`] never fails and initialises nothing: libcuda
+//!   is loaded at the first driver act; without it, or without a device, the driver reports
+//!   zero devices and every call returns a [`DriverError`]. No NVML is data too
+//!   ([`NvmlError`]).
+//! - **Fork safety is the driver's** ([`fork`]): initialising a driver marks the process, as
+//!   PyTorch's `poison_fork`; in a child forked afterwards every call of either backend
+//!   fails with [`DriverError::BAD_FORK`] before reaching libcuda.
+//! - **NVML is asked without CUDA** ([`Driver::nvml_device_count`], [`nvml`]), for
+//!   PyTorch's NVML-based availability check; the fake models it.
 //! - **Errors format from a static table** ([`DriverError`]): printing an error never calls
 //!   the driver.
 //! - **The fake is a real backend** (after wgpu's no-op backend): device memory is address
@@ -29,14 +36,18 @@
 //! - Order work between streams itself (events); the driver does no implicit syncing beyond
 //!   CUDA's own.
 //! - Not hold its own locks across driver calls that can block (synchronize, free).
+//! - Apply `CUDA_VISIBLE_DEVICES` to NVML's count itself (libcuda applies it to its own).
 
 mod cuda;
 mod error;
 pub mod fake;
+pub mod fork;
+pub mod nvml;
 
 pub use cuda::{CudaDriver, RawGraph, RawLaunch};
 pub use error::{CompileError, DriverError};
 pub use fake::{Completion, FakeDriver, FakeDriverBuilder, KernelContext};
+pub use nvml::NvmlError;
 
 use ferrocuda_types::{
     CaptureMode, CaptureStatus, DeviceIndex, DeviceProperties, DevicePtr, EventFlags, EventHandle,
@@ -57,6 +68,11 @@ pub trait Driver: Send + Sync + std::fmt::Debug + 'static {
     /// Devices visible to this process. Without a driver, the reason (the runtime above
     /// reports 0 devices then, as `torch.cuda.device_count()` does).
     fn device_count(&self) -> Result<usize, DriverError>;
+    /// Devices NVML reports, asked without initialising the driver (PyTorch's NVML-based
+    /// availability check): the real backend asks libnvidia-ml ([`nvml::device_count`]), the
+    /// fake answers what it was built with (by default no NVML, as on a machine without an
+    /// NVIDIA driver).
+    fn nvml_device_count(&self) -> Result<usize, NvmlError>;
     /// Name, capability, memory and SM count of `dev`.
     fn device_properties(&self, dev: DeviceIndex) -> Result<DeviceProperties, DriverError>;
     /// `(free, total)` device memory in bytes (`cuMemGetInfo`).

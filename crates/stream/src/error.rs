@@ -8,7 +8,11 @@ use ferrocuda_types::{DeviceIndex, DeviceParseError};
 pub enum StreamError {
     /// A driver call failed.
     #[error("CUDA driver error: {0}")]
-    Driver(#[from] DriverError),
+    Driver(#[source] DriverError),
+    /// A CUDA call in a child forked after CUDA was initialised in its parent; the message
+    /// is PyTorch's ("Cannot re-initialize CUDA in forked subprocess. ...").
+    #[error("{}", DriverError::BAD_FORK)]
+    BadFork,
     /// No CUDA device can be used (no driver, no device).
     #[error("CUDA is not available: {reason}")]
     NotAvailable {
@@ -67,6 +71,18 @@ pub enum StreamError {
         /// The other side's length.
         found: usize,
     },
+}
+
+impl From<DriverError> for StreamError {
+    /// [`DriverError::BAD_FORK`] becomes [`StreamError::BadFork`], so that it reads as
+    /// PyTorch's message alone; every other error is [`StreamError::Driver`].
+    fn from(e: DriverError) -> StreamError {
+        if e == DriverError::BAD_FORK {
+            StreamError::BadFork
+        } else {
+            StreamError::Driver(e)
+        }
+    }
 }
 
 /// Result alias of this crate.

@@ -8,6 +8,12 @@
 //! [`DeviceBuffer`].
 //!
 //! # Design choices
+//! - **Lazy initialisation, as PyTorch's.** Making a [`Runtime`] asks the driver nothing;
+//!   the first call that needs a device initialises CUDA ([`Runtime::init`],
+//!   [`Runtime::is_initialized`]). In a child forked after that, every such call is
+//!   [`StreamError::BadFork`], with PyTorch's message. [`Runtime::device_count`] asks NVML
+//!   until CUDA is initialised, and [`AvailabilityCheck`] (PyTorch's
+//!   `PYTORCH_NVML_BASED_CUDA_CHECK`) decides whether `is_available` does too.
 //! - **`Arc<dyn Driver>`, not generics.** The backend is chosen at run time (GPU when
 //!   present, the fake device otherwise); one virtual call per driver act costs nothing next
 //!   to a launch.
@@ -28,22 +34,26 @@
 //! - Not use guards across threads (they are `!Send`).
 #![forbid(unsafe_code)]
 
+mod availability;
 mod buffer;
 mod error;
 mod event;
 mod memory;
 mod module;
+mod per_device;
 mod runtime;
 mod stream;
 
 #[cfg(feature = "conformance")]
 pub mod conformance;
 
+pub use availability::AvailabilityCheck;
 pub use buffer::DeviceBuffer;
 pub use error::{Result, StreamError};
 pub use event::Event;
 pub use ferrocuda_driver::Driver;
 pub use memory::{DriverMemory, MemoryResource};
 pub use module::{CacheOutcome, Function, KernelCache, Module};
+pub use per_device::PerDevice;
 pub use runtime::{DeviceGuard, Runtime, STREAMS_PER_POOL, StreamGuard};
 pub use stream::Stream;

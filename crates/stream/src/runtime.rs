@@ -1,6 +1,6 @@
 //! The runtime: one driver, its devices, the per-thread current device and streams.
-use crate::{Event, Result, Stream, StreamError};
-use ferrocuda_driver::{Driver, DriverError};
+use crate::{AvailabilityCheck, Event, PerDevice, Result, Stream, StreamError};
+use ferrocuda_driver::Driver;
 use ferrocuda_types::{
     Device, DeviceIndex, DeviceKind, DeviceProperties, EventFlags, StreamFlags, StreamHandle,
 };
@@ -44,12 +44,15 @@ thread_local! {
 /// `torch.cuda` for one driver: devices, streams, events and kernels.
 ///
 /// Most programs use one runtime (the facade's global one); tests make one per backend.
+/// Making a runtime initialises nothing: CUDA is initialised at the first call that needs a
+/// device (PyTorch's lazy initialisation), or by [`Runtime::init`]. Asking NVML (see
+/// [`Runtime::device_count`]) is not initialising.
 #[derive(Debug)]
 pub struct Runtime {
     id: u64,
     driver: Arc<dyn Driver>,
-    devices: Vec<DeviceState>,
-    unavailable: Option<DriverError>,
+    /// The devices found at initialisation, or why there are none.
+    devices: PerDevice<DeviceState>,
     pub(crate) kernel_cache: crate::module::KernelCache,
     memory: parking_lot::RwLock<Arc<dyn crate::MemoryResource>>,
 }
@@ -65,28 +68,9 @@ impl Runtime {
         driver: Arc<dyn Driver>,
         cache: crate::module::KernelCache,
     ) -> Arc<Runtime> {
-        let (count, unavailable) = match driver.device_count() {
-            Ok(0) => (0, Some(DriverError::NO_DEVICE)),
-            Ok(n) => (n, None),
-            Err(e) => (0, Some(e)),
-        };
-        let devices = (0..count.min(usize::from(u16::MAX)) as u16)
-            .map(|d| DeviceState {
-                default_stream: Stream::wrap(
-                    driver.clone(),
-                    StreamHandle::legacy(DeviceIndex(d)),
-                    0,
-                    false,
-                ),
-                pools: Default::default(),
-                properties: OnceLock::new(),
-                priority_range: Mutex::new(None),
-            })
-            .collect();
         Arc::new(Runtime {
             id: NEXT_RUNTIME_ID.fetch_add(1, Ordering::Relaxed),
-            devices,
-            unavailable,
+            devices: PerDevice::default(),
             kernel_cache: cache,
             memory: parking_lot::RwLock::new(Arc::new(crate::DriverMemory(driver.clone()))),
             driver,
@@ -109,28 +93,77 @@ impl Runtime {
         &self.driver
     }
 
-    /// Whether at least one device can be used (`torch.cuda.is_available()`).
+    // ---- initialisation and devices ------------------------------------------------------
+
+    /// Initialises CUDA for this runtime, once (`torch.cuda.init()`): the driver's `cuInit`
+    /// and device count. Without a usable device, [`StreamError::NotAvailable`]; in a child
+    /// forked after CUDA was initialised, [`StreamError::BadFork`].
+    pub fn init(&self) -> Result<()> {
+        self.devices().map(|_| ())
+    }
+
+    /// Whether this runtime has initialised CUDA, with a device, and this process is not a
+    /// child forked since (`torch.cuda.is_initialized()`).
+    pub fn is_initialized(&self) -> bool {
+        matches!(self.devices.made(), Some(Ok(_))) && !ferrocuda_driver::fork::in_bad_fork()
+    }
+
+    /// The devices, initialising at the first call (in a bad fork, [`StreamError::BadFork`]).
+    fn devices(&self) -> Result<&[DeviceState]> {
+        self.devices.get_or_init(&*self.driver, |d| DeviceState {
+            default_stream: Stream::wrap(self.driver.clone(), StreamHandle::legacy(d), 0, false),
+            pools: Default::default(),
+            properties: OnceLock::new(),
+            priority_range: Mutex::new(None),
+        })
+    }
+
+    /// Whether at least one device can be used (`torch.cuda.is_available()`), checked as
+    /// the environment says ([`AvailabilityCheck::from_env`]). Never fails, not even in a bad
+    /// fork.
     pub fn is_available(&self) -> bool {
-        !self.devices.is_empty()
+        self.is_available_by(AvailabilityCheck::from_env())
     }
 
-    /// Number of devices (`torch.cuda.device_count()`); 0 without a driver.
+    /// Whether at least one device can be used, checked by `check`: by the driver
+    /// (initialising CUDA; in a bad fork, what was found before the fork), or by
+    /// [`Runtime::device_count`] (NVML's count where it answers, leaving CUDA uninitialised).
+    pub fn is_available_by(&self, check: AvailabilityCheck) -> bool {
+        match check {
+            AvailabilityCheck::Driver => self.driver_device_count() > 0,
+            AvailabilityCheck::Nvml => self.device_count() > 0,
+        }
+    }
+
+    /// Number of devices (`torch.cuda.device_count()`): once initialised, those found then
+    /// (also in a bad fork); before, NVML's count with `CUDA_VISIBLE_DEVICES` applied, so
+    /// that counting leaves CUDA uninitialised and a later fork safe; where NVML cannot say,
+    /// the driver's, initialising CUDA. 0 without a driver.
     pub fn device_count(&self) -> usize {
-        self.devices.len()
+        if self.devices.made().is_none() {
+            let visible = std::env::var("CUDA_VISIBLE_DEVICES").ok();
+            let nvml = crate::availability::nvml_visible_count(visible.as_deref(), || {
+                self.driver.nvml_device_count()
+            });
+            if let Some(n) = nvml {
+                return n;
+            }
+        }
+        self.driver_device_count()
     }
 
-    /// Checks a device index.
+    /// The devices found at initialisation (PyTorch's `_cuda_getDeviceCount`, which keeps
+    /// its first count), initialising now if needed; 0 when that fails.
+    fn driver_device_count(&self) -> usize {
+        match self.devices.made() {
+            Some(found) => found.map_or(0, <[_]>::len),
+            None => self.devices().map_or(0, <[_]>::len),
+        }
+    }
+
+    /// Checks a device index (initialising CUDA at the first call).
     pub fn check_device(&self, dev: DeviceIndex) -> Result<DeviceIndex> {
-        if dev.as_usize() < self.devices.len() {
-            return Ok(dev);
-        }
-        match self.unavailable {
-            Some(reason) => Err(StreamError::NotAvailable { reason }),
-            None => Err(StreamError::InvalidDevice {
-                index: dev.0,
-                count: self.devices.len(),
-            }),
-        }
+        self.device_state(dev).map(|_| dev)
     }
 
     /// Resolves a [`Device`] to an index: `cuda` means the current device; `cpu` is an error.
@@ -143,12 +176,12 @@ impl Runtime {
     }
 
     fn device_state(&self, dev: DeviceIndex) -> Result<&DeviceState> {
-        self.check_device(dev)?;
-        self.devices
+        let states = self.devices()?;
+        states
             .get(dev.as_usize())
             .ok_or(StreamError::InvalidDevice {
                 index: dev.0,
-                count: self.devices.len(),
+                count: states.len(),
             })
     }
 

@@ -5,12 +5,16 @@
 //! [`FakeDriver::advance`] (or when the host blocks on it: a synchronize completes what it
 //! waits for, as a real GPU eventually would). Capture turns enqueued work into graph nodes
 //! and enforces the capture rules of the graphs spec §8.2–8.3 with the driver's codes.
+//!
+//! It is initialised as a CUDA process is: by its first driver act (its `cuInit`), which marks
+//! the process for [`fork`](crate::fork) safety; in a child forked after that, every act fails
+//! with [`DriverError::BAD_FORK`]. Its NVML answers what [`FakeDriverBuilder::nvml`] says.
 mod memory;
 mod work;
 
 pub use work::{HostKernel, KernelContext};
 
-use crate::{CompileError, Driver, DriverError};
+use crate::{CompileError, Driver, DriverError, NvmlError};
 use ferrocuda_types::{
     CaptureMode, CaptureStatus, DeviceIndex, DeviceProperties, DevicePtr, EventFlags, EventHandle,
     FunctionHandle, GraphExecHandle, GraphHandle, HostPtr, KernelArg, LaunchConfig, MemsetValue,
@@ -22,7 +26,7 @@ use std::cell::Cell;
 use std::collections::{HashMap, VecDeque};
 use std::path::Path;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::thread::ThreadId;
 use std::time::Instant;
 use work::{Node, Work, execute};
@@ -42,6 +46,7 @@ pub enum Completion {
 #[allow(missing_docs)]
 pub enum Call {
     DeviceCount,
+    NvmlDeviceCount,
     DeviceProperties,
     MemGetInfo,
     DeviceSynchronize,
@@ -109,6 +114,7 @@ pub struct FakeDriverBuilder {
     completion: Completion,
     backing: bool,
     launch_blocking: bool,
+    nvml: Result<usize, NvmlError>,
 }
 
 impl Default for FakeDriverBuilder {
@@ -119,6 +125,9 @@ impl Default for FakeDriverBuilder {
             completion: Completion::Eager,
             backing: true,
             launch_blocking: std::env::var("CUDA_LAUNCH_BLOCKING").is_ok_and(|v| v == "1"),
+            nvml: Err(NvmlError::LibraryNotFound(
+                "the fake device has no NVML (FakeDriverBuilder::nvml gives it one)".into(),
+            )),
         }
     }
 }
@@ -151,6 +160,12 @@ impl FakeDriverBuilder {
         self.launch_blocking = on;
         self
     }
+    /// What NVML answers ([`Driver::nvml_device_count`]). The default is no NVML, as on a
+    /// machine without an NVIDIA driver (CI).
+    pub fn nvml(mut self, answer: Result<usize, NvmlError>) -> Self {
+        self.nvml = answer;
+        self
+    }
     /// The driver.
     pub fn build(self) -> FakeDriver {
         let streams = (0..self.devices as u16)
@@ -164,8 +179,10 @@ impl FakeDriverBuilder {
         FakeDriver {
             calls: std::array::from_fn(|_| AtomicU64::new(0)),
             launch_blocking: self.launch_blocking,
+            nvml: self.nvml,
+            initialized: AtomicBool::new(false),
             hooks: Mutex::new(Vec::new()),
-            hooked: std::sync::atomic::AtomicBool::new(false),
+            hooked: AtomicBool::new(false),
             state: Mutex::new(State {
                 devices: self.devices,
                 completion: self.completion,
@@ -302,9 +319,12 @@ const FAKE_IMAGE_MAGIC: &[u8] = b"// ferrocuda fake image\n";
 pub struct FakeDriver {
     calls: [AtomicU64; CALL_KINDS],
     launch_blocking: bool,
+    nvml: Result<usize, NvmlError>,
+    /// Set by the first driver act (the fake's `cuInit`).
+    initialized: AtomicBool,
     /// Hooks run at the start of a call of their kind (`before_next`), and whether any is set.
     hooks: Mutex<Vec<(Call, Hook)>>,
-    hooked: std::sync::atomic::AtomicBool,
+    hooked: AtomicBool,
     state: Mutex<State>,
 }
 
@@ -346,6 +366,16 @@ impl FakeDriver {
     /// How many times `call` was made.
     pub fn calls(&self, call: Call) -> u64 {
         self.calls[call as usize].load(Ordering::Relaxed)
+    }
+
+    /// Whether the fake has been initialised: by its first driver act, as libcuda is by
+    /// `cuInit` (asking NVML is not one).
+    pub fn is_initialized(&self) -> bool {
+        self.initialized.load(Ordering::Relaxed)
+    }
+
+    fn count(&self, call: Call) {
+        self.calls[call as usize].fetch_add(1, Ordering::Relaxed);
     }
 
     /// Runs `hook` at the start of the next call of kind `call`, on the calling thread and
@@ -411,9 +441,17 @@ impl FakeDriver {
         self.state.lock().memory.backed_bytes()
     }
 
-    /// Counts the call, takes the lock, and applies an injected failure if one is due.
+    /// Counts the call, refuses it in a bad fork, marks the process for fork safety at the
+    /// first call, takes the lock, and applies an injected failure if one is due.
     fn enter(&self, call: Call) -> Result<MutexGuard<'_, State>, DriverError> {
-        self.calls[call as usize].fetch_add(1, Ordering::Relaxed);
+        self.count(call);
+        if crate::fork::in_bad_fork() {
+            return Err(DriverError::BAD_FORK);
+        }
+        if !self.initialized.load(Ordering::Relaxed) {
+            crate::fork::poison_fork();
+            self.initialized.store(true, Ordering::Relaxed);
+        }
         if self.hooked.load(Ordering::Acquire) {
             let hook = {
                 let mut hooks = self.hooks.lock();
@@ -835,6 +873,11 @@ impl Driver for FakeDriver {
 
     fn device_count(&self) -> Result<usize, DriverError> {
         Ok(self.enter(Call::DeviceCount)?.devices)
+    }
+
+    fn nvml_device_count(&self) -> Result<usize, NvmlError> {
+        self.count(Call::NvmlDeviceCount);
+        self.nvml.clone()
     }
 
     fn device_properties(&self, dev: DeviceIndex) -> Result<DeviceProperties, DriverError> {
