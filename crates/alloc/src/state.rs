@@ -240,20 +240,28 @@ impl State {
         // The record that stays: a free block before this one absorbs it (its address is
         // already mapped to it), else this one absorbs a free block after it. Either way
         // one address leaves the map.
+        // `inactive_split` moves by the net change, as PyTorch's `free_block` applies it:
+        // its `allocated` and `freed` counters see one increase or one decrease.
+        let (mut net_blocks, mut net_bytes) = (0i64, 0i64);
         let mut keep = id;
         if let Some(p) = self.blocks.mergeable(prev) {
-            self.absorb(p, id, counted, kind);
+            net_bytes -= self.absorb(p, id) as i64;
+            net_blocks -= 1;
             keep = p;
         }
         if let Some(n) = self.blocks.mergeable(next) {
-            self.absorb(keep, n, counted, kind);
+            net_bytes -= self.absorb(keep, n) as i64;
+            net_blocks -= 1;
         }
         self.history
             .record("free_completed", ptr, requested, stream, frames.as_ref());
-        if counted && self.blocks[keep].is_split() {
-            let bytes = self.blocks[keep].size;
-            self.stats.inactive_split.increase(kind, 1);
-            self.stats.inactive_split_bytes.increase(kind, bytes as i64);
+        if self.blocks[keep].is_split() {
+            net_blocks += 1;
+            net_bytes += self.blocks[keep].size as i64;
+        }
+        if counted {
+            self.stats.inactive_split.change(kind, net_blocks);
+            self.stats.inactive_split_bytes.change(kind, net_bytes);
         }
         self.pool_insert(keep);
         let s = &mut self.stats;
@@ -262,20 +270,16 @@ impl State {
         s.requested_bytes.decrease(kind, requested as i64);
     }
 
-    /// `free_block`'s merge: block `id` takes in `next`, the block right after it, one of
-    /// them being free in the pool (it leaves the pool and, if counted, the inactive splits).
+    /// `free_block`'s merge (`try_merge_blocks`): block `id` takes in `next`, the block
+    /// right after it, one of them being free in the pool (it leaves the pool). Returns
+    /// the size of the free one.
     #[inline(always)]
-    fn absorb(&mut self, id: usize, next: usize, counted: bool, kind: PoolKind) {
+    fn absorb(&mut self, id: usize, next: usize) -> u64 {
         let free = if self.blocks[id].in_pool { id } else { next };
         self.pool_remove(free);
-        if counted {
-            let free_size = self.blocks[free].size;
-            self.stats.inactive_split.decrease(kind, 1);
-            self.stats
-                .inactive_split_bytes
-                .decrease(kind, free_size as i64);
-        }
+        let subsumed = self.blocks[free].size;
         self.blocks.absorb_next(id, next);
+        subsumed
     }
 
     /// Takes a whole free segment out of the books; the caller frees the returned address.

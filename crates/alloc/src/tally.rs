@@ -90,6 +90,17 @@ impl PoolCounters {
         self.pools[pool.index()].decrease(n);
     }
 
+    /// Moves `pool` by the signed `delta`: one increase or one decrease (none at 0), as
+    /// PyTorch applies a net change.
+    #[inline]
+    pub(crate) fn change(&mut self, pool: PoolKind, delta: i64) {
+        if delta > 0 {
+            self.increase(pool, delta);
+        } else if delta < 0 {
+            self.decrease(pool, -delta);
+        }
+    }
+
     /// Counts `n` that rose and fell again in `pool` (and so in `all`).
     #[inline]
     pub(crate) fn cycle(&mut self, pool: PoolKind, n: i64) {

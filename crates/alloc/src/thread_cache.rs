@@ -99,9 +99,9 @@ pub(crate) struct Credit {
     pub requested: u64,
     /// Counted in `oversize_allocations`.
     pub oversize: bool,
-    /// The free and the search split and merge: `inactive_split` rises and falls once.
+    /// The free and the search move `inactive_split` up and down by one.
     pub inactive: bool,
-    /// And `inactive_split_bytes` by this much.
+    /// And `inactive_split_bytes` by this much (PyTorch applies each net change once).
     pub inactive_bytes: u64,
 }
 
@@ -176,10 +176,10 @@ impl Credit {
         }
         if self.inactive {
             stats.inactive_split.cycle(kind, n);
-            stats
-                .inactive_split_bytes
-                .cycle(kind, n * self.inactive_bytes as i64);
         }
+        stats
+            .inactive_split_bytes
+            .cycle(kind, n * self.inactive_bytes as i64);
     }
 }
 
@@ -525,13 +525,15 @@ fn credit(st: &State, id: usize, req: &Request) -> Option<Credit> {
     if next.is_some() && !st.split_worthwhile(expandable, b.pool, b.size, next_size) {
         return None;
     }
-    // How `inactive_split` moves: (counted at all, bytes counted, rise of the count and
-    // of the bytes between the free and the search). Expandable blocks never count.
+    // How `inactive_split` moves, by PyTorch's net changes: (the count moves, the bytes that
+    // move, rise of the count and of the bytes between the free and the search).
+    // Expandable blocks never count. Merging a free block behind and staying split is a net
+    // rise of the bytes only: the merge's decrease and the split's increase cancel out.
     let (inactive, inactive_bytes, rise) = match next {
         _ if expandable => (false, 0, (0, 0)),
         None if b.is_split() => (true, b.size, (1, b.size)),
         None => (false, 0, (0, 0)),
-        Some(n) if b.prev.is_some() || st.blocks[n].next.is_some() => (true, merged, (0, b.size)),
+        Some(n) if b.prev.is_some() || st.blocks[n].next.is_some() => (false, b.size, (0, b.size)),
         Some(_) => (true, next_size, (0, 0)),
     };
     let s = &st.stats;

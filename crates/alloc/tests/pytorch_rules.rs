@@ -1098,3 +1098,33 @@ fn extra_one_exabyte_guard_counts_no_oom() -> TestResult {
     );
     Ok(())
 }
+
+/// Oracle class A: `free_block` applies the net change of `inactive_split` once (its merges
+/// subtract, a result still split adds, then one `increase` or `decrease`), so a free that
+/// merges one split neighbour and stays split moves no block count at all.
+#[test]
+fn oracle_a_free_block_applies_the_net_inactive_split_change() -> TestResult {
+    let (_, a) = setup(GIB, "");
+    let k = 512 * 1024;
+    // One 2 MiB small segment: a | b | c | free tail. The first split counts 1.
+    let x = a.allocate(k, LEGACY)?;
+    let y = a.allocate(k, LEGACY)?;
+    let _z = a.allocate(k, LEGACY)?;
+    // Freeing x: no merge, still split: +1 (increase).
+    a.free(x.ptr)?;
+    // Freeing y: merges x (-1, -512 KiB), still split (+1, +1 MiB): net 0 blocks, +512 KiB.
+    a.free(y.ptr)?;
+    for (key, value) in [
+        ("inactive_split.all.current", 2),
+        ("inactive_split.all.allocated", 2),
+        ("inactive_split.all.freed", 0),
+        ("inactive_split_bytes.all.current", (k + 2 * k) as i64),
+        // 1.5 MiB (first split) + 512 KiB (x) + 512 KiB (y's net)
+        ("inactive_split_bytes.all.allocated", (3 * k + k + k) as i64),
+        // the tail shrank twice by 512 KiB
+        ("inactive_split_bytes.all.freed", (2 * k) as i64),
+    ] {
+        assert_eq!(stat(&a, key), value, "{key}");
+    }
+    Ok(())
+}
