@@ -122,11 +122,6 @@ impl Engine {
         }
         let reuse = st.expandable.take_spare(kind, page, pages);
         let created = to_map - reuse.len() as u64 * page;
-        if st.over_fraction(created) {
-            st.expandable.put_spare(kind, page, reuse);
-            st.undo_grow(&plan);
-            return self.refuse_over_fraction(st, created);
-        }
         st.total_reserved += created;
         let jobs: Vec<(u64, u64)> = plan
             .iter()

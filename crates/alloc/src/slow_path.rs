@@ -108,6 +108,12 @@ impl Engine {
         kind: PoolKind,
         stream: StreamHandle,
     ) -> Result<(Guard<'a>, Option<usize>), AllocError> {
+        // `alloc_block` checks the memory fraction against the allocation size, with
+        // expandable segments too (they then map what the request needs, which may be less
+        // or, with 20 MiB pages, more).
+        if st.over_fraction(segment) {
+            return self.refuse_over_fraction(st, segment);
+        }
         // Private (graph) pools use plain segments.
         if st.config.expandable_segments && pool.is_default() {
             self.alloc_expandable(st, size, kind, stream)
@@ -116,8 +122,8 @@ impl Engine {
         }
     }
 
-    /// `alloc_block`: a new segment from the driver, outside the lock. `Ok(None)` when the
-    /// device (or the memory fraction) has no room.
+    /// `alloc_block`: a new segment from the driver, outside the lock (the memory fraction
+    /// was checked). `Ok(None)` when the device has no room.
     pub(crate) fn alloc_segment<'a>(
         &'a self,
         mut st: Guard<'a>,
@@ -126,9 +132,6 @@ impl Engine {
         kind: PoolKind,
         stream: StreamHandle,
     ) -> Result<(Guard<'a>, Option<usize>), AllocError> {
-        if st.over_fraction(bytes) {
-            return self.refuse_over_fraction(st, bytes);
-        }
         st.total_reserved += bytes;
         let capturing = st.private.routing();
         drop(st);

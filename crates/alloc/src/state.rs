@@ -403,6 +403,12 @@ impl State {
         for next in pieces.into_iter().skip(1) {
             self.blocks.absorb_next(first, next);
         }
+        // PyTorch's `map_block` merges what it mapped with both free neighbours: a free
+        // block right after a range mapped to its end joins too.
+        if let Some(n) = self.blocks.mergeable(self.blocks[first].next) {
+            self.pool_remove(n);
+            self.blocks.absorb_next(first, n);
+        }
         self.blocks[first].busy = false;
         first
     }
