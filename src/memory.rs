@@ -16,10 +16,7 @@ struct Misconfigured(AllocError);
 
 impl MemoryResource for Misconfigured {
     fn allocate(&self, _: DeviceIndex, _: u64, _: StreamHandle) -> Result<DevicePtr, StreamError> {
-        Err(StreamError::Memory {
-            message: self.0.to_string(),
-            out_of_memory: false,
-        })
+        Err(self.0.clone().into())
     }
     fn free(&self, _: DeviceIndex, _: DevicePtr) -> Result<(), StreamError> {
         Ok(())
@@ -34,10 +31,15 @@ impl MemoryResource for Misconfigured {
     }
 }
 
+/// The allocators of this module, made from the environment for `rt`'s driver on first use.
+fn allocators_for(rt: &Runtime) -> &'static Result<Arc<DeviceAllocators>, AllocError> {
+    ALLOCATORS.get_or_init(|| DeviceAllocators::from_env(rt.driver().clone()))
+}
+
 /// Installs the environment-configured allocators on `rt` (the global runtime does this
 /// itself); only the first call's runtime is served by the functions of this module.
 pub fn install(rt: &Arc<Runtime>) {
-    match ALLOCATORS.get_or_init(|| DeviceAllocators::from_env(rt.driver().clone())) {
+    match allocators_for(rt) {
         Ok(a) => a.install(rt),
         Err(e) => rt.set_memory(Arc::new(Misconfigured(e.clone()))),
     }
@@ -45,12 +47,9 @@ pub fn install(rt: &Arc<Runtime>) {
 
 /// The global runtime's allocators (or the configuration error).
 pub fn allocators() -> Result<&'static Arc<DeviceAllocators>, AllocError> {
-    crate::runtime();
-    match ALLOCATORS.get() {
-        Some(Ok(a)) => Ok(a),
-        Some(Err(e)) => Err(e.clone()),
-        None => Err(AllocError::Device(StreamError::NotCuda)),
-    }
+    allocators_for(crate::runtime())
+        .as_ref()
+        .map_err(Clone::clone)
 }
 
 fn stats_of(dev: DeviceIndex) -> Result<crate::types::DeviceStats, AllocError> {

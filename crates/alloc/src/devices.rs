@@ -75,9 +75,9 @@ impl DeviceAllocators {
             .devices
             .get(dev.as_usize())
             .ok_or(match self.unavailable {
-                Some(reason) => StreamError::NotAvailable { reason },
-                None => StreamError::InvalidDevice {
-                    index: dev.0,
+                Some(reason) => AllocError::NotAvailable { reason },
+                None => AllocError::NoSuchDevice {
+                    device: dev.0,
                     count,
                 },
             })?;
@@ -145,14 +145,6 @@ impl DeviceAllocators {
     }
 }
 
-fn to_stream_error(e: AllocError) -> StreamError {
-    let out_of_memory = matches!(e, AllocError::OutOfMemory(_));
-    StreamError::Memory {
-        message: e.to_string(),
-        out_of_memory,
-    }
-}
-
 impl MemoryResource for DeviceAllocators {
     fn allocate(
         &self,
@@ -160,16 +152,11 @@ impl MemoryResource for DeviceAllocators {
         bytes: u64,
         stream: StreamHandle,
     ) -> Result<DevicePtr, StreamError> {
-        let a = self.device(dev).map_err(to_stream_error)?;
-        a.allocate(bytes, stream)
-            .map(|x| x.ptr)
-            .map_err(to_stream_error)
+        Ok(self.device(dev)?.allocate(bytes, stream)?.ptr)
     }
 
     fn free(&self, dev: DeviceIndex, ptr: DevicePtr) -> Result<(), StreamError> {
-        self.device(dev)
-            .and_then(|a| a.free(ptr))
-            .map_err(to_stream_error)
+        Ok(self.device(dev)?.free(ptr)?)
     }
 
     fn record_stream(
@@ -178,8 +165,6 @@ impl MemoryResource for DeviceAllocators {
         ptr: DevicePtr,
         stream: StreamHandle,
     ) -> Result<(), StreamError> {
-        self.device(dev)
-            .and_then(|a| a.record_stream(ptr, stream))
-            .map_err(to_stream_error)
+        Ok(self.device(dev)?.record_stream(ptr, stream)?)
     }
 }
