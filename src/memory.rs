@@ -1,6 +1,7 @@
 //! `torch.cuda.memory` for the global runtime: statistics, cache control, memory fraction,
 //! raw allocations, allocator settings. Every function takes the device explicitly; use
 //! `ferrocuda::runtime().current_device()` for PyTorch's `device=None`.
+use crate::alloc::history::{HistoryOptions, SkipFrames};
 use crate::alloc::{AllocError, DeviceAllocators};
 use crate::stream::{MemoryResource, Runtime, Stream, StreamError};
 use crate::types::{DeviceIndex, DevicePtr, StreamHandle};
@@ -145,6 +146,24 @@ pub fn mem_get_info(dev: DeviceIndex) -> Result<(u64, u64), AllocError> {
     Ok(crate::runtime().mem_get_info(dev)?)
 }
 
+/// The frames of ferrocuda's own allocation plumbing above the allocator (the stream
+/// layer's buffers and memory resource, and this module), which recorded stacks skip so
+/// that they start at the caller. [`record_memory_history`] passes them; pass them in
+/// [`HistoryOptions::skip_frames`] when recording on allocators of your own.
+pub fn plumbing_frames() -> SkipFrames {
+    SkipFrames::new(
+        &[
+            "ferrocuda_stream::buffer::",
+            "ferrocuda_stream::memory::",
+            "ferrocuda::memory::",
+        ],
+        &[
+            "/crates/stream/src/buffer.rs",
+            "/crates/stream/src/memory.rs",
+        ],
+    )
+}
+
 /// `torch.cuda.memory._record_memory_history(enabled, context, stacks, max_entries)` on
 /// every device: `enabled` `None`/`"state"`/`"all"`, `context` `None`/`"state"`/`"alloc"`/
 /// `"all"`, `stacks` `"python"` or `"all"` (both record Rust frames here).
@@ -159,13 +178,15 @@ pub fn record_memory_history(
             "expected stacks to be 'python', or 'all'".into(),
         ));
     }
-    let options = crate::alloc::history::HistoryOptions::parse(enabled, context, max_entries)
-        .map_err(AllocError::History)?;
+    let options = HistoryOptions {
+        skip_frames: plumbing_frames(),
+        ..HistoryOptions::parse(enabled, context, max_entries).map_err(AllocError::History)?
+    };
     let allocators = allocators()?;
     for dev in 0..crate::runtime().device_count() {
         allocators
             .device(DeviceIndex(dev as u16))?
-            .record_memory_history(options);
+            .record_memory_history(options.clone());
     }
     Ok(())
 }

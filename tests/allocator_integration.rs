@@ -1,5 +1,6 @@
 //! The caching allocator behind device buffers, on the fake device; and the global
 //! `ferrocuda::memory` functions on whatever this machine has.
+use ferrocuda::alloc::history::HistoryOptions;
 use ferrocuda::alloc::{DeviceAllocators, OutOfMemory};
 use ferrocuda::driver::{Call, FakeDriver, fake::Completion};
 use ferrocuda::stream::conformance::{KERNELS, register_fake_kernels};
@@ -130,6 +131,32 @@ fn out_of_memory_reaches_buffers_as_a_typed_error() -> TestResult {
              (https://docs.pytorch.org/docs/stable/notes/cuda.html#optimizing-memory-usage-with-pytorch-cuda-alloc-conf)"
         ),
         "{message}"
+    );
+    Ok(())
+}
+
+/// With the facade's frame prefixes, a buffer's allocation stack starts at its caller: the
+/// stream layer's buffer and memory-resource frames are skipped with the allocator's own.
+#[test]
+fn history_skips_the_frames_the_facade_names() -> TestResult {
+    let (_, rt, allocators) = fake_with_allocators(Completion::Eager);
+    let options = HistoryOptions {
+        skip_frames: ferrocuda::memory::plumbing_frames(),
+        ..HistoryOptions::parse(Some("all"), Some("all"), 100)?
+    };
+    allocators.device(D0)?.record_memory_history(options);
+    let buffer = DeviceBuffer::<f32>::uninit(&rt, D0, 10)?;
+    let (segments, _) = allocators.device(D0)?.snapshot();
+    let block = segments
+        .iter()
+        .flat_map(|s| &s.blocks)
+        .find(|b| b.address == buffer.ptr().0)
+        .ok_or("the buffer's block is in the snapshot")?;
+    let first = block.frames.first().map(|f| f.name.as_str());
+    assert!(
+        first.is_some_and(|n| n.contains("history_skips_the_frames_the_facade_names")),
+        "the caller comes first: {:?}",
+        block.frames.iter().take(3).collect::<Vec<_>>()
     );
     Ok(())
 }

@@ -42,6 +42,9 @@
 //! - Pick the stream: an allocation is tied to the stream it was made on.
 //! - Call `record_stream` for every other stream that uses a block before freeing it.
 //! - Keep one allocator per device (the facade's `memory` module does).
+//! - Name its own allocation plumbing in [`history::HistoryOptions::skip_frames`] (the
+//!   facade passes the stream layer's buffer and memory-resource frames and its own): this
+//!   crate skips only its own frames at the top of a recorded stack.
 #![forbid(unsafe_code)]
 
 mod allocator;

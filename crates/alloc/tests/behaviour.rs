@@ -801,6 +801,40 @@ mod snapshots {
         Ok(())
     }
 
+    /// Alone, the allocator skips only its own frames (and the backtrace crate's): which
+    /// frames of the layers above are plumbing is theirs to say (the facade passes them).
+    /// No test in this file passes `skip_frames`: lists given are merged process-wide.
+    #[test]
+    fn alone_the_allocator_skips_only_its_own_frames() -> TestResult {
+        use ferrocuda_alloc::DeviceAllocators;
+        use ferrocuda_stream::{DeviceBuffer, KernelCache, Runtime};
+        let fake = Arc::new(FakeDriver::default());
+        let rt = Runtime::with_kernel_cache(fake.clone(), KernelCache::at(None));
+        let allocators = DeviceAllocators::new(fake, AllocatorConfig::default(), true);
+        allocators.install(&rt);
+        allocators
+            .device(D0)?
+            .record_memory_history(HistoryOptions::parse(Some("all"), Some("all"), 100)?);
+        let buffer = DeviceBuffer::<f32>::uninit(&rt, D0, 10)?;
+        let (segments, _) = allocators.device(D0)?.snapshot();
+        let frames = &segments[0].blocks[0].frames;
+        assert_eq!(segments[0].blocks[0].address, buffer.ptr().0);
+        let names: Vec<&str> = frames.iter().map(|f| f.name.as_str()).collect();
+        assert!(
+            names
+                .first()
+                .is_some_and(|n| n.starts_with("ferrocuda_stream::buffer::DeviceBuffer")),
+            "the stream layer's frame is not the allocator's to skip: {names:?}"
+        );
+        assert!(
+            names
+                .iter()
+                .any(|n| n.contains("alone_the_allocator_skips_only_its_own_frames")),
+            "{names:?}"
+        );
+        Ok(())
+    }
+
     #[test]
     fn expandable_snapshot_has_one_segment_per_mapped_run_and_map_events() -> TestResult {
         let (_, a) = setup(80 * GIB, "expandable_segments:True", Completion::Eager);
