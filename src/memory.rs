@@ -1,6 +1,7 @@
 //! `torch.cuda.memory` for the global runtime: statistics, cache control, memory fraction,
 //! raw allocations, allocator settings. Every function takes the device explicitly; use
 //! `ferrocuda::runtime().current_device()` for PyTorch's `device=None`.
+use crate::alloc::history::{HistoryOptions, SkipFrames};
 use crate::alloc::{AllocError, DeviceAllocators};
 use crate::stream::{MemoryResource, Runtime, Stream, StreamError};
 use crate::types::{DeviceIndex, DevicePtr, StreamHandle};
@@ -16,10 +17,7 @@ struct Misconfigured(AllocError);
 
 impl MemoryResource for Misconfigured {
     fn allocate(&self, _: DeviceIndex, _: u64, _: StreamHandle) -> Result<DevicePtr, StreamError> {
-        Err(StreamError::Memory {
-            message: self.0.to_string(),
-            out_of_memory: false,
-        })
+        Err(self.0.clone().into())
     }
     fn free(&self, _: DeviceIndex, _: DevicePtr) -> Result<(), StreamError> {
         Ok(())
@@ -34,10 +32,15 @@ impl MemoryResource for Misconfigured {
     }
 }
 
+/// The allocators of this module, made from the environment for `rt`'s driver on first use.
+fn allocators_for(rt: &Runtime) -> &'static Result<Arc<DeviceAllocators>, AllocError> {
+    ALLOCATORS.get_or_init(|| DeviceAllocators::from_env(rt.driver().clone()))
+}
+
 /// Installs the environment-configured allocators on `rt` (the global runtime does this
 /// itself); only the first call's runtime is served by the functions of this module.
 pub fn install(rt: &Arc<Runtime>) {
-    match ALLOCATORS.get_or_init(|| DeviceAllocators::from_env(rt.driver().clone())) {
+    match allocators_for(rt) {
         Ok(a) => a.install(rt),
         Err(e) => rt.set_memory(Arc::new(Misconfigured(e.clone()))),
     }
@@ -45,12 +48,9 @@ pub fn install(rt: &Arc<Runtime>) {
 
 /// The global runtime's allocators (or the configuration error).
 pub fn allocators() -> Result<&'static Arc<DeviceAllocators>, AllocError> {
-    crate::runtime();
-    match ALLOCATORS.get() {
-        Some(Ok(a)) => Ok(a),
-        Some(Err(e)) => Err(e.clone()),
-        None => Err(AllocError::Device(StreamError::NotCuda)),
-    }
+    allocators_for(crate::runtime())
+        .as_ref()
+        .map_err(Clone::clone)
 }
 
 fn stats_of(dev: DeviceIndex) -> Result<crate::types::DeviceStats, AllocError> {
@@ -146,6 +146,24 @@ pub fn mem_get_info(dev: DeviceIndex) -> Result<(u64, u64), AllocError> {
     Ok(crate::runtime().mem_get_info(dev)?)
 }
 
+/// The frames of ferrocuda's own allocation plumbing above the allocator (the stream
+/// layer's buffers and memory resource, and this module), which recorded stacks skip so
+/// that they start at the caller. [`record_memory_history`] passes them; pass them in
+/// [`HistoryOptions::skip_frames`] when recording on allocators of your own.
+pub fn plumbing_frames() -> SkipFrames {
+    SkipFrames::new(
+        &[
+            "ferrocuda_stream::buffer::",
+            "ferrocuda_stream::memory::",
+            "ferrocuda::memory::",
+        ],
+        &[
+            "/crates/stream/src/buffer.rs",
+            "/crates/stream/src/memory.rs",
+        ],
+    )
+}
+
 /// `torch.cuda.memory._record_memory_history(enabled, context, stacks, max_entries)` on
 /// every device: `enabled` `None`/`"state"`/`"all"`, `context` `None`/`"state"`/`"alloc"`/
 /// `"all"`, `stacks` `"python"` or `"all"` (both record Rust frames here).
@@ -160,13 +178,15 @@ pub fn record_memory_history(
             "expected stacks to be 'python', or 'all'".into(),
         ));
     }
-    let options = crate::alloc::history::HistoryOptions::parse(enabled, context, max_entries)
-        .map_err(AllocError::History)?;
+    let options = HistoryOptions {
+        skip_frames: plumbing_frames(),
+        ..HistoryOptions::parse(enabled, context, max_entries).map_err(AllocError::History)?
+    };
     let allocators = allocators()?;
     for dev in 0..crate::runtime().device_count() {
         allocators
             .device(DeviceIndex(dev as u16))?
-            .record_memory_history(options);
+            .record_memory_history(options.clone());
     }
     Ok(())
 }

@@ -1,9 +1,10 @@
 //! The caching allocator behind device buffers, on the fake device; and the global
 //! `ferrocuda::memory` functions on whatever this machine has.
-use ferrocuda::alloc::DeviceAllocators;
+use ferrocuda::alloc::history::HistoryOptions;
+use ferrocuda::alloc::{DeviceAllocators, OutOfMemory};
 use ferrocuda::driver::{Call, FakeDriver, fake::Completion};
 use ferrocuda::stream::conformance::{KERNELS, register_fake_kernels};
-use ferrocuda::stream::{DeviceBuffer, KernelCache, Module, Runtime, StreamError};
+use ferrocuda::stream::{DeviceBuffer, KernelCache, MemoryError, Module, Runtime, StreamError};
 use ferrocuda::types::{AllocatorConfig, DeviceIndex, KernelArg, LaunchConfig};
 use std::sync::Arc;
 
@@ -71,23 +72,92 @@ fn buffer_record_stream_protects_side_stream_work() -> TestResult {
     Ok(())
 }
 
+/// A buffer's out-of-memory error carries the allocator's figures, and prints PyTorch's text.
 #[test]
 fn out_of_memory_reaches_buffers_as_a_typed_error() -> TestResult {
     let fake = Arc::new(FakeDriver::builder().capacity(64 << 20).build());
     let rt = Runtime::with_kernel_cache(fake.clone(), KernelCache::at(None));
     DeviceAllocators::new(fake, AllocatorConfig::default(), true).install(&rt);
-    match DeviceBuffer::<u8>::uninit(&rt, D0, 100 << 20) {
-        Err(StreamError::Memory {
-            message,
-            out_of_memory: true,
-        }) => {
-            assert!(
-                message.starts_with("CUDA out of memory. Tried to allocate 100.00 MiB. GPU 0"),
-                "{message}"
-            );
+    let _kept = DeviceBuffer::<u8>::uninit(&rt, D0, 1000)?;
+    let err = match DeviceBuffer::<u8>::uninit(&rt, D0, 100 << 20) {
+        Err(e) => e,
+        Ok(_) => panic!("100 MiB cannot fit in 64 MiB"),
+    };
+    let StreamError::Memory {
+        source: MemoryError::OutOfMemory(oom),
+    } = &err
+    else {
+        panic!("expected a typed out of memory, got {err:?}");
+    };
+    let split_rest = (2 << 20) - 1024;
+    assert_eq!(
+        **oom,
+        OutOfMemory {
+            device: 0,
+            requested: 100 << 20,
+            beyond_one_exabyte: false,
+            device_total: 64 << 20,
+            device_free: 62 << 20,
+            allowed: None,
+            allocated: 1024,
+            reserved: 2 << 20,
+            largest_free_block: split_rest,
+            cached_per_stream: vec![(rt.current_stream(D0)?.handle(), split_rest)],
+            non_releasable: split_rest,
+            expandable_segments: false,
+            rejected_by_fraction: false,
         }
-        other => panic!("expected out of memory, got {other:?}"),
-    }
+    );
+    let message = err.to_string();
+    assert_eq!(
+        message,
+        oom.to_string(),
+        "the report's own text, nothing added"
+    );
+    assert!(
+        message.starts_with(
+            "CUDA out of memory. Tried to allocate 100.00 MiB. GPU 0 has a total capacity of \
+             64.00 MiB of which 62.00 MiB is free. Of the allocated memory 1024 bytes is allocated \
+             by PyTorch, and 2.00 MiB is reserved by PyTorch but unallocated. Largest free block: \
+             2.00 MiB; cached free memory per stream: [stream 0x"
+        ),
+        "{message}"
+    );
+    assert!(
+        message.ends_with(
+            ": 2.00 MiB]; non-releasable (split) memory: 2.00 MiB. If reserved but unallocated \
+             memory is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to \
+             avoid fragmentation.  See documentation for Memory Management  \
+             (https://docs.pytorch.org/docs/stable/notes/cuda.html#optimizing-memory-usage-with-pytorch-cuda-alloc-conf)"
+        ),
+        "{message}"
+    );
+    Ok(())
+}
+
+/// With the facade's frame prefixes, a buffer's allocation stack starts at its caller: the
+/// stream layer's buffer and memory-resource frames are skipped with the allocator's own.
+#[test]
+fn history_skips_the_frames_the_facade_names() -> TestResult {
+    let (_, rt, allocators) = fake_with_allocators(Completion::Eager);
+    let options = HistoryOptions {
+        skip_frames: ferrocuda::memory::plumbing_frames(),
+        ..HistoryOptions::parse(Some("all"), Some("all"), 100)?
+    };
+    allocators.device(D0)?.record_memory_history(options);
+    let buffer = DeviceBuffer::<f32>::uninit(&rt, D0, 10)?;
+    let (segments, _) = allocators.device(D0)?.snapshot();
+    let block = segments
+        .iter()
+        .flat_map(|s| &s.blocks)
+        .find(|b| b.address == buffer.ptr().0)
+        .ok_or("the buffer's block is in the snapshot")?;
+    let first = block.frames.first().map(|f| f.name.as_str());
+    assert!(
+        first.is_some_and(|n| n.contains("history_skips_the_frames_the_facade_names")),
+        "the caller comes first: {:?}",
+        block.frames.iter().take(3).collect::<Vec<_>>()
+    );
     Ok(())
 }
 

@@ -70,11 +70,14 @@ impl DeviceAllocators {
 
     /// The allocator of `dev`, created on first use.
     pub fn device(&self, dev: DeviceIndex) -> Result<&CachingAllocator, AllocError> {
-        let slots = self.slots()?;
+        let slots = self.slots().map_err(|e| match e {
+            StreamError::NotAvailable { reason } => AllocError::NotAvailable { reason },
+            e => AllocError::Stream(e),
+        })?;
         let slot = slots
             .get(dev.as_usize())
-            .ok_or(StreamError::InvalidDevice {
-                index: dev.0,
+            .ok_or(AllocError::NoSuchDevice {
+                device: dev.0,
                 count: slots.len(),
             })?;
         if let Some(a) = slot.get() {
@@ -146,14 +149,6 @@ impl DeviceAllocators {
     }
 }
 
-fn to_stream_error(e: AllocError) -> StreamError {
-    let out_of_memory = matches!(e, AllocError::OutOfMemory(_));
-    StreamError::Memory {
-        message: e.to_string(),
-        out_of_memory,
-    }
-}
-
 impl MemoryResource for DeviceAllocators {
     fn allocate(
         &self,
@@ -161,16 +156,11 @@ impl MemoryResource for DeviceAllocators {
         bytes: u64,
         stream: StreamHandle,
     ) -> Result<DevicePtr, StreamError> {
-        let a = self.device(dev).map_err(to_stream_error)?;
-        a.allocate(bytes, stream)
-            .map(|x| x.ptr)
-            .map_err(to_stream_error)
+        Ok(self.device(dev)?.allocate(bytes, stream)?.ptr)
     }
 
     fn free(&self, dev: DeviceIndex, ptr: DevicePtr) -> Result<(), StreamError> {
-        self.device(dev)
-            .and_then(|a| a.free(ptr))
-            .map_err(to_stream_error)
+        Ok(self.device(dev)?.free(ptr)?)
     }
 
     fn record_stream(
@@ -179,8 +169,6 @@ impl MemoryResource for DeviceAllocators {
         ptr: DevicePtr,
         stream: StreamHandle,
     ) -> Result<(), StreamError> {
-        self.device(dev)
-            .and_then(|a| a.record_stream(ptr, stream))
-            .map_err(to_stream_error)
+        Ok(self.device(dev)?.record_stream(ptr, stream)?)
     }
 }

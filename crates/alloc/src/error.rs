@@ -1,7 +1,10 @@
-//! Allocator errors, and the out-of-memory report with PyTorch's message.
+//! Allocator errors. The out-of-memory report they carry lives in `ferrocuda_types` (so a
+//! buffer's error below this layer can carry it too) and is re-exported here.
 use ferrocuda_driver::DriverError;
-use ferrocuda_types::{ConfigError, DevicePtr, StreamHandle, format_size};
-use std::fmt;
+use ferrocuda_stream::{MemoryError, StreamError};
+use ferrocuda_types::{ConfigError, DevicePtr};
+
+pub use ferrocuda_types::OutOfMemory;
 
 /// What an allocation or free can fail with.
 #[derive(Clone, Debug, PartialEq, thiserror::Error)]
@@ -10,6 +13,22 @@ pub enum AllocError {
     /// Out of memory; the message follows PyTorch's (and adds fragmentation figures).
     #[error("{0}")]
     OutOfMemory(Box<OutOfMemory>),
+    /// A device index past the last device: PyTorch's `assertValidDevice`
+    /// (`c10/cuda/CUDACachingAllocator.cpp`, `NativeCachingAllocator`), which
+    /// `torch.cuda.memory_stats` and the other per-device calls reach.
+    #[error("Invalid device argument {device}: did you call init?")]
+    NoSuchDevice {
+        /// The index asked for.
+        device: u16,
+        /// Devices present.
+        count: usize,
+    },
+    /// The driver offers no device at all (no driver, or no GPU).
+    #[error("CUDA is not available: {reason}")]
+    NotAvailable {
+        /// Why, from the driver.
+        reason: DriverError,
+    },
     /// A pointer this allocator did not hand out (or already took back).
     #[error("invalid device pointer: {0}")]
     InvalidPointer(DevicePtr),
@@ -19,9 +38,10 @@ pub enum AllocError {
     /// A bad configuration string.
     #[error(transparent)]
     Config(#[from] ConfigError),
-    /// The device is missing or CUDA is unavailable.
+    /// A stream-layer call made for an allocator function failed (the facade's
+    /// `mem_get_info`, the current stream of `caching_allocator_alloc`).
     #[error(transparent)]
-    Device(#[from] ferrocuda_stream::StreamError),
+    Stream(#[from] StreamError),
     /// A private-pool request was invalid (PyTorch's messages).
     #[error("{0}")]
     Pool(String),
@@ -33,90 +53,25 @@ pub enum AllocError {
     Driver(#[from] DriverError),
 }
 
-/// The figures of an out-of-memory error.
-#[derive(Clone, Debug, PartialEq)]
-pub struct OutOfMemory {
-    /// Device index.
-    pub device: u16,
-    /// Bytes the failed request needed from the device (a segment size), or the request
-    /// itself when it was refused for being 1 EB or more.
-    pub requested: u64,
-    /// True when the request was 1 EB or more.
-    pub beyond_one_exabyte: bool,
-    /// Device memory in bytes.
-    pub device_total: u64,
-    /// Free device memory in bytes, as the driver reports it.
-    pub device_free: u64,
-    /// The memory-fraction limit, if set.
-    pub allowed: Option<u64>,
-    /// Bytes allocated by this allocator.
-    pub allocated: u64,
-    /// Bytes reserved by this allocator.
-    pub reserved: u64,
-    /// Largest cached free block, in bytes.
-    pub largest_free_block: u64,
-    /// Cached free bytes per stream.
-    pub cached_per_stream: Vec<(StreamHandle, u64)>,
-    /// Free pieces of partly used segments: cached but not releasable.
-    pub non_releasable: u64,
-    /// Whether expandable segments are on.
-    pub expandable_segments: bool,
-    /// Refused up front for passing the memory fraction (`throw_on_cudamalloc_oom`).
-    pub rejected_by_fraction: bool,
-}
-
-impl fmt::Display for OutOfMemory {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        if self.beyond_one_exabyte {
-            return f.write_str("CUDA out of memory. Tried to allocate more than 1EB memory.");
+/// How an allocator error reaches a buffer user (the allocator serving as the stream
+/// layer's memory resource): as the stream layer's own error where it has one, the
+/// out-of-memory report intact, anything else by its message.
+impl From<AllocError> for StreamError {
+    fn from(e: AllocError) -> StreamError {
+        match e {
+            AllocError::OutOfMemory(report) => StreamError::Memory {
+                source: MemoryError::OutOfMemory(report),
+            },
+            AllocError::NoSuchDevice { device, count } => StreamError::InvalidDevice {
+                index: device,
+                count,
+            },
+            AllocError::NotAvailable { reason } => StreamError::NotAvailable { reason },
+            AllocError::Driver(e) => StreamError::Driver(e),
+            AllocError::Stream(e) => e,
+            other => StreamError::Memory {
+                source: MemoryError::Other(other.to_string()),
+            },
         }
-        if self.rejected_by_fraction {
-            // PyTorch's `alloc_block` with `throw_on_cudamalloc_oom`.
-            return write!(
-                f,
-                "CUDA out of memory. Allocation was preemptively rejected because it would exceed per_process_memory_fraction limit. Requested size: {}. Total allocated memory: {}. Memory limit: {}. Set throw_on_cudamalloc_oom:false to disable.",
-                format_size(self.requested),
-                format_size(self.reserved),
-                format_size(self.allowed.unwrap_or(self.device_total)),
-            );
-        }
-        write!(
-            f,
-            "CUDA out of memory. Tried to allocate {}. GPU {} has a total capacity of {} of which {} is free. ",
-            format_size(self.requested),
-            self.device,
-            format_size(self.device_total),
-            format_size(self.device_free)
-        )?;
-        if let Some(a) = self.allowed {
-            write!(f, "{} allowed; ", format_size(a))?;
-        }
-        write!(
-            f,
-            "Of the allocated memory {} is allocated by PyTorch, and {} is reserved by PyTorch but unallocated.",
-            format_size(self.allocated),
-            format_size(self.reserved.saturating_sub(self.allocated))
-        )?;
-        let per_stream: Vec<String> = self
-            .cached_per_stream
-            .iter()
-            .map(|(s, b)| format!("stream {:#x}: {}", s.raw, format_size(*b)))
-            .collect();
-        write!(
-            f,
-            " Largest free block: {}; cached free memory per stream: [{}]; non-releasable (split) memory: {}.",
-            format_size(self.largest_free_block),
-            per_stream.join(", "),
-            format_size(self.non_releasable)
-        )?;
-        if !self.expandable_segments {
-            f.write_str(
-                " If reserved but unallocated memory is large try setting \
-                 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.  See \
-                 documentation for Memory Management  \
-                 (https://docs.pytorch.org/docs/stable/notes/cuda.html#optimizing-memory-usage-with-pytorch-cuda-alloc-conf)",
-            )?;
-        }
-        Ok(())
     }
 }

@@ -1,8 +1,15 @@
 //! Allocation history (`torch.cuda.memory._record_memory_history`): a ring buffer of trace
 //! entries, and Rust backtraces as frames.
+//!
+//! A stack is cut after its last frame of allocation plumbing, so that it starts at the
+//! caller. This crate knows its own plumbing (its frames and the backtrace crate's); which
+//! frames of the layers above are plumbing is theirs to say, in
+//! [`HistoryOptions::skip_frames`] (the facade's `record_memory_history` names the stream
+//! layer's buffer and memory-resource modules and its own).
 use ferrocuda_types::{Frame, TraceEntry};
+use parking_lot::RwLock;
 use std::collections::VecDeque;
-use std::sync::Arc;
+use std::sync::{Arc, LazyLock};
 
 /// What is recorded (`enabled=`).
 #[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
@@ -30,8 +37,68 @@ pub enum HistoryContext {
     All,
 }
 
+/// Frames of allocation plumbing, cut from the top of a recorded stack.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct SkipFrames {
+    /// Function-name prefixes, e.g. `"my_crate::buffers::"`; the `<` that opens a trait
+    /// method's name (`<my_crate::buffers::Pool as Trait>::allocate`) is ignored.
+    pub names: Vec<String>,
+    /// Fragments of source paths, e.g. `"/my_crate/src/buffers.rs"`: inlined frames of
+    /// optimised builds carry bare names, so their file decides.
+    pub files: Vec<String>,
+}
+
+impl SkipFrames {
+    /// Frames whose names start with one of `names` or whose files contain one of `files`.
+    pub fn new(names: &[&str], files: &[&str]) -> SkipFrames {
+        let strings = |v: &[&str]| v.iter().map(|s| s.to_string()).collect();
+        SkipFrames {
+            names: strings(names),
+            files: strings(files),
+        }
+    }
+
+    /// This crate's own frames and the backtrace crate's, always skipped.
+    fn own() -> SkipFrames {
+        SkipFrames::new(
+            &["backtrace::", "ferrocuda_alloc::"],
+            &["/backtrace-0.", "/crates/alloc/src/", "/ferrocuda-alloc-"],
+        )
+    }
+
+    fn matches(&self, frame: &Frame) -> bool {
+        let name = frame.name.trim_start_matches('<');
+        let file = frame.filename.replace('\\', "/");
+        self.names.iter().any(|p| name.starts_with(p.as_str()))
+            || self.files.iter().any(|p| file.contains(p.as_str()))
+    }
+
+    /// Adds `other`'s entries that are not here yet.
+    fn merge(&mut self, other: &SkipFrames) {
+        for (mine, theirs) in [
+            (&mut self.names, &other.names),
+            (&mut self.files, &other.files),
+        ] {
+            for p in theirs {
+                if !mine.contains(p) {
+                    mine.push(p.clone());
+                }
+            }
+        }
+    }
+
+    /// Where the caller's part of `frames` (innermost first) starts: after the last
+    /// plumbing frame (std glue between plumbing frames goes with them).
+    fn caller_start(&self, frames: &[Frame]) -> usize {
+        frames
+            .iter()
+            .rposition(|f| self.matches(f))
+            .map_or(0, |i| i + 1)
+    }
+}
+
 /// How history is recorded.
-#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct HistoryOptions {
     /// `enabled=`.
     pub mode: HistoryMode,
@@ -39,6 +106,10 @@ pub struct HistoryOptions {
     pub context: HistoryContext,
     /// Entries kept in the ring buffer (`max_entries=`).
     pub max_entries: usize,
+    /// Plumbing frames of the layers above, skipped with this crate's own when a stack is
+    /// recorded (none by default). They name code, not memory, so they are merged into one
+    /// process-wide set that only grows: skipping another layer's plumbing is never wrong.
+    pub skip_frames: SkipFrames,
 }
 
 impl Default for HistoryOptions {
@@ -47,6 +118,7 @@ impl Default for HistoryOptions {
             mode: HistoryMode::Off,
             context: HistoryContext::Never,
             max_entries: usize::MAX,
+            skip_frames: SkipFrames::default(),
         }
     }
 }
@@ -75,6 +147,7 @@ impl HistoryOptions {
             mode,
             context,
             max_entries: max_entries.max(1),
+            skip_frames: SkipFrames::default(),
         })
     }
 }
@@ -88,6 +161,7 @@ pub(crate) struct History {
 
 impl History {
     pub(crate) fn set(&mut self, options: HistoryOptions) {
+        SKIPPED.write().merge(&options.skip_frames);
         if options.mode == HistoryMode::Off {
             self.entries.clear();
         }
@@ -154,34 +228,13 @@ fn now_us() -> u64 {
 /// The stack of an event, when recorded.
 pub(crate) type Frames<'a> = Option<&'a Arc<[Frame]>>;
 
-/// Frames of ferrocuda's own allocation plumbing, dropped from the top of a stack so that
-/// the first frame is the caller's. Inlined frames of optimised builds carry bare names
-/// (`capture_frames`), so their source file decides too.
-fn is_internal(frame: &Frame) -> bool {
-    let by_name = [
-        "backtrace::",
-        "ferrocuda_alloc::",
-        "ferrocuda_stream::buffer::",
-        "ferrocuda_stream::memory::",
-        "ferrocuda::memory::",
-    ]
-    .iter()
-    .any(|p| frame.name.trim_start_matches('<').starts_with(p));
-    let file = frame.filename.replace('\\', "/");
-    let by_file = [
-        "/backtrace-0.",
-        "/crates/alloc/src/",
-        "/ferrocuda-alloc-",
-        "/crates/stream/src/buffer.rs",
-        "/crates/stream/src/memory.rs",
-    ]
-    .iter()
-    .any(|p| file.contains(p));
-    by_name || by_file
-}
+/// The frames every recorded stack skips: this crate's own, and those the layers above
+/// gave in [`HistoryOptions::skip_frames`]. Read (briefly) before an allocator takes its
+/// lock, written under it: a leaf lock, never held while taking another.
+static SKIPPED: LazyLock<RwLock<SkipFrames>> = LazyLock::new(|| RwLock::new(SkipFrames::own()));
 
 /// The calling thread's stack, innermost first, starting after the last frame of
-/// ferrocuda's allocation plumbing (std glue between our frames is dropped with them).
+/// allocation plumbing (see [`SKIPPED`]).
 pub(crate) fn capture_frames() -> Arc<[Frame]> {
     let mut frames = Vec::new();
     backtrace::trace(|f| {
@@ -200,7 +253,7 @@ pub(crate) fn capture_frames() -> Arc<[Frame]> {
         });
         frames.len() < 96
     });
-    let start = frames.iter().rposition(is_internal).map_or(0, |i| i + 1);
+    let start = SKIPPED.read().caller_start(&frames);
     frames.drain(..start);
     frames.truncate(64);
     frames.into()
@@ -219,30 +272,56 @@ mod tests {
     }
 
     #[test]
-    fn internal_frames_are_recognised_in_any_shape() {
+    fn own_frames_are_recognised_in_any_shape() {
+        let own = SkipFrames::own();
         for name in [
             "ferrocuda_alloc::allocator::CachingAllocator::allocate",
             "<ferrocuda_alloc::devices::DeviceAllocators as ferrocuda_stream::memory::MemoryResource>::allocate",
-            "ferrocuda_stream::buffer::DeviceBuffer<T>::uninit",
         ] {
-            assert!(is_internal(&frame(name, "??")), "{name}");
+            assert!(own.matches(&frame(name, "??")), "{name}");
         }
         // Inlined frames of an optimised build: a bare name, known by its file.
-        assert!(is_internal(&frame(
+        assert!(own.matches(&frame(
             "capture_frames",
             "/src/ferrocuda/crates/alloc/src/history.rs"
         )));
-        assert!(is_internal(&frame(
+        assert!(own.matches(&frame(
+            "capture_frames",
+            "C:\\src\\ferrocuda\\crates\\alloc\\src\\history.rs"
+        )));
+        assert!(own.matches(&frame(
             "trace",
             "/cargo/registry/src/index/backtrace-0.3.76/src/backtrace/mod.rs"
         )));
-        assert!(!is_internal(&frame(
-            "my_trainer::step",
-            "/src/trainer/src/step.rs"
+        assert!(!own.matches(&frame("my_trainer::step", "/src/trainer/src/step.rs")));
+        // The layers above are not this crate's to name.
+        assert!(!own.matches(&frame(
+            "ferrocuda_stream::buffer::DeviceBuffer<T>::uninit",
+            "/src/ferrocuda/crates/stream/src/buffer.rs"
         )));
-        assert!(!is_internal(&frame(
-            "ferrocuda_stream::stream::Stream::launch",
-            "/src/ferrocuda/crates/stream/src/stream.rs"
-        )));
+    }
+
+    #[test]
+    fn the_caller_starts_after_the_plumbing_the_layers_above_name() {
+        let stack = [
+            frame("backtrace::trace", "??"),
+            frame("ferrocuda_alloc::history::capture_frames", "??"),
+            frame(
+                "ferrocuda_alloc::allocator::CachingAllocator::allocate",
+                "??",
+            ),
+            frame("uninit", "/src/app/vendor/buffers/src/lib.rs"),
+            frame("buffers::Buffer::new", "/src/app/vendor/buffers/src/lib.rs"),
+            frame("app::step", "/src/app/src/main.rs"),
+            frame("app::main", "/src/app/src/main.rs"),
+        ];
+        let mut skip = SkipFrames::own();
+        assert_eq!(skip.caller_start(&stack), 3, "alone: after the allocator");
+        let above = SkipFrames::new(&["buffers::"], &["/buffers/src/lib.rs"]);
+        skip.merge(&above);
+        skip.merge(&above);
+        assert_eq!(skip.names.len(), 3, "merging twice adds nothing");
+        assert_eq!(skip.caller_start(&stack), 5, "then after the buffers crate");
+        assert_eq!(stack[5].name, "app::step");
     }
 }

@@ -33,11 +33,18 @@
 //!   free-then-best-fit would return that very block; every locked operation of any thread
 //!   settles every parked block first, so results are PyTorch's for any interleaving
 //!   consistent with happens-before.
+//! - **Typed errors**: [`AllocError`] has its own cases (no such device with PyTorch's
+//!   `assertValidDevice` text, CUDA not available, ...); the out-of-memory report lives in
+//!   `ferrocuda_types` (re-exported here) so that, serving buffers, it reaches the user
+//!   intact in `ferrocuda_stream::MemoryError::OutOfMemory`.
 //!
 //! # What the layer above must do
 //! - Pick the stream: an allocation is tied to the stream it was made on.
 //! - Call `record_stream` for every other stream that uses a block before freeing it.
 //! - Keep one allocator per device (the facade's `memory` module does).
+//! - Name its own allocation plumbing in [`history::HistoryOptions::skip_frames`] (the
+//!   facade passes the stream layer's buffer and memory-resource frames and its own): this
+//!   crate skips only its own frames at the top of a recorded stack.
 #![forbid(unsafe_code)]
 
 mod allocator;

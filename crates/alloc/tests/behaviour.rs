@@ -806,6 +806,40 @@ mod snapshots {
         Ok(())
     }
 
+    /// Alone, the allocator skips only its own frames (and the backtrace crate's): which
+    /// frames of the layers above are plumbing is theirs to say (the facade passes them).
+    /// No test in this file passes `skip_frames`: lists given are merged process-wide.
+    #[test]
+    fn alone_the_allocator_skips_only_its_own_frames() -> TestResult {
+        use ferrocuda_alloc::DeviceAllocators;
+        use ferrocuda_stream::{DeviceBuffer, KernelCache, Runtime};
+        let fake = Arc::new(FakeDriver::default());
+        let rt = Runtime::with_kernel_cache(fake.clone(), KernelCache::at(None));
+        let allocators = DeviceAllocators::new(fake, AllocatorConfig::default(), true);
+        allocators.install(&rt);
+        allocators
+            .device(D0)?
+            .record_memory_history(HistoryOptions::parse(Some("all"), Some("all"), 100)?);
+        let buffer = DeviceBuffer::<f32>::uninit(&rt, D0, 10)?;
+        let (segments, _) = allocators.device(D0)?.snapshot();
+        let frames = &segments[0].blocks[0].frames;
+        assert_eq!(segments[0].blocks[0].address, buffer.ptr().0);
+        let names: Vec<&str> = frames.iter().map(|f| f.name.as_str()).collect();
+        assert!(
+            names
+                .first()
+                .is_some_and(|n| n.starts_with("ferrocuda_stream::buffer::DeviceBuffer")),
+            "the stream layer's frame is not the allocator's to skip: {names:?}"
+        );
+        assert!(
+            names
+                .iter()
+                .any(|n| n.contains("alone_the_allocator_skips_only_its_own_frames")),
+            "{names:?}"
+        );
+        Ok(())
+    }
+
     #[test]
     fn expandable_snapshot_has_one_segment_per_mapped_run_and_map_events() -> TestResult {
         let (_, a) = setup(80 * GIB, "expandable_segments:True", Completion::Eager);
@@ -1393,6 +1427,56 @@ mod thread_cache {
         assert_eq!(stat(&a, "allocation.all.current"), 0);
         assert_eq!(stat(&a, "active_bytes.all.current"), 0);
         a.check_invariants()?;
+        Ok(())
+    }
+}
+
+mod devices {
+    use super::*;
+    use ferrocuda_alloc::DeviceAllocators;
+    use ferrocuda_driver::DriverError;
+    use ferrocuda_stream::{MemoryResource, StreamError};
+    use ferrocuda_types::DeviceIndex;
+
+    /// PyTorch's `NativeCachingAllocator::assertValidDevice`, typed; the memory resource
+    /// hands the stream layer its own invalid-device error.
+    #[test]
+    fn a_device_past_the_last_is_no_such_device() -> TestResult {
+        let fake = Arc::new(FakeDriver::builder().devices(2).build());
+        let allocators = DeviceAllocators::new(fake, AllocatorConfig::default(), true);
+        let err = allocators.device(DeviceIndex(2)).err();
+        assert_eq!(
+            err,
+            Some(AllocError::NoSuchDevice {
+                device: 2,
+                count: 2
+            })
+        );
+        assert_eq!(
+            err.map(|e| e.to_string()).as_deref(),
+            Some("Invalid device argument 2: did you call init?")
+        );
+        let d2 = DeviceIndex(2);
+        assert_eq!(
+            allocators.allocate(d2, 1, StreamHandle::legacy(d2)),
+            Err(StreamError::InvalidDevice { index: 2, count: 2 })
+        );
+        Ok(())
+    }
+
+    #[test]
+    fn without_devices_the_driver_says_why() -> TestResult {
+        let fake = Arc::new(FakeDriver::builder().devices(0).build());
+        let allocators = DeviceAllocators::new(fake, AllocatorConfig::default(), true);
+        let reason = DriverError::NO_DEVICE;
+        assert_eq!(
+            allocators.device(D0).err(),
+            Some(AllocError::NotAvailable { reason })
+        );
+        assert_eq!(
+            allocators.free(D0, DevicePtr(0x1000)),
+            Err(StreamError::NotAvailable { reason })
+        );
         Ok(())
     }
 }

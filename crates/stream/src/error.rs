@@ -1,6 +1,6 @@
 //! Errors of the stream layer.
 use ferrocuda_driver::{CompileError, DriverError};
-use ferrocuda_types::{DeviceIndex, DeviceParseError};
+use ferrocuda_types::{DeviceIndex, DeviceParseError, OutOfMemory};
 
 /// What can go wrong with devices, streams, events, kernels and buffers.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -55,13 +55,12 @@ pub enum StreamError {
     /// Compiling a kernel failed.
     #[error(transparent)]
     Compile(#[from] CompileError),
-    /// The memory resource failed; `out_of_memory` tells an OOM from other failures.
-    #[error("{message}")]
+    /// The memory resource failed (other than with a device or driver error, which keep
+    /// their own variants); prints the resource's message.
+    #[error(transparent)]
     Memory {
-        /// The allocator's message (PyTorch's text for out of memory).
-        message: String,
-        /// Whether it was out of memory.
-        out_of_memory: bool,
+        /// What failed: out of memory with the allocator's figures, or another failure.
+        source: MemoryError,
     },
     /// Host and device lengths differ.
     #[error("length mismatch: expected {expected} elements, got {found}")]
@@ -83,6 +82,19 @@ impl From<DriverError> for StreamError {
             StreamError::Driver(e)
         }
     }
+}
+
+/// How a [`MemoryResource`](crate::MemoryResource) failed to serve a buffer.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum MemoryError {
+    /// Out of memory, with the figures of the report (PyTorch's message).
+    #[error("{0}")]
+    OutOfMemory(Box<OutOfMemory>),
+    /// Any other failure, as the resource describes it (an invalid pointer, a
+    /// misconfigured allocator, ...).
+    #[error("{0}")]
+    Other(String),
 }
 
 /// Result alias of this crate.

@@ -32,6 +32,9 @@
 //! - Keep allocations alive until the streams using them are done (the caching allocator's
 //!   `record_stream` does this for the buffer in the next layer).
 //! - Not use guards across threads (they are `!Send`).
+//! - A [`MemoryResource`] reports out of memory as [`MemoryError::OutOfMemory`] with its
+//!   figures, so a buffer user can read them ([`StreamError::Memory`] prints the report's
+//!   own text); a bad device or a driver failure as the variants this crate has for them.
 #![forbid(unsafe_code)]
 
 mod availability;
@@ -49,7 +52,7 @@ pub mod conformance;
 
 pub use availability::AvailabilityCheck;
 pub use buffer::DeviceBuffer;
-pub use error::{Result, StreamError};
+pub use error::{MemoryError, Result, StreamError};
 pub use event::Event;
 pub use ferrocuda_driver::Driver;
 pub use memory::{DriverMemory, MemoryResource};

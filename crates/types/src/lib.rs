@@ -2,7 +2,9 @@
 //!
 //! This crate holds the values that cross layer boundaries: device indices, the opaque handles
 //! a [`Driver`](https://docs.rs/ferrocuda-driver) hands out, element types, launch and capture
-//! descriptions. It has no behaviour beyond parsing and formatting, so every layer (and a
+//! descriptions, allocator configuration, statistics and snapshots, and the out-of-memory
+//! report ([`OutOfMemory`]: the allocator fills it in, and it reaches a buffer user through
+//! the stream layer, which sits below the allocator). It has no behaviour beyond parsing and formatting, so every layer (and a
 //! user's own tools, through serde) can depend on it without pulling in CUDA.
 //!
 //! # Design choices
@@ -22,6 +24,7 @@ mod device;
 mod dtype;
 mod handles;
 mod launch;
+mod oom;
 mod snapshot;
 mod stats;
 
@@ -37,6 +40,7 @@ pub use handles::{
 pub use launch::{
     CaptureMode, CaptureStatus, EventFlags, KernelArg, LaunchConfig, MemsetValue, StreamFlags,
 };
+pub use oom::OutOfMemory;
 pub use snapshot::{
     AllocatorSettings, ExternalAnnotation, Frame, Snapshot, SnapshotBlock, SnapshotSegment,
     TraceEntry,

@@ -1,0 +1,96 @@
+//! The out-of-memory report: the figures of a failed allocation and PyTorch's message.
+//!
+//! It lives here, below the stream layer, so that a buffer's allocation error carries it
+//! intact (`ferrocuda_stream::MemoryError::OutOfMemory`); the caching allocator fills it in.
+use crate::{StreamHandle, format_size};
+use std::fmt;
+
+/// The figures of an out-of-memory error. Its `Display` is PyTorch's message
+/// (`c10/cuda/CUDACachingAllocator.cpp`, `DeviceCachingAllocator::malloc`), with
+/// ferrocuda's fragmentation figures added before the hint.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct OutOfMemory {
+    /// Device index.
+    pub device: u16,
+    /// Bytes the failed request needed from the device (a segment size), or the request
+    /// itself when it was refused for being 1 EB or more.
+    pub requested: u64,
+    /// True when the request was 1 EB or more.
+    pub beyond_one_exabyte: bool,
+    /// Device memory in bytes.
+    pub device_total: u64,
+    /// Free device memory in bytes, as the driver reports it.
+    pub device_free: u64,
+    /// The memory-fraction limit, if set.
+    pub allowed: Option<u64>,
+    /// Bytes allocated by this allocator.
+    pub allocated: u64,
+    /// Bytes reserved by this allocator.
+    pub reserved: u64,
+    /// Largest cached free block, in bytes.
+    pub largest_free_block: u64,
+    /// Cached free bytes per stream.
+    pub cached_per_stream: Vec<(StreamHandle, u64)>,
+    /// Free pieces of partly used segments: cached but not releasable.
+    pub non_releasable: u64,
+    /// Whether expandable segments are on.
+    pub expandable_segments: bool,
+    /// Refused up front for passing the memory fraction (`throw_on_cudamalloc_oom`).
+    pub rejected_by_fraction: bool,
+}
+
+impl fmt::Display for OutOfMemory {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.beyond_one_exabyte {
+            return f.write_str("CUDA out of memory. Tried to allocate more than 1EB memory.");
+        }
+        if self.rejected_by_fraction {
+            // PyTorch's `alloc_block` with `throw_on_cudamalloc_oom`.
+            return write!(
+                f,
+                "CUDA out of memory. Allocation was preemptively rejected because it would exceed per_process_memory_fraction limit. Requested size: {}. Total allocated memory: {}. Memory limit: {}. Set throw_on_cudamalloc_oom:false to disable.",
+                format_size(self.requested),
+                format_size(self.reserved),
+                format_size(self.allowed.unwrap_or(self.device_total)),
+            );
+        }
+        write!(
+            f,
+            "CUDA out of memory. Tried to allocate {}. GPU {} has a total capacity of {} of which {} is free. ",
+            format_size(self.requested),
+            self.device,
+            format_size(self.device_total),
+            format_size(self.device_free)
+        )?;
+        if let Some(a) = self.allowed {
+            write!(f, "{} allowed; ", format_size(a))?;
+        }
+        write!(
+            f,
+            "Of the allocated memory {} is allocated by PyTorch, and {} is reserved by PyTorch but unallocated.",
+            format_size(self.allocated),
+            format_size(self.reserved.saturating_sub(self.allocated))
+        )?;
+        let per_stream: Vec<String> = self
+            .cached_per_stream
+            .iter()
+            .map(|(s, b)| format!("stream {:#x}: {}", s.raw, format_size(*b)))
+            .collect();
+        write!(
+            f,
+            " Largest free block: {}; cached free memory per stream: [{}]; non-releasable (split) memory: {}.",
+            format_size(self.largest_free_block),
+            per_stream.join(", "),
+            format_size(self.non_releasable)
+        )?;
+        if !self.expandable_segments {
+            f.write_str(
+                " If reserved but unallocated memory is large try setting \
+                 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.  See \
+                 documentation for Memory Management  \
+                 (https://docs.pytorch.org/docs/stable/notes/cuda.html#optimizing-memory-usage-with-pytorch-cuda-alloc-conf)",
+            )?;
+        }
+        Ok(())
+    }
+}
