@@ -223,6 +223,7 @@ impl CachingAllocator {
             stream,
             pool,
             frames,
+            capture,
         };
         if let Some(id) = st.take_free_block(req.pool, req.kind, stream, size) {
             return Ok(self.hand_out(&mut st, id, &req));

@@ -74,12 +74,10 @@ impl DeviceAllocators {
             StreamError::NotAvailable { reason } => AllocError::NotAvailable { reason },
             e => AllocError::Stream(e),
         })?;
-        let slot = slots
-            .get(dev.as_usize())
-            .ok_or(AllocError::NoSuchDevice {
-                device: dev.0,
-                count: slots.len(),
-            })?;
+        let slot = slots.get(dev.as_usize()).ok_or(AllocError::NoSuchDevice {
+            device: dev.0,
+            count: slots.len(),
+        })?;
         if let Some(a) = slot.get() {
             return Ok(a);
         }

@@ -30,8 +30,9 @@ struct PrivatePool {
 #[derive(Debug, Default)]
 pub(crate) struct PrivatePools {
     pools: FxHashMap<PoolId, PrivatePool>,
-    /// Pools being recorded to, newest last, with whose allocations they take.
-    routes: Vec<(PoolId, Route)>,
+    /// Pools being recorded to, newest last, with whose allocations they take and the
+    /// thread that began routing.
+    routes: Vec<(PoolId, Route, std::thread::ThreadId)>,
 }
 
 impl PrivatePools {
@@ -45,12 +46,12 @@ impl PrivatePools {
         self.routes
             .iter()
             .rev()
-            .find(|(_, route)| match *route {
+            .find(|(_, route, _)| match *route {
                 Route::Capture(id) => capture == Some(id),
                 Route::Stream(s) => s == stream,
                 Route::Thread(t) => t == me,
             })
-            .map_or(PoolId::DEFAULT, |(pool, _)| *pool)
+            .map_or(PoolId::DEFAULT, |(pool, _, _)| *pool)
     }
 
     /// Whether any pool is being recorded to.
@@ -62,7 +63,16 @@ impl PrivatePools {
     pub(crate) fn capturing(&self) -> bool {
         self.routes
             .iter()
-            .any(|(_, r)| matches!(r, Route::Capture(_)))
+            .any(|(_, r, _)| matches!(r, Route::Capture(_)))
+    }
+
+    /// Whether the calling thread began routing a stream capture (it is the capturing
+    /// thread, whose current stream PyTorch's `cudaMallocMaybeCapturing` finds capturing).
+    pub(crate) fn captured_by_this_thread(&self) -> bool {
+        let me = std::thread::current().id();
+        self.routes
+            .iter()
+            .any(|(_, r, t)| matches!(r, Route::Capture(_)) && *t == me)
     }
 
     /// Whether the blocks of `pool` may be given back to the driver: the default pool's,
@@ -120,19 +130,19 @@ impl PrivatePools {
                 "beginAllocateToPool: the default pool cannot be recorded to".into(),
             ));
         }
-        if self.routes.iter().any(|(p, _)| *p == pool) {
+        if self.routes.iter().any(|(p, _, _)| *p == pool) {
             return Err(AllocError::Pool(format!(
                 "beginAllocateToPool: already recording to mempool_id {pool}"
             )));
         }
         self.retain(pool);
-        self.routes.push((pool, route));
+        self.routes.push((pool, route, std::thread::current().id()));
         Ok(())
     }
 
     /// `endAllocateToPool`: stops routing into `pool`, which keeps its user.
     pub(crate) fn end(&mut self, pool: PoolId) -> Result<(), AllocError> {
-        let i = self.routes.iter().position(|(p, _)| *p == pool);
+        let i = self.routes.iter().position(|(p, _, _)| *p == pool);
         let i = i.ok_or_else(|| {
             AllocError::Pool(format!(
                 "endAllocatePool: not currently recording to mempool_id {pool}"

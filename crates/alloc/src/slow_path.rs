@@ -44,7 +44,7 @@ impl Engine {
         {
             return Ok((st, id));
         }
-        let (s, found) = self.grow(st, size, segment, pool, kind, stream)?;
+        let (s, found) = self.grow(st, req, segment)?;
         st = s;
         if let Some(id) = found {
             return Ok((st, id));
@@ -55,7 +55,7 @@ impl Engine {
             let (s, enough) = self.release_oversize(st, size, kind, stream);
             st = s;
             if enough || st.config.oom_release_partial {
-                let (s, found) = self.grow(st, size, segment, pool, kind, stream)?;
+                let (s, found) = self.grow(st, req, segment)?;
                 st = s;
                 if let Some(id) = found {
                     return Ok((st, id));
@@ -79,7 +79,7 @@ impl Engine {
         if st.config.oom_release_partial {
             // As much cached memory as the request needs, largest segments first.
             st = self.release_cached(st, Some(segment));
-            let (s, found) = self.grow(st, size, segment, pool, kind, stream)?;
+            let (s, found) = self.grow(st, req, segment)?;
             st = s;
             if let Some(id) = found {
                 return Ok((st, id));
@@ -87,7 +87,7 @@ impl Engine {
         }
         st = self.release_cached(self.synchronize_events(st), None);
         st.stats.num_alloc_retries += 1;
-        let (s, found) = self.grow(st, size, segment, pool, kind, stream)?;
+        let (s, found) = self.grow(st, req, segment)?;
         st = s;
         if let Some(id) = found {
             return Ok((st, id));
@@ -97,16 +97,13 @@ impl Engine {
         Err(self.oom_report(segment, false, stream))
     }
 
-    /// `alloc_block`: more device memory for a request of rounded `size`: a mapped
-    /// expandable range when expandable segments are on, else a new `segment`-byte segment.
+    /// `alloc_block`: more device memory for `req`: a mapped expandable range when
+    /// expandable segments are on, else a new `segment`-byte segment.
     pub(crate) fn grow<'a>(
         &'a self,
         st: Guard<'a>,
-        size: u64,
+        req: &Request,
         segment: u64,
-        pool: PoolId,
-        kind: PoolKind,
-        stream: StreamHandle,
     ) -> Result<(Guard<'a>, Option<usize>), AllocError> {
         // `alloc_block` checks the memory fraction against the allocation size, with
         // expandable segments too (they then map what the request needs, which may be less
@@ -115,10 +112,10 @@ impl Engine {
             return self.refuse_over_fraction(st, segment);
         }
         // Private (graph) pools use plain segments.
-        if st.config.expandable_segments && pool.is_default() {
-            self.alloc_expandable(st, size, kind, stream)
+        if st.config.expandable_segments && req.pool.is_default() {
+            self.alloc_expandable(st, req.size, req.kind, req.stream)
         } else {
-            self.alloc_segment(st, segment, pool, kind, stream)
+            self.alloc_segment(st, segment, req)
         }
     }
 
@@ -128,16 +125,16 @@ impl Engine {
         &'a self,
         mut st: Guard<'a>,
         bytes: u64,
-        pool: PoolId,
-        kind: PoolKind,
-        stream: StreamHandle,
+        req: &Request,
     ) -> Result<(Guard<'a>, Option<usize>), AllocError> {
+        let (pool, kind, stream) = (req.pool, req.kind, req.stream);
         st.total_reserved += bytes;
-        let capturing = st.private.routing();
+        // `cudaMallocMaybeCapturing`: the capturing thread's device allocations run in
+        // relaxed mode (legal, and not part of the graph); other threads' do not, so that
+        // they invalidate a GLOBAL capture as they do in PyTorch.
+        let relax = req.capture.is_some() || st.private.captured_by_this_thread();
         drop(st);
-        // A device allocation made while this thread captures is legal in relaxed mode (it is
-        // not part of the graph); other modes would refuse it and break the capture.
-        let previous = if capturing {
+        let previous = if relax {
             self.driver.exchange_capture_mode(CaptureMode::Relaxed).ok()
         } else {
             None

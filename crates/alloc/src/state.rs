@@ -31,6 +31,9 @@ pub(crate) struct Request {
     pub(crate) pool: PoolId,
     /// Where it was made, when history records stacks.
     pub(crate) frames: Option<Arc<[Frame]>>,
+    /// The stream capture its stream takes part in, if any (asked only while a pool is
+    /// routed to).
+    pub(crate) capture: Option<u64>,
 }
 
 /// What the allocator's lock guards.

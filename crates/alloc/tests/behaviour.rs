@@ -944,6 +944,28 @@ mod private_pools {
         }
     }
 
+    /// `cudaMallocMaybeCapturing` relaxes only the capturing thread's allocations: another
+    /// thread that needs a new segment during a GLOBAL capture invalidates it, as in
+    /// PyTorch (and as CUDA's rules for a potentially unsafe call say).
+    #[test]
+    fn another_threads_new_segment_invalidates_a_global_capture() -> TestResult {
+        let (fake, a) = setup(80 * GIB, "", Completion::Manual);
+        let s = new_stream(&fake)?;
+        let pool = PoolId::for_capture();
+        fake.stream_begin_capture(s, CaptureMode::Global)?;
+        a.begin_allocate_to_pool(pool, Route::Capture(capture_id(&fake, s)?))?;
+        let _x = a.allocate(MIB, s)?; // the capturing thread: relaxed, fine
+        assert!(matches!(
+            fake.stream_capture_status(s)?,
+            CaptureStatus::Active { .. }
+        ));
+        let other = std::thread::scope(|t| t.spawn(|| a.allocate(MIB, LEGACY)).join());
+        let other = other.map_err(|_| "the other thread panicked")?;
+        assert!(matches!(other, Err(AllocError::Driver(_))), "{other:?}");
+        assert_eq!(fake.stream_capture_status(s)?, CaptureStatus::Invalidated);
+        Ok(())
+    }
+
     #[test]
     fn a_capture_allocates_from_its_pool_and_side_streams_follow() -> TestResult {
         let (fake, a) = setup(80 * GIB, "", Completion::Manual);
