@@ -5,9 +5,16 @@
 //! [`FakeDriver::advance`] (or when the host blocks on it: a synchronize completes what it
 //! waits for, as a real GPU eventually would). Capture turns enqueued work into graph nodes
 //! and enforces the capture rules of the graphs spec §8.2–8.3 with the driver's codes.
+//!
+//! Device memory comes at fresh, increasing addresses, or, in address mode
+//! ([`FakeDriverBuilder::address_plan`]), at a recorded list of addresses in order (what a
+//! real driver gave PyTorch), so differential tests and replays break best-fit ties as the
+//! recording did. [`FakeDriverBuilder::capacity`] sets the device's total memory.
+mod addresses;
 mod memory;
 mod work;
 
+pub use addresses::{AddressPlan, AddressPlanError, PLAN_REGION, PlanUse, WhenUnusable};
 pub use work::{HostKernel, KernelContext};
 
 use crate::{CompileError, Driver, DriverError};
@@ -109,6 +116,7 @@ pub struct FakeDriverBuilder {
     completion: Completion,
     backing: bool,
     launch_blocking: bool,
+    plans: Vec<(DeviceIndex, AddressPlan)>,
 }
 
 impl Default for FakeDriverBuilder {
@@ -119,6 +127,7 @@ impl Default for FakeDriverBuilder {
             completion: Completion::Eager,
             backing: true,
             launch_blocking: std::env::var("CUDA_LAUNCH_BLOCKING").is_ok_and(|v| v == "1"),
+            plans: Vec::new(),
         }
     }
 }
@@ -129,7 +138,9 @@ impl FakeDriverBuilder {
         self.devices = n.min(usize::from(u16::MAX));
         self
     }
-    /// Memory per device in bytes (default 80 GiB).
+    /// Memory per device in bytes (default 80 GiB): what `mem_get_info` and the device
+    /// properties report as total, so a memory fraction means what it means on a GPU of
+    /// that size, and the limit above which `malloc` runs out of memory.
     pub fn capacity(mut self, bytes: u64) -> Self {
         self.capacity = bytes;
         self
@@ -151,8 +162,20 @@ impl FakeDriverBuilder {
         self.launch_blocking = on;
         self
     }
+    /// Address mode for device `dev`: its successful `malloc`s take `plan`'s addresses in
+    /// order (moved into the device's span, see [`AddressPlan`]). Replaces an earlier plan
+    /// for `dev`; a plan for a device the driver does not have is never used.
+    pub fn address_plan(mut self, dev: DeviceIndex, plan: AddressPlan) -> Self {
+        self.plans.retain(|(d, _)| *d != dev);
+        self.plans.push((dev, plan));
+        self
+    }
     /// The driver.
     pub fn build(self) -> FakeDriver {
+        let mut memory = Memory::new(self.devices, self.capacity, self.backing);
+        for (dev, plan) in &self.plans {
+            memory.set_plan(*dev, plan);
+        }
         let streams = (0..self.devices as u16)
             .map(|d| {
                 (
@@ -169,7 +192,7 @@ impl FakeDriverBuilder {
             state: Mutex::new(State {
                 devices: self.devices,
                 completion: self.completion,
-                memory: Memory::new(self.devices, self.capacity, self.backing),
+                memory,
                 streams,
                 events: HashMap::new(),
                 modules: HashMap::new(),
@@ -404,6 +427,11 @@ impl FakeDriver {
         let st = self.state.lock();
         let key = st.stream_key(stream)?;
         Ok(st.streams.get(&key).map_or(0, |s| s.queue.len()))
+    }
+
+    /// How device `dev`'s `malloc`s used its address plan so far (`None` without one).
+    pub fn address_plan_use(&self, dev: DeviceIndex) -> Option<PlanUse> {
+        self.state.lock().memory.plan_use(dev)
     }
 
     /// Host bytes that back touched device memory.
