@@ -2,18 +2,25 @@
 PyTorch's caching allocator in one go, and records when PyTorch's `record_stream` events
 completed, so that `cargo xtask alloc-oracle` can compare without guessing GPU timing.
 
-    python3 oracle_batch.py --out DIR --seeds 1-60 [--ops 3000] [--expandable-seeds 101-104]
-                            [--jobs 4] [--deadline 450]
+    python3 oracle_batch.py --out DIR --seeds 1-60 [--ops 3000] [--expandable-seeds 101-106]
+                            [--small-seeds 1000-1599 --small-ops 30] [--program P.program.json ...]
+                            [--jobs 3] [--deadline 450]
 
-Programs are the oracle's own `random_program(seed, ops)`; an expandable seed's program gets
-`expandable_segments:True` in front of its configuration. For each program NAME (`seed-N`
-or `exp-N`) DIR gets NAME.program.json and NAME.result.json in the oracle's formats, with
-three additions:
+Programs are the oracle's own `random_program(seed, ops)`: `seed-N`; `exp-N` gets
+`expandable_segments:True` in front of its configuration; `small-N` are short ones (odd N
+expandable) to find small programs that show a difference; `--program` runs given files
+under their own names. DIR gets NAME.program.json and NAME.result.json in the oracle's
+formats, with these differences from `torch_alloc_oracle.py`:
 
-- one process per (configuration, fraction or not) runs all of its programs one after the
-  other (PyTorch is imported and the extension loaded once); each program starts as the
-  oracle's does (empty_cache, both resets), so no state carries over that a result shows.
-  Expandable programs get a process each: an expandable segment outlives empty_cache.
+- record_stream reaches PyTorch's allocator ("record_stream": "applied" in the result). The
+  oracle's `record()` wraps the pointer in a DataPtr without a deleter, and `recordStream`
+  ignores a DataPtr whose deleter is not the allocator's: there, record_stream does nothing.
+  A self-check at the start says whether a block freed after record_stream on a busy stream
+  stays active.
+- one process per (configuration, fraction or not) runs its programs one after the other
+  (PyTorch is imported and the extension loaded once); each program starts as the oracle's
+  does (empty_cache, both resets) with nothing allocated, so no state a result shows carries
+  over. `exp-N` programs get a process each.
 - "observed": true, and alloc steps may carry "obs": {"done": [...], "maybe": [...]}. When a
   block with uses on other streams is freed at step i, PyTorch records one event per such
   stream s; this script records marker events just before (m0) and just after (m1) that
@@ -48,6 +55,19 @@ static int64_t marker(int64_t stream) {
   C10_CUDA_CHECK(cudaEventRecord(e, (cudaStream_t)stream));
   return (int64_t)e;
 }
+// torch_alloc_oracle.py's record() wraps the pointer in a DataPtr without a deleter, and
+// recordStream ignores a DataPtr whose deleter is not the allocator's own: its record_stream
+// never reaches the allocator. This one gives the DataPtr the allocator's deleter and
+// releases it again, so the block is not freed.
+void record_stream(int64_t ptr, int64_t stream) {
+  auto device = c10::cuda::current_device();
+  auto s = c10::cuda::getStreamFromExternal((cudaStream_t)stream, device);
+  auto deleter = A::get()->raw_deleter();
+  TORCH_CHECK(deleter != nullptr, "the caching allocator has no raw deleter");
+  c10::DataPtr dp((void*)ptr, (void*)ptr, deleter, c10::Device(c10::DeviceType::CUDA, device));
+  A::get()->recordStream(dp, s);
+  (void)dp.release_context();
+}
 void drop_marker(int64_t e) { C10_CUDA_CHECK(cudaEventDestroy((cudaEvent_t)e)); }
 // Frees ptr between marker events on each of `streams`: returns [m0..., m1...].
 std::vector<int64_t> free_marked(int64_t ptr, std::vector<int64_t> streams) {
@@ -73,7 +93,7 @@ std::vector<int64_t> alloc_observed(int64_t bytes, int64_t stream, std::vector<i
 }
 '''
 FUNCTIONS = ["alloc", "free_", "base", "record", "device_mallocs", "drop_marker", "free_marked",
-             "alloc_observed"]
+             "alloc_observed", "record_stream"]
 
 
 def load_ext():
@@ -134,7 +154,7 @@ def run(torch, ext, prog, expandable):
                     ext.free_(p)
         elif k == "record_stream":
             if op[1] in live:
-                ext.record(live[op[1]][0], handles[op[2]])
+                ext.record_stream(live[op[1]][0], handles[op[2]])
                 if op[2] != live[op[1]][1]:
                     live[op[1]][2].add(op[2])
         elif k == "busy":
@@ -160,7 +180,25 @@ def run(torch, ext, prog, expandable):
         ext.free_(p)
     return {"torch": torch.__version__, "conf": prog.get("conf", ""), "fraction": prog.get("fraction"),
             "device_bytes": torch.cuda.get_device_properties(0).total_memory, "segments": segs,
-            "steps": steps, "observed": True}
+            "steps": steps, "observed": True, "record_stream": "applied"}
+
+
+def record_stream_works(torch, ext):
+    """A block freed after record_stream on a busy stream stays active until that stream is
+    done (the check torch_alloc_oracle.py's record() fails)."""
+    torch.cuda.init()
+    torch.cuda.empty_cache()
+    user, busy = torch.cuda.Stream(), torch.cuda.Stream()
+    p = ext.alloc(1 << 20, user.cuda_stream)
+    with torch.cuda.stream(busy):
+        torch.cuda._sleep(100_000_000)
+    ext.record_stream(p, busy.cuda_stream)
+    ext.free_(p)
+    ext.free_(ext.alloc(512, user.cuda_stream))  # processes events: ours is still pending
+    pending = torch.cuda.memory_stats()["active_bytes.all.current"] >= 1 << 20
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    return pending
 
 
 def child(out_dir, names):
@@ -183,6 +221,11 @@ def child(out_dir, names):
               f"fraction {prog['fraction']}, {time.time() - t0:.1f} s", file=sys.stderr, flush=True)
 
 
+def expandable(prog):
+    prog["conf"] = ",".join(filter(None, ["expandable_segments:True", prog["conf"]]))
+    return prog
+
+
 def seeds(text):
     out = []
     for part in filter(None, text.split(",")):
@@ -197,6 +240,9 @@ def main():
     ap.add_argument("--seeds", default="")
     ap.add_argument("--expandable-seeds", default="")
     ap.add_argument("--ops", type=int, default=3000)
+    ap.add_argument("--small-seeds", default="", help="short programs (odd seeds with expandable segments)")
+    ap.add_argument("--small-ops", type=int, default=30)
+    ap.add_argument("--program", nargs="*", default=[], help="NAME.program.json files to run too")
     ap.add_argument("--jobs", type=int, default=4)
     ap.add_argument("--deadline", type=float, default=450, help="seconds; then unfinished groups are stopped")
     ap.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
@@ -207,16 +253,25 @@ def main():
     os.makedirs(os.path.join(args.out, "logs"), exist_ok=True)
     progs = {f"seed-{s}": oracle.random_program(s, args.ops) for s in seeds(args.seeds)}
     for s in seeds(args.expandable_seeds):
-        p = oracle.random_program(s, args.ops)
-        p["conf"] = ",".join(filter(None, ["expandable_segments:True", p["conf"]]))
-        progs[f"exp-{s}"] = p
+        progs[f"exp-{s}"] = expandable(oracle.random_program(s, args.ops))
+    for s in seeds(args.small_seeds):
+        p = oracle.random_program(s, args.small_ops)
+        progs[f"small-{s}"] = expandable(p) if s % 2 else p
+    for path in args.program:
+        progs[os.path.basename(path).removesuffix(".program.json")] = json.load(open(path))
     groups = {}
     for name, p in progs.items():
         json.dump(p, open(os.path.join(args.out, name + ".program.json"), "w"))
-        key = (p["conf"], p["fraction"] is not None, name if "expandable" in p["conf"] else "")
+        own = "expandable" in p["conf"] and name.startswith("exp-")
+        key = (p["conf"], p.get("fraction") is not None, name if own else "")
         groups.setdefault(key, []).append(name)
-    import torch  # noqa: F401  (build the extension once, before the children load it)
-    load_ext()
+    import torch  # (build the extension once, before the children load it)
+    ext = load_ext()
+    try:
+        check = "ok" if record_stream_works(torch, ext) else "FAILED: the freed block was reused"
+    except RuntimeError as e:
+        check = f"FAILED: {e}"
+    print(f"record_stream self-check: {check}", file=sys.stderr, flush=True)
     print(f"extension ready after {time.time() - t0:.0f} s; {len(progs)} programs in {len(groups)} processes",
           file=sys.stderr, flush=True)
     queue, running = sorted(groups.items(), key=lambda g: -len(g[1])), []
