@@ -7,10 +7,14 @@
 //!   `N passed, N failed`;
 //! - `bench`: the criterion benches (they need a GPU; without one they say they skipped);
 //! - `cli-fuzz [--cases N] [--seed S] [--long] [--case N]`: the `ferrocuda` command against
-//!   generated and mutated traces (see [`fuzz`]); `ci` runs it with a fixed seed.
+//!   generated and mutated traces (see [`fuzz`]); `ci` runs it with a fixed seed;
+//! - `alloc-oracle [--strict] [DIR]`: PyTorch's allocator results against ours, step by
+//!   step (see [`oracle`]; DIR defaults to `tests/data/oracle`; `--strict` fails on known
+//!   differences too); `ci` runs it.
 #![forbid(unsafe_code)]
 
 mod fuzz;
+mod oracle;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode, Stdio};
@@ -33,7 +37,16 @@ fn main() -> ExitCode {
             let args: Vec<String> = std::env::args().skip(2).collect();
             fuzz::Options::parse(&args).and_then(|o| cli_fuzz(&o))
         }
-        _ => Err("usage: cargo xtask <ci|gpu-bundle|bench|cli-fuzz>".into()),
+        "alloc-oracle" => {
+            let args: Vec<String> = std::env::args().skip(2).collect();
+            let strict = args.iter().any(|a| a == "--strict");
+            let dir = args.iter().find(|a| *a != "--strict");
+            oracle::alloc_oracle(&dir.map_or_else(oracle_dir, PathBuf::from), strict)
+        }
+        _ => Err(
+            "usage: cargo xtask <ci|gpu-bundle|bench|cli-fuzz|alloc-oracle [--strict] [DIR]>"
+                .into(),
+        ),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -48,6 +61,11 @@ fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .parent()
         .map_or_else(|| PathBuf::from("."), Path::to_path_buf)
+}
+
+/// The committed oracle files.
+fn oracle_dir() -> PathBuf {
+    root().join("tests/data/oracle")
 }
 
 fn cargo(args: &[&str]) -> Result<(), String> {
@@ -108,6 +126,8 @@ fn ci() -> Result<(), String> {
     ])?;
     cargo(&["test", "--workspace"])?;
     cli_fuzz(&fuzz::Options::parse(&[])?)?;
+    eprintln!("+ cargo xtask alloc-oracle {}", oracle_dir().display());
+    oracle::alloc_oracle(&oracle_dir(), false)?;
     doc()
 }
 
