@@ -31,8 +31,11 @@ pub enum WhenUnusable {
     Fresh,
 }
 
-/// A list of addresses for a fake device's successful `malloc`s, in order (see the
-/// [module docs](self)). Give it to [`FakeDriverBuilder::address_plan`](crate::FakeDriverBuilder::address_plan).
+/// A list of addresses for a fake device's successful `malloc`s, in order. A real address
+/// lies outside the fake device's span, so the whole list is moved by one constant: the
+/// lowest address, rounded down to 2 MiB, lands on the span's start (order, distances and
+/// alignment to 2 MiB are kept; [`device_address`](Self::device_address) says where one
+/// lands). Give it to [`FakeDriverBuilder::address_plan`](crate::FakeDriverBuilder::address_plan).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct AddressPlan {
     recorded: Vec<u64>,
