@@ -337,6 +337,9 @@ fn invocation(r: &mut Rng, file: &Path, dir: &Path) -> Invocation {
             if r.chance(30) {
                 args.push("--json".into());
             }
+            if r.chance(30) {
+                args.push("--addresses=recorded".into());
+            }
         }
         "plot" => {
             args.push("-o".into());

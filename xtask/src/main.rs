@@ -12,10 +12,14 @@
 //!   (`crates/alloc/tests/fuzz.rs`) in release, 100 000 programs unless told (CI runs 600
 //!   in the ordinary test run);
 //! - `loom`: the thread cache's slot protocol under `loom` (`--cfg loom`, its own target
-//!   folder); `ci` runs it.
+//!   folder); `ci` runs it;
+//! - `alloc-oracle [DIR]`: PyTorch's allocator results against ours, step by
+//!   step (see [`oracle`]; DIR defaults to `tests/data/oracle`); any difference fails;
+//!   `ci` runs it.
 #![forbid(unsafe_code)]
 
 mod fuzz;
+mod oracle;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode, Stdio};
@@ -48,7 +52,11 @@ fn main() -> ExitCode {
             let args: Vec<String> = std::env::args().skip(2).collect();
             alloc_fuzz(&args)
         }
-        _ => Err("usage: cargo xtask <ci|gpu-bundle|bench|doc|cli-fuzz|alloc-fuzz|loom>".into()),
+        "alloc-oracle" => {
+            let dir = std::env::args().nth(2);
+            oracle::alloc_oracle(&dir.map_or_else(oracle_dir, PathBuf::from))
+        }
+        _ => Err("usage: cargo xtask <ci|gpu-bundle|bench|doc|cli-fuzz|alloc-fuzz|loom|alloc-oracle [DIR]>".into()),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -63,6 +71,11 @@ fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .parent()
         .map_or_else(|| PathBuf::from("."), Path::to_path_buf)
+}
+
+/// The committed oracle files.
+fn oracle_dir() -> PathBuf {
+    root().join("tests/data/oracle")
 }
 
 fn cargo(args: &[&str]) -> Result<(), String> {
@@ -125,6 +138,8 @@ fn ci() -> Result<(), String> {
     cargo(&["test", "--workspace"])?;
     loom()?;
     cli_fuzz(&fuzz::Options::parse(&[])?)?;
+    eprintln!("+ cargo xtask alloc-oracle {}", oracle_dir().display());
+    oracle::alloc_oracle(&oracle_dir())?;
     doc()
 }
 

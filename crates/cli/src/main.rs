@@ -4,12 +4,12 @@
 //! 1; a reader that closes the pipe early ends it quietly with exit code 0.
 #![forbid(unsafe_code)]
 
-use clap::{Parser, Subcommand};
+use clap::{Parser, Subcommand, ValueEnum};
 use ferrocuda_cli::options::{parse_capacity, resolve_confs};
 use ferrocuda_cli::pytorch;
 use ferrocuda_cli::replay::{Figures, replay_with};
 use ferrocuda_cli::report::{plot_html, summary};
-use ferrocuda_cli::trace::{events, read_recording};
+use ferrocuda_cli::trace::{events, read_recording, segment_addresses};
 use ferrocuda_types::format_size;
 use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
@@ -51,6 +51,11 @@ enum Command {
         /// Print a JSON array instead of a table.
         #[arg(long)]
         json: bool,
+        /// Where the fake device puts segments: `fresh` increasing addresses, or the
+        /// `recorded` ones (the trace's segment_alloc events, in order, per device), so
+        /// best-fit ties between segments break as they did in the recording.
+        #[arg(long, value_enum, default_value_t = Addresses::Fresh)]
+        addresses: Addresses,
     },
     /// Prints PyTorch's memory_summary table for a snapshot (current state from its
     /// segments, peaks of requested and reserved bytes from its history).
@@ -66,6 +71,15 @@ enum Command {
         #[arg(short = 'o', long = "output")]
         output: PathBuf,
     },
+}
+
+/// `replay --addresses`.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
+enum Addresses {
+    /// Fresh, increasing addresses.
+    Fresh,
+    /// The trace's segment_alloc addresses, in order.
+    Recorded,
 }
 
 /// How the command ended, other than by succeeding.
@@ -116,7 +130,8 @@ fn run(cli: Cli) -> Result<(), Failure> {
             capacity,
             pytorch_figures,
             json,
-        } => replay_command(&trace, &confs, &capacity, pytorch_figures, json),
+            addresses,
+        } => replay_command(&trace, &confs, &capacity, pytorch_figures, json, addresses),
         Command::Summary { snapshot } => {
             let recording = read_recording(&snapshot)?;
             emit(&summary(&recording.snapshot))
@@ -148,18 +163,19 @@ fn replay_command(
     capacity: &str,
     sidecar: Option<PathBuf>,
     json: bool,
+    addresses: Addresses,
 ) -> Result<(), Failure> {
     // Options first: a bad one is reported before any file is read or replay is run.
     let capacity = parse_capacity(capacity)?;
     let (confs, conf_note) = resolve_confs(flags, |k| std::env::var(k).ok())?;
     let recording = read_recording(trace)?;
-    let devices: Vec<(u16, Vec<_>)> = recording
+    let devices: Vec<(u16, Vec<_>, Vec<u64>)> = recording
         .snapshot
         .device_traces
         .iter()
         .enumerate()
         .filter(|(_, t)| !t.is_empty())
-        .map(|(d, t)| Ok((u16::try_from(d)?, events(t))))
+        .map(|(d, t)| Ok((u16::try_from(d)?, events(t), segment_addresses(t))))
         .collect::<Result<_, std::num::TryFromIntError>>()
         .map_err(|_| "more than 65536 device traces")?;
     if devices.is_empty() {
@@ -175,18 +191,25 @@ fn replay_command(
         )));
     }
     let reference = pytorch::find(trace, &recording, sidecar.as_deref())?;
-    let total: usize = devices.iter().map(|(_, e)| e.len()).sum();
+    let total: usize = devices.iter().map(|(_, e, _)| e.len()).sum();
     let bar = progress_bar((total * confs.len()) as u64);
     let mut columns = Vec::new();
     let mut done = 0u64;
-    for (device, events) in &devices {
+    for (device, events, recorded) in &devices {
+        let plan = (addresses == Addresses::Recorded).then_some(recorded.as_slice());
         for conf in &confs {
-            let (mut figures, _) =
-                replay_with(events, &conf.label, conf.config.clone(), capacity, |n| {
+            let (mut figures, _) = replay_with(
+                events,
+                &conf.label,
+                conf.config.clone(),
+                capacity,
+                plan,
+                |n| {
                     if let Some(b) = &bar {
                         b.set_position(done + n);
                     }
-                })?;
+                },
+            )?;
             done += events.len() as u64;
             figures.device = *device;
             if *device == 0 {
@@ -207,7 +230,7 @@ fn replay_command(
     } else {
         let text: Vec<String> = devices
             .iter()
-            .map(|(d, _)| {
+            .map(|(d, _, _)| {
                 let of_device: Vec<Figures> =
                     columns.iter().filter(|c| c.device == *d).cloned().collect();
                 table(*d, devices.len() > 1, &of_device)
@@ -271,6 +294,12 @@ fn table(device: u16, heading: bool, columns: &[Figures]) -> String {
             format!("{:.2e}", f.events as f64 / f.seconds.max(1e-9))
         }),
     ];
+    if columns.iter().any(|c| c.addresses.is_some()) {
+        rows.push(("recorded addresses used", |f| match f.addresses {
+            Some(a) => format!("{} of {}, {} fresh", a.used, a.recorded, a.fresh),
+            None => "-".into(),
+        }));
+    }
     if columns.iter().any(|c| c.pytorch.is_some()) {
         rows.extend::<[Row; 5]>([
             ("  PyTorch peak requested", |f| {

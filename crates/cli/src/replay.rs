@@ -2,6 +2,7 @@
 use crate::pytorch::PytorchFigures;
 use crate::trace::{Action, Event};
 use ferrocuda_alloc::{AllocError, CachingAllocator};
+use ferrocuda_driver::fake::{AddressPlan, AddressPlanError, PlanUse, WhenUnusable};
 use ferrocuda_driver::{Driver, FakeDriver};
 use ferrocuda_types::{AllocatorConfig, DeviceIndex, DevicePtr, StreamFlags, StreamHandle};
 use std::collections::HashMap;
@@ -38,6 +39,31 @@ pub struct Figures {
     /// PyTorch's own figures for this trace and configuration, when known.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub pytorch: Option<PytorchFigures>,
+    /// With recorded addresses: how many segments got theirs.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub addresses: Option<AddressUse>,
+}
+
+/// How a replay with recorded addresses used them.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct AddressUse {
+    /// `segment_alloc` addresses in the trace.
+    pub recorded: usize,
+    /// Segments placed at their recorded address.
+    pub used: usize,
+    /// Segments placed at a fresh address (the replay diverged from the recording, or the
+    /// record ran out).
+    pub fresh: usize,
+}
+
+impl From<PlanUse> for AddressUse {
+    fn from(u: PlanUse) -> AddressUse {
+        AddressUse {
+            recorded: u.len,
+            used: u.planned,
+            fresh: u.fresh,
+        }
+    }
 }
 
 /// Why a replay stopped.
@@ -63,6 +89,9 @@ pub enum ReplayError {
     /// The allocator's books disagree with a recount of its blocks (a bug).
     #[error("allocator invariant broken after the replay: {0}")]
     Invariant(String),
+    /// The trace's segment addresses cannot be handed out (`--addresses recorded`).
+    #[error("--addresses recorded: the trace's segment_alloc addresses: {0}")]
+    Addresses(#[from] AddressPlanError),
 }
 
 /// Replays `events` (one device's trace) through a fresh allocator configured with `conf`,
@@ -78,23 +107,29 @@ pub fn replay(
         source,
     })?;
     let label = if conf.is_empty() { "default" } else { conf };
-    replay_with(events, label, config, capacity, progress)
+    replay_with(events, label, config, capacity, None, progress)
 }
 
-/// [`replay`] with a parsed configuration, shown as `label` in the figures.
+/// [`replay`] with a parsed configuration, shown as `label` in the figures. With
+/// `addresses` (the trace's [`segment_addresses`](crate::trace::segment_addresses)), the
+/// fake device hands them out to its `malloc`s in order, so best-fit ties between segments
+/// break as they did in the recording; where the replay's segments stop matching the
+/// recording's (another configuration), a segment whose recorded place is taken, and every
+/// segment past the record, gets a fresh address above them all.
 pub fn replay_with(
     events: &[Event],
     label: &str,
     config: AllocatorConfig,
     capacity: u64,
+    addresses: Option<&[u64]>,
     mut progress: impl FnMut(u64),
 ) -> Result<(Figures, CachingAllocator), ReplayError> {
-    let fake = Arc::new(
-        FakeDriver::builder()
-            .capacity(capacity)
-            .backing(false)
-            .build(),
-    );
+    let mut builder = FakeDriver::builder().capacity(capacity).backing(false);
+    if let Some(list) = addresses {
+        let plan = AddressPlan::new(list.to_vec(), WhenUnusable::Fresh)?;
+        builder = builder.address_plan(DEV, plan);
+    }
+    let fake = Arc::new(builder.build());
     let allocator = CachingAllocator::new(fake.clone(), DEV, config, true)
         .map_err(|source| ReplayError::Allocator { index: 0, source })?;
     let mut streams: HashMap<u64, StreamHandle> = HashMap::new();
@@ -178,6 +213,7 @@ pub fn replay_with(
         events: events.len() as u64,
         seconds,
         pytorch: None,
+        addresses: fake.address_plan_use(DEV).map(AddressUse::from),
     };
     Ok((figures, allocator))
 }

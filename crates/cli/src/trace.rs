@@ -265,6 +265,16 @@ pub fn events(trace: &[TraceEntry]) -> Vec<Event> {
         .collect()
 }
 
+/// The addresses of a device trace's `segment_alloc` events (the recording's `cudaMalloc`s),
+/// in order: what `replay --addresses recorded` hands out.
+pub fn segment_addresses(trace: &[TraceEntry]) -> Vec<u64> {
+    trace
+        .iter()
+        .filter(|e| e.action == "segment_alloc")
+        .map(|e| e.addr)
+        .collect()
+}
+
 /// The device traces of a snapshot file: one event list per device.
 pub fn read_device_traces(path: &Path) -> Result<Vec<Vec<Event>>, TraceError> {
     let snapshot = read_snapshot(path)?;

@@ -428,3 +428,47 @@ fn summary_says_where_each_figure_comes_from() -> TestResult {
     }
     Ok(())
 }
+
+#[test]
+fn recorded_addresses_are_checked_and_used_per_device() -> TestResult {
+    let dir = scratch("addresses")?;
+    let path = dir.join("addresses.pickle");
+    let mib = 1u64 << 20;
+    let dev = |segment: u64| {
+        json!([
+            event("segment_alloc", segment, 20 * mib),
+            event("alloc", segment, 4 * mib),
+            event("free_completed", segment, 4 * mib)
+        ])
+    };
+    write_pickle(
+        &path,
+        &snapshot(json!([dev(0x7f00_0000_0000), dev(0x7e00_0000_0000)])),
+    )?;
+    let p = path.to_string_lossy();
+    let out = ferrocuda(&["replay", &p, "--json", "--addresses", "recorded"])?;
+    assert!(out.status.success(), "{}", stderr(&out));
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+    for row in json.as_array().ok_or("an array")? {
+        let used = &row["addresses"];
+        assert_eq!(
+            (&used["recorded"], &used["used"]),
+            (&json!(1), &json!(1)),
+            "{json}"
+        );
+    }
+    let out = ferrocuda(&["replay", &p])?;
+    assert!(
+        !stdout(&out).contains("recorded addresses"),
+        "{}",
+        stdout(&out)
+    );
+    // An address no cudaMalloc returns is refused with the culprit.
+    write_pickle(&path, &snapshot(json!([dev(0x7f00_0000_0100)])))?;
+    let out = ferrocuda(&["replay", &p, "--addresses", "recorded"])?;
+    assert_one_line_failure(&out, &["--addresses recorded", "0x7f0000000100", "512"]);
+    let out = ferrocuda(&["replay", &p, "--addresses", "somewhere"])?;
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    let _ = std::fs::remove_dir_all(dir);
+    Ok(())
+}

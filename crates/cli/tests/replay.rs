@@ -2,8 +2,9 @@
 //! `tests/data/`):
 //! with the default configuration ferrocuda's allocator must reproduce PyTorch's own figures
 //! exactly, and its books must equal a recount of its blocks (checked inside `replay`).
-use ferrocuda_cli::replay::replay;
-use ferrocuda_cli::trace::{Action, read_device_traces};
+use ferrocuda_cli::replay::{AddressUse, replay, replay_with};
+use ferrocuda_cli::trace::{Action, events, read_device_traces, read_recording, segment_addresses};
+use ferrocuda_types::AllocatorConfig;
 use std::path::Path;
 use std::process::Command;
 
@@ -60,6 +61,47 @@ fn default_config_reproduces_pytorch_exactly() -> TestResult {
             f.peak_allocated
         );
         assert_eq!(f.num_ooms, 0);
+    }
+    Ok(())
+}
+
+/// With the recording's own segment addresses (`--addresses recorded`) best-fit ties break
+/// as they did, and every figure is PyTorch's, peak allocated bytes included.
+#[test]
+fn recorded_addresses_make_every_default_figure_exact() -> TestResult {
+    for model in ["gpt2_train", "resnet50_train"] {
+        let recording = read_recording(&data(&format!("{model}.pickle.xz")))?;
+        let trace = &recording.snapshot.device_traces[0];
+        let recorded = segment_addresses(trace);
+        let config = AllocatorConfig::default();
+        let (f, _) = replay_with(
+            &events(trace),
+            "default",
+            config,
+            80 << 30,
+            Some(&recorded),
+            |_| {},
+        )?;
+        for (ours, key) in [
+            (f.peak_requested, "peak_requested"),
+            (f.peak_allocated, "peak_allocated"),
+            (f.peak_reserved, "peak_reserved"),
+            (f.num_device_alloc, "num_device_alloc"),
+            (f.num_device_free, "num_device_free"),
+        ] {
+            assert_eq!(
+                ours,
+                pytorch_figure(model, "default", key)?,
+                "{model} {key}"
+            );
+        }
+        let all = recorded.len();
+        let used = AddressUse {
+            recorded: all,
+            used: all,
+            fresh: 0,
+        };
+        assert_eq!(f.addresses, Some(used), "{model}");
     }
     Ok(())
 }

@@ -16,6 +16,8 @@ pub struct DriverError {
 
 /// Every `CUresult` of CUDA 13.0 with its name.
 static TABLE: &[(i32, &str)] = &[
+    (-6, "FERROCUDA_ADDRESS_PLAN_CONFLICT"),
+    (-5, "FERROCUDA_ADDRESS_PLAN_EXHAUSTED"),
     (-4, "FERROCUDA_BAD_FORK"),
     (-3, "FERROCUDA_NVRTC_LIBRARY_NOT_FOUND"),
     (-2, "FERROCUDA_KERNEL_NOT_REGISTERED"),
@@ -158,6 +160,18 @@ impl DriverError {
     pub const BAD_FORK: DriverError = DriverError {
         code: -4,
         name: "FERROCUDA_BAD_FORK",
+    };
+    /// A fake device in address mode with a strict plan was asked for more `malloc`s than
+    /// the plan has addresses.
+    pub const ADDRESS_PLAN_EXHAUSTED: DriverError = DriverError {
+        code: -5,
+        name: "FERROCUDA_ADDRESS_PLAN_EXHAUSTED",
+    };
+    /// A fake device in address mode with a strict plan: the next planned address would
+    /// overlap memory still allocated (the program diverged from the recording).
+    pub const ADDRESS_PLAN_CONFLICT: DriverError = DriverError {
+        code: -6,
+        name: "FERROCUDA_ADDRESS_PLAN_CONFLICT",
     };
     /// `CUDA_ERROR_INVALID_VALUE` (1).
     pub const INVALID_VALUE: DriverError = DriverError {

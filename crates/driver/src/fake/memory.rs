@@ -2,6 +2,7 @@
 //! once written, and mappings from addresses to chunks (the virtual-memory API's model; a
 //! plain `malloc` is a chunk mapped at a fresh address).
 use crate::DriverError;
+use crate::fake::addresses::{AddressPlan, PLAN_REGION, PlanCursor, PlanUse};
 use ferrocuda_types::{DeviceIndex, DevicePtr};
 use std::collections::{BTreeMap, HashMap};
 
@@ -11,6 +12,11 @@ const PAGE: u64 = 64 * 1024;
 const DEVICE_SPAN_BITS: u32 = 44;
 /// Allocation and mapping granularity, as on H100/H200.
 pub(crate) const GRANULARITY: u64 = 2 << 20;
+
+/// The first address of device `dev`'s span.
+pub(crate) fn span_start(dev: DeviceIndex) -> u64 {
+    (u64::from(dev.0) + 1) << DEVICE_SPAN_BITS
+}
 
 pub(crate) fn device_of(ptr: DevicePtr) -> Option<DeviceIndex> {
     let slot = ptr.0 >> DEVICE_SPAN_BITS;
@@ -40,6 +46,8 @@ struct DeviceSpace {
     mappings: BTreeMap<u64, Mapping>,
     reservations: BTreeMap<u64, u64>,
     mallocs: HashMap<u64, u64>,
+    /// Address mode: where the next `malloc`s go.
+    plan: Option<PlanCursor>,
 }
 
 /// All fake device memory of one [`FakeDriver`](crate::FakeDriver).
@@ -64,6 +72,7 @@ impl Memory {
                 mappings: BTreeMap::new(),
                 reservations: BTreeMap::new(),
                 mallocs: HashMap::new(),
+                plan: None,
             })
             .collect();
         Memory {
@@ -90,6 +99,24 @@ impl Memory {
 
     pub(crate) fn capacity(&self, dev: DeviceIndex) -> u64 {
         self.devices.get(dev.as_usize()).map_or(0, |s| s.capacity)
+    }
+
+    /// Puts device `dev` in address mode (before anything was allocated on it): `malloc`s
+    /// follow `plan`, fresh addresses and reservations come from above the planned region.
+    /// A device the memory does not have is left alone.
+    pub(crate) fn set_plan(&mut self, dev: DeviceIndex, plan: &AddressPlan) {
+        if let Some(space) = self.devices.get_mut(dev.as_usize()) {
+            space.plan = Some(PlanCursor::new(plan, dev));
+            space.next_va = space.next_va.max(span_start(dev) + PLAN_REGION);
+        }
+    }
+
+    /// How device `dev`'s `malloc`s used its plan (`None` without one).
+    pub(crate) fn plan_use(&self, dev: DeviceIndex) -> Option<PlanUse> {
+        self.devices
+            .get(dev.as_usize())
+            .and_then(|s| s.plan.as_ref())
+            .map(PlanCursor::used)
     }
 
     /// Fresh addresses of the device's span (never reused); out of memory once the span is
@@ -223,7 +250,7 @@ impl Memory {
             .range(..=at.0)
             .next_back()
             .is_some_and(|(&b, &l)| at.0 + len <= b + l);
-        if !inside || Self::overlaps(space, at.0, len) {
+        if !inside || Self::overlaps(&space.mappings, at.0, len) {
             return Err(DriverError::INVALID_VALUE);
         }
         space.mappings.insert(
@@ -240,10 +267,10 @@ impl Memory {
         Ok(())
     }
 
-    fn overlaps(space: &DeviceSpace, start: u64, len: u64) -> bool {
-        let before = space.mappings.range(..start).next_back();
+    fn overlaps(mappings: &BTreeMap<u64, Mapping>, start: u64, len: u64) -> bool {
+        let before = mappings.range(..start).next_back();
         before.is_some_and(|(&s, m)| s + m.len > start)
-            || space.mappings.range(start..start + len).next().is_some()
+            || mappings.range(start..start + len).next().is_some()
     }
 
     /// The mappings that exactly tile `[at, at + bytes)`, or an error.
@@ -300,17 +327,27 @@ impl Memory {
     ) -> Result<DevicePtr, DriverError> {
         let chunk = self.create_chunk(dev, bytes)?;
         let space = self.space(dev)?;
-        let at = match Self::take_va(space, round_up(bytes, GRANULARITY), GRANULARITY) {
+        let len = round_up(bytes, GRANULARITY);
+        let planned = match space.plan.as_mut() {
+            // Reservations lie above the planned region: only mappings can be in the way.
+            Some(plan) => plan.take(len, |at, len| Self::overlaps(&space.mappings, at, len)),
+            None => Ok(None),
+        };
+        let at = match planned.and_then(|p| match p {
+            Some(at) => Ok(DevicePtr(at)),
+            None => Self::take_va(space, len, GRANULARITY),
+        }) {
             Ok(at) => at,
             Err(e) => {
                 self.release_chunk(chunk)?;
                 return Err(e);
             }
         };
+        let space = self.space(dev)?;
         space.mappings.insert(
             at.0,
             Mapping {
-                len: round_up(bytes, GRANULARITY),
+                len,
                 chunk,
                 accessible: true,
             },

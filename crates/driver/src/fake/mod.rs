@@ -9,9 +9,15 @@
 //! It is initialised as a CUDA process is: by its first driver act (its `cuInit`), which marks
 //! the process for [`fork`](crate::fork) safety; in a child forked after that, every act fails
 //! with [`DriverError::BAD_FORK`]. Its NVML answers what [`FakeDriverBuilder::nvml`] says.
+//! Device memory comes at fresh, increasing addresses, or, in address mode
+//! ([`FakeDriverBuilder::address_plan`]), at a recorded list of addresses in order (what a
+//! real driver gave PyTorch), so differential tests and replays break best-fit ties as the
+//! recording did. [`FakeDriverBuilder::capacity`] sets the device's total memory.
+mod addresses;
 mod memory;
 mod work;
 
+pub use addresses::{AddressPlan, AddressPlanError, PLAN_REGION, PlanUse, WhenUnusable};
 pub use work::{HostKernel, KernelContext};
 
 use crate::{CompileError, Driver, DriverError, NvmlError};
@@ -115,6 +121,7 @@ pub struct FakeDriverBuilder {
     backing: bool,
     launch_blocking: bool,
     nvml: Result<usize, NvmlError>,
+    plans: Vec<(DeviceIndex, AddressPlan)>,
 }
 
 impl Default for FakeDriverBuilder {
@@ -128,6 +135,7 @@ impl Default for FakeDriverBuilder {
             nvml: Err(NvmlError::LibraryNotFound(
                 "the fake device has no NVML (FakeDriverBuilder::nvml gives it one)".into(),
             )),
+            plans: Vec::new(),
         }
     }
 }
@@ -138,7 +146,9 @@ impl FakeDriverBuilder {
         self.devices = n.min(usize::from(u16::MAX));
         self
     }
-    /// Memory per device in bytes (default 80 GiB).
+    /// Memory per device in bytes (default 80 GiB): what `mem_get_info` and the device
+    /// properties report as total, so a memory fraction means what it means on a GPU of
+    /// that size, and the limit above which `malloc` runs out of memory.
     pub fn capacity(mut self, bytes: u64) -> Self {
         self.capacity = bytes;
         self
@@ -166,8 +176,22 @@ impl FakeDriverBuilder {
         self.nvml = answer;
         self
     }
+
+    /// Address mode for device `dev`: its successful `malloc`s take `plan`'s addresses in
+    /// order (moved into the device's span, see [`AddressPlan`]). Replaces an earlier plan
+    /// for `dev`; a plan for a device the driver does not have is never used.
+    pub fn address_plan(mut self, dev: DeviceIndex, plan: AddressPlan) -> Self {
+        self.plans.retain(|(d, _)| *d != dev);
+        self.plans.push((dev, plan));
+        self
+    }
+
     /// The driver.
     pub fn build(self) -> FakeDriver {
+        let mut memory = Memory::new(self.devices, self.capacity, self.backing);
+        for (dev, plan) in &self.plans {
+            memory.set_plan(*dev, plan);
+        }
         let streams = (0..self.devices as u16)
             .map(|d| {
                 (
@@ -186,7 +210,7 @@ impl FakeDriverBuilder {
             state: Mutex::new(State {
                 devices: self.devices,
                 completion: self.completion,
-                memory: Memory::new(self.devices, self.capacity, self.backing),
+                memory,
                 streams,
                 events: HashMap::new(),
                 modules: HashMap::new(),
@@ -434,6 +458,11 @@ impl FakeDriver {
         let st = self.state.lock();
         let key = st.stream_key(stream)?;
         Ok(st.streams.get(&key).map_or(0, |s| s.queue.len()))
+    }
+
+    /// How device `dev`'s `malloc`s used its address plan so far (`None` without one).
+    pub fn address_plan_use(&self, dev: DeviceIndex) -> Option<PlanUse> {
+        self.state.lock().memory.plan_use(dev)
     }
 
     /// Host bytes that back touched device memory.
