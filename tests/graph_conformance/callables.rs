@@ -1,8 +1,8 @@
 //! Graphed callables (`make_graphed_callables`).
 use crate::{D0, N, Setup, TestResult};
 use ferrocuda::graph::{Callable, GraphError, GraphedOptions, make_graphed_callables};
-use ferrocuda::stream::DeviceBuffer;
 use ferrocuda::stream::conformance::Harness;
+use ferrocuda::stream::{DeviceBuffer, StreamError};
 
 /// `make_graphed_callables`: warm-up runs, one shared pool, static inputs copied into only
 /// when a different buffer is passed, outputs chained from one callable to the next, the
@@ -100,4 +100,42 @@ pub(crate) fn graphed_callables_chain(h: &Harness) -> TestResult {
         })
     ));
     Ok(())
+}
+
+/// A call refused for an input of the wrong length changes nothing: no static input is
+/// written, and in debug builds the replay order does not advance, so the next correct call
+/// of the same callable is served.
+pub(crate) fn graphed_callable_refused_call_changes_nothing(h: &Harness) -> TestResult {
+    let s = Setup::new(h)?;
+    let scaled = |a: f32| -> Callable<'_, f32> {
+        let s = &s;
+        Box::new(move |inputs| {
+            let y = DeviceBuffer::<f32>::uninit(&s.h.rt, D0, N)?;
+            s.scale(&s.h.rt.current_stream(D0)?, &y, &inputs[0], a)?;
+            Ok(vec![y])
+        })
+    };
+    let graphed = make_graphed_callables(
+        &s.h.rt,
+        &s.allocators,
+        D0,
+        vec![scaled(2.0), scaled(3.0)],
+        vec![vec![s.buffer(1.0)?], vec![s.buffer(1.0)?]],
+        GraphedOptions::default(),
+    )?;
+    let stream = s.h.rt.current_stream(D0)?;
+    let short = DeviceBuffer::<f32>::filled(&s.h.rt, D0, N / 2, 5.0)?;
+    assert_eq!(
+        graphed.call(0, &[&short]).err(),
+        Some(GraphError::Stream(StreamError::LengthMismatch {
+            expected: N,
+            found: N / 2
+        }))
+    );
+    s.expect(&stream, &graphed.inputs(0)?[0], 1.0, "the static input")?;
+    let x = s.buffer(4.0)?;
+    let y = graphed.call(0, &[&x])?;
+    s.expect(&stream, &y[0], 8.0, "the next call of callable 0 runs")?;
+    let z = graphed.call(1, &[&y[0]])?;
+    s.expect(&stream, &z[0], 24.0, "then callable 1")
 }

@@ -1,10 +1,10 @@
 //! Capture and replay, private pools and their lifetime, the capture rules as typed errors,
 //! pool sharing, fork/join, THREAD_LOCAL captures, exact memory statistics.
 use crate::{D0, N, Setup, TestResult};
-use ferrocuda::graph::{CaptureMode, CudaGraph, GraphError};
-use ferrocuda::stream::DeviceBuffer;
+use ferrocuda::graph::{CaptureMode, CudaGraph, GraphError, PoolId};
 use ferrocuda::stream::conformance::Harness;
-use ferrocuda::types::DeviceIndex;
+use ferrocuda::stream::{DeviceBuffer, Stream};
+use ferrocuda::types::{CaptureStatus, DeviceIndex};
 
 /// The `torch.cuda.graph` documentation example: fill the static input, replay, read the
 /// static output, which was allocated inside the capture from the graph's private pool.
@@ -149,9 +149,10 @@ pub(crate) fn capture_rules_are_typed_errors(h: &Harness) -> TestResult {
     Ok(())
 }
 
-/// A panic inside a capture ends it and releases its pool (PyTorch leaks both); the next
-/// capture on the same stream works.
-pub(crate) fn panic_inside_capture_releases_pool(h: &Harness) -> TestResult {
+/// A capture left without `end` (a panic, or an early return through `?`) after a kernel
+/// was launched into it leaves no half graph: the capture is over, the graph is empty, the
+/// pool's use is released (PyTorch leaks it) and the next capture into the same graph works.
+pub(crate) fn a_capture_left_without_end_is_discarded(h: &Harness) -> TestResult {
     let s = Setup::new(h)?;
     let g = s.graph()?;
     let stream = s.h.rt.new_stream(D0, 0)?;
@@ -161,6 +162,7 @@ pub(crate) fn panic_inside_capture_releases_pool(h: &Harness) -> TestResult {
         if let Ok(_capture) = g.capture(Some(&stream), None, CaptureMode::ThreadLocal) {
             seen = g.pool();
             let _kept = DeviceBuffer::<f32>::uninit(&s.h.rt, D0, N);
+            let _ = s.add_one(&stream, &x);
             std::panic::resume_unwind(Box::new("a panic inside the capture"));
         }
     }));
@@ -168,24 +170,51 @@ pub(crate) fn panic_inside_capture_releases_pool(h: &Harness) -> TestResult {
         unwound.is_err(),
         "the capture began and the closure unwound"
     );
-    let pool = seen.ok_or("the capture held a pool")?;
-    assert_eq!(g.pool(), None);
+    expect_discarded(&s, &g, &stream, seen.ok_or("the capture held a pool")?)?;
+
+    let mut returned_early = || -> TestResult {
+        let _capture = g.capture(Some(&stream), None, CaptureMode::ThreadLocal)?;
+        seen = g.pool();
+        let _kept = DeviceBuffer::<f32>::uninit(&s.h.rt, D0, N)?;
+        s.add_one(&stream, &x)?;
+        Err("an error inside the capture".into())
+    };
+    assert!(returned_early().is_err());
+    expect_discarded(&s, &g, &stream, seen.ok_or("the capture held a pool")?)?;
+
+    let capture = g.capture(Some(&stream), None, CaptureMode::ThreadLocal)?;
+    s.add_one(&stream, &x)?;
+    capture.end()?;
+    g.replay(&stream)?;
+    s.expect(&stream, &x, 2.0, "only the last capture's kernel ran")?;
+    Ok(())
+}
+
+/// `g`, whose capture on `stream` into `pool` was left without `end`, holds nothing.
+fn expect_discarded(s: &Setup, g: &CudaGraph, stream: &Stream, pool: PoolId) -> TestResult {
+    assert_eq!(g.pool(), None, "the graph holds no pool");
     assert_eq!(
         s.pool_users(pool)?,
         Some(0),
-        "the panicking capture released its pool"
+        "the capture released its pool"
     );
+    assert_eq!(
+        s.h.rt.driver().stream_capture_status(stream.handle())?,
+        CaptureStatus::None,
+        "the capture is over"
+    );
+    assert_eq!(
+        g.replay(stream),
+        Err(GraphError::NothingCaptured),
+        "no half graph is kept"
+    );
+    assert_eq!(g.node_count(), Err(GraphError::NothingCaptured));
     s.allocators.device(D0)?.empty_cache();
     assert_eq!(
         s.pool_users(pool)?,
         None,
         "its memory goes back at the next empty_cache"
     );
-    let capture = g.capture(Some(&stream), None, CaptureMode::ThreadLocal)?;
-    s.add_one(&stream, &x)?;
-    capture.end()?;
-    g.replay(&stream)?;
-    s.expect(&stream, &x, 2.0, "x")?;
     Ok(())
 }
 

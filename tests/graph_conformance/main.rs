@@ -102,32 +102,39 @@ mod mlp;
 mod rng;
 mod update_inputs;
 
-use callables::graphed_callables_chain;
+use callables::{graphed_callable_refused_call_changes_nothing, graphed_callables_chain};
 use capture::{
-    capture_memory_outlives_reset, capture_rules_are_typed_errors,
-    concurrent_replay_with_separate_pools, forked_streams_join_the_capture,
-    graph_memory_stats_after_destroy, graph_replays_on_static_buffers, graphs_share_a_pool,
-    panic_inside_capture_releases_pool, record_stream_during_capture_defers_free,
+    a_capture_left_without_end_is_discarded, capture_memory_outlives_reset,
+    capture_rules_are_typed_errors, concurrent_replay_with_separate_pools,
+    forked_streams_join_the_capture, graph_memory_stats_after_destroy,
+    graph_replays_on_static_buffers, graphs_share_a_pool, record_stream_during_capture_defers_free,
     thread_local_capture_ignores_other_threads, three_graphs_share_one_segment,
 };
 use mlp::mlp_step_whole_and_partial_capture;
 use rng::rng_replays_match_eager;
-use update_inputs::update_inputs_patches_pointers;
+use update_inputs::{
+    update_inputs_patches_pointers, update_inputs_refuses_a_node_it_cannot_repoint,
+    update_inputs_repoints_interior_pointers, update_inputs_repoints_memset_and_memcpy,
+};
 
 ferrocuda::stream::both_backends!(
     graph_replays_on_static_buffers,
     capture_memory_outlives_reset,
     capture_rules_are_typed_errors,
-    panic_inside_capture_releases_pool,
+    a_capture_left_without_end_is_discarded,
     graphs_share_a_pool,
     forked_streams_join_the_capture,
     thread_local_capture_ignores_other_threads,
     graphed_callables_chain,
+    graphed_callable_refused_call_changes_nothing,
     graph_memory_stats_after_destroy,
     record_stream_during_capture_defers_free,
     concurrent_replay_with_separate_pools,
     rng_replays_match_eager,
     update_inputs_patches_pointers,
+    update_inputs_repoints_memset_and_memcpy,
+    update_inputs_repoints_interior_pointers,
+    update_inputs_refuses_a_node_it_cannot_repoint,
     mlp_step_whole_and_partial_capture,
     three_graphs_share_one_segment,
 );
