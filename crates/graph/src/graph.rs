@@ -258,45 +258,81 @@ impl CudaGraph {
     /// Ends the capture and instantiates the graph (`capture_end`). On failure the capture
     /// is over, the allocator no longer routes to the pool, and the pool is released.
     pub fn capture_end(&self) -> Result<(), GraphError> {
+        self.finish_capture(true)
+    }
+
+    /// Ends the capture and throws away what it recorded: the graph is left empty and its
+    /// use of the pool is released (what a [`CaptureGuard`] dropped without `end` does).
+    fn discard_capture(&self) -> Result<(), GraphError> {
+        self.finish_capture(false)
+    }
+
+    /// Ends the capture, stops the allocator's routing and the generators' recording, then
+    /// keeps the graph (`keep`) or destroys it; a graph not kept releases the pool.
+    fn finish_capture(&self, keep: bool) -> Result<(), GraphError> {
         let mut st = self.state.lock();
+        if st.capturing.is_none() {
+            return Err(GraphError::NotCapturing);
+        }
+        let allocator = self.allocators.device(self.device)?;
         let (Some(stream), Some(pool)) = (st.capturing.take(), st.pool) else {
             return Err(GraphError::NotCapturing);
         };
-        let allocator = self.allocators.device(self.device)?;
         let unrouted = allocator.end_allocate_to_pool(pool);
         for (generator, increment) in &mut st.generators {
-            *increment = generator.capture_epilogue();
+            let drawn = generator.capture_epilogue();
+            *increment = if keep { drawn } else { 0 };
         }
         let ended = self.driver().stream_end_capture(stream.handle());
-        let result = match ended {
-            Ok(graph) => match self.driver().graph_node_count(graph) {
-                Ok(0) => {
-                    let _ = self.driver().graph_destroy(graph);
-                    Err(GraphError::EmptyCapture)
-                }
-                Ok(_) => match self.driver().graph_instantiate(graph) {
-                    Ok(exec) => {
-                        st.graph = Some(graph);
-                        st.exec = Some(exec);
-                        Ok(())
-                    }
-                    Err(e) => {
-                        let _ = self.driver().graph_destroy(graph);
-                        Err(e.into())
-                    }
-                },
-                Err(e) => Err(e.into()),
-            },
-            Err(e) if e == DriverError::STREAM_CAPTURE_UNJOINED => Err(GraphError::Unjoined),
-            Err(e) if e == DriverError::STREAM_CAPTURE_INVALIDATED => Err(GraphError::Invalidated),
-            Err(e) => Err(e.into()),
+        let result = if keep {
+            self.keep_graph(&mut st, ended)
+        } else {
+            if let Ok(graph) = ended {
+                let _ = self.driver().graph_destroy(graph);
+            }
+            Ok(())
         };
-        if result.is_err() {
+        if !keep || result.is_err() {
             st.pool = None;
             let _ = allocator.release_pool(pool);
         }
         unrouted?;
         result
+    }
+
+    /// Instantiates the graph a capture ended with, or says why there is none (destroying
+    /// what the driver returned).
+    fn keep_graph(
+        &self,
+        st: &mut State,
+        ended: Result<GraphHandle, DriverError>,
+    ) -> Result<(), GraphError> {
+        let graph = match ended {
+            Ok(graph) => graph,
+            Err(e) if e == DriverError::STREAM_CAPTURE_UNJOINED => {
+                return Err(GraphError::Unjoined);
+            }
+            Err(e) if e == DriverError::STREAM_CAPTURE_INVALIDATED => {
+                return Err(GraphError::Invalidated);
+            }
+            Err(e) => return Err(e.into()),
+        };
+        let exec = match self.driver().graph_node_count(graph) {
+            Ok(0) => Err(GraphError::EmptyCapture),
+            Ok(_) => self.driver().graph_instantiate(graph).map_err(Into::into),
+            Err(e) => Err(e.into()),
+        };
+        match exec {
+            Ok(exec) => {
+                st.graph = Some(graph);
+                st.exec = Some(exec);
+                Ok(())
+            }
+            Err(e) => {
+                let _ = self.driver().graph_destroy(graph);
+                Err(e)
+            }
+        }
     }
 
     /// Launches the captured work on `stream` (`replay`; any stream of the device). Each
@@ -375,7 +411,7 @@ impl CudaGraph {
         let mut st = self.state.lock();
         if st.capturing.is_some() {
             drop(st);
-            let _ = self.capture_end();
+            let _ = self.discard_capture();
             st = self.state.lock();
         }
         if let Some(exec) = st.exec.take() {
@@ -422,9 +458,10 @@ impl Drop for CudaGraph {
 }
 
 /// An open capture (`with torch.cuda.graph(...)`): the capture stream is current until it
-/// ends. [`CaptureGuard::end`] ends it and reports errors; dropping the guard without
-/// `end` (an early return, a `?`, a panic) ends it too, and releases the pool of a capture
-/// that failed.
+/// ends. [`CaptureGuard::end`] ends it, keeps the graph and reports errors. Dropping the
+/// guard without `end` (an early return, a `?`, a panic) discards the capture: it is ended,
+/// what it recorded is destroyed, the allocator stops routing to the pool and the graph's
+/// use of the pool is released, so no half graph is kept and the graph can capture again.
 #[derive(Debug)]
 #[must_use = "the capture ends when the guard drops"]
 pub struct CaptureGuard<'a> {
@@ -440,7 +477,7 @@ impl CaptureGuard<'_> {
         &self.stream
     }
 
-    /// Ends the capture and instantiates the graph.
+    /// Ends the capture and instantiates the graph (the only way to keep it).
     pub fn end(mut self) -> Result<(), GraphError> {
         self.ended = true;
         self.graph.capture_end()
@@ -450,7 +487,7 @@ impl CaptureGuard<'_> {
 impl Drop for CaptureGuard<'_> {
     fn drop(&mut self) {
         if !self.ended {
-            let _ = self.graph.capture_end();
+            let _ = self.graph.discard_capture();
         }
     }
 }
