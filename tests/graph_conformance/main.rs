@@ -99,6 +99,7 @@ impl Setup<'_> {
 mod callables;
 mod capture;
 mod mlp;
+mod nodes;
 mod rng;
 mod update_inputs;
 
@@ -111,6 +112,7 @@ use capture::{
     thread_local_capture_ignores_other_threads, three_graphs_share_one_segment,
 };
 use mlp::mlp_step_whole_and_partial_capture;
+use nodes::graph_nodes_are_read_and_set;
 use rng::rng_replays_match_eager;
 use update_inputs::{
     update_inputs_patches_pointers, update_inputs_refuses_a_node_it_cannot_repoint,
@@ -131,6 +133,7 @@ ferrocuda::stream::both_backends!(
     record_stream_during_capture_defers_free,
     concurrent_replay_with_separate_pools,
     rng_replays_match_eager,
+    graph_nodes_are_read_and_set,
     update_inputs_patches_pointers,
     update_inputs_repoints_memset_and_memcpy,
     update_inputs_repoints_interior_pointers,

@@ -28,7 +28,7 @@ pub(crate) fn update_inputs_patches_pointers(h: &Harness) -> TestResult {
     s.h.rt.current_stream(D0)?.synchronize()?;
     assert_eq!(
         g.update_inputs(&[(&x, &x2), (&y, &y2)])?,
-        InputUpdate::InPlace { arguments: 2 }
+        InputUpdate::InPlace { pointers: 2 }
     );
     x.copy_from_host(&vec![-1.0; N])?;
     s.h.rt.current_stream(D0)?.synchronize()?;
@@ -38,7 +38,7 @@ pub(crate) fn update_inputs_patches_pointers(h: &Harness) -> TestResult {
     s.expect(&stream, &other, 2.0, "the unpatched node still runs")?;
     assert!(matches!(
         g.update_inputs(&[(&x2, &s.buffer(0.0)?)]),
-        Ok(InputUpdate::InPlace { arguments: 1 })
+        Ok(InputUpdate::InPlace { pointers: 1 })
     ));
     let short = DeviceBuffer::<f32>::uninit(&s.h.rt, D0, 1)?;
     assert!(matches!(
@@ -76,7 +76,7 @@ fn update_inputs_reinstantiates_when_refused() -> TestResult {
     s.h.rt.current_stream(D0)?.synchronize()?;
     assert_eq!(
         g.update_inputs(&[(&x, &x2)])?,
-        InputUpdate::Reinstantiated { arguments: 1 }
+        InputUpdate::Reinstantiated { pointers: 1 }
     );
     assert_eq!(fake.calls(Call::GraphInstantiate), instantiated + 1);
     g.replay(&stream)?;
@@ -135,7 +135,7 @@ pub(crate) fn update_inputs_repoints_memset_and_memcpy(h: &Harness) -> TestResul
     s.expect(&stream, &y, 1.0, "y copies x2")?;
     assert_eq!(
         update,
-        InputUpdate::InPlace { arguments: 3 },
+        InputUpdate::InPlace { pointers: 3 },
         "the memset's destination, the kernel's argument and the copy's source"
     );
     Ok(())
@@ -174,7 +174,7 @@ pub(crate) fn update_inputs_repoints_interior_pointers(h: &Harness) -> TestResul
     s.h.rt.current_stream(D0)?.synchronize()?;
     assert_eq!(
         g.update_inputs(&[(&x, &x2)])?,
-        InputUpdate::InPlace { arguments: 3 },
+        InputUpdate::InPlace { pointers: 3 },
         "three pointers into x"
     );
     g.replay(&stream)?;
@@ -201,13 +201,17 @@ pub(crate) fn update_inputs_refuses_a_node_it_cannot_repoint(h: &Harness) -> Tes
     capture.end()?;
     let x2 = s.buffer(0.0)?;
     s.h.rt.current_stream(D0)?.synchronize()?;
-    let refused = g.update_inputs(&[(&x, &x2)]);
-    let err = refused
-        .err()
-        .ok_or("a memset over x and w cannot follow x alone")?;
+    let err = g.update_inputs(&[(&x, &x2)]).err();
     assert!(
-        err.to_string().contains("node 1") && err.to_string().contains("memset"),
-        "the error names the memset: {err}"
+        matches!(
+            &err,
+            Some(GraphError::CannotRepoint {
+                node: 1,
+                kind: "memset",
+                ..
+            })
+        ),
+        "the memset over x and w is refused, named: {err:?}"
     );
     g.replay(&stream)?;
     s.expect(&stream, &x, 7.0, "the refused update left the memset on x")?;
@@ -274,9 +278,54 @@ fn update_inputs_refuses_an_opaque_node() -> TestResult {
     capture.end()?;
     let x2 = s.buffer(0.0)?;
     s.h.rt.current_stream(D0)?.synchronize()?;
-    let err = outer.update_inputs(&[(&x, &x2)]).err();
-    let err = err.ok_or("a child graph may hold x: refused")?;
-    assert!(err.to_string().contains("node 1"), "names the child: {err}");
+    assert!(
+        matches!(
+            outer.update_inputs(&[(&x, &x2)]),
+            Err(GraphError::CannotRepoint {
+                node: 1,
+                kind: "child graph",
+                ..
+            })
+        ),
+        "a child graph may hold x: refused, named"
+    );
     outer.replay(&stream)?;
     s.expect(&stream, &x, 3.0, "both kernels still add to x")
+}
+
+/// An update that fails half way changes nothing: when the driver refuses the second node,
+/// or fails the update of the instance, the nodes already set are put back and replays
+/// still use the old buffer (fake device: the failures are injected).
+#[test]
+fn update_inputs_that_fails_midway_changes_nothing() -> TestResult {
+    let h = ferrocuda::stream::conformance::fake_harness();
+    let fake = h.fake.clone().ok_or("the fake harness has a fake driver")?;
+    let s = Setup::new(&h)?;
+    let g = s.graph()?;
+    let x = s.buffer(1.0)?;
+    let capture = g.capture(None, None, CaptureMode::ThreadLocal)?;
+    let stream = capture.stream().clone();
+    x.fill(0.0)?;
+    s.add_one(&stream, &x)?;
+    capture.end()?;
+    let x2 = s.buffer(5.0)?;
+    s.h.rt.current_stream(D0)?.synchronize()?;
+    for (call, nth) in [(Call::GraphSetNode, 2), (Call::GraphExecUpdate, 1)] {
+        fake.fail_nth(call, nth, DriverError::INVALID_VALUE);
+        assert_eq!(
+            g.update_inputs(&[(&x, &x2)]),
+            Err(GraphError::Driver(DriverError::INVALID_VALUE)),
+            "{call:?} fails"
+        );
+        g.replay(&stream)?;
+        s.expect(&stream, &x, 1.0, "the memset and the kernel still write x")?;
+        s.expect(&stream, &x2, 5.0, "x2 is untouched")?;
+    }
+    assert_eq!(
+        g.update_inputs(&[(&x, &x2)])?,
+        InputUpdate::InPlace { pointers: 2 },
+        "both nodes still held x"
+    );
+    g.replay(&stream)?;
+    s.expect(&stream, &x2, 1.0, "now x2 is written")
 }

@@ -1,10 +1,12 @@
 //! `CudaGraph` and its capture guard.
 use crate::PhiloxGenerator;
+use crate::repoint::{self, Move};
 use ferrocuda_alloc::{AllocError, DeviceAllocators, Route};
 use ferrocuda_driver::{Driver, DriverError};
 use ferrocuda_stream::{DeviceBuffer, Runtime, Stream, StreamError, StreamGuard};
 use ferrocuda_types::{
-    CaptureMode, CaptureStatus, DeviceIndex, Element, GraphExecHandle, GraphHandle, PoolId,
+    CaptureMode, CaptureStatus, DeviceIndex, Element, GraphExecHandle, GraphHandle, GraphNode,
+    PoolId,
 };
 use parking_lot::Mutex;
 use std::path::Path;
@@ -13,15 +15,17 @@ use std::sync::Arc;
 /// How [`CudaGraph::update_inputs`] applied new input addresses.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum InputUpdate {
-    /// The instantiated graph was patched in place; `arguments` kernel arguments changed.
+    /// The instantiated graph was patched in place.
     InPlace {
-        /// Kernel arguments changed.
-        arguments: usize,
+        /// Addresses changed: kernel arguments, memset destinations, copy sources and
+        /// destinations.
+        pointers: usize,
     },
     /// The driver refused the in-place update; the graph was instantiated again.
     Reinstantiated {
-        /// Kernel arguments changed.
-        arguments: usize,
+        /// Addresses changed: kernel arguments, memset destinations, copy sources and
+        /// destinations.
+        pointers: usize,
     },
 }
 
@@ -99,6 +103,19 @@ pub enum GraphError {
         expected: usize,
         /// The callable called.
         found: usize,
+    },
+    /// [`CudaGraph::update_inputs`] found a node that may hold an input's address but cannot
+    /// be repointed; nothing was changed.
+    #[error(
+        "update_inputs cannot repoint graph node {node} ({kind}): {reason}; nothing was changed"
+    )]
+    CannotRepoint {
+        /// The node's index, in the driver's order of the graph's nodes.
+        node: usize,
+        /// What kind of node it is.
+        kind: &'static str,
+        /// Why it cannot be repointed.
+        reason: String,
     },
     /// A random-number generator was misused around a capture.
     #[error("graph RNG: {0}")]
@@ -350,34 +367,128 @@ impl CudaGraph {
     }
 
     /// Points the captured graph at new buffers instead of copying into the static ones
-    /// (beyond PyTorch): every kernel argument equal to the address of `old` becomes that of
-    /// `new`, for each pair, and the instantiated graph is updated in place
-    /// (`cuGraphExecUpdate`), or re-instantiated when the driver refuses that. The new
-    /// buffers must stay alive while the graph may replay; pairs must have equal lengths.
+    /// (beyond PyTorch). For each `(old, new)` pair, every address inside `old` that the
+    /// graph holds moves to the same offset inside `new`: kernel arguments, memset
+    /// destinations, copy sources and destinations, whether they point at the start of
+    /// `old` or into it. The instantiated graph is then updated in place
+    /// (`cuGraphExecUpdate`), or instantiated again when the driver refuses that.
+    ///
+    /// Refused, with nothing changed: pairs of different lengths
+    /// ([`StreamError::LengthMismatch`]), a buffer on another device than the graph's
+    /// ([`StreamError::DeviceMismatch`]), and a graph with a node that may hold an input's
+    /// address but cannot be repointed ([`GraphError::CannotRepoint`], naming the node): a
+    /// memset or copy that covers part of an input and memory outside it, or a node whose
+    /// parameters the driver does not describe (a child graph, a host function, a kernel
+    /// launched without a parameter array, a 2-D memset or copy).
+    ///
+    /// Caveat: a kernel argument's type is not known, so any 8-byte argument whose value
+    /// lies inside an old buffer is rewritten, a scalar that happens to equal such an
+    /// address included.
+    ///
+    /// The new buffers must stay alive while the graph may replay.
     pub fn update_inputs<T: Element>(
         &self,
         pairs: &[(&DeviceBuffer<T>, &DeviceBuffer<T>)],
     ) -> Result<InputUpdate, GraphError> {
-        let mut patches = Vec::with_capacity(pairs.len());
-        for (old, new) in pairs {
-            if old.len() != new.len() {
-                return Err(StreamError::LengthMismatch {
-                    expected: old.len(),
-                    found: new.len(),
+        let moves = pairs
+            .iter()
+            .map(|(old, new)| self.input_move(old, new))
+            .collect::<Result<Vec<_>, _>>()?;
+        let mut st = self.state.lock();
+        let (graph, exec) = st.graph.zip(st.exec).ok_or(GraphError::NothingCaptured)?;
+        let nodes = self.driver().graph_nodes(graph)?;
+        let plan = repoint::plan(&nodes, &moves)?;
+        let pointers = plan.pointers;
+        if plan.changes.is_empty() {
+            return Ok(InputUpdate::InPlace { pointers });
+        }
+        self.set_nodes(graph, &nodes, &plan.changes)?;
+        match self.apply_to_exec(&mut st, graph, exec) {
+            Ok(true) => Ok(InputUpdate::InPlace { pointers }),
+            Ok(false) => Ok(InputUpdate::Reinstantiated { pointers }),
+            Err(e) => {
+                self.restore_nodes(graph, &nodes, &plan.changes);
+                Err(e)
+            }
+        }
+    }
+
+    /// Checks one `(old, new)` pair of [`CudaGraph::update_inputs`].
+    fn input_move<T: Element>(
+        &self,
+        old: &DeviceBuffer<T>,
+        new: &DeviceBuffer<T>,
+    ) -> Result<Move, GraphError> {
+        if old.len() != new.len() {
+            return Err(StreamError::LengthMismatch {
+                expected: old.len(),
+                found: new.len(),
+            }
+            .into());
+        }
+        for (buffer, what) in [(old, "an old input"), (new, "a new input")] {
+            if buffer.device() != self.device {
+                return Err(StreamError::DeviceMismatch {
+                    expected: self.device,
+                    found: buffer.device(),
+                    what,
                 }
                 .into());
             }
-            patches.push((old.ptr(), new.ptr()));
         }
-        let mut st = self.state.lock();
-        let (graph, exec) = st.graph.zip(st.exec).ok_or(GraphError::NothingCaptured)?;
-        let arguments = self.driver().graph_patch_pointers(graph, &patches)?;
+        Ok(Move {
+            from: old.ptr(),
+            bytes: old.bytes(),
+            to: new.ptr(),
+        })
+    }
+
+    /// Sets `changes` on the captured graph; on a failure, puts back those already set.
+    fn set_nodes(
+        &self,
+        graph: GraphHandle,
+        nodes: &[GraphNode],
+        changes: &[(usize, GraphNode)],
+    ) -> Result<(), GraphError> {
+        for (done, (index, node)) in changes.iter().enumerate() {
+            if let Err(e) = self.driver().graph_set_node(graph, *index, node) {
+                self.restore_nodes(graph, nodes, &changes[..done]);
+                return Err(e.into());
+            }
+        }
+        Ok(())
+    }
+
+    /// Puts the nodes named in `changes` back as `nodes` describes them. Best effort: it
+    /// runs after a failure, which is the error reported.
+    fn restore_nodes(
+        &self,
+        graph: GraphHandle,
+        nodes: &[GraphNode],
+        changes: &[(usize, GraphNode)],
+    ) {
+        for (index, _) in changes {
+            if let Some(node) = nodes.get(*index) {
+                let _ = self.driver().graph_set_node(graph, *index, node);
+            }
+        }
+    }
+
+    /// Brings the instantiated graph up to the captured one: in place (`true`) or by
+    /// instantiating it again (`false`).
+    fn apply_to_exec(
+        &self,
+        st: &mut State,
+        graph: GraphHandle,
+        exec: GraphExecHandle,
+    ) -> Result<bool, GraphError> {
         if self.driver().graph_exec_update(exec, graph)? {
-            return Ok(InputUpdate::InPlace { arguments });
+            return Ok(true);
         }
         st.exec = Some(self.driver().graph_instantiate(graph)?);
-        self.driver().graph_exec_destroy(exec)?;
-        Ok(InputUpdate::Reinstantiated { arguments })
+        // The new instance is in place; the old one, if it cannot be destroyed, only leaks.
+        let _ = self.driver().graph_exec_destroy(exec);
+        Ok(false)
     }
 
     /// Ends a capture that could not start properly, dropping whatever it recorded.

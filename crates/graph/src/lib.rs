@@ -34,6 +34,7 @@
 
 mod callables;
 mod graph;
+mod repoint;
 mod rng;
 
 pub use callables::{
