@@ -1,8 +1,9 @@
 //! CUDA graphs with private pools, written once over a backend: the fake device in CI, the
 //! real driver in the GPU bundle (`#[ignore]`d without a GPU: skipped, with the reason).
 //! The `torch.cuda.graph` example, pool routing and lifetime, the capture rules as typed
-//! errors, a panic inside a capture, pool sharing, fork/join, THREAD_LOCAL captures,
-//! graphed callables, exact memory statistics, graph-safe Philox RNG.
+//! errors, a capture left by a panic or a `?`, pool sharing, fork/join, THREAD_LOCAL
+//! captures, graphed callables, exact memory statistics, graph-safe Philox RNG, the
+//! driver's view of graph nodes and `update_inputs`.
 use ferrocuda::alloc::DeviceAllocators;
 use ferrocuda::graph::{CudaGraph, GraphError, PoolId, register_fake_philox};
 use ferrocuda::stream::conformance::{Harness, KERNELS};
