@@ -300,13 +300,11 @@ impl CudaGraph {
             let drawn = generator.capture_epilogue();
             *increment = if keep { drawn } else { 0 };
         }
-        let ended = self.driver().stream_end_capture(stream.handle());
         let result = if keep {
+            let ended = self.driver().stream_end_capture(stream.handle());
             self.keep_graph(&mut st, ended)
         } else {
-            if let Ok(graph) = ended {
-                let _ = self.driver().graph_destroy(graph);
-            }
+            self.abort_capture(&stream);
             Ok(())
         };
         if !keep || result.is_err() {
@@ -491,7 +489,8 @@ impl CudaGraph {
         Ok(false)
     }
 
-    /// Ends a capture that could not start properly, dropping whatever it recorded.
+    /// Ends a capture that could not start properly, or is discarded, dropping whatever it
+    /// recorded.
     fn abort_capture(&self, stream: &Stream) {
         if let Ok(graph) = self.driver().stream_end_capture(stream.handle()) {
             let _ = self.driver().graph_destroy(graph);
