@@ -113,6 +113,35 @@ fn stream_guard_switches_device_and_restores_both() -> TestResult {
     Ok(())
 }
 
+/// `set_stream` of a stream on another device makes that device current too, as
+/// `torch.cuda.set_stream` does (it sets the stream's device first): work on "the current
+/// stream of the current device" then goes to the stream just set.
+#[test]
+fn set_stream_makes_the_streams_device_current() -> TestResult {
+    let (_, rt) = fake(2, Completion::Eager);
+    let s1 = rt.new_stream(D1, 0)?;
+    assert_eq!(rt.current_device(), D0);
+    rt.set_stream(&s1)?;
+    assert_eq!(rt.current_device(), D1, "the stream's device is current");
+    let current = rt.current_stream(rt.current_device())?;
+    assert_eq!(current, s1, "the current device's current stream is s1");
+    assert!(
+        rt.current_stream(D0)?.is_default(),
+        "device 0's stream is untouched"
+    );
+    let x = DeviceBuffer::<f32>::filled(&rt, rt.resolve(&"cuda".parse::<Device>()?)?, 4, 1.0)?;
+    assert_eq!(x.device(), D1, "`cuda` now means device 1");
+    let s0 = rt.new_stream(D0, 0)?;
+    rt.set_stream(&s0)?;
+    assert_eq!(rt.current_device(), D0, "and back");
+    assert_eq!(
+        rt.current_stream(D1)?,
+        s1,
+        "device 1 keeps its current stream"
+    );
+    Ok(())
+}
+
 #[test]
 fn events_across_devices_are_refused() -> TestResult {
     let (_, rt) = fake(2, Completion::Eager);

@@ -16,8 +16,8 @@ use cudarc::driver::sys;
 use cudarc::nvrtc::sys as nvrtc_sys;
 use ferrocuda_types::{
     CaptureMode, CaptureStatus, DeviceIndex, DeviceProperties, DevicePtr, EventFlags, EventHandle,
-    FunctionHandle, GraphExecHandle, GraphHandle, HostPtr, KernelArg, LaunchConfig, MemsetValue,
-    ModuleHandle, PhysHandle, StreamFlags, StreamHandle, VaRange,
+    FunctionHandle, GraphExecHandle, GraphHandle, GraphNode, HostPtr, KernelArg, LaunchConfig,
+    MemsetValue, ModuleHandle, PhysHandle, StreamFlags, StreamHandle, VaRange,
 };
 use parking_lot::RwLock;
 use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
@@ -25,6 +25,8 @@ use std::collections::BTreeMap;
 use std::ffi::{CString, c_void};
 use std::path::Path;
 use std::sync::OnceLock;
+
+mod nodes;
 
 /// Most kernel arguments one launch takes.
 const MAX_KERNEL_ARGS: usize = 64;
@@ -1107,70 +1109,22 @@ impl Driver for CudaDriver {
         check(unsafe { sys::cuGraphDebugDotPrint(g, path.as_ptr(), 1) })
     }
 
-    fn graph_patch_pointers(
+    fn graph_nodes(&self, graph: GraphHandle) -> Result<Vec<GraphNode>, DriverError> {
+        let g = self.graph(graph)?;
+        nodes::list(g)?.into_iter().map(nodes::describe).collect()
+    }
+
+    fn graph_set_node(
         &self,
         graph: GraphHandle,
-        patches: &[(DevicePtr, DevicePtr)],
-    ) -> Result<usize, DriverError> {
+        index: usize,
+        node: &GraphNode,
+    ) -> Result<(), DriverError> {
         let g = self.graph(graph)?;
-        let mut count = 0usize;
-        // SAFETY: the graph is live; a null array asks for the count only.
-        check(unsafe { sys::cuGraphGetNodes(g, std::ptr::null_mut(), &mut count) })?;
-        let mut nodes = vec![std::ptr::null_mut(); count];
-        // SAFETY: `nodes` holds `count` slots.
-        check(unsafe { sys::cuGraphGetNodes(g, nodes.as_mut_ptr(), &mut count) })?;
-        let mut patched = 0;
-        for node in nodes.into_iter().take(count) {
-            let mut kind = sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_EMPTY;
-            // SAFETY: `node` belongs to the live graph; writes through a valid pointer.
-            check(unsafe { sys::cuGraphNodeGetType(node, &mut kind) })?;
-            if kind != sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_KERNEL {
-                continue;
-            }
-            // SAFETY: all-zero is a valid value of this plain C struct (null pointers).
-            let mut params: sys::CUDA_KERNEL_NODE_PARAMS = unsafe { std::mem::zeroed() };
-            // SAFETY: a kernel node of the live graph; writes through a valid pointer.
-            check(unsafe { sys::cuGraphKernelNodeGetParams_v2(node, &mut params) })?;
-            if params.kernelParams.is_null() || params.func.is_null() {
-                continue; // launched with `extra` or through a library kernel: left as is
-            }
-            let mut values: Vec<Vec<u8>> = Vec::new();
-            let mut changed = false;
-            loop {
-                let (mut offset, mut size) = (0usize, 0usize);
-                // SAFETY: `func` is the node's live function; writes through valid pointers.
-                let r = unsafe {
-                    sys::cuFuncGetParamInfo(params.func, values.len(), &mut offset, &mut size)
-                };
-                if r != sys::CUresult::CUDA_SUCCESS {
-                    break; // past the last parameter
-                }
-                // SAFETY: the node's parameter array has one pointer per kernel parameter,
-                // each to `size` readable bytes (the driver's copy, valid until the node
-                // changes, which happens only below, after these reads).
-                let mut bytes = unsafe {
-                    let arg = *params.kernelParams.add(values.len()) as *const u8;
-                    std::slice::from_raw_parts(arg, size).to_vec()
-                };
-                if let Ok(word) = <[u8; 8]>::try_from(bytes.as_slice()) {
-                    let value = DevicePtr(u64::from_le_bytes(word));
-                    if let Some(&(_, to)) = patches.iter().find(|(from, _)| *from == value) {
-                        bytes = to.0.to_le_bytes().to_vec();
-                        changed = true;
-                        patched += 1;
-                    }
-                }
-                values.push(bytes);
-            }
-            if changed {
-                let mut pointers: Vec<*mut c_void> =
-                    values.iter_mut().map(|v| v.as_mut_ptr().cast()).collect();
-                params.kernelParams = pointers.as_mut_ptr();
-                // SAFETY: `pointers` and `values` outlive the call, which copies them.
-                check(unsafe { sys::cuGraphKernelNodeSetParams_v2(node, &params) })?;
-            }
-        }
-        Ok(patched)
+        let target = *nodes::list(g)?
+            .get(index)
+            .ok_or(DriverError::INVALID_VALUE)?;
+        nodes::set(target, node)
     }
 
     fn graph_exec_update(

@@ -51,8 +51,8 @@ pub use nvml::NvmlError;
 
 use ferrocuda_types::{
     CaptureMode, CaptureStatus, DeviceIndex, DeviceProperties, DevicePtr, EventFlags, EventHandle,
-    FunctionHandle, GraphExecHandle, GraphHandle, HostPtr, KernelArg, LaunchConfig, MemsetValue,
-    ModuleHandle, PhysHandle, StreamFlags, StreamHandle, VaRange,
+    FunctionHandle, GraphExecHandle, GraphHandle, GraphNode, HostPtr, KernelArg, LaunchConfig,
+    MemsetValue, ModuleHandle, PhysHandle, StreamFlags, StreamHandle, VaRange,
 };
 use std::path::Path;
 
@@ -244,14 +244,25 @@ pub trait Driver: Send + Sync + std::fmt::Debug + 'static {
     fn graph_destroy(&self, graph: GraphHandle) -> Result<(), DriverError>;
     /// Writes the graph as Graphviz DOT (`cuGraphDebugDotPrint`).
     fn graph_debug_dot(&self, graph: GraphHandle, path: &Path) -> Result<(), DriverError>;
-    /// In every kernel node of `graph`, replaces each 8-byte argument equal to a `from`
-    /// pointer of `patches` by its `to` pointer (`cuGraphKernelNodeSetParams`). Returns how
-    /// many arguments changed.
-    fn graph_patch_pointers(
+    /// The nodes of `graph` in the driver's order (`cuGraphGetNodes`): kernels with their
+    /// argument bytes (`cuGraphKernelNodeGetParams`, sizes from `cuFuncGetParamInfo`), 1-D
+    /// memsets (`cuGraphMemsetNodeGetParams`) and 1-D copies (`cuGraphMemcpyNodeGetParams`)
+    /// with their parameters, every other node by its kind only.
+    fn graph_nodes(&self, graph: GraphHandle) -> Result<Vec<GraphNode>, DriverError>;
+    /// Sets the parameters of node `index` (in [`Driver::graph_nodes`]' order) of `graph`
+    /// (`cuGraphKernelNodeSetParams`, `cuGraphMemsetNodeSetParams`,
+    /// `cuGraphMemcpyNodeSetParams`). `node` must describe a node of the same kind and shape:
+    /// a kernel with as many arguments of the same sizes, a 1-D memset, a 1-D copy with the
+    /// same kinds of ends (and, where an end is host memory, the same host address and
+    /// length); anything else (an opaque or ordering node, an index past the last node) is
+    /// `CUDA_ERROR_INVALID_VALUE`. An instantiated
+    /// graph sees the change only through [`Driver::graph_exec_update`].
+    fn graph_set_node(
         &self,
         graph: GraphHandle,
-        patches: &[(DevicePtr, DevicePtr)],
-    ) -> Result<usize, DriverError>;
+        index: usize,
+        node: &GraphNode,
+    ) -> Result<(), DriverError>;
     /// Applies `graph`'s current node parameters to `exec` in place (`cuGraphExecUpdate`).
     /// `Ok(false)`: the topology differs, so `exec` was left alone and must be
     /// re-instantiated.

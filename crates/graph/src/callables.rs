@@ -1,7 +1,7 @@
 //! Graphed callables (`torch.cuda.make_graphed_callables`) for closures over device buffers.
 use crate::{CudaGraph, GraphError};
 use ferrocuda_alloc::DeviceAllocators;
-use ferrocuda_stream::{DeviceBuffer, Runtime};
+use ferrocuda_stream::{DeviceBuffer, Runtime, StreamError};
 use ferrocuda_types::{CaptureMode, DeviceIndex, Element, PoolId};
 use parking_lot::Mutex;
 use std::sync::Arc;
@@ -131,9 +131,11 @@ impl<T: Element> GraphedCallables<T> {
         Ok(&self.get(index)?.inputs)
     }
 
-    /// Runs callable `index` on the current stream, as PyTorch does: copies each of `inputs` that is not already the
-    /// static input into it, replays the graph, and returns the static outputs (the same
-    /// buffers every call: copy them out before the next call if they must be kept).
+    /// Runs callable `index` on the current stream, as PyTorch does: copies each of `inputs`
+    /// that is not already the static input into it, replays the graph, and returns the
+    /// static outputs (the same buffers every call: copy them out before the next call if
+    /// they must be kept). A refused call (wrong count or length of inputs, out of order)
+    /// changes nothing: no input is copied and the replay order does not advance.
     pub fn call(
         &self,
         index: usize,
@@ -146,15 +148,27 @@ impl<T: Element> GraphedCallables<T> {
                 found: inputs.len(),
             });
         }
-        if cfg!(debug_assertions) {
-            let mut next = self.next.lock();
-            if *next != index {
-                return Err(GraphError::ReplayOrder {
-                    expected: *next,
-                    found: index,
-                });
+        if let Some((static_input, input)) = g
+            .inputs
+            .iter()
+            .zip(inputs)
+            .find(|(s, i)| s.len() != i.len())
+        {
+            return Err(StreamError::LengthMismatch {
+                expected: static_input.len(),
+                found: input.len(),
             }
-            *next = (index + 1) % self.graphed.len();
+            .into());
+        }
+        // Held until the replay is enqueued: the order advances only for a call that ran.
+        let mut next = cfg!(debug_assertions).then(|| self.next.lock());
+        if let Some(expected) = next.as_deref().copied()
+            && expected != index
+        {
+            return Err(GraphError::ReplayOrder {
+                expected,
+                found: index,
+            });
         }
         let stream = g.graph.runtime().current_stream(g.graph.device())?;
         for (static_input, input) in g.inputs.iter().zip(inputs) {
@@ -163,6 +177,9 @@ impl<T: Element> GraphedCallables<T> {
             }
         }
         g.graph.replay(&stream)?;
+        if let Some(next) = next.as_deref_mut() {
+            *next = (index + 1) % self.graphed.len();
+        }
         Ok(&g.outputs)
     }
 

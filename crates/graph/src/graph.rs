@@ -1,10 +1,12 @@
 //! `CudaGraph` and its capture guard.
 use crate::PhiloxGenerator;
+use crate::repoint::{self, Move};
 use ferrocuda_alloc::{AllocError, DeviceAllocators, Route};
 use ferrocuda_driver::{Driver, DriverError};
 use ferrocuda_stream::{DeviceBuffer, Runtime, Stream, StreamError, StreamGuard};
 use ferrocuda_types::{
-    CaptureMode, CaptureStatus, DeviceIndex, Element, GraphExecHandle, GraphHandle, PoolId,
+    CaptureMode, CaptureStatus, DeviceIndex, Element, GraphExecHandle, GraphHandle, GraphNode,
+    PoolId,
 };
 use parking_lot::Mutex;
 use std::path::Path;
@@ -13,15 +15,17 @@ use std::sync::Arc;
 /// How [`CudaGraph::update_inputs`] applied new input addresses.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum InputUpdate {
-    /// The instantiated graph was patched in place; `arguments` kernel arguments changed.
+    /// The instantiated graph was patched in place.
     InPlace {
-        /// Kernel arguments changed.
-        arguments: usize,
+        /// Addresses changed: kernel arguments, memset destinations, copy sources and
+        /// destinations.
+        pointers: usize,
     },
     /// The driver refused the in-place update; the graph was instantiated again.
     Reinstantiated {
-        /// Kernel arguments changed.
-        arguments: usize,
+        /// Addresses changed: kernel arguments, memset destinations, copy sources and
+        /// destinations.
+        pointers: usize,
     },
 }
 
@@ -99,6 +103,19 @@ pub enum GraphError {
         expected: usize,
         /// The callable called.
         found: usize,
+    },
+    /// [`CudaGraph::update_inputs`] found a node that may hold an input's address but cannot
+    /// be repointed; nothing was changed.
+    #[error(
+        "update_inputs cannot repoint graph node {node} ({kind}): {reason}; nothing was changed"
+    )]
+    CannotRepoint {
+        /// The node's index, in the driver's order of the graph's nodes.
+        node: usize,
+        /// What kind of node it is.
+        kind: &'static str,
+        /// Why it cannot be repointed.
+        reason: String,
     },
     /// A random-number generator was misused around a capture.
     #[error("graph RNG: {0}")]
@@ -258,45 +275,79 @@ impl CudaGraph {
     /// Ends the capture and instantiates the graph (`capture_end`). On failure the capture
     /// is over, the allocator no longer routes to the pool, and the pool is released.
     pub fn capture_end(&self) -> Result<(), GraphError> {
+        self.finish_capture(true)
+    }
+
+    /// Ends the capture and throws away what it recorded: the graph is left empty and its
+    /// use of the pool is released (what a [`CaptureGuard`] dropped without `end` does).
+    fn discard_capture(&self) -> Result<(), GraphError> {
+        self.finish_capture(false)
+    }
+
+    /// Ends the capture, stops the allocator's routing and the generators' recording, then
+    /// keeps the graph (`keep`) or destroys it; a graph not kept releases the pool.
+    fn finish_capture(&self, keep: bool) -> Result<(), GraphError> {
         let mut st = self.state.lock();
+        if st.capturing.is_none() {
+            return Err(GraphError::NotCapturing);
+        }
+        let allocator = self.allocators.device(self.device)?;
         let (Some(stream), Some(pool)) = (st.capturing.take(), st.pool) else {
             return Err(GraphError::NotCapturing);
         };
-        let allocator = self.allocators.device(self.device)?;
         let unrouted = allocator.end_allocate_to_pool(pool);
         for (generator, increment) in &mut st.generators {
-            *increment = generator.capture_epilogue();
+            let drawn = generator.capture_epilogue();
+            *increment = if keep { drawn } else { 0 };
         }
-        let ended = self.driver().stream_end_capture(stream.handle());
-        let result = match ended {
-            Ok(graph) => match self.driver().graph_node_count(graph) {
-                Ok(0) => {
-                    let _ = self.driver().graph_destroy(graph);
-                    Err(GraphError::EmptyCapture)
-                }
-                Ok(_) => match self.driver().graph_instantiate(graph) {
-                    Ok(exec) => {
-                        st.graph = Some(graph);
-                        st.exec = Some(exec);
-                        Ok(())
-                    }
-                    Err(e) => {
-                        let _ = self.driver().graph_destroy(graph);
-                        Err(e.into())
-                    }
-                },
-                Err(e) => Err(e.into()),
-            },
-            Err(e) if e == DriverError::STREAM_CAPTURE_UNJOINED => Err(GraphError::Unjoined),
-            Err(e) if e == DriverError::STREAM_CAPTURE_INVALIDATED => Err(GraphError::Invalidated),
-            Err(e) => Err(e.into()),
+        let result = if keep {
+            let ended = self.driver().stream_end_capture(stream.handle());
+            self.keep_graph(&mut st, ended)
+        } else {
+            self.abort_capture(&stream);
+            Ok(())
         };
-        if result.is_err() {
+        if !keep || result.is_err() {
             st.pool = None;
             let _ = allocator.release_pool(pool);
         }
         unrouted?;
         result
+    }
+
+    /// Instantiates the graph a capture ended with, or says why there is none (destroying
+    /// what the driver returned).
+    fn keep_graph(
+        &self,
+        st: &mut State,
+        ended: Result<GraphHandle, DriverError>,
+    ) -> Result<(), GraphError> {
+        let graph = match ended {
+            Ok(graph) => graph,
+            Err(e) if e == DriverError::STREAM_CAPTURE_UNJOINED => {
+                return Err(GraphError::Unjoined);
+            }
+            Err(e) if e == DriverError::STREAM_CAPTURE_INVALIDATED => {
+                return Err(GraphError::Invalidated);
+            }
+            Err(e) => return Err(e.into()),
+        };
+        let exec = match self.driver().graph_node_count(graph) {
+            Ok(0) => Err(GraphError::EmptyCapture),
+            Ok(_) => self.driver().graph_instantiate(graph).map_err(Into::into),
+            Err(e) => Err(e.into()),
+        };
+        match exec {
+            Ok(exec) => {
+                st.graph = Some(graph);
+                st.exec = Some(exec);
+                Ok(())
+            }
+            Err(e) => {
+                let _ = self.driver().graph_destroy(graph);
+                Err(e)
+            }
+        }
     }
 
     /// Launches the captured work on `stream` (`replay`; any stream of the device). Each
@@ -314,37 +365,132 @@ impl CudaGraph {
     }
 
     /// Points the captured graph at new buffers instead of copying into the static ones
-    /// (beyond PyTorch): every kernel argument equal to the address of `old` becomes that of
-    /// `new`, for each pair, and the instantiated graph is updated in place
-    /// (`cuGraphExecUpdate`), or re-instantiated when the driver refuses that. The new
-    /// buffers must stay alive while the graph may replay; pairs must have equal lengths.
+    /// (beyond PyTorch). For each `(old, new)` pair, every address inside `old` that the
+    /// graph holds moves to the same offset inside `new`: kernel arguments, memset
+    /// destinations, copy sources and destinations, whether they point at the start of
+    /// `old` or into it. The instantiated graph is then updated in place
+    /// (`cuGraphExecUpdate`), or instantiated again when the driver refuses that.
+    ///
+    /// Refused, with nothing changed: pairs of different lengths
+    /// ([`StreamError::LengthMismatch`]), a buffer on another device than the graph's
+    /// ([`StreamError::DeviceMismatch`]), and a graph with a node that may hold an input's
+    /// address but cannot be repointed ([`GraphError::CannotRepoint`], naming the node): a
+    /// memset or copy that covers part of an input and memory outside it, or a node whose
+    /// parameters the driver does not describe (a child graph, a host function, a kernel
+    /// launched without a parameter array, a 2-D memset or copy).
+    ///
+    /// Caveat: a kernel argument's type is not known, so any 8-byte argument whose value
+    /// lies inside an old buffer is rewritten, a scalar that happens to equal such an
+    /// address included.
+    ///
+    /// The new buffers must stay alive while the graph may replay.
     pub fn update_inputs<T: Element>(
         &self,
         pairs: &[(&DeviceBuffer<T>, &DeviceBuffer<T>)],
     ) -> Result<InputUpdate, GraphError> {
-        let mut patches = Vec::with_capacity(pairs.len());
-        for (old, new) in pairs {
-            if old.len() != new.len() {
-                return Err(StreamError::LengthMismatch {
-                    expected: old.len(),
-                    found: new.len(),
+        let moves = pairs
+            .iter()
+            .map(|(old, new)| self.input_move(old, new))
+            .collect::<Result<Vec<_>, _>>()?;
+        let mut st = self.state.lock();
+        let (graph, exec) = st.graph.zip(st.exec).ok_or(GraphError::NothingCaptured)?;
+        let nodes = self.driver().graph_nodes(graph)?;
+        let plan = repoint::plan(&nodes, &moves)?;
+        let pointers = plan.pointers;
+        if plan.changes.is_empty() {
+            return Ok(InputUpdate::InPlace { pointers });
+        }
+        self.set_nodes(graph, &nodes, &plan.changes)?;
+        match self.apply_to_exec(&mut st, graph, exec) {
+            Ok(true) => Ok(InputUpdate::InPlace { pointers }),
+            Ok(false) => Ok(InputUpdate::Reinstantiated { pointers }),
+            Err(e) => {
+                self.restore_nodes(graph, &nodes, &plan.changes);
+                Err(e)
+            }
+        }
+    }
+
+    /// Checks one `(old, new)` pair of [`CudaGraph::update_inputs`].
+    fn input_move<T: Element>(
+        &self,
+        old: &DeviceBuffer<T>,
+        new: &DeviceBuffer<T>,
+    ) -> Result<Move, GraphError> {
+        if old.len() != new.len() {
+            return Err(StreamError::LengthMismatch {
+                expected: old.len(),
+                found: new.len(),
+            }
+            .into());
+        }
+        for (buffer, what) in [(old, "an old input"), (new, "a new input")] {
+            if buffer.device() != self.device {
+                return Err(StreamError::DeviceMismatch {
+                    expected: self.device,
+                    found: buffer.device(),
+                    what,
                 }
                 .into());
             }
-            patches.push((old.ptr(), new.ptr()));
         }
-        let mut st = self.state.lock();
-        let (graph, exec) = st.graph.zip(st.exec).ok_or(GraphError::NothingCaptured)?;
-        let arguments = self.driver().graph_patch_pointers(graph, &patches)?;
-        if self.driver().graph_exec_update(exec, graph)? {
-            return Ok(InputUpdate::InPlace { arguments });
-        }
-        st.exec = Some(self.driver().graph_instantiate(graph)?);
-        self.driver().graph_exec_destroy(exec)?;
-        Ok(InputUpdate::Reinstantiated { arguments })
+        Ok(Move {
+            from: old.ptr(),
+            bytes: old.bytes(),
+            to: new.ptr(),
+        })
     }
 
-    /// Ends a capture that could not start properly, dropping whatever it recorded.
+    /// Sets `changes` on the captured graph; on a failure, puts back those already set.
+    fn set_nodes(
+        &self,
+        graph: GraphHandle,
+        nodes: &[GraphNode],
+        changes: &[(usize, GraphNode)],
+    ) -> Result<(), GraphError> {
+        for (done, (index, node)) in changes.iter().enumerate() {
+            if let Err(e) = self.driver().graph_set_node(graph, *index, node) {
+                self.restore_nodes(graph, nodes, &changes[..done]);
+                return Err(e.into());
+            }
+        }
+        Ok(())
+    }
+
+    /// Puts the nodes named in `changes` back as `nodes` describes them. Best effort: it
+    /// runs after a failure, which is the error reported.
+    fn restore_nodes(
+        &self,
+        graph: GraphHandle,
+        nodes: &[GraphNode],
+        changes: &[(usize, GraphNode)],
+    ) {
+        for (index, _) in changes {
+            if let Some(node) = nodes.get(*index) {
+                let _ = self.driver().graph_set_node(graph, *index, node);
+            }
+        }
+    }
+
+    /// Brings the instantiated graph up to the captured one: in place (`true`) or by
+    /// instantiating it again (`false`).
+    fn apply_to_exec(
+        &self,
+        st: &mut State,
+        graph: GraphHandle,
+        exec: GraphExecHandle,
+    ) -> Result<bool, GraphError> {
+        if self.driver().graph_exec_update(exec, graph)? {
+            return Ok(true);
+        }
+        st.exec = Some(self.driver().graph_instantiate(graph)?);
+        // The new instance is in place; the old one, if it cannot be destroyed, only leaks.
+        let _ = self.driver().graph_exec_destroy(exec);
+        Ok(false)
+    }
+
+    /// Ends a capture that could not start properly, or is discarded, dropping whatever it
+    /// recorded.
     fn abort_capture(&self, stream: &Stream) {
         if let Ok(graph) = self.driver().stream_end_capture(stream.handle()) {
             let _ = self.driver().graph_destroy(graph);
@@ -375,7 +521,7 @@ impl CudaGraph {
         let mut st = self.state.lock();
         if st.capturing.is_some() {
             drop(st);
-            let _ = self.capture_end();
+            let _ = self.discard_capture();
             st = self.state.lock();
         }
         if let Some(exec) = st.exec.take() {
@@ -422,9 +568,10 @@ impl Drop for CudaGraph {
 }
 
 /// An open capture (`with torch.cuda.graph(...)`): the capture stream is current until it
-/// ends. [`CaptureGuard::end`] ends it and reports errors; dropping the guard without
-/// `end` (an early return, a `?`, a panic) ends it too, and releases the pool of a capture
-/// that failed.
+/// ends. [`CaptureGuard::end`] ends it, keeps the graph and reports errors. Dropping the
+/// guard without `end` (an early return, a `?`, a panic) discards the capture: it is ended,
+/// what it recorded is destroyed, the allocator stops routing to the pool and the graph's
+/// use of the pool is released, so no half graph is kept and the graph can capture again.
 #[derive(Debug)]
 #[must_use = "the capture ends when the guard drops"]
 pub struct CaptureGuard<'a> {
@@ -440,7 +587,7 @@ impl CaptureGuard<'_> {
         &self.stream
     }
 
-    /// Ends the capture and instantiates the graph.
+    /// Ends the capture and instantiates the graph (the only way to keep it).
     pub fn end(mut self) -> Result<(), GraphError> {
         self.ended = true;
         self.graph.capture_end()
@@ -450,7 +597,7 @@ impl CaptureGuard<'_> {
 impl Drop for CaptureGuard<'_> {
     fn drop(&mut self) {
         if !self.ended {
-            let _ = self.graph.capture_end();
+            let _ = self.graph.discard_capture();
         }
     }
 }

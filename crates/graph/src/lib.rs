@@ -14,9 +14,11 @@
 //! - **Graph-memory policy lives here.** The allocator only offers "allocate in pool P",
 //!   "retain / release pool P", "blocks of pool P"; which pool, for whom, and when it is
 //!   released is decided by this crate.
-//! - **A failed capture never leaks its pool.** [`CaptureGuard`] ends the capture, stops the
-//!   allocator's routing and releases the pool on every exit path, panics included
-//!   (PyTorch leaks it: #190348, #190308).
+//! - **A failed capture never leaks its pool, and leaves no half graph.** [`CaptureGuard`]
+//!   ends the capture and stops the allocator's routing on every exit path; only
+//!   [`CaptureGuard::end`] keeps the graph. A guard dropped without it (an early return, a
+//!   `?`, a panic) destroys what was recorded and releases the pool, leaving the graph empty
+//!   and ready to capture again (PyTorch leaks the pool: #190348, #190308).
 //! - **Typed errors for the capture rules**: the legacy default stream, nesting, replay
 //!   before capture, an empty capture, an unjoined fork and an invalidated capture are each
 //!   a [`GraphError`] variant, not undefined behaviour.
@@ -32,6 +34,7 @@
 
 mod callables;
 mod graph;
+mod repoint;
 mod rng;
 
 pub use callables::{

@@ -264,10 +264,12 @@ impl Runtime {
         Ok(set.unwrap_or_else(|| state.default_stream.clone()))
     }
 
-    /// Sets this thread's current stream on the stream's device (`torch.cuda.set_stream`).
+    /// Makes `stream` this thread's current stream on its device, and that device the
+    /// current device (`torch.cuda.set_stream`, which sets the stream's device first).
     pub fn set_stream(&self, stream: &Stream) -> Result<()> {
         let dev = self.check_device(stream.device())?;
         self.with_thread(|t| {
+            t.device = dev;
             if t.streams.len() <= dev.as_usize() {
                 t.streams.resize(dev.as_usize() + 1, None);
             }

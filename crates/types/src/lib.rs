@@ -2,10 +2,11 @@
 //!
 //! This crate holds the values that cross layer boundaries: device indices, the opaque handles
 //! a [`Driver`](https://docs.rs/ferrocuda-driver) hands out, element types, launch and capture
-//! descriptions, allocator configuration, statistics and snapshots, and the out-of-memory
-//! report ([`OutOfMemory`]: the allocator fills it in, and it reaches a buffer user through
-//! the stream layer, which sits below the allocator). It has no behaviour beyond parsing and formatting, so every layer (and a
-//! user's own tools, through serde) can depend on it without pulling in CUDA.
+//! descriptions, the nodes of captured graphs, allocator configuration, statistics and
+//! snapshots, and the out-of-memory report ([`OutOfMemory`]: the allocator fills it in, and
+//! it reaches a buffer user through the stream layer, which sits below the allocator). It has
+//! no behaviour beyond parsing and formatting, so every layer (and a user's own tools,
+//! through serde) can depend on it without pulling in CUDA.
 //!
 //! # Design choices
 //! - Handles are `Copy` values that carry their device next to the backend's raw `u64`. The
@@ -22,6 +23,7 @@
 mod config;
 mod device;
 mod dtype;
+mod graph_node;
 mod handles;
 mod launch;
 mod oom;
@@ -33,6 +35,7 @@ pub use config::{
 };
 pub use device::{Device, DeviceKind, DeviceParseError, DeviceProperties};
 pub use dtype::{DType, Element};
+pub use graph_node::{CopyEnd, GraphNode};
 pub use handles::{
     DeviceIndex, DevicePtr, EventHandle, FunctionHandle, GraphExecHandle, GraphHandle, HostPtr,
     ModuleHandle, PhysHandle, PoolId, StreamHandle, VaRange,

@@ -15,6 +15,7 @@
 //! recording did. [`FakeDriverBuilder::capacity`] sets the device's total memory.
 mod addresses;
 mod memory;
+mod nodes;
 mod work;
 
 pub use addresses::{AddressPlan, AddressPlanError, PLAN_REGION, PlanUse, WhenUnusable};
@@ -23,8 +24,8 @@ pub use work::{HostKernel, KernelContext};
 use crate::{CompileError, Driver, DriverError, NvmlError};
 use ferrocuda_types::{
     CaptureMode, CaptureStatus, DeviceIndex, DeviceProperties, DevicePtr, EventFlags, EventHandle,
-    FunctionHandle, GraphExecHandle, GraphHandle, HostPtr, KernelArg, LaunchConfig, MemsetValue,
-    ModuleHandle, PhysHandle, StreamFlags, StreamHandle, VaRange,
+    FunctionHandle, GraphExecHandle, GraphHandle, GraphNode, HostPtr, KernelArg, LaunchConfig,
+    MemsetValue, ModuleHandle, PhysHandle, StreamFlags, StreamHandle, VaRange,
 };
 use memory::{GRANULARITY, Memory, device_of};
 use parking_lot::{Mutex, MutexGuard};
@@ -98,7 +99,8 @@ pub enum Call {
     GraphExecDestroy,
     GraphDestroy,
     GraphDebugDot,
-    GraphPatchPointers,
+    GraphNodes,
+    GraphSetNode,
     GraphExecUpdate,
     VmGranularity,
     VmReserve,
@@ -1598,40 +1600,29 @@ impl Driver for FakeDriver {
         std::fs::write(path, dot).map_err(|_| DriverError::OPERATING_SYSTEM)
     }
 
-    fn graph_patch_pointers(
+    fn graph_nodes(&self, graph: GraphHandle) -> Result<Vec<GraphNode>, DriverError> {
+        let st = self.enter(Call::GraphNodes)?;
+        let g = st.graph(graph)?;
+        Ok(g.nodes.iter().map(|n| nodes::describe(&n.work)).collect())
+    }
+
+    fn graph_set_node(
         &self,
         graph: GraphHandle,
-        patches: &[(DevicePtr, DevicePtr)],
-    ) -> Result<usize, DriverError> {
-        let mut st = self.enter(Call::GraphPatchPointers)?;
-        let mut patched = 0;
-        let patch = |arg: &Vec<u8>, patched: &mut usize| {
-            let word = <[u8; 8]>::try_from(arg.as_slice()).ok();
-            let value = word.map(|w| DevicePtr(u64::from_le_bytes(w)));
-            match patches.iter().find(|(from, _)| Some(*from) == value) {
-                Some((_, to)) => {
-                    *patched += 1;
-                    to.0.to_le_bytes().to_vec()
-                }
-                None => arg.clone(),
-            }
-        };
-        let nodes: Arc<[Node]> = st
-            .graph(graph)?
-            .nodes
-            .iter()
-            .map(|node| {
-                let mut node = node.clone();
-                if let Work::Kernel { args, .. } = &mut node.work {
-                    *args = args.iter().map(|a| patch(a, &mut patched)).collect();
-                }
-                node
-            })
-            .collect();
-        if let Some(g) = st.graphs.get_mut(&graph.raw) {
-            g.nodes = nodes;
+        index: usize,
+        node: &GraphNode,
+    ) -> Result<(), DriverError> {
+        let mut st = self.enter(Call::GraphSetNode)?;
+        let mut changed = st.graph(graph)?.nodes.to_vec();
+        let slot = changed.get_mut(index).ok_or(DriverError::INVALID_VALUE)?;
+        slot.work = nodes::apply(&slot.work, node)?;
+        for (ptr, bytes) in nodes::device_ranges(&slot.work) {
+            st.dev_ptr_check(ptr, bytes)?;
         }
-        Ok(patched)
+        if let Some(g) = st.graphs.get_mut(&graph.raw) {
+            g.nodes = changed.into();
+        }
+        Ok(())
     }
 
     fn graph_exec_update(

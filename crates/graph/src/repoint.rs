@@ -1,0 +1,252 @@
+//! What [`CudaGraph::update_inputs`](crate::CudaGraph::update_inputs) changes: which node
+//! parameters hold an address inside an input, and what they become. Policy only: the
+//! driver reads and sets the nodes.
+use crate::GraphError;
+use ferrocuda_types::{CopyEnd, DevicePtr, GraphNode};
+
+/// Why an opaque node is refused.
+const OPAQUE: &str =
+    "the driver does not describe its parameters, so it may hold an input's address";
+
+/// An input's old range and its new base.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Move {
+    /// The old buffer's address.
+    pub(crate) from: DevicePtr,
+    /// Its size in bytes (the new buffer has the same).
+    pub(crate) bytes: u64,
+    /// The new buffer's address.
+    pub(crate) to: DevicePtr,
+}
+
+impl Move {
+    /// Where `p` goes when it points into the old buffer.
+    fn map(&self, p: DevicePtr) -> Option<DevicePtr> {
+        let offset = p.0.checked_sub(self.from.0)?;
+        (offset < self.bytes).then(|| self.to.offset(offset))
+    }
+
+    /// Whether `[start, start + len)` shares a byte with the old buffer.
+    fn overlaps(&self, start: DevicePtr, len: u64) -> bool {
+        start.0 < self.from.0.saturating_add(self.bytes)
+            && self.from.0 < start.0.saturating_add(len)
+    }
+}
+
+/// The nodes to change, with their new parameters, and how many addresses change.
+#[derive(Debug, Default)]
+pub(crate) struct Plan {
+    pub(crate) changes: Vec<(usize, GraphNode)>,
+    pub(crate) pointers: usize,
+}
+
+/// What repointing `moves` does to `nodes` (in the driver's order), or the first node that
+/// may hold an input's address and cannot be repointed.
+pub(crate) fn plan(nodes: &[GraphNode], moves: &[Move]) -> Result<Plan, GraphError> {
+    let mut plan = Plan::default();
+    for (index, node) in nodes.iter().enumerate() {
+        let mut repoint = Repoint {
+            moves,
+            index,
+            kind: node.kind(),
+            pointers: 0,
+        };
+        let changed = match node {
+            GraphNode::Kernel { args } => GraphNode::Kernel {
+                args: args.iter().map(|a| repoint.argument(a)).collect(),
+            },
+            GraphNode::Memset { dst, value, count } => GraphNode::Memset {
+                dst: repoint.range(*dst, value.width().saturating_mul(*count))?,
+                value: *value,
+                count: *count,
+            },
+            GraphNode::Memcpy { dst, src, bytes } => GraphNode::Memcpy {
+                dst: repoint.end(*dst, *bytes)?,
+                src: repoint.end(*src, *bytes)?,
+                bytes: *bytes,
+            },
+            GraphNode::Ordering { .. } => continue,
+            _ => return Err(repoint.refuse(OPAQUE.into())),
+        };
+        if repoint.pointers > 0 {
+            plan.pointers += repoint.pointers;
+            plan.changes.push((index, changed));
+        }
+    }
+    Ok(plan)
+}
+
+/// Repoints the addresses of one node, counting them.
+struct Repoint<'a> {
+    moves: &'a [Move],
+    index: usize,
+    kind: &'static str,
+    pointers: usize,
+}
+
+impl Repoint<'_> {
+    /// A kernel argument: any 8-byte value inside an old buffer moves with it (a scalar
+    /// argument that happens to hold such a value included: its type is not known).
+    fn argument(&mut self, bytes: &[u8]) -> Vec<u8> {
+        let Ok(word) = <[u8; 8]>::try_from(bytes) else {
+            return bytes.to_vec();
+        };
+        match self.mapped(DevicePtr(u64::from_le_bytes(word))) {
+            Some(to) => to.0.to_le_bytes().to_vec(),
+            None => bytes.to_vec(),
+        }
+    }
+
+    /// The range `[start, start + len)` a memset writes or a copy reads or writes: inside
+    /// an old buffer it moves; across a buffer's edge it cannot.
+    fn range(&mut self, start: DevicePtr, len: u64) -> Result<DevicePtr, GraphError> {
+        let Some(m) = self.moves.iter().find(|m| m.overlaps(start, len.max(1))) else {
+            return Ok(start);
+        };
+        match m.map(start) {
+            Some(to) if start.0 - m.from.0 + len <= m.bytes => {
+                self.pointers += 1;
+                Ok(to)
+            }
+            _ => Err(self.refuse(format!(
+                "it covers {start}..{:#x}, part of the input at {}..{:#x} and memory outside it",
+                start.0.saturating_add(len),
+                m.from,
+                m.from.0.saturating_add(m.bytes)
+            ))),
+        }
+    }
+
+    fn end(&mut self, end: CopyEnd, len: u64) -> Result<CopyEnd, GraphError> {
+        Ok(match end {
+            CopyEnd::Device(p) => CopyEnd::Device(self.range(p, len)?),
+            host => host,
+        })
+    }
+
+    /// Where the first move containing `p` takes it, counted.
+    fn mapped(&mut self, p: DevicePtr) -> Option<DevicePtr> {
+        let to = self.moves.iter().find_map(|m| m.map(p))?;
+        self.pointers += 1;
+        Some(to)
+    }
+
+    fn refuse(&self, reason: String) -> GraphError {
+        GraphError::CannotRepoint {
+            node: self.index,
+            kind: self.kind,
+            reason,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ferrocuda_types::MemsetValue;
+
+    const X: DevicePtr = DevicePtr(0x1000);
+    const Y: DevicePtr = DevicePtr(0x2000);
+
+    fn swap() -> [Move; 2] {
+        [
+            Move {
+                from: X,
+                bytes: 0x100,
+                to: Y,
+            },
+            Move {
+                from: Y,
+                bytes: 0x100,
+                to: X,
+            },
+        ]
+    }
+
+    fn args(values: &[u64]) -> GraphNode {
+        GraphNode::Kernel {
+            args: values.iter().map(|v| v.to_le_bytes().to_vec()).collect(),
+        }
+    }
+
+    #[test]
+    fn each_address_moves_once_and_keeps_its_offset() {
+        let plan = plan(&[args(&[0x1000, 0x2010, 0x10ff, 0x1100, 7])], &swap()).unwrap();
+        assert_eq!(
+            plan.pointers, 3,
+            "x, y + 0x10, x's last byte; not one past x's end"
+        );
+        assert_eq!(
+            plan.changes,
+            vec![(0, args(&[0x2000, 0x1010, 0x20ff, 0x1100, 7]))]
+        );
+    }
+
+    #[test]
+    fn four_byte_arguments_and_untouched_nodes_stay() {
+        let small = GraphNode::Kernel {
+            args: vec![0x1000u32.to_le_bytes().to_vec()],
+        };
+        let empty = GraphNode::Ordering { what: "empty" };
+        let plan = plan(&[small, empty, args(&[0x3000])], &swap()).unwrap();
+        assert_eq!((plan.pointers, plan.changes.len()), (0, 0));
+    }
+
+    #[test]
+    fn a_range_inside_an_input_moves_and_one_across_its_edge_is_refused() {
+        let memset = |dst: u64, count: u64| GraphNode::Memset {
+            dst: DevicePtr(dst),
+            value: MemsetValue::U32(0),
+            count,
+        };
+        let moved = plan(&[memset(0x1080, 0x20)], &swap()).unwrap();
+        assert_eq!(
+            moved.changes,
+            vec![(0, memset(0x2080, 0x20))],
+            "ends at x's end"
+        );
+        for (dst, count) in [(0x1080, 0x21), (0xff0, 8)] {
+            let refused = plan(&[args(&[]), memset(dst, count)], &swap());
+            assert!(
+                matches!(
+                    refused,
+                    Err(GraphError::CannotRepoint {
+                        node: 1,
+                        kind: "memset",
+                        ..
+                    })
+                ),
+                "{dst:#x} x {count}: {refused:?}"
+            );
+        }
+        let copy = GraphNode::Memcpy {
+            dst: CopyEnd::Host(0x1000),
+            src: CopyEnd::Device(Y),
+            bytes: 0x100,
+        };
+        let plan = plan(&[copy], &swap()).unwrap();
+        let GraphNode::Memcpy { dst, src, .. } = &plan.changes[0].1 else {
+            panic!("{plan:?}")
+        };
+        assert_eq!(
+            (*dst, *src),
+            (CopyEnd::Host(0x1000), CopyEnd::Device(X)),
+            "host ends stay"
+        );
+    }
+
+    #[test]
+    fn an_opaque_node_is_refused() {
+        let opaque = GraphNode::Opaque {
+            what: "host function",
+        };
+        assert!(matches!(
+            plan(&[opaque], &swap()),
+            Err(GraphError::CannotRepoint {
+                node: 0,
+                kind: "host function",
+                ..
+            })
+        ));
+    }
+}

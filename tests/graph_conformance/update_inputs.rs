@@ -1,0 +1,331 @@
+//! `update_inputs`: repointing a captured graph at new buffers.
+use crate::{D0, N, Setup, TestResult};
+use ferrocuda::driver::{Call, DriverError, FakeDriver, fake::Completion};
+use ferrocuda::graph::{CaptureMode, GraphError, InputUpdate};
+use ferrocuda::stream::conformance::{Harness, register_fake_kernels};
+use ferrocuda::stream::{DeviceBuffer, KernelCache, Runtime, Stream, StreamError};
+use ferrocuda::types::{DeviceIndex, KernelArg, LaunchConfig, MemsetValue};
+use std::ops::Range;
+use std::sync::Arc;
+
+const D1: DeviceIndex = DeviceIndex(1);
+
+/// `update_inputs` repoints a captured graph at other buffers without copying: replays
+/// then read the new inputs, untouched arguments stay, and the old buffers are unused.
+pub(crate) fn update_inputs_patches_pointers(h: &Harness) -> TestResult {
+    let s = Setup::new(h)?;
+    let g = s.graph()?;
+    let (x, other) = (s.buffer(1.0)?, s.buffer(0.0)?);
+    let capture = g.capture(None, None, CaptureMode::ThreadLocal)?;
+    let stream = capture.stream().clone();
+    let y = DeviceBuffer::<f32>::uninit(&s.h.rt, D0, N)?;
+    s.scale(&stream, &y, &x, 2.0)?;
+    s.add_one(&stream, &other)?;
+    capture.end()?;
+    g.replay(&stream)?;
+    s.expect(&stream, &y, 2.0, "before the update")?;
+    let (x2, y2) = (s.buffer(21.0)?, s.buffer(0.0)?);
+    s.h.rt.current_stream(D0)?.synchronize()?;
+    assert_eq!(
+        g.update_inputs(&[(&x, &x2), (&y, &y2)])?,
+        InputUpdate::InPlace { pointers: 2 }
+    );
+    x.copy_from_host(&vec![-1.0; N])?;
+    s.h.rt.current_stream(D0)?.synchronize()?;
+    g.replay(&stream)?;
+    s.expect(&stream, &y2, 42.0, "the replay reads x2 and writes y2")?;
+    s.expect(&stream, &y, 2.0, "the old output is no longer written")?;
+    s.expect(&stream, &other, 2.0, "the unpatched node still runs")?;
+    assert!(matches!(
+        g.update_inputs(&[(&x2, &s.buffer(0.0)?)]),
+        Ok(InputUpdate::InPlace { pointers: 1 })
+    ));
+    let short = DeviceBuffer::<f32>::uninit(&s.h.rt, D0, 1)?;
+    assert!(matches!(
+        g.update_inputs(&[(&x2, &short)]),
+        Err(GraphError::Stream(_))
+    ));
+    let empty = s.graph()?;
+    assert_eq!(
+        empty.update_inputs(&[(&x, &x2)]),
+        Err(GraphError::NothingCaptured)
+    );
+    Ok(())
+}
+
+/// When the driver refuses the in-place update, `update_inputs` instantiates the patched
+/// graph again (fake device: the refusal is injected).
+#[test]
+fn update_inputs_reinstantiates_when_refused() -> TestResult {
+    let h = ferrocuda::stream::conformance::fake_harness();
+    let fake = h.fake.clone().ok_or("the fake harness has a fake driver")?;
+    let s = Setup::new(&h)?;
+    let g = s.graph()?;
+    let (x, x2) = (s.buffer(1.0)?, s.buffer(4.0)?);
+    let capture = g.capture(None, None, CaptureMode::ThreadLocal)?;
+    let stream = capture.stream().clone();
+    let y = DeviceBuffer::<f32>::uninit(&s.h.rt, D0, N)?;
+    s.scale(&stream, &y, &x, 2.0)?;
+    capture.end()?;
+    let instantiated = fake.calls(Call::GraphInstantiate);
+    fake.fail_nth(
+        Call::GraphExecUpdate,
+        1,
+        DriverError::GRAPH_EXEC_UPDATE_FAILURE,
+    );
+    s.h.rt.current_stream(D0)?.synchronize()?;
+    assert_eq!(
+        g.update_inputs(&[(&x, &x2)])?,
+        InputUpdate::Reinstantiated { pointers: 1 }
+    );
+    assert_eq!(fake.calls(Call::GraphInstantiate), instantiated + 1);
+    g.replay(&stream)?;
+    s.expect(&stream, &y, 8.0, "the new instance reads x2")
+}
+
+/// Checks `buf` after `stream`'s work: each `(range, value)` holds `value` throughout.
+fn expect_parts(
+    stream: &Stream,
+    buf: &DeviceBuffer<f32>,
+    parts: &[(Range<usize>, f32)],
+    what: &str,
+) -> TestResult {
+    stream.synchronize()?;
+    let values = buf.to_host()?;
+    for (range, expected) in parts {
+        if let Some(i) = range.clone().find(|&i| values[i] != *expected) {
+            return Err(
+                format!("{what}: element {i} is {}, expected {expected}", values[i]).into(),
+            );
+        }
+    }
+    Ok(())
+}
+
+/// The audit's case: `x.fill(0)`, `add_one(x)`, `y.copy_from(&x)` captured. Repointing `x`
+/// must reach the memset and the copy as well as the kernel; then `x`'s old block, handed to
+/// `z`, is no longer written by a replay.
+pub(crate) fn update_inputs_repoints_memset_and_memcpy(h: &Harness) -> TestResult {
+    let s = Setup::new(h)?;
+    let g = s.graph()?;
+    let x = s.buffer(5.0)?;
+    let capture = g.capture(None, None, CaptureMode::ThreadLocal)?;
+    let stream = capture.stream().clone();
+    x.fill(0.0)?;
+    s.add_one(&stream, &x)?;
+    let y = DeviceBuffer::<f32>::uninit(&s.h.rt, D0, N)?;
+    y.copy_from(&x)?;
+    capture.end()?;
+    let x2 = s.buffer(5.0)?;
+    s.h.rt.current_stream(D0)?.synchronize()?;
+    let update = g.update_inputs(&[(&x, &x2)])?;
+    let x_address = x.ptr();
+    drop(x);
+    let z = s.buffer(9.0)?;
+    assert_eq!(z.ptr(), x_address, "z takes x's old block");
+    s.h.rt.current_stream(D0)?.synchronize()?;
+    g.replay(&stream)?;
+    s.expect(
+        &stream,
+        &z,
+        9.0,
+        "z (x's old block) is not written by the replay",
+    )?;
+    s.expect(&stream, &x2, 1.0, "x2 is filled with 0, then incremented")?;
+    s.expect(&stream, &y, 1.0, "y copies x2")?;
+    assert_eq!(
+        update,
+        InputUpdate::InPlace { pointers: 3 },
+        "the memset's destination, the kernel's argument and the copy's source"
+    );
+    Ok(())
+}
+
+/// Pointers into the middle of an input (`x + offset`) in a kernel argument, a memset's
+/// destination and a copy's source move with it, keeping their offset.
+pub(crate) fn update_inputs_repoints_interior_pointers(h: &Harness) -> TestResult {
+    let s = Setup::new(h)?;
+    let g = s.graph()?;
+    let x = s.buffer(1.0)?;
+    let half = N / 2;
+    let at = |buf: &DeviceBuffer<f32>, i: usize| buf.ptr().offset((i * size_of::<f32>()) as u64);
+    let capture = g.capture(None, None, CaptureMode::ThreadLocal)?;
+    let stream = capture.stream().clone();
+    let driver = s.h.rt.driver();
+    driver.memset_async(
+        at(&x, 8),
+        MemsetValue::U32(0f32.to_bits()),
+        8,
+        stream.handle(),
+    )?;
+    let n = half as u32;
+    let args = [
+        KernelArg::Ptr {
+            device: D0,
+            ptr: at(&x, half),
+        },
+        KernelArg::value(&n),
+    ];
+    stream.launch(&s.add_one, &LaunchConfig::for_elements(half, 256), &args)?;
+    let y = DeviceBuffer::<f32>::uninit(&s.h.rt, D0, N)?;
+    driver.memcpy_dtod_async(y.ptr(), at(&x, half), (half * 4) as u64, stream.handle())?;
+    capture.end()?;
+    let x2 = s.buffer(3.0)?;
+    s.h.rt.current_stream(D0)?.synchronize()?;
+    assert_eq!(
+        g.update_inputs(&[(&x, &x2)])?,
+        InputUpdate::InPlace { pointers: 3 },
+        "three pointers into x"
+    );
+    g.replay(&stream)?;
+    let parts = [(0..8, 3.0), (8..16, 0.0), (16..half, 3.0), (half..N, 4.0)];
+    expect_parts(&stream, &x2, &parts, "x2 at the same offsets")?;
+    expect_parts(&stream, &y, &[(0..half, 4.0)], "y copies x2's upper half")?;
+    expect_parts(&stream, &x, &[(0..N, 1.0)], "x is no longer touched")
+}
+
+/// A node that covers part of an input and memory outside it cannot be repointed: the
+/// update is refused, naming the node, and changes nothing.
+pub(crate) fn update_inputs_refuses_a_node_it_cannot_repoint(h: &Harness) -> TestResult {
+    let s = Setup::new(h)?;
+    let g = s.graph()?;
+    let (x, w) = (s.buffer(1.0)?, s.buffer(1.0)?);
+    assert_eq!(w.ptr(), x.ptr().offset(x.bytes()), "w follows x");
+    let capture = g.capture(None, None, CaptureMode::ThreadLocal)?;
+    let stream = capture.stream().clone();
+    s.add_one(&stream, &x)?;
+    let (value, count) = (MemsetValue::U32(7f32.to_bits()), 2 * N as u64);
+    s.h.rt
+        .driver()
+        .memset_async(x.ptr(), value, count, stream.handle())?;
+    capture.end()?;
+    let x2 = s.buffer(0.0)?;
+    s.h.rt.current_stream(D0)?.synchronize()?;
+    let err = g.update_inputs(&[(&x, &x2)]).err();
+    assert!(
+        matches!(
+            &err,
+            Some(GraphError::CannotRepoint {
+                node: 1,
+                kind: "memset",
+                ..
+            })
+        ),
+        "the memset over x and w is refused, named: {err:?}"
+    );
+    g.replay(&stream)?;
+    s.expect(&stream, &x, 7.0, "the refused update left the memset on x")?;
+    s.expect(&stream, &w, 7.0, "and on w")?;
+    s.expect(
+        &stream,
+        &x2,
+        0.0,
+        "x2 is not written: nothing was repointed",
+    )
+}
+
+/// A harness over a fake driver with two devices.
+fn two_device_harness() -> Harness {
+    let fake = Arc::new(
+        FakeDriver::builder()
+            .devices(2)
+            .completion(Completion::Manual)
+            .build(),
+    );
+    register_fake_kernels(&fake);
+    let rt = Runtime::with_kernel_cache(fake.clone(), KernelCache::at(None));
+    Harness::new(rt, Some(fake))
+}
+
+/// A graph of device 0 is not repointed at a buffer of device 1 (fake device: two devices).
+#[test]
+fn update_inputs_refuses_another_device() -> TestResult {
+    let h = two_device_harness();
+    let s = Setup::new(&h)?;
+    let g = s.graph()?;
+    let x = s.buffer(1.0)?;
+    let capture = g.capture(None, None, CaptureMode::ThreadLocal)?;
+    s.add_one(capture.stream(), &x)?;
+    capture.end()?;
+    let elsewhere = DeviceBuffer::<f32>::filled(&h.rt, D1, N, 0.0)?;
+    assert_eq!(
+        g.update_inputs(&[(&x, &elsewhere)]),
+        Err(GraphError::Stream(StreamError::DeviceMismatch {
+            expected: D0,
+            found: D1,
+            what: "a new input"
+        }))
+    );
+    Ok(())
+}
+
+/// A child graph (a graph launched inside a capture) is opaque to `update_inputs`, which
+/// refuses rather than leave it reading the old buffer (fake device: the fake records a
+/// launched graph as one node).
+#[test]
+fn update_inputs_refuses_an_opaque_node() -> TestResult {
+    let h = ferrocuda::stream::conformance::fake_harness();
+    let s = Setup::new(&h)?;
+    let (inner, outer) = (s.graph()?, s.graph()?);
+    let x = s.buffer(1.0)?;
+    let capture = inner.capture(None, None, CaptureMode::ThreadLocal)?;
+    let stream = capture.stream().clone();
+    s.add_one(&stream, &x)?;
+    capture.end()?;
+    let capture = outer.capture(Some(&stream), None, CaptureMode::ThreadLocal)?;
+    s.add_one(&stream, &x)?;
+    inner.replay(&stream)?;
+    capture.end()?;
+    let x2 = s.buffer(0.0)?;
+    s.h.rt.current_stream(D0)?.synchronize()?;
+    assert!(
+        matches!(
+            outer.update_inputs(&[(&x, &x2)]),
+            Err(GraphError::CannotRepoint {
+                node: 1,
+                kind: "child graph",
+                ..
+            })
+        ),
+        "a child graph may hold x: refused, named"
+    );
+    outer.replay(&stream)?;
+    s.expect(&stream, &x, 3.0, "both kernels still add to x")
+}
+
+/// An update that fails half way changes nothing: when the driver refuses the second node,
+/// or fails the update of the instance, the nodes already set are put back and replays
+/// still use the old buffer (fake device: the failures are injected).
+#[test]
+fn update_inputs_that_fails_midway_changes_nothing() -> TestResult {
+    let h = ferrocuda::stream::conformance::fake_harness();
+    let fake = h.fake.clone().ok_or("the fake harness has a fake driver")?;
+    let s = Setup::new(&h)?;
+    let g = s.graph()?;
+    let x = s.buffer(1.0)?;
+    let capture = g.capture(None, None, CaptureMode::ThreadLocal)?;
+    let stream = capture.stream().clone();
+    x.fill(0.0)?;
+    s.add_one(&stream, &x)?;
+    capture.end()?;
+    let x2 = s.buffer(5.0)?;
+    s.h.rt.current_stream(D0)?.synchronize()?;
+    for (call, nth) in [(Call::GraphSetNode, 2), (Call::GraphExecUpdate, 1)] {
+        fake.fail_nth(call, nth, DriverError::INVALID_VALUE);
+        assert_eq!(
+            g.update_inputs(&[(&x, &x2)]),
+            Err(GraphError::Driver(DriverError::INVALID_VALUE)),
+            "{call:?} fails"
+        );
+        g.replay(&stream)?;
+        s.expect(&stream, &x, 1.0, "the memset and the kernel still write x")?;
+        s.expect(&stream, &x2, 5.0, "x2 is untouched")?;
+    }
+    assert_eq!(
+        g.update_inputs(&[(&x, &x2)])?,
+        InputUpdate::InPlace { pointers: 2 },
+        "both nodes still held x"
+    );
+    g.replay(&stream)?;
+    s.expect(&stream, &x2, 1.0, "now x2 is written")
+}
