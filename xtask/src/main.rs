@@ -11,6 +11,9 @@
 //! - `alloc-fuzz [--programs N] [--seed S]`: the allocator's structure-aware fuzz
 //!   (`crates/alloc/tests/fuzz.rs`) in release, 100 000 programs unless told (CI runs 600
 //!   in the ordinary test run);
+//! - `thread-diff [--scripts N] [--seed S]`: the cross-thread differential test
+//!   (`crates/alloc/tests/cross_thread_diff.rs`) in release, 100 000 scripts unless told
+//!   (CI runs 10 000);
 //! - `loom`: the thread cache's slot protocol under `loom` (`--cfg loom`, its own target
 //!   folder); `ci` runs it;
 //! - `alloc-oracle [DIR]`: PyTorch's allocator results against ours, step by
@@ -48,15 +51,16 @@ fn main() -> ExitCode {
             fuzz::Options::parse(&args).and_then(|o| cli_fuzz(&o))
         }
         "loom" => loom(),
-        "alloc-fuzz" => {
+        "alloc-fuzz" | "thread-diff" => {
             let args: Vec<String> = std::env::args().skip(2).collect();
-            alloc_fuzz(&args)
+            let long = if task == "alloc-fuzz" { ALLOC_FUZZ } else { THREAD_DIFF };
+            long.run(&args)
         }
         "alloc-oracle" => {
             let dir = std::env::args().nth(2);
             oracle::alloc_oracle(&dir.map_or_else(oracle_dir, PathBuf::from))
         }
-        _ => Err("usage: cargo xtask <ci|gpu-bundle|bench|doc|cli-fuzz|alloc-fuzz|loom|alloc-oracle [DIR]>".into()),
+        _ => Err("usage: cargo xtask <ci|gpu-bundle|bench|doc|cli-fuzz|alloc-fuzz|thread-diff|loom|alloc-oracle [DIR]>".into()),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -167,44 +171,77 @@ fn doc() -> Result<(), String> {
     }
 }
 
-/// `alloc-fuzz [--programs N] [--seed S]`: the allocator fuzz test in release, with the
-/// program count and seed passed through its environment variables.
-fn alloc_fuzz(args: &[String]) -> Result<(), String> {
-    let mut programs = "100000".to_string();
-    let mut seed = "20261123".to_string();
-    let mut it = args.iter();
-    while let Some(a) = it.next() {
-        let target = match a.as_str() {
-            "--programs" => &mut programs,
-            "--seed" => &mut seed,
-            _ => {
-                return Err(format!(
-                    "unknown option {a}: alloc-fuzz [--programs N] [--seed S]"
-                ));
-            }
+/// A long run of one of the allocator's randomized tests in release: each `--name N`
+/// option of `options` (flag, environment variable, default) sets that variable.
+struct LongRun {
+    task: &'static str,
+    test: &'static str,
+    options: &'static [(&'static str, &'static str, &'static str)],
+}
+
+/// `alloc-fuzz [--programs N] [--seed S]`: `crates/alloc/tests/fuzz.rs`.
+const ALLOC_FUZZ: LongRun = LongRun {
+    task: "alloc-fuzz",
+    test: "fuzz",
+    options: &[
+        ("--programs", "FERROCUDA_FUZZ_PROGRAMS", "100000"),
+        ("--seed", "FERROCUDA_FUZZ_SEED", "20261123"),
+    ],
+};
+
+/// `thread-diff [--scripts N] [--seed S]`: `crates/alloc/tests/cross_thread_diff.rs`.
+const THREAD_DIFF: LongRun = LongRun {
+    task: "thread-diff",
+    test: "cross_thread_diff",
+    options: &[
+        ("--scripts", "FERROCUDA_DIFF_CASES", "100000"),
+        ("--seed", "FERROCUDA_DIFF_SEED", "1592590336"),
+    ],
+};
+
+impl LongRun {
+    fn run(&self, args: &[String]) -> Result<(), String> {
+        let mut values: Vec<(&str, String)> = self
+            .options
+            .iter()
+            .map(|(_, var, default)| (*var, (*default).to_owned()))
+            .collect();
+        let usage = || {
+            let flags: Vec<String> = self
+                .options
+                .iter()
+                .map(|(f, _, _)| format!("[{f} N]"))
+                .collect();
+            format!("{} {}", self.task, flags.join(" "))
         };
-        let value = it.next().ok_or(format!("{a} needs a number"))?;
-        value
-            .parse::<u64>()
-            .map_err(|e| format!("{a} {value}: {e}"))?;
-        value.clone_into(target);
+        let mut it = args.iter();
+        while let Some(a) = it.next() {
+            let i = self
+                .options
+                .iter()
+                .position(|(flag, _, _)| flag == a)
+                .ok_or_else(|| format!("unknown option {a}: {}", usage()))?;
+            let value = it.next().ok_or(format!("{a} needs a number"))?;
+            value
+                .parse::<u64>()
+                .map_err(|e| format!("{a} {value}: {e}"))?;
+            values[i].1 = value.clone();
+        }
+        let env: Vec<(&str, &str)> = values.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        cargo_with_env(
+            &[
+                "test",
+                "--release",
+                "-p",
+                "ferrocuda-alloc",
+                "--test",
+                self.test,
+                "--",
+                "--nocapture",
+            ],
+            &env,
+        )
     }
-    cargo_with_env(
-        &[
-            "test",
-            "--release",
-            "-p",
-            "ferrocuda-alloc",
-            "--test",
-            "fuzz",
-            "--",
-            "--nocapture",
-        ],
-        &[
-            ("FERROCUDA_FUZZ_PROGRAMS", &programs),
-            ("FERROCUDA_FUZZ_SEED", &seed),
-        ],
-    )
 }
 
 /// The loom model of the thread cache (`crates/alloc/src/thread_cache.rs`, `loom_model`),
