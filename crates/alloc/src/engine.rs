@@ -209,6 +209,15 @@ impl Engine {
         if st.order.is_quiet() || st.capturing() {
             return;
         }
+        self.record_deferred(st);
+        for (event, id) in st.order.completed(&*self.driver) {
+            st.complete_event(event, id);
+        }
+    }
+
+    /// `insert_events_deferred_until_no_capture`: records the events of the blocks freed
+    /// during a capture (with no capture underway now).
+    fn record_deferred(&self, st: &mut State) {
         let deferred = st.order.take_deferred(&mut st.blocks);
         for (id, uses) in deferred {
             let State { order, blocks, .. } = &mut *st;
@@ -220,9 +229,6 @@ impl Engine {
                 st.free_block(id);
             }
         }
-        for (event, id) in st.order.completed(&*self.driver) {
-            st.complete_event(event, id);
-        }
     }
 
     /// `synchronize_and_free_events`: waits (outside the lock) for every outstanding event
@@ -230,6 +236,11 @@ impl Engine {
     /// outstanding, as PyTorch counts it.
     pub(crate) fn synchronize_events<'a>(&'a self, mut st: Guard<'a>) -> Guard<'a> {
         st.stats.num_sync_all_streams += 1;
+        // As PyTorch's `synchronize_and_free_events`: the blocks freed during a capture
+        // that has ended get their events first (this never runs during a capture).
+        if !st.capturing() {
+            self.record_deferred(&mut st);
+        }
         if !st.order.has_pending() {
             return st;
         }

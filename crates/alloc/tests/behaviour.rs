@@ -944,6 +944,34 @@ mod private_pools {
         }
     }
 
+    /// `empty_cache` after a capture records and waits for the events of blocks freed
+    /// during it (PyTorch's `synchronize_and_free_events` calls
+    /// `insert_events_deferred_until_no_capture` first): the block is free afterwards.
+    #[test]
+    fn empty_cache_after_a_capture_frees_its_deferred_blocks() -> TestResult {
+        let (fake, a) = setup(80 * GIB, "", Completion::Manual);
+        let (s, side) = (new_stream(&fake)?, new_stream(&fake)?);
+        let pool = PoolId::for_capture();
+        fake.stream_begin_capture(s, CaptureMode::Global)?;
+        a.begin_allocate_to_pool(pool, Route::Capture(capture_id(&fake, s)?))?;
+        let x = a.allocate(MIB, s)?;
+        a.record_stream(x.ptr, side)?;
+        a.free(x.ptr)?; // deferred: no event work during a capture
+        a.end_allocate_to_pool(pool)?;
+        let graph = fake.stream_end_capture(s)?;
+        let pending = |a: &CachingAllocator| {
+            a.pool_blocks(pool)
+                .iter()
+                .any(|b| b.ptr == x.ptr && b.pending_events)
+        };
+        assert!(pending(&a));
+        a.empty_cache();
+        assert!(!pending(&a), "the deferred free was processed");
+        fake.graph_destroy(graph)?;
+        a.check_invariants()?;
+        Ok(())
+    }
+
     /// `cudaMallocMaybeCapturing` relaxes only the capturing thread's allocations: another
     /// thread that needs a new segment during a GLOBAL capture invalidates it, as in
     /// PyTorch (and as CUDA's rules for a potentially unsafe call say).
