@@ -11,6 +11,9 @@
 //! - `alloc-fuzz [--programs N] [--seed S]`: the allocator's structure-aware fuzz
 //!   (`crates/alloc/tests/fuzz.rs`) in release, 100 000 programs unless told (CI runs 600
 //!   in the ordinary test run);
+//! - `graph-fuzz [--programs N] [--seed S]`: the graph data-integrity fuzz
+//!   (`tests/graph_fuzz.rs`) in release, 10 000 programs unless told (CI runs 200 in the
+//!   ordinary test run);
 //! - `loom`: the thread cache's slot protocol under `loom` (`--cfg loom`, its own target
 //!   folder); `ci` runs it;
 //! - `alloc-oracle [DIR]`: PyTorch's allocator results against ours, step by
@@ -48,15 +51,16 @@ fn main() -> ExitCode {
             fuzz::Options::parse(&args).and_then(|o| cli_fuzz(&o))
         }
         "loom" => loom(),
-        "alloc-fuzz" => {
+        "alloc-fuzz" | "graph-fuzz" => {
             let args: Vec<String> = std::env::args().skip(2).collect();
-            alloc_fuzz(&args)
+            let fuzz = if task == "alloc-fuzz" { &ALLOC_FUZZ } else { &GRAPH_FUZZ };
+            run_fuzz(fuzz, &args)
         }
         "alloc-oracle" => {
             let dir = std::env::args().nth(2);
             oracle::alloc_oracle(&dir.map_or_else(oracle_dir, PathBuf::from))
         }
-        _ => Err("usage: cargo xtask <ci|gpu-bundle|bench|doc|cli-fuzz|alloc-fuzz|loom|alloc-oracle [DIR]>".into()),
+        _ => Err("usage: cargo xtask <ci|gpu-bundle|bench|doc|cli-fuzz|alloc-fuzz|graph-fuzz|loom|alloc-oracle [DIR]>".into()),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -167,11 +171,39 @@ fn doc() -> Result<(), String> {
     }
 }
 
-/// `alloc-fuzz [--programs N] [--seed S]`: the allocator fuzz test in release, with the
-/// program count and seed passed through its environment variables.
-fn alloc_fuzz(args: &[String]) -> Result<(), String> {
-    let mut programs = "100000".to_string();
-    let mut seed = "20261123".to_string();
+/// A structure-aware fuzz test run in release by `cargo xtask <task> [--programs N]
+/// [--seed S]`, the count and seed passed through `<env>_PROGRAMS` and `<env>_SEED`.
+struct FuzzTest {
+    task: &'static str,
+    /// `cargo test` selects the test binary with these.
+    select: &'static [&'static str],
+    env: &'static str,
+    programs: &'static str,
+    seed: &'static str,
+}
+
+/// The allocator's fuzz (`crates/alloc/tests/fuzz.rs`).
+const ALLOC_FUZZ: FuzzTest = FuzzTest {
+    task: "alloc-fuzz",
+    select: &["-p", "ferrocuda-alloc", "--test", "fuzz"],
+    env: "FERROCUDA_FUZZ",
+    programs: "100000",
+    seed: "20261123",
+};
+
+/// The graph data-integrity fuzz (`tests/graph_fuzz.rs`).
+const GRAPH_FUZZ: FuzzTest = FuzzTest {
+    task: "graph-fuzz",
+    select: &["-p", "ferrocuda", "--test", "graph_fuzz"],
+    env: "FERROCUDA_GRAPH_FUZZ",
+    programs: "10000",
+    seed: "20261205",
+};
+
+/// Runs `fuzz` in release with `--programs N` and `--seed S` from `args`.
+fn run_fuzz(fuzz: &FuzzTest, args: &[String]) -> Result<(), String> {
+    let mut programs = fuzz.programs.to_string();
+    let mut seed = fuzz.seed.to_string();
     let mut it = args.iter();
     while let Some(a) = it.next() {
         let target = match a.as_str() {
@@ -179,7 +211,8 @@ fn alloc_fuzz(args: &[String]) -> Result<(), String> {
             "--seed" => &mut seed,
             _ => {
                 return Err(format!(
-                    "unknown option {a}: alloc-fuzz [--programs N] [--seed S]"
+                    "unknown option {a}: {} [--programs N] [--seed S]",
+                    fuzz.task
                 ));
             }
         };
@@ -189,20 +222,18 @@ fn alloc_fuzz(args: &[String]) -> Result<(), String> {
             .map_err(|e| format!("{a} {value}: {e}"))?;
         value.clone_into(target);
     }
+    let mut cmd = vec!["test", "--release"];
+    cmd.extend_from_slice(fuzz.select);
+    cmd.extend_from_slice(&["--", "--nocapture"]);
+    let (programs_var, seed_var) = (
+        format!("{}_PROGRAMS", fuzz.env),
+        format!("{}_SEED", fuzz.env),
+    );
     cargo_with_env(
+        &cmd,
         &[
-            "test",
-            "--release",
-            "-p",
-            "ferrocuda-alloc",
-            "--test",
-            "fuzz",
-            "--",
-            "--nocapture",
-        ],
-        &[
-            ("FERROCUDA_FUZZ_PROGRAMS", &programs),
-            ("FERROCUDA_FUZZ_SEED", &seed),
+            (programs_var.as_str(), &programs),
+            (seed_var.as_str(), &seed),
         ],
     )
 }
