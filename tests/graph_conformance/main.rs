@@ -101,6 +101,7 @@ mod callables;
 mod capture;
 mod mlp;
 mod nodes;
+mod pools;
 mod rng;
 mod update_inputs;
 
@@ -114,6 +115,7 @@ use capture::{
 };
 use mlp::mlp_step_whole_and_partial_capture;
 use nodes::graph_nodes_are_read_and_set;
+use pools::{capture_empties_the_cache_first, captures_sharing_a_pool_share_a_stream};
 use rng::rng_replays_match_eager;
 use update_inputs::{
     update_inputs_patches_pointers, update_inputs_refuses_a_node_it_cannot_repoint,
@@ -141,4 +143,6 @@ ferrocuda::stream::both_backends!(
     update_inputs_refuses_a_node_it_cannot_repoint,
     mlp_step_whole_and_partial_capture,
     three_graphs_share_one_segment,
+    capture_empties_the_cache_first,
+    captures_sharing_a_pool_share_a_stream,
 );

@@ -14,6 +14,9 @@
 //! - `thread-diff [--scripts N] [--seed S]`: the cross-thread differential test
 //!   (`crates/alloc/tests/cross_thread_diff.rs`) in release, 100 000 scripts unless told
 //!   (CI runs 10 000);
+//! - `graph-fuzz [--programs N] [--seed S]`: the graph data-integrity fuzz
+//!   (`tests/graph_fuzz.rs`) in release, 10 000 programs unless told (CI runs 200 in the
+//!   ordinary test run);
 //! - `loom`: the thread cache's slot protocol under `loom` (`--cfg loom`, its own target
 //!   folder); `ci` runs it;
 //! - `alloc-oracle [DIR]`: PyTorch's allocator results against ours, step by
@@ -51,16 +54,20 @@ fn main() -> ExitCode {
             fuzz::Options::parse(&args).and_then(|o| cli_fuzz(&o))
         }
         "loom" => loom(),
-        "alloc-fuzz" | "thread-diff" => {
+        "alloc-fuzz" | "thread-diff" | "graph-fuzz" => {
             let args: Vec<String> = std::env::args().skip(2).collect();
-            let long = if task == "alloc-fuzz" { ALLOC_FUZZ } else { THREAD_DIFF };
+            let long = match task.as_str() {
+                "alloc-fuzz" => &ALLOC_FUZZ,
+                "thread-diff" => &THREAD_DIFF,
+                _ => &GRAPH_FUZZ,
+            };
             long.run(&args)
         }
         "alloc-oracle" => {
             let dir = std::env::args().nth(2);
             oracle::alloc_oracle(&dir.map_or_else(oracle_dir, PathBuf::from))
         }
-        _ => Err("usage: cargo xtask <ci|gpu-bundle|bench|doc|cli-fuzz|alloc-fuzz|thread-diff|loom|alloc-oracle [DIR]>".into()),
+        _ => Err("usage: cargo xtask <ci|gpu-bundle|bench|doc|cli-fuzz|alloc-fuzz|thread-diff|graph-fuzz|loom|alloc-oracle [DIR]>".into()),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -171,18 +178,19 @@ fn doc() -> Result<(), String> {
     }
 }
 
-/// A long run of one of the allocator's randomized tests in release: each `--name N`
-/// option of `options` (flag, environment variable, default) sets that variable.
+/// A long run of one of the randomized tests in release: each `--name N` option of
+/// `options` (flag, environment variable, default) sets that variable.
 struct LongRun {
     task: &'static str,
-    test: &'static str,
+    /// `cargo test` selects the test binary with these.
+    select: &'static [&'static str],
     options: &'static [(&'static str, &'static str, &'static str)],
 }
 
 /// `alloc-fuzz [--programs N] [--seed S]`: `crates/alloc/tests/fuzz.rs`.
 const ALLOC_FUZZ: LongRun = LongRun {
     task: "alloc-fuzz",
-    test: "fuzz",
+    select: &["-p", "ferrocuda-alloc", "--test", "fuzz"],
     options: &[
         ("--programs", "FERROCUDA_FUZZ_PROGRAMS", "100000"),
         ("--seed", "FERROCUDA_FUZZ_SEED", "20261123"),
@@ -192,10 +200,21 @@ const ALLOC_FUZZ: LongRun = LongRun {
 /// `thread-diff [--scripts N] [--seed S]`: `crates/alloc/tests/cross_thread_diff.rs`.
 const THREAD_DIFF: LongRun = LongRun {
     task: "thread-diff",
-    test: "cross_thread_diff",
+    select: &["-p", "ferrocuda-alloc", "--test", "cross_thread_diff"],
     options: &[
         ("--scripts", "FERROCUDA_DIFF_CASES", "100000"),
         ("--seed", "FERROCUDA_DIFF_SEED", "1592590336"),
+    ],
+};
+
+/// `graph-fuzz [--programs N] [--seed S]`: the graph data-integrity fuzz
+/// (`tests/graph_fuzz.rs`).
+const GRAPH_FUZZ: LongRun = LongRun {
+    task: "graph-fuzz",
+    select: &["-p", "ferrocuda", "--test", "graph_fuzz"],
+    options: &[
+        ("--programs", "FERROCUDA_GRAPH_FUZZ_PROGRAMS", "10000"),
+        ("--seed", "FERROCUDA_GRAPH_FUZZ_SEED", "20261205"),
     ],
 };
 
@@ -228,19 +247,10 @@ impl LongRun {
             values[i].1 = value.clone();
         }
         let env: Vec<(&str, &str)> = values.iter().map(|(k, v)| (*k, v.as_str())).collect();
-        cargo_with_env(
-            &[
-                "test",
-                "--release",
-                "-p",
-                "ferrocuda-alloc",
-                "--test",
-                self.test,
-                "--",
-                "--nocapture",
-            ],
-            &env,
-        )
+        let mut cmd = vec!["test", "--release"];
+        cmd.extend_from_slice(self.select);
+        cmd.extend_from_slice(&["--", "--nocapture"]);
+        cargo_with_env(&cmd, &env)
     }
 }
 

@@ -1,7 +1,7 @@
 //! `CudaGraph` and its capture guard.
 use crate::PhiloxGenerator;
 use crate::repoint::{self, Move};
-use ferrocuda_alloc::{AllocError, DeviceAllocators, Route};
+use ferrocuda_alloc::{AllocError, CachingAllocator, DeviceAllocators, Route};
 use ferrocuda_driver::{Driver, DriverError};
 use ferrocuda_stream::{DeviceBuffer, Runtime, Stream, StreamError, StreamGuard};
 use ferrocuda_types::{
@@ -11,6 +11,7 @@ use ferrocuda_types::{
 use parking_lot::Mutex;
 use std::path::Path;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 /// How [`CudaGraph::update_inputs`] applied new input addresses.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -234,7 +235,14 @@ impl CudaGraph {
         ) {
             return Err(GraphError::NestedCapture);
         }
+        let allocator = self.allocators.device(self.device)?;
         let pool = pool.unwrap_or_else(PoolId::for_capture);
+        // The allocator learns that a capture is underway before it begins (PyTorch's
+        // `CUDAGraph::capture_begin`: `beginAllocateToPool`, then `cudaStreamBeginCapture`),
+        // so a free racing in from another thread defers its events instead of recording
+        // them into the capture. The pool's route needs the capture id, known only once the
+        // capture began: a fence stands in until then.
+        let fence = CaptureFence::raise(allocator)?;
         self.driver().stream_begin_capture(stream.handle(), mode)?;
         let id = match self.driver().stream_capture_status(stream.handle()) {
             Ok(CaptureStatus::Active { id }) => id,
@@ -245,11 +253,11 @@ impl CudaGraph {
                     .map_or(GraphError::Invalidated, GraphError::from));
             }
         };
-        let allocator = self.allocators.device(self.device)?;
         if let Err(e) = allocator.begin_allocate_to_pool(pool, Route::Capture(id)) {
             self.abort_capture(stream);
             return Err(e.into());
         }
+        drop(fence);
         let mut started = 0;
         let prologues = st.generators.iter().try_for_each(|(g, _)| {
             g.capture_prologue(id)?;
@@ -262,9 +270,9 @@ impl CudaGraph {
             for (g, _) in &st.generators[..started] {
                 g.capture_epilogue();
             }
+            self.abort_capture(stream);
             let _ = allocator.end_allocate_to_pool(pool);
             let _ = allocator.release_pool(pool);
-            self.abort_capture(stream);
             return Err(e);
         }
         st.capturing = Some(stream.clone());
@@ -284,8 +292,8 @@ impl CudaGraph {
         self.finish_capture(false)
     }
 
-    /// Ends the capture, stops the allocator's routing and the generators' recording, then
-    /// keeps the graph (`keep`) or destroys it; a graph not kept releases the pool.
+    /// Ends the capture, then stops the allocator's routing and the generators' recording,
+    /// then keeps the graph (`keep`) or destroys it; a graph not kept releases the pool.
     fn finish_capture(&self, keep: bool) -> Result<(), GraphError> {
         let mut st = self.state.lock();
         if st.capturing.is_none() {
@@ -295,18 +303,21 @@ impl CudaGraph {
         let (Some(stream), Some(pool)) = (st.capturing.take(), st.pool) else {
             return Err(GraphError::NotCapturing);
         };
+        // The capture ends before the allocator stops routing to the pool (PyTorch's
+        // `CUDAGraph::capture_end`: `cudaStreamEndCapture`, then `endAllocateToPool`), so a
+        // free racing in from another thread until then is still deferred.
+        let ended = if keep {
+            Some(self.driver().stream_end_capture(stream.handle()))
+        } else {
+            self.abort_capture(&stream);
+            None
+        };
         let unrouted = allocator.end_allocate_to_pool(pool);
         for (generator, increment) in &mut st.generators {
             let drawn = generator.capture_epilogue();
             *increment = if keep { drawn } else { 0 };
         }
-        let result = if keep {
-            let ended = self.driver().stream_end_capture(stream.handle());
-            self.keep_graph(&mut st, ended)
-        } else {
-            self.abort_capture(&stream);
-            Ok(())
-        };
+        let result = ended.map_or(Ok(()), |ended| self.keep_graph(&mut st, ended));
         if !keep || result.is_err() {
             st.pool = None;
             let _ = allocator.release_pool(pool);
@@ -536,9 +547,18 @@ impl CudaGraph {
         Ok(())
     }
 
-    /// Captures what `work` enqueues: synchronizes the device, switches to `stream` (or a
-    /// pool stream) as the current stream, and begins the capture; the returned guard ends
-    /// it (`with torch.cuda.graph(g, pool, stream)`).
+    /// Captures what is enqueued until the guard ends (`with torch.cuda.graph(g, pool,
+    /// stream)`): synchronizes the device, empties the cache, makes `stream` (or the
+    /// device's default capture stream) current, and begins the capture.
+    ///
+    /// As PyTorch's `torch.cuda.graph` (torch/cuda/graphs.py): `__enter__` runs
+    /// `torch.cuda.synchronize()` and `torch.cuda.empty_cache()` first, so the capture
+    /// starts from a cache holding only live memory (a dropped graph's free pool segments
+    /// go back to the driver); `__init__` captures on the class-level
+    /// `default_capture_stream` when no stream is given, so that captures sharing a pool
+    /// reuse each other's blocks (blocks are tagged by stream). Ferrocuda keeps one default
+    /// capture stream per device ([`Runtime::default_capture_stream`]); while another
+    /// capture holds it, a pool stream is used instead (PyTorch would fail).
     pub fn capture<'a>(
         &'a self,
         stream: Option<&Stream>,
@@ -546,9 +566,10 @@ impl CudaGraph {
         mode: CaptureMode,
     ) -> Result<CaptureGuard<'a>, GraphError> {
         self.runtime.synchronize(self.device)?;
+        self.allocators.device(self.device)?.empty_cache();
         let stream = match stream {
             Some(s) => s.clone(),
-            None => self.runtime.stream_from_pool(self.device, false)?,
+            None => self.idle_capture_stream()?,
         };
         let stream_guard = self.runtime.stream_guard(&stream)?;
         self.capture_begin(&stream, pool, mode)?;
@@ -559,11 +580,48 @@ impl CudaGraph {
             ended: false,
         })
     }
+
+    /// The device's default capture stream, or a pool stream while another capture holds it.
+    fn idle_capture_stream(&self) -> Result<Stream, GraphError> {
+        let stream = self.runtime.default_capture_stream(self.device)?;
+        match self.driver().stream_capture_status(stream.handle())? {
+            CaptureStatus::None => Ok(stream),
+            _ => Ok(self.runtime.stream_from_pool(self.device, false)?),
+        }
+    }
 }
 
 impl Drop for CudaGraph {
     fn drop(&mut self) {
         let _ = self.reset();
+    }
+}
+
+/// Tells the allocator a capture is underway before the capture's own route can be set:
+/// a route for a capture id no stream has (0, which CUDA never gives a capture) into a pool
+/// of its own, which nothing is ever allocated from. While it stands the allocator defers
+/// `record_stream` frees and frees nothing to the driver, as for any capture. Dropping it
+/// ends the route and releases its pool.
+struct CaptureFence<'a> {
+    allocator: &'a CachingAllocator,
+    pool: PoolId,
+}
+
+impl<'a> CaptureFence<'a> {
+    fn raise(allocator: &'a CachingAllocator) -> Result<CaptureFence<'a>, AllocError> {
+        // Outside the spaces of capture pools `(n, 0)` and handles `(0, n)`, and unique, so
+        // that two captures starting at once each raise their own.
+        static NEXT: AtomicU64 = AtomicU64::new(1);
+        let pool = PoolId(u64::MAX, NEXT.fetch_add(1, Ordering::Relaxed));
+        allocator.begin_allocate_to_pool(pool, Route::Capture(0))?;
+        Ok(CaptureFence { allocator, pool })
+    }
+}
+
+impl Drop for CaptureFence<'_> {
+    fn drop(&mut self) {
+        let _ = self.allocator.end_allocate_to_pool(self.pool);
+        let _ = self.allocator.release_pool(self.pool);
     }
 }
 

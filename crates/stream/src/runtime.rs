@@ -26,6 +26,7 @@ struct StreamPool {
 struct DeviceState {
     default_stream: Stream,
     pools: [StreamPool; 2],
+    capture_stream: OnceLock<Stream>,
     properties: OnceLock<DeviceProperties>,
     priority_range: Mutex<Option<(i32, i32)>>,
 }
@@ -113,6 +114,7 @@ impl Runtime {
         self.devices.get_or_init(&*self.driver, |d| DeviceState {
             default_stream: Stream::wrap(self.driver.clone(), StreamHandle::legacy(d), 0, false),
             pools: Default::default(),
+            capture_stream: OnceLock::new(),
             properties: OnceLock::new(),
             priority_range: Mutex::new(None),
         })
@@ -348,6 +350,20 @@ impl Runtime {
         };
         let i = pool.next.fetch_add(1, Ordering::Relaxed) % STREAMS_PER_POOL;
         Ok(streams[i].clone())
+    }
+
+    /// The stream graph captures use when they are given none: a stream from the device's
+    /// pool, drawn at the first call and the same ever after (PyTorch's class-level
+    /// `torch.cuda.graph.default_capture_stream`, torch/cuda/graphs.py, kept per device
+    /// here). Captures that share a memory pool reuse each other's blocks only when they
+    /// capture on one stream, since cached blocks are tagged by stream.
+    pub fn default_capture_stream(&self, dev: DeviceIndex) -> Result<Stream> {
+        let state = self.device_state(dev)?;
+        if let Some(s) = state.capture_stream.get() {
+            return Ok(s.clone());
+        }
+        let drawn = self.stream_from_pool(dev, false)?;
+        Ok(state.capture_stream.get_or_init(|| drawn).clone())
     }
 
     /// Wraps a stream created outside ferrocuda (`torch.cuda.ExternalStream`). It is not
