@@ -1,4 +1,4 @@
-//! A data-integrity fuzz of graphs over the caching allocator, on the fake device: random
+//! A data-integrity fuzz of graphs over the caching allocator: random
 //! programs of captures (new pools, shared pools, pool handles, forked side streams,
 //! `record_stream` inside the capture, every capture mode), replays, eager allocations and
 //! frees on several streams, `record_stream`, `empty_cache`, `update_inputs` and graph
@@ -6,19 +6,31 @@
 //! included). Every live user buffer holds a canary, checked after each replay; every
 //! replay's output is checked against an eager run of the same work; the allocator's
 //! invariants are checked after every step, and at the end the device must have its memory
-//! back. Out of memory is allowed (as a typed error); any other error, and any corruption,
-//! fails the program.
+//! back (the allocator's reserved bytes: the same check on both backends). Out of memory
+//! is allowed (as a typed error); any other error, and any corruption, fails the program.
 //!
-//! `FERROCUDA_GRAPH_FUZZ_PROGRAMS` (default 200) and `FERROCUDA_GRAPH_FUZZ_SEED` set the
-//! run; `cargo xtask graph-fuzz --programs N` runs it in release.
+//! The same programs run on two backends, picked as the conformance suite does
+//! (`Harness`, its `module()` loading `KERNELS`):
+//! - the fake device (a fresh 192 MiB `FakeDriver` per program, the kernels registered as
+//!   fake kernels): `FERROCUDA_GRAPH_FUZZ_PROGRAMS` (default 200) programs;
+//! - the real driver (`cuda_harness()`, the kernels compiled by NVRTC once, one runtime for
+//!   the whole run, a fresh allocator per program): `#[ignore]`d without a GPU, run by the
+//!   GPU bundle (where a missing GPU fails it), `FERROCUDA_GRAPH_FUZZ_GPU_PROGRAMS` (default
+//!   100) programs. Every program's `per_process_memory_fraction` is scaled by
+//!   192 MiB / device total, so the allocator sees the fake's 192 MiB on an 80 GB device too
+//!   and its out-of-memory paths still run.
+//!
+//! `FERROCUDA_GRAPH_FUZZ_SEED` sets the first seed; `cargo xtask graph-fuzz --programs N`
+//! runs the fake one in release.
 use ferrocuda::alloc::{CachingAllocator, DeviceAllocators};
 use ferrocuda::driver::{FakeDriver, fake::Completion};
 use ferrocuda::graph::{CaptureMode, CudaGraph, GraphError, PoolId};
-use ferrocuda::stream::conformance::{KERNELS, register_fake_kernels};
+use ferrocuda::stream::conformance::{Harness, cuda_harness, register_fake_kernels};
 use ferrocuda::stream::{
-    DeviceBuffer, Function, KernelCache, MemoryError, Module, Runtime, Stream, StreamError,
+    DeviceBuffer, Function, KernelCache, MemoryError, Runtime, Stream, StreamError,
 };
 use ferrocuda::types::{AllocatorConfig, DeviceIndex, KernelArg, LaunchConfig};
+use std::rc::Rc;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -184,21 +196,34 @@ struct Program {
     replays: u64,
 }
 
+/// A fresh fake device of [`CAPACITY`], the suite's kernels registered.
+fn fake_harness() -> Harness {
+    let fake = Arc::new(
+        FakeDriver::builder()
+            .capacity(CAPACITY)
+            .completion(Completion::Manual)
+            .build(),
+    );
+    register_fake_kernels(&fake);
+    let rt = Runtime::with_kernel_cache(fake.clone(), KernelCache::at(None));
+    Harness::new(rt, Some(fake))
+}
+
 impl Program {
-    fn new(config: &str) -> Result<Program, Failure> {
-        let fake = Arc::new(
-            FakeDriver::builder()
-                .capacity(CAPACITY)
-                .completion(Completion::Manual)
-                .build(),
-        );
-        register_fake_kernels(&fake);
-        let rt = Runtime::with_kernel_cache(fake.clone(), KernelCache::at(None));
-        let parsed = AllocatorConfig::parse(config).map_err(|e| e.to_string())?;
-        let allocators = DeviceAllocators::new(fake, parsed, true);
+    /// A program on `h`'s runtime with a fresh allocator of `config`, its
+    /// `per_process_memory_fraction` scaled so that the limit is that fraction of
+    /// [`CAPACITY`] (the identity on the fake device, which has exactly that).
+    fn new(h: &Harness, config: &str) -> Result<Program, Failure> {
+        let rt = h.rt.clone();
+        let mut parsed = AllocatorConfig::parse(config).map_err(|e| e.to_string())?;
+        let (_, total) = rt.mem_get_info(D0).map_err(|e| e.to_string())?;
+        if total > CAPACITY {
+            parsed.per_process_memory_fraction *= CAPACITY as f64 / total as f64;
+        }
+        let allocators = DeviceAllocators::new(rt.driver().clone(), parsed, true);
         allocators.install(&rt);
         let setup = || -> Result<_, StreamError> {
-            let module = Module::from_cuda_source(&rt, D0, "graph_fuzz", KERNELS)?;
+            let module = h.module()?;
             let streams = vec![
                 rt.default_stream(D0)?,
                 rt.new_stream(D0, 0)?,
@@ -531,12 +556,12 @@ fn env_number(name: &str, default: u64) -> u64 {
         .unwrap_or(default)
 }
 
-/// One program from `seed`: its replay count, or why it failed with its last steps.
-fn program(seed: u64) -> Result<u64, Failure> {
+/// One program from `seed` on `h`: its replay count, or why it failed with its last steps.
+fn program(h: &Harness, seed: u64) -> Result<u64, Failure> {
     let mut rng = Rng(seed);
     let config = rng.config();
     let steps = 10 + rng.below(60);
-    let mut p = Program::new(&config).map_err(|e| format!("config {config:?}: {e}"))?;
+    let mut p = Program::new(h, &config).map_err(|e| format!("config {config:?}: {e}"))?;
     let mut trail = Vec::new();
     for _ in 0..steps {
         let outcome = p.step(&mut rng).and_then(|what| {
@@ -554,23 +579,40 @@ fn program(seed: u64) -> Result<u64, Failure> {
     Ok(replays)
 }
 
-#[test]
-fn random_graph_programs_corrupt_nothing() {
-    let programs = env_number("FERROCUDA_GRAPH_FUZZ_PROGRAMS", 200);
+/// Runs `programs` programs from the seed, each on the harness `harness()` gives, and fails
+/// with every failed program.
+fn run_programs(backend: &str, programs: u64, harness: impl Fn() -> Rc<Harness>) {
     let seed = env_number("FERROCUDA_GRAPH_FUZZ_SEED", 20_261_205);
     let start = Instant::now();
     let mut failures = Vec::new();
     let mut replays = 0;
     for n in 0..programs {
-        match program(seed + n) {
+        match program(&harness(), seed + n) {
             Ok(r) => replays += r,
             Err(e) => failures.push(format!("program {n} (seed {}): {e}", seed + n)),
         }
     }
     eprintln!(
-        "graph fuzz: {programs} programs from seed {seed}, {replays} replays checked, {} failed, {:.1} s",
+        "graph fuzz ({backend}): {programs} programs from seed {seed}, {replays} replays checked, {} failed, {:.1} s",
         failures.len(),
         start.elapsed().as_secs_f64()
     );
     assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// On the fake device: a fresh 192 MiB device per program.
+#[test]
+fn random_graph_programs_corrupt_nothing() {
+    let programs = env_number("FERROCUDA_GRAPH_FUZZ_PROGRAMS", 200);
+    run_programs("fake device", programs, || Rc::new(fake_harness()));
+}
+
+/// On the real driver: one runtime (the kernels compiled once), a fresh allocator per
+/// program, limited to 192 MiB. Fails, never skips, without a GPU (`cuda_harness`).
+#[test]
+#[ignore = "needs a GPU: runs in the GPU bundle (cargo xtask gpu-bundle)"]
+fn random_graph_programs_corrupt_nothing_on_the_gpu() {
+    let h = Rc::new(cuda_harness());
+    let programs = env_number("FERROCUDA_GRAPH_FUZZ_GPU_PROGRAMS", 100);
+    run_programs("GPU", programs, || h.clone());
 }

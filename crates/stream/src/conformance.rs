@@ -102,6 +102,17 @@ impl Harness {
             module: std::sync::OnceLock::new(),
         }
     }
+
+    /// [`KERNELS`] on device 0, loaded once: compiled by NVRTC (through the runtime's kernel
+    /// cache) on the real driver, the host versions registered by
+    /// [`register_fake_kernels`] on the fake one.
+    pub fn module(&self) -> Result<Module, StreamError> {
+        if let Some(m) = self.module.get() {
+            return Ok(m.clone());
+        }
+        let m = Module::from_cuda_source(&self.rt, DEV, "conformance", KERNELS)?;
+        Ok(self.module.get_or_init(|| m).clone())
+    }
 }
 
 /// A folder of its own under the system's temporary folder.
@@ -160,11 +171,7 @@ macro_rules! both_backends {
 const DEV: DeviceIndex = DeviceIndex(0);
 
 fn module(h: &Harness) -> Result<Module, StreamError> {
-    if let Some(m) = h.module.get() {
-        return Ok(m.clone());
-    }
-    let m = Module::from_cuda_source(&h.rt, DEV, "conformance", KERNELS)?;
-    Ok(h.module.get_or_init(|| m).clone())
+    h.module()
 }
 
 /// Names the step under way, so that a failure on a GPU run says where it stopped.
