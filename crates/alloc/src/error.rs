@@ -48,9 +48,18 @@ pub enum AllocError {
     /// A history or snapshot request was invalid, or its file could not be written.
     #[error("{0}")]
     History(String),
-    /// A driver call failed (other than out of memory).
-    #[error("CUDA driver error: {0}")]
+    /// A driver call failed (other than out of memory). A call in a child forked after
+    /// CUDA was initialised reads as PyTorch's message alone.
+    #[error("{}", driver_message(.0))]
     Driver(#[from] DriverError),
+}
+
+fn driver_message(e: &DriverError) -> String {
+    if *e == DriverError::BAD_FORK {
+        e.to_string()
+    } else {
+        format!("CUDA driver error: {e}")
+    }
 }
 
 /// How an allocator error reaches a buffer user (the allocator serving as the stream
@@ -67,11 +76,34 @@ impl From<AllocError> for StreamError {
                 count,
             },
             AllocError::NotAvailable { reason } => StreamError::NotAvailable { reason },
-            AllocError::Driver(e) => StreamError::Driver(e),
+            AllocError::Driver(e) => StreamError::from(e),
             AllocError::Stream(e) => e,
             other => StreamError::Memory {
                 source: MemoryError::Other(other.to_string()),
             },
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A driver call in a bad fork reads as PyTorch's message, without the driver-error
+    /// prefix, and reaches buffer users as the stream layer's own bad-fork error.
+    #[test]
+    fn a_bad_fork_reads_as_pytorchs_message() {
+        let e = AllocError::from(DriverError::BAD_FORK);
+        assert!(
+            e.to_string()
+                .starts_with("Cannot re-initialize CUDA in forked subprocess"),
+            "{e}"
+        );
+        assert_eq!(StreamError::from(e), StreamError::BadFork);
+        let other = AllocError::from(DriverError::INVALID_VALUE);
+        assert!(
+            other.to_string().starts_with("CUDA driver error: "),
+            "{other}"
+        );
     }
 }
