@@ -424,6 +424,11 @@ impl std::fmt::Debug for RawGraph {
 
 impl Drop for RawGraph {
     fn drop(&mut self) {
+        // In a child forked after CUDA was initialised, libcuda must not be touched (the
+        // driver's own calls refuse there; this one bypasses them).
+        if crate::fork::in_bad_fork() {
+            return;
+        }
         // SAFETY: owned and destroyed once; launches in flight finish first.
         unsafe { sys::cuGraphExecDestroy(self.exec) };
     }
