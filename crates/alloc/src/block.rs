@@ -178,6 +178,11 @@ impl Block {
         self.prev.is_some() | self.next.is_some()
     }
 
+    /// A whole ordinary segment (not split, not expandable): what `cudaFree` can take back.
+    pub(crate) fn is_whole_segment(&self) -> bool {
+        self.segment.is_none() && !self.is_split()
+    }
+
     /// Free or unmapped, and not being worked on: can become part of a growing
     /// expandable range.
     pub(crate) fn growable(&self) -> bool {

@@ -124,7 +124,7 @@ impl Engine {
         if st.blocks[id].event_count == 0 {
             st.free_block(id);
         }
-        waited.map_err(AllocError::Driver)
+        waited.map_err(AllocError::from)
     }
 
     pub(crate) fn oom_report(
@@ -179,7 +179,7 @@ impl Engine {
         if e.is_out_of_memory() {
             self.oom_report(bytes, false, StreamHandle::legacy(self.device))
         } else {
-            AllocError::Driver(e)
+            AllocError::from(e)
         }
     }
 

@@ -48,17 +48,20 @@ pub enum AllocError {
     /// A history or snapshot request was invalid, or its file could not be written.
     #[error("{0}")]
     History(String),
-    /// A driver call failed (other than out of memory). A call in a child forked after
-    /// CUDA was initialised reads as PyTorch's message alone.
-    #[error("{}", driver_message(.0))]
-    Driver(#[from] DriverError),
+    /// A driver call failed (other than out of memory).
+    #[error("CUDA driver error: {0}")]
+    Driver(DriverError),
 }
 
-fn driver_message(e: &DriverError) -> String {
-    if *e == DriverError::BAD_FORK {
-        e.to_string()
-    } else {
-        format!("CUDA driver error: {e}")
+/// A driver error as the stream layer reads it (its one conversion decides, so a call in a
+/// child forked after CUDA was initialised is `Stream(BadFork)`, PyTorch's message alone);
+/// anything the stream layer keeps as a plain driver error stays one here.
+impl From<DriverError> for AllocError {
+    fn from(e: DriverError) -> AllocError {
+        match StreamError::from(e) {
+            StreamError::Driver(e) => AllocError::Driver(e),
+            other => AllocError::Stream(other),
+        }
     }
 }
 
@@ -76,7 +79,7 @@ impl From<AllocError> for StreamError {
                 count,
             },
             AllocError::NotAvailable { reason } => StreamError::NotAvailable { reason },
-            AllocError::Driver(e) => StreamError::from(e),
+            AllocError::Driver(e) => StreamError::Driver(e),
             AllocError::Stream(e) => e,
             other => StreamError::Memory {
                 source: MemoryError::Other(other.to_string()),

@@ -19,11 +19,7 @@ impl Engine {
         let mut candidates: Vec<FreeKey> = st
             .pools
             .keys()
-            .filter(|k| {
-                !st.blocks[k.id].is_split()
-                    && st.blocks[k.id].segment.is_none()
-                    && st.private.releasable(k.pool)
-            })
+            .filter(|k| st.blocks[k.id].is_whole_segment() && st.private.releasable(k.pool))
             .collect();
         candidates.sort_by_key(|k| std::cmp::Reverse(k.size));
         let mut freed = 0;
@@ -65,7 +61,7 @@ impl Engine {
         // Only whole segments: a free block over the limit can still be a piece of a
         // segment split under an earlier, larger `max_split_size_mb`, and PyTorch's
         // `release_block` would free the segment under its live neighbours.
-        let whole = |id: usize| st.blocks[id].segment.is_none() && !st.blocks[id].is_split();
+        let whole = |id: usize| st.blocks[id].is_whole_segment();
         let (chosen, enough) = match list.first_from(key(wanted, 0)) {
             Some(f) if whole(f.id) => (vec![f.id], true),
             _ => {

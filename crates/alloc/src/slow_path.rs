@@ -175,7 +175,7 @@ impl Engine {
             }
             Err(e) => {
                 st.total_reserved -= bytes;
-                Err(AllocError::Driver(e))
+                Err(e.into())
             }
         }
     }
@@ -200,8 +200,7 @@ impl Engine {
                 k.pool == pool
                     && k.stream != stream.raw
                     && fits(k)
-                    && !st.blocks[k.id].is_split()
-                    && st.blocks[k.id].segment.is_none()
+                    && st.blocks[k.id].is_whole_segment()
             })
             .min_by_key(|k| (k.size, k.ptr));
         let Some(found) = best else { return Ok(None) };
