@@ -7,6 +7,7 @@
 //! - [`stream`]: devices, streams, events, kernels and buffers with `torch.cuda` semantics;
 //! - [`alloc`]: the caching allocator; [`memory`] mirrors `torch.cuda.memory` over it;
 //! - [`graph`]: CUDA graph capture with private memory pools (`torch.cuda.CUDAGraph`).
+//! - [`amp`]: mixed precision (`torch.amp`): autocast, the gradient scaler, precision flags.
 //!
 //! # Design choices
 //! - One global [`Runtime`](stream::Runtime), made on first use: the real driver, unless
@@ -31,6 +32,7 @@
 #![forbid(unsafe_code)]
 
 pub use ferrocuda_alloc as alloc;
+pub use ferrocuda_amp as amp;
 pub use ferrocuda_driver as driver;
 pub use ferrocuda_graph as graph;
 pub use ferrocuda_stream as stream;
