@@ -3,7 +3,10 @@
 //! a cached alloc+free pair on 1 thread and on 8 threads, and a 1024-live mixed churn; and
 //! the 1 MiB pair with `thread_cache:False` (every request through the allocator's lock)
 //! and with `expandable_segments:True`; and the 1 MiB pair, 8 threads and churn again with
-//! `ferrocuda_recommended:True` (`_recommended`).
+//! `ferrocuda_recommended:True` (`_recommended`). Beside them, the floor any exact path
+//! pays: one uncontended lock and unlock of the allocator's mutex type, and a lock-and-
+//! unlock pair (the two locked operations of an alloc+free pair) on 8 threads contending for
+//! one mutex, as PyTorch's allocator's calls contend for its one mutex per device.
 //!
 //! On the GPU bundle it runs over the real driver (required there); elsewhere over the fake
 //! device, where the hot path is the same code (it makes no driver call once cached).
@@ -81,9 +84,34 @@ fn hot_path(c: &mut Criterion) {
     for (suffix, a) in [("", &a), ("_recommended", &recommended)] {
         headline(&mut g, suffix, a);
     }
+    lock_floor(&mut g);
     g.finish();
     a.empty_cache();
     recommended.empty_cache();
+}
+
+/// One locked operation with nothing inside it: `lock_floor` once, `lock_floor_8threads`
+/// twice per iteration (a pair's two operations) on each of 8 threads, timed as the pairs are.
+fn lock_floor(g: &mut criterion::BenchmarkGroup<'_, criterion::measurement::WallTime>) {
+    let mutex = Arc::new(parking_lot::Mutex::new(0u64));
+    g.bench_function("lock_floor", |b| b.iter(|| *black_box(&mutex).lock() += 1));
+    g.bench_function("lock_floor_8threads", |b| {
+        b.iter_custom(|iters| {
+            let start = Instant::now();
+            std::thread::scope(|s| {
+                for _ in 0..8 {
+                    let mutex = mutex.clone();
+                    s.spawn(move || {
+                        for _ in 0..iters {
+                            *black_box(&mutex).lock() += 1;
+                            *black_box(&mutex).lock() += 1;
+                        }
+                    });
+                }
+            });
+            start.elapsed() / 8
+        })
+    });
 }
 
 /// A cached 1 MiB pair, the same on 8 threads, and the 1024-live mixed churn.
