@@ -16,7 +16,7 @@ use ferrocuda_amp::optim::{
 };
 use ferrocuda_graph::{CaptureMode, CudaGraph};
 use ferrocuda_stream::conformance::Harness;
-use ferrocuda_stream::{DeviceBuffer, Runtime, Stream};
+use ferrocuda_stream::{DeviceBuffer, Runtime};
 use ferrocuda_types::{AllocatorConfig, DeviceIndex};
 use half::{bf16, f16};
 use reference::{RefAdamW, RefSgd, Reference, Rng};
@@ -479,16 +479,20 @@ fn mlp_trains_eager_and_captured(h: &Harness) -> TestResult {
             let model = mlp::Mlp::new(&h.rt, lp, 70)?;
             let mut opt = Sgd::new(&h.rt, &model.params(), cfg)?;
             let found_inf = DeviceBuffer::filled(&h.rt, D0, 1, 0.0f32)?;
-            let mut before = |i: usize| -> TestResult {
-                Ok(found_inf.copy_from_host(&[f32::from(u8::from(i == SKIP))])?)
+            // The scaler's place: here found_inf is scripted from the host instead.
+            let mut hooks = mlp::Hooks {
+                before: Box::new(|i| {
+                    Ok(found_inf.copy_from_host(&[f32::from(u8::from(i == SKIP))])?)
+                }),
+                unscale_and_check: Box::new(|_| Ok(Some(found_inf.ptr()))),
+                after_step: Box::new(|_| Ok(())),
             };
-            let mut check = |_: &Stream| Ok(Some(found_inf.ptr()));
             let losses = if captured {
                 let graph = CudaGraph::new(h.rt.clone(), allocators.clone(), D0)?;
-                mlp::train_captured(&graph, &model, &mut opt, ITERS, &mut before, &mut check)?
+                mlp::train_captured(&graph, &model, &mut opt, ITERS, &mut hooks)?
             } else {
                 let stream = h.rt.current_stream(D0)?;
-                mlp::train_eager(&model, &mut opt, &stream, ITERS, &mut before, &mut check)?
+                mlp::train_eager(&model, &mut opt, &stream, ITERS, &mut hooks)?
             };
             runs.push((losses, model.params_to_host()?));
         }

@@ -546,23 +546,35 @@ impl Mlp {
     }
 }
 
-/// Sets an iteration's host-side inputs (in stream order on the current stream) before it
-/// runs or replays, given its index.
-pub(crate) type BeforeIteration<'a> = dyn FnMut(usize) -> TestResult + 'a;
-/// Enqueues "unscale and check" on the stream and returns the `found_inf` the step reads.
+/// Enqueues "unscale and check" on a stream; returns the `found_inf` the step reads.
 pub(crate) type UnscaleAndCheck<'a> =
     dyn FnMut(&Stream) -> Result<Option<DevicePtr>, BoxError> + 'a;
 
-/// One iteration on `stream`: forward and backward, unscale and check, optimizer step.
+/// What a training iteration does around the model and the optimizer: where the gradient
+/// scaler plugs in.
+pub(crate) struct Hooks<'a> {
+    /// Sets iteration `i`'s host-side inputs (in stream order on the current stream) before
+    /// it runs or replays.
+    pub(crate) before: Box<dyn FnMut(usize) -> TestResult + 'a>,
+    /// After the backward pass: enqueues "unscale and check" on the stream and returns the
+    /// `found_inf` the step reads.
+    pub(crate) unscale_and_check: Box<UnscaleAndCheck<'a>>,
+    /// After the step: enqueues what follows it (the scaler's `update`).
+    pub(crate) after_step: Box<dyn FnMut(&Stream) -> TestResult + 'a>,
+}
+
+/// One iteration on `stream`: forward and backward, unscale and check, optimizer step, and
+/// what follows the step.
 fn enqueue_iteration(
     model: &Mlp,
     opt: &mut dyn DeviceOptimizer,
     stream: &Stream,
-    check: &mut UnscaleAndCheck<'_>,
+    hooks: &mut Hooks<'_>,
 ) -> TestResult {
     model.forward_backward(stream)?;
-    let found_inf = check(stream)?;
-    Ok(opt.step(stream, found_inf)?)
+    let found_inf = (hooks.unscale_and_check)(stream)?;
+    opt.step(stream, found_inf)?;
+    (hooks.after_step)(stream)
 }
 
 /// Runs `iters` eager iterations on `stream`; returns each iteration's loss.
@@ -571,13 +583,12 @@ pub(crate) fn train_eager(
     opt: &mut dyn DeviceOptimizer,
     stream: &Stream,
     iters: usize,
-    before: &mut BeforeIteration<'_>,
-    check: &mut UnscaleAndCheck<'_>,
+    hooks: &mut Hooks<'_>,
 ) -> Result<Vec<f32>, BoxError> {
     let mut losses = Vec::with_capacity(iters);
     for i in 0..iters {
-        before(i)?;
-        enqueue_iteration(model, opt, stream, check)?;
+        (hooks.before)(i)?;
+        enqueue_iteration(model, opt, stream, hooks)?;
         losses.push(model.loss(stream)?);
     }
     Ok(losses)
@@ -590,17 +601,16 @@ pub(crate) fn train_captured(
     model: &Mlp,
     opt: &mut dyn DeviceOptimizer,
     iters: usize,
-    before: &mut BeforeIteration<'_>,
-    check: &mut UnscaleAndCheck<'_>,
+    hooks: &mut Hooks<'_>,
 ) -> Result<Vec<f32>, BoxError> {
     let capture = graph.capture(None, None, CaptureMode::ThreadLocal)?;
     let stream = capture.stream().clone();
-    enqueue_iteration(model, opt, &stream, check)?;
+    enqueue_iteration(model, opt, &stream, hooks)?;
     capture.end()?;
     let current = graph.runtime().current_stream(D0)?;
     let mut losses = Vec::with_capacity(iters);
     for i in 0..iters {
-        before(i)?;
+        (hooks.before)(i)?;
         graph.replay(&current)?;
         losses.push(model.loss(&current)?);
     }
