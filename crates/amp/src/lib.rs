@@ -12,11 +12,15 @@
 //! - **The gradient scaler can step without a host sync**: scale, its inverse, the growth
 //!   tracker and found_inf live on the device at stable addresses, optimizers read found_inf
 //!   there and skip themselves, so a whole iteration captures into one CUDA graph.
+//! - **Optimizers** ([`optim`]): fused multi-tensor SGD and AdamW whose step reads
+//!   `found_inf` on the device (step count and learning rate on the device too, as
+//!   PyTorch's `capturable=True`), and a masked fallback for any other optimizer.
 //!
 //! PyTorch's behaviour is cited by its source (`aten/src/ATen/autocast_mode.{h,cpp}`,
 //! `torch/amp/grad_scaler.py`, `aten/src/ATen/native/cuda/AmpKernels.cu`).
 #![forbid(unsafe_code)]
 
+pub mod optim;
 mod tensor;
 
 pub use tensor::TensorView;
