@@ -37,6 +37,7 @@ const GPU_TESTS: &[&str] = &[
     "graph_conformance",
     "availability",
     "graph_fuzz",
+    "optim_conformance",
 ];
 /// Bundled test binaries that run only some of their tests on the GPU (`--exact` names):
 /// `graph_fuzz`'s fake-device run takes a minute and proves nothing about the GPU.
