@@ -160,7 +160,7 @@ fn amp_state_builds_and_validates() -> TestResult {
     let s = AmpState::default()
         .enable(Xpu, BF16)?
         .with_cache_enabled(false);
-    assert!(s.is_enabled(Xpu) && !s.is_any_enabled() == false && !s.cache_enabled());
+    assert!(s.is_enabled(Xpu) && s.is_any_enabled() && !s.cache_enabled());
     assert_eq!(s.dtype(Xpu), BF16);
     assert!(!s.disable(Xpu).is_any_enabled());
     assert!(AmpState::default().enable(Xpu, F32).is_err());
