@@ -18,9 +18,17 @@
 //!
 //! PyTorch's behaviour is cited by its source (`aten/src/ATen/autocast_mode.{h,cpp}`,
 //! `torch/amp/grad_scaler.py`, `aten/src/ATen/native/cuda/AmpKernels.cu`).
+//!
+//! # Modules
+//! - [`autocast`]: op policy tables per device, eligibility and cast rules, per-thread
+//!   state with scope guards and `AmpState` snapshots, the version-checked weight-cast cache.
+//! - [`precision`]: the fp32 precision settings (TF32 / bf16 / ieee per backend and op), the
+//!   legacy flags written into them, and the cuBLAS / cuBLASLt mode a GEMM gets.
 #![forbid(unsafe_code)]
 
+pub mod autocast;
 pub mod optim;
+pub mod precision;
 mod tensor;
 
 pub use tensor::TensorView;

@@ -1,0 +1,41 @@
+//! How fp32 (and fp16/bf16) matmuls and convolutions may trade precision for speed: one
+//! settings object as the single source of truth.
+//!
+//! PyTorch 2.9+ keeps two APIs side by side (`aten/src/ATen/Context.cpp`): the new
+//! hierarchical `fp32_precision` table (backend × op → ieee / tf32 / bf16, `none` = inherit)
+//! and the legacy flags (`allow_tf32`, `set_float32_matmul_precision`, `cudnn.allow_tf32`),
+//! synchronised on write; its legacy *getters* raise when the two disagree. Here the legacy
+//! setters write into the table exactly as PyTorch's do, every getter answers from the table
+//! and never fails, and [`PrecisionSettings::legacy_conflicts`] reports, as data, the
+//! messages PyTorch's getters would raise.
+//!
+//! - [`settings`](mod@settings): the table, its resolution, the legacy setters and getters.
+//! - [`gemm`]: the cuBLAS math mode / cuBLASLt compute type a GEMM gets, and cuDNN's TF32 rule.
+//! - [`guard`]: the thread-local "no reduced precision" guard (`NoTF32Guard`).
+pub mod gemm;
+pub mod guard;
+pub mod settings;
+
+use parking_lot::RwLock;
+
+pub use gemm::{
+    CublasComputeType, CublasGemm, CublasLtGemm, CublasLtReductionScheme, CublasMathMode,
+    CudaDataType, CudnnOp, cublas_gemm, cublas_handle_math_mode, cublaslt_gemm, cudnn_allows_tf32,
+};
+pub use guard::{NoTf32Guard, reduced_precision_disabled};
+pub use settings::{
+    Backend, Fp32Precision, MatmulPrecision, PrecisionError, PrecisionOp, PrecisionSettings,
+    ReductionOption,
+};
+
+static GLOBAL: RwLock<PrecisionSettings> = RwLock::new(PrecisionSettings::PYTORCH_DEFAULT);
+
+/// A copy of the process-wide settings (`at::globalContext()`'s flags).
+pub fn global() -> PrecisionSettings {
+    *GLOBAL.read()
+}
+
+/// Changes the process-wide settings; `f`'s result is returned.
+pub fn update_global<R>(f: impl FnOnce(&mut PrecisionSettings) -> R) -> R {
+    f(&mut GLOBAL.write())
+}
