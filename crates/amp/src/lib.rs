@@ -13,10 +13,17 @@
 //!   tracker and found_inf live on the device at stable addresses, optimizers read found_inf
 //!   there and skip themselves, so a whole iteration captures into one CUDA graph.
 //!
+//!
+//! # Modules
+//! - [`scaler`]: the gradient scaler ([`GradScaler`]) with its device kernels, PyTorch's
+//!   per-optimizer state machine, checkpoints, and the sync-free pieces of a captured step.
+//!
 //! PyTorch's behaviour is cited by its source (`aten/src/ATen/autocast_mode.{h,cpp}`,
 //! `torch/amp/grad_scaler.py`, `aten/src/ATen/native/cuda/AmpKernels.cu`).
 #![forbid(unsafe_code)]
 
+pub mod scaler;
 mod tensor;
 
+pub use scaler::{GradScaler, GradScalerConfig, ScalerError};
 pub use tensor::TensorView;
