@@ -101,6 +101,10 @@ pub struct GradScaler {
     device_table: Option<Table>,
     /// The chunk table of the last loss scaled.
     loss_table: Option<Table>,
+    /// The chunk table of the last [`GradScaler::foreach_non_finite_check_and_unscale_`].
+    raw_table: Option<Table>,
+    /// The kernels, when the bare op is used without the scaler's state.
+    bare_kernels: Option<ScalerKernels>,
 }
 
 impl GradScaler {
@@ -135,6 +139,8 @@ impl GradScaler {
             iteration_open: false,
             device_table: None,
             loss_table: None,
+            raw_table: None,
+            bare_kernels: None,
         })
     }
 
@@ -203,7 +209,10 @@ impl GradScaler {
             return Ok(None);
         }
         if self.live.is_none() {
-            let kernels = ScalerKernels::load(&self.runtime, self.device)?;
+            let kernels = match self.bare_kernels.take() {
+                Some(k) => k,
+                None => ScalerKernels::load(&self.runtime, self.device)?,
+            };
             let state = ScalerDeviceState::new(
                 &self.runtime,
                 self.device,
@@ -334,6 +343,37 @@ impl GradScaler {
             found.arg(),
             live.state.inv_scale().arg(),
         )
+    }
+
+    /// PyTorch's `_amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)`
+    /// on `stream` with this scaler's kernels: every element of `grads` (fp32, fp16, bf16 or
+    /// fp64, mixed) that is inf/NaN sets `*found_inf` to 1.0 (never clears it); every element
+    /// becomes `inv == 1.0 ? v : v * inv` in opmath. fp16 is accepted (the op's contract;
+    /// `unscale_` refuses it). Works when disabled too: it is the bare kernel.
+    pub fn foreach_non_finite_check_and_unscale_(
+        &mut self,
+        stream: &Stream,
+        grads: &[TensorView],
+        found_inf: DeviceScalar<f32>,
+        inv_scale: DeviceScalar<f32>,
+    ) -> Result<(), ScalerError> {
+        let kernels = match (&self.live, &self.bare_kernels) {
+            (Some(l), _) => l.kernels.clone(),
+            (None, Some(k)) => k.clone(),
+            (None, None) => self
+                .bare_kernels
+                .insert(ScalerKernels::load(&self.runtime, self.device)?)
+                .clone(),
+        };
+        let table = cached_table(
+            &mut self.raw_table,
+            &self.runtime,
+            self.device,
+            grads,
+            stream,
+        )?;
+        let found = found_inf.arg();
+        kernels.check_unscale(stream, table, found, found, inv_scale.arg())
     }
 
     /// Sync-free update on `stream`: the update kernel reads the combined found_inf, moves
