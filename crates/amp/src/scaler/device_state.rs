@@ -95,7 +95,7 @@ impl StepStats {
 const STATS_WORDS: usize = (word::LAST_SKIPPED - word::UPDATES + 1) as usize;
 
 /// The scaler's words on its device: scale, inverse scale, combined found_inf, the growth
-/// tracker and the skip counters (see [`word`]).
+/// tracker and the skip counters ([`StepStats`]).
 #[derive(Debug)]
 pub struct ScalerDeviceState {
     runtime: Arc<Runtime>,
