@@ -400,3 +400,58 @@ impl ScalerKernels {
 pub(crate) fn word_ptr(base: DevicePtr, index: u64) -> DevicePtr {
     base.offset(index * 4)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn view(dtype: DType, len: u64, device: u16) -> TensorView {
+        TensorView {
+            device: DeviceIndex(device),
+            ptr: DevicePtr(0x1000),
+            len,
+            dtype,
+        }
+    }
+
+    #[test]
+    fn chunks_cover_each_tensor_in_64_kib_pieces() -> Result<(), ScalerError> {
+        let views = [
+            view(DType::F32, 40_000, 0),
+            view(DType::BF16, 0, 0),
+            view(DType::F16, 1, 0),
+        ];
+        let words = plan_chunks(DeviceIndex(0), &views)?;
+        let chunks: Vec<(u64, u64, DType)> = words
+            .chunks_exact(2)
+            .map(|c| {
+                (
+                    c[0] as u64,
+                    c[1] as u64 & 0xffff_ffff,
+                    code_dtype((c[1] as u64 >> 32) as u32),
+                )
+            })
+            .collect();
+        assert_eq!(
+            chunks,
+            [
+                (0x1000, 16384, DType::F32),
+                (0x1000 + 65536, 16384, DType::F32),
+                (0x1000 + 131072, 40_000 - 32768, DType::F32),
+                (0x1000, 1, DType::F16),
+            ]
+        );
+        assert_eq!(
+            plan_chunks(DeviceIndex(0), &[view(DType::F32, 1, 1)]),
+            Err(ScalerError::WrongDevice {
+                expected: DeviceIndex(0),
+                found: DeviceIndex(1)
+            })
+        );
+        assert_eq!(
+            plan_chunks(DeviceIndex(0), &[view(DType::I32, 1, 0)]),
+            Err(ScalerError::UnsupportedDtype { dtype: DType::I32 })
+        );
+        Ok(())
+    }
+}

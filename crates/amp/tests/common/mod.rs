@@ -64,6 +64,7 @@ pub enum HostGrad {
     F32(Vec<f32>),
     F16(Vec<f16>),
     BF16(Vec<bf16>),
+    F64(Vec<f64>),
 }
 
 impl HostGrad {
@@ -72,6 +73,7 @@ impl HostGrad {
             HostGrad::F32(v) => v.len(),
             HostGrad::F16(v) => v.len(),
             HostGrad::BF16(v) => v.len(),
+            HostGrad::F64(v) => v.len(),
         }
     }
     fn dtype(&self) -> DType {
@@ -79,6 +81,7 @@ impl HostGrad {
             HostGrad::F32(_) => DType::F32,
             HostGrad::F16(_) => DType::F16,
             HostGrad::BF16(_) => DType::BF16,
+            HostGrad::F64(_) => DType::F64,
         }
     }
     fn bytes(&self) -> Vec<u8> {
@@ -86,6 +89,7 @@ impl HostGrad {
             HostGrad::F32(v) => bytemuck::cast_slice(v).to_vec(),
             HostGrad::F16(v) => bytemuck::cast_slice(v).to_vec(),
             HostGrad::BF16(v) => bytemuck::cast_slice(v).to_vec(),
+            HostGrad::F64(v) => bytemuck::cast_slice(v).to_vec(),
         }
     }
     fn set(&mut self, i: usize, x: f32) {
@@ -93,6 +97,7 @@ impl HostGrad {
             HostGrad::F32(v) => v[i] = x,
             HostGrad::F16(v) => v[i] = f16::from_f32(x),
             HostGrad::BF16(v) => v[i] = bf16::from_f32(x),
+            HostGrad::F64(v) => v[i] = f64::from(x),
         }
     }
     fn unscale(&mut self, inv: f32) -> bool {
@@ -100,6 +105,7 @@ impl HostGrad {
             HostGrad::F32(v) => reference::check_and_unscale(v, inv),
             HostGrad::F16(v) => reference::check_and_unscale(v, inv),
             HostGrad::BF16(v) => reference::check_and_unscale(v, inv),
+            HostGrad::F64(v) => reference::check_and_unscale(v, inv),
         }
     }
     /// The first element of `got` that differs from this (bits, or NaN for NaN).
@@ -108,6 +114,7 @@ impl HostGrad {
             HostGrad::F32(v) => first_difference(v, got),
             HostGrad::F16(v) => first_difference(v, got),
             HostGrad::BF16(v) => first_difference(v, got),
+            HostGrad::F64(v) => first_difference(v, got),
         }
     }
 }
@@ -137,7 +144,7 @@ pub struct HostGrads {
 }
 
 impl HostGrads {
-    /// `n` gradients of mixed dtypes and sizes (0, 1, odd, 4 Ki, one over 1 Mi), a tenth of
+    /// `n` gradients of mixed dtypes (fp32, fp16, bf16, a few fp64) and sizes (0, 1, odd, 4 Ki, one over 1 Mi), a tenth of
     /// them unaligned; with `with_inf`, inf/NaN at random places in a few of them.
     pub fn random(rng: &mut Rng, n: usize, with_inf: bool) -> HostGrads {
         let mut grads = Vec::with_capacity(n);
@@ -150,9 +157,14 @@ impl HostGrads {
                 3 if i == 3 => (1 << 20) + 7,
                 _ => 1 + 2 * rng.below(6000) as usize,
             };
-            let g = match rng.below(3) {
-                0 => HostGrad::F32((0..len).map(|_| rng.value(-40, 40)).collect()),
-                1 => HostGrad::F16(
+            let g = match rng.below(7) {
+                6 => HostGrad::F64(
+                    (0..len)
+                        .map(|_| f64::from(rng.value(-40, 40)) / 3.0)
+                        .collect(),
+                ),
+                0 | 3 => HostGrad::F32((0..len).map(|_| rng.value(-40, 40)).collect()),
+                1 | 4 => HostGrad::F16(
                     (0..len)
                         .map(|_| f16::from_f32(rng.value(-26, 15)))
                         .collect(),
