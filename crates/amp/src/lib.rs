@@ -20,15 +20,21 @@
 //! `torch/amp/grad_scaler.py`, `aten/src/ATen/native/cuda/AmpKernels.cu`).
 //!
 //! # Modules
+//! - [`scaler`]: the gradient scaler ([`GradScaler`]) with its device kernels, PyTorch's
+//!   per-optimizer state machine, checkpoints, and the sync-free pieces of a captured step.
 //! - [`autocast`]: op policy tables per device, eligibility and cast rules, per-thread
 //!   state with scope guards and `AmpState` snapshots, the version-checked weight-cast cache.
 //! - [`precision`]: the fp32 precision settings (TF32 / bf16 / ieee per backend and op), the
 //!   legacy flags written into them, and the cuBLAS / cuBLASLt mode a GEMM gets.
+//! - [`optim`]: optimizers whose step reads `found_inf` on the device ([`optim::Sgd`],
+//!   [`optim::AdamW`], [`optim::Masked`]).
 #![forbid(unsafe_code)]
 
 pub mod autocast;
 pub mod optim;
 pub mod precision;
+pub mod scaler;
 mod tensor;
 
+pub use scaler::{GradScaler, GradScalerConfig, ScalerError};
 pub use tensor::TensorView;
