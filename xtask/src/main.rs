@@ -38,6 +38,7 @@ const GPU_TESTS: &[&str] = &[
     "availability",
     "graph_fuzz",
     "optim_conformance",
+    "amp_conformance",
 ];
 /// Bundled test binaries that run only some of their tests on the GPU (`--exact` names):
 /// `graph_fuzz`'s fake-device run takes a minute and proves nothing about the GPU.
@@ -46,7 +47,7 @@ const GPU_TEST_ONLY: &[(&str, &str)] = &[(
     "random_graph_programs_corrupt_nothing_on_the_gpu",
 )];
 /// Bench binaries that go into the GPU bundle.
-const GPU_BENCHES: &[&str] = &["launch", "alloc", "expandable", "graph", "autocast"];
+const GPU_BENCHES: &[&str] = &["launch", "alloc", "expandable", "graph", "autocast", "scaler"];
 /// Examples that go into the GPU bundle (each must succeed and say it ran on the GPU).
 const GPU_EXAMPLES: &[&str] = &["tour", "snapshot"];
 
