@@ -28,13 +28,17 @@
 //!   legacy flags written into them, and the cuBLAS / cuBLASLt mode a GEMM gets.
 //! - [`optim`]: optimizers whose step reads `found_inf` on the device ([`optim::Sgd`],
 //!   [`optim::AdamW`], [`optim::Masked`]).
+//! - [`ScaledStep`]: a scaler and an optimizer stepping together with no host sync, one
+//!   iteration capturable into one CUDA graph.
 #![forbid(unsafe_code)]
 
 pub mod autocast;
 pub mod optim;
 pub mod precision;
 pub mod scaler;
+mod sync_free;
 mod tensor;
 
 pub use scaler::{GradScaler, GradScalerConfig, ScalerError};
+pub use sync_free::{ScaledStep, StepError};
 pub use tensor::TensorView;

@@ -2,14 +2,16 @@
 //! driver in the GPU bundle (`#[ignore]`d without a GPU). SGD and AdamW against CPU
 //! references of PyTorch's formulas over several steps, some skipped by `found_inf`, bit for
 //! bit on both backends (the kernels round every operation once); a captured step replays
-//! as the eager one; the masked fallback; a small MLP trained eager and captured.
+//! as the eager one; the masked fallback; a small MLP trained eager and captured, and in
+//! mixed precision with the gradient scaler through `ScaledStep` (f16) and without (bf16).
 #[path = "support/mlp.rs"]
 mod mlp;
 #[path = "support/reference.rs"]
 mod reference;
 
 use ferrocuda_alloc::DeviceAllocators;
-use ferrocuda_amp::TensorView;
+use ferrocuda_amp::scaler::register_fake_amp_kernels;
+use ferrocuda_amp::{GradScaler, GradScalerConfig, ScaledStep, TensorView};
 use ferrocuda_amp::optim::{
     AdamW, AdamWConfig, DeviceOptimizer, Masked, OptimError, Param, Sgd, SgdConfig,
     register_fake_optim_kernels,
@@ -37,6 +39,7 @@ const SKIPPED: [usize; 3] = [0, 3, 4];
 fn prepare(h: &Harness) {
     if let Some(fake) = &h.fake {
         register_fake_optim_kernels(fake);
+        register_fake_amp_kernels(fake);
         mlp::register_fake_mlp_kernels(fake);
     }
 }
@@ -515,6 +518,94 @@ fn mlp_trains_eager_and_captured(h: &Harness) -> TestResult {
     Ok(())
 }
 
+/// Mixed precision end to end through [`ScaledStep`]: the MLP with f16 activations and the
+/// gradient scaler (a first scale so large that the first iterations overflow, skip their
+/// step and back the scale off), and with bf16 activations and no scaler; each trained eager
+/// and captured whole (forward, backward, unscale and check, step, scale update in one
+/// graph). Losses, parameters, the scale and the scaler's step statistics are equal between
+/// the two; f16 skips at least one step and takes most; the loss goes down.
+fn mlp_trains_with_the_scaler_eager_and_captured(h: &Harness) -> TestResult {
+    prepare(h);
+    let allocators = DeviceAllocators::new(h.rt.driver().clone(), AllocatorConfig::default(), true);
+    allocators.install(&h.rt);
+    const ITERS: usize = 60;
+    for (lp, scaled) in [(mlp::Precision::F16, true), (mlp::Precision::Bf16, false)] {
+        let mut runs = Vec::new();
+        for captured in [false, true] {
+            let mut model = mlp::Mlp::new(&h.rt, lp, 71)?;
+            let params = model.params();
+            let sgd = SgdConfig {
+                lr: 0.05,
+                momentum: 0.9,
+                ..SgdConfig::default()
+            };
+            let optimizer = Sgd::new(&h.rt, &params, sgd)?;
+            let scaler = GradScaler::new(
+                &h.rt,
+                D0,
+                GradScalerConfig {
+                    init_scale: f64::from(1u32 << 24),
+                    enabled: scaled,
+                    ..GradScalerConfig::default()
+                },
+            )?;
+            let stream = h.rt.current_stream(D0)?;
+            let grads = params.iter().map(|p| p.grad).collect();
+            let mut step = ScaledStep::new(scaler, optimizer, grads, &stream)?;
+            if let Some(state) = step.scaler_mut().device_state()? {
+                model.set_loss_scale(Some(state.scale().ptr()));
+            }
+            stream.synchronize()?;
+            let mut losses = Vec::with_capacity(ITERS);
+            if captured {
+                let graph = CudaGraph::new(h.rt.clone(), allocators.clone(), D0)?;
+                let capture = graph.capture(None, None, CaptureMode::ThreadLocal)?;
+                let on = capture.stream().clone();
+                model.forward_backward(&on)?;
+                step.run(&on)?;
+                capture.end()?;
+                for _ in 0..ITERS {
+                    graph.replay(&stream)?;
+                    losses.push(model.loss(&stream)?);
+                }
+            } else {
+                for _ in 0..ITERS {
+                    model.forward_backward(&stream)?;
+                    step.run(&stream)?;
+                    losses.push(model.loss(&stream)?);
+                }
+            }
+            let stats = if scaled {
+                Some(step.scaler().step_stats()?)
+            } else {
+                None
+            };
+            let scale = step.scaler().get_scale()?;
+            runs.push((losses, model.params_to_host()?, scale, stats));
+        }
+        let (losses, params, scale, stats) = &runs[0];
+        assert_bits(&format!("{lp:?} captured losses"), &runs[1].0, losses)?;
+        for (i, (got, want)) in runs[1].1.iter().zip(params).enumerate() {
+            assert_bits(&format!("{lp:?} captured param {i}"), got, want)?;
+        }
+        assert_eq!((runs[1].2, runs[1].3), (*scale, *stats), "{lp:?}: scaler");
+        if let Some(stats) = stats {
+            assert_eq!(stats.updates as usize, ITERS, "{lp:?}: one update a step");
+            assert!(
+                stats.skipped >= 1 && (stats.skipped as usize) < ITERS / 2,
+                "{lp:?}: the first scale overflows f16 and backs off: {stats:?}, scale {scale}"
+            );
+            assert!(*scale < f64::from(1u32 << 24), "{lp:?}: backed off: {scale}");
+        }
+        let (first, last) = (losses[0], losses[ITERS - 1]);
+        assert!(
+            last < 0.3 * first,
+            "{lp:?}: the loss goes down ({first} -> {last}): {losses:?}"
+        );
+    }
+    Ok(())
+}
+
 /// The f16 and bf16 rounding of the MLP's kernels is round-to-nearest-even, as `half`'s.
 #[test]
 fn mlp_rounding_matches_half() {
@@ -530,4 +621,5 @@ ferrocuda_stream::both_backends!(
     constructors_check_their_inputs,
     mlp_gradients_match_host,
     mlp_trains_eager_and_captured,
+    mlp_trains_with_the_scaler_eager_and_captured,
 );

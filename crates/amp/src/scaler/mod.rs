@@ -311,6 +311,27 @@ impl GradScaler {
         self.config.growth_interval = v;
     }
 
+    /// Makes the device state and the chunk table of `grads` now (on `stream`), so that
+    /// capturing [`GradScaler::unscale_device`] over the same list allocates and copies
+    /// nothing. Disabled: a no-op.
+    pub fn prepare_device(
+        &mut self,
+        stream: &Stream,
+        grads: &[TensorView],
+    ) -> Result<(), ScalerError> {
+        if self.live()?.is_none() {
+            return Ok(());
+        }
+        cached_table(
+            &mut self.device_table,
+            &self.runtime,
+            self.device,
+            grads,
+            stream,
+        )?;
+        Ok(())
+    }
+
     /// Sync-free unscale for a captured (or eager) iteration: zeroes the combined found_inf,
     /// then checks and unscales `grads` by the device's `inv_scale` on `stream`, one launch
     /// for the whole list (its chunk table is built at the first call and kept while the
