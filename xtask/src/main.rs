@@ -47,7 +47,14 @@ const GPU_TEST_ONLY: &[(&str, &str)] = &[(
     "random_graph_programs_corrupt_nothing_on_the_gpu",
 )];
 /// Bench binaries that go into the GPU bundle.
-const GPU_BENCHES: &[&str] = &["launch", "alloc", "expandable", "graph", "autocast", "scaler"];
+const GPU_BENCHES: &[&str] = &[
+    "launch",
+    "alloc",
+    "expandable",
+    "graph",
+    "autocast",
+    "scaler",
+];
 /// Examples that go into the GPU bundle (each must succeed and say it ran on the GPU).
 const GPU_EXAMPLES: &[&str] = &["tour", "snapshot"];
 

@@ -10,12 +10,12 @@ mod mlp;
 mod reference;
 
 use ferrocuda_alloc::DeviceAllocators;
-use ferrocuda_amp::scaler::register_fake_amp_kernels;
-use ferrocuda_amp::{GradScaler, GradScalerConfig, ScaledStep, TensorView};
 use ferrocuda_amp::optim::{
     AdamW, AdamWConfig, DeviceOptimizer, Masked, OptimError, Param, Sgd, SgdConfig,
     register_fake_optim_kernels,
 };
+use ferrocuda_amp::scaler::register_fake_amp_kernels;
+use ferrocuda_amp::{GradScaler, GradScalerConfig, ScaledStep, TensorView};
 use ferrocuda_graph::{CaptureMode, CudaGraph};
 use ferrocuda_stream::conformance::Harness;
 use ferrocuda_stream::{DeviceBuffer, Runtime};
@@ -595,7 +595,10 @@ fn mlp_trains_with_the_scaler_eager_and_captured(h: &Harness) -> TestResult {
                 stats.skipped >= 1 && (stats.skipped as usize) < ITERS / 2,
                 "{lp:?}: the first scale overflows f16 and backs off: {stats:?}, scale {scale}"
             );
-            assert!(*scale < f64::from(1u32 << 24), "{lp:?}: backed off: {scale}");
+            assert!(
+                *scale < f64::from(1u32 << 24),
+                "{lp:?}: backed off: {scale}"
+            );
         }
         let (first, last) = (losses[0], losses[ITERS - 1]);
         assert!(
