@@ -6,7 +6,7 @@
 //! the decision left on the device: zero `found_inf`, check and unscale the gradients by
 //! the device's `inv_scale`, step the optimizer (which skips itself where `found_inf` is
 //! set), update the scale and growth tracker. Every buffer exists before the first
-//! iteration, so an iteration captured into a [`CudaGraph`](ferrocuda_graph::CudaGraph)
+//! iteration, so an iteration captured into a CUDA graph (`ferrocuda_graph::CudaGraph`)
 //! replays as the eager one, skipped steps included. Whether a step was skipped is read
 //! lazily ([`GradScaler::request_step_stats`] / [`GradScaler::poll_step_stats`]).
 use crate::TensorView;
