@@ -243,7 +243,9 @@ fn check_segment(pieces: &[Piece], blocks: &[BlockCheckpoint]) -> Result<(), All
         }
     }
     // The second loop: freeing a block next to one just freed merges them.
-    let merged = blocks.windows(2).find(|w| !w[0].allocated && !w[1].allocated);
+    let merged = blocks
+        .windows(2)
+        .find(|w| !w[0].allocated && !w[1].allocated);
     merged.map_or(Ok(()), |w| Err(mismatch(PTR_CHECK, &w[1])))
 }
 

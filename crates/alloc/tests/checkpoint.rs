@@ -9,8 +9,8 @@ mod common;
 use common::{D0, GIB, LEGACY, MIB, TestResult, new_stream, setup};
 use ferrocuda_alloc::history::{HistoryContext, HistoryMode, HistoryOptions};
 use ferrocuda_alloc::{AllocError, BlockInfo, CachingAllocator, Route};
+use ferrocuda_driver::FakeDriver;
 use ferrocuda_driver::fake::{Call, Completion};
-use ferrocuda_driver::{Driver, FakeDriver};
 use ferrocuda_types::{
     AllocatorConfig, DevicePtr, PoolCheckpoint, PoolId, RestoreResult, StreamHandle,
 };
@@ -24,7 +24,10 @@ type Layout = Vec<(u64, u64, bool)>;
 
 /// By address.
 fn layout(blocks: &[BlockInfo]) -> Layout {
-    let mut l: Layout = blocks.iter().map(|b| (b.ptr.0, b.size, b.allocated)).collect();
+    let mut l: Layout = blocks
+        .iter()
+        .map(|b| (b.ptr.0, b.size, b.allocated))
+        .collect();
     l.sort_unstable();
     l
 }
@@ -66,7 +69,11 @@ struct Tree {
     checkpoints: [PoolCheckpoint; 3],
 }
 
-fn record_abc(a: &CachingAllocator, pool: PoolId, stream: StreamHandle) -> Result<Tree, AllocError> {
+fn record_abc(
+    a: &CachingAllocator,
+    pool: PoolId,
+    stream: StreamHandle,
+) -> Result<Tree, AllocError> {
     let tmp = a.allocate(3 * MIB, stream)?;
     let out_a = a.allocate(2 * MIB - 100, stream)?.ptr;
     a.free(tmp.ptr)?;
@@ -95,7 +102,11 @@ fn checkpoints_record_every_block_of_the_pool() -> TestResult {
     let seg = t.s;
     assert_eq!(
         checkpoint_layout(ca),
-        [(seg, 3 * m, false), (seg + 3 * m, 2 * m, true), (seg + 5 * m, 15 * m, false)]
+        [
+            (seg, 3 * m, false),
+            (seg + 3 * m, 2 * m, true),
+            (seg + 5 * m, 15 * m, false)
+        ]
     );
     assert_eq!(
         checkpoint_layout(cb),
@@ -293,7 +304,10 @@ fn a_restore_splits_as_the_checkpoint_whatever_max_split_size_says() -> TestResu
     assert_eq!(a.pool_blocks(pool).len(), 1, "not split under the limit");
     let oversize = common::stat(&a, "oversize_allocations.current");
     let rr = a.restore_pool(&cp)?;
-    assert_eq!((rr.allocations_freed, rr.allocations_created), (vec![y.ptr], vec![x.ptr]));
+    assert_eq!(
+        (rr.allocations_freed, rr.allocations_created),
+        (vec![y.ptr], vec![x.ptr])
+    );
     assert_eq!(layout(&a.pool_blocks(pool)), checkpoint_layout(&cp));
     assert_eq!(
         common::stat(&a, "oversize_allocations.current"),
@@ -314,7 +328,11 @@ fn a_restore_leaves_expandable_segments_of_the_default_pool_alone() -> TestResul
     let t = record_abc(&a, pool, s)?;
     assert!(a.pool_blocks(pool).iter().all(|b| !b.expandable));
     let default_before = a.pool_blocks(PoolId::DEFAULT);
-    assert!(default_before.iter().any(|b| b.expandable && b.ptr == outside.ptr));
+    assert!(
+        default_before
+            .iter()
+            .any(|b| b.expandable && b.ptr == outside.ptr)
+    );
     a.restore_pool(&t.checkpoints[0])?;
     assert_eq!(
         layout(&a.pool_blocks(pool)),
@@ -333,9 +351,15 @@ fn live_allocations_are_compared_as_a_set() -> TestResult {
     let y = a.allocate(3 * MIB, s)?.ptr;
     let elsewhere = a.allocate(1000, LEGACY)?.ptr;
     assert!(a.pool_live_allocations_are(pool, &[y, x])?);
-    assert!(a.pool_live_allocations_are(pool, &[x, y, x])?, "repeats count once");
+    assert!(
+        a.pool_live_allocations_are(pool, &[x, y, x])?,
+        "repeats count once"
+    );
     assert!(!a.pool_live_allocations_are(pool, &[x])?, "y is live too");
-    assert!(!a.pool_live_allocations_are(pool, &[x, y, elsewhere])?, "not the pool's");
+    assert!(
+        !a.pool_live_allocations_are(pool, &[x, y, elsewhere])?,
+        "not the pool's"
+    );
     a.free(y)?;
     assert!(a.pool_live_allocations_are(pool, &[x])?);
     // A freeable pool is still looked at; an unknown one is an error.
@@ -380,7 +404,10 @@ fn unknown_and_freeable_pools_are_refused() -> TestResult {
         assert_eq!(e, AllocError::FreeablePool(pool));
         assert_eq!(e.to_string(), "Not expected to checkpoint freeable graph");
     }
-    assert!(a.pool_live_allocations_are(pool, &[x.ptr])?, "nothing changed");
+    assert!(
+        a.pool_live_allocations_are(pool, &[x.ptr])?,
+        "nothing changed"
+    );
     Ok(())
 }
 
@@ -421,7 +448,11 @@ fn a_checkpoint_that_does_not_fit_changes_nothing() -> TestResult {
     let y = a.allocate(1000, s)?;
     let cp = a.checkpoint_pool(pool)?;
     assert_eq!(cp.segments.len(), 2);
-    let large = cp.segments.iter().position(|g| g.blocks.len() == 2).unwrap();
+    let large = cp
+        .segments
+        .iter()
+        .position(|g| g.blocks.len() == 2)
+        .unwrap();
     let (blocks, stats) = (a.blocks(), a.stats());
     let unchanged = |a: &CachingAllocator| {
         assert_eq!((a.blocks(), a.stats()), (blocks.clone(), stats.clone()));
@@ -457,7 +488,10 @@ fn a_checkpoint_that_does_not_fit_changes_nothing() -> TestResult {
             matches!(e, AllocError::CheckpointMismatch { check: c, .. } if c == check),
             "{e:?} for {check}"
         );
-        assert!(e.to_string().starts_with(&format!("Expected {check} to be true")));
+        assert!(
+            e.to_string()
+                .starts_with(&format!("Expected {check} to be true"))
+        );
         unchanged(&a);
     }
     // The same segment twice.
@@ -533,6 +567,9 @@ enum Op {
     Checkpoint,
     /// Restore one of the checkpoints taken.
     Restore(usize),
+    /// Restore one of them changed by hand (`mutate`): refused with nothing changed, or
+    /// applied exactly.
+    RestoreMutated(usize, usize, u8),
     /// Change `max_split_size_mb`.
     Configure(usize),
 }
@@ -563,6 +600,8 @@ fn op() -> impl Strategy<Value = Op> {
         1 => (0..SIZES.len(), any::<bool>()).prop_map(|(i, f)| Op::Outside(i, f)),
         2 => Just(Op::Checkpoint),
         2 => any::<usize>().prop_map(Op::Restore),
+        1 => (any::<usize>(), any::<usize>(), any::<u8>())
+            .prop_map(|(p, b, k)| Op::RestoreMutated(p, b, k)),
         1 => (0..CONFIGS.len()).prop_map(Op::Configure),
     ]
 }
@@ -571,26 +610,57 @@ fn fail(e: impl std::fmt::Display) -> TestCaseError {
     TestCaseError::fail(e.to_string())
 }
 
+/// Checkpoint `cp` changed by hand: a block grown, shrunk, moved, dropped or made live or
+/// dead, or a segment repeated.
+fn mutate(cp: &PoolCheckpoint, block: usize, kind: u8) -> PoolCheckpoint {
+    let mut cp = cp.clone();
+    let at: Vec<(usize, usize)> = (cp.segments.iter().enumerate())
+        .flat_map(|(s, seg)| (0..seg.blocks.len()).map(move |i| (s, i)))
+        .collect();
+    let Some(&(s, i)) = at.get(block % at.len().max(1)) else {
+        return cp;
+    };
+    let seg = cp.segments[s].clone();
+    let b = &mut cp.segments[s].blocks;
+    match kind % 6 {
+        0 => b[i].size += 512,
+        1 => b[i].size -= b[i].size.min(512),
+        2 => b[i].allocated = !b[i].allocated,
+        3 => drop(b.remove(i)),
+        4 => b[i].ptr.0 += 512,
+        _ => cp.segments.push(seg),
+    }
+    cp
+}
+
 /// Applies checkpoint `cp` and checks everything against it: the pool's layout is the
 /// checkpoint's (segments it gained since stay whole and free), the result names what was
 /// live and what is now, the counters move by one allocation per checkpointed block and one
 /// free per block freed, and nothing else (segments, the default pool, the driver) moves.
+/// A refused checkpoint changes nothing at all. Returns whether it was applied.
 fn restore_and_check(
     a: &CachingAllocator,
     pool: PoolId,
     cp: &PoolCheckpoint,
     live: &[DevicePtr],
-) -> Result<(), TestCaseError> {
+) -> Result<bool, TestCaseError> {
     let before = a.stats().to_map();
+    let (blocks, stats) = (a.blocks(), a.stats());
     let outside = a.pool_blocks(PoolId::DEFAULT);
-    let rr = a.restore_pool(cp).map_err(fail)?;
+    let rr = match a.restore_pool(cp) {
+        Ok(rr) => rr,
+        Err(_) => {
+            prop_assert_eq!((a.blocks(), a.stats()), (blocks, stats));
+            return Ok(false);
+        }
+    };
     let mut freed = live.to_vec();
     freed.sort_unstable();
     prop_assert_eq!(&rr.allocations_freed, &freed);
     prop_assert_eq!(&rr.allocations_created, &cp.live());
     let bases: Vec<u64> = cp.segments.iter().map(|s| s.blocks[0].ptr.0).collect();
-    let (restored, gained): (Vec<BlockInfo>, Vec<BlockInfo>) = (a.pool_blocks(pool).into_iter())
-        .partition(|b| bases.contains(&b.segment.0));
+    let (restored, gained): (Vec<BlockInfo>, Vec<BlockInfo>) =
+        (a.pool_blocks(pool).into_iter()).partition(|b| bases.contains(&b.segment.0));
     prop_assert_eq!(layout(&restored), checkpoint_layout(cp));
     prop_assert!(gained.iter().all(|b| !b.allocated && b.ptr == b.segment));
     let after = a.stats().to_map();
@@ -608,7 +678,7 @@ fn restore_and_check(
         prop_assert_eq!(d(k), 0, "{}", k);
     }
     prop_assert_eq!(a.pool_blocks(PoolId::DEFAULT), outside);
-    Ok(())
+    Ok(true)
 }
 
 fn run(ops: &[Op]) -> Result<(), TestCaseError> {
@@ -619,11 +689,12 @@ fn run(ops: &[Op]) -> Result<(), TestCaseError> {
             .backing(false)
             .build(),
     );
-    let a = CachingAllocator::new(fake.clone(), D0, AllocatorConfig::default(), true)
-        .map_err(fail)?;
+    let a =
+        CachingAllocator::new(fake.clone(), D0, AllocatorConfig::default(), true).map_err(fail)?;
     let s = new_stream(&fake).map_err(fail)?;
     let pool = PoolId::handle();
-    a.begin_allocate_to_pool(pool, Route::Stream(s)).map_err(fail)?;
+    a.begin_allocate_to_pool(pool, Route::Stream(s))
+        .map_err(fail)?;
     let (mut live, mut outside, mut checkpoints) = (Vec::new(), Vec::new(), Vec::new());
     for op in ops {
         match *op {
@@ -632,7 +703,8 @@ fn run(ops: &[Op]) -> Result<(), TestCaseError> {
                 a.free(live.swap_remove(pick % live.len())).map_err(fail)?;
             }
             Op::Outside(i, true) if !outside.is_empty() => {
-                a.free(outside.swap_remove(i % outside.len())).map_err(fail)?;
+                a.free(outside.swap_remove(i % outside.len()))
+                    .map_err(fail)?;
             }
             Op::Outside(i, _) => outside.push(a.allocate(SIZES[i], LEGACY).map_err(fail)?.ptr),
             Op::Checkpoint => {
@@ -642,11 +714,17 @@ fn run(ops: &[Op]) -> Result<(), TestCaseError> {
             }
             Op::Restore(pick) if !checkpoints.is_empty() => {
                 let cp = &checkpoints[pick % checkpoints.len()];
-                restore_and_check(&a, pool, cp, &live)?;
+                prop_assert!(restore_and_check(&a, pool, cp, &live)?, "refused");
                 live = cp.live();
             }
+            Op::RestoreMutated(pick, block, kind) if !checkpoints.is_empty() => {
+                let cp = mutate(&checkpoints[pick % checkpoints.len()], block, kind);
+                if restore_and_check(&a, pool, &cp, &live)? {
+                    live = cp.live();
+                }
+            }
             Op::Configure(i) => a.update_config(CONFIGS[i]).map_err(fail)?,
-            Op::Free(_) | Op::Restore(_) => {}
+            Op::Free(_) | Op::Restore(_) | Op::RestoreMutated(..) => {}
         }
         a.check_invariants().map_err(fail)?;
         prop_assert!(a.pool_live_allocations_are(pool, &live).map_err(fail)?);
