@@ -23,7 +23,8 @@
 //!   which pools a release may touch) are composed by `state`, which does the block-level
 //!   steps. `engine` holds the lock and the steps every path shares; `slow_path` calls
 //!   `release`, which calls `expandable_mapping`, which calls `engine`; `allocator` is the
-//!   public face and `inspect` reads. No two modules import each other.
+//!   public face, `inspect` reads and `checkpoint` saves and restores a private pool's
+//!   layout (for CUDAGraph trees). No two modules import each other.
 //! - Block storage is a slab with 32-bit indices for the address-ordered neighbour links;
 //!   what allocation and free touch of a block fills one cache line, the rest (stream uses,
 //!   stacks, events, pool id) the next. Free blocks are kept per (pool, stream) in (size,
@@ -33,6 +34,10 @@
 //!   free-then-best-fit would return that very block; every locked operation of any thread
 //!   settles every parked block first, so results are PyTorch's for any interleaving
 //!   consistent with happens-before.
+//! - **Checkpoints checked before they change anything**: `restore_pool` (PyTorch's
+//!   `setCheckpointPoolState`) moves statistics and history through PyTorch's own steps,
+//!   but works out first whether the checkpoint fits the pool; where PyTorch fails
+//!   half-way, it fails with the same message and leaves the pool as it was.
 //! - **Typed errors**: [`AllocError`] has its own cases (no such device with PyTorch's
 //!   `assertValidDevice` text, CUDA not available, ...); the out-of-memory report lives in
 //!   `ferrocuda_types` (re-exported here) so that, serving buffers, it reaches the user
@@ -49,6 +54,7 @@
 
 mod allocator;
 mod block;
+mod checkpoint;
 mod devices;
 mod engine;
 mod error;
