@@ -40,10 +40,10 @@ impl CachingAllocator {
     /// that has ended get their events first (`insert_events_deferred_until_no_capture`;
     /// while a capture is underway no event is recorded, as everywhere in this allocator).
     ///
-    /// Errors: `PoolNotFound` for a pool that does not exist; `FreeablePool` for a pool
-    /// no graph holds (PyTorch's intent: its `getCheckpointState` looks the pool up before
-    /// it tests freeability, so it checkpoints a freeable pool that still has segments);
-    /// `CheckpointEventsPending` if a block of the pool waits for events.
+    /// Errors: `PoolNotFound` for a pool that does not exist; `CheckpointEventsPending` if
+    /// a block of the pool waits for events. A pool no graph holds any more (freeable) is
+    /// checkpointed while it has segments: PyTorch's `getCheckpointState` looks the pool up
+    /// before it tests freeability (only [`restore_pool`] refuses such a pool).
     ///
     /// [`restore_pool`]: CachingAllocator::restore_pool
     pub fn checkpoint_pool(&self, pool: PoolId) -> Result<PoolCheckpoint, AllocError> {
@@ -51,7 +51,10 @@ impl CachingAllocator {
         if !st.capturing() {
             self.engine.record_deferred(&mut st);
         }
-        in_use(&st, pool, AllocError::PoolNotFound(pool))?;
+        // PyTorch looks the pool up among all private pools, freeable ones included.
+        if st.private.use_count(pool).is_none() {
+            return Err(AllocError::PoolNotFound(pool));
+        }
         let mut segments = Vec::new();
         for head in segment_heads(&st, pool) {
             let mut blocks = Vec::new();
