@@ -54,6 +54,7 @@ const GPU_BENCHES: &[&str] = &[
     "graph",
     "autocast",
     "scaler",
+    "step",
 ];
 /// Examples that go into the GPU bundle (each must succeed and say it ran on the GPU).
 const GPU_EXAMPLES: &[&str] = &["tour", "snapshot"];
