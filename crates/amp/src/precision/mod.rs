@@ -17,6 +17,7 @@ pub mod guard;
 pub mod settings;
 
 use parking_lot::RwLock;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 pub use gemm::{
     CublasComputeType, CublasGemm, CublasLtGemm, CublasLtReductionScheme, CublasMathMode,
@@ -29,6 +30,8 @@ pub use settings::{
 };
 
 static GLOBAL: RwLock<PrecisionSettings> = RwLock::new(PrecisionSettings::PYTORCH_DEFAULT);
+/// Bumped by every [`update_global`], after the change is in place.
+static VERSION: AtomicU64 = AtomicU64::new(0);
 
 /// A copy of the process-wide settings (`at::globalContext()`'s flags).
 pub fn global() -> PrecisionSettings {
@@ -37,5 +40,15 @@ pub fn global() -> PrecisionSettings {
 
 /// Changes the process-wide settings; `f`'s result is returned.
 pub fn update_global<R>(f: impl FnOnce(&mut PrecisionSettings) -> R) -> R {
-    f(&mut GLOBAL.write())
+    let mut settings = GLOBAL.write();
+    let result = f(&mut settings);
+    VERSION.fetch_add(1, Ordering::Release);
+    result
+}
+
+/// How many times the process-wide settings were changed: a reader that keeps what it
+/// derived from [`global`] with the version it read before may reuse it while the version
+/// is unchanged (the guards of a graph cache do, to skip the lock on every call).
+pub fn global_version() -> u64 {
+    VERSION.load(Ordering::Acquire)
 }
