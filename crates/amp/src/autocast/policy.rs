@@ -77,6 +77,7 @@ impl OpId {
 
 /// The policy of `op` on `device`; `None` = not autocast-listed there (runs as is).
 #[inline]
+#[inline]
 pub fn policy(device: DeviceKind, op: OpId) -> Option<CastPolicy> {
     tables().by_device[device.index()]
         .get(usize::from(op.0))
@@ -111,6 +112,7 @@ struct Tables {
     by_device: [Vec<Option<CastPolicy>>; DeviceKind::COUNT],
 }
 
+#[inline]
 fn tables() -> &'static Tables {
     static TABLES: OnceLock<Tables> = OnceLock::new();
     TABLES.get_or_init(compile)
