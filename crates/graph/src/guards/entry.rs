@@ -2,7 +2,7 @@
 //! global, readable, with PyTorch's verbose failures) and its flat form, the array the hot
 //! path compares in one pass without allocating.
 //!
-//! The flat form keeps per input one 8-byte header (dtype, device index, `requires_grad`,
+//! The flat form keeps the global state as two words, per input one 8-byte header (dtype, device index, `requires_grad`,
 //! rank) and per dim a (value, mask) pair for the size and for the stride, a dynamic dim
 //! having mask 0: a dim passes when `(actual ^ value) & mask == 0`, folded over all dims of
 //! an input before one branch. Checks run global state first, then inputs in order, as
@@ -10,7 +10,7 @@
 use std::fmt;
 
 use super::global::{GlobalState, GlobalStateDiff};
-use super::tensor::{Header, TensorFailure, TensorGuard, TensorMeta};
+use super::tensor::{TensorFailure, TensorGuard, TensorMeta};
 
 /// What one entry was specialised on: a guard per input and the global state. The value a
 /// compile step receives, so it knows which dims are dynamic.
@@ -131,7 +131,7 @@ impl DimCheck {
 #[derive(Clone, Debug)]
 pub struct GuardSet {
     globals: GlobalState,
-    headers: Box<[Header]>,
+    headers: Box<[u64]>,
     dims: Box<[DimCheck]>,
 }
 

@@ -46,32 +46,105 @@ impl Default for LibraryState {
     }
 }
 
-/// Autocast as `GlobalStateGuard`'s `AutocastState` compares it: a device kind's dtype
-/// only counts while autocast is on for it, so it is kept only then.
-#[derive(Copy, Clone, Debug, PartialEq, Eq)]
-struct AutocastKey {
-    dtype_if_enabled: [Option<DType>; DeviceKind::COUNT],
-    cache_enabled: bool,
+/// A snapshot of everything the global-state guard compares, packed into two words so that
+/// an entry compares it in two instructions.
+///
+/// Word 0 is autocast as `GlobalStateGuard`'s `AutocastState` compares it: per device kind
+/// 6 bits (enabled, and the dtype only while enabled: autocast accepts fp16 and bf16 only,
+/// whose codes fit), then the cache flag. Word 1 holds the rest (see the `W1_*` fields).
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
+pub struct GlobalState {
+    key: [u64; 2],
 }
 
-impl AutocastKey {
-    #[inline]
-    fn new(amp: &AmpState) -> AutocastKey {
-        AutocastKey {
-            dtype_if_enabled: DeviceKind::ALL.map(|d| amp.is_enabled(d).then(|| amp.dtype(d))),
-            cache_enabled: amp.cache_enabled(),
+/// A field's place: which word, which bits.
+#[derive(Copy, Clone)]
+struct Field {
+    word: usize,
+    shift: u32,
+    bits: u32,
+}
+
+impl Field {
+    const fn mask(self) -> u64 {
+        if self.bits == 64 {
+            u64::MAX
+        } else {
+            ((1u64 << self.bits) - 1) << self.shift
         }
     }
 }
 
-/// A snapshot of everything the global-state guard compares.
-#[derive(Copy, Clone, Debug, PartialEq, Eq)]
-pub struct GlobalState {
-    library: LibraryState,
-    autocast: AutocastKey,
-    allow_tf32: bool,
-    fp16_reduction: ReductionOption,
-    bf16_reduction: ReductionOption,
+const AUTOCAST: Field = Field {
+    word: 0,
+    shift: 0,
+    bits: 64,
+};
+const W1_NUM_THREADS: Field = Field {
+    word: 1,
+    shift: 0,
+    bits: 32,
+};
+const W1_DEFAULT_DTYPE: Field = Field {
+    word: 1,
+    shift: 32,
+    bits: 8,
+};
+const W1_GRAD_MODE: Field = Field {
+    word: 1,
+    shift: 40,
+    bits: 1,
+};
+const W1_DETERMINISTIC: Field = Field {
+    word: 1,
+    shift: 41,
+    bits: 1,
+};
+const W1_WARN_ONLY: Field = Field {
+    word: 1,
+    shift: 42,
+    bits: 1,
+};
+const W1_TF32: Field = Field {
+    word: 1,
+    shift: 43,
+    bits: 1,
+};
+const W1_FP16_REDUCE: Field = Field {
+    word: 1,
+    shift: 44,
+    bits: 2,
+};
+const W1_BF16_REDUCE: Field = Field {
+    word: 1,
+    shift: 46,
+    bits: 2,
+};
+
+/// The fields in `GlobalStateGuard::reason`'s order.
+const REASON_ORDER: [Field; 9] = [
+    W1_GRAD_MODE,
+    AUTOCAST,
+    W1_DETERMINISTIC,
+    W1_WARN_ONLY,
+    W1_TF32,
+    W1_FP16_REDUCE,
+    W1_BF16_REDUCE,
+    W1_NUM_THREADS,
+    W1_DEFAULT_DTYPE,
+];
+
+#[inline]
+fn autocast_word(amp: &AmpState) -> u64 {
+    let per_device = DeviceKind::ALL.iter().enumerate().fold(0u64, |w, (i, d)| {
+        let code = if amp.is_enabled(*d) {
+            0x20 | u64::from(amp.dtype(*d) as u8 & 0x1f)
+        } else {
+            0
+        };
+        w | code << (6 * i)
+    });
+    per_device | u64::from(amp.cache_enabled()) << (6 * DeviceKind::COUNT)
 }
 
 impl GlobalState {
@@ -89,41 +162,35 @@ impl GlobalState {
         amp: &AmpState,
         precision: &PrecisionSettings,
     ) -> GlobalState {
+        // `allowTF32CuBLAS`: whether CUDA matmuls resolve to tf32.
+        let tf32 = precision.resolve(Backend::Cuda, PrecisionOp::Matmul) == Fp32Precision::Tf32;
+        let put = |f: Field, v: u64| (v << f.shift) & f.mask();
+        let w1 = put(W1_NUM_THREADS, u64::from(library.num_threads))
+            | put(W1_DEFAULT_DTYPE, u64::from(library.default_dtype as u8))
+            | put(W1_GRAD_MODE, u64::from(library.grad_mode))
+            | put(
+                W1_DETERMINISTIC,
+                u64::from(library.deterministic_algorithms),
+            )
+            | put(
+                W1_WARN_ONLY,
+                u64::from(library.deterministic_algorithms_warn_only),
+            )
+            | put(W1_TF32, u64::from(tf32))
+            | put(W1_FP16_REDUCE, precision.fp16_reduction() as u64)
+            | put(W1_BF16_REDUCE, precision.bf16_reduction() as u64);
         GlobalState {
-            library,
-            autocast: AutocastKey::new(amp),
-            // `allowTF32CuBLAS`: whether CUDA matmuls resolve to tf32.
-            allow_tf32: precision.resolve(Backend::Cuda, PrecisionOp::Matmul)
-                == Fp32Precision::Tf32,
-            fp16_reduction: precision.fp16_reduction(),
-            bf16_reduction: precision.bf16_reduction(),
+            key: [autocast_word(amp), w1],
         }
-    }
-
-    /// The caller-owned part.
-    pub fn library(&self) -> LibraryState {
-        self.library
     }
 
     /// The fields of `self` (the guarded state) that differ in `now`, in
     /// `GlobalStateGuard::reason`'s order.
     pub fn diff(&self, now: &GlobalState) -> GlobalStateDiff {
-        let (a, b) = (&self.library, &now.library);
-        let fields = [
-            a.grad_mode != b.grad_mode,
-            self.autocast != now.autocast,
-            a.deterministic_algorithms != b.deterministic_algorithms,
-            a.deterministic_algorithms_warn_only != b.deterministic_algorithms_warn_only,
-            self.allow_tf32 != now.allow_tf32,
-            self.fp16_reduction != now.fp16_reduction,
-            self.bf16_reduction != now.bf16_reduction,
-            a.num_threads != b.num_threads,
-            a.default_dtype != b.default_dtype,
-        ];
-        let bits = fields
-            .iter()
-            .enumerate()
-            .fold(0u16, |bits, (i, differs)| bits | (u16::from(*differs) << i));
+        let bits = REASON_ORDER.iter().enumerate().fold(0u16, |bits, (i, f)| {
+            let differs = (self.key[f.word] ^ now.key[f.word]) & f.mask() != 0;
+            bits | (u16::from(differs) << i)
+        });
         GlobalStateDiff { bits }
     }
 

@@ -21,6 +21,8 @@ pub struct TensorMeta<'a> {
     dtype: DType,
     device: DeviceIndex,
     requires_grad: bool,
+    /// dtype, device, `requires_grad` and rank packed once (see [`header`]).
+    header: u64,
     sizes: &'a [i64],
     strides: &'a [i64],
 }
@@ -35,16 +37,18 @@ impl<'a> TensorMeta<'a> {
         sizes: &'a [i64],
         strides: &'a [i64],
     ) -> Result<TensorMeta<'a>, GuardError> {
-        if sizes.len() != strides.len() || u32::try_from(sizes.len()).is_err() {
+        let rank = u32::try_from(sizes.len());
+        let (Ok(rank), true) = (rank, sizes.len() == strides.len()) else {
             return Err(GuardError::StrideRank {
                 sizes: sizes.len(),
                 strides: strides.len(),
             });
-        }
+        };
         Ok(TensorMeta {
             dtype,
             device,
             requires_grad,
+            header: header(dtype, device, requires_grad, rank),
             sizes,
             strides,
         })
@@ -77,25 +81,18 @@ impl<'a> TensorMeta<'a> {
 
     /// The fields compared before the dims, packed for one comparison.
     #[inline]
-    pub(crate) fn header(&self) -> Header {
-        Header {
-            dtype: self.dtype,
-            requires_grad: self.requires_grad,
-            device: self.device.0,
-            // `new` checked that the rank fits.
-            rank: u32::try_from(self.sizes.len()).unwrap_or(u32::MAX),
-        }
+    pub(crate) fn header(&self) -> u64 {
+        self.header
     }
 }
 
-/// dtype, device index, `requires_grad` and rank in 8 bytes without padding, so that the
-/// derived equality compiles to one comparison.
-#[derive(Copy, Clone, Debug, PartialEq, Eq)]
-pub(crate) struct Header {
-    pub(crate) dtype: DType,
-    pub(crate) requires_grad: bool,
-    pub(crate) device: u16,
-    pub(crate) rank: u32,
+/// dtype (8 bits), `requires_grad` (8), device index (16) and rank (32) in one word, so that
+/// the fields `TensorCheck` compares before the dims are one comparison.
+fn header(dtype: DType, device: DeviceIndex, requires_grad: bool, rank: u32) -> u64 {
+    u64::from(dtype as u8)
+        | u64::from(requires_grad) << 8
+        | u64::from(device.0) << 16
+        | u64::from(rank) << 32
 }
 
 /// The guard on one input (`TensorCheck`): what it must equal, `None` for a dynamic size or
@@ -165,13 +162,11 @@ impl TensorGuard {
         self.sizes.len()
     }
 
-    pub(crate) fn header(&self) -> Header {
-        Header {
-            dtype: self.dtype,
-            requires_grad: self.requires_grad,
-            device: self.device.0,
-            rank: u32::try_from(self.sizes.len()).unwrap_or(u32::MAX),
-        }
+    /// The packed header an input must have; a guard's rank comes from a [`TensorMeta`],
+    /// so it fits.
+    pub(crate) fn header(&self) -> u64 {
+        let rank = u32::try_from(self.sizes.len()).unwrap_or(u32::MAX);
+        header(self.dtype, self.device, self.requires_grad, rank)
     }
 
     /// Whether `actual` passes (`TensorCheck::check`: the fields in order, then per dim the
@@ -369,10 +364,23 @@ mod tests {
     const STRIDES: [i64; 3] = [16, 2, 1];
 
     fn meta<'a>(sizes: &'a [i64], strides: &'a [i64]) -> TensorMeta<'a> {
+        with(DType::F32, 0, false, sizes, strides)
+    }
+
+    fn with<'a>(
+        dtype: DType,
+        device: u16,
+        rg: bool,
+        sizes: &'a [i64],
+        strides: &'a [i64],
+    ) -> TensorMeta<'a> {
+        let rank = u32::try_from(sizes.len()).unwrap_or(u32::MAX);
+        let device = DeviceIndex(device);
         TensorMeta {
-            dtype: DType::F32,
-            device: DeviceIndex(0),
-            requires_grad: false,
+            dtype,
+            device,
+            requires_grad: rg,
+            header: header(dtype, device, rg, rank),
             sizes,
             strides,
         }
@@ -395,24 +403,15 @@ mod tests {
         assert!(guard.check(&base));
         let cases: [(TensorMeta<'_>, &str); 6] = [
             (
-                TensorMeta {
-                    dtype: DType::F16,
-                    ..base
-                },
+                with(DType::F16, 0, false, &SIZES, &STRIDES),
                 "tensor 'x' dtype mismatch. expected Float, actual Half",
             ),
             (
-                TensorMeta {
-                    device: DeviceIndex(1),
-                    ..base
-                },
+                with(DType::F32, 1, false, &SIZES, &STRIDES),
                 "tensor 'x' Tensor device index mismatch. Expected device index to be 0, actual 1",
             ),
             (
-                TensorMeta {
-                    requires_grad: true,
-                    ..base
-                },
+                with(DType::F32, 0, true, &SIZES, &STRIDES),
                 "tensor 'x' requires_grad mismatch. expected requires_grad=0",
             ),
             (
@@ -448,11 +447,7 @@ mod tests {
             })
         );
         // dtype is reported before requires_grad.
-        let two = TensorMeta {
-            dtype: DType::BF16,
-            requires_grad: true,
-            ..meta(&SIZES, &STRIDES)
-        };
+        let two = with(DType::BF16, 0, true, &SIZES, &STRIDES);
         assert_eq!(
             failure(&guard, &two).as_deref(),
             Some("tensor 'x' dtype mismatch. expected Float, actual BFloat16")
