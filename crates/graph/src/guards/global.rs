@@ -14,7 +14,7 @@ use std::fmt;
 
 use ferrocuda_amp::autocast::{AmpState, DeviceKind};
 use ferrocuda_amp::precision::PrecisionSettings;
-use ferrocuda_amp::precision::{self, Backend, Fp32Precision, PrecisionOp, ReductionOption};
+use ferrocuda_amp::precision::{self, Backend, Fp32Precision, PrecisionOp};
 use ferrocuda_types::DType;
 
 /// The global state a tensor library owns and the guard cannot read itself.
