@@ -85,7 +85,7 @@ pub enum GuardFailure {
     GlobalState(GlobalStateDiff),
     /// "tensor 'x' size mismatch at index 0. expected 4, actual 8"
     Tensor(TensorFailure),
-    /// "Cache line invalidated because <what> got deallocated": the entry was invalidated
+    /// `"Cache line invalidated because <what> got deallocated"`: the entry was invalidated
     /// and fails every call.
     Invalidated(String),
 }
