@@ -10,6 +10,10 @@
 //! [`PhiloxGenerator`] draws random numbers that replays advance like eager calls;
 //! [`CudaGraph::update_inputs`] repoints a captured graph at new buffers without copying.
 //!
+//! - [`guards`]: guarded specialisations per wrapped function (TorchDynamo's guards,
+//!   MRU cache entries, recompile limits, automatic dynamic shapes), generic over the
+//!   cached value.
+//!
 //! # Design choices
 //! - **Graph-memory policy lives here.** The allocator only offers "allocate in pool P",
 //!   "retain / release pool P", "blocks of pool P"; which pool, for whom, and when it is
@@ -34,6 +38,7 @@
 
 mod callables;
 mod graph;
+pub mod guards;
 mod repoint;
 mod rng;
 
