@@ -36,7 +36,7 @@ pub struct CachingAllocator {
     /// driver for capture status only when it is not zero).
     routing: AtomicUsize,
     /// The history context, readable without the lock (stacks are captured outside it).
-    context: AtomicU8,
+    pub(crate) context: AtomicU8,
 }
 
 impl Drop for CachingAllocator {

@@ -249,6 +249,11 @@ impl Blocks {
         self.vacant.push(id);
     }
 
+    /// The block at `ptr`, if any.
+    pub(crate) fn at(&self, ptr: u64) -> Option<usize> {
+        self.by_addr.get(&ptr).copied()
+    }
+
     /// The allocated block at `ptr`, if any.
     pub(crate) fn allocated_at(&self, ptr: u64) -> Option<usize> {
         self.by_addr

@@ -217,7 +217,7 @@ impl Engine {
 
     /// `insert_events_deferred_until_no_capture`: records the events of the blocks freed
     /// during a capture (with no capture underway now).
-    fn record_deferred(&self, st: &mut State) {
+    pub(crate) fn record_deferred(&self, st: &mut State) {
         let deferred = st.order.take_deferred(&mut st.blocks);
         for (id, uses) in deferred {
             let State { order, blocks, .. } = &mut *st;

@@ -2,7 +2,7 @@
 //! buffer's error below this layer can carry it too) and is re-exported here.
 use ferrocuda_driver::DriverError;
 use ferrocuda_stream::{MemoryError, StreamError};
-use ferrocuda_types::{ConfigError, DevicePtr};
+use ferrocuda_types::{ConfigError, DevicePtr, PoolId};
 
 pub use ferrocuda_types::OutOfMemory;
 
@@ -45,6 +45,39 @@ pub enum AllocError {
     /// A private-pool request was invalid (PyTorch's messages).
     #[error("{0}")]
     Pool(String),
+    /// `getCheckpointState` or `checkPoolLiveAllocations` of a pool that does not exist
+    /// (never made, or released with all its segments given back).
+    #[error("Could not find pool of id")]
+    PoolNotFound(PoolId),
+    /// `setCheckpointPoolState` of a pool that does not exist.
+    #[error("Could not find private pool id")]
+    PrivatePoolNotFound(PoolId),
+    /// A checkpoint or restore of a pool that no graph holds any more (freeable).
+    #[error("Not expected to checkpoint freeable graph")]
+    FreeablePool(PoolId),
+    /// A block of the pool to checkpoint waits for events (`BlockState`'s check).
+    #[error("Events should have synchronized when checkpointing block")]
+    CheckpointEventsPending(DevicePtr),
+    /// A block of the pool to restore waits for events, or would on being freed (it was
+    /// used on other streams): `freeBlocksAllocatedToPool`'s check.
+    #[error("Events should have synchronized when setting checkpointed block")]
+    RestoreEventsPending(DevicePtr),
+    /// A checkpointed segment starts at no free block of the pool (its segment was given
+    /// back, or the checkpoint is another pool's): `setCheckpointPoolState`'s check.
+    #[error(" could not find {0}")]
+    CheckpointSegmentNotFound(DevicePtr),
+    /// The pool cannot take a checkpointed segment's layout: the check of
+    /// `setSegmentStateToCheckpoint` that fails (`check`, PyTorch's condition), at the
+    /// checkpointed block `block`.
+    #[error(
+        "Expected {check} to be true, but got false.  (Could this error message be improved?  If so, please report an enhancement request to PyTorch.)"
+    )]
+    CheckpointMismatch {
+        /// The condition PyTorch checks.
+        check: &'static str,
+        /// The checkpointed block it fails at.
+        block: DevicePtr,
+    },
     /// A history or snapshot request was invalid, or its file could not be written.
     #[error("{0}")]
     History(String),

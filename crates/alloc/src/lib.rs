@@ -49,6 +49,7 @@
 
 mod allocator;
 mod block;
+mod checkpoint;
 mod devices;
 mod engine;
 mod error;

@@ -151,12 +151,25 @@ impl State {
     /// its id).
     #[inline(always)]
     pub(crate) fn use_block(&mut self, id: usize, req: &Request) -> (usize, Allocation) {
+        let split = self.should_split(id, req.size);
+        self.use_block_split(id, req, split)
+    }
+
+    /// `alloc_found_block` with the split decided by the caller (`split_remainder`): free
+    /// block `id`, out of its free list, is cut to `req.size` if `split`, and handed out.
+    #[inline(always)]
+    pub(crate) fn use_block_split(
+        &mut self,
+        id: usize,
+        req: &Request,
+        split: bool,
+    ) -> (usize, Allocation) {
         let (size, requested) = (req.size, req.requested);
         let kind = self.blocks[id].pool;
         let was_split = self.blocks[id].is_split();
         // Expandable blocks are never counted as inactive splits (PyTorch's rule).
         let counted = self.blocks[id].segment.is_none();
-        let id = if self.should_split(id, size) {
+        let id = if split {
             let remaining = self.blocks[id].size - size;
             let new = self.blocks.split_front(id, size);
             self.pool_insert(id);

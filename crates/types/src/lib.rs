@@ -2,11 +2,11 @@
 //!
 //! This crate holds the values that cross layer boundaries: device indices, the opaque handles
 //! a [`Driver`](https://docs.rs/ferrocuda-driver) hands out, element types, launch and capture
-//! descriptions, the nodes of captured graphs, allocator configuration, statistics and
-//! snapshots, and the out-of-memory report ([`OutOfMemory`]: the allocator fills it in, and
-//! it reaches a buffer user through the stream layer, which sits below the allocator). It has
-//! no behaviour beyond parsing and formatting, so every layer (and a user's own tools,
-//! through serde) can depend on it without pulling in CUDA.
+//! descriptions, the nodes of captured graphs, allocator configuration, statistics,
+//! snapshots and private-pool checkpoints, and the out-of-memory report ([`OutOfMemory`]:
+//! the allocator fills it in, and it reaches a buffer user through the stream layer, which
+//! sits below the allocator). It has no behaviour beyond parsing and formatting, so every
+//! layer (and a user's own tools, through serde) can depend on it without pulling in CUDA.
 //!
 //! # Design choices
 //! - Handles are `Copy` values that carry their device next to the backend's raw `u64`. The
@@ -20,6 +20,7 @@
 //! Keep handles alive only as long as the object they name: a handle is a name, not an owner.
 #![forbid(unsafe_code)]
 
+mod checkpoint;
 mod config;
 mod device;
 mod dtype;
@@ -30,6 +31,7 @@ mod oom;
 mod snapshot;
 mod stats;
 
+pub use checkpoint::{BlockCheckpoint, PoolCheckpoint, RestoreResult, SegmentCheckpoint};
 pub use config::{
     AllocatorConfig, Backend as AllocatorBackend, ConfigError, ROUNDUP_INTERVALS, ReserveSize,
 };
