@@ -199,7 +199,9 @@ pub enum TreeError {
         message: String,
     },
     /// An input is described by more elements than its buffer holds.
-    #[error("input {index}: shape {shape:?} of {dtype:?} needs {needed} bytes, the buffer has {bytes}")]
+    #[error(
+        "input {index}: shape {shape:?} of {dtype:?} needs {needed} bytes, the buffer has {bytes}"
+    )]
     InputTooSmall {
         /// Which input.
         index: usize,

@@ -77,7 +77,10 @@ pub(crate) fn check_invariants(
     if node.expected_dead_before.iter().any(live) {
         return CheckStatus::ExpectedDeadIndicesBeforeGraphMismatch;
     }
-    if slots.clone().any(|(s, i)| matches!(s, InputSlot::Static(p) if *p != i.ptr)) {
+    if slots
+        .clone()
+        .any(|(s, i)| matches!(s, InputSlot::Static(p) if *p != i.ptr))
+    {
         return CheckStatus::StaticInputIdxMismatch;
     }
     CheckStatus::Success

@@ -320,7 +320,10 @@ impl Trees {
             if let Some(node) = found {
                 return self.execute(st, node, generation, inputs);
             }
-            let is_root = st.arena.iter().any(|(_, n)| n.parent.is_none() && n.function == fid);
+            let is_root = st
+                .arena
+                .iter()
+                .any(|(_, n)| n.parent.is_none() && n.function == fid);
             if !st.path.is_empty() && is_root && self.try_end_path(st, generation)? {
                 continue;
             }
@@ -350,7 +353,11 @@ impl Trees {
                 });
             }
         }
-        if let Some(reason) = st.functions.get(fid.0 as usize).and_then(|i| i.skip.clone()) {
+        if let Some(reason) = st
+            .functions
+            .get(fid.0 as usize)
+            .and_then(|i| i.skip.clone())
+        {
             return Ok(Some(reason));
         }
         let mut devices = vec![self.device];
@@ -385,8 +392,8 @@ impl Trees {
         let lost: Vec<usize> = (info.mutated.iter().copied())
             .filter(|&i| {
                 inputs.get(i).is_some_and(|input| {
-                    let in_place = input.is_static
-                        || (input.tree.is_some() && managed.contains(&input.ptr));
+                    let in_place =
+                        input.is_static || (input.tree.is_some() && managed.contains(&input.ptr));
                     !in_place || shapes.get(i) != Some(&input.shape)
                 })
             })
@@ -499,7 +506,8 @@ impl Trees {
                 "Unable to hit fast path of CUDAGraphs because outputs of an earlier call in this step are still held: each call records a new graph. Call Trees::mark_step_begin() before each step, or drop the outputs"
             }
         };
-        st.events.push(TreeEvent::Warning(format!("{}: {text}", info.name)));
+        st.events
+            .push(TreeEvent::Warning(format!("{}: {text}", info.name)));
     }
 
     /// Runs the call eagerly (or refuses it under `cudagraph_or_error`), reporting the

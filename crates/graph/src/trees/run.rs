@@ -14,6 +14,14 @@ use ferrocuda_stream::{MemoryResource, Stream};
 use ferrocuda_types::{CaptureMode, DevicePtr, MemsetValue};
 use std::sync::Arc;
 
+/// A recording's inputs: how the node takes each, what the function sees, and the copies
+/// (freed once recorded).
+struct Staged {
+    slots: Vec<InputSlot>,
+    args: Vec<Arg>,
+    copies: Vec<Out>,
+}
+
 /// Calls the wrapped function, naming it in its error.
 fn call_fn(
     f: &mut dyn TreeFn,
@@ -119,7 +127,7 @@ impl Trees {
         inputs: &[Input<'_>],
         shapes: &[Shape],
         managed: &[DevicePtr],
-    ) -> Result<(Vec<InputSlot>, Vec<Arg>, Vec<Out>), TreeError> {
+    ) -> Result<Staged, TreeError> {
         let mut slots = Vec::with_capacity(inputs.len());
         let mut args = Vec::with_capacity(inputs.len());
         let mut copies = Vec::new();
@@ -142,7 +150,11 @@ impl Trees {
                 copies.push(copy);
             }
         }
-        Ok((slots, args, copies))
+        Ok(Staged {
+            slots,
+            args,
+            copies,
+        })
     }
 
     /// The tree takes `outs` over: their blocks are held, their slots made.
@@ -222,7 +234,11 @@ impl Trees {
         let caller = self.runtime.current_stream(self.device)?;
         self.stream.wait_stream(&caller)?;
         let memory = self.memory();
-        let (slots, args, copies) = {
+        let Staged {
+            slots,
+            args,
+            copies,
+        } = {
             let _route = PoolRoute::begin(self.allocator()?, self.pool, &self.stream)?;
             self.stage_recording(&memory, inputs, shapes, &managed)?
         };
@@ -283,7 +299,11 @@ impl Trees {
         args: &[Arg],
         f: &mut dyn TreeFn,
     ) -> Result<Result<Vec<Out>, String>, TreeError> {
-        let capture = graph.capture(Some(&self.stream), Some(self.pool), CaptureMode::ThreadLocal)?;
+        let capture = graph.capture(
+            Some(&self.stream),
+            Some(self.pool),
+            CaptureMode::ThreadLocal,
+        )?;
         let (outs, incompatible) = {
             let mut ctx = Ctx::new(capture.stream(), memory.clone(), RunKind::Record);
             let outs = call_fn(f, &mut ctx, args, name)?;
@@ -313,7 +333,14 @@ impl Trees {
         };
         for (slot, input) in node.inputs.iter().zip(inputs) {
             if let InputSlot::Copied { ptr, bytes } = *slot {
-                fill(&**driver, &stream, ptr, input.ptr, input.used_bytes(), bytes)?;
+                fill(
+                    &**driver,
+                    &stream,
+                    ptr,
+                    input.ptr,
+                    input.used_bytes(),
+                    bytes,
+                )?;
             }
         }
         node.graph.replay(&stream)?;

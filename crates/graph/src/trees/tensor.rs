@@ -414,7 +414,9 @@ impl OutputSlot {
 
     /// Whether a handle of the latest run is held.
     pub(crate) fn is_live(&self) -> bool {
-        self.latest.as_ref().is_some_and(|i| Arc::strong_count(i) > 1)
+        self.latest
+            .as_ref()
+            .is_some_and(|i| Arc::strong_count(i) > 1)
     }
 
     /// A handle for a new run: older handles become stale.

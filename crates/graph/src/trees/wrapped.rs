@@ -149,7 +149,10 @@ impl Wrapped {
         let function = self.trees.register(&self.options, skip);
         self.trees.report(TreeEvent::NewShape {
             function: function.0,
-            key: format!("{:?}", key.iter().map(|k| (k.dtype, k.shape)).collect::<Vec<_>>()),
+            key: format!(
+                "{:?}",
+                key.iter().map(|k| (k.dtype, k.shape)).collect::<Vec<_>>()
+            ),
         });
         if let Some(limit) = self.trees.config.dynamic_shape_warn_limit
             && cache.distinct > limit
