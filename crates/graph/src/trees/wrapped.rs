@@ -3,7 +3,7 @@
 //! function id of the tree, with a cap on how many are kept (least recently used evicted).
 //!
 //! The choice of which function id serves a call lives in one place,
-//! [`Wrapped::function_for`]: a guard cache (dtype/device/shape/stride and global-state
+//! `Wrapped::function_for`: a guard cache (dtype/device/shape/stride and global-state
 //! guards) can replace its plain signature lookup without touching the tree.
 use super::config::WrapOptions;
 use super::context::{Call, TreeFn};

@@ -1,9 +1,12 @@
 //! Calls that cannot be graphed, and functions that fail.
 use crate::{D0, N, Setup, TestResult, expect, named, random, served_kinds};
+use ferrocuda_alloc::DeviceAllocators;
+use ferrocuda_graph::trees::Trees;
 use ferrocuda_graph::trees::{
     Arg, Ctx, Input, Served, SkipReason, TreeConfig, TreeError, TreeEvent, WrapOptions,
 };
 use ferrocuda_stream::conformance::Harness;
+use ferrocuda_types::AllocatorConfig;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 
@@ -163,6 +166,62 @@ pub(crate) fn panic_or_error_leaves_the_tree_usable(h: &Harness) -> TestResult {
         s.pool_state(pool)?.1,
         Vec::new(),
         "no block of the pool is allocated"
+    );
+    Ok(())
+}
+
+/// A function declaring an operation a graph cannot hold runs eagerly from then on, and
+/// an allocator that does not cache (no private pools) graphs nothing; both say why with
+/// PyTorch's texts.
+pub(crate) fn incompatible_op_and_uncached_allocator_skip(h: &Harness) -> TestResult {
+    let s = Setup::new(h)?;
+    let trees = s.trees(TreeConfig::default())?;
+    let k = s.k.clone();
+    let f = trees.wrap(
+        move |ctx: &mut Ctx<'_>, a: &[Arg]| {
+            ctx.incompatible_op("aten.nonzero.default");
+            Ok(vec![k.scaled(ctx, &a[0], 2.0)?])
+        },
+        named("data_dependent"),
+    );
+    let xv = random(N, 8);
+    let x = s.buffer(&xv)?;
+    let twice: Vec<f32> = xv.iter().map(|v| 2.0 * v).collect();
+    let mut served = Vec::new();
+    for _ in 0..3 {
+        trees.mark_step_begin();
+        let call = f.call(&[Input::buffer(&x)])?;
+        expect(&call.outputs[0], &twice, "2x")?;
+        served.push(call.served);
+    }
+    assert_eq!(served_kinds(&served), ["warmup", "eager", "eager"]);
+    assert_eq!(
+        served[1].clone(),
+        Served::Eager(SkipReason::IncompatibleOp {
+            op: "aten.nonzero.default".into()
+        })
+    );
+    assert_eq!(
+        SkipReason::IncompatibleOp {
+            op: "aten.nonzero.default".into()
+        }
+        .to_string(),
+        "skipping cudagraphs due to incompatible op aten.nonzero.default"
+    );
+    assert!(trees.nodes().is_empty());
+    let uncached = DeviceAllocators::new(h.rt.driver().clone(), AllocatorConfig::default(), false);
+    let trees = Trees::new(h.rt.clone(), uncached, D0, TreeConfig::default())?;
+    let k = s.k.clone();
+    let g = trees.wrap(
+        move |ctx: &mut Ctx<'_>, a: &[Arg]| Ok(vec![k.scaled(ctx, &a[0], 2.0)?]),
+        named("g"),
+    );
+    let call = g.call(&[Input::buffer(&x)])?;
+    expect(&call.outputs[0], &twice, "uncached 2x")?;
+    assert_eq!(call.served, Served::Eager(SkipReason::UncachedAllocator));
+    assert_eq!(
+        SkipReason::UncachedAllocator.to_string(),
+        "skipping cudagraphs due to cudagraph capture requires the caching allocator; current allocator is uncached"
     );
     Ok(())
 }

@@ -232,7 +232,10 @@ use basics::{
     stale_outputs_are_errors, warmup_record_replay_matches_eager,
 };
 use branches::{branch_switching_restores_the_checkpoint, static_input_move_rerecords};
-use failures::{mutating_a_copied_input_skips, panic_or_error_leaves_the_tree_usable};
+use failures::{
+    incompatible_op_and_uncached_allocator_skip, mutating_a_copied_input_skips,
+    panic_or_error_leaves_the_tree_usable,
+};
 use shapes::{buckets_pad_to_few_recordings, shapes_record_per_size_and_the_cap_evicts};
 
 ferrocuda_stream::both_backends!(
@@ -244,6 +247,7 @@ ferrocuda_stream::both_backends!(
     static_input_move_rerecords,
     mutating_a_copied_input_skips,
     panic_or_error_leaves_the_tree_usable,
+    incompatible_op_and_uncached_allocator_skip,
     shapes_record_per_size_and_the_cap_evicts,
     buckets_pad_to_few_recordings,
 );
