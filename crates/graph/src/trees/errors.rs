@@ -18,7 +18,7 @@ pub enum SkipReason {
     MutatedInputs {
         /// How many such inputs.
         count: usize,
-        /// Where they are: "<function>: input <i>", one per line.
+        /// Where they are: `"<function>: input <i>"`, one per line.
         found_from: String,
     },
     /// An input lives on another device than the tree's
@@ -144,7 +144,7 @@ pub enum TreeEvent {
         function: u32,
         /// Why the siblings did not serve.
         status: CheckStatus,
-        /// "<status>.\ninput name: arg<i>. data pointer changed from <old> to <new>. …".
+        /// `"<status>.\ninput name: arg<i>. data pointer changed from <old> to <new>. …"`.
         detail: String,
     },
     /// The allocator was returned to a node's checkpoint before recording or warming up
