@@ -9,6 +9,9 @@
 //! [`make_graphed_callables`] captures closures in order into one shared pool;
 //! [`PhiloxGenerator`] draws random numbers that replays advance like eager calls;
 //! [`CudaGraph::update_inputs`] repoints a captured graph at new buffers without copying.
+//! - [`trees`]: CUDA-graph trees (`mode="reduce-overhead"` without a compiler): wrapped
+//!   functions warmed up, recorded per input signature into one shared pool, and replayed,
+//!   with explicit steps and stale outputs always detected.
 //!
 //! - [`guards`]: guarded specialisations per wrapped function (TorchDynamo's guards,
 //!   MRU cache entries, recompile limits, automatic dynamic shapes), generic over the
@@ -41,6 +44,7 @@ mod graph;
 pub mod guards;
 mod repoint;
 mod rng;
+pub mod trees;
 
 pub use callables::{
     Callable, CallableError, GraphedCallables, GraphedOptions, make_graphed_callables,
@@ -48,3 +52,4 @@ pub use callables::{
 pub use ferrocuda_types::{CaptureMode, PoolId};
 pub use graph::{CaptureGuard, CudaGraph, GraphError, InputUpdate};
 pub use rng::{PHILOX_KERNELS, PhiloxGenerator, register_fake_philox};
+pub use trees::{Trees, Wrapped};

@@ -1,0 +1,76 @@
+//! CUDA-graph trees: `torch.compile(mode="reduce-overhead")`'s runtime
+//! (`torch/_inductor/cudagraph_trees.py`) for closures over device buffers, without a
+//! compiler.
+//!
+//! # The contract
+//! - [`Trees::new`] makes the manager of one device: one private pool and one stream, shared
+//!   by every function wrapped through it. [`Trees::wrap`] wraps a [`TreeFn`]: a closure
+//!   that gets a [`Ctx`] and its inputs as [`Arg`]s, enqueues kernels on
+//!   [`Ctx::stream`], allocates its outputs with [`Ctx::alloc`] and returns them.
+//! - [`Wrapped::call`] takes [`Input`]s: device buffers (or earlier outputs) described by
+//!   dtype and shape, some marked static ([`Input::mark_static`]: parameters and buffers,
+//!   never copied). Per distinct input signature the function is warmed up eagerly
+//!   ([`TreeConfig::warmup_runs`], in the pool), then recorded into a graph, then replayed.
+//!   Non-static inputs are copied into the recording's pool-resident inputs on each replay.
+//! - Functions chain into one tree: a function called while outputs of the current path are
+//!   held is recorded as a child, allocating next to them in the same pool (a forward then
+//!   its backward; the layers of a decode step). Passing such an output back in
+//!   ([`Input::output`]) uses it in place. Siblings record alternative continuations; before
+//!   a new branch is recorded after a replay, the pool's allocator state is returned to the
+//!   branch point's checkpoint (PyTorch's `apply_checkpoint_execution_state_in_allocator`)
+//!   and the blocks of outputs that died since are freed.
+//! - **Steps**: [`Trees::mark_step_begin`] starts a step (the primary contract,
+//!   [`GenerationPolicy::Explicit`]). The next call ends the current path; outputs of
+//!   earlier steps still held then become stale. [`GenerationPolicy::Heuristic`] is
+//!   PyTorch's heuristic (each call a new generation unless a forward awaits its backward),
+//!   available and documented as a heuristic.
+//! - **Stale outputs are always detected**: a [`TreeTensor`] knows the run that produced it;
+//!   reading it ([`TreeTensor::ptr`], [`TreeTensor::arg`], [`TreeTensor::to_host`],
+//!   [`TreeTensor::copy_out`]) after a later run overwrote (or may have overwritten) its
+//!   memory is [`TreeError::StaleOutput`], for one atomic load and compare. Keep an output
+//!   across steps by moving it out: [`TreeTensor::copy_out`].
+//! - **Skips**: a call that cannot be graphed runs eagerly, outside the pool, and says why
+//!   in [`Call::served`] ([`Served::Eager`] with a [`SkipReason`] whose `Display` is
+//!   PyTorch's "skipping cudagraphs due to …" line); with [`TreeConfig::cudagraph_or_error`]
+//!   it is [`TreeError::Skipped`] instead. Writing a non-static input that is not a tree
+//!   output ([`WrapOptions::mutated_inputs`]) is such a case.
+//! - **Static inputs** keep their recorded address; a new address records a sibling, up to
+//!   [`TreeConfig::rerecord_limit`] (128) per node and function, then the function runs
+//!   eagerly there ("exceeding max re-recording limit").
+//! - **Shapes**: one recording per signature; [`WrapOptions::max_recorded_shapes`] caps them
+//!   (least recently used evicted: its graphs destroyed, its outputs made stale, the pool
+//!   blocks the tree held for it freed for reuse by other recordings; the pool's segments
+//!   stay reserved, as every private pool's do while it is held); [`WrapOptions::buckets`]
+//!   pads leading dimensions to a few sizes.
+//! - **Failure**: an error or a panic in a wrapped function leaves the tree as before the
+//!   call: a capture under way is discarded with its pool use, input copies and outputs
+//!   allocated so far are freed, no state changes. Dropping the manager (with every
+//!   [`Wrapped`]) frees every block it held and gives its pool back.
+//!
+//! # Not here (PyTorch features without a counterpart in closures over buffers)
+//! Output aliasing (outputs are fresh allocations made through [`Ctx`]), outputs dying
+//! during a call (inputs are borrowed), expanded inputs, and the compile-time skip reasons
+//! about graphs (`non-Tensor inputs`, `complex memory overlap`, `cpu device`, `control flow
+//! operator`, `sparsity`, `input storage mutation`).
+//!
+//! # Locks
+//! A call holds its wrapped function's lock, then the manager's; the function runs under
+//! both, so a wrapped function must not call another function of the same tree.
+mod config;
+mod context;
+mod errors;
+mod liveness;
+mod manager;
+mod nodes;
+mod path;
+mod run;
+mod tensor;
+mod wrapped;
+
+pub use config::{Buckets, FunctionMode, GenerationPolicy, TreeConfig, WrapOptions};
+pub use context::{Call, Ctx, RunKind, Served, TreeFn};
+pub use errors::{CheckStatus, SkipReason, TreeError, TreeEvent};
+pub use manager::{NodeInfo, TreeStats, Trees};
+pub use nodes::FunctionId;
+pub use tensor::{Arg, Input, MAX_RANK, Out, Shape, TreeTensor};
+pub use wrapped::Wrapped;

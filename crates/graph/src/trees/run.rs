@@ -1,0 +1,389 @@
+//! The four ways a call is served: a warm-up in the pool, a recording, a replay, an eager
+//! run outside the pool; and the input copies they need (`_allocate_and_copy_recording_
+//! inputs`, the per-replay copies into `reconstructed_inputs`, bucket padding).
+use super::context::{Call, Ctx, RunKind, Served, TreeFn};
+use super::errors::{SkipReason, TreeError};
+use super::liveness::{died_between, live_path_ptrs, path_liveness};
+use super::manager::{PathMode, State, Trees};
+use super::nodes::{FunctionId, InputSlot, RecordedNode, WarmupNode};
+use super::path::PoolRoute;
+use super::tensor::{Arg, Input, Out, OutputSlot, Shape, TreeTensor};
+use crate::CudaGraph;
+use ferrocuda_driver::Driver;
+use ferrocuda_stream::{MemoryResource, Stream};
+use ferrocuda_types::{CaptureMode, DevicePtr, MemsetValue};
+use std::sync::Arc;
+
+/// A recording's inputs: how the node takes each, what the function sees, and the copies
+/// (freed once recorded).
+struct Staged {
+    slots: Vec<InputSlot>,
+    args: Vec<Arg>,
+    copies: Vec<Out>,
+}
+
+/// Calls the wrapped function, naming it in its error.
+fn call_fn(
+    f: &mut dyn TreeFn,
+    ctx: &mut Ctx<'_>,
+    args: &[Arg],
+    name: &str,
+) -> Result<Vec<Out>, TreeError> {
+    f(ctx, args).map_err(|e| TreeError::Function {
+        function: name.to_string(),
+        message: e.to_string(),
+    })
+}
+
+/// Writes `used` bytes from `src` to `dst`, then zeros up to `bytes`, on `stream`.
+fn fill(
+    driver: &dyn Driver,
+    stream: &Stream,
+    dst: DevicePtr,
+    src: DevicePtr,
+    used: u64,
+    bytes: u64,
+) -> Result<(), TreeError> {
+    if used > 0 {
+        driver.memcpy_dtod_async(dst, src, used, stream.handle())?;
+    }
+    if bytes > used {
+        driver.memset_async(
+            dst.offset(used),
+            MemsetValue::U8(0),
+            bytes - used,
+            stream.handle(),
+        )?;
+    }
+    Ok(())
+}
+
+impl Trees {
+    pub(crate) fn memory(&self) -> Arc<dyn MemoryResource> {
+        self.allocators.clone()
+    }
+
+    fn name_of(st: &State, fid: FunctionId) -> Arc<str> {
+        st.functions
+            .get(fid.0 as usize)
+            .map_or_else(|| Arc::from(""), |i| i.name.clone())
+    }
+
+    /// A copy of `input` seen as `shape` (padded with zeros), allocated on `stream`.
+    fn stage(
+        &self,
+        memory: &Arc<dyn MemoryResource>,
+        stream: &Stream,
+        input: &Input<'_>,
+        shape: Shape,
+    ) -> Result<Out, TreeError> {
+        let bytes = (shape.numel() * input.dtype.size()) as u64;
+        let ptr = if bytes == 0 {
+            DevicePtr(0)
+        } else {
+            memory.allocate(self.device, bytes, stream.handle())?
+        };
+        let arg = Arg {
+            ptr,
+            device: self.device,
+            dtype: input.dtype,
+            shape,
+        };
+        let copy = Out::new(memory.clone(), arg);
+        let driver = self.runtime.driver();
+        fill(&**driver, stream, ptr, input.ptr, input.used_bytes(), bytes)?;
+        Ok(copy)
+    }
+
+    /// The arguments of an eager run or a warm-up: the inputs in place, except those a
+    /// bucket pads, which are copied.
+    fn stage_padded(
+        &self,
+        memory: &Arc<dyn MemoryResource>,
+        stream: &Stream,
+        inputs: &[Input<'_>],
+        shapes: &[Shape],
+    ) -> Result<(Vec<Arg>, Vec<Out>), TreeError> {
+        let mut args = Vec::with_capacity(inputs.len());
+        let mut copies = Vec::new();
+        for (input, &shape) in inputs.iter().zip(shapes) {
+            if shape == input.shape {
+                args.push(in_place(input));
+            } else {
+                let copy = self.stage(memory, stream, input, shape)?;
+                args.push(copy.as_arg());
+                copies.push(copy);
+            }
+        }
+        Ok((args, copies))
+    }
+
+    /// The inputs of a recording: static inputs and live path outputs in place, the others
+    /// copied into the pool (the copies are freed once recorded; replays copy into their
+    /// addresses).
+    fn stage_recording(
+        &self,
+        memory: &Arc<dyn MemoryResource>,
+        inputs: &[Input<'_>],
+        shapes: &[Shape],
+        managed: &[DevicePtr],
+    ) -> Result<Staged, TreeError> {
+        let mut slots = Vec::with_capacity(inputs.len());
+        let mut args = Vec::with_capacity(inputs.len());
+        let mut copies = Vec::new();
+        for (input, &shape) in inputs.iter().zip(shapes) {
+            let same = shape == input.shape;
+            if same && input.is_static {
+                slots.push(InputSlot::Static(input.ptr));
+                args.push(in_place(input));
+            } else if same && input.tree.is_some() && managed.contains(&input.ptr) {
+                slots.push(InputSlot::Managed(input.ptr));
+                args.push(in_place(input));
+            } else {
+                let copy = self.stage(memory, &self.stream, input, shape)?;
+                let arg = copy.as_arg();
+                slots.push(InputSlot::Copied {
+                    ptr: arg.ptr,
+                    bytes: (shape.numel() * input.dtype.size()) as u64,
+                });
+                args.push(arg);
+                copies.push(copy);
+            }
+        }
+        Ok(Staged {
+            slots,
+            args,
+            copies,
+        })
+    }
+
+    /// The tree takes `outs` over: their blocks are held, their slots made.
+    fn adopt(&self, st: &mut State, name: &Arc<str>, outs: Vec<Out>) -> Vec<OutputSlot> {
+        (outs.into_iter().enumerate())
+            .map(|(i, out)| {
+                let arg = out.take();
+                if arg.ptr.0 != 0 {
+                    st.held.insert(arg.ptr);
+                }
+                OutputSlot::new(&self.runtime, arg, name.clone(), i)
+            })
+            .collect()
+    }
+
+    /// A warm-up: the function runs eagerly on the tree's stream, allocating in the pool
+    /// (`CUDAWarmupNode`).
+    pub(crate) fn warmup(
+        &self,
+        st: &mut State,
+        fid: FunctionId,
+        generation: u64,
+        inputs: &[Input<'_>],
+        shapes: &[Shape],
+        f: &mut dyn TreeFn,
+    ) -> Result<Call, TreeError> {
+        self.sync_allocator(st)?;
+        let name = Trees::name_of(st, fid);
+        let caller = self.runtime.current_stream(self.device)?;
+        self.stream.wait_stream(&caller)?;
+        let memory = self.memory();
+        let (outs, incompatible) = {
+            let _route = PoolRoute::begin(self.allocator()?, self.pool, &self.stream)?;
+            let _current = self.runtime.stream_guard(&self.stream)?;
+            let (args, _copies) = self.stage_padded(&memory, &self.stream, inputs, shapes)?;
+            let mut ctx = Ctx::new(&self.stream, memory.clone(), RunKind::Warmup);
+            let outs = call_fn(f, &mut ctx, &args, &name)?;
+            (outs, ctx.incompatible())
+        };
+        caller.wait_stream(&self.stream)?;
+        let mut outputs = self.adopt(st, &name, outs);
+        let tensors = outputs.iter_mut().map(OutputSlot::issue).collect();
+        st.warmups.push(WarmupNode { outputs });
+        st.mode = PathMode::Warmup;
+        st.current_gen = Some(generation);
+        st.stats.warmups += 1;
+        if let Some(info) = st.functions.get_mut(fid.0 as usize) {
+            info.warmups += 1;
+            if let Some(op) = incompatible {
+                info.skip = Some(SkipReason::IncompatibleOp { op });
+            }
+        }
+        Ok(Call {
+            outputs: tensors,
+            served: Served::Warmup,
+        })
+    }
+
+    /// Records a new node under the current one (or as a root), replays it once to compute
+    /// its outputs, and checkpoints the pool (`CUDAGraphNode.__init__`, `_record`).
+    pub(crate) fn record(
+        &self,
+        st: &mut State,
+        fid: FunctionId,
+        generation: u64,
+        inputs: &[Input<'_>],
+        shapes: &[Shape],
+        f: &mut dyn TreeFn,
+    ) -> Result<Call, TreeError> {
+        self.sync_allocator(st)?;
+        let name = Trees::name_of(st, fid);
+        let parent = st.path.last().copied();
+        let managed = live_path_ptrs(&st.arena, &st.path);
+        let liveness = path_liveness(&st.arena, &st.path);
+        let expected_dead_before = (parent.and_then(|p| st.arena.get(p)))
+            .map_or(Vec::new(), |p| died_between(&p.liveness_after, &liveness));
+        let caller = self.runtime.current_stream(self.device)?;
+        self.stream.wait_stream(&caller)?;
+        let memory = self.memory();
+        let Staged {
+            slots,
+            args,
+            copies,
+        } = {
+            let _route = PoolRoute::begin(self.allocator()?, self.pool, &self.stream)?;
+            self.stage_recording(&memory, inputs, shapes, &managed)?
+        };
+        let graph = CudaGraph::new(self.runtime.clone(), self.allocators.clone(), self.device)?;
+        let outs = match self.capture(&graph, &memory, &name, &args, f)? {
+            Ok(outs) => outs,
+            Err(op) => {
+                drop(copies);
+                let reason = SkipReason::IncompatibleOp { op };
+                if let Some(info) = st.functions.get_mut(fid.0 as usize) {
+                    info.skip = Some(reason.clone());
+                }
+                return self.skip(st, fid, reason, inputs, shapes, f);
+            }
+        };
+        graph.replay(&self.stream)?;
+        drop(copies);
+        caller.wait_stream(&self.stream)?;
+        let checkpoint = self.allocator()?.checkpoint_pool(self.pool)?;
+        let mut outputs = self.adopt(st, &name, outs);
+        let tensors: Vec<TreeTensor> = outputs.iter_mut().map(OutputSlot::issue).collect();
+        let mut liveness_after = liveness;
+        liveness_after.push(vec![true; outputs.len()]);
+        let id = st.next_graph;
+        st.next_graph += 1;
+        let node = st.arena.insert(RecordedNode {
+            id,
+            function: fid,
+            parent,
+            children: Vec::new(),
+            graph,
+            inputs: slots,
+            outputs,
+            checkpoint,
+            expected_dead_before,
+            liveness_after,
+        });
+        if let Some(p) = parent.and_then(|p| st.arena.get_mut(p)) {
+            p.children.push(node);
+        }
+        st.path.push(node);
+        st.mode = PathMode::Recording;
+        st.current_gen = Some(generation);
+        st.stats.recordings += 1;
+        Ok(Call {
+            outputs: tensors,
+            served: Served::Recorded,
+        })
+    }
+
+    /// Captures the function into `graph` on the tree's stream and pool: its outputs, or
+    /// the incompatible operation it declared (the capture is then discarded).
+    fn capture(
+        &self,
+        graph: &CudaGraph,
+        memory: &Arc<dyn MemoryResource>,
+        name: &str,
+        args: &[Arg],
+        f: &mut dyn TreeFn,
+    ) -> Result<Result<Vec<Out>, String>, TreeError> {
+        let capture = graph.capture(
+            Some(&self.stream),
+            Some(self.pool),
+            CaptureMode::ThreadLocal,
+        )?;
+        let (outs, incompatible) = {
+            let mut ctx = Ctx::new(capture.stream(), memory.clone(), RunKind::Record);
+            let outs = call_fn(f, &mut ctx, args, name)?;
+            (outs, ctx.incompatible())
+        };
+        if let Some(op) = incompatible {
+            drop(capture);
+            return Ok(Err(op));
+        }
+        capture.end()?;
+        Ok(Ok(outs))
+    }
+
+    /// Replays node `idx` on the caller's current stream after copying the non-static
+    /// inputs into its recorded addresses (`execute_node`, `CUDAGraphNode.run`).
+    pub(crate) fn execute(
+        &self,
+        st: &mut State,
+        idx: usize,
+        generation: u64,
+        inputs: &[Input<'_>],
+    ) -> Result<Call, TreeError> {
+        let stream = self.runtime.current_stream(self.device)?;
+        let driver = self.runtime.driver();
+        let Some(node) = st.arena.get_mut(idx) else {
+            return Err(TreeError::Config(format!("no recorded node {idx}")));
+        };
+        for (slot, input) in node.inputs.iter().zip(inputs) {
+            if let InputSlot::Copied { ptr, bytes } = *slot {
+                fill(
+                    &**driver,
+                    &stream,
+                    ptr,
+                    input.ptr,
+                    input.used_bytes(),
+                    bytes,
+                )?;
+            }
+        }
+        node.graph.replay(&stream)?;
+        let outputs = node.outputs.iter_mut().map(OutputSlot::issue).collect();
+        if node.parent.is_none() {
+            st.path.clear();
+        }
+        st.path.push(idx);
+        st.mode = PathMode::Execution;
+        st.current_gen = Some(generation);
+        st.stats.replays += 1;
+        Ok(Call {
+            outputs,
+            served: Served::Replayed,
+        })
+    }
+
+    /// Runs the function eagerly on the caller's stream, outside the pool; its outputs own
+    /// their memory and never go stale.
+    pub(crate) fn run_eager(
+        &self,
+        name: &Arc<str>,
+        inputs: &[Input<'_>],
+        shapes: &[Shape],
+        f: &mut dyn TreeFn,
+    ) -> Result<Vec<TreeTensor>, TreeError> {
+        let stream = self.runtime.current_stream(self.device)?;
+        let memory = self.runtime.memory();
+        let (args, _copies) = self.stage_padded(&memory, &stream, inputs, shapes)?;
+        let mut ctx = Ctx::new(&stream, memory, RunKind::Eager);
+        let outs = call_fn(f, &mut ctx, &args, name)?;
+        Ok((outs.into_iter().enumerate())
+            .map(|(i, out)| TreeTensor::owning(&self.runtime, out, name.clone(), i))
+            .collect())
+    }
+}
+
+/// An input used where it is.
+fn in_place(input: &Input<'_>) -> Arg {
+    Arg {
+        ptr: input.ptr,
+        device: input.device,
+        dtype: input.dtype,
+        shape: input.shape,
+    }
+}

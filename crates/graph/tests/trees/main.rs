@@ -1,0 +1,253 @@
+//! CUDA-graph trees, written once over a backend: the fake device in CI, the real driver in
+//! the GPU bundle (`#[ignore]`d without a GPU). PyTorch's `test_cudagraph_trees.py` cases in
+//! spirit: warm-up then record then replay, outputs equal eager, a forward and backward in
+//! one tree, branch switching with checkpoint restore, stale outputs, steps, static input
+//! moves, mutation skips, shapes (cap, eviction, buckets), and a panicking function.
+use ferrocuda_alloc::DeviceAllocators;
+use ferrocuda_graph::CallableError;
+use ferrocuda_graph::trees::{Arg, Ctx, Out, Served, TreeConfig, TreeTensor, Trees, WrapOptions};
+use ferrocuda_stream::conformance::Harness;
+use ferrocuda_stream::{DeviceBuffer, Function, Module, Stream};
+use ferrocuda_types::{
+    AllocatorConfig, DType, DeviceIndex, DevicePtr, KernelArg, LaunchConfig, PoolId,
+};
+use std::sync::Arc;
+
+mod basics;
+mod branches;
+mod failures;
+mod shapes;
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+type TestResult = Result<(), BoxError>;
+const D0: DeviceIndex = DeviceIndex(0);
+const N: usize = 1024;
+
+const SOURCE: &str = r#"
+extern "C" __global__ void tree_scale(float* y, const float* x, float a, unsigned int n) {
+    unsigned int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) y[i] = a * x[i];
+}
+extern "C" __global__ void tree_add(float* z, const float* x, const float* y, unsigned int n) {
+    unsigned int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) z[i] = x[i] + y[i];
+}
+extern "C" __global__ void tree_add_one(float* x, unsigned int n) {
+    unsigned int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] += 1.0f;
+}
+"#;
+
+/// Host twins of [`SOURCE`] for the fake device.
+fn register_fake(h: &Harness) {
+    let Some(fake) = &h.fake else { return };
+    fake.register_kernel("tree_scale", |k| {
+        let (y, x, a, n) = (
+            k.arg(0)?,
+            k.arg(1)?,
+            k.arg::<f32>(2)?,
+            k.arg::<u32>(3)? as usize,
+        );
+        let out: Vec<f32> = k.read::<f32>(x, n)?.iter().map(|v| a * v).collect();
+        k.write(y, &out)
+    });
+    fake.register_kernel("tree_add", |k| {
+        let (z, x, y, n) = (k.arg(0)?, k.arg(1)?, k.arg(2)?, k.arg::<u32>(3)? as usize);
+        let (xs, ys) = (k.read::<f32>(x, n)?, k.read::<f32>(y, n)?);
+        let out: Vec<f32> = xs.iter().zip(&ys).map(|(a, b)| a + b).collect();
+        k.write(z, &out)
+    });
+    fake.register_kernel("tree_add_one", |k| {
+        let (x, n) = (k.arg(0)?, k.arg::<u32>(1)? as usize);
+        let out: Vec<f32> = k.read::<f32>(x, n)?.iter().map(|v| v + 1.0).collect();
+        k.write(x, &out)
+    });
+}
+
+/// The test kernels, launchable from wrapped functions.
+#[derive(Clone, Debug)]
+struct Kernels {
+    scale: Function,
+    add: Function,
+    add_one: Function,
+}
+
+fn grid(n: usize) -> LaunchConfig {
+    LaunchConfig::for_elements(n.max(1), 256)
+}
+
+impl Kernels {
+    /// `y = a * x` over `n` elements.
+    fn scale(
+        &self,
+        s: &Stream,
+        y: &Out,
+        x: KernelArg<'_>,
+        a: f32,
+        n: usize,
+    ) -> Result<(), CallableError> {
+        let n32 = n as u32;
+        let args = [y.arg(), x, KernelArg::value(&a), KernelArg::value(&n32)];
+        Ok(s.launch(&self.scale, &grid(n), &args)?)
+    }
+    /// `z = x + y`.
+    fn add(
+        &self,
+        s: &Stream,
+        z: &Out,
+        x: KernelArg<'_>,
+        y: KernelArg<'_>,
+        n: usize,
+    ) -> Result<(), CallableError> {
+        let n32 = n as u32;
+        let args = [z.arg(), x, y, KernelArg::value(&n32)];
+        Ok(s.launch(&self.add, &grid(n), &args)?)
+    }
+    /// `x += 1` in place.
+    fn add_one(&self, s: &Stream, x: KernelArg<'_>, n: usize) -> Result<(), CallableError> {
+        let n32 = n as u32;
+        Ok(s.launch(&self.add_one, &grid(n), &[x, KernelArg::value(&n32)])?)
+    }
+
+    /// `a * x` as a new output of the function.
+    fn scaled(&self, ctx: &Ctx<'_>, x: &Arg, a: f32) -> Result<Out, CallableError> {
+        let y = ctx.alloc_shape(DType::F32, x.shape())?;
+        self.scale(ctx.stream(), &y, x.arg(), a, x.numel())?;
+        Ok(y)
+    }
+
+    /// `x + y` as a new output of the function.
+    fn sum(&self, ctx: &Ctx<'_>, x: &Arg, y: &Arg) -> Result<Out, CallableError> {
+        let z = ctx.alloc_shape(DType::F32, x.shape())?;
+        self.add(ctx.stream(), &z, x.arg(), y.arg(), x.numel())?;
+        Ok(z)
+    }
+}
+
+/// A harness with a caching allocator installed and the test kernels loaded.
+struct Setup<'h> {
+    h: &'h Harness,
+    allocators: Arc<DeviceAllocators>,
+    k: Kernels,
+}
+
+impl Setup<'_> {
+    fn new(h: &Harness) -> Result<Setup<'_>, BoxError> {
+        register_fake(h);
+        let allocators =
+            DeviceAllocators::new(h.rt.driver().clone(), AllocatorConfig::default(), true);
+        allocators.install(&h.rt);
+        let module = Module::from_cuda_source(&h.rt, D0, "trees_tests", SOURCE)?;
+        Ok(Setup {
+            k: Kernels {
+                scale: module.function("tree_scale")?,
+                add: module.function("tree_add")?,
+                add_one: module.function("tree_add_one")?,
+            },
+            h,
+            allocators,
+        })
+    }
+
+    fn trees(&self, config: TreeConfig) -> Result<Arc<Trees>, BoxError> {
+        Ok(Trees::new(
+            self.h.rt.clone(),
+            self.allocators.clone(),
+            D0,
+            config,
+        )?)
+    }
+
+    fn buffer(&self, values: &[f32]) -> Result<DeviceBuffer<f32>, BoxError> {
+        Ok(DeviceBuffer::from_slice(&self.h.rt, D0, values)?)
+    }
+
+    /// Users of `pool` (the manager and each recorded graph).
+    fn pool_users(&self, pool: PoolId) -> Result<Option<u32>, BoxError> {
+        Ok(self.allocators.device(D0)?.pool_use_count(pool))
+    }
+
+    /// Bytes of the pool's segments, and the addresses of its allocated blocks.
+    fn pool_state(&self, pool: PoolId) -> Result<(u64, Vec<DevicePtr>), BoxError> {
+        let blocks = self.allocators.device(D0)?.pool_blocks(pool);
+        let reserved = blocks.iter().map(|b| b.size).sum();
+        let mut live: Vec<DevicePtr> = blocks
+            .iter()
+            .filter(|b| b.allocated)
+            .map(|b| b.ptr)
+            .collect();
+        live.sort_unstable_by_key(|p| p.0);
+        Ok((reserved, live))
+    }
+}
+
+/// Deterministic pseudo-random values in [-4, 4) (xorshift).
+fn random(n: usize, seed: u64) -> Vec<f32> {
+    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            ((x >> 40) as f32 / (1u64 << 24) as f32) * 8.0 - 4.0
+        })
+        .collect()
+}
+
+/// Checks an output against host values.
+fn expect(t: &TreeTensor, expected: &[f32], what: &str) -> TestResult {
+    let got = t.to_host::<f32>()?;
+    match got.iter().zip(expected).position(|(a, b)| a != b) {
+        None if got.len() == expected.len() => Ok(()),
+        None => Err(format!("{what}: {} values, expected {}", got.len(), expected.len()).into()),
+        Some(i) => Err(format!(
+            "{what}: element {i} is {}, expected {}",
+            got[i], expected[i]
+        )
+        .into()),
+    }
+}
+
+fn named(name: &str) -> WrapOptions {
+    WrapOptions {
+        name: name.into(),
+        ..WrapOptions::default()
+    }
+}
+
+fn served_kinds(calls: &[Served]) -> Vec<&'static str> {
+    calls
+        .iter()
+        .map(|s| match s {
+            Served::Warmup => "warmup",
+            Served::Recorded => "recorded",
+            Served::Replayed => "replayed",
+            Served::Eager(_) => "eager",
+        })
+        .collect()
+}
+
+use basics::{
+    forward_backward_share_one_tree, heuristic_generations_follow_pending_backwards,
+    stale_outputs_are_errors, warmup_record_replay_matches_eager,
+};
+use branches::{branch_switching_restores_the_checkpoint, static_input_move_rerecords};
+use failures::{
+    incompatible_op_and_uncached_allocator_skip, mutating_a_copied_input_skips,
+    panic_or_error_leaves_the_tree_usable,
+};
+use shapes::{buckets_pad_to_few_recordings, shapes_record_per_size_and_the_cap_evicts};
+
+ferrocuda_stream::both_backends!(
+    warmup_record_replay_matches_eager,
+    forward_backward_share_one_tree,
+    stale_outputs_are_errors,
+    heuristic_generations_follow_pending_backwards,
+    branch_switching_restores_the_checkpoint,
+    static_input_move_rerecords,
+    mutating_a_copied_input_skips,
+    panic_or_error_leaves_the_tree_usable,
+    incompatible_op_and_uncached_allocator_skip,
+    shapes_record_per_size_and_the_cap_evicts,
+    buckets_pad_to_few_recordings,
+);

@@ -1,0 +1,186 @@
+//! Dynamic shapes: one recording per size, a cap with least-recently-used eviction that
+//! gives the evicted recording's memory back to the pool, and buckets.
+use crate::{Setup, TestResult, expect, named, random, served_kinds};
+use ferrocuda_graph::trees::{
+    Arg, Buckets, Ctx, Input, Served, SkipReason, TreeConfig, TreeEvent, WrapOptions,
+};
+use ferrocuda_stream::conformance::Harness;
+
+/// Sizes 256, 512, 1024 with a cap of 2: each size warms up and records; the third
+/// evicts the least recently used (its graph gone from the pool's users, its held output
+/// freed, its handles stale); the evicted size then warms up and records anew. Past the
+/// warning limit PyTorch's warning is reported once; with `skip_dynamic_graphs` only the
+/// first size is graphed.
+pub(crate) fn shapes_record_per_size_and_the_cap_evicts(h: &Harness) -> TestResult {
+    let s = Setup::new(h)?;
+    let config = TreeConfig {
+        dynamic_shape_warn_limit: Some(2),
+        ..TreeConfig::default()
+    };
+    let trees = s.trees(config)?;
+    let k = s.k.clone();
+    let f = trees.wrap(
+        move |ctx: &mut Ctx<'_>, a: &[Arg]| Ok(vec![k.scaled(ctx, &a[0], 2.0)?]),
+        WrapOptions {
+            max_recorded_shapes: Some(2),
+            ..named("f")
+        },
+    );
+    let inputs: Vec<(Vec<f32>, _)> = [256, 512, 1024]
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| {
+            let v = random(n, i as u64);
+            let b = s.buffer(&v);
+            (v, b)
+        })
+        .collect();
+    let run = |i: usize| -> Result<Served, crate::BoxError> {
+        let (v, b) = &inputs[i];
+        let b = b.as_ref().map_err(|e| e.to_string())?;
+        let call = f.call(&[Input::buffer(b)])?;
+        expect(
+            &call.outputs[0],
+            &v.iter().map(|x| 2.0 * x).collect::<Vec<_>>(),
+            "2x",
+        )?;
+        Ok(call.served)
+    };
+    let mut served = Vec::new();
+    for i in [0, 0, 0, 1, 1, 1] {
+        trees.mark_step_begin();
+        served.push(run(i)?);
+    }
+    assert_eq!(trees.nodes().len(), 2, "one recording per size");
+    assert_eq!(s.pool_users(trees.pool())?, Some(3));
+    // Size 1024 evicts size 256 (used least recently); keep its last output to see it go.
+    trees.mark_step_begin();
+    let (_, b0) = &inputs[0];
+    let kept = f.call(&[Input::buffer(b0.as_ref().map_err(|e| e.to_string())?)])?;
+    trees.mark_step_begin();
+    let (_, b1) = &inputs[1];
+    drop(f.call(&[Input::buffer(b1.as_ref().map_err(|e| e.to_string())?)])?);
+    let before = trees.stats().evictions;
+    for _ in 0..3 {
+        trees.mark_step_begin();
+        served.push(run(2)?);
+    }
+    assert_eq!(trees.stats().evictions, before + 1);
+    assert!(
+        !kept.outputs[0].is_valid(),
+        "the evicted recording's outputs are stale"
+    );
+    assert_eq!(trees.nodes().len(), 2);
+    assert_eq!(
+        s.pool_users(trees.pool())?,
+        Some(3),
+        "the evicted graph gave its use back"
+    );
+    let (_, live) = s.pool_state(trees.pool())?;
+    assert!(
+        live.is_empty(),
+        "no block of the evicted recording stays allocated: {live:?}"
+    );
+    for _ in 0..3 {
+        trees.mark_step_begin();
+        served.push(run(0)?);
+    }
+    let kinds = served_kinds(&served);
+    assert_eq!(
+        kinds[..6],
+        [
+            "warmup", "recorded", "replayed", "warmup", "recorded", "replayed"
+        ]
+    );
+    assert_eq!(kinds[6..9], ["warmup", "recorded", "replayed"]);
+    assert_eq!(
+        kinds[9..],
+        ["warmup", "recorded", "replayed"],
+        "the evicted size starts over"
+    );
+    let events = trees.take_events();
+    assert_eq!(
+        events
+            .iter()
+            .filter(|e| matches!(e, TreeEvent::Evicted { .. }))
+            .count(),
+        2
+    );
+    let warnings = events.iter().filter(|e| matches!(e, TreeEvent::Warning(w) if w.starts_with("CUDAGraph supports dynamic shapes by recording a new graph for each distinct input size."))).count();
+    assert_eq!(warnings, 1);
+
+    // skip_dynamic_graphs: the first size graphs, the others run eagerly.
+    let config = TreeConfig {
+        skip_dynamic_graphs: true,
+        ..TreeConfig::default()
+    };
+    let trees = s.trees(config)?;
+    let k = s.k.clone();
+    let g = trees.wrap(
+        move |ctx: &mut Ctx<'_>, a: &[Arg]| Ok(vec![k.scaled(ctx, &a[0], 2.0)?]),
+        named("g"),
+    );
+    let mut kinds = Vec::new();
+    for (_, b) in &inputs {
+        let b = b.as_ref().map_err(|e| e.to_string())?;
+        for _ in 0..2 {
+            trees.mark_step_begin();
+            kinds.push(g.call(&[Input::buffer(b)])?.served);
+        }
+    }
+    assert_eq!(
+        served_kinds(&kinds),
+        ["warmup", "recorded", "eager", "eager", "eager", "eager"]
+    );
+    assert_eq!(kinds[2], Served::Eager(SkipReason::DynamicShapes),);
+    assert_eq!(
+        SkipReason::DynamicShapes.to_string(),
+        "skipping cudagraphs due to graph with symbolic shapes inputs and config.triton.cudagraph_skip_dynamic_graphs=True."
+    );
+    Ok(())
+}
+
+/// Buckets 128 and 256: inputs of 100, 120, 128, 200 and 256 elements share two
+/// recordings; the function sees the padded size (zeros past the input), on every path.
+pub(crate) fn buckets_pad_to_few_recordings(h: &Harness) -> TestResult {
+    let s = Setup::new(h)?;
+    let trees = s.trees(TreeConfig::default())?;
+    let k = s.k.clone();
+    let f = trees.wrap(
+        move |ctx: &mut Ctx<'_>, a: &[Arg]| Ok(vec![k.scaled(ctx, &a[0], 2.0)?]),
+        WrapOptions {
+            buckets: Some(Buckets::new(&[128, 256])?),
+            ..named("f")
+        },
+    );
+    let mut served = Vec::new();
+    for (step, n) in [100usize, 120, 128, 100, 200, 256, 200, 250]
+        .into_iter()
+        .enumerate()
+    {
+        trees.mark_step_begin();
+        let v = random(n, step as u64);
+        let x = s.buffer(&v)?;
+        let call = f.call(&[Input::buffer(&x)])?;
+        let bucket = if n <= 128 { 128 } else { 256 };
+        let mut want: Vec<f32> = v.iter().map(|x| 2.0 * x).collect();
+        want.resize(bucket, 0.0);
+        assert_eq!(call.outputs[0].shape().dims(), [bucket]);
+        expect(&call.outputs[0], &want, &format!("{n} padded to {bucket}"))?;
+        served.push(call.served);
+    }
+    assert_eq!(
+        served_kinds(&served),
+        [
+            "warmup", "recorded", "replayed", "replayed", "warmup", "recorded", "replayed",
+            "replayed"
+        ]
+    );
+    assert_eq!(trees.nodes().len(), 2);
+    let x = s.buffer(&random(300, 0))?;
+    assert!(
+        f.call(&[Input::buffer(&x)]).is_err(),
+        "larger than every bucket"
+    );
+    Ok(())
+}
