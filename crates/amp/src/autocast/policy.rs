@@ -77,7 +77,6 @@ impl OpId {
 
 /// The policy of `op` on `device`; `None` = not autocast-listed there (runs as is).
 #[inline]
-#[inline]
 pub fn policy(device: DeviceKind, op: OpId) -> Option<CastPolicy> {
     tables().by_device[device.index()]
         .get(usize::from(op.0))

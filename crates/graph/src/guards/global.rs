@@ -10,12 +10,34 @@
 //!
 //! A [`GlobalState`] is a small `Copy` value read once per call and compared whole;
 //! [`GlobalState::reason`] names the differing fields as `GlobalStateGuard::reason` does.
+use std::cell::Cell;
 use std::fmt;
 
 use ferrocuda_amp::autocast::{AmpState, DeviceKind};
 use ferrocuda_amp::precision::PrecisionSettings;
 use ferrocuda_amp::precision::{self, Backend, Fp32Precision, PrecisionOp};
 use ferrocuda_types::DType;
+
+thread_local! {
+    /// The precision settings this thread read last, with the version they had then.
+    static PRECISION: Cell<Option<(u64, PrecisionSettings)>> = const { Cell::new(None) };
+}
+
+/// The process-wide precision settings, without the read lock while they are unchanged
+/// (`precision::global_version`): the version is read first, so a copy is never older
+/// than the version kept with it.
+#[inline]
+fn precision_now() -> PrecisionSettings {
+    let version = precision::global_version();
+    PRECISION.with(|kept| match kept.get() {
+        Some((v, settings)) if v == version => settings,
+        _ => {
+            let settings = precision::global();
+            kept.set(Some((version, settings)));
+            settings
+        }
+    })
+}
 
 /// The global state a tensor library owns and the guard cannot read itself.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -149,10 +171,11 @@ fn autocast_word(amp: &AmpState) -> u64 {
 
 impl GlobalState {
     /// The current state: this thread's autocast state, the process's precision settings
-    /// (one read lock) and the caller's `library` fields.
+    /// (read again only when they changed since this thread last read them) and the
+    /// caller's `library` fields.
     #[inline]
     pub fn current(library: LibraryState) -> GlobalState {
-        GlobalState::from_parts(library, &AmpState::current(), &precision::global())
+        GlobalState::from_parts(library, &AmpState::current(), &precision_now())
     }
 
     /// The state made of explicit parts (for a caller that already holds them).
@@ -245,6 +268,7 @@ impl fmt::Display for GlobalStateDiff {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use ferrocuda_amp::precision::MatmulPrecision;
 
     fn state(library: LibraryState, amp: AmpState, p: &PrecisionSettings) -> GlobalState {
         GlobalState::from_parts(library, &amp, p)
@@ -378,5 +402,17 @@ mod tests {
         assert_eq!(outside.reason(&inside), "autocast ");
         assert_eq!(outside, GlobalState::current(lib));
         Ok(())
+    }
+
+    #[test]
+    fn current_sees_a_precision_update_after_an_earlier_read() {
+        let lib = LibraryState::default();
+        let before = GlobalState::current(lib);
+        let was = precision::global();
+        precision::update_global(|s| s.set_float32_matmul_precision(MatmulPrecision::High));
+        let after = GlobalState::current(lib);
+        precision::update_global(|s| *s = was);
+        assert_eq!(before.reason(&after), "allow_tf32 ");
+        assert_eq!(GlobalState::current(lib), before, "and the restore too");
     }
 }
