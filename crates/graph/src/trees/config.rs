@@ -3,6 +3,7 @@
 //! with PyTorch's defaults, plus the choices PyTorch does not offer (explicit steps, a cap
 //! on recorded shapes, bucketing).
 use super::errors::TreeError;
+use crate::guards::CacheConfig;
 
 /// When a new generation (step) may start, ending the current path and invalidating the
 /// outputs still held from it.
@@ -118,6 +119,9 @@ pub struct WrapOptions {
     pub max_recorded_shapes: Option<usize>,
     /// Pad the leading dimension of non-static inputs to these sizes.
     pub buckets: Option<Buckets>,
+    /// The guarded specialisations in front of the shape cache: Dynamo's recompile limits
+    /// and automatic dynamic shapes ([`crate::guards`]).
+    pub guards: CacheConfig,
 }
 
 #[cfg(test)]

@@ -38,6 +38,13 @@ pub enum SkipReason {
     },
     /// The allocator does not cache (`PYTORCH_NO_CUDA_MEMORY_CACHING`): no private pools.
     UncachedAllocator,
+    /// The wrapped function's guards missed with its recompile limit reached (Dynamo's
+    /// `recompile_limit`, `accumulated_recompile_limit`): it runs eagerly from then on
+    /// for inputs no entry accepts. The text is Dynamo's warning.
+    RecompileLimit {
+        /// The warning ([`LimitHit`](crate::guards::LimitHit)'s text).
+        warning: String,
+    },
     /// Re-recorded too often under one node (`cudagraph_unexpected_rerecord_limit`).
     RerecordLimit {
         /// The function's id.
@@ -84,6 +91,7 @@ impl fmt::Display for SkipReason {
             SkipReason::UncachedAllocator => f.write_str(
                 "skipping cudagraphs due to cudagraph capture requires the caching allocator; current allocator is uncached",
             ),
+            SkipReason::RecompileLimit { warning } => f.write_str(warning),
             SkipReason::RerecordLimit {
                 function,
                 limit,
@@ -169,6 +177,9 @@ pub enum TreeEvent {
     },
     /// A warning, once per function: the text says what to change.
     Warning(String),
+    /// The function's guards missed and a new specialisation was made: Dynamo's
+    /// `TORCH_LOGS="recompiles"` text (which guard of each entry failed).
+    Recompile(String),
 }
 
 /// Errors of the tree runtime.

@@ -1,18 +1,24 @@
-//! A wrapped function (`cudagraphify_impl` with its `fn_cache`): per input signature
-//! (dtype, shape and staticness of each input, leading dimensions padded to buckets) one
-//! function id of the tree, with a cap on how many are kept (least recently used evicted).
+//! A wrapped function (`cudagraphify_impl` with its `fn_cache`, behind Dynamo's guards).
 //!
-//! The choice of which function id serves a call lives in one place,
-//! `Wrapped::function_for`: a guard cache (dtype/device/shape/stride and global-state
-//! guards) can replace its plain signature lookup without touching the tree.
+//! A call first goes through the function's guarded specialisations
+//! ([`GuardedCache`](crate::guards::GuardedCache): dtype, device, shape and stride of each
+//! input, and the global state: autocast, precision flags and the caller's
+//! [`LibraryState`]), most recent first, within Dynamo's recompile limits and with its
+//! automatic dynamic shapes; once a limit is reached, calls no entry accepts run eagerly
+//! ([`SkipReason::RecompileLimit`]). Within a specialisation, each input signature (dtype,
+//! shape and staticness of each input, leading dimensions padded to buckets) has one
+//! function id of the tree, with a cap on how many are kept per wrapped function (least
+//! recently used evicted), as cudagraph trees record one graph per distinct size.
 use super::config::WrapOptions;
 use super::context::{Call, TreeFn};
 use super::errors::{SkipReason, TreeError, TreeEvent};
 use super::manager::Trees;
 use super::nodes::FunctionId;
-use super::tensor::{Input, Shape};
+use super::tensor::{Input, MAX_RANK, Shape};
+use crate::guards::{self, EntryId, GlobalState, GuardedCache, LibraryState, TensorMeta};
 use ferrocuda_types::DType;
 use parking_lot::Mutex;
+use std::convert::Infallible;
 use std::sync::Arc;
 
 /// One input's part of a signature.
@@ -25,6 +31,8 @@ struct KeyPart {
 
 #[derive(Debug)]
 struct Entry {
+    /// The guarded specialisation the signature belongs to.
+    guard: EntryId,
     key: Vec<KeyPart>,
     function: FunctionId,
     /// The tick of its last use (for LRU eviction).
@@ -40,12 +48,29 @@ struct ShapeCache {
     warned: bool,
 }
 
+/// What the guards say of a call.
+enum Guarded {
+    /// The specialisation that serves it.
+    Entry(EntryId),
+    /// Run eagerly, as this function id (a recompile limit was reached).
+    Eager(FunctionId),
+}
+
+/// Which function id serves a call: the guards, then the shapes.
+#[derive(Debug)]
+struct Lookup {
+    guards: GuardedCache<()>,
+    shapes: ShapeCache,
+    /// The function id that runs eagerly once a recompile limit is reached.
+    eager: Option<FunctionId>,
+}
+
 /// A function wrapped by [`Trees::wrap`]; see the [module docs](super).
 pub struct Wrapped {
     trees: Arc<Trees>,
     options: WrapOptions,
     f: Mutex<Box<dyn TreeFn>>,
-    cache: Mutex<ShapeCache>,
+    cache: Mutex<Lookup>,
 }
 
 impl std::fmt::Debug for Wrapped {
@@ -57,22 +82,51 @@ impl std::fmt::Debug for Wrapped {
     }
 }
 
+/// An input's sizes and contiguous strides, as the guards take them.
+fn sizes_and_strides(shape: &Shape) -> ([i64; MAX_RANK], [i64; MAX_RANK], usize) {
+    let dims = shape.dims();
+    let (mut sizes, mut strides) = ([0i64; MAX_RANK], [0i64; MAX_RANK]);
+    let mut stride = 1i64;
+    for (i, &d) in dims.iter().enumerate().rev() {
+        sizes[i] = i64::try_from(d).unwrap_or(i64::MAX);
+        strides[i] = stride;
+        stride = stride.saturating_mul(sizes[i].max(1));
+    }
+    (sizes, strides, dims.len())
+}
+
 impl Wrapped {
     pub(crate) fn new(trees: Arc<Trees>, f: Box<dyn TreeFn>, options: WrapOptions) -> Wrapped {
         Wrapped {
             trees,
-            options,
+            cache: Mutex::new(Lookup {
+                guards: GuardedCache::new(options.name.clone(), options.guards),
+                shapes: ShapeCache::default(),
+                eager: None,
+            }),
             f: Mutex::new(f),
-            cache: Mutex::new(ShapeCache::default()),
+            options,
         }
     }
 
     /// Calls the function: a warm-up, a recording, a replay, or an eager run (see
     /// [`Call::served`]). A failure of the function (an error, or a panic, which goes on
-    /// unwinding) leaves the tree as it was.
+    /// unwinding) leaves the tree as it was. The library part of the guarded global state
+    /// is [`LibraryState::default`]; see [`Wrapped::call_with`].
     pub fn call(&self, inputs: &[Input<'_>]) -> Result<Call, TreeError> {
+        self.call_with(inputs, LibraryState::default())
+    }
+
+    /// [`Wrapped::call`] under `library`: the global state the caller's tensor library owns
+    /// (grad mode, default dtype, deterministic algorithms, threads), guarded with the
+    /// autocast state and the precision flags.
+    pub fn call_with(
+        &self,
+        inputs: &[Input<'_>],
+        library: LibraryState,
+    ) -> Result<Call, TreeError> {
         let shapes = self.shapes_of(inputs)?;
-        let fid = self.function_for(inputs, &shapes)?;
+        let fid = self.function_for(inputs, &shapes, library)?;
         let mut f = self.f.lock();
         self.trees.run(fid, inputs, &shapes, &mut **f)
     }
@@ -85,7 +139,7 @@ impl Wrapped {
     /// The function ids kept, one per signature, most recently used first.
     pub fn functions(&self) -> Vec<FunctionId> {
         let cache = self.cache.lock();
-        let mut entries: Vec<&Entry> = cache.entries.iter().collect();
+        let mut entries: Vec<&Entry> = cache.shapes.entries.iter().collect();
         entries.sort_by_key(|e| std::cmp::Reverse(e.used));
         entries.into_iter().map(|e| e.function).collect()
     }
@@ -107,18 +161,77 @@ impl Wrapped {
             .collect()
     }
 
+    /// The guarded specialisation that serves this call, made on a miss, or the eager
+    /// function once a recompile limit was reached.
+    fn guard_entry(
+        &self,
+        lookup: &mut Lookup,
+        inputs: &[Input<'_>],
+        shapes: &[Shape],
+        library: LibraryState,
+    ) -> Result<Guarded, TreeError> {
+        let dims: Vec<_> = shapes.iter().map(sizes_and_strides).collect();
+        let metas = (inputs.iter().zip(&dims))
+            .map(|(i, (sizes, strides, rank))| {
+                TensorMeta::new(i.dtype, i.device, false, &sizes[..*rank], &strides[..*rank])
+            })
+            .collect::<Result<Vec<_>, guards::GuardError>>()
+            .map_err(|e| TreeError::Config(e.to_string()))?;
+        let globals = GlobalState::current(library);
+        let limit_hit = match lookup
+            .guards
+            .call(&metas, &globals, |_| Ok::<(), Infallible>(()))
+        {
+            Ok(guards::Call::Hit { entry, .. }) => return Ok(Guarded::Entry(entry)),
+            Ok(guards::Call::Compiled {
+                entry, recompile, ..
+            }) => {
+                if let Some(log) = recompile {
+                    self.trees.report(TreeEvent::Recompile(log.to_string()));
+                }
+                return Ok(Guarded::Entry(entry));
+            }
+            Ok(guards::Call::Eager { limit_hit }) => limit_hit,
+            Err(guards::CacheError::RecompileLimitHit(hit)) => {
+                return Err(TreeError::Skipped(SkipReason::RecompileLimit {
+                    warning: hit.to_string(),
+                }));
+            }
+            Err(guards::CacheError::Compile(never)) => match never {},
+        };
+        let eager = match (lookup.eager, limit_hit) {
+            (Some(eager), None) => eager,
+            (_, hit) => {
+                let warning = hit.map_or_else(String::new, |hit| hit.to_string());
+                let skip = SkipReason::RecompileLimit { warning };
+                *lookup
+                    .eager
+                    .insert(self.trees.register(&self.options, Some(skip)))
+            }
+        };
+        Ok(Guarded::Eager(eager))
+    }
+
     /// Which function id (and so which recordings) serves this call: the one of its
-    /// signature, made on first sight (evicting the least recently used beyond the cap).
+    /// guarded specialisation and signature, made on first sight (evicting the least
+    /// recently used beyond the cap), or the eager one past a recompile limit.
     fn function_for(
         &self,
         inputs: &[Input<'_>],
         shapes: &[Shape],
+        library: LibraryState,
     ) -> Result<FunctionId, TreeError> {
-        let mut cache = self.cache.lock();
+        let mut lookup = self.cache.lock();
+        let guard = match self.guard_entry(&mut lookup, inputs, shapes, library)? {
+            Guarded::Entry(guard) => guard,
+            Guarded::Eager(eager) => return Ok(eager),
+        };
+        let cache = &mut lookup.shapes;
         cache.tick += 1;
         let tick = cache.tick;
         let same = |e: &Entry| {
-            e.key.len() == inputs.len()
+            e.guard == guard
+                && e.key.len() == inputs.len()
                 && (e.key.iter().zip(inputs.iter().zip(shapes))).all(|(k, (i, s))| {
                     k.dtype == i.dtype && k.shape == *s && k.is_static == i.is_static
                 })
@@ -165,6 +278,7 @@ impl Wrapped {
             )));
         }
         cache.entries.push(Entry {
+            guard,
             key,
             function,
             used: tick,

@@ -16,6 +16,7 @@ use std::sync::Arc;
 mod basics;
 mod branches;
 mod failures;
+mod guards;
 mod shapes;
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -236,6 +237,10 @@ use failures::{
     incompatible_op_and_uncached_allocator_skip, mutating_a_copied_input_skips,
     panic_or_error_leaves_the_tree_usable,
 };
+use guards::{
+    guards_follow_the_autocast_state, guards_recompile_limit_runs_eagerly,
+    guards_recompile_once_then_go_dynamic,
+};
 use shapes::{buckets_pad_to_few_recordings, shapes_record_per_size_and_the_cap_evicts};
 
 ferrocuda_stream::both_backends!(
@@ -250,4 +255,7 @@ ferrocuda_stream::both_backends!(
     incompatible_op_and_uncached_allocator_skip,
     shapes_record_per_size_and_the_cap_evicts,
     buckets_pad_to_few_recordings,
+    guards_recompile_once_then_go_dynamic,
+    guards_follow_the_autocast_state,
+    guards_recompile_limit_runs_eagerly,
 );

@@ -1,6 +1,7 @@
 //! Dynamic shapes: one recording per size, a cap with least-recently-used eviction that
 //! gives the evicted recording's memory back to the pool, and buckets.
 use crate::{Setup, TestResult, expect, named, random, served_kinds};
+use ferrocuda_graph::guards::CacheConfig;
 use ferrocuda_graph::trees::{
     Arg, Buckets, Ctx, Input, Served, SkipReason, TreeConfig, TreeEvent, WrapOptions,
 };
@@ -23,6 +24,12 @@ pub(crate) fn shapes_record_per_size_and_the_cap_evicts(h: &Harness) -> TestResu
         move |ctx: &mut Ctx<'_>, a: &[Arg]| Ok(vec![k.scaled(ctx, &a[0], 2.0)?]),
         WrapOptions {
             max_recorded_shapes: Some(2),
+            // One static specialisation per size (`dynamic=False`), so that a size seen
+            // again finds its recording (see `guards.rs` for the dynamic default).
+            guards: CacheConfig {
+                automatic_dynamic_shapes: false,
+                ..CacheConfig::default()
+            },
             ..named("f")
         },
     );
