@@ -39,6 +39,7 @@ const GPU_TESTS: &[&str] = &[
     "graph_fuzz",
     "optim_conformance",
     "amp_conformance",
+    "trees",
 ];
 /// Bundled test binaries that run only some of their tests on the GPU (`--exact` names):
 /// `graph_fuzz`'s fake-device run takes a minute and proves nothing about the GPU.
@@ -55,6 +56,8 @@ const GPU_BENCHES: &[&str] = &[
     "autocast",
     "scaler",
     "step",
+    "guards",
+    "trees",
 ];
 /// Examples that go into the GPU bundle (each must succeed and say it ran on the GPU).
 const GPU_EXAMPLES: &[&str] = &["tour", "snapshot"];
