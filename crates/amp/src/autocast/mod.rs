@@ -35,6 +35,6 @@ pub use error::AutocastError;
 pub use policy::{CastPolicy, OpId, all_listed_ops, listed_ops, policy, policy_by_name};
 pub use state::{
     AmpState, Autocast, AutocastGuard, InferenceModeGuard, RedispatchGuard, StateGuard, dtype,
-    is_cache_enabled, is_enabled, is_inference_mode, nesting,
+    is_cache_enabled, is_enabled, is_inference_mode, nesting, thread_state_version,
 };
 pub use tables::BINARY_CROSS_ENTROPY_BANNED;

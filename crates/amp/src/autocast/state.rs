@@ -341,18 +341,28 @@ struct ThreadState {
 }
 
 thread_local! {
+    /// Bumped by every change of this thread's state ([`thread_state_version`]).
+    static VERSION: Cell<u64> = const { Cell::new(0) };
     static THREAD: Cell<ThreadState> = const {
         Cell::new(ThreadState { amp: AmpState::NEW_THREAD, nesting: 0, inference_mode: false })
     };
 }
 
 fn update<R>(f: impl FnOnce(&mut ThreadState) -> R) -> R {
+    VERSION.with(|v| v.set(v.get().wrapping_add(1)));
     THREAD.with(|cell| {
         let mut t = cell.get();
         let r = f(&mut t);
         cell.set(t);
         r
     })
+}
+
+/// A number that changes whenever this thread's autocast state may have changed: a reader
+/// that keeps what it derived from [`AmpState::current`] with the number it read first may
+/// reuse it while the number is unchanged (the guards of a graph cache do, every call).
+pub fn thread_state_version() -> u64 {
+    VERSION.with(Cell::get)
 }
 
 /// Opens a scope: returns the state before `change`, increments the nesting depth.

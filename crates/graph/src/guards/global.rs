@@ -13,28 +13,33 @@
 use std::cell::Cell;
 use std::fmt;
 
-use ferrocuda_amp::autocast::{AmpState, DeviceKind};
+use ferrocuda_amp::autocast::{self, AmpState, DeviceKind};
 use ferrocuda_amp::precision::PrecisionSettings;
 use ferrocuda_amp::precision::{self, Backend, Fp32Precision, PrecisionOp};
 use ferrocuda_types::DType;
 
 thread_local! {
-    /// The precision settings this thread read last, with the version they had then.
-    static PRECISION: Cell<Option<(u64, PrecisionSettings)>> = const { Cell::new(None) };
+    /// This thread's autocast word, with the autocast state version it was made at.
+    static AUTOCAST_WORD: Cell<Option<(u64, u64)>> = const { Cell::new(None) };
+    /// The precision part of the second word, with the settings' version it was made at.
+    static PRECISION_BITS: Cell<Option<(u64, u64)>> = const { Cell::new(None) };
 }
 
-/// The process-wide precision settings, without the read lock while they are unchanged
-/// (`precision::global_version`): the version is read first, so a copy is never older
-/// than the version kept with it.
+/// `derive(now)` kept in `cell` with the `version` it was made at, made again only when the
+/// version moved. Each version is read before what it versions, so a kept value is never
+/// older than the version kept with it.
 #[inline]
-fn precision_now() -> PrecisionSettings {
-    let version = precision::global_version();
-    PRECISION.with(|kept| match kept.get() {
-        Some((v, settings)) if v == version => settings,
+fn kept(
+    cell: &'static std::thread::LocalKey<Cell<Option<(u64, u64)>>>,
+    version: u64,
+    derive: impl FnOnce() -> u64,
+) -> u64 {
+    cell.with(|kept| match kept.get() {
+        Some((v, word)) if v == version => word,
         _ => {
-            let settings = precision::global();
-            kept.set(Some((version, settings)));
-            settings
+            let word = derive();
+            kept.set(Some((version, word)));
+            word
         }
     })
 }
@@ -169,13 +174,51 @@ fn autocast_word(amp: &AmpState) -> u64 {
     per_device | u64::from(amp.cache_enabled()) << (6 * DeviceKind::COUNT)
 }
 
+#[inline]
+fn put(f: Field, v: u64) -> u64 {
+    (v << f.shift) & f.mask()
+}
+
+/// The caller's fields of the second word.
+#[inline]
+fn library_bits(library: LibraryState) -> u64 {
+    put(W1_NUM_THREADS, u64::from(library.num_threads))
+        | put(W1_DEFAULT_DTYPE, u64::from(library.default_dtype as u8))
+        | put(W1_GRAD_MODE, u64::from(library.grad_mode))
+        | put(
+            W1_DETERMINISTIC,
+            u64::from(library.deterministic_algorithms),
+        )
+        | put(
+            W1_WARN_ONLY,
+            u64::from(library.deterministic_algorithms_warn_only),
+        )
+}
+
+/// The precision flags' fields of the second word.
+fn precision_bits(precision: &PrecisionSettings) -> u64 {
+    // `allowTF32CuBLAS`: whether CUDA matmuls resolve to tf32.
+    let tf32 = precision.resolve(Backend::Cuda, PrecisionOp::Matmul) == Fp32Precision::Tf32;
+    put(W1_TF32, u64::from(tf32))
+        | put(W1_FP16_REDUCE, precision.fp16_reduction() as u64)
+        | put(W1_BF16_REDUCE, precision.bf16_reduction() as u64)
+}
+
 impl GlobalState {
     /// The current state: this thread's autocast state, the process's precision settings
     /// (read again only when they changed since this thread last read them) and the
     /// caller's `library` fields.
     #[inline]
     pub fn current(library: LibraryState) -> GlobalState {
-        GlobalState::from_parts(library, &AmpState::current(), &precision_now())
+        let autocast = kept(&AUTOCAST_WORD, autocast::thread_state_version(), || {
+            autocast_word(&AmpState::current())
+        });
+        let precision = kept(&PRECISION_BITS, precision::global_version(), || {
+            precision_bits(&precision::global())
+        });
+        GlobalState {
+            key: [autocast, library_bits(library) | precision],
+        }
     }
 
     /// The state made of explicit parts (for a caller that already holds them).
@@ -185,25 +228,11 @@ impl GlobalState {
         amp: &AmpState,
         precision: &PrecisionSettings,
     ) -> GlobalState {
-        // `allowTF32CuBLAS`: whether CUDA matmuls resolve to tf32.
-        let tf32 = precision.resolve(Backend::Cuda, PrecisionOp::Matmul) == Fp32Precision::Tf32;
-        let put = |f: Field, v: u64| (v << f.shift) & f.mask();
-        let w1 = put(W1_NUM_THREADS, u64::from(library.num_threads))
-            | put(W1_DEFAULT_DTYPE, u64::from(library.default_dtype as u8))
-            | put(W1_GRAD_MODE, u64::from(library.grad_mode))
-            | put(
-                W1_DETERMINISTIC,
-                u64::from(library.deterministic_algorithms),
-            )
-            | put(
-                W1_WARN_ONLY,
-                u64::from(library.deterministic_algorithms_warn_only),
-            )
-            | put(W1_TF32, u64::from(tf32))
-            | put(W1_FP16_REDUCE, precision.fp16_reduction() as u64)
-            | put(W1_BF16_REDUCE, precision.bf16_reduction() as u64);
         GlobalState {
-            key: [autocast_word(amp), w1],
+            key: [
+                autocast_word(amp),
+                library_bits(library) | precision_bits(precision),
+            ],
         }
     }
 
