@@ -60,7 +60,7 @@ const GPU_BENCHES: &[&str] = &[
     "trees",
 ];
 /// Examples that go into the GPU bundle (each must succeed and say it ran on the GPU).
-const GPU_EXAMPLES: &[&str] = &["tour", "snapshot"];
+const GPU_EXAMPLES: &[&str] = &["tour", "snapshot", "decode"];
 
 fn main() -> ExitCode {
     let task = std::env::args().nth(1).unwrap_or_default();
