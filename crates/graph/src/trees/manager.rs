@@ -161,7 +161,9 @@ impl Trees {
         }))
     }
 
-    /// Wraps `f`: each call warms up, records or replays per input signature.
+    /// Wraps `f`: each call warms up, records or replays per input signature. Recompile
+    /// messages name the place of this call as the function's location.
+    #[track_caller]
     pub fn wrap<F: TreeFn + 'static>(self: &Arc<Self>, f: F, options: WrapOptions) -> Wrapped {
         Wrapped::new(self.clone(), Box::new(f), options)
     }

@@ -96,6 +96,7 @@ fn sizes_and_strides(shape: &Shape) -> ([i64; MAX_RANK], [i64; MAX_RANK], usize)
 }
 
 impl Wrapped {
+    #[track_caller]
     pub(crate) fn new(trees: Arc<Trees>, f: Box<dyn TreeFn>, options: WrapOptions) -> Wrapped {
         Wrapped {
             trees,
