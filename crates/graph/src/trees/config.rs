@@ -122,6 +122,11 @@ pub struct WrapOptions {
     /// The guarded specialisations in front of the shape cache: Dynamo's recompile limits
     /// and automatic dynamic shapes ([`crate::guards`]).
     pub guards: CacheConfig,
+    /// Only these sizes are graphed (`triton.cudagraph_capture_sizes`): each entry lists
+    /// the leading dimension (after bucketing) of every non-static input, in order; calls
+    /// of other sizes run eagerly ([`SkipReason::CaptureSize`](super::SkipReason)).
+    /// `None`: every size is graphed.
+    pub capture_sizes: Option<Vec<Vec<usize>>>,
 }
 
 #[cfg(test)]

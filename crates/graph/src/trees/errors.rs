@@ -38,6 +38,13 @@ pub enum SkipReason {
     },
     /// The allocator does not cache (`PYTORCH_NO_CUDA_MEMORY_CACHING`): no private pools.
     UncachedAllocator,
+    /// The call's sizes are not among [`WrapOptions::capture_sizes`](super::WrapOptions)
+    /// (`cudagraph_capture_sizes`, which PyTorch applies without a message; the text is
+    /// this crate's).
+    CaptureSize {
+        /// The leading dimensions of the non-static inputs.
+        key: Vec<usize>,
+    },
     /// The wrapped function's guards missed with its recompile limit reached (Dynamo's
     /// `recompile_limit`, `accumulated_recompile_limit`): it runs eagerly from then on
     /// for inputs no entry accepts. The text is Dynamo's warning.
@@ -92,6 +99,10 @@ impl fmt::Display for SkipReason {
                 "skipping cudagraphs due to cudagraph capture requires the caching allocator; current allocator is uncached",
             ),
             SkipReason::RecompileLimit { warning } => f.write_str(warning),
+            SkipReason::CaptureSize { key } => write!(
+                f,
+                "skipping cudagraphs due to input sizes {key:?} not in cudagraph_capture_sizes"
+            ),
             SkipReason::RerecordLimit {
                 function,
                 limit,

@@ -213,6 +213,17 @@ impl Wrapped {
         Ok(Guarded::Eager(eager))
     }
 
+    /// [`SkipReason::CaptureSize`] when `capture_sizes` is set and does not list the
+    /// leading dimensions of the non-static inputs (`cudagraph_capture_sizes`).
+    fn outside_capture_sizes(&self, inputs: &[Input<'_>], shapes: &[Shape]) -> Option<SkipReason> {
+        let sizes = self.options.capture_sizes.as_ref()?;
+        let key: Vec<usize> = (inputs.iter().zip(shapes))
+            .filter(|(i, _)| !i.is_static)
+            .map(|(_, s)| s.dims().first().copied().unwrap_or(1))
+            .collect();
+        (!sizes.contains(&key)).then_some(SkipReason::CaptureSize { key })
+    }
+
     /// Which function id (and so which recordings) serves this call: the one of its
     /// guarded specialisation and signature, made on first sight (evicting the least
     /// recently used beyond the cap), or the eager one past a recompile limit.
@@ -258,8 +269,11 @@ impl Wrapped {
             })
             .collect();
         cache.distinct += 1;
-        let skip = (self.trees.config.skip_dynamic_graphs && cache.distinct > 1)
-            .then_some(SkipReason::DynamicShapes);
+        let skip = if self.trees.config.skip_dynamic_graphs && cache.distinct > 1 {
+            Some(SkipReason::DynamicShapes)
+        } else {
+            self.outside_capture_sizes(inputs, shapes)
+        };
         let function = self.trees.register(&self.options, skip);
         self.trees.report(TreeEvent::NewShape {
             function: function.0,

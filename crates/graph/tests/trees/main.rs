@@ -241,7 +241,10 @@ use guards::{
     guards_follow_the_autocast_state, guards_recompile_limit_runs_eagerly,
     guards_recompile_once_then_go_dynamic,
 };
-use shapes::{buckets_pad_to_few_recordings, shapes_record_per_size_and_the_cap_evicts};
+use shapes::{
+    buckets_pad_to_few_recordings, only_capture_sizes_are_graphed,
+    shapes_record_per_size_and_the_cap_evicts,
+};
 
 ferrocuda_stream::both_backends!(
     warmup_record_replay_matches_eager,
@@ -255,6 +258,7 @@ ferrocuda_stream::both_backends!(
     incompatible_op_and_uncached_allocator_skip,
     shapes_record_per_size_and_the_cap_evicts,
     buckets_pad_to_few_recordings,
+    only_capture_sizes_are_graphed,
     guards_recompile_once_then_go_dynamic,
     guards_follow_the_autocast_state,
     guards_recompile_limit_runs_eagerly,

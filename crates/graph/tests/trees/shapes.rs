@@ -191,3 +191,43 @@ pub(crate) fn buckets_pad_to_few_recordings(h: &Harness) -> TestResult {
     );
     Ok(())
 }
+
+/// `capture_sizes` [[128]] with buckets 128 and 256: sizes that pad to 128 are graphed,
+/// those that pad to 256 run eagerly with the capture-size skip, outputs right on both.
+pub(crate) fn only_capture_sizes_are_graphed(h: &Harness) -> TestResult {
+    let s = Setup::new(h)?;
+    let trees = s.trees(TreeConfig::default())?;
+    let k = s.k.clone();
+    let f = trees.wrap(
+        move |ctx: &mut Ctx<'_>, a: &[Arg]| Ok(vec![k.scaled(ctx, &a[0], 2.0)?]),
+        WrapOptions {
+            buckets: Some(Buckets::new(&[128, 256])?),
+            capture_sizes: Some(vec![vec![128]]),
+            ..named("f")
+        },
+    );
+    let mut served = Vec::new();
+    for (step, n) in [100usize, 200, 120, 250, 128].into_iter().enumerate() {
+        trees.mark_step_begin();
+        let v = random(n, step as u64);
+        let x = s.buffer(&v)?;
+        let call = f.call(&[Input::buffer(&x)])?;
+        let mut want: Vec<f32> = v.iter().map(|x| 2.0 * x).collect();
+        want.resize(if n <= 128 { 128 } else { 256 }, 0.0);
+        expect(&call.outputs[0], &want, &format!("{n}"))?;
+        served.push(call.served);
+    }
+    // 200 (padded to 256) made the guards' dynamic specialisation, which serves 120 next:
+    // a new signature under it, so a warm-up before it records (PyTorch's behaviour too).
+    assert_eq!(
+        served_kinds(&served),
+        ["warmup", "eager", "warmup", "eager", "recorded"]
+    );
+    let skip = SkipReason::CaptureSize { key: vec![256] };
+    assert_eq!(served[1], Served::Eager(skip.clone()));
+    assert_eq!(
+        skip.to_string(),
+        "skipping cudagraphs due to input sizes [256] not in cudagraph_capture_sizes"
+    );
+    Ok(())
+}
