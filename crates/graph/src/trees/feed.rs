@@ -140,7 +140,14 @@ impl Trees {
             {
                 (*reads, *seen) = (to.new, input.ptr);
                 if to.new == *ptr {
-                    fill(&**driver, stream, *ptr, input.ptr, input.used_bytes(), to.bytes)?;
+                    fill(
+                        &**driver,
+                        stream,
+                        *ptr,
+                        input.ptr,
+                        input.used_bytes(),
+                        to.bytes,
+                    )?;
                     fed.copies += 1;
                 }
             }
@@ -160,7 +167,10 @@ mod tests {
         assert!(auto.wants_patch(at, 64, pool, other), "large enough");
         assert!(!auto.wants_patch(at, 63, pool, other), "small and moving");
         assert!(auto.wants_patch(at, 8, at, other), "read there already");
-        assert!(auto.wants_patch(at, 8, pool, at), "same address as last call");
+        assert!(
+            auto.wants_patch(at, 8, pool, at),
+            "same address as last call"
+        );
         assert!(!InputFeed::Copy.wants_patch(at, 1 << 30, at, at));
         assert!(InputFeed::Patch.wants_patch(at, 1, pool, other));
     }

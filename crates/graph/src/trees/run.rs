@@ -347,7 +347,8 @@ impl Trees {
         st.stats.input_copies += fed.copies;
         st.stats.input_updates += fed.updates;
         if let Some(reason) = fed.refused {
-            st.events.push(TreeEvent::CopyingInputs { node: id, reason });
+            st.events
+                .push(TreeEvent::CopyingInputs { node: id, reason });
         }
         Ok(Call {
             outputs,

@@ -2,7 +2,8 @@
 //! the GPU bundle (`#[ignore]`d without a GPU). PyTorch's `test_cudagraph_trees.py` cases in
 //! spirit: warm-up then record then replay, outputs equal eager, a forward and backward in
 //! one tree, branch switching with checkpoint restore, stale outputs, steps, static input
-//! moves, mutation skips, shapes (cap, eviction, buckets), and a panicking function.
+//! moves, mutation skips, shapes (cap, eviction, buckets), a panicking function, and
+//! non-static inputs copied or patched.
 use ferrocuda_alloc::DeviceAllocators;
 use ferrocuda_graph::CallableError;
 use ferrocuda_graph::trees::{Arg, Ctx, Out, Served, TreeConfig, TreeTensor, Trees, WrapOptions};
@@ -16,6 +17,7 @@ use std::sync::Arc;
 mod basics;
 mod branches;
 mod failures;
+mod inputs;
 mod shapes;
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -236,6 +238,10 @@ use failures::{
     incompatible_op_and_uncached_allocator_skip, mutating_a_copied_input_skips,
     panic_or_error_leaves_the_tree_usable,
 };
+use inputs::{
+    an_unpatchable_recording_copies_from_then_on, auto_feed_patches_large_and_reused_inputs,
+    patched_inputs_match_copied_inputs_and_eager,
+};
 use shapes::{buckets_pad_to_few_recordings, shapes_record_per_size_and_the_cap_evicts};
 
 ferrocuda_stream::both_backends!(
@@ -250,4 +256,7 @@ ferrocuda_stream::both_backends!(
     incompatible_op_and_uncached_allocator_skip,
     shapes_record_per_size_and_the_cap_evicts,
     buckets_pad_to_few_recordings,
+    patched_inputs_match_copied_inputs_and_eager,
+    auto_feed_patches_large_and_reused_inputs,
+    an_unpatchable_recording_copies_from_then_on,
 );
