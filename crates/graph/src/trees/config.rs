@@ -36,10 +36,12 @@ pub enum FunctionMode {
 
 /// Inputs below this size are copied before a replay rather than patched into the graph,
 /// unless they come at the address the graph reads already or at the previous call's
-/// ([`InputFeed::Auto`]'s default). Measured on the fake device with a 10-kernel graph
-/// whose input moves on every call (`crates/graph/benches/trees.rs`): see
-/// `docs/graphs.md`, "Trees", for the figures.
-pub const PATCH_MIN_BYTES: u64 = 256 << 10;
+/// ([`InputFeed::Auto`]'s default). Where copying an input that moves on every call costs
+/// as much as one graph update, measured on the fake device with a 10-kernel graph
+/// (`crates/graph/benches/trees.rs`: copy about 2.3 us + 0.7 us per KiB there, the update
+/// about 12.5 us whatever the size). The GPU bundle prints the same sweep on the real
+/// driver, where the copy is asynchronous and the crossover lies higher.
+pub const PATCH_MIN_BYTES: u64 = 16 << 10;
 
 /// How a replay feeds a non-static input (one that is not a live tree output used in
 /// place) to its recording. Outputs and semantics are the same either way: see
