@@ -36,11 +36,12 @@ pub enum FunctionMode {
 
 /// Inputs below this size are copied before a replay rather than patched into the graph,
 /// unless they come at the address the graph reads already or at the previous call's
-/// ([`InputFeed::Auto`]'s default). Where copying an input that moves on every call costs
-/// as much as one graph update, measured on the fake device with a 10-kernel graph
-/// (`crates/graph/benches/trees.rs`: copy about 2.3 us + 0.7 us per KiB there, the update
-/// about 12.5 us whatever the size). The GPU bundle prints the same sweep on the real
-/// driver, where the copy is asynchronous and the crossover lies higher.
+/// ([`InputFeed::Auto`]'s default). About where copying an input that moves on every call
+/// costs as much as one graph update, measured on the fake device with a 10-kernel graph
+/// (`crates/graph/benches/trees.rs`: the copy a few us plus 0.4 to 0.7 us per KiB there,
+/// the update 9.5 to 12.5 us whatever the size; they cross between 16 and 32 KiB). The GPU
+/// bundle prints the same sweep on the real driver, where the copy is asynchronous and the
+/// crossover lies higher.
 pub const PATCH_MIN_BYTES: u64 = 16 << 10;
 
 /// How a replay feeds a non-static input (one that is not a live tree output used in
