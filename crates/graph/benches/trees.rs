@@ -186,7 +186,9 @@ impl Setup {
             Feed::Static => self.copying.call(input.mark_static()),
             Feed::Copied => self.copying.call(input),
             Feed::Patched => self.patching.call(input),
-            Feed::PatchedMoving if n % 2 == 0 => self.patching.call(Input::buffer(&self.x2)),
+            Feed::PatchedMoving if n.is_multiple_of(2) => {
+                self.patching.call(Input::buffer(&self.x2))
+            }
             Feed::PatchedMoving => self.patching.call(input),
         }
     }

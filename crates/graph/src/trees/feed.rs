@@ -105,7 +105,8 @@ impl Trees {
 
     /// Feeds `inputs` to `node` before its replay on `stream`: one graph update for the
     /// slots that move (falling back to copies for good when the graph cannot be
-    /// repointed), then a copy into each slot that reads its pool copy.
+    /// repointed), then a copy into each slot that reads its pool copy. On an error the
+    /// slots still say where the graph reads.
     pub(crate) fn feed(
         &self,
         node: &mut RecordedNode,
@@ -129,27 +130,26 @@ impl Trees {
                 Err(e) => return Err(e.into()),
             }
         }
-        let driver = self.runtime.driver();
+        // Every slot now reads where it was moved to: record that for all of them before
+        // any copy can fail, so the books always match the graph.
         for (i, input) in inputs.iter().enumerate() {
-            let Some(to) = self.target(node, inputs, i) else {
-                continue;
-            };
-            if let Some(InputSlot::Copied {
-                ptr, reads, seen, ..
-            }) = node.inputs.get_mut(i)
+            let to = self.target(node, inputs, i);
+            if let (Some(to), Some(InputSlot::Copied { reads, seen, .. })) =
+                (to, node.inputs.get_mut(i))
             {
                 (*reads, *seen) = (to.new, input.ptr);
-                if to.new == *ptr {
-                    fill(
-                        &**driver,
-                        stream,
-                        *ptr,
-                        input.ptr,
-                        input.used_bytes(),
-                        to.bytes,
-                    )?;
-                    fed.copies += 1;
-                }
+            }
+        }
+        let driver = self.runtime.driver();
+        for (slot, input) in node.inputs.iter().zip(inputs) {
+            if let InputSlot::Copied {
+                ptr, bytes, reads, ..
+            } = *slot
+                && reads == ptr
+                && bytes > 0
+            {
+                fill(&**driver, stream, ptr, input.ptr, input.used_bytes(), bytes)?;
+                fed.copies += 1;
             }
         }
         Ok(fed)
