@@ -3,7 +3,7 @@
 //! The `torch.cuda.graph` example, pool routing and lifetime, the capture rules as typed
 //! errors, a capture left by a panic or a `?`, pool sharing, fork/join, THREAD_LOCAL
 //! captures, graphed callables, exact memory statistics, graph-safe Philox RNG, the
-//! driver's view of graph nodes and `update_inputs`.
+//! driver's view of graph nodes and `update_inputs` (typed and by raw address).
 use ferrocuda::alloc::DeviceAllocators;
 use ferrocuda::graph::{CudaGraph, GraphError, PoolId, register_fake_philox};
 use ferrocuda::stream::conformance::{Harness, KERNELS};
@@ -118,8 +118,9 @@ use nodes::graph_nodes_are_read_and_set;
 use pools::{capture_empties_the_cache_first, captures_sharing_a_pool_share_a_stream};
 use rng::rng_replays_match_eager;
 use update_inputs::{
-    update_inputs_patches_pointers, update_inputs_refuses_a_node_it_cannot_repoint,
-    update_inputs_repoints_interior_pointers, update_inputs_repoints_memset_and_memcpy,
+    update_input_ptrs_repoints_by_address, update_inputs_patches_pointers,
+    update_inputs_refuses_a_node_it_cannot_repoint, update_inputs_repoints_interior_pointers,
+    update_inputs_repoints_memset_and_memcpy,
 };
 
 ferrocuda::stream::both_backends!(
@@ -141,6 +142,7 @@ ferrocuda::stream::both_backends!(
     update_inputs_repoints_memset_and_memcpy,
     update_inputs_repoints_interior_pointers,
     update_inputs_refuses_a_node_it_cannot_repoint,
+    update_input_ptrs_repoints_by_address,
     mlp_step_whole_and_partial_capture,
     three_graphs_share_one_segment,
     capture_empties_the_cache_first,

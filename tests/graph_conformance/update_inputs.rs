@@ -1,10 +1,11 @@
-//! `update_inputs`: repointing a captured graph at new buffers.
+//! `update_inputs` and `update_input_ptrs`: repointing a captured graph at new buffers,
+//! typed and by raw address.
 use crate::{D0, N, Setup, TestResult};
 use ferrocuda::driver::{Call, DriverError, FakeDriver, fake::Completion};
-use ferrocuda::graph::{CaptureMode, GraphError, InputUpdate};
+use ferrocuda::graph::{CaptureMode, GraphError, InputMove, InputUpdate};
 use ferrocuda::stream::conformance::{Harness, register_fake_kernels};
 use ferrocuda::stream::{DeviceBuffer, KernelCache, Runtime, Stream, StreamError};
-use ferrocuda::types::{DeviceIndex, KernelArg, LaunchConfig, MemsetValue};
+use ferrocuda::types::{DeviceIndex, DevicePtr, KernelArg, LaunchConfig, MemsetValue};
 use std::ops::Range;
 use std::sync::Arc;
 
@@ -48,6 +49,92 @@ pub(crate) fn update_inputs_patches_pointers(h: &Harness) -> TestResult {
     let empty = s.graph()?;
     assert_eq!(
         empty.update_inputs(&[(&x, &x2)]),
+        Err(GraphError::NothingCaptured)
+    );
+    Ok(())
+}
+
+/// The move of one whole buffer, by address.
+fn whole(old: &DeviceBuffer<f32>, new: &DeviceBuffer<f32>) -> InputMove {
+    InputMove {
+        old: old.ptr(),
+        bytes: old.bytes(),
+        new: new.ptr(),
+    }
+}
+
+/// `update_input_ptrs` is `update_inputs` by raw address: it repoints there and back, a
+/// move of a range the graph does not hold changes nothing, and a range at 0 or past the
+/// end of the address space is refused as a typed error, changing nothing.
+pub(crate) fn update_input_ptrs_repoints_by_address(h: &Harness) -> TestResult {
+    let s = Setup::new(h)?;
+    let g = s.graph()?;
+    let x = s.buffer(1.0)?;
+    let capture = g.capture(None, None, CaptureMode::ThreadLocal)?;
+    let stream = capture.stream().clone();
+    let y = DeviceBuffer::<f32>::uninit(&s.h.rt, D0, N)?;
+    s.scale(&stream, &y, &x, 2.0)?;
+    capture.end()?;
+    let (x2, y2) = (s.buffer(21.0)?, s.buffer(0.0)?);
+    s.h.rt.current_stream(D0)?.synchronize()?;
+    let there = [whole(&x, &x2), whole(&y, &y2)];
+    assert_eq!(
+        g.update_input_ptrs(&there)?,
+        InputUpdate::InPlace { pointers: 2 }
+    );
+    g.replay(&stream)?;
+    s.expect(&stream, &y2, 42.0, "the replay reads x2 and writes y2")?;
+    let back = [whole(&x2, &x), whole(&y2, &y)];
+    assert_eq!(
+        g.update_input_ptrs(&back)?,
+        InputUpdate::InPlace { pointers: 2 }
+    );
+    assert_eq!(
+        g.update_input_ptrs(&[whole(&x2, &y2)])?,
+        InputUpdate::InPlace { pointers: 0 },
+        "the graph no longer holds x2"
+    );
+    let bytes = x.bytes();
+    let bad = [
+        InputMove {
+            old: x.ptr(),
+            bytes,
+            new: DevicePtr(0),
+        },
+        InputMove {
+            old: x.ptr(),
+            bytes,
+            new: DevicePtr(u64::MAX - bytes / 2),
+        },
+        InputMove {
+            old: DevicePtr(0),
+            bytes,
+            new: x2.ptr(),
+        },
+    ];
+    for m in bad {
+        assert_eq!(
+            g.update_input_ptrs(&[whole(&y, &y2), m]),
+            Err(GraphError::InputRange {
+                old: m.old,
+                new: m.new,
+                bytes
+            }),
+            "{m:?}"
+        );
+    }
+    x.copy_from_host(&vec![5.0; N])?;
+    s.h.rt.current_stream(D0)?.synchronize()?;
+    g.replay(&stream)?;
+    s.expect(
+        &stream,
+        &y,
+        10.0,
+        "back on x and y; the refusals changed nothing",
+    )?;
+    s.expect(&stream, &y2, 42.0, "y2 is no longer written")?;
+    assert_eq!(
+        s.graph()?.update_input_ptrs(&there),
         Err(GraphError::NothingCaptured)
     );
     Ok(())
@@ -212,6 +299,11 @@ pub(crate) fn update_inputs_refuses_a_node_it_cannot_repoint(h: &Harness) -> Tes
             })
         ),
         "the memset over x and w is refused, named: {err:?}"
+    );
+    assert_eq!(
+        g.update_input_ptrs(&[whole(&x, &x2)]).err(),
+        err,
+        "by raw address: the same refusal"
     );
     g.replay(&stream)?;
     s.expect(&stream, &x, 7.0, "the refused update left the memset on x")?;

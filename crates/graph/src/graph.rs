@@ -1,12 +1,12 @@
 //! `CudaGraph` and its capture guard.
 use crate::PhiloxGenerator;
-use crate::repoint::{self, Move};
+use crate::repoint;
 use ferrocuda_alloc::{AllocError, CachingAllocator, DeviceAllocators, Route};
 use ferrocuda_driver::{Driver, DriverError};
 use ferrocuda_stream::{DeviceBuffer, Runtime, Stream, StreamError, StreamGuard};
 use ferrocuda_types::{
-    CaptureMode, CaptureStatus, DeviceIndex, Element, GraphExecHandle, GraphHandle, GraphNode,
-    PoolId,
+    CaptureMode, CaptureStatus, DeviceIndex, DevicePtr, Element, GraphExecHandle, GraphHandle,
+    GraphNode, PoolId,
 };
 use parking_lot::Mutex;
 use std::path::Path;
@@ -28,6 +28,19 @@ pub enum InputUpdate {
         /// destinations.
         pointers: usize,
     },
+}
+
+/// One input of [`CudaGraph::update_input_ptrs`], by raw address: the graph holds
+/// addresses inside `old..old + bytes`, which are to move to the same offsets inside
+/// `new..new + bytes`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct InputMove {
+    /// Where the input the graph reads now starts.
+    pub old: DevicePtr,
+    /// Its size in bytes (the new input has the same).
+    pub bytes: u64,
+    /// Where the new input starts.
+    pub new: DevicePtr,
 }
 
 /// What can go wrong with a graph.
@@ -117,6 +130,19 @@ pub enum GraphError {
         kind: &'static str,
         /// Why it cannot be repointed.
         reason: String,
+    },
+    /// [`CudaGraph::update_input_ptrs`] got a range that starts at address 0 or runs past
+    /// the end of the address space; nothing was changed.
+    #[error(
+        "update_input_ptrs: the input {old}..+{bytes:#x} or {new}..+{bytes:#x} starts at 0 or runs past the end of the address space; nothing was changed"
+    )]
+    InputRange {
+        /// The old input's address.
+        old: DevicePtr,
+        /// The new input's address.
+        new: DevicePtr,
+        /// Their size.
+        bytes: u64,
     },
     /// A random-number generator was misused around a capture.
     #[error("graph RNG: {0}")]
@@ -384,11 +410,12 @@ impl CudaGraph {
     ///
     /// Refused, with nothing changed: pairs of different lengths
     /// ([`StreamError::LengthMismatch`]), a buffer on another device than the graph's
-    /// ([`StreamError::DeviceMismatch`]), and a graph with a node that may hold an input's
-    /// address but cannot be repointed ([`GraphError::CannotRepoint`], naming the node): a
-    /// memset or copy that covers part of an input and memory outside it, or a node whose
-    /// parameters the driver does not describe (a child graph, a host function, a kernel
-    /// launched without a parameter array, a 2-D memset or copy).
+    /// ([`StreamError::DeviceMismatch`]), and what [`CudaGraph::update_input_ptrs`] (which
+    /// does the work) refuses: a graph with a node that may hold an input's address but
+    /// cannot be repointed ([`GraphError::CannotRepoint`], naming the node): a memset or
+    /// copy that covers part of an input and memory outside it, or a node whose parameters
+    /// the driver does not describe (a child graph, a host function, a kernel launched
+    /// without a parameter array, a 2-D memset or copy).
     ///
     /// Caveat: a kernel argument's type is not known, so any 8-byte argument whose value
     /// lies inside an old buffer is rewritten, a scalar that happens to equal such an
@@ -403,10 +430,35 @@ impl CudaGraph {
             .iter()
             .map(|(old, new)| self.input_move(old, new))
             .collect::<Result<Vec<_>, _>>()?;
+        self.update_input_ptrs(&moves)
+    }
+
+    /// [`CudaGraph::update_inputs`] by raw address, for callers that hold addresses rather
+    /// than buffers (the trees): each [`InputMove`] moves the addresses the graph holds
+    /// inside `old..old + bytes` to the same offsets inside `new`. The caller vouches that
+    /// both ranges are device memory of the graph's device, and that the `old` ranges do not
+    /// overlap (where they do, the first move containing an address wins).
+    ///
+    /// Refused, with nothing changed: a range that starts at address 0 (with `bytes > 0`)
+    /// or runs past the end of the address space ([`GraphError::InputRange`]), a graph
+    /// that holds no capture ([`GraphError::NothingCaptured`]), a node that may hold an
+    /// input's address but cannot be repointed ([`GraphError::CannotRepoint`]), and a
+    /// driver failure while setting nodes or updating the instance (that error; the nodes
+    /// already set are put back).
+    ///
+    /// The new ranges must stay valid while the graph may replay.
+    pub fn update_input_ptrs(&self, moves: &[InputMove]) -> Result<InputUpdate, GraphError> {
+        if let Some(m) = moves.iter().find(|m| !m.is_valid()) {
+            return Err(GraphError::InputRange {
+                old: m.old,
+                new: m.new,
+                bytes: m.bytes,
+            });
+        }
         let mut st = self.state.lock();
         let (graph, exec) = st.graph.zip(st.exec).ok_or(GraphError::NothingCaptured)?;
         let nodes = self.driver().graph_nodes(graph)?;
-        let plan = repoint::plan(&nodes, &moves)?;
+        let plan = repoint::plan(&nodes, moves)?;
         let pointers = plan.pointers;
         if plan.changes.is_empty() {
             return Ok(InputUpdate::InPlace { pointers });
@@ -427,7 +479,7 @@ impl CudaGraph {
         &self,
         old: &DeviceBuffer<T>,
         new: &DeviceBuffer<T>,
-    ) -> Result<Move, GraphError> {
+    ) -> Result<InputMove, GraphError> {
         if old.len() != new.len() {
             return Err(StreamError::LengthMismatch {
                 expected: old.len(),
@@ -445,10 +497,10 @@ impl CudaGraph {
                 .into());
             }
         }
-        Ok(Move {
-            from: old.ptr(),
+        Ok(InputMove {
+            old: old.ptr(),
             bytes: old.bytes(),
-            to: new.ptr(),
+            new: new.ptr(),
         })
     }
 

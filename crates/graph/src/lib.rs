@@ -8,7 +8,8 @@
 //!
 //! [`make_graphed_callables`] captures closures in order into one shared pool;
 //! [`PhiloxGenerator`] draws random numbers that replays advance like eager calls;
-//! [`CudaGraph::update_inputs`] repoints a captured graph at new buffers without copying.
+//! [`CudaGraph::update_inputs`] repoints a captured graph at new buffers without copying
+//! ([`CudaGraph::update_input_ptrs`] by raw address).
 //! - [`trees`]: CUDA-graph trees (`mode="reduce-overhead"` without a compiler): wrapped
 //!   functions warmed up, recorded per input signature into one shared pool, and replayed,
 //!   with explicit steps and stale outputs always detected.
@@ -50,6 +51,6 @@ pub use callables::{
     Callable, CallableError, GraphedCallables, GraphedOptions, make_graphed_callables,
 };
 pub use ferrocuda_types::{CaptureMode, PoolId};
-pub use graph::{CaptureGuard, CudaGraph, GraphError, InputUpdate};
+pub use graph::{CaptureGuard, CudaGraph, GraphError, InputMove, InputUpdate};
 pub use rng::{PHILOX_KERNELS, PhiloxGenerator, register_fake_philox};
 pub use trees::{Trees, Wrapped};

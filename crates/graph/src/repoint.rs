@@ -1,35 +1,30 @@
-//! What [`CudaGraph::update_inputs`](crate::CudaGraph::update_inputs) changes: which node
-//! parameters hold an address inside an input, and what they become. Policy only: the
-//! driver reads and sets the nodes.
-use crate::GraphError;
+//! What [`CudaGraph::update_input_ptrs`](crate::CudaGraph::update_input_ptrs) (and the
+//! typed `update_inputs` over it) changes: which node parameters hold an address inside an
+//! input, and what they become. Policy only: the driver reads and sets the nodes.
+use crate::{GraphError, InputMove};
 use ferrocuda_types::{CopyEnd, DevicePtr, GraphNode};
 
 /// Why an opaque node is refused.
 const OPAQUE: &str =
     "the driver does not describe its parameters, so it may hold an input's address";
 
-/// An input's old range and its new base.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct Move {
-    /// The old buffer's address.
-    pub(crate) from: DevicePtr,
-    /// Its size in bytes (the new buffer has the same).
-    pub(crate) bytes: u64,
-    /// The new buffer's address.
-    pub(crate) to: DevicePtr,
-}
-
-impl Move {
-    /// Where `p` goes when it points into the old buffer.
-    fn map(&self, p: DevicePtr) -> Option<DevicePtr> {
-        let offset = p.0.checked_sub(self.from.0)?;
-        (offset < self.bytes).then(|| self.to.offset(offset))
+impl InputMove {
+    /// Whether both ranges are usable: empty, or starting above 0 and ending inside the
+    /// address space.
+    pub(crate) fn is_valid(&self) -> bool {
+        let fits = |p: DevicePtr| p.0 != 0 && p.0.checked_add(self.bytes).is_some();
+        self.bytes == 0 || (fits(self.old) && fits(self.new))
     }
 
-    /// Whether `[start, start + len)` shares a byte with the old buffer.
+    /// Where `p` goes when it points into the old range.
+    fn map(&self, p: DevicePtr) -> Option<DevicePtr> {
+        let offset = p.0.checked_sub(self.old.0)?;
+        (offset < self.bytes).then(|| self.new.offset(offset))
+    }
+
+    /// Whether `[start, start + len)` shares a byte with the old range.
     fn overlaps(&self, start: DevicePtr, len: u64) -> bool {
-        start.0 < self.from.0.saturating_add(self.bytes)
-            && self.from.0 < start.0.saturating_add(len)
+        start.0 < self.old.0.saturating_add(self.bytes) && self.old.0 < start.0.saturating_add(len)
     }
 }
 
@@ -42,7 +37,7 @@ pub(crate) struct Plan {
 
 /// What repointing `moves` does to `nodes` (in the driver's order), or the first node that
 /// may hold an input's address and cannot be repointed.
-pub(crate) fn plan(nodes: &[GraphNode], moves: &[Move]) -> Result<Plan, GraphError> {
+pub(crate) fn plan(nodes: &[GraphNode], moves: &[InputMove]) -> Result<Plan, GraphError> {
     let mut plan = Plan::default();
     for (index, node) in nodes.iter().enumerate() {
         let mut repoint = Repoint {
@@ -78,7 +73,7 @@ pub(crate) fn plan(nodes: &[GraphNode], moves: &[Move]) -> Result<Plan, GraphErr
 
 /// Repoints the addresses of one node, counting them.
 struct Repoint<'a> {
-    moves: &'a [Move],
+    moves: &'a [InputMove],
     index: usize,
     kind: &'static str,
     pointers: usize,
@@ -104,15 +99,15 @@ impl Repoint<'_> {
             return Ok(start);
         };
         match m.map(start) {
-            Some(to) if start.0 - m.from.0 + len <= m.bytes => {
+            Some(to) if start.0 - m.old.0 + len <= m.bytes => {
                 self.pointers += 1;
                 Ok(to)
             }
             _ => Err(self.refuse(format!(
                 "it covers {start}..{:#x}, part of the input at {}..{:#x} and memory outside it",
                 start.0.saturating_add(len),
-                m.from,
-                m.from.0.saturating_add(m.bytes)
+                m.old,
+                m.old.0.saturating_add(m.bytes)
             ))),
         }
     }
@@ -148,17 +143,17 @@ mod tests {
     const X: DevicePtr = DevicePtr(0x1000);
     const Y: DevicePtr = DevicePtr(0x2000);
 
-    fn swap() -> [Move; 2] {
+    fn swap() -> [InputMove; 2] {
         [
-            Move {
-                from: X,
+            InputMove {
+                old: X,
                 bytes: 0x100,
-                to: Y,
+                new: Y,
             },
-            Move {
-                from: Y,
+            InputMove {
+                old: Y,
                 bytes: 0x100,
-                to: X,
+                new: X,
             },
         ]
     }
@@ -233,6 +228,29 @@ mod tests {
             (CopyEnd::Host(0x1000), CopyEnd::Device(X)),
             "host ends stay"
         );
+    }
+
+    #[test]
+    fn a_range_at_zero_or_past_the_end_of_the_address_space_is_invalid() {
+        let m = |old, bytes, new| InputMove {
+            old: DevicePtr(old),
+            bytes,
+            new: DevicePtr(new),
+        };
+        assert!(m(0x1000, 0x100, 0x2000).is_valid());
+        assert!(m(0, 0, 0).is_valid(), "an empty move (an empty buffer)");
+        assert!(
+            m(u64::MAX - 0x100, 0x100, 0x2000).is_valid(),
+            "ends at the top"
+        );
+        for (old, new) in [
+            (0, 0x2000),
+            (0x1000, 0),
+            (0x1000, u64::MAX - 0x10),
+            (u64::MAX, 0x2000),
+        ] {
+            assert!(!m(old, 0x100, new).is_valid(), "{old:#x} -> {new:#x}");
+        }
     }
 
     #[test]

@@ -35,6 +35,44 @@ pub enum FunctionMode {
     Backward,
 }
 
+/// Inputs below this size are copied before a replay rather than patched into the graph,
+/// unless they come at the address the graph reads already or at the previous call's
+/// ([`InputFeed::Auto`]'s default). About where copying an input that moves on every call
+/// costs as much as one graph update, measured on the fake device with a 10-kernel graph
+/// (`crates/graph/benches/trees.rs`: the copy a few us plus 0.4 to 0.7 us per KiB there,
+/// the update 9.5 to 12.5 us whatever the size; they cross between 16 and 32 KiB). The GPU
+/// bundle prints the same sweep on the real driver, where the copy is asynchronous and the
+/// crossover lies higher.
+pub const PATCH_MIN_BYTES: u64 = 16 << 10;
+
+/// How a replay feeds a non-static input (one that is not a live tree output used in
+/// place) to its recording. Outputs and semantics are the same either way: see
+/// `docs/graphs.md`, "Trees".
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum InputFeed {
+    /// Copy it into the recording's static input before each replay (PyTorch's way).
+    Copy,
+    /// Repoint the recording's graph at the caller's buffer
+    /// ([`CudaGraph::update_input_ptrs`](crate::CudaGraph::update_input_ptrs)) whenever
+    /// it can be; a call with the buffer the graph reads already costs nothing.
+    Patch,
+    /// Patch an input of at least `min_bytes`, or one at the address the graph reads
+    /// already or at the previous call's (a reused buffer: one update, then nothing);
+    /// copy the others.
+    Auto {
+        /// The size from which an input that moves is patched rather than copied.
+        min_bytes: u64,
+    },
+}
+
+impl Default for InputFeed {
+    fn default() -> InputFeed {
+        InputFeed::Auto {
+            min_bytes: PATCH_MIN_BYTES,
+        }
+    }
+}
+
 /// Per-device settings of a tree manager.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TreeConfig {
@@ -59,6 +97,9 @@ pub struct TreeConfig {
     /// Warn once a wrapped function has seen more distinct shapes than this
     /// (`triton.cudagraph_dynamic_shape_warn_limit`, 8; `None` silences it).
     pub dynamic_shape_warn_limit: Option<usize>,
+    /// How replays feed non-static inputs: copied, or patched into the graph (beyond
+    /// PyTorch, which copies); [`InputFeed::Auto`] by default.
+    pub input_feed: InputFeed,
 }
 
 impl Default for TreeConfig {
@@ -71,6 +112,7 @@ impl Default for TreeConfig {
             slow_path_asserts: true,
             skip_dynamic_graphs: false,
             dynamic_shape_warn_limit: Some(8),
+            input_feed: InputFeed::default(),
         }
     }
 }

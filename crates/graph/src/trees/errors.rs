@@ -186,6 +186,14 @@ pub enum TreeEvent {
         /// Nodes removed (its recordings and their descendants).
         nodes: usize,
     },
+    /// A recording's graph cannot be patched to read callers' buffers
+    /// ([`InputFeed`](super::InputFeed)): its non-static inputs are copied from now on.
+    CopyingInputs {
+        /// The recording's graph id.
+        node: u64,
+        /// Why (the `update_input_ptrs` refusal, naming the graph node).
+        reason: String,
+    },
     /// A warning, once per function: the text says what to change.
     Warning(String),
     /// The function's guards missed and a new specialisation was made: Dynamo's

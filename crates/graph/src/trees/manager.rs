@@ -49,6 +49,12 @@ pub struct TreeStats {
     pub rerecords: u64,
     /// Recordings evicted by a shape cap.
     pub evictions: u64,
+    /// Non-static inputs copied into recordings' static inputs before replays.
+    pub input_copies: u64,
+    /// Graph updates that patched recordings to read callers' buffers (or pointed them
+    /// back at their static inputs) before replays; at most one per replay, plus one when
+    /// a recording turns out unpatchable.
+    pub input_updates: u64,
 }
 
 /// One recorded node, as [`Trees::nodes`] describes it.

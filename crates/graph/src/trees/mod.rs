@@ -11,7 +11,9 @@
 //!   dtype and shape, some marked static ([`Input::mark_static`]: parameters and buffers,
 //!   never copied). Per distinct input signature the function is warmed up eagerly
 //!   ([`TreeConfig::warmup_runs`], in the pool), then recorded into a graph, then replayed.
-//!   Non-static inputs are copied into the recording's pool-resident inputs on each replay.
+//!   Non-static inputs reach a replay by copy into the recording's pool-resident inputs,
+//!   or by patching the graph to read the caller's buffer where that is cheaper
+//!   ([`TreeConfig::input_feed`], [`InputFeed`]); outputs are the same either way.
 //! - Functions chain into one tree: a function called while outputs of the current path are
 //!   held is recorded as a child, allocating next to them in the same pool (a forward then
 //!   its backward; the layers of a decode step). Passing such an output back in
@@ -59,6 +61,7 @@
 mod config;
 mod context;
 mod errors;
+mod feed;
 mod liveness;
 mod manager;
 mod nodes;
@@ -67,7 +70,9 @@ mod run;
 mod tensor;
 mod wrapped;
 
-pub use config::{Buckets, FunctionMode, GenerationPolicy, TreeConfig, WrapOptions};
+pub use config::{
+    Buckets, FunctionMode, GenerationPolicy, InputFeed, PATCH_MIN_BYTES, TreeConfig, WrapOptions,
+};
 pub use context::{Call, Ctx, RunKind, Served, TreeFn};
 pub use errors::{CheckStatus, SkipReason, TreeError, TreeEvent};
 pub use manager::{NodeInfo, TreeStats, Trees};

@@ -21,9 +21,19 @@ pub(crate) enum InputSlot {
     Static(DevicePtr),
     /// A live output of the path, used in place at this address.
     Managed(DevicePtr),
-    /// Copied on each replay into the pool at `ptr`, whose copy is `bytes` long (the
-    /// padded size; the tail past the input is zeroed).
-    Copied { ptr: DevicePtr, bytes: u64 },
+    /// Fed on each replay: copied into the pool at `ptr`, whose copy is `bytes` long (the
+    /// padded size; the tail past the input is zeroed), or patched: the graph repointed at
+    /// the caller's buffer.
+    Copied {
+        ptr: DevicePtr,
+        bytes: u64,
+        /// Where the graph reads it now: `ptr`, or a caller's buffer it was patched to.
+        reads: DevicePtr,
+        /// The caller's address at the previous call (for [`InputFeed::Auto`]).
+        ///
+        /// [`InputFeed::Auto`]: super::InputFeed::Auto
+        seen: DevicePtr,
+    },
 }
 
 /// One recording.
@@ -38,6 +48,9 @@ pub(crate) struct RecordedNode {
     pub(crate) children: Vec<usize>,
     pub(crate) graph: CudaGraph,
     pub(crate) inputs: Vec<InputSlot>,
+    /// Whether its graph may be patched to read callers' buffers: false once
+    /// `update_input_ptrs` refused it (a node it cannot repoint).
+    pub(crate) patchable: bool,
     pub(crate) outputs: Vec<OutputSlot>,
     /// The pool right after its recording (`checkpointed_caching_state`).
     pub(crate) checkpoint: PoolCheckpoint,

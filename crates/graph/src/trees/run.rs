@@ -1,8 +1,8 @@
 //! The four ways a call is served: a warm-up in the pool, a recording, a replay, an eager
 //! run outside the pool; and the input copies they need (`_allocate_and_copy_recording_
-//! inputs`, the per-replay copies into `reconstructed_inputs`, bucket padding).
+//! inputs`, bucket padding). How a replay's inputs are fed is in `feed`.
 use super::context::{Call, Ctx, RunKind, Served, TreeFn};
-use super::errors::{SkipReason, TreeError};
+use super::errors::{SkipReason, TreeError, TreeEvent};
 use super::liveness::{died_between, live_path_ptrs, path_liveness};
 use super::manager::{PathMode, State, Trees};
 use super::nodes::{FunctionId, InputSlot, RecordedNode, WarmupNode};
@@ -36,7 +36,7 @@ fn call_fn(
 }
 
 /// Writes `used` bytes from `src` to `dst`, then zeros up to `bytes`, on `stream`.
-fn fill(
+pub(super) fn fill(
     driver: &dyn Driver,
     stream: &Stream,
     dst: DevicePtr,
@@ -120,7 +120,7 @@ impl Trees {
 
     /// The inputs of a recording: static inputs and live path outputs in place, the others
     /// copied into the pool (the copies are freed once recorded; replays copy into their
-    /// addresses).
+    /// addresses, or patch the graph away from them).
     fn stage_recording(
         &self,
         memory: &Arc<dyn MemoryResource>,
@@ -145,6 +145,8 @@ impl Trees {
                 slots.push(InputSlot::Copied {
                     ptr: arg.ptr,
                     bytes: (shape.numel() * input.dtype.size()) as u64,
+                    reads: arg.ptr,
+                    seen: input.ptr,
                 });
                 args.push(arg);
                 copies.push(copy);
@@ -271,6 +273,7 @@ impl Trees {
             children: Vec::new(),
             graph,
             inputs: slots,
+            patchable: true,
             outputs,
             checkpoint,
             expected_dead_before,
@@ -317,8 +320,8 @@ impl Trees {
         Ok(Ok(outs))
     }
 
-    /// Replays node `idx` on the caller's current stream after copying the non-static
-    /// inputs into its recorded addresses (`execute_node`, `CUDAGraphNode.run`).
+    /// Replays node `idx` on the caller's current stream after feeding it the non-static
+    /// inputs, copied or patched (`execute_node`, `CUDAGraphNode.run`).
     pub(crate) fn execute(
         &self,
         st: &mut State,
@@ -327,31 +330,26 @@ impl Trees {
         inputs: &[Input<'_>],
     ) -> Result<Call, TreeError> {
         let stream = self.runtime.current_stream(self.device)?;
-        let driver = self.runtime.driver();
         let Some(node) = st.arena.get_mut(idx) else {
             return Err(TreeError::Config(format!("no recorded node {idx}")));
         };
-        for (slot, input) in node.inputs.iter().zip(inputs) {
-            if let InputSlot::Copied { ptr, bytes } = *slot {
-                fill(
-                    &**driver,
-                    &stream,
-                    ptr,
-                    input.ptr,
-                    input.used_bytes(),
-                    bytes,
-                )?;
-            }
-        }
+        let fed = self.feed(node, inputs, &stream)?;
         node.graph.replay(&stream)?;
         let outputs = node.outputs.iter_mut().map(OutputSlot::issue).collect();
-        if node.parent.is_none() {
+        let (id, is_root) = (node.id, node.parent.is_none());
+        if is_root {
             st.path.clear();
         }
         st.path.push(idx);
         st.mode = PathMode::Execution;
         st.current_gen = Some(generation);
         st.stats.replays += 1;
+        st.stats.input_copies += fed.copies;
+        st.stats.input_updates += fed.updates;
+        if let Some(reason) = fed.refused {
+            st.events
+                .push(TreeEvent::CopyingInputs { node: id, reason });
+        }
         Ok(Call {
             outputs,
             served: Served::Replayed,

@@ -3,19 +3,32 @@ use crate::{D0, N, Setup, TestResult, expect, named, random, served_kinds};
 use ferrocuda_alloc::DeviceAllocators;
 use ferrocuda_graph::trees::Trees;
 use ferrocuda_graph::trees::{
-    Arg, Ctx, Input, Served, SkipReason, TreeConfig, TreeError, TreeEvent, WrapOptions,
+    Arg, Ctx, Input, InputFeed, Served, SkipReason, TreeConfig, TreeError, TreeEvent, WrapOptions,
 };
 use ferrocuda_stream::conformance::Harness;
 use ferrocuda_types::AllocatorConfig;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 
-/// A function writing its input 0 (`x += 1`, then `y = 2 x`): with a copied input the
-/// write would be lost, so the call runs eagerly, reported once with PyTorch's text, and
-/// the write lands; with the input static, the call is graphed and each replay writes it.
+/// A function writing its input 0 (`x += 1`, then `y = 2 x`): with a non-static input the
+/// write would be lost on the copy, so the call runs eagerly, reported once with PyTorch's
+/// text, and the write lands; with the input static, the call is graphed and each replay
+/// writes it. The same whether non-static inputs are copied or patched: a patched graph
+/// would write the caller's buffer, but the call never reaches a graph.
 pub(crate) fn mutating_a_copied_input_skips(h: &Harness) -> TestResult {
     let s = Setup::new(h)?;
-    let trees = s.trees(TreeConfig::default())?;
+    for feed in [InputFeed::Copy, InputFeed::Patch, InputFeed::default()] {
+        let config = TreeConfig {
+            input_feed: feed,
+            ..TreeConfig::default()
+        };
+        mutation_skips(&s, config).map_err(|e| format!("{feed:?}: {e}"))?;
+    }
+    Ok(())
+}
+
+fn mutation_skips(s: &Setup, config: TreeConfig) -> TestResult {
+    let trees = s.trees(config)?;
     let k = s.k.clone();
     let f = trees.wrap(
         move |ctx: &mut Ctx<'_>, a: &[Arg]| {

@@ -2,7 +2,8 @@
 //! the GPU bundle (`#[ignore]`d without a GPU). PyTorch's `test_cudagraph_trees.py` cases in
 //! spirit: warm-up then record then replay, outputs equal eager, a forward and backward in
 //! one tree, branch switching with checkpoint restore, stale outputs, steps, static input
-//! moves, mutation skips, shapes (cap, eviction, buckets), and a panicking function.
+//! moves, mutation skips, shapes (cap, eviction, buckets), a panicking function, and
+//! non-static inputs copied or patched.
 use ferrocuda_alloc::DeviceAllocators;
 use ferrocuda_graph::CallableError;
 use ferrocuda_graph::trees::{Arg, Ctx, Out, Served, TreeConfig, TreeTensor, Trees, WrapOptions};
@@ -17,6 +18,7 @@ mod basics;
 mod branches;
 mod failures;
 mod guards;
+mod inputs;
 mod shapes;
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -241,6 +243,10 @@ use guards::{
     guards_follow_the_autocast_state, guards_recompile_limit_runs_eagerly,
     guards_recompile_once_then_go_dynamic,
 };
+use inputs::{
+    an_unpatchable_recording_copies_from_then_on, auto_feed_patches_large_and_reused_inputs,
+    patched_inputs_match_copied_inputs_and_eager,
+};
 use shapes::{
     buckets_pad_to_few_recordings, only_capture_sizes_are_graphed,
     shapes_record_per_size_and_the_cap_evicts,
@@ -262,4 +268,7 @@ ferrocuda_stream::both_backends!(
     guards_recompile_once_then_go_dynamic,
     guards_follow_the_autocast_state,
     guards_recompile_limit_runs_eagerly,
+    patched_inputs_match_copied_inputs_and_eager,
+    auto_feed_patches_large_and_reused_inputs,
+    an_unpatchable_recording_copies_from_then_on,
 );
