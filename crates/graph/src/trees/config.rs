@@ -37,13 +37,14 @@ pub enum FunctionMode {
 
 /// Inputs below this size are copied before a replay rather than patched into the graph,
 /// unless they come at the address the graph reads already or at the previous call's
-/// ([`InputFeed::Auto`]'s default). About where copying an input that moves on every call
-/// costs as much as one graph update, measured on the fake device with a 10-kernel graph
-/// (`crates/graph/benches/trees.rs`: the copy a few us plus 0.4 to 0.7 us per KiB there,
-/// the update 9.5 to 12.5 us whatever the size; they cross between 16 and 32 KiB). The GPU
-/// bundle prints the same sweep on the real driver, where the copy is asynchronous and the
-/// crossover lies higher.
-pub const PATCH_MIN_BYTES: u64 = 16 << 10;
+/// ([`InputFeed::Auto`]'s default). Measured on an H100 (`crates/graph/benches/trees.rs`,
+/// `docs/measurements/bundle_h100_2026-11-23f.log`): one graph update costs 48 to 59 us of
+/// CPU time whatever the size, while a copy costs 9 to 10 us of CPU time from 4 KiB to
+/// 4 MiB (it is asynchronous) plus its GPU time, about 45 us for 64 MiB at the 3 TB/s a
+/// device-to-device copy reaches there. So a moving input is worth patching from about
+/// 64 MiB; below that the copy is cheaper (on the fake device, whose copies run on the
+/// host, the two cross near 16 KiB instead).
+pub const PATCH_MIN_BYTES: u64 = 64 << 20;
 
 /// How a replay feeds a non-static input (one that is not a live tree output used in
 /// place) to its recording. Outputs and semantics are the same either way: see
