@@ -421,6 +421,42 @@ fn gpu_bundle() -> Result<(), String> {
         "bundle ready in {}: run gpu-bundle/run.sh on the GPU machine",
         dir.display()
     );
+    pack_if_large(&dir)
+}
+
+/// Past this size a bundle is also written as `gpu-bundle.tar.xz` (about 8x smaller), for
+/// transports that limit what they carry (the device tool takes 64 MiB of working tree).
+const PACK_ABOVE_BYTES: u64 = 48 << 20;
+
+/// Writes `gpu-bundle.tar.xz` beside `dir` when the bundle is larger than
+/// [`PACK_ABOVE_BYTES`] (removing a stale one otherwise).
+fn pack_if_large(dir: &Path) -> Result<(), String> {
+    let archive = root().join("gpu-bundle.tar.xz");
+    let _ = std::fs::remove_file(&archive);
+    let entries = std::fs::read_dir(dir).map_err(|e| e.to_string())?;
+    let bytes: u64 = entries
+        .filter_map(|e| e.ok()?.metadata().ok())
+        .map(|m| m.len())
+        .sum();
+    if bytes <= PACK_ABOVE_BYTES {
+        return Ok(());
+    }
+    let status = Command::new("tar")
+        .arg("cJf")
+        .arg(&archive)
+        .arg("-C")
+        .arg(root())
+        .arg("gpu-bundle")
+        .status()
+        .map_err(|e| format!("tar: {e}"))?;
+    if !status.success() {
+        return Err("tar cJf gpu-bundle.tar.xz failed".into());
+    }
+    eprintln!(
+        "the bundle is {} MiB: also packed as {} (unpack with `tar xJf gpu-bundle.tar.xz`)",
+        bytes >> 20,
+        archive.display()
+    );
     Ok(())
 }
 
