@@ -41,4 +41,4 @@ mod tensor;
 
 pub use scaler::{GradScaler, GradScalerConfig, ScalerError};
 pub use sync_free::{ScaledStep, StepError};
-pub use tensor::TensorView;
+pub use tensor::{TensorView, ViewOutOfRange};

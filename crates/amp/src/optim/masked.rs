@@ -43,9 +43,12 @@ impl<O: DeviceOptimizer> Masked<O> {
                     found: view.device,
                 });
             }
+            view.check_range()?;
             rows.extend([view.ptr.0, view.bytes(), offset]);
             lens.push(view.bytes());
-            offset += view.bytes();
+            offset = offset
+                .checked_add(view.bytes())
+                .ok_or(OptimError::TooLarge { chunks: u64::MAX })?;
         }
         let masked = Masked {
             table: LaunchTable::new(rt, device, &rows, &lens)?,

@@ -44,6 +44,9 @@ pub enum OptimError {
     /// A launch, an allocation or a copy failed.
     #[error(transparent)]
     Stream(#[from] StreamError),
+    /// A parameter or gradient view whose bytes run past the end of the address space.
+    #[error(transparent)]
+    ViewOutOfRange(#[from] crate::ViewOutOfRange),
     /// A hyperparameter out of range; the message is PyTorch's (`torch/optim/sgd.py`,
     /// `torch/optim/adamw.py` constructors).
     #[error("{0}")]
@@ -170,7 +173,9 @@ impl LaunchTable {
         rows: &[u64],
         lens: &[u64],
     ) -> Result<LaunchTable, OptimError> {
-        let total: u64 = lens.iter().map(|l| l.div_ceil(CHUNK)).sum();
+        let total: u64 = (lens.iter())
+            .map(|l| l.div_ceil(CHUNK))
+            .fold(0, u64::saturating_add);
         if total > i32::MAX as u64 {
             return Err(OptimError::TooLarge { chunks: total });
         }
@@ -290,7 +295,9 @@ impl StepCore {
             let code = check_param(index, device, p)?;
             rows.extend([p.param.ptr.0, p.grad.ptr.0, p.param.len, offset, code]);
             lens.push(p.param.len);
-            offset += p.param.len;
+            offset = offset
+                .checked_add(p.param.len)
+                .ok_or(OptimError::TooLarge { chunks: u64::MAX })?;
         }
         Ok(StepCore {
             device,
@@ -338,6 +345,8 @@ fn check_param(index: usize, device: DeviceIndex, p: &Param) -> Result<u64, Opti
             supported: "f32",
         });
     }
+    p.param.check_range()?;
+    p.grad.check_range()?;
     if p.param.len != p.grad.len {
         return Err(OptimError::LengthMismatch {
             index,

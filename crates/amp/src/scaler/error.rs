@@ -66,6 +66,9 @@ pub enum ScalerError {
         /// The gradient's device.
         found: DeviceIndex,
     },
+    /// A gradient view whose bytes run past the end of the address space.
+    #[error(transparent)]
+    ViewOutOfRange(#[from] crate::ViewOutOfRange),
     /// A gradient list too large for one chunk table (over 2^32 chunks of 64 KiB).
     #[error("a gradient list of {bytes} bytes is too large for one launch")]
     TooLarge {

@@ -221,7 +221,7 @@ pub(crate) fn plan_chunks(
     device: DeviceIndex,
     views: &[TensorView],
 ) -> Result<Vec<i64>, ScalerError> {
-    let mut words = Vec::new();
+    let mut chunks = 0u64;
     for v in views {
         if v.device != device {
             return Err(ScalerError::WrongDevice {
@@ -229,6 +229,21 @@ pub(crate) fn plan_chunks(
                 found: v.device,
             });
         }
+        dtype_code(v.dtype)?;
+        v.check_range()?;
+        chunks = chunks.saturating_add(v.bytes().div_ceil(CHUNK_BYTES));
+    }
+    // Counted before the table is built, so a huge list is refused without the host work.
+    if chunks > u64::from(u32::MAX) {
+        return Err(ScalerError::TooLarge {
+            bytes: views
+                .iter()
+                .map(TensorView::bytes)
+                .fold(0, u64::saturating_add),
+        });
+    }
+    let mut words = Vec::new();
+    for v in views {
         let code = dtype_code(v.dtype)?;
         let per_chunk = CHUNK_BYTES / v.dtype.size() as u64;
         let mut start = 0u64;
