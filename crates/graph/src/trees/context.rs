@@ -55,7 +55,7 @@ impl<'a> Ctx<'a> {
 
     /// [`Ctx::alloc`] with a [`Shape`] (an input's, say).
     pub fn alloc_shape(&self, dtype: DType, shape: Shape) -> Result<Out, TreeError> {
-        let bytes = (shape.numel() * dtype.size()) as u64;
+        let bytes = shape.bytes(dtype);
         let device = self.stream.device();
         let ptr = if bytes == 0 {
             ferrocuda_types::DevicePtr(0)

@@ -77,7 +77,7 @@ impl Trees {
         input: &Input<'_>,
         shape: Shape,
     ) -> Result<Out, TreeError> {
-        let bytes = (shape.numel() * input.dtype.size()) as u64;
+        let bytes = shape.bytes(input.dtype);
         let ptr = if bytes == 0 {
             DevicePtr(0)
         } else {
@@ -144,7 +144,7 @@ impl Trees {
                 let arg = copy.as_arg();
                 slots.push(InputSlot::Copied {
                     ptr: arg.ptr,
-                    bytes: (shape.numel() * input.dtype.size()) as u64,
+                    bytes: shape.bytes(input.dtype),
                     reads: arg.ptr,
                     seen: input.ptr,
                 });

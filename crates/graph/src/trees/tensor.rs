@@ -55,9 +55,15 @@ impl Shape {
         &self.dims[..self.rank as usize]
     }
 
-    /// The number of elements.
+    /// The number of elements (saturating: a shape past `usize` can only be refused, as
+    /// larger than its buffer).
     pub fn numel(&self) -> usize {
-        self.dims().iter().product()
+        self.dims().iter().fold(1, |n, &d| n.saturating_mul(d))
+    }
+
+    /// The bytes of this shape's elements of `dtype` (saturating, as [`Shape::numel`]).
+    pub fn bytes(&self, dtype: DType) -> u64 {
+        self.numel().saturating_mul(dtype.size()) as u64
     }
 
     /// This shape with its leading dimension set to `n` (a scalar shape stays).
@@ -121,7 +127,7 @@ impl<'a> Input<'a> {
         Input {
             ptr: slot.ptr,
             device: slot.device,
-            bytes: (slot.shape.numel() * slot.dtype.size()) as u64,
+            bytes: slot.shape.bytes(slot.dtype),
             dtype: slot.dtype,
             shape: slot.shape,
             is_static: false,
@@ -137,7 +143,7 @@ impl<'a> Input<'a> {
 
     /// Bytes its shape covers.
     pub(crate) fn used_bytes(&self) -> u64 {
-        (self.shape.numel() * self.dtype.size()) as u64
+        self.shape.bytes(self.dtype)
     }
 }
 
@@ -327,7 +333,7 @@ impl TreeTensor {
     /// how an output is kept across steps.
     pub fn copy_out(&self) -> Result<TreeTensor, TreeError> {
         let slot = self.check()?;
-        let bytes = (slot.shape.numel() * slot.dtype.size()) as u64;
+        let bytes = slot.shape.bytes(slot.dtype);
         let stream = slot.runtime.current_stream(slot.device)?;
         let memory = slot.runtime.memory();
         let ptr = if bytes == 0 {

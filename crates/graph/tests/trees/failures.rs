@@ -238,3 +238,35 @@ pub(crate) fn incompatible_op_and_uncached_allocator_skip(h: &Harness) -> TestRe
     );
     Ok(())
 }
+
+/// A shape larger than its buffer is a typed error before anything runs, even one whose
+/// element count overflows (it would have read past the buffer, or overflowed a product).
+pub(crate) fn a_shape_past_its_buffer_is_refused(h: &Harness) -> TestResult {
+    let s = Setup::new(h)?;
+    let trees = s.trees(TreeConfig::default())?;
+    let k = s.k.clone();
+    let f = trees.wrap(
+        move |ctx: &mut Ctx<'_>, a: &[Arg]| Ok(vec![k.scaled(ctx, &a[0], 2.0)?]),
+        named("f"),
+    );
+    let x = s.buffer(&random(N, 1))?;
+    for dims in [
+        vec![N + 1],
+        vec![usize::MAX, 2],
+        vec![1 << 40, 1 << 40, 1 << 40],
+    ] {
+        match f.call(&[Input::shaped(&x, &dims)?]) {
+            Err(TreeError::InputTooSmall { index: 0, .. }) => {}
+            other => return Err(format!("{dims:?}: {other:?}").into()),
+        }
+    }
+    assert!(trees.nodes().is_empty(), "nothing was recorded");
+    trees.mark_step_begin();
+    let call = f.call(&[Input::shaped(&x, &[N])?])?;
+    expect(
+        &call.outputs[0],
+        &random(N, 1).iter().map(|v| 2.0 * v).collect::<Vec<_>>(),
+        "2x",
+    )?;
+    Ok(())
+}

@@ -236,8 +236,8 @@ use basics::{
 };
 use branches::{branch_switching_restores_the_checkpoint, static_input_move_rerecords};
 use failures::{
-    incompatible_op_and_uncached_allocator_skip, mutating_a_copied_input_skips,
-    panic_or_error_leaves_the_tree_usable,
+    a_shape_past_its_buffer_is_refused, incompatible_op_and_uncached_allocator_skip,
+    mutating_a_copied_input_skips, panic_or_error_leaves_the_tree_usable,
 };
 use guards::{
     guards_follow_the_autocast_state, guards_recompile_limit_runs_eagerly,
@@ -262,6 +262,7 @@ ferrocuda_stream::both_backends!(
     mutating_a_copied_input_skips,
     panic_or_error_leaves_the_tree_usable,
     incompatible_op_and_uncached_allocator_skip,
+    a_shape_past_its_buffer_is_refused,
     shapes_record_per_size_and_the_cap_evicts,
     buckets_pad_to_few_recordings,
     only_capture_sizes_are_graphed,
