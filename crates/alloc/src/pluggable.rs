@@ -29,7 +29,10 @@ struct Metadata {
 }
 
 /// A pluggable allocator: PyTorch's `CUDAPluggableAllocator`, as `createCustomAllocator`
-/// makes it. See the [module docs](self).
+/// makes it: the current allocator of a runtime (it is a [`MemoryResource`]) or the segment
+/// source of a private pool ([`CachingAllocator::create_pool_with_allocator`]).
+///
+/// [`CachingAllocator::create_pool_with_allocator`]: crate::CachingAllocator::create_pool_with_allocator
 #[derive(Debug)]
 pub struct PluggableAllocator {
     library: PluggableLibrary,

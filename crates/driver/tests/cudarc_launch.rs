@@ -30,7 +30,7 @@ fn gpu_cudarcs_launch_builder_takes_a_ferrocuda_buffer() -> TestResult {
     let stream = ctx.new_stream()?;
     let ptx = cudarc::nvrtc::compile_ptx(ADD_ONE)?;
     let add_one = ctx.load_module(ptx)?.load_function("add_one")?;
-    let n = (1 << 20) + 3;
+    let n: usize = (1 << 20) + 3;
     let values: Vec<f32> = (0..n).map(|i| i as f32).collect();
     let x = DeviceBuffer::from_slice(&rt, DeviceIndex(0), &values)?;
     let count = n as i32;
