@@ -30,6 +30,10 @@
 //!   virtual-memory API maps physical chunks at 2 MiB granularity, out-of-memory comes from a
 //!   capacity or is injected at the N-th call, and every call is counted.
 //! - `unsafe` lives here only, each block with a `// SAFETY:` note.
+//! - **Other libraries' code is called here too**: allocator functions of a shared library
+//!   ([`pluggable`], PyTorch's `CUDAPluggableAllocator`), and cudarc's safe API beside ours
+//!   ([`interop`]: its streams adopted, never destroyed; device memory lent to it through its
+//!   pointer traits). A missing library or function is a typed error.
 //!
 //! # What the layer above must do
 //! - Never use a handle after destroying its object (it gets an error, not the object).
@@ -42,12 +46,16 @@ mod cuda;
 mod error;
 pub mod fake;
 pub mod fork;
+pub mod interop;
 pub mod nvml;
+pub mod pluggable;
 
 pub use cuda::{CudaDriver, RawGraph, RawLaunch};
 pub use error::{CompileError, DriverError};
 pub use fake::{Completion, FakeDriver, FakeDriverBuilder, KernelContext};
+pub use interop::ForeignStream;
 pub use nvml::NvmlError;
+pub use pluggable::{Hook, PluggableError, PluggableLibrary};
 
 use ferrocuda_types::{
     CaptureMode, CaptureStatus, DeviceIndex, DeviceProperties, DevicePtr, EventFlags, EventHandle,
@@ -290,5 +298,18 @@ pub trait Driver: Send + Sync + std::fmt::Debug + 'static {
     -> Result<(), DriverError>;
     /// Unmaps `[at, at + bytes)` (`cuMemUnmap`).
     fn vm_unmap(&self, dev: DeviceIndex, at: DevicePtr, bytes: u64) -> Result<(), DriverError>;
+
+    // ---- interop: streams made by other libraries (cudarc) -------------------------------
+    /// Makes a stream another library made usable through this driver, without owning it:
+    /// the handle works in every stream method until [`Driver::stream_forget`] (adopting
+    /// one stream twice needs two forgets); this driver never destroys it. The legacy
+    /// default stream (raw 0) is that device's own. A cudarc stream must belong to the
+    /// primary context of its device, which is what this driver uses
+    /// (`CUDA_ERROR_INVALID_CONTEXT` otherwise); a foreign stream of another backend is
+    /// `CUDA_ERROR_INVALID_HANDLE`.
+    fn stream_adopt(&self, stream: &ForeignStream) -> Result<StreamHandle, DriverError>;
+    /// Ends one adoption of `stream` (the stream itself lives on with its maker). A handle
+    /// not adopted is `CUDA_ERROR_INVALID_HANDLE`.
+    fn stream_forget(&self, stream: StreamHandle) -> Result<(), DriverError>;
 }
 pub use fake::Call;
