@@ -127,7 +127,7 @@ fn the_cache_is_cleared_when_the_last_scope_goes() -> TestResult {
     let a = Autocast::new(Cuda).enter()?;
     let b = Autocast::new(Cuda).enter()?;
     let plan = cast_inputs_by_name(Cuda, "mm", [&W])?;
-    plan.cast_arg(&W, |to| Ok::<_, AutocastError>(to))?;
+    plan.cast_arg(&W, Ok::<_, AutocastError>)?;
     assert_eq!(thread_cache_len::<DType>(), 1);
     drop(a);
     assert_eq!(thread_cache_len::<DType>(), 1, "b is still open");
