@@ -82,9 +82,16 @@ pub fn thread_state_version() -> u64 {
 /// Applies `change` for a new guard and records it; returns the guard's id. A scope
 /// ([`Change::is_scope`]) counts in the nesting depth.
 pub(super) fn push(change: Change) -> u64 {
-    let found = current().frame;
+    let found = update(|t| {
+        let found = t.frame;
+        change.apply(&mut t.frame);
+        if change.is_scope() {
+            t.nesting = t.nesting.saturating_add(1);
+        }
+        found
+    });
     // Unrecorded only while the thread is being torn down: nothing restores it then.
-    let id = GUARDS
+    GUARDS
         .try_with(|g| {
             let mut g = g.borrow_mut();
             let id = g.next_id;
@@ -92,14 +99,7 @@ pub(super) fn push(change: Change) -> u64 {
             g.entries.push(Entry { id, found, change });
             id
         })
-        .unwrap_or(u64::MAX);
-    update(|t| {
-        change.apply(&mut t.frame);
-        if change.is_scope() {
-            t.nesting = t.nesting.saturating_add(1);
-        }
-    });
-    id
+        .unwrap_or(u64::MAX)
 }
 
 /// Removes guard `id` and sets the state to what the live guards make it (see the module
@@ -107,12 +107,15 @@ pub(super) fn push(change: Change) -> u64 {
 /// `autocast.__exit__` does before restoring.
 pub(super) fn pop(id: u64) {
     let removed = GUARDS.try_with(|g| {
-        let mut g = g.borrow_mut();
-        // The guard on top in the common, in-order case: found at the first comparison.
-        let at = g.entries.iter().rposition(|e| e.id == id)?;
-        let gone = g.entries.remove(at);
+        let entries = &mut g.borrow_mut().entries;
+        // The common, in-order case: the guard on top restores what it found.
+        if entries.last().is_some_and(|e| e.id == id) {
+            return entries.pop().map(|e| (e.found, e.change.is_scope()));
+        }
+        let at = entries.iter().rposition(|e| e.id == id)?;
+        let gone = entries.remove(at);
         let mut frame = gone.found;
-        for e in &mut g.entries[at..] {
+        for e in &mut entries[at..] {
             e.found = frame;
             e.change.apply(&mut frame);
         }
