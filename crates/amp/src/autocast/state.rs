@@ -19,8 +19,10 @@
 //! the oldest live guard with each live guard's change applied in the order they were made.
 //! So once every guard is gone the state is the one before the first, whatever the drop
 //! order, and the nesting depth counts the live scopes (the weight-cast cache is cleared
-//! when the last one goes). PyTorch never meets the question: `with` blocks exit in
-//! reverse order.
+//! when the last one goes). PyTorch's `with` blocks always exit in reverse order; its
+//! `autocast.__exit__` called by hand out of order restores what that region found, which
+//! can leave autocast on after the last exit (`torch/amp/autocast_mode.py`): here, by
+//! design, it cannot.
 use std::marker::PhantomData;
 
 use ferrocuda_types::DType;
