@@ -136,6 +136,41 @@ fn the_cache_is_cleared_when_the_last_scope_goes() -> TestResult {
     Ok(())
 }
 
+/// A region guard kept in a thread-local, dropped at thread exit: whichever order the
+/// runtime destroys thread-locals in, one of the two threads drops the guard after the cast
+/// cache is gone, and the guard then clears caches that no longer exist. That must not
+/// panic (a panic in a thread-local destructor aborts the process).
+#[test]
+fn a_guard_dropped_after_its_threads_cache_is_gone() -> TestResult {
+    thread_local! {
+        static KEPT: std::cell::RefCell<Option<AutocastGuard>> =
+            const { std::cell::RefCell::new(None) };
+    }
+    for cache_first in [false, true] {
+        let worker = std::thread::spawn(move || -> Result<(), AutocastError> {
+            let cast = || -> Result<(), AutocastError> {
+                let plan = cast_inputs_by_name(Cuda, "mm", [&W])?;
+                plan.cast_arg(&W, Ok::<_, AutocastError>)?;
+                Ok(())
+            };
+            if cache_first {
+                // Registers the cache's destructor before KEPT's.
+                let _scope = Autocast::new(Cuda).enter()?;
+                cast()?;
+            }
+            KEPT.with(|k| k.borrow_mut().take());
+            let guard = Autocast::new(Cuda).enter()?;
+            KEPT.with(|k| *k.borrow_mut() = Some(guard));
+            cast()?;
+            assert_eq!(thread_cache_len::<DType>(), 1);
+            Ok(())
+        });
+        let outcome = worker.join().map_err(|_| "the thread panicked")?;
+        outcome?;
+    }
+    Ok(())
+}
+
 /// A guard of any kind, as the test holds it.
 #[allow(dead_code)]
 enum Guard {
