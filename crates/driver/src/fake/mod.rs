@@ -14,6 +14,7 @@
 //! real driver gave PyTorch), so differential tests and replays break best-fit ties as the
 //! recording did. [`FakeDriverBuilder::capacity`] sets the device's total memory.
 mod addresses;
+mod host_register;
 mod memory;
 mod nodes;
 mod work;
@@ -110,9 +111,14 @@ pub enum Call {
     VmMap,
     VmSetAccess,
     VmUnmap,
+    HostMalloc,
+    HostPrefault,
+    HostRegister,
+    HostUnregister,
+    HostMfree,
 }
 
-const CALL_KINDS: usize = Call::VmUnmap as usize + 1;
+const CALL_KINDS: usize = Call::HostMfree as usize + 1;
 
 /// Configures a [`FakeDriver`].
 #[derive(Debug, Clone)]
@@ -221,6 +227,7 @@ impl FakeDriverBuilder {
                 graphs: HashMap::new(),
                 execs: HashMap::new(),
                 hosts: HashMap::new(),
+                mallocs: host_register::Mallocs::default(),
                 next_host: 0x1000_0000,
                 next_id: 1,
                 captures: HashMap::new(),
@@ -327,6 +334,8 @@ struct State {
     graphs: HashMap<u64, FakeGraph>,
     execs: HashMap<u64, FakeGraph>,
     hosts: HashMap<u64, Vec<u8>>,
+    /// Which of `hosts` came from `host_malloc` (pageable, perhaps registered).
+    mallocs: host_register::Mallocs,
     next_host: u64,
     next_id: u64,
     captures: HashMap<u64, Capture>,
@@ -961,6 +970,9 @@ impl Driver for FakeDriver {
     fn host_free(&self, ptr: HostPtr) -> Result<(), DriverError> {
         let mut st = self.enter(Call::HostFree)?;
         st.check_unsafe_call()?;
+        if st.mallocs.contains(ptr) {
+            return Err(DriverError::INVALID_VALUE);
+        }
         st.hosts
             .remove(&ptr.raw)
             .map(|_| ())
@@ -1716,5 +1728,37 @@ impl Driver for FakeDriver {
             return Err(DriverError::INVALID_VALUE);
         }
         st.memory.unmap(at, bytes)
+    }
+
+    fn host_malloc(&self, bytes: u64) -> Result<HostPtr, DriverError> {
+        host_register::malloc(&mut *self.enter(Call::HostMalloc)?, bytes)
+    }
+
+    fn host_prefault(
+        &self,
+        ptr: HostPtr,
+        offset: u64,
+        bytes: u64,
+        page: u64,
+    ) -> Result<(), DriverError> {
+        host_register::prefault(
+            &mut *self.enter(Call::HostPrefault)?,
+            ptr,
+            offset,
+            bytes,
+            page,
+        )
+    }
+
+    fn host_register(&self, ptr: HostPtr) -> Result<(), DriverError> {
+        host_register::register(&mut *self.enter(Call::HostRegister)?, ptr, true)
+    }
+
+    fn host_unregister(&self, ptr: HostPtr) -> Result<(), DriverError> {
+        host_register::register(&mut *self.enter(Call::HostUnregister)?, ptr, false)
+    }
+
+    fn host_mfree(&self, ptr: HostPtr) -> Result<(), DriverError> {
+        host_register::mfree(&mut *self.enter(Call::HostMfree)?, ptr)
     }
 }
