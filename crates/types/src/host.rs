@@ -1,8 +1,38 @@
-//! The pinned host allocator's statistics with PyTorch's keys (allocator spec §6.5):
+//! Pinned host memory as the layers pass it around ([`HostRange`]), and the pinned host
+//! allocator's statistics with PyTorch's keys (allocator spec §6.5):
 //! `torch.cuda.host_memory_stats()`.
-use crate::Stat;
+use crate::{HostPtr, Stat};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
+
+/// A range of page-locked host memory: `bytes` at `offset` into a driver allocation. A
+/// caching host allocator hands these out (its reserve segment serves many ranges from one
+/// allocation); the driver's pinned copies take `(base, offset)`.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct HostRange {
+    /// The driver allocation it lies in.
+    pub base: HostPtr,
+    /// Where it starts in `base`.
+    pub offset: u64,
+    /// Its length.
+    pub bytes: u64,
+}
+
+impl HostRange {
+    /// The whole of a driver allocation.
+    pub fn whole(base: HostPtr) -> HostRange {
+        HostRange {
+            base,
+            offset: 0,
+            bytes: base.bytes,
+        }
+    }
+
+    /// Its host address (`data_ptr()`).
+    pub fn addr(&self) -> u64 {
+        self.base.raw + self.offset
+    }
+}
 
 /// A timing statistic in microseconds: PyTorch's `DurationStat`
 /// (c10/core/CachingDeviceAllocator.h).
