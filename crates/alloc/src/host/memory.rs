@@ -15,7 +15,7 @@ use std::time::Instant;
 
 /// The page the register path pre-faults by (PyTorch's 4 KiB `pageSize`), and the
 /// granularity of the reserve segment's bump allocation.
-pub const HOST_PAGE: u64 = 4096;
+pub(crate) const HOST_PAGE: u64 = 4096;
 
 /// The reserve segment (`pinned_reserve_segment_size_mb`): one pinned slab taken at the
 /// first slow-path allocation, served bump-pointer style in 4 KiB steps, never given back.

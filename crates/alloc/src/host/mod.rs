@@ -56,9 +56,6 @@ use state::{Freed, State};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 
-pub use memory::HOST_PAGE;
-pub use state::{BUCKETS, size_index};
-
 /// The largest request: its bucket, `ceil(log2(size))`, must be below 64.
 const MAX_REQUEST: u64 = 1 << 63;
 

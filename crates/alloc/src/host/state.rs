@@ -11,11 +11,11 @@ use std::collections::VecDeque;
 use std::thread::ThreadId;
 
 /// Free-list buckets: one per `ceil(log2(size))` (PyTorch's `MAX_SIZE_INDEX`).
-pub const BUCKETS: usize = 64;
+pub(crate) const BUCKETS: usize = 64;
 
 /// The bucket of a block of `size` bytes: `ceil(log2(size))` (`Log2_64_Ceil`), for
 /// `1 <= size <= 2^63`.
-pub fn size_index(size: u64) -> usize {
+pub(crate) fn size_index(size: u64) -> usize {
     size.max(1).next_power_of_two().trailing_zeros() as usize
 }
 
