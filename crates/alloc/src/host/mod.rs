@@ -137,11 +137,21 @@ impl HostAllocator {
         };
         // The background thread processes the default pool's events; private pools are
         // processed inline (their allocations happen during captures, with none pending).
-        if !(background && pool.is_default()) {
+        // With no event pending (the common case) one lock serves the whole hit.
+        let inline = !(background && pool.is_default());
+        let pending = {
+            let mut st = self.state.lock();
+            let pending = inline && st.pool_mut(pool).is_some_and(|p| !p.events.is_empty());
+            if !pending && let Some(range) = st.take_free(pool, size, during_capture) {
+                return Ok(range);
+            }
+            pending
+        };
+        if pending {
             self.process_events(pool)?;
-        }
-        if let Some(range) = self.state.lock().take_free(pool, size, during_capture) {
-            return Ok(range);
+            if let Some(range) = self.state.lock().take_free(pool, size, during_capture) {
+                return Ok(range);
+            }
         }
         if background {
             self.start_background();
