@@ -24,7 +24,7 @@
 //! - Statistics have PyTorch's `host_memory_stats` keys and its per-bucket peak sums.
 //!
 //! # Design choices
-//! - One lock over the books ([`state`]), never held across a driver call: events are
+//! - One lock over the books (`state`), never held across a driver call: events are
 //!   recorded, queried and made, and memory is allocated and freed, with it released
 //!   (PyTorch splits the books over several mutexes for the same reason; a pair of
 //!   allocate and free takes the lock twice).
