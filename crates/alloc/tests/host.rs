@@ -2,8 +2,8 @@
 //! `pinned_max_*` thresholds, LIFO reuse per bucket, reuse only after every using stream's
 //! event completed (oldest first, a pass stopping at the first not ready), capture-used
 //! blocks retired, private pools, the register path and its pre-fault split, the reserve
-//! segment, the background thread, `empty_cache`, statistics with PyTorch's keys, and no
-//! driver call made under the allocator's lock.
+//! segment, the background thread, `empty_cache`, statistics with PyTorch's keys, no
+//! driver call made under the allocator's lock, and what a dropped allocator gives back.
 #![allow(clippy::panic)]
 use ferrocuda_alloc::{AllocError, HostAllocator, Route};
 use ferrocuda_driver::fake::{Call, Completion};
@@ -582,5 +582,34 @@ fn no_driver_call_is_made_under_the_lock() -> TestResult {
     for (call, got_through) in probes {
         assert!(got_through(), "{call:?} was made under the lock");
     }
+    Ok(())
+}
+
+#[test]
+fn dropping_the_allocator_gives_back_what_it_caches_only() -> TestResult {
+    let (fake, a) = setup("pinned_reserve_segment_size_mb:1", Completion::Manual);
+    let piece = a.allocate(100, LEGACY)?;
+    let big = a.allocate(2 * MIB, LEGACY)?;
+    a.free(piece.addr())?;
+    a.free(big.addr())?;
+    drop(a);
+    assert_eq!(
+        fake.calls(Call::HostFree),
+        2,
+        "the cached block and the slab"
+    );
+    // A block still waiting for its stream keeps its memory, and so the slab.
+    let (fake, a) = setup("pinned_reserve_segment_size_mb:1", Completion::Manual);
+    let s = stream(&fake)?;
+    let held = a.allocate(100, LEGACY)?;
+    let cached = a.allocate(2 * MIB, LEGACY)?;
+    busy(&fake, s)?;
+    a.record_event(held.addr(), s)?;
+    a.free(held.addr())?;
+    a.free(cached.addr())?;
+    drop(a);
+    assert_eq!(fake.calls(Call::HostFree), 1, "the cached block only");
+    // Its own pending event is destroyed (`busy`'s is not the allocator's).
+    assert_eq!(fake.calls(Call::EventDestroy), 1, "the pending event");
     Ok(())
 }

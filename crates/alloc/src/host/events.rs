@@ -37,6 +37,11 @@ impl EventPool {
         }
     }
 
+    /// Every idle event (the allocator is going).
+    pub(crate) fn drain(&self) -> Vec<EventHandle> {
+        self.idle.lock().drain().flat_map(|(_, v)| v).collect()
+    }
+
     fn put(&self, event: EventHandle) {
         self.idle
             .lock()

@@ -22,6 +22,8 @@ pub(crate) const HOST_PAGE: u64 = 4096;
 #[derive(Debug)]
 pub(crate) struct Slab {
     base: HostPtr,
+    /// How the slab was made (so it goes back the same way).
+    source: Source,
     used: Mutex<u64>,
 }
 
@@ -130,9 +132,10 @@ impl HostAllocator {
         let slab = if size == 0 {
             None
         } else {
-            let (base, _) = self.driver_memory(size)?;
+            let (base, source) = self.driver_memory(size)?;
             Some(Slab {
                 base,
+                source,
                 used: Mutex::new(0),
             })
         };
@@ -179,6 +182,15 @@ impl HostAllocator {
         let elapsed = start.elapsed().as_micros() as i64;
         self.state.lock().stats.host_free_time.increase(elapsed);
         Ok(done?)
+    }
+
+    /// The reserve segment's slab back to the driver (the allocator is going and no piece
+    /// of it is in use).
+    pub(crate) fn release_slab(&mut self) -> Result<(), DriverError> {
+        match self.reserve.slab.take().flatten() {
+            Some(slab) => self.give_back(slab.base, slab.source),
+            None => Ok(()),
+        }
     }
 
     fn give_back(&self, ptr: HostPtr, source: Source) -> Result<(), DriverError> {

@@ -299,6 +299,25 @@ impl HostAllocator {
     }
 }
 
+/// What the allocator caches goes back to the driver when it is dropped: its free blocks,
+/// the reserve slab if no piece of it is left in use, and its events. Blocks still handed
+/// out or waiting for events are left alone (a device may still use them). PyTorch's
+/// allocator lives as long as the process and never does this.
+impl Drop for HostAllocator {
+    fn drop(&mut self) {
+        let (blocks, queued, none_left) = self.state.get_mut().wind_up();
+        for block in blocks {
+            let _ = self.release(block);
+        }
+        if none_left {
+            let _ = self.release_slab();
+        }
+        for event in queued.into_iter().chain(self.events.drain()) {
+            let _ = self.driver.event_destroy(event);
+        }
+    }
+}
+
 impl HostMemoryResource for HostAllocator {
     fn allocate_host(&self, bytes: u64, stream: StreamHandle) -> Result<HostRange, StreamError> {
         Ok(self.allocate(bytes, stream)?)

@@ -359,6 +359,23 @@ impl State {
         addrs.into_iter().filter_map(|a| self.remove(a)).collect()
     }
 
+    /// The allocator is going: every free block of every pool out of the books (to be
+    /// released), every queued event (to be destroyed), and whether no block is left.
+    pub(crate) fn wind_up(&mut self) -> (Vec<Block>, Vec<EventHandle>, bool) {
+        let pools: Vec<PoolId> = std::iter::once(PoolId::DEFAULT)
+            .chain(self.private.keys().copied())
+            .collect();
+        let mut blocks = Vec::new();
+        let mut events = Vec::new();
+        for pool in pools {
+            blocks.extend(self.drain_free(pool));
+            if let Some(p) = self.pool_mut(pool) {
+                events.extend(p.events.drain(..).map(|(e, _)| e));
+            }
+        }
+        (blocks, events, self.blocks.is_empty())
+    }
+
     /// Checks the books: every block is handed out, free in its pool's bucket, waiting for
     /// events or retired, exactly once; pools own what they count; the statistics equal a
     /// recount. For tests.
