@@ -613,3 +613,53 @@ fn dropping_the_allocator_gives_back_what_it_caches_only() -> TestResult {
     assert_eq!(fake.calls(Call::EventDestroy), 1, "the pending event");
     Ok(())
 }
+
+#[test]
+fn threads_allocating_freeing_and_recording_at_once_keep_the_books() -> TestResult {
+    let (fake, a) = setup(
+        "pinned_max_round_threshold_mb:1,pinned_max_cached_size_mb:2",
+        Completion::Eager,
+    );
+    let streams: Vec<StreamHandle> = (0..2).map(|_| stream(&fake)).collect::<Result<_, _>>()?;
+    std::thread::scope(|scope| {
+        let workers: Vec<_> = (0..8u64)
+            .map(|t| {
+                let (a, streams) = (&a, &streams);
+                scope.spawn(move || -> Result<(), AllocError> {
+                    let mut seed = 0x9e37_79b9_7f4a_7c15 ^ t;
+                    let mut live = Vec::new();
+                    for _ in 0..300 {
+                        seed ^= seed << 13;
+                        seed ^= seed >> 7;
+                        seed ^= seed << 17;
+                        if live.len() > 8 || (!live.is_empty() && seed % 3 == 0) {
+                            let addr = live.swap_remove((seed >> 8) as usize % live.len());
+                            if seed % 5 == 0 {
+                                a.record_event(addr, streams[(seed >> 3) as usize % 2])?;
+                            }
+                            a.free(addr)?;
+                        } else if seed % 97 == 0 {
+                            a.empty_cache()?;
+                        } else {
+                            let size = 1 + (seed >> 20) % (5 * MIB / 2);
+                            live.push(a.allocate(size, LEGACY)?.addr());
+                        }
+                    }
+                    live.into_iter().try_for_each(|addr| a.free(addr))
+                })
+            })
+            .collect();
+        workers
+            .into_iter()
+            .try_for_each(|w| w.join().unwrap_or_else(|_| panic!("a worker panicked")))
+    })?;
+    a.empty_cache()?;
+    a.check_invariants()?;
+    assert_eq!(stat(&a, "active_requests.current"), 0);
+    assert_eq!(
+        stat(&a, "allocations.current"),
+        0,
+        "eager events: all given back"
+    );
+    Ok(())
+}

@@ -31,19 +31,21 @@ impl Mallocs {
     }
 }
 
-/// `bytes` of host memory filled with `fill`, or out of memory when the host cannot give
-/// them (a real host refuses such a request; the fake must not abort the process).
-pub(super) fn host_bytes(bytes: u64, fill: u8) -> Result<Vec<u8>, DriverError> {
+/// `bytes` of zeroed host memory, or out of memory when the host cannot give them (a real
+/// host refuses such a request; the fake must not abort the process). The pages are
+/// touched only when written, as a real allocation's.
+pub(super) fn host_bytes(bytes: u64) -> Result<Vec<u8>, DriverError> {
     let len = usize::try_from(bytes).map_err(|_| DriverError::OUT_OF_MEMORY)?;
-    let mut v = Vec::new();
-    v.try_reserve_exact(len)
+    // Asks first, fallibly (an infallible allocation that fails aborts); the zeroed
+    // allocation that follows is lazily backed.
+    Vec::<u8>::new()
+        .try_reserve_exact(len)
         .map_err(|_| DriverError::OUT_OF_MEMORY)?;
-    v.resize(len, fill);
-    Ok(v)
+    Ok(vec![0; len])
 }
 
 pub(super) fn malloc(st: &mut State, bytes: u64) -> Result<HostPtr, DriverError> {
-    let data = host_bytes(bytes, 0xa5)?;
+    let data = host_bytes(bytes)?;
     let raw = st.next_host + MALLOC_OFFSET;
     st.next_host += (bytes.max(1) + MALLOC_OFFSET).div_ceil(4096) * 4096;
     st.hosts.insert(raw, data);

@@ -961,7 +961,7 @@ impl Driver for FakeDriver {
     fn host_alloc(&self, bytes: u64) -> Result<HostPtr, DriverError> {
         let mut st = self.enter(Call::HostAlloc)?;
         st.check_unsafe_call()?;
-        let data = host_register::host_bytes(bytes, 0)?;
+        let data = host_register::host_bytes(bytes)?;
         let raw = st.next_host;
         st.next_host += bytes.max(1).div_ceil(4096) * 4096;
         st.hosts.insert(raw, data);
