@@ -1,4 +1,5 @@
-//! PyTorch's CUDA caching allocator, over any [`Driver`](ferrocuda_driver::Driver).
+//! PyTorch's CUDA caching allocator, over any [`Driver`](ferrocuda_driver::Driver), and its
+//! pinned host caching allocator ([`host`], [`HostAllocator`]).
 //!
 //! Device memory comes from the driver in segments (2 MiB for the small pool, 20 MiB or
 //! a 2 MiB multiple for the large pool) and is cut into blocks. Freed blocks are cached per
@@ -38,6 +39,10 @@
 //!   `setCheckpointPoolState`) moves statistics and history through PyTorch's own steps,
 //!   but works out first whether the checkpoint fits the pool; where PyTorch fails
 //!   half-way, it fails with the same message and leaves the pool as it was.
+//! - **The pinned host allocator is its own module** ([`host`]): PyTorch's
+//!   `CachingHostAllocator` (power-of-two blocks never split, events per using stream,
+//!   private pools for captures); it shares only [`Route`] and [`AllocError`] with the
+//!   device allocator, and [`DeviceAllocators`] holds one beside the device allocators.
 //! - **Typed errors**: [`AllocError`] has its own cases (no such device with PyTorch's
 //!   `assertValidDevice` text, CUDA not available, ...); the out-of-memory report lives in
 //!   `ferrocuda_types` (re-exported here) so that, serving buffers, it reaches the user
