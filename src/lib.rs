@@ -5,7 +5,8 @@
 //! - [`driver`]: the [`Driver`](driver::Driver) seam with the real CUDA backend and the fake
 //!   device;
 //! - [`stream`]: devices, streams, events, kernels and buffers with `torch.cuda` semantics;
-//! - [`alloc`]: the caching allocator; [`memory`] mirrors `torch.cuda.memory` over it;
+//! - [`alloc`]: the caching allocator and the pinned host allocator; [`memory`] mirrors
+//!   `torch.cuda.memory` over them (`host_memory_stats`, `host_empty_cache` included);
 //! - [`graph`]: CUDA graph capture with private memory pools (`torch.cuda.CUDAGraph`).
 //! - [`amp`]: mixed precision (`torch.amp`): autocast, the gradient scaler, precision flags.
 //!
@@ -21,7 +22,8 @@
 //!   leaving CUDA uninitialised and the process safe to fork, with the driver as fallback.
 //! - One caching allocator per device behind it, configured from `FERROCUDA_ALLOC_CONF`
 //!   (else `PYTORCH_CUDA_ALLOC_CONF`) and installed as the runtime's memory resource, so
-//!   every [`DeviceBuffer`](stream::DeviceBuffer) allocates through it. A malformed
+//!   every [`DeviceBuffer`](stream::DeviceBuffer) allocates through it (and every
+//!   [`PinnedBuffer`](stream::PinnedBuffer) through the pinned host allocator). A malformed
 //!   configuration is not ignored: every allocation then fails with the parse error.
 //! - Programs and tests that want a particular backend build their own runtime with
 //!   [`stream::Runtime::new`]; nothing here is hidden state they depend on.

@@ -1,17 +1,17 @@
 //! `torch.cuda.memory` for the global runtime: statistics, cache control, memory fraction,
 //! raw allocations, allocator settings, the current allocator (a pluggable one in the
-//! caching allocators' place: [`change_current_allocator`]) and memory pools ([`MemPool`]).
-//! Every function takes the device explicitly; use `ferrocuda::runtime().current_device()`
-//! for PyTorch's `device=None`.
+//! caching allocators' place: [`change_current_allocator`]), memory pools ([`MemPool`]), and
+//! the pinned host allocator's statistics and cache. Every device function takes the device
+//! explicitly; use `ferrocuda::runtime().current_device()` for PyTorch's `device=None`.
 //!
 //! With a pluggable allocator current, each function does what PyTorch's
 //! `CUDAPluggableAllocator` does for it: `empty_cache` and `set_per_process_memory_fraction`
 //! call its hooks, the raw allocation functions its `alloc` and `free`, and what it has no
 //! form of (statistics, history, snapshots) is PyTorch's "does not yet support" error.
 use crate::alloc::history::{HistoryOptions, SkipFrames};
-use crate::alloc::{AllocError, DeviceAllocators, PluggableAllocator};
-use crate::stream::{MemoryResource, Runtime, Stream, StreamError};
-use crate::types::{DeviceIndex, DevicePtr, StreamHandle};
+use crate::alloc::{AllocError, DeviceAllocators, HostAllocator, PluggableAllocator};
+use crate::stream::{HostMemoryResource, MemoryResource, Runtime, Stream, StreamError};
+use crate::types::{DeviceIndex, DevicePtr, HostRange, StreamHandle};
 use std::collections::BTreeMap;
 use std::sync::{Arc, OnceLock};
 
@@ -47,6 +47,18 @@ impl MemoryResource for Misconfigured {
     }
 }
 
+impl HostMemoryResource for Misconfigured {
+    fn allocate_host(&self, _: u64, _: StreamHandle) -> Result<HostRange, StreamError> {
+        Err(self.0.clone().into())
+    }
+    fn free_host(&self, _: HostRange) -> Result<(), StreamError> {
+        Ok(())
+    }
+    fn record_host_use(&self, _: HostRange, _: StreamHandle) -> Result<(), StreamError> {
+        Ok(())
+    }
+}
+
 /// The allocators of this module, made from the environment for `rt`'s driver on first use.
 fn allocators_for(rt: &Runtime) -> &'static Result<Arc<DeviceAllocators>, AllocError> {
     ALLOCATORS.get_or_init(|| DeviceAllocators::from_env(rt.driver().clone()))
@@ -57,7 +69,11 @@ fn allocators_for(rt: &Runtime) -> &'static Result<Arc<DeviceAllocators>, AllocE
 pub fn install(rt: &Arc<Runtime>) {
     match allocators_for(rt) {
         Ok(a) => a.install(rt),
-        Err(e) => rt.set_memory(Arc::new(Misconfigured(e.clone()))),
+        Err(e) => {
+            let refuse = Arc::new(Misconfigured(e.clone()));
+            rt.set_memory(refuse.clone());
+            rt.set_host_memory(refuse);
+        }
     }
 }
 
@@ -133,6 +149,38 @@ pub fn empty_cache() -> Result<(), AllocError> {
     }
     allocators()?.created().for_each(|a| a.empty_cache());
     Ok(())
+}
+
+/// The global runtime's pinned host allocator (what
+/// [`PinnedBuffer`](crate::stream::PinnedBuffer)s of the global runtime allocate from).
+pub fn host_allocator() -> Result<&'static Arc<HostAllocator>, AllocError> {
+    Ok(allocators()?.host())
+}
+
+/// `torch.cuda.host_memory_stats`: the pinned host allocator's flat dictionary with
+/// PyTorch's keys; empty before CUDA is initialised, as PyTorch's.
+pub fn host_memory_stats() -> Result<BTreeMap<String, i64>, AllocError> {
+    if !crate::is_initialized() {
+        return Ok(BTreeMap::new());
+    }
+    Ok(host_allocator()?.stats().to_map())
+}
+
+/// `torch.cuda.reset_peak_host_memory_stats`.
+pub fn reset_peak_host_memory_stats() -> Result<(), AllocError> {
+    host_allocator()?.reset_peak_stats();
+    Ok(())
+}
+
+/// `torch.cuda.reset_accumulated_host_memory_stats`.
+pub fn reset_accumulated_host_memory_stats() -> Result<(), AllocError> {
+    host_allocator()?.reset_accumulated_stats();
+    Ok(())
+}
+
+/// `torch._C._host_emptyCache`: gives the pinned host allocator's cached blocks back.
+pub fn host_empty_cache() -> Result<(), AllocError> {
+    host_allocator()?.empty_cache()
 }
 
 /// `torch.cuda.set_per_process_memory_fraction` (a pluggable allocator's memory-fraction

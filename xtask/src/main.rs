@@ -43,6 +43,7 @@ const GPU_TESTS: &[&str] = &[
     "cudarc_interop",
     "cudarc_launch",
     "allocator_swap",
+    "pinned_conformance",
 ];
 /// Shared libraries the bundled tests load from beside themselves (package, library name).
 const GPU_LIBRARIES: &[(&str, &str)] =
@@ -64,6 +65,7 @@ const GPU_BENCHES: &[&str] = &[
     "step",
     "guards",
     "trees",
+    "pinned",
 ];
 /// Examples that go into the GPU bundle (each must succeed and say it ran on the GPU).
 const GPU_EXAMPLES: &[&str] = &["tour", "snapshot", "decode"];
@@ -423,6 +425,8 @@ fn gpu_bundle() -> Result<(), String> {
             anchor.display()
         ),
     }
+    // The pinned-memory anchor lives in this repository (PyTorch's side of benches/pinned.rs).
+    std::fs::write(dir.join("torch_pinned.py"), TORCH_PINNED_PY).map_err(|e| e.to_string())?;
     let script = dir.join("run.sh");
     let only: String = GPU_TEST_ONLY
         .iter()
@@ -493,6 +497,10 @@ fn pack_if_large(dir: &Path) -> Result<(), String> {
     );
     Ok(())
 }
+
+/// PyTorch's pinned host allocator and host-to-device copies, measured beside
+/// `benches/pinned.rs` (run by `run.sh`, compared with the criterion figures).
+const TORCH_PINNED_PY: &str = include_str!("../anchors/torch_pinned.py");
 
 const RUN_SH: &str = r#"#!/usr/bin/env bash
 # Runs the bundled tests and benches against the real CUDA driver. A skipped (ignored) test,
@@ -588,6 +596,41 @@ for label, mine, theirs, target in rows:
     if a is None or b is None:
         print(f"{label:28} missing"); continue
     print(f"{label:28} {a:13.1f} {b:11.1f} {a / b:7.3f} {target or '-':>10}")
+PY
+fi
+if [ -f torch_pinned.py ] && [ -z "${ONLY:-}" ]; then
+  echo "=== torch_pinned.py (PyTorch's pinned host allocator, same machine, same run)"
+  if PYTHONUNBUFFERED=1 python3 torch_pinned.py 2>&1 | tee "$OUT/torch_pinned.log"; then
+    passed=$((passed + 1))
+  else
+    echo "torch_pinned.py failed"; failed=$((failed + 1))
+  fi
+fi
+if [ -f "$OUT/torch_pinned.json" ]; then
+  python3 - "$OUT" <<'PY'
+import json, os, sys
+out = sys.argv[1]
+torch = json.load(open(os.path.join(out, "torch_pinned.json")))
+def ours(group, name):
+    p = os.path.join(out, "criterion", group, name, "new", "estimates.json")
+    return json.load(open(p))["median"]["point_estimate"] if os.path.exists(p) else None
+print(f"{'pinned host memory':28} {'ferrocuda':>13} {'PyTorch':>11} {'ratio':>7}")
+for label, mine, theirs in [("alloc+free pair 4 KiB, ns", "pair_4KiB", "torch_pinned_pair_ns_4096"),
+                            ("alloc+free pair 1 MiB, ns", "pair_1MiB", "torch_pinned_pair_ns_1048576"),
+                            ("alloc+free pair 64 MiB, ns", "pair_64MiB", "torch_pinned_pair_ns_67108864"),
+                            ("pair 1 MiB, 8 threads, ns", "pair_1MiB_8threads", "torch_pinned_pair_ns_1MiB_8threads"),
+                            ("empty(pinned) 4 KiB, ns", "empty_pair_4KiB", "torch_pinned_empty_ns_4096"),
+                            ("empty(pinned) 1 MiB, ns", "empty_pair_1MiB", "torch_pinned_empty_ns_1048576"),
+                            ("empty(pinned) 64 MiB, ns", "empty_pair_64MiB", "torch_pinned_empty_ns_67108864")]:
+    a, b = ours("pinned", mine), torch.get(theirs)
+    print(f"{label:28} missing" if a is None or b is None else f"{label:28} {a:13.1f} {b:11.1f} {a / b:7.3f}")
+for label, mine, theirs in [("H2D 64 MiB pinned, GB/s", "pinned_64MiB", "torch_h2d_pinned_GBps"),
+                            ("H2D 64 MiB pageable, GB/s", "pageable_64MiB", "torch_h2d_pageable_GBps")]:
+    ns, b = ours("h2d", mine), torch.get(theirs)
+    if ns is None or b is None:
+        print(f"{label:28} missing"); continue
+    a = (64 << 20) / ns
+    print(f"{label:28} {a:13.2f} {b:11.2f} {a / b:7.3f}")
 PY
 fi
 echo "$passed passed, $failed failed"

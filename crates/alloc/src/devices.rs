@@ -1,5 +1,6 @@
-//! One caching allocator per device, created on first use, serving a runtime's buffers.
-use crate::{AllocError, CachingAllocator};
+//! One caching allocator per device, created on first use, and the pinned host allocator,
+//! serving a runtime's buffers.
+use crate::{AllocError, CachingAllocator, HostAllocator};
 use ferrocuda_driver::Driver;
 use ferrocuda_stream::{MemoryResource, PerDevice, Runtime, StreamError};
 use ferrocuda_types::{AllocatorConfig, DeviceIndex, DevicePtr, StreamHandle};
@@ -18,7 +19,8 @@ pub fn caching_disabled(var: impl Fn(&str) -> Option<String>) -> bool {
     .is_some_and(|v| v.trim() == "1")
 }
 
-/// The allocators of every device of one driver. It holds the driver, not a runtime: the
+/// The allocators of every device of one driver, and its pinned host allocator. It holds
+/// the driver, not a runtime: the
 /// runtime holds it (as its memory resource), and the other way round would be a cycle.
 /// Making it initialises nothing: the driver is asked for its devices at the first use.
 #[derive(Debug)]
@@ -28,6 +30,8 @@ pub struct DeviceAllocators {
     caching: bool,
     /// One slot per device, made at the first use.
     devices: PerDevice<OnceLock<CachingAllocator>>,
+    /// Pinned host memory, for every device (its configuration follows `config`).
+    host: Arc<HostAllocator>,
 }
 
 impl DeviceAllocators {
@@ -38,6 +42,7 @@ impl DeviceAllocators {
         caching: bool,
     ) -> Arc<DeviceAllocators> {
         Arc::new(DeviceAllocators {
+            host: HostAllocator::new(driver.clone(), config.clone()),
             driver,
             config: RwLock::new(config),
             caching,
@@ -63,9 +68,16 @@ impl DeviceAllocators {
         ))
     }
 
-    /// Makes this the memory resource of `runtime`'s buffers (a runtime over the same driver).
+    /// Makes these the memory resources of `runtime`'s device buffers and pinned buffers (a
+    /// runtime over the same driver).
     pub fn install(self: &Arc<Self>, runtime: &Runtime) {
         runtime.set_memory(self.clone());
+        runtime.set_host_memory(self.host.clone());
+    }
+
+    /// The pinned host allocator.
+    pub fn host(&self) -> &Arc<HostAllocator> {
+        &self.host
     }
 
     /// The device slots, made now if need be, or why there are none.
@@ -126,6 +138,7 @@ impl DeviceAllocators {
         for a in self.created() {
             a.update_config(s)?;
         }
+        self.host.update_config(s)?;
         *config = next;
         Ok(())
     }

@@ -110,6 +110,16 @@ pub enum AllocError {
     /// `changeCurrentAllocator` check).
     #[error("Can't swap an already initialized allocator")]
     AlreadyInitialized,
+    /// A host address the pinned host allocator did not hand out (or already took back).
+    #[error("invalid pinned host pointer: {0:#x}")]
+    InvalidHostPointer(u64),
+    /// A stream recorded for a pinned host block that was already freed (PyTorch's
+    /// internal assert in `record_event`).
+    #[error("pinned host block {0:#x} is not allocated: record its use before freeing it")]
+    HostBlockNotAllocated(u64),
+    /// A pinned host request too large to have a free-list bucket (over 2^63 bytes).
+    #[error("cannot allocate {0} bytes of pinned host memory: more than 2^63 bytes")]
+    HostRequestTooLarge(u64),
 }
 
 /// A driver error as the stream layer reads it (its one conversion decides, so a call in a

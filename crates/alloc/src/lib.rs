@@ -1,4 +1,5 @@
-//! PyTorch's CUDA caching allocator, over any [`Driver`](ferrocuda_driver::Driver).
+//! PyTorch's CUDA caching allocator, over any [`Driver`](ferrocuda_driver::Driver), and its
+//! pinned host caching allocator ([`host`], [`HostAllocator`]).
 //!
 //! Device memory comes from the driver in segments (2 MiB for the small pool, 20 MiB or
 //! a 2 MiB multiple for the large pool) and is cut into blocks. Freed blocks are cached per
@@ -43,6 +44,10 @@
 //!   (it is a `MemoryResource` too) or feed one private pool with segments
 //!   ([`CachingAllocator::create_pool_with_allocator`], `MemPool(allocator=…)`), the
 //!   caching, splitting and statistics staying this allocator's.
+//! - **The pinned host allocator is its own module** ([`host`]): PyTorch's
+//!   `CachingHostAllocator` (power-of-two blocks never split, events per using stream,
+//!   private pools for captures); it shares only [`Route`] and [`AllocError`] with the
+//!   device allocator, and [`DeviceAllocators`] holds one beside the device allocators.
 //! - **Typed errors**: [`AllocError`] has its own cases (no such device with PyTorch's
 //!   `assertValidDevice` text, CUDA not available, ...); the out-of-memory report lives in
 //!   `ferrocuda_types` (re-exported here) so that, serving buffers, it reaches the user
@@ -68,6 +73,7 @@ mod expandable_mapping;
 mod free_list;
 mod free_pools;
 pub mod history;
+pub mod host;
 mod inspect;
 mod pluggable;
 mod private_pools;
@@ -84,5 +90,6 @@ pub use block::{Allocation, BlockInfo};
 pub use devices::{DeviceAllocators, caching_disabled};
 pub use engine::OomObserver;
 pub use error::{AllocError, OutOfMemory};
+pub use host::HostAllocator;
 pub use pluggable::PluggableAllocator;
 pub use private_pools::Route;

@@ -20,6 +20,23 @@ pub enum Route {
     Thread(std::thread::ThreadId),
 }
 
+impl Route {
+    /// Whether this route takes an allocation on `stream`, in capture `capture` (if the
+    /// stream is capturing), made by thread `thread`.
+    pub(crate) fn takes(
+        &self,
+        stream: StreamHandle,
+        capture: Option<u64>,
+        thread: std::thread::ThreadId,
+    ) -> bool {
+        match *self {
+            Route::Capture(id) => capture == Some(id),
+            Route::Stream(s) => s == stream,
+            Route::Thread(t) => t == thread,
+        }
+    }
+}
+
 /// A graph's private pool.
 #[derive(Debug, Default)]
 struct PrivatePool {
@@ -51,11 +68,7 @@ impl PrivatePools {
         self.routes
             .iter()
             .rev()
-            .find(|(_, route, _)| match *route {
-                Route::Capture(id) => capture == Some(id),
-                Route::Stream(s) => s == stream,
-                Route::Thread(t) => t == me,
-            })
+            .find(|(_, route, _)| route.takes(stream, capture, me))
             .map_or(PoolId::DEFAULT, |(pool, _, _)| *pool)
     }
 

@@ -26,6 +26,7 @@ use std::ffi::{CString, c_void};
 use std::path::Path;
 use std::sync::OnceLock;
 
+mod host_register;
 mod interop;
 mod nodes;
 
@@ -58,6 +59,8 @@ struct Registry {
     graphs: HashMap<u64, u16>,
     execs: HashMap<u64, u16>,
     hosts: BTreeMap<u64, u64>,
+    /// Host memory from `host_malloc`: its length and whether it is registered now.
+    mallocs: BTreeMap<u64, (u64, bool)>,
     phys: HashMap<u64, (u16, u64)>,
     /// Streams other libraries made, adopted (`stream_adopt`), with their adoption count.
     adopted: HashMap<(u16, u64), u32>,
@@ -230,12 +233,12 @@ impl CudaDriver {
 
     fn host(&self, h: HostPtr, offset: u64, bytes: u64) -> Result<*mut u8, DriverError> {
         let l = self.loaded()?;
-        let ok = l
-            .registry
-            .read()
+        let registry = l.registry.read();
+        let len = registry
             .hosts
             .get(&h.raw)
-            .is_some_and(|&len| offset.checked_add(bytes).is_some_and(|end| end <= len));
+            .or_else(|| registry.mallocs.get(&h.raw).map(|(len, _)| len));
+        let ok = len.is_some_and(|&len| offset.checked_add(bytes).is_some_and(|end| end <= len));
         if !ok {
             return Err(DriverError::INVALID_VALUE);
         }
@@ -1250,5 +1253,31 @@ impl Driver for CudaDriver {
 
     fn stream_forget(&self, stream: StreamHandle) -> Result<(), DriverError> {
         interop::forget(self, stream)
+    }
+
+    fn host_malloc(&self, bytes: u64) -> Result<HostPtr, DriverError> {
+        host_register::malloc(self, bytes)
+    }
+
+    fn host_prefault(
+        &self,
+        ptr: HostPtr,
+        offset: u64,
+        bytes: u64,
+        page: u64,
+    ) -> Result<(), DriverError> {
+        host_register::prefault(self, ptr, offset, bytes, page)
+    }
+
+    fn host_register(&self, ptr: HostPtr) -> Result<(), DriverError> {
+        host_register::register(self, ptr)
+    }
+
+    fn host_unregister(&self, ptr: HostPtr) -> Result<(), DriverError> {
+        host_register::unregister(self, ptr)
+    }
+
+    fn host_mfree(&self, ptr: HostPtr) -> Result<(), DriverError> {
+        host_register::mfree(self, ptr)
     }
 }

@@ -311,5 +311,29 @@ pub trait Driver: Send + Sync + std::fmt::Debug + 'static {
     /// Ends one adoption of `stream` (the stream itself lives on with its maker). A handle
     /// not adopted is `CUDA_ERROR_INVALID_HANDLE`.
     fn stream_forget(&self, stream: StreamHandle) -> Result<(), DriverError>;
+    // ---- pinned host memory: the register path (the pinned host allocator) --------------
+    /// Allocates pageable host memory (`malloc`), to be page-locked by
+    /// [`Driver::host_register`]. The host methods read and write it, and it can be the host
+    /// end of the pinned copies ([`Driver::memcpy_htod_pinned_async`], ...), which the driver
+    /// stages until it is registered. [`Driver::host_free`] refuses it.
+    fn host_malloc(&self, bytes: u64) -> Result<HostPtr, DriverError>;
+    /// Pre-faults `[offset, offset + bytes)` of memory from [`Driver::host_malloc`]: writes a
+    /// zero to every `page`-aligned address in that range (PyTorch's `mapPagesForRegister`),
+    /// so that registering it does not fault pages in under the driver's lock. Several
+    /// threads may pre-fault disjoint ranges of one allocation at once.
+    fn host_prefault(
+        &self,
+        ptr: HostPtr,
+        offset: u64,
+        bytes: u64,
+        page: u64,
+    ) -> Result<(), DriverError>;
+    /// Page-locks all of an allocation from [`Driver::host_malloc`] for every device
+    /// (`cuMemHostRegister`, default flags).
+    fn host_register(&self, ptr: HostPtr) -> Result<(), DriverError>;
+    /// Undoes [`Driver::host_register`] (`cuMemHostUnregister`).
+    fn host_unregister(&self, ptr: HostPtr) -> Result<(), DriverError>;
+    /// Frees memory from [`Driver::host_malloc`] (`free`); it must be unregistered first.
+    fn host_mfree(&self, ptr: HostPtr) -> Result<(), DriverError>;
 }
 pub use fake::Call;

@@ -283,6 +283,16 @@ impl CudaGraph {
             self.abort_capture(stream);
             return Err(e.into());
         }
+        // Pinned host memory asked for during the capture comes from the pool of the same
+        // id in the host allocator (PyTorch's `begin_allocate_to_pool` on the host
+        // allocator in `CUDAGraph::capture_begin`).
+        let host = self.allocators.host();
+        if let Err(e) = host.begin_allocate_to_pool(pool, Route::Capture(id)) {
+            self.abort_capture(stream);
+            let _ = allocator.end_allocate_to_pool(pool);
+            let _ = allocator.release_pool(pool);
+            return Err(e.into());
+        }
         drop(fence);
         let mut started = 0;
         let prologues = st.generators.iter().try_for_each(|(g, _)| {
@@ -299,6 +309,8 @@ impl CudaGraph {
             self.abort_capture(stream);
             let _ = allocator.end_allocate_to_pool(pool);
             let _ = allocator.release_pool(pool);
+            let _ = host.end_allocate_to_pool(pool);
+            let _ = host.release_pool(pool);
             return Err(e);
         }
         st.capturing = Some(stream.clone());
@@ -338,7 +350,10 @@ impl CudaGraph {
             self.abort_capture(&stream);
             None
         };
-        let unrouted = allocator.end_allocate_to_pool(pool);
+        let host = self.allocators.host();
+        let unrouted = allocator
+            .end_allocate_to_pool(pool)
+            .and(host.end_allocate_to_pool(pool));
         for (generator, increment) in &mut st.generators {
             let drawn = generator.capture_epilogue();
             *increment = if keep { drawn } else { 0 };
@@ -347,6 +362,7 @@ impl CudaGraph {
         if !keep || result.is_err() {
             st.pool = None;
             let _ = allocator.release_pool(pool);
+            let _ = host.release_pool(pool);
         }
         unrouted?;
         result
@@ -595,6 +611,7 @@ impl CudaGraph {
         }
         if let Some(pool) = st.pool.take() {
             self.allocators.device(self.device)?.release_pool(pool)?;
+            self.allocators.host().release_pool(pool)?;
         }
         Ok(())
     }

@@ -4,8 +4,8 @@
 //! the current device per thread and [`DeviceGuard`] (`with torch.cuda.device(i)`), the
 //! legacy default stream, a round-robin pool of 32 streams per priority, the current stream
 //! per (thread, device) and [`StreamGuard`] (`with torch.cuda.stream(s)`), events with
-//! timing, kernels compiled from CUDA C++ with an on-disk cache, and a minimal typed
-//! [`DeviceBuffer`].
+//! timing, kernels compiled from CUDA C++ with an on-disk cache, a minimal typed
+//! [`DeviceBuffer`], and a pinned host [`PinnedBuffer`] with non-blocking copies.
 //!
 //! # Design choices
 //! - **Lazy initialisation, as PyTorch's.** Making a [`Runtime`] asks the driver nothing;
@@ -35,7 +35,9 @@
 //!
 //! # What the layers above must do
 //! - Keep allocations alive until the streams using them are done (the caching allocator's
-//!   `record_stream` does this for the buffer in the next layer).
+//!   `record_stream` does this for the buffer in the next layer; a [`PinnedBuffer`]'s
+//!   non-blocking copies record their stream with its [`HostMemoryResource`], which must
+//!   not reuse the memory before that work completes).
 //! - Not use guards across threads (they are `!Send`).
 //! - A [`MemoryResource`] reports out of memory as [`MemoryError::OutOfMemory`] with its
 //!   figures, so a buffer user can read them ([`StreamError::Memory`] prints the report's
@@ -50,6 +52,7 @@ mod interop;
 mod memory;
 mod module;
 mod per_device;
+mod pinned_buffer;
 mod runtime;
 mod stream;
 
@@ -62,8 +65,9 @@ pub use error::{MemoryError, Result, StreamError};
 pub use event::Event;
 pub use ferrocuda_driver::Driver;
 pub use interop::Lent;
-pub use memory::{DriverMemory, MemoryResource};
+pub use memory::{DriverHostMemory, DriverMemory, HostMemoryResource, MemoryResource};
 pub use module::{CacheOutcome, Function, KernelCache, Module};
 pub use per_device::PerDevice;
+pub use pinned_buffer::PinnedBuffer;
 pub use runtime::{DeviceGuard, Runtime, STREAMS_PER_POOL, StreamGuard};
 pub use stream::Stream;

@@ -1,8 +1,9 @@
-//! Where device buffers get their memory: a resource the layer above can replace (the
-//! caching allocator installs itself here), so this layer never depends on the allocator.
+//! Where device buffers and pinned host buffers get their memory: resources the layer above
+//! can replace (the caching allocators install themselves here), so this layer never
+//! depends on the allocators.
 use crate::{Result, StreamError};
 use ferrocuda_driver::Driver;
-use ferrocuda_types::{DeviceIndex, DevicePtr, StreamHandle};
+use ferrocuda_types::{DeviceIndex, DevicePtr, HostRange, StreamHandle};
 use std::sync::Arc;
 
 /// Device memory for [`DeviceBuffer`](crate::DeviceBuffer)s.
@@ -36,6 +37,38 @@ impl MemoryResource for DriverMemory {
         _stream: StreamHandle,
     ) -> Result<()> {
         // cuMemFree waits for the device; nothing to track.
+        Ok(())
+    }
+}
+
+/// Page-locked host memory for [`PinnedBuffer`](crate::PinnedBuffer)s.
+pub trait HostMemoryResource: Send + Sync + std::fmt::Debug {
+    /// `bytes` of page-locked host memory (never called with 0), asked for while `stream` is
+    /// the current stream (a stream capture routes it to the capture's private pool).
+    fn allocate_host(&self, bytes: u64, stream: StreamHandle) -> Result<HostRange>;
+    /// Gives memory back; it is not reused before the work its recorded streams had
+    /// enqueued completes.
+    fn free_host(&self, range: HostRange) -> Result<()>;
+    /// Notes that the work enqueued on `stream` so far uses the memory at `range` (PyTorch's
+    /// `CachingHostAllocator_recordEvent`, which non-blocking copies call).
+    fn record_host_use(&self, range: HostRange, stream: StreamHandle) -> Result<()>;
+}
+
+/// Straight `cuMemHostAlloc`/`cuMemFreeHost`: the default until a caching host allocator is
+/// installed. `cuMemFreeHost` waits for the device, so there is nothing to record.
+#[derive(Debug)]
+pub struct DriverHostMemory(pub Arc<dyn Driver>);
+
+impl HostMemoryResource for DriverHostMemory {
+    fn allocate_host(&self, bytes: u64, _stream: StreamHandle) -> Result<HostRange> {
+        Ok(HostRange::whole(self.0.host_alloc(bytes)?))
+    }
+
+    fn free_host(&self, range: HostRange) -> Result<()> {
+        Ok(self.0.host_free(range.base)?)
+    }
+
+    fn record_host_use(&self, _range: HostRange, _stream: StreamHandle) -> Result<()> {
         Ok(())
     }
 }

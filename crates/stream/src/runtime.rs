@@ -57,6 +57,7 @@ pub struct Runtime {
     devices: PerDevice<DeviceState>,
     pub(crate) kernel_cache: crate::module::KernelCache,
     memory: parking_lot::RwLock<Arc<dyn crate::MemoryResource>>,
+    host_memory: parking_lot::RwLock<Arc<dyn crate::HostMemoryResource>>,
 }
 
 impl Runtime {
@@ -75,6 +76,9 @@ impl Runtime {
             devices: PerDevice::default(),
             kernel_cache: cache,
             memory: parking_lot::RwLock::new(Arc::new(crate::DriverMemory(driver.clone()))),
+            host_memory: parking_lot::RwLock::new(Arc::new(crate::DriverHostMemory(
+                driver.clone(),
+            ))),
             driver,
         })
     }
@@ -88,6 +92,17 @@ impl Runtime {
     /// already made keep the resource they came from.
     pub fn set_memory(&self, memory: Arc<dyn crate::MemoryResource>) {
         *self.memory.write() = memory;
+    }
+
+    /// Where pinned host buffers get memory from.
+    pub fn host_memory(&self) -> Arc<dyn crate::HostMemoryResource> {
+        self.host_memory.read().clone()
+    }
+
+    /// Replaces the pinned host memory resource (the caching host allocator installs itself
+    /// here). Buffers already made keep the resource they came from.
+    pub fn set_host_memory(&self, memory: Arc<dyn crate::HostMemoryResource>) {
+        *self.host_memory.write() = memory;
     }
 
     /// The driver underneath.

@@ -557,10 +557,9 @@ impl AllocatorConfig {
     }
 
     /// Options that parse but are not built yet: setting one is an error rather than a
-    /// silent no-op (the pinned host allocator and `cudaMallocAsync` are still to come).
+    /// silent no-op (`cudaMallocAsync` is still to come).
     fn check_supported(&self, p: &Parser, key: &Token) -> Result<(), ConfigError> {
         let unsupported = match key.text.as_str() {
-            k if k.starts_with("pinned_") => true,
             "backend" => self.backend == Backend::CudaMallocAsync,
             "graph_capture_record_stream_reuse" => self.graph_capture_record_stream_reuse,
             "expandable_segments_reserve_by_class" => true,
@@ -1053,5 +1052,28 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn pinned_keys_parse_and_keep_their_values_across_reparses() {
+        let mut c = AllocatorConfig::parse(
+            "pinned_use_cuda_host_register:True,pinned_num_register_threads:8,\
+             pinned_use_background_threads:True,pinned_reserve_segment_size_mb:16,\
+             pinned_max_round_threshold_mb:64,pinned_max_cached_size_mb:128,\
+             pinned_free_catch_all:True",
+        )
+        .expect("the pinned keys are supported");
+        assert!(c.pinned_use_cuda_host_register && c.pinned_use_background_threads);
+        assert!(c.pinned_free_catch_all);
+        assert_eq!(c.pinned_num_register_threads, 8);
+        assert_eq!(c.pinned_reserve_segment_size, 16 * MIB);
+        assert_eq!(c.pinned_max_round_threshold, Some(64 * MIB));
+        assert_eq!(c.pinned_max_cached_size, Some(128 * MIB));
+        // A re-parse resets only the device rounding options (allocator spec §1.3).
+        c.update("pinned_use_hip_host_register:False")
+            .expect("the alias");
+        assert!(!c.pinned_use_cuda_host_register);
+        assert_eq!(c.pinned_num_register_threads, 8);
+        assert_eq!(c.pinned_max_cached_size, Some(128 * MIB));
     }
 }

@@ -26,6 +26,7 @@ mod device;
 mod dtype;
 mod graph_node;
 mod handles;
+mod host;
 mod launch;
 mod oom;
 mod snapshot;
@@ -42,6 +43,7 @@ pub use handles::{
     DeviceIndex, DevicePtr, EventHandle, FunctionHandle, GraphExecHandle, GraphHandle, HostPtr,
     ModuleHandle, PhysHandle, PoolId, StreamHandle, VaRange,
 };
+pub use host::{DurationStat, HostRange, HostStats};
 pub use launch::{
     CaptureMode, CaptureStatus, EventFlags, KernelArg, LaunchConfig, MemsetValue, StreamFlags,
 };

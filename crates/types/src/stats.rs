@@ -40,11 +40,13 @@ impl Stat {
         self.freed += n;
     }
 
-    fn reset_peak(&mut self) {
+    /// `reset_peak`: the peak becomes the current value.
+    pub fn reset_peak(&mut self) {
         self.peak = self.current;
     }
 
-    fn reset_accumulated(&mut self) {
+    /// `reset_accumulated`: the totals go back to zero.
+    pub fn reset_accumulated(&mut self) {
         self.allocated = 0;
         self.freed = 0;
     }

@@ -14,6 +14,7 @@
 //! real driver gave PyTorch), so differential tests and replays break best-fit ties as the
 //! recording did. [`FakeDriverBuilder::capacity`] sets the device's total memory.
 mod addresses;
+mod host_register;
 mod interop;
 mod memory;
 mod nodes;
@@ -113,9 +114,14 @@ pub enum Call {
     VmUnmap,
     StreamAdopt,
     StreamForget,
+    HostMalloc,
+    HostPrefault,
+    HostRegister,
+    HostUnregister,
+    HostMfree,
 }
 
-const CALL_KINDS: usize = Call::StreamForget as usize + 1;
+const CALL_KINDS: usize = Call::HostMfree as usize + 1;
 
 /// Configures a [`FakeDriver`].
 #[derive(Debug, Clone)]
@@ -224,6 +230,7 @@ impl FakeDriverBuilder {
                 graphs: HashMap::new(),
                 execs: HashMap::new(),
                 hosts: HashMap::new(),
+                mallocs: host_register::Mallocs::default(),
                 next_host: 0x1000_0000,
                 next_id: 1,
                 captures: HashMap::new(),
@@ -331,6 +338,8 @@ struct State {
     graphs: HashMap<u64, FakeGraph>,
     execs: HashMap<u64, FakeGraph>,
     hosts: HashMap<u64, Vec<u8>>,
+    /// Which of `hosts` came from `host_malloc` (pageable, perhaps registered).
+    mallocs: host_register::Mallocs,
     next_host: u64,
     next_id: u64,
     captures: HashMap<u64, Capture>,
@@ -960,15 +969,19 @@ impl Driver for FakeDriver {
     fn host_alloc(&self, bytes: u64) -> Result<HostPtr, DriverError> {
         let mut st = self.enter(Call::HostAlloc)?;
         st.check_unsafe_call()?;
+        let data = host_register::host_bytes(bytes)?;
         let raw = st.next_host;
         st.next_host += bytes.max(1).div_ceil(4096) * 4096;
-        st.hosts.insert(raw, vec![0; bytes as usize]);
+        st.hosts.insert(raw, data);
         Ok(HostPtr { raw, bytes })
     }
 
     fn host_free(&self, ptr: HostPtr) -> Result<(), DriverError> {
         let mut st = self.enter(Call::HostFree)?;
         st.check_unsafe_call()?;
+        if st.mallocs.contains(ptr) {
+            return Err(DriverError::INVALID_VALUE);
+        }
         st.hosts
             .remove(&ptr.raw)
             .map(|_| ())
@@ -1735,5 +1748,37 @@ impl Driver for FakeDriver {
     fn stream_forget(&self, stream: StreamHandle) -> Result<(), DriverError> {
         let mut st = self.enter(Call::StreamForget)?;
         interop::forget(&mut st, stream)
+    }
+
+    fn host_malloc(&self, bytes: u64) -> Result<HostPtr, DriverError> {
+        host_register::malloc(&mut *self.enter(Call::HostMalloc)?, bytes)
+    }
+
+    fn host_prefault(
+        &self,
+        ptr: HostPtr,
+        offset: u64,
+        bytes: u64,
+        page: u64,
+    ) -> Result<(), DriverError> {
+        host_register::prefault(
+            &mut *self.enter(Call::HostPrefault)?,
+            ptr,
+            offset,
+            bytes,
+            page,
+        )
+    }
+
+    fn host_register(&self, ptr: HostPtr) -> Result<(), DriverError> {
+        host_register::register(&mut *self.enter(Call::HostRegister)?, ptr, true)
+    }
+
+    fn host_unregister(&self, ptr: HostPtr) -> Result<(), DriverError> {
+        host_register::register(&mut *self.enter(Call::HostUnregister)?, ptr, false)
+    }
+
+    fn host_mfree(&self, ptr: HostPtr) -> Result<(), DriverError> {
+        host_register::mfree(&mut *self.enter(Call::HostMfree)?, ptr)
     }
 }
