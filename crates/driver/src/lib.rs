@@ -311,6 +311,7 @@ pub trait Driver: Send + Sync + std::fmt::Debug + 'static {
     /// Ends one adoption of `stream` (the stream itself lives on with its maker). A handle
     /// not adopted is `CUDA_ERROR_INVALID_HANDLE`.
     fn stream_forget(&self, stream: StreamHandle) -> Result<(), DriverError>;
+
     // ---- pinned host memory: the register path (the pinned host allocator) --------------
     /// Allocates pageable host memory (`malloc`), to be page-locked by
     /// [`Driver::host_register`]. The host methods read and write it, and it can be the host
