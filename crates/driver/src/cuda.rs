@@ -11,7 +11,7 @@
 //! Every handle a caller passes is checked against a registry of the objects this driver
 //! created, so a stale or made-up handle is `CUDA_ERROR_INVALID_HANDLE`, never a wild pointer
 //! handed to libcuda.
-use crate::{CompileError, Driver, DriverError, NvmlError};
+use crate::{CompileError, Driver, DriverError, ExternalStream, NvmlError};
 use cudarc::driver::sys;
 use cudarc::nvrtc::sys as nvrtc_sys;
 use ferrocuda_types::{
@@ -26,6 +26,9 @@ use std::ffi::{CString, c_void};
 use std::path::Path;
 use std::sync::OnceLock;
 
+#[cfg(feature = "c-export")]
+pub(crate) mod context_scope;
+mod external;
 mod nodes;
 
 /// Most kernel arguments one launch takes.
@@ -51,6 +54,8 @@ fn ready(r: sys::CUresult) -> Result<bool, DriverError> {
 #[derive(Default)]
 struct Registry {
     streams: HashSet<(u16, u64)>,
+    /// Streams of other libraries among `streams` ([`Driver::stream_adopt`]), never destroyed.
+    adopted: HashSet<(u16, u64)>,
     events: HashMap<u64, (u16, EventFlags)>,
     modules: HashMap<u64, u16>,
     functions: HashMap<u64, (u16, u64)>,
@@ -178,6 +183,8 @@ impl CudaDriver {
         // SAFETY: writes through a valid pointer.
         check(unsafe { sys::cuCtxGetCurrent(&mut current) })?;
         if current as usize != ctx {
+            #[cfg(feature = "c-export")]
+            context_scope::note_switch(current);
             // SAFETY: `ctx` is a retained primary context, never released while we live.
             check(unsafe { sys::cuCtxSetCurrent(ctx as sys::CUcontext) })?;
         }
@@ -727,6 +734,9 @@ impl Driver for CudaDriver {
     }
 
     fn stream_destroy(&self, stream: StreamHandle) -> Result<(), DriverError> {
+        if self.is_adopted(stream) {
+            return Err(DriverError::NOT_PERMITTED);
+        }
         let l = self.bind(stream.device)?;
         if !l
             .registry
@@ -1231,5 +1241,13 @@ impl Driver for CudaDriver {
         self.bind(dev)?;
         // SAFETY: the driver checks the range.
         check(unsafe { sys::cuMemUnmap(at.0, bytes as usize) })
+    }
+
+    fn stream_adopt(
+        &self,
+        dev: DeviceIndex,
+        stream: ExternalStream,
+    ) -> Result<StreamHandle, DriverError> {
+        self.adopt_stream(dev, stream)
     }
 }

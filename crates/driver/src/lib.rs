@@ -38,14 +38,18 @@
 //! - Not hold its own locks across driver calls that can block (synchronize, free).
 //! - Apply `CUDA_VISIBLE_DEVICES` to NVML's count itself (libcuda applies it to its own).
 
+#[cfg(feature = "c-export")]
+pub mod c_export;
 mod cuda;
 mod error;
+mod external;
 pub mod fake;
 pub mod fork;
 pub mod nvml;
 
 pub use cuda::{CudaDriver, RawGraph, RawLaunch};
 pub use error::{CompileError, DriverError};
+pub use external::ExternalStream;
 pub use fake::{Completion, FakeDriver, FakeDriverBuilder, KernelContext};
 pub use nvml::NvmlError;
 
@@ -290,5 +294,22 @@ pub trait Driver: Send + Sync + std::fmt::Debug + 'static {
     -> Result<(), DriverError>;
     /// Unmaps `[at, at + bytes)` (`cuMemUnmap`).
     fn vm_unmap(&self, dev: DeviceIndex, at: DevicePtr, bytes: u64) -> Result<(), DriverError>;
+
+    // ---- streams of other libraries (the PyTorch allocator plugin) ------------------------
+    /// Adopts another library's stream of `dev` (PyTorch's `cudaStream_t`): from now on the
+    /// handle returned is accepted wherever a stream is, as one this driver created.
+    /// Adopting again returns the same handle; the legacy default stream is always adopted.
+    /// The real driver checks that the stream belongs to `dev`'s primary context (else
+    /// `CUDA_ERROR_INVALID_CONTEXT`), refuses a stream nobody vouched for
+    /// (`CUDA_ERROR_INVALID_HANDLE`, see [`ExternalStream::of_fake`]), and never destroys
+    /// an adopted stream: its [`Driver::stream_destroy`] refuses one
+    /// (`CUDA_ERROR_NOT_PERMITTED`), its maker owns it. The fake adopts the streams it has
+    /// (else `CUDA_ERROR_INVALID_HANDLE`); since it also plays the other library in tests,
+    /// it still lets them be destroyed.
+    fn stream_adopt(
+        &self,
+        dev: DeviceIndex,
+        stream: ExternalStream,
+    ) -> Result<StreamHandle, DriverError>;
 }
 pub use fake::Call;

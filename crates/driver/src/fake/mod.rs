@@ -14,6 +14,7 @@
 //! real driver gave PyTorch), so differential tests and replays break best-fit ties as the
 //! recording did. [`FakeDriverBuilder::capacity`] sets the device's total memory.
 mod addresses;
+mod external;
 mod memory;
 mod nodes;
 mod work;
@@ -21,7 +22,7 @@ mod work;
 pub use addresses::{AddressPlan, AddressPlanError, PLAN_REGION, PlanUse, WhenUnusable};
 pub use work::{HostKernel, KernelContext};
 
-use crate::{CompileError, Driver, DriverError, NvmlError};
+use crate::{CompileError, Driver, DriverError, ExternalStream, NvmlError};
 use ferrocuda_types::{
     CaptureMode, CaptureStatus, DeviceIndex, DeviceProperties, DevicePtr, EventFlags, EventHandle,
     FunctionHandle, GraphExecHandle, GraphHandle, GraphNode, HostPtr, KernelArg, LaunchConfig,
@@ -110,9 +111,10 @@ pub enum Call {
     VmMap,
     VmSetAccess,
     VmUnmap,
+    StreamAdopt,
 }
 
-const CALL_KINDS: usize = Call::VmUnmap as usize + 1;
+const CALL_KINDS: usize = Call::StreamAdopt as usize + 1;
 
 /// Configures a [`FakeDriver`].
 #[derive(Debug, Clone)]
@@ -1716,5 +1718,13 @@ impl Driver for FakeDriver {
             return Err(DriverError::INVALID_VALUE);
         }
         st.memory.unmap(at, bytes)
+    }
+
+    fn stream_adopt(
+        &self,
+        dev: DeviceIndex,
+        stream: ExternalStream,
+    ) -> Result<StreamHandle, DriverError> {
+        self.adopt_stream(dev, stream)
     }
 }

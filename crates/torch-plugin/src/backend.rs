@@ -1,0 +1,248 @@
+//! [`TorchBackend`]: what each PyTorch hook does with ferrocuda's allocators.
+use crate::PluginError;
+use ferrocuda::alloc::history::{HistoryOptions, SkipFrames};
+use ferrocuda::alloc::{AllocError, CachingAllocator, DeviceAllocators, Route};
+use ferrocuda::driver::c_export::{BackendError, TorchAllocator};
+use ferrocuda::driver::{Driver, ExternalStream};
+use ferrocuda::types::{DeviceIndex, DevicePtr, PoolId, StreamHandle};
+use rustc_hash::FxHashSet;
+use std::cell::RefCell;
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+thread_local! {
+    /// Streams this thread has already adopted, as (backend, device, raw stream).
+    static ADOPTED: RefCell<FxHashSet<(u64, u16, u64)>> = RefCell::default();
+}
+
+/// ferrocuda's caching allocators serving PyTorch's hooks.
+#[derive(Debug)]
+pub struct TorchBackend {
+    driver: Arc<dyn Driver>,
+    allocators: Arc<DeviceAllocators>,
+    /// Tells this backend's entries of [`ADOPTED`] from another's.
+    id: u64,
+}
+
+impl TorchBackend {
+    /// A backend over `allocators`, which allocate through `driver`.
+    pub fn new(driver: Arc<dyn Driver>, allocators: Arc<DeviceAllocators>) -> TorchBackend {
+        static NEXT: AtomicU64 = AtomicU64::new(0);
+        TorchBackend {
+            driver,
+            allocators,
+            id: NEXT.fetch_add(1, Ordering::Relaxed),
+        }
+    }
+
+    /// The global runtime's allocators (`ferrocuda::memory`): the real driver unless
+    /// `FERROCUDA_BACKEND=fake`, configured from `FERROCUDA_ALLOC_CONF` (else
+    /// `PYTORCH_CUDA_ALLOC_CONF`); a malformed configuration is this error.
+    pub fn from_env() -> Result<TorchBackend, PluginError> {
+        let driver = ferrocuda::runtime().driver().clone();
+        let allocators = ferrocuda::memory::allocators()?.clone();
+        Ok(TorchBackend::new(driver, allocators))
+    }
+
+    /// The allocators served.
+    pub fn allocators(&self) -> &Arc<DeviceAllocators> {
+        &self.allocators
+    }
+
+    fn allocator(&self, dev: DeviceIndex) -> Result<&CachingAllocator, PluginError> {
+        Ok(self.allocators.device(dev)?)
+    }
+
+    /// The driver's handle of PyTorch's stream, adopting it the first time this thread
+    /// sees it.
+    fn stream(
+        &self,
+        dev: DeviceIndex,
+        stream: ExternalStream,
+    ) -> Result<StreamHandle, PluginError> {
+        let key = (self.id, dev.0, stream.raw());
+        let known = ADOPTED.try_with(|a| a.borrow().contains(&key));
+        if stream.raw() == 0 || known == Ok(true) {
+            return Ok(StreamHandle {
+                device: dev,
+                raw: stream.raw(),
+            });
+        }
+        let handle = self.driver.stream_adopt(dev, stream)?;
+        // A thread past its thread-locals (freeing in its own exit) adopts every time.
+        let _ = ADOPTED.try_with(|a| a.borrow_mut().insert(key));
+        Ok(handle)
+    }
+}
+
+impl TorchAllocator for TorchBackend {
+    /// Checks PyTorch's device count against the driver's and makes every device's
+    /// allocator now.
+    fn init(&self, device_count: usize) -> Result<(), BackendError> {
+        let driver = self.driver.device_count().map_err(PluginError::from)?;
+        if driver != device_count {
+            return Err(PluginError::DeviceCount {
+                torch: device_count,
+                driver,
+            }
+            .into());
+        }
+        for dev in 0..device_count {
+            self.allocator(device_index(dev))?;
+        }
+        Ok(())
+    }
+
+    fn allocate(
+        &self,
+        bytes: u64,
+        device: DeviceIndex,
+        stream: ExternalStream,
+    ) -> Result<DevicePtr, BackendError> {
+        let stream = self.stream(device, stream)?;
+        let a = self.allocator(device)?;
+        Ok(a.allocate(bytes, stream).map_err(PluginError::from)?.ptr)
+    }
+
+    /// The allocator knows each block's stream: PyTorch's copy of it is not needed.
+    fn free(
+        &self,
+        ptr: DevicePtr,
+        _bytes: u64,
+        device: DeviceIndex,
+        _stream: ExternalStream,
+    ) -> Result<(), BackendError> {
+        match self.allocator(device)?.free(ptr) {
+            Err(AllocError::InvalidPointer(p)) => Err(PluginError::NotAllocatedHere(p).into()),
+            other => Ok(other.map_err(PluginError::from)?),
+        }
+    }
+
+    /// The device is the one whose allocator handed `ptr` out.
+    fn record_stream(&self, ptr: DevicePtr, stream: ExternalStream) -> Result<(), BackendError> {
+        let mut refused = PluginError::NotAllocatedHere(ptr);
+        for a in self.allocators.created() {
+            let handle = match self.stream(a.device(), stream) {
+                Ok(h) => h,
+                Err(e) => {
+                    refused = e;
+                    continue;
+                }
+            };
+            match a.record_stream(ptr, handle) {
+                Err(AllocError::InvalidPointer(_)) => continue,
+                other => return Ok(other.map_err(PluginError::from)?),
+            }
+        }
+        Err(refused.into())
+    }
+
+    fn empty_cache(&self) -> Result<(), BackendError> {
+        self.allocators
+            .created()
+            .for_each(CachingAllocator::empty_cache);
+        Ok(())
+    }
+
+    fn set_memory_fraction(&self, fraction: f64, device: DeviceIndex) -> Result<(), BackendError> {
+        let a = self.allocator(device)?;
+        Ok(a.set_memory_fraction(fraction).map_err(PluginError::from)?)
+    }
+
+    /// PyTorch's `getBaseAllocation`: the first block of the segment and the sum of its
+    /// blocks (a rare call, for sharing a tensor between processes: it walks the blocks).
+    fn base_allocation(&self, ptr: DevicePtr) -> Result<(DevicePtr, u64), BackendError> {
+        for a in self.allocators.created() {
+            let blocks = a.blocks();
+            let Some(b) = blocks.iter().find(|b| b.allocated && b.ptr == ptr) else {
+                continue;
+            };
+            if b.expandable {
+                return Err(PluginError::ExpandableNotShareable.into());
+            }
+            let size = blocks
+                .iter()
+                .filter(|x| x.segment == b.segment)
+                .map(|x| x.size)
+                .sum();
+            return Ok((b.segment, size));
+        }
+        Err(PluginError::NotAllocatedHere(ptr).into())
+    }
+
+    fn begin_allocate_to_pool(
+        &self,
+        device: DeviceIndex,
+        pool: PoolId,
+    ) -> Result<(), BackendError> {
+        let a = self.allocator(device)?;
+        Ok(a.begin_allocate_to_pool(pool, Route::NextCapture)
+            .map_err(PluginError::from)?)
+    }
+
+    fn end_allocate_to_pool(&self, device: DeviceIndex, pool: PoolId) -> Result<(), BackendError> {
+        let a = self.allocator(device)?;
+        Ok(a.end_allocate_to_pool(pool).map_err(PluginError::from)?)
+    }
+
+    fn release_pool(&self, device: DeviceIndex, pool: PoolId) -> Result<(), BackendError> {
+        let a = self.allocator(device)?;
+        Ok(a.release_pool(pool).map_err(PluginError::from)?)
+    }
+
+    fn memory_stats_json(&self, device: DeviceIndex) -> Result<String, BackendError> {
+        let stats = self.allocator(device)?.stats().to_map();
+        Ok(serde_json::to_string(&stats).map_err(PluginError::from)?)
+    }
+
+    fn reset_peak_memory_stats(&self, device: DeviceIndex) -> Result<(), BackendError> {
+        self.allocator(device)?.reset_peak_stats();
+        Ok(())
+    }
+
+    /// Device 0's configuration (every device has the same).
+    fn allocator_settings(&self) -> Result<String, BackendError> {
+        Ok(self.allocator(DeviceIndex(0))?.config().to_string())
+    }
+
+    /// `_record_memory_history(enabled="all" | None, context=None, max_entries)` on every
+    /// device: trace entries without stacks (a stack here would be this library's frames,
+    /// not the Python program's).
+    fn record_memory_history(&self, enabled: bool, max_entries: usize) -> Result<(), BackendError> {
+        let options = HistoryOptions::parse(enabled.then_some("all"), None, max_entries)
+            .map_err(PluginError::History)?;
+        let options = HistoryOptions {
+            skip_frames: SkipFrames::new(
+                &["ferrocuda_torch::", "ferrocuda_driver::c_export::"],
+                &[],
+            ),
+            ..options
+        };
+        let count = self.driver.device_count().map_err(PluginError::from)?;
+        for dev in 0..count {
+            self.allocator(device_index(dev))?
+                .record_memory_history(options.clone());
+        }
+        Ok(())
+    }
+
+    fn dump_snapshot(&self, path: &Path) -> Result<(), BackendError> {
+        let bytes = self
+            .allocators
+            .snapshot()
+            .map_err(PluginError::from)?
+            .to_pickle()
+            .map_err(PluginError::Snapshot)?;
+        std::fs::write(path, bytes).map_err(|source| PluginError::Io {
+            path: path.to_owned(),
+            source,
+        })?;
+        Ok(())
+    }
+}
+
+/// Device `i` of a count the driver gave (which fits a `u16`).
+fn device_index(i: usize) -> DeviceIndex {
+    DeviceIndex(u16::try_from(i).unwrap_or(u16::MAX))
+}
