@@ -54,6 +54,15 @@ impl TorchBackend {
         Ok(self.allocators.device(dev)?)
     }
 
+    /// Every device's allocator, made now if need be (PyTorch makes them all at `init`, so
+    /// a call on every device reaches devices never allocated on too).
+    fn every_allocator(&self) -> Result<Vec<&CachingAllocator>, PluginError> {
+        let count = self.driver.device_count()?;
+        (0..count)
+            .map(|d| self.allocator(device_index(d)))
+            .collect()
+    }
+
     /// The driver's handle of PyTorch's stream, adopting it the first time this thread
     /// sees it.
     fn stream(
@@ -80,16 +89,13 @@ impl TorchAllocator for TorchBackend {
     /// Checks PyTorch's device count against the driver's and makes every device's
     /// allocator now.
     fn init(&self, device_count: usize) -> Result<(), BackendError> {
-        let driver = self.driver.device_count().map_err(PluginError::from)?;
-        if driver != device_count {
+        let made = self.every_allocator()?;
+        if made.len() != device_count {
             return Err(PluginError::DeviceCount {
                 torch: device_count,
-                driver,
+                driver: made.len(),
             }
             .into());
-        }
-        for dev in 0..device_count {
-            self.allocator(device_index(dev))?;
         }
         Ok(())
     }
@@ -138,10 +144,12 @@ impl TorchAllocator for TorchBackend {
         Err(refused.into())
     }
 
+    /// On every device, as PyTorch's `emptyCache` (which counts a `num_sync_all_streams`
+    /// on each).
     fn empty_cache(&self) -> Result<(), BackendError> {
-        self.allocators
-            .created()
-            .for_each(CachingAllocator::empty_cache);
+        for a in self.every_allocator()? {
+            a.empty_cache();
+        }
         Ok(())
     }
 
@@ -219,10 +227,8 @@ impl TorchAllocator for TorchBackend {
             ),
             ..options
         };
-        let count = self.driver.device_count().map_err(PluginError::from)?;
-        for dev in 0..count {
-            self.allocator(device_index(dev))?
-                .record_memory_history(options.clone());
+        for a in self.every_allocator()? {
+            a.record_memory_history(options.clone());
         }
         Ok(())
     }
