@@ -93,7 +93,7 @@ pub trait TorchAllocator: Send + Sync + 'static {
     fn memory_stats_json(&self, device: DeviceIndex) -> Result<String, BackendError>;
     /// `torch.cuda.reset_peak_memory_stats(device)`.
     fn reset_peak_memory_stats(&self, device: DeviceIndex) -> Result<(), BackendError>;
-    /// The configuration in force, as a string the configuration parser reads back.
+    /// The configuration in force, for people and logs.
     fn allocator_settings(&self) -> Result<String, BackendError>;
     /// Starts (`enabled`) or stops recording allocation history, keeping at most
     /// `max_entries` events per device.

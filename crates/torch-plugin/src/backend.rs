@@ -4,7 +4,7 @@ use ferrocuda::alloc::history::{HistoryOptions, SkipFrames};
 use ferrocuda::alloc::{AllocError, CachingAllocator, DeviceAllocators, Route};
 use ferrocuda::driver::c_export::{BackendError, TorchAllocator};
 use ferrocuda::driver::{Driver, ExternalStream};
-use ferrocuda::types::{DeviceIndex, DevicePtr, PoolId, StreamHandle};
+use ferrocuda::types::{AllocatorConfig, DeviceIndex, DevicePtr, PoolId, StreamHandle};
 use rustc_hash::FxHashSet;
 use std::cell::RefCell;
 use std::path::Path;
@@ -21,6 +21,8 @@ thread_local! {
 pub struct TorchBackend {
     driver: Arc<dyn Driver>,
     allocators: Arc<DeviceAllocators>,
+    /// The environment variable the configuration came from, and its value.
+    source: Option<(&'static str, String)>,
     /// Tells this backend's entries of [`ADOPTED`] from another's.
     id: u64,
 }
@@ -32,6 +34,7 @@ impl TorchBackend {
         TorchBackend {
             driver,
             allocators,
+            source: None,
             id: NEXT.fetch_add(1, Ordering::Relaxed),
         }
     }
@@ -42,7 +45,10 @@ impl TorchBackend {
     pub fn from_env() -> Result<TorchBackend, PluginError> {
         let driver = ferrocuda::runtime().driver().clone();
         let allocators = ferrocuda::memory::allocators()?.clone();
-        Ok(TorchBackend::new(driver, allocators))
+        Ok(TorchBackend {
+            source: AllocatorConfig::source(|k| std::env::var(k).ok()),
+            ..TorchBackend::new(driver, allocators)
+        })
     }
 
     /// The allocators served.
@@ -209,9 +215,15 @@ impl TorchAllocator for TorchBackend {
         Ok(())
     }
 
-    /// Device 0's configuration (every device has the same).
+    /// Where the configuration came from (`FERROCUDA_ALLOC_CONF=...`, the ferrocuda-only
+    /// keys included), then device 0's PyTorch settings in force (every device has the
+    /// same).
     fn allocator_settings(&self) -> Result<String, BackendError> {
-        Ok(self.allocator(DeviceIndex(0))?.config().to_string())
+        let effective = self.allocator(DeviceIndex(0))?.config();
+        Ok(match &self.source {
+            Some((var, value)) => format!("{var}={value} (in force: {effective})"),
+            None => effective.to_string(),
+        })
     }
 
     /// `_record_memory_history(enabled="all" | None, context=None, max_entries)` on every

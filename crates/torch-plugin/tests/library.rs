@@ -186,6 +186,10 @@ print(text(lib.ferrocuda_allocator_settings))
         &script,
         &[("FERROCUDA_ALLOC_CONF", "ferrocuda_recommended:True")],
     )?;
-    assert!(out.contains("expandable_segments:True"), "{out}");
+    assert!(
+        out.contains("FERROCUDA_ALLOC_CONF=ferrocuda_recommended:True")
+            && out.contains("expandable_segments:True"),
+        "{out}"
+    );
     Ok(())
 }
