@@ -60,8 +60,8 @@ impl TorchBackend {
         Ok(self.allocators.device(dev)?)
     }
 
-    /// Every device's allocator, made now if need be (PyTorch makes them all at `init`, so
-    /// a call on every device reaches devices never allocated on too).
+    /// Every device's allocator, made now if need be: each device's CUDA context is created,
+    /// so only an explicit diagnostic call does this (recording history).
     fn every_allocator(&self) -> Result<Vec<&CachingAllocator>, PluginError> {
         let count = self.driver.device_count()?;
         (0..count)
@@ -92,14 +92,15 @@ impl TorchBackend {
 }
 
 impl TorchAllocator for TorchBackend {
-    /// Checks PyTorch's device count against the driver's and makes every device's
-    /// allocator now.
+    /// Checks PyTorch's device count against the driver's. Allocators are still made at
+    /// each device's first use: making one asks the device for its memory, which would
+    /// create a CUDA context on every GPU of the machine.
     fn init(&self, device_count: usize) -> Result<(), BackendError> {
-        let made = self.every_allocator()?;
-        if made.len() != device_count {
+        let driver = self.driver.device_count().map_err(PluginError::from)?;
+        if driver != device_count {
             return Err(PluginError::DeviceCount {
                 torch: device_count,
-                driver: made.len(),
+                driver,
             }
             .into());
         }
@@ -150,10 +151,10 @@ impl TorchAllocator for TorchBackend {
         Err(refused.into())
     }
 
-    /// On every device, as PyTorch's `emptyCache` (which counts a `num_sync_all_streams`
-    /// on each).
+    /// On every device in use (PyTorch's `emptyCache` also counts a `num_sync_all_streams`
+    /// on devices never used; their allocators do not exist here, see `init`).
     fn empty_cache(&self) -> Result<(), BackendError> {
-        for a in self.every_allocator()? {
+        for a in self.allocators.created() {
             a.empty_cache();
         }
         Ok(())
@@ -227,8 +228,9 @@ impl TorchAllocator for TorchBackend {
     }
 
     /// `_record_memory_history(enabled="all" | None, context=None, max_entries)` on every
-    /// device: trace entries without stacks (a stack here would be this library's frames,
-    /// not the Python program's).
+    /// device, making the allocators of devices not yet used (and their CUDA contexts):
+    /// trace entries without stacks (a stack here would be this library's frames, not the
+    /// Python program's).
     fn record_memory_history(&self, enabled: bool, max_entries: usize) -> Result<(), BackendError> {
         let options = HistoryOptions::parse(enabled.then_some("all"), None, max_entries)
             .map_err(PluginError::History)?;

@@ -276,8 +276,13 @@ fn statistics_settings_history_and_snapshot() -> TestResult {
 
 #[test]
 fn init_checks_pytorchs_device_count() -> TestResult {
-    let (_fake, b) = setup("");
+    let (fake, b) = setup("");
     c::init(&b, 1)?;
+    assert_eq!(
+        fake.calls(Call::MemGetInfo),
+        0,
+        "no allocator (no context) made"
+    );
     let e = c::init(&b, 2).err().ok_or("accepted")?;
     assert!(e.to_string().contains("PyTorch counts 2 devices"), "{e}");
     Ok(())
@@ -414,6 +419,9 @@ mod differential {
             AllocatorConfig::parse(config)?,
             true,
         )?;
+        // The direct allocator exists from the start; so does the shims' (PyTorch makes
+        // every device's at init: a first `empty_cache` counts a sync either way).
+        let _ = allocator(&b);
         let side = (torch_stream(&fake)?, torch_stream(&direct_fake)?);
         assert_eq!(side.0, side.1);
         let mut live: Vec<(DevicePtr, usize, bool)> = Vec::new();
