@@ -463,7 +463,7 @@ def check_graphs(torch, ferro):
             o.step()
             o.zero_grad(set_to_none=True)
     for p, q in zip(model.parameters(), ref_model.parameters()):
-        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(p, q, rtol=1e-3, atol=1e-4)
     ferro.require_no_error("CUDA graphs")
     print(f"CUDA graphs: {captured} allocations captured into private pool {pool}, a second graph "
           "sharing it, make_graphed_callables: every replay equals eager")

@@ -9,7 +9,7 @@
 //! # Design choices
 //! - **No `unsafe` here.** The exported C functions live in `ferrocuda_driver::c_export`
 //!   (the only crate allowed `unsafe`): they turn PyTorch's raw pointers into typed values
-//!   and call the [`TorchAllocator`](ferrocuda_driver::c_export::TorchAllocator) this
+//!   and call the [`TorchAllocator`] this
 //!   library registers, [`TorchBackend`]. Registering happens when the library is loaded:
 //!   `ferrocuda_driver::torch_allocator_library!` writes an ELF `.init_array` entry (the
 //!   `unsafe` attribute is written in the driver crate, the macro expands it here; a lint
