@@ -66,6 +66,7 @@ const GPU_BENCHES: &[&str] = &[
     "step",
     "guards",
     "trees",
+    "torch_plugin",
 ];
 /// Examples that go into the GPU bundle (each must succeed and say it ran on the GPU).
 const GPU_EXAMPLES: &[&str] = &["tour", "snapshot", "decode"];
@@ -147,7 +148,8 @@ fn cargo_with_env(args: &[&str], env: &[(&str, &str)]) -> Result<(), String> {
 const TOOLS: &[(&str, &str)] = &[(
     "python3",
     "ferrocuda-types' snapshot::tests::python_reads_it_as_pytorch_does reads ferrocuda's \
-     snapshot pickle with CPython's own unpickler",
+     snapshot pickle with CPython's own unpickler, and ferrocuda-torch's tests/library.rs \
+     loads the built PyTorch allocator library with ctypes",
 )];
 
 /// Checks up front that every tool of [`TOOLS`] runs (`runs` tries one), so a missing one

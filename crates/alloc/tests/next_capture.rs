@@ -38,7 +38,10 @@ fn the_first_capture_allocation_binds_the_route_and_side_streams_follow() -> Tes
     // Another thread (an autograd worker) allocating on the forked stream.
     let y = std::thread::scope(|t| t.spawn(|| a.allocate(3 * MIB, side)).join());
     let y = y.map_err(|_| "the worker panicked")??;
-    assert!(in_pool(&a, pool, y.ptr), "the bound capture takes every thread");
+    assert!(
+        in_pool(&a, pool, y.ptr),
+        "the bound capture takes every thread"
+    );
     let z = a.allocate(MIB, other)?;
     assert!(in_pool(&a, PoolId::DEFAULT, z.ptr));
     fork(&fake, side, s)?;
@@ -115,8 +118,14 @@ fn concurrent_unbound_routes_bind_by_thread() -> TestResult {
         let hb = t.spawn(run(pb, sb, true));
         (ha.join(), hb.join())
     });
-    assert!(ra.map_err(|_| "thread a panicked")??, "a's capture took a's pool");
-    assert!(rb.map_err(|_| "thread b panicked")??, "b's capture took b's pool");
+    assert!(
+        ra.map_err(|_| "thread a panicked")??,
+        "a's capture took a's pool"
+    );
+    assert!(
+        rb.map_err(|_| "thread b panicked")??,
+        "b's capture took b's pool"
+    );
     a.check_invariants()?;
     Ok(())
 }

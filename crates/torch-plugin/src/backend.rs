@@ -77,8 +77,8 @@ impl TorchBackend {
         stream: ExternalStream,
     ) -> Result<StreamHandle, PluginError> {
         let key = (self.id, dev.0, stream.raw());
-        let known = ADOPTED.try_with(|a| a.borrow().contains(&key));
-        if stream.raw() == 0 || known == Ok(true) {
+        let known = || ADOPTED.try_with(|a| a.borrow().contains(&key)) == Ok(true);
+        if stream.raw() == 0 || known() {
             return Ok(StreamHandle {
                 device: dev,
                 raw: stream.raw(),
