@@ -98,7 +98,11 @@ pub fn is_initialized() -> bool {
     runtime().is_initialized()
 }
 
-/// `torch.cuda.init()` for the global runtime: initialises CUDA now.
+/// `torch.cuda.init()` for the global runtime: initialises CUDA now, and the current
+/// allocator with it (the caching allocators' device slots, or a pluggable allocator's
+/// `init` hook: after this, [`memory::change_current_allocator`] refuses).
 pub fn init() -> Result<(), stream::StreamError> {
-    runtime().init()
+    runtime().init()?;
+    memory::init_current();
+    Ok(())
 }

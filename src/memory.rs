@@ -1,12 +1,27 @@
 //! `torch.cuda.memory` for the global runtime: statistics, cache control, memory fraction,
-//! raw allocations, allocator settings. Every function takes the device explicitly; use
-//! `ferrocuda::runtime().current_device()` for PyTorch's `device=None`.
+//! raw allocations, allocator settings, the current allocator (a pluggable one in the
+//! caching allocators' place: [`change_current_allocator`]) and memory pools ([`MemPool`]).
+//! Every function takes the device explicitly; use `ferrocuda::runtime().current_device()`
+//! for PyTorch's `device=None`.
+//!
+//! With a pluggable allocator current, each function does what PyTorch's
+//! `CUDAPluggableAllocator` does for it: `empty_cache` and `set_per_process_memory_fraction`
+//! call its hooks, the raw allocation functions its `alloc` and `free`, and what it has no
+//! form of (statistics, history, snapshots) is PyTorch's "does not yet support" error.
 use crate::alloc::history::{HistoryOptions, SkipFrames};
-use crate::alloc::{AllocError, DeviceAllocators};
+use crate::alloc::{AllocError, DeviceAllocators, PluggableAllocator};
 use crate::stream::{MemoryResource, Runtime, Stream, StreamError};
 use crate::types::{DeviceIndex, DevicePtr, StreamHandle};
 use std::collections::BTreeMap;
 use std::sync::{Arc, OnceLock};
+
+mod current;
+mod pool;
+
+pub(crate) use current::init_current;
+use current::pluggable;
+pub use current::{change_current_allocator, get_allocator_backend};
+pub use pool::{MemPool, MemPoolGuard, use_mem_pool};
 
 static ALLOCATORS: OnceLock<Result<Arc<DeviceAllocators>, AllocError>> = OnceLock::new();
 
@@ -53,8 +68,17 @@ pub fn allocators() -> Result<&'static Arc<DeviceAllocators>, AllocError> {
         .map_err(Clone::clone)
 }
 
+/// The caching allocators, for the function PyTorch's allocator interface calls `what`: a
+/// pluggable allocator current has no form of it ([`PluggableAllocator::unsupported`]).
+fn native(what: &'static str) -> Result<&'static Arc<DeviceAllocators>, AllocError> {
+    match pluggable() {
+        Some(_) => Err(PluggableAllocator::unsupported(what)),
+        None => allocators(),
+    }
+}
+
 fn stats_of(dev: DeviceIndex) -> Result<crate::types::DeviceStats, AllocError> {
-    Ok(allocators()?.device(dev)?.stats())
+    Ok(native("getDeviceStats")?.device(dev)?.stats())
 }
 
 /// `torch.cuda.memory_allocated`: bytes of live allocations.
@@ -89,30 +113,45 @@ pub fn memory_summary(dev: DeviceIndex, abbreviated: bool) -> Result<String, All
 
 /// `torch.cuda.reset_peak_memory_stats`.
 pub fn reset_peak_memory_stats(dev: DeviceIndex) -> Result<(), AllocError> {
-    allocators()?.device(dev)?.reset_peak_stats();
+    native("resetPeakStats")?.device(dev)?.reset_peak_stats();
     Ok(())
 }
 
 /// `torch.cuda.reset_accumulated_memory_stats`.
 pub fn reset_accumulated_memory_stats(dev: DeviceIndex) -> Result<(), AllocError> {
-    allocators()?.device(dev)?.reset_accumulated_stats();
+    native("resetAccumulatedStats")?
+        .device(dev)?
+        .reset_accumulated_stats();
     Ok(())
 }
 
-/// `torch.cuda.empty_cache`, on every device in use.
+/// `torch.cuda.empty_cache`, on every device in use (a pluggable allocator's reset hook).
 pub fn empty_cache() -> Result<(), AllocError> {
+    if let Some(p) = pluggable() {
+        p.empty_cache();
+        return Ok(());
+    }
     allocators()?.created().for_each(|a| a.empty_cache());
     Ok(())
 }
 
-/// `torch.cuda.set_per_process_memory_fraction`.
+/// `torch.cuda.set_per_process_memory_fraction` (a pluggable allocator's memory-fraction
+/// hook, after Python's range check).
 pub fn set_per_process_memory_fraction(fraction: f64, dev: DeviceIndex) -> Result<(), AllocError> {
+    if let Some(p) = pluggable() {
+        if !(0.0..=1.0).contains(&fraction) {
+            return Err(AllocError::InvalidFraction(fraction));
+        }
+        crate::runtime().check_device(dev)?;
+        p.set_memory_fraction(fraction, dev);
+        return Ok(());
+    }
     allocators()?.device(dev)?.set_memory_fraction(fraction)
 }
 
 /// `torch.cuda.get_per_process_memory_fraction`.
 pub fn get_per_process_memory_fraction(dev: DeviceIndex) -> Result<f64, AllocError> {
-    Ok(allocators()?.device(dev)?.memory_fraction())
+    Ok(native("getMemoryFraction")?.device(dev)?.memory_fraction())
 }
 
 /// `torch.cuda.caching_allocator_alloc(size, device, stream)`: raw memory on `stream`
@@ -122,17 +161,30 @@ pub fn caching_allocator_alloc(
     dev: DeviceIndex,
     stream: Option<&Stream>,
 ) -> Result<DevicePtr, AllocError> {
-    let a = allocators()?;
     let stream = match stream {
         Some(s) => s.handle(),
         None => crate::runtime().current_stream(dev)?.handle(),
     };
-    Ok(a.device(dev)?.allocate(bytes, stream)?.ptr)
+    if let Some(p) = pluggable() {
+        // `raw_alloc_with_stream`; a null answer to a request is an error here.
+        return match p.malloc(bytes, dev, stream) {
+            DevicePtr(0) if bytes > 0 => Err(AllocError::PluggableOutOfMemory {
+                bytes,
+                device: dev.0,
+            }),
+            ptr => Ok(ptr),
+        };
+    }
+    Ok(allocators()?.device(dev)?.allocate(bytes, stream)?.ptr)
 }
 
-/// `torch.cuda.caching_allocator_delete(ptr)`.
+/// `torch.cuda.caching_allocator_delete(ptr)` (a pluggable allocator's `raw_delete`:
+/// "Trying to free a pointer not allocated here" for one it did not hand out).
 pub fn caching_allocator_delete(ptr: DevicePtr) -> Result<(), AllocError> {
-    allocators()?.free_anywhere(ptr)
+    match pluggable() {
+        Some(p) => p.raw_delete(ptr),
+        None => allocators()?.free_anywhere(ptr),
+    }
 }
 
 /// `torch.cuda.memory._set_allocator_settings`: re-parses the configuration for every
@@ -182,7 +234,7 @@ pub fn record_memory_history(
         skip_frames: plumbing_frames(),
         ..HistoryOptions::parse(enabled, context, max_entries).map_err(AllocError::History)?
     };
-    let allocators = allocators()?;
+    let allocators = native("recordHistory")?;
     for dev in 0..crate::runtime().device_count() {
         allocators
             .device(DeviceIndex(dev as u16))?
@@ -193,7 +245,7 @@ pub fn record_memory_history(
 
 /// `torch.cuda.memory._snapshot()`: segments of every device, per-device history, settings.
 pub fn memory_snapshot() -> Result<crate::types::Snapshot, AllocError> {
-    allocators()?.snapshot()
+    native("snapshot")?.snapshot()
 }
 
 /// `torch.cuda.memory._dump_snapshot(path)`: the snapshot as a pickle PyTorch's viewer reads.

@@ -42,7 +42,13 @@ const GPU_TESTS: &[&str] = &[
     "optim_conformance",
     "amp_conformance",
     "trees",
+    "cudarc_interop",
+    "cudarc_launch",
+    "allocator_swap",
 ];
+/// Shared libraries the bundled tests load from beside themselves (package, library name).
+const GPU_LIBRARIES: &[(&str, &str)] =
+    &[("ferrocuda-pluggable-fixture", "ferrocuda_pluggable_fixture")];
 /// Bundled test binaries that run only some of their tests on the GPU (`--exact` names):
 /// `graph_fuzz`'s fake-device run takes a minute and proves nothing about the GPU.
 const GPU_TEST_ONLY: &[(&str, &str)] = &[
@@ -52,7 +58,7 @@ const GPU_TEST_ONLY: &[(&str, &str)] = &[
     ),
     (
         "ferrocuda_driver",
-        "cuda::external::tests::a_foreign_stream_is_adopted_checked_and_never_destroyed",
+        "cuda::interop::tests::a_raw_stream_is_adopted_checked_and_never_destroyed",
     ),
 ];
 /// Bench binaries that go into the GPU bundle.
@@ -73,7 +79,7 @@ const GPU_EXAMPLES: &[&str] = &["tour", "snapshot", "decode"];
 /// The PyTorch allocator library (crates/torch-plugin) and the script `run.sh` runs it with
 /// against real PyTorch.
 const TORCH_PLUGIN: &str = "ferrocuda-torch";
-const TORCH_PLUGIN_LIBRARY: &str = "libferrocuda_torch.so";
+const TORCH_PLUGIN_LIBRARY: &str = "ferrocuda_torch";
 const TORCH_PLUGIN_SCRIPT: &str = "xtask/torch/plugin_bench.py";
 
 fn main() -> ExitCode {
@@ -338,8 +344,8 @@ fn cli_fuzz(options: &fuzz::Options) -> Result<(), String> {
     fuzz::fuzz(&exe, &real, &work, options)
 }
 
-/// Builds `args` with JSON messages and returns the executables of the named targets.
-fn built_executables(args: &[&str], names: &[&str]) -> Result<Vec<(String, PathBuf)>, String> {
+/// Builds `args` and returns cargo's JSON messages.
+fn cargo_messages(args: &[&str]) -> Result<Vec<serde_json::Value>, String> {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     eprintln!("+ cargo {} --message-format=json", args.join(" "));
     let out = Command::new(cargo)
@@ -352,11 +358,31 @@ fn built_executables(args: &[&str], names: &[&str]) -> Result<Vec<(String, PathB
     if !out.status.success() {
         return Err(format!("cargo {} failed", args.join(" ")));
     }
+    Ok(String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|line| serde_json::from_str(line).ok())
+        .collect())
+}
+
+/// Builds the cdylib `name` of `package` in release and returns the shared library.
+fn built_library(package: &str, name: &str) -> Result<PathBuf, String> {
+    let messages = cargo_messages(&["build", "--release", "-p", package, "--lib"])?;
+    let suffix = std::env::consts::DLL_SUFFIX;
+    messages
+        .iter()
+        .filter(|m| m["target"]["name"].as_str() == Some(name))
+        .filter_map(|m| m["filenames"].as_array())
+        .flatten()
+        .filter_map(|f| f.as_str())
+        .find(|f| f.ends_with(suffix))
+        .map(PathBuf::from)
+        .ok_or_else(|| format!("no shared library was built for {name}"))
+}
+
+/// Builds `args` with JSON messages and returns the executables of the named targets.
+fn built_executables(args: &[&str], names: &[&str]) -> Result<Vec<(String, PathBuf)>, String> {
     let mut found = Vec::new();
-    for line in String::from_utf8_lossy(&out.stdout).lines() {
-        let Ok(msg) = serde_json::from_str::<serde_json::Value>(line) else {
-            continue;
-        };
+    for msg in cargo_messages(args)? {
         let name = msg["target"]["name"].as_str().unwrap_or_default();
         if let (Some(exe), true) = (msg["executable"].as_str(), names.contains(&name)) {
             found.push((name.to_owned(), PathBuf::from(exe)));
@@ -393,20 +419,14 @@ fn gpu_bundle() -> Result<(), String> {
     ];
     for (args, names, prefix) in groups {
         for (name, exe) in built_executables(&args, names)? {
-            let copy = dir.join(format!("{prefix}{name}"));
-            std::fs::copy(&exe, &copy).map_err(|e| format!("{}: {e}", exe.display()))?;
-            // Line tables make the bundle too big to carry; symbols stay for backtraces.
-            let stripped = Command::new("strip")
-                .arg("--strip-debug")
-                .arg(&copy)
-                .status();
-            if !stripped.is_ok_and(|s| s.success()) {
-                eprintln!(
-                    "note: could not strip {}; the bundle stays larger",
-                    copy.display()
-                );
-            }
+            copy_stripped(&exe, &dir.join(format!("{prefix}{name}")))?;
         }
+    }
+    // Beside the tests, where they look for them (the pluggable-allocator fixture).
+    for (package, name) in GPU_LIBRARIES {
+        let lib = built_library(package, name)?;
+        let file = lib.file_name().ok_or("a library without a file name")?;
+        copy_stripped(&lib, &dir.join(file))?;
     }
     bundle_torch_plugin(&dir)?;
     // PyTorch's figures come from the same run: take the anchor script along when the
@@ -448,20 +468,26 @@ fn run_sh() -> String {
 /// Builds the PyTorch allocator library in release and copies it, stripped of line tables,
 /// with its script into the bundle.
 fn bundle_torch_plugin(dir: &Path) -> Result<(), String> {
-    cargo(&["build", "--release", "-p", TORCH_PLUGIN])?;
-    let built = root().join("target/release").join(TORCH_PLUGIN_LIBRARY);
-    let copy = dir.join(TORCH_PLUGIN_LIBRARY);
-    std::fs::copy(&built, &copy).map_err(|e| format!("{}: {e}", built.display()))?;
-    let stripped = Command::new("strip")
-        .arg("--strip-debug")
-        .arg(&copy)
-        .status();
-    if !stripped.is_ok_and(|s| s.success()) {
-        eprintln!("note: could not strip {}", copy.display());
-    }
+    let lib = built_library(TORCH_PLUGIN, TORCH_PLUGIN_LIBRARY)?;
+    let file = lib.file_name().ok_or("a library without a file name")?;
+    copy_stripped(&lib, &dir.join(file))?;
     let script = root().join(TORCH_PLUGIN_SCRIPT);
     let name = script.file_name().ok_or("the plugin script has no name")?;
     std::fs::copy(&script, dir.join(name)).map_err(|e| format!("{}: {e}", script.display()))?;
+    Ok(())
+}
+
+/// Copies a built file into the bundle, without its line tables (they make the bundle too
+/// big to carry; symbols stay for backtraces).
+fn copy_stripped(from: &Path, to: &Path) -> Result<(), String> {
+    std::fs::copy(from, to).map_err(|e| format!("{}: {e}", from.display()))?;
+    let stripped = Command::new("strip").arg("--strip-debug").arg(to).status();
+    if !stripped.is_ok_and(|s| s.success()) {
+        eprintln!(
+            "note: could not strip {}; the bundle stays larger",
+            to.display()
+        );
+    }
     Ok(())
 }
 
@@ -633,7 +659,7 @@ mod tests {
         for step in [
             "plugin_bench.py check",
             "plugin_bench.py bench",
-            "--exact cuda::external::tests::",
+            "--exact cuda::interop::tests::",
         ] {
             assert!(script.contains(step), "run.sh lacks {step}");
         }

@@ -12,6 +12,7 @@ use crate::error::AllocError;
 use crate::expandable::Expandable;
 use crate::free_pools::Pools;
 use crate::history::{History, HistoryContext, HistoryOptions, capture_frames};
+use crate::pluggable::PluggableAllocator;
 use crate::private_pools::{PrivatePools, Route};
 use crate::rounding::{ONE_EXABYTE, pool_kind, round_size};
 use crate::state::{Request, State};
@@ -316,6 +317,37 @@ impl CachingAllocator {
     /// Creates private pool `pool`, or adds a user to it (`create_or_incref`).
     pub fn retain_pool(&self, pool: PoolId) {
         self.engine.lock().private.retain(pool);
+    }
+
+    /// Creates private pool `pool` with one user, whose segments come from `allocator` and
+    /// go back to it (`createOrIncrefPool(device, id, allocator)` for
+    /// `MemPool(allocator=…)`): this allocator still splits, caches and counts them. Such a
+    /// pool has no expandable segments, as no private pool has. A pool that exists already
+    /// is [`AllocError::Pool`] (PyTorch asserts).
+    pub fn create_pool_with_allocator(
+        &self,
+        pool: PoolId,
+        allocator: Arc<PluggableAllocator>,
+    ) -> Result<(), AllocError> {
+        self.engine
+            .lock()
+            .private
+            .create_with_allocator(pool, allocator)
+    }
+
+    /// `emptyCache(mempool_id)` for a private pool: gives back its whole free segments (to
+    /// its allocator, if it has one) if nobody holds it any more; other pools are left
+    /// alone and no event is waited for. Nothing happens while a capture is underway.
+    pub fn empty_cache_pool(&self, pool: PoolId) {
+        if pool.is_default() {
+            return self.empty_cache();
+        }
+        let st = self.engine.lock();
+        if !self.caching || st.capturing() {
+            // Nothing is freed while a capture is underway.
+            return;
+        }
+        drop(self.engine.release_pool_cached(st, pool));
     }
 
     /// Drops a user of `pool` (`releasePool`). At zero users its free segments go back to

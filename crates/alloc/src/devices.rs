@@ -68,12 +68,30 @@ impl DeviceAllocators {
         runtime.set_memory(self.clone());
     }
 
-    /// The allocator of `dev`, created on first use.
-    pub fn device(&self, dev: DeviceIndex) -> Result<&CachingAllocator, AllocError> {
-        let slots = self.slots().map_err(|e| match e {
+    /// The device slots, made now if need be, or why there are none.
+    fn available_slots(&self) -> Result<&[OnceLock<CachingAllocator>], AllocError> {
+        self.slots().map_err(|e| match e {
             StreamError::NotAvailable { reason } => AllocError::NotAvailable { reason },
             e => AllocError::Stream(e),
-        })?;
+        })
+    }
+
+    /// PyTorch's allocator `init(device_count)`, which CUDA's lazy initialisation runs: asks
+    /// the driver for its devices and makes a slot for each (the allocators themselves are
+    /// made at their first use). The first allocation does it too.
+    pub fn init(&self) -> Result<(), AllocError> {
+        self.available_slots().map(drop)
+    }
+
+    /// `initialized()`: whether [`DeviceAllocators::init`] (or a first use) has run, with
+    /// devices found.
+    pub fn is_initialized(&self) -> bool {
+        matches!(self.devices.made(), Some(Ok(_)))
+    }
+
+    /// The allocator of `dev`, created on first use.
+    pub fn device(&self, dev: DeviceIndex) -> Result<&CachingAllocator, AllocError> {
+        let slots = self.available_slots()?;
         let slot = slots.get(dev.as_usize()).ok_or(AllocError::NoSuchDevice {
             device: dev.0,
             count: slots.len(),

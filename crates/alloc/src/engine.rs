@@ -4,7 +4,7 @@
 //! shrink the cache are further `impl Engine` blocks, each in its own file, calling only
 //! downwards: `slow_path` → `release` → `expandable_mapping` → this file.
 use crate::error::{AllocError, OutOfMemory};
-use crate::state::State;
+use crate::state::{Released, State};
 use crate::thread_cache::{Registry, ThreadCache};
 use ferrocuda_driver::{Driver, DriverError};
 use ferrocuda_types::{DeviceIndex, DevicePtr, StreamHandle};
@@ -258,15 +258,22 @@ impl Engine {
 
     // ---- giving memory back --------------------------------------------------------------
 
-    /// Frees segments (outside the lock).
-    pub(crate) fn free_segments<'a>(&'a self, st: Guard<'a>, ptrs: Vec<u64>) -> Guard<'a> {
-        if ptrs.is_empty() {
+    /// Frees segments (outside the lock): to the driver, or to the pluggable allocator of
+    /// their pool (`release_block`'s `raw_delete`).
+    pub(crate) fn free_segments<'a>(&'a self, st: Guard<'a>, segments: Vec<Released>) -> Guard<'a> {
+        if segments.is_empty() {
             return st;
         }
         drop(st);
-        for p in ptrs {
+        for Released { ptr, source } in segments {
             // A failed free leaves the address unusable; it was already unaccounted.
-            let _ = self.driver.free(self.device, DevicePtr(p));
+            let _ = match source {
+                Some(a) => a.raw_delete(DevicePtr(ptr)),
+                None => self
+                    .driver
+                    .free(self.device, DevicePtr(ptr))
+                    .map_err(Into::into),
+            };
         }
         self.lock()
     }

@@ -1,6 +1,6 @@
 //! Allocator errors. The out-of-memory report they carry lives in `ferrocuda_types` (so a
 //! buffer's error below this layer can carry it too) and is re-exported here.
-use ferrocuda_driver::DriverError;
+use ferrocuda_driver::{DriverError, PluggableError};
 use ferrocuda_stream::{MemoryError, StreamError};
 use ferrocuda_types::{ConfigError, DevicePtr, PoolId};
 
@@ -84,6 +84,32 @@ pub enum AllocError {
     /// A driver call failed (other than out of memory).
     #[error("CUDA driver error: {0}")]
     Driver(DriverError),
+    /// A pluggable allocator library could not be loaded (Python's texts).
+    #[error(transparent)]
+    Pluggable(#[from] PluggableError),
+    /// A free of an address the pluggable allocator did not hand out, or already took back:
+    /// `CUDAPluggableAllocator::raw_delete`'s check.
+    #[error("Trying to free a pointer not allocated here")]
+    NotAllocatedHere(DevicePtr),
+    /// The pluggable allocator's function gave no memory (null) for a request (PyTorch hands
+    /// the null pointer out as the allocation).
+    #[error("the pluggable allocator returned no memory for {bytes} bytes on device {device}")]
+    PluggableOutOfMemory {
+        /// Bytes asked for.
+        bytes: u64,
+        /// The device.
+        device: u16,
+    },
+    /// What a pluggable allocator cannot do (statistics, snapshots, history, …): PyTorch's
+    /// text, naming its function.
+    #[error(
+        "CUDAPluggableAllocator does not yet support {0}. If you need it, please file an issue describing your use case."
+    )]
+    PluggableUnsupported(&'static str),
+    /// `change_current_allocator` once the current allocator is initialised (PyTorch's
+    /// `changeCurrentAllocator` check).
+    #[error("Can't swap an already initialized allocator")]
+    AlreadyInitialized,
 }
 
 /// A driver error as the stream layer reads it (its one conversion decides, so a call in a

@@ -38,6 +38,11 @@
 //!   `setCheckpointPoolState`) moves statistics and history through PyTorch's own steps,
 //!   but works out first whether the checkpoint fits the pool; where PyTorch fails
 //!   half-way, it fails with the same message and leaves the pool as it was.
+//! - **Pluggable allocators** ([`PluggableAllocator`], PyTorch's `CUDAPluggableAllocator`):
+//!   a shared library's `alloc`/`free` either replace this allocator for a runtime's buffers
+//!   (it is a `MemoryResource` too) or feed one private pool with segments
+//!   ([`CachingAllocator::create_pool_with_allocator`], `MemPool(allocator=…)`), the
+//!   caching, splitting and statistics staying this allocator's.
 //! - **Typed errors**: [`AllocError`] has its own cases (no such device with PyTorch's
 //!   `assertValidDevice` text, CUDA not available, ...); the out-of-memory report lives in
 //!   `ferrocuda_types` (re-exported here) so that, serving buffers, it reaches the user
@@ -64,6 +69,7 @@ mod free_list;
 mod free_pools;
 pub mod history;
 mod inspect;
+mod pluggable;
 mod private_pools;
 mod release;
 pub mod rounding;
@@ -78,4 +84,5 @@ pub use block::{Allocation, BlockInfo};
 pub use devices::{DeviceAllocators, caching_disabled};
 pub use engine::OomObserver;
 pub use error::{AllocError, OutOfMemory};
+pub use pluggable::PluggableAllocator;
 pub use private_pools::Route;

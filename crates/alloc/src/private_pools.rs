@@ -3,8 +3,10 @@
 //! c10/cuda/CUDACachingAllocator.cpp): which allocations are routed to which pool, how
 //! many users keep each pool, and so the one rule of which pools a release may touch.
 use crate::error::AllocError;
+use crate::pluggable::PluggableAllocator;
 use ferrocuda_types::{PoolId, StreamHandle};
 use rustc_hash::FxHashMap;
+use std::sync::Arc;
 use std::thread::ThreadId;
 
 /// Whose allocations a pool being recorded to takes.
@@ -37,6 +39,9 @@ struct PrivatePool {
     use_count: u32,
     /// Device segments it holds.
     segments: u32,
+    /// Where its segments come from and go back to, instead of the driver
+    /// (`MemPool(allocator=…)`).
+    allocator: Option<Arc<PluggableAllocator>>,
 }
 
 #[derive(Debug, Default)]
@@ -132,6 +137,34 @@ impl PrivatePools {
                 self.pools.remove(&pool);
             }
         }
+    }
+
+    /// The segment source of `pool`, if it has one.
+    pub(crate) fn allocator(&self, pool: PoolId) -> Option<Arc<PluggableAllocator>> {
+        self.pools.get(&pool)?.allocator.clone()
+    }
+
+    /// `create_or_incref_pool(mempool_id, allocator)` with an allocator: only a new pool
+    /// takes one (PyTorch asserts `!allocator` for an existing pool).
+    pub(crate) fn create_with_allocator(
+        &mut self,
+        pool: PoolId,
+        allocator: Arc<PluggableAllocator>,
+    ) -> Result<(), AllocError> {
+        if pool.is_default() || self.pools.contains_key(&pool) {
+            return Err(AllocError::Pool(format!(
+                "createOrIncrefPool: pool {pool} exists; an allocator is given only to a new pool"
+            )));
+        }
+        self.pools.insert(
+            pool,
+            PrivatePool {
+                use_count: 1,
+                segments: 0,
+                allocator: Some(allocator),
+            },
+        );
+        Ok(())
     }
 
     /// `create_or_incref`.

@@ -6,6 +6,7 @@ use crate::engine::{Engine, Guard};
 use crate::expandable::Unmap;
 use crate::free_list::{key, key_size};
 use crate::free_pools::FreeKey;
+use crate::state::State;
 use ferrocuda_types::{PoolId, PoolKind, StreamHandle};
 
 impl Engine {
@@ -16,26 +17,33 @@ impl Engine {
         mut st: Guard<'a>,
         enough: Option<u64>,
     ) -> Guard<'a> {
-        let mut candidates: Vec<FreeKey> = st
-            .pools
-            .keys()
-            .filter(|k| st.blocks[k.id].is_whole_segment() && st.private.releasable(k.pool))
-            .collect();
+        let mut candidates = releasable_segments(&st, |_| true);
         candidates.sort_by_key(|k| std::cmp::Reverse(k.size));
         let mut freed = 0;
-        let mut ptrs = Vec::new();
+        let mut segments = Vec::new();
         for k in candidates {
             if enough.is_some_and(|e| freed >= e) {
                 break;
             }
             freed += k.size;
-            ptrs.push(st.release_segment(k.id));
+            segments.push(st.release_segment(k.id));
         }
-        let st = self.free_segments(st, ptrs);
+        let st = self.free_segments(st, segments);
         if enough.is_some_and(|e| freed >= e) {
             return st;
         }
         self.release_expandable(st, Unmap::All)
+    }
+
+    /// `release_cached_blocks(mempool_id)` for a private pool (`emptyCache(mempool_id)`, what
+    /// a `MemPool` does when it goes): the whole free segments of `pool` if nobody holds it,
+    /// nothing else, and no event waited for.
+    pub(crate) fn release_pool_cached<'a>(&'a self, mut st: Guard<'a>, pool: PoolId) -> Guard<'a> {
+        let segments = releasable_segments(&st, |p| p == pool)
+            .into_iter()
+            .map(|k| st.release_segment(k.id))
+            .collect();
+        self.free_segments(st, segments)
     }
 
     /// `release_available_cached_blocks`, with `max_split_size` (M) set, for a request of
@@ -84,11 +92,11 @@ impl Engine {
                 (chosen, total >= wanted)
             }
         };
-        let ptrs = chosen
+        let segments = chosen
             .into_iter()
             .map(|id| st.release_segment(id))
             .collect();
-        (self.free_segments(st, ptrs), enough)
+        (self.free_segments(st, segments), enough)
     }
 
     /// `garbage_collect_cached_blocks`: once more than `garbage_collection_threshold` of
@@ -110,7 +118,7 @@ impl Engine {
             .collect();
         let mut total_age: u64 = candidates.iter().map(|(_, age)| age).sum();
         let mut reclaimed = 0;
-        let mut ptrs = Vec::new();
+        let mut segments = Vec::new();
         let mut freed_any = true;
         while reclaimed < target && freed_any && !candidates.is_empty() {
             let average = total_age as f64 / candidates.len() as f64;
@@ -121,14 +129,14 @@ impl Engine {
                     freed_any = true;
                     reclaimed += st.blocks[id].size;
                     total_age -= age;
-                    ptrs.push(st.release_segment(id));
+                    segments.push(st.release_segment(id));
                 } else {
                     kept.push((id, age));
                 }
             }
             candidates = kept;
         }
-        self.free_segments(st, ptrs)
+        self.free_segments(st, segments)
     }
 
     /// What `Drop` does: waits for outstanding events, ends every private pool's retention,
@@ -143,4 +151,14 @@ impl Engine {
             let _ = self.driver.event_destroy(e);
         }
     }
+}
+
+/// The whole free segments of the pools `which` picks that may be given back now.
+fn releasable_segments(st: &State, which: impl Fn(PoolId) -> bool) -> Vec<FreeKey> {
+    st.pools
+        .keys()
+        .filter(|k| {
+            which(k.pool) && st.blocks[k.id].is_whole_segment() && st.private.releasable(k.pool)
+        })
+        .collect()
 }

@@ -9,7 +9,8 @@ use crate::error::AllocError;
 use crate::free_pools::{FreeKey, oversize_refuses};
 use crate::rounding::allocation_size;
 use crate::state::{Request, State};
-use ferrocuda_types::{CaptureMode, PoolId, PoolKind, StreamHandle};
+use ferrocuda_driver::DriverError;
+use ferrocuda_types::{CaptureMode, DevicePtr, PoolId, PoolKind, StreamHandle};
 
 impl Engine {
     /// What `DeviceCachingAllocator::malloc` (c10/cuda/CUDACachingAllocator.cpp) does when
@@ -133,13 +134,22 @@ impl Engine {
         // relaxed mode (legal, and not part of the graph); other threads' do not, so that
         // they invalidate a GLOBAL capture as they do in PyTorch.
         let relax = req.capture.is_some() || st.private.captured_by_this_thread();
+        // `allocPrimitive`: a pool made with an allocator takes its segments from it.
+        let source = st.private.allocator(pool);
         drop(st);
         let previous = if relax {
             self.driver.exchange_capture_mode(CaptureMode::Relaxed).ok()
         } else {
             None
         };
-        let result = self.driver.malloc(self.device, bytes);
+        let result = match &source {
+            // A null segment is `cudaErrorMemoryAllocation` there: out of memory.
+            Some(a) => match a.malloc(bytes, self.device, stream) {
+                DevicePtr(0) => Err(DriverError::OUT_OF_MEMORY),
+                ptr => Ok(ptr),
+            },
+            None => self.driver.malloc(self.device, bytes),
+        };
         if let Some(mode) = previous {
             let _ = self.driver.exchange_capture_mode(mode);
         }

@@ -8,6 +8,7 @@ use crate::block::{Allocation, Blocks};
 use crate::expandable::{Expandable, Grow, UnmapJob};
 use crate::free_pools::Pools;
 use crate::history::{History, HistoryContext};
+use crate::pluggable::PluggableAllocator;
 use crate::private_pools::PrivatePools;
 use crate::stream_order::StreamOrder;
 use crate::tally::Tally;
@@ -34,6 +35,13 @@ pub(crate) struct Request {
     /// The stream capture its stream takes part in, if any (asked only while a pool is
     /// routed to).
     pub(crate) capture: Option<u64>,
+}
+
+/// A segment taken out of the books, to be freed: its address, and where it goes back (the
+/// pool's pluggable allocator, or the driver when `None`).
+pub(crate) struct Released {
+    pub(crate) ptr: u64,
+    pub(crate) source: Option<Arc<PluggableAllocator>>,
 }
 
 /// What the allocator's lock guards.
@@ -298,13 +306,15 @@ impl State {
         subsumed
     }
 
-    /// Takes a whole free segment out of the books; the caller frees the returned address.
-    pub(crate) fn release_segment(&mut self, id: usize) -> u64 {
+    /// Takes a whole free segment out of the books; the caller frees it
+    /// ([`Engine::free_segments`](crate::engine::Engine::free_segments)).
+    pub(crate) fn release_segment(&mut self, id: usize) -> Released {
         self.pool_remove(id);
         let b = &self.blocks[id];
         let (ptr, size, kind) = (b.ptr, b.size, b.pool);
         let (stream, pool) = (self.blocks[id].stream, self.blocks[id].pool_id);
         self.history.record("segment_free", ptr, size, stream, None);
+        let source = self.private.allocator(pool);
         self.private.segment_released(pool);
         if self.oversize_segments.remove(&ptr) {
             self.stats.oversize_segments.decrease(1);
@@ -315,7 +325,7 @@ impl State {
         s.num_device_free += 1;
         self.total_reserved -= size;
         self.blocks.vacate(id);
-        ptr
+        Released { ptr, source }
     }
     /// Whether any stream capture records into a pool now.
     pub(crate) fn capturing(&self) -> bool {

@@ -1,10 +1,12 @@
 //! `cast_inputs` per op call: the policy lookup plus the per-argument decision, with the
-//! op resolved to an `OpId` once (the intended use) and by name.
+//! op resolved to an `OpId` once (the intended use) and by name; and the scope guards
+//! entered and dropped in order (the common path: a region per forward, a redispatch guard
+//! per listed op).
 use std::hint::black_box;
 
 use criterion::{Criterion, criterion_group, criterion_main};
 use ferrocuda_amp::autocast::{
-    Autocast, AutocastArg, DeviceKind, OpId, cast_inputs, cast_inputs_by_name,
+    Autocast, AutocastArg, DeviceKind, OpId, RedispatchGuard, cast_inputs, cast_inputs_by_name,
 };
 use ferrocuda_types::DType;
 
@@ -67,5 +69,30 @@ fn bench(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, bench);
+fn guards(c: &mut Criterion) {
+    let region = Autocast::new(DeviceKind::Cuda);
+    let mut g = c.benchmark_group("guards");
+    g.bench_function("region_enter_drop", |b| {
+        b.iter(|| black_box(region.enter().map(drop)))
+    });
+    g.bench_function("redispatch_new_drop", |b| {
+        b.iter(|| drop(black_box(RedispatchGuard::new(black_box(DeviceKind::Cuda)))))
+    });
+    let Ok(_outer) = region.enter() else {
+        return;
+    };
+    g.bench_function("redispatch_in_region_3_deep", |b| {
+        b.iter(|| {
+            let a = RedispatchGuard::new(DeviceKind::Cuda);
+            let b = RedispatchGuard::new(DeviceKind::Cpu);
+            let c = RedispatchGuard::new(DeviceKind::Cuda);
+            drop(black_box(c));
+            drop(black_box(b));
+            drop(black_box(a));
+        })
+    });
+    g.finish();
+}
+
+criterion_group!(benches, bench, guards);
 criterion_main!(benches);

@@ -7,17 +7,25 @@
 //!   argument must be cast to (or that the op is banned). No tensor type of ours is needed.
 //! - **One declarative table** (shared lists plus per-device overlays) is the single source
 //!   of every op's policy; the op-policy docs page is generated from it.
-//! - **State is explicit where PyTorch's is ambient**: scope guards own what they restore,
-//!   and an `AmpState` snapshot carries autocast into worker threads and recompute closures.
+//! - **State is explicit where PyTorch's is ambient**: scope guards record what they change
+//!   and may drop in any order (the state is then the one before the first live guard with
+//!   the live guards' changes applied; after the last, the one before the first), and an
+//!   `AmpState` snapshot carries autocast into worker threads and recompute closures.
 //! - **The gradient scaler can step without a host sync**: scale, its inverse, the growth
 //!   tracker and found_inf live on the device at stable addresses, optimizers read found_inf
 //!   there and skip themselves, so a whole iteration captures into one CUDA graph.
 //! - **Optimizers** ([`optim`]): fused multi-tensor SGD and AdamW whose step reads
 //!   `found_inf` on the device (step count and learning rate on the device too, as
 //!   PyTorch's `capturable=True`), and a masked fallback for any other optimizer.
+//! - **Views are checked before any work**: a [`TensorView`] is an address and a length the
+//!   caller vouches for, so every path that takes one refuses, before building a table or
+//!   launching, a view past the end of the address space ([`ViewOutOfRange`]) and a list
+//!   larger than the device's memory. The caller remains responsible for the views pointing
+//!   at live memory of their dtype.
 //!
 //! PyTorch's behaviour is cited by its source (`aten/src/ATen/autocast_mode.{h,cpp}`,
-//! `torch/amp/grad_scaler.py`, `aten/src/ATen/native/cuda/AmpKernels.cu`).
+//! `torch/amp/grad_scaler.py`, `aten/src/ATen/native/cuda/AmpKernels.cu`, `torch/optim/sgd.py`,
+//! `torch/optim/adamw.py`).
 //!
 //! # Modules
 //! - [`scaler`]: the gradient scaler ([`GradScaler`]) with its device kernels, PyTorch's

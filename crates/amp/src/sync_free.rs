@@ -21,6 +21,17 @@ pub enum StepError {
     /// The scaler refused or failed (fp16 gradients, a launch, an allocation).
     #[error(transparent)]
     Scaler(#[from] ScalerError),
+    /// The gradient list is not the optimizer's ([`DeviceOptimizer::grads`]: the same
+    /// views, in parameter order): the optimizer would step on gradients never unscaled.
+    #[error(
+        "ScaledStep got {given} gradients that are not the optimizer's {expected} (the same views, in parameter order): the optimizer would step on gradients never unscaled"
+    )]
+    GradsMismatch {
+        /// Gradients given.
+        given: usize,
+        /// Gradients the optimizer reads.
+        expected: usize,
+    },
     /// The optimizer failed to enqueue its step.
     #[error(transparent)]
     Optim(#[from] OptimError),
@@ -39,12 +50,27 @@ impl<O: DeviceOptimizer> ScaledStep<O> {
     /// pass writes, scaled by the scaler's scale). Makes the scaler's device state and the
     /// table of `grads` now, on `stream`, so that capturing [`ScaledStep::run`] allocates
     /// and copies nothing. A disabled scaler makes this a plain optimizer step.
+    ///
+    /// `grads` must be the optimizer's gradients ([`DeviceOptimizer::grads`]: the same
+    /// views, in parameter order), else [`StepError::GradsMismatch`]: the optimizer would
+    /// step on gradients that were never unscaled or checked. An enabled scaler also refuses
+    /// an empty list with PyTorch's "No inf checks were recorded for this optimizer."
     pub fn new(
         mut scaler: GradScaler,
         optimizer: O,
         grads: Vec<TensorView>,
         stream: &Stream,
     ) -> Result<ScaledStep<O>, StepError> {
+        if scaler.is_enabled() && grads.is_empty() {
+            return Err(ScalerError::NoInfChecksForOptimizer.into());
+        }
+        let expected = optimizer.grads();
+        if grads != expected {
+            return Err(StepError::GradsMismatch {
+                given: grads.len(),
+                expected: expected.len(),
+            });
+        }
         scaler.prepare_device(stream, &grads)?;
         Ok(ScaledStep {
             scaler,

@@ -1,7 +1,7 @@
 //! Bad input to the scaler and the optimizers is a typed error, never a panic or a runaway:
 //! a wrong device, an integer gradient, a view whose bytes run past the end of the address
 //! space (its chunk table would otherwise be built for 2^59 chunks), mismatched lengths,
-//! no parameters, a NaN learning rate.
+//! no parameters, a NaN learning rate (AdamW's; SGD's check lets NaN through, as PyTorch's).
 use ferrocuda_amp::optim::{
     AdamW, AdamWConfig, OptimError, Param, Sgd, SgdConfig, register_fake_optim_kernels,
 };
@@ -98,13 +98,19 @@ fn optimizers_refuse_bad_parameters_with_typed_errors() -> TestResult {
         param: TensorView::of(&p),
         grad: TensorView::of(&p),
     };
+    // PyTorch's SGD tests `lr < 0.0`, which NaN passes; AdamW's `not 0.0 <= lr` refuses it.
     let nan = SgdConfig {
         lr: f32::NAN,
         ..SgdConfig::default()
     };
-    let e = Sgd::new(&h.rt, &[fine], nan)
+    Sgd::new(&h.rt, &[fine], nan)?;
+    let nan = AdamWConfig {
+        lr: f32::NAN,
+        ..AdamWConfig::default()
+    };
+    let e = AdamW::new(&h.rt, &[fine], nan)
         .err()
         .ok_or("a NaN lr is refused")?;
-    assert_eq!(e.to_string(), "Invalid learning rate: NaN");
+    assert_eq!(e.to_string(), "Invalid learning rate: nan");
     Ok(())
 }

@@ -414,7 +414,7 @@ fn constructors_check_their_inputs(h: &Harness) -> TestResult {
             ..AdamWConfig::default()
         })
         .as_deref(),
-        Some("Invalid beta parameter at index 1: 1")
+        Some("Invalid beta parameter at index 1: 1.0")
     );
     assert!(matches!(
         Sgd::new(&f.rt, &[], SgdConfig::default()),

@@ -3,7 +3,7 @@
 //! `crates/torch-plugin`).
 //!
 //! Every exported function is a thin shim: it turns raw pointers into typed values here
-//! (a `cudaStream_t` into an [`ExternalStream`], a `void*` into a [`DevicePtr`], a
+//! (a `cudaStream_t` into a [`ForeignStream`], a `void*` into a [`DevicePtr`], a
 //! `MempoolId_t` into a [`PoolId`]), then calls the safe function of the same name in this
 //! module, which calls the [`TorchAllocator`] the library registered when it was loaded
 //! ([`register`], through [`torch_allocator_library!`](crate::torch_allocator_library)).
@@ -39,7 +39,7 @@
 //! temporary: the begin shim takes that pointer and never reads it (a C function cannot
 //! call a C++ closure), and routes by capture instead (see
 //! `ferrocuda_alloc::Route::NextCapture`).
-use crate::ExternalStream;
+use crate::ForeignStream;
 use crate::cuda::context_scope::ContextScope;
 use ferrocuda_types::{DeviceIndex, DevicePtr, PoolId};
 use parking_lot::Mutex;
@@ -62,7 +62,7 @@ pub trait TorchAllocator: Send + Sync + 'static {
         &self,
         bytes: u64,
         device: DeviceIndex,
-        stream: ExternalStream,
+        stream: &ForeignStream,
     ) -> Result<DevicePtr, BackendError>;
     /// Frees what [`TorchAllocator::allocate`] returned (PyTorch passes back the size,
     /// device and stream it asked with).
@@ -71,10 +71,12 @@ pub trait TorchAllocator: Send + Sync + 'static {
         ptr: DevicePtr,
         bytes: u64,
         device: DeviceIndex,
-        stream: ExternalStream,
+        stream: &ForeignStream,
     ) -> Result<(), BackendError>;
-    /// `Tensor.record_stream`: `ptr` is also used on `stream`.
-    fn record_stream(&self, ptr: DevicePtr, stream: ExternalStream) -> Result<(), BackendError>;
+    /// `Tensor.record_stream`: `ptr` is also used on `stream` (PyTorch does not say the
+    /// device: `stream` is named for device 0, [`ForeignStream::for_device`] names it for
+    /// the device that owns `ptr`).
+    fn record_stream(&self, ptr: DevicePtr, stream: &ForeignStream) -> Result<(), BackendError>;
     /// `torch.cuda.empty_cache()`.
     fn empty_cache(&self) -> Result<(), BackendError>;
     /// `torch.cuda.set_per_process_memory_fraction(fraction, device)`.
@@ -258,7 +260,7 @@ pub fn malloc(
     b: &dyn TorchAllocator,
     size: usize,
     dev: c_int,
-    stream: ExternalStream,
+    stream: &ForeignStream,
 ) -> Result<DevicePtr, ExportError> {
     let dev = device("alloc", dev)?;
     guarded("alloc", || b.allocate(size as u64, dev, stream))
@@ -270,7 +272,7 @@ pub fn free(
     ptr: DevicePtr,
     size: usize,
     dev: c_int,
-    stream: ExternalStream,
+    stream: &ForeignStream,
 ) -> Result<(), ExportError> {
     let dev = device("free", dev)?;
     guarded("free", || b.free(ptr, size as u64, dev, stream))
@@ -309,7 +311,7 @@ pub fn base_alloc(b: &dyn TorchAllocator, ptr: DevicePtr) -> Result<(DevicePtr, 
 pub fn record_stream(
     b: &dyn TorchAllocator,
     ptr: DevicePtr,
-    stream: ExternalStream,
+    stream: &ForeignStream,
 ) -> Result<(), ExportError> {
     guarded("record_stream", || b.record_stream(ptr, stream))
 }
@@ -418,6 +420,17 @@ unsafe fn write_c_string(text: &str, buf: *mut c_char, len: usize) -> isize {
     isize::try_from(text.len()).unwrap_or(isize::MAX)
 }
 
+/// PyTorch's stream, named for `device` (an index that is not one is named 0 here: the
+/// call refuses it next).
+///
+/// # Safety
+/// `raw` is null or a live `cudaStream_t` (see [`ForeignStream::from_raw`]).
+unsafe fn raw_stream(device: c_int, raw: *mut c_void) -> ForeignStream {
+    let device = DeviceIndex(u16::try_from(device).unwrap_or(0));
+    // SAFETY: the caller's contract is `from_raw`'s.
+    unsafe { ForeignStream::from_raw(device, raw) }
+}
+
 fn into_void(ptr: DevicePtr) -> *mut c_void {
     std::ptr::without_provenance_mut(ptr.0 as usize)
 }
@@ -432,7 +445,7 @@ fn from_void(ptr: *mut c_void) -> DevicePtr {
 /// on failure (kept for [`ferrocuda_last_error`]).
 ///
 /// # Safety
-/// `stream` is null or a live `cudaStream_t` of `device` (see [`ExternalStream::from_raw`]):
+/// `stream` is null or a live `cudaStream_t` of `device` (see [`ForeignStream::from_raw`]):
 /// what PyTorch passes.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn ferrocuda_malloc(
@@ -441,9 +454,9 @@ pub unsafe extern "C" fn ferrocuda_malloc(
     stream: *mut c_void,
 ) -> *mut c_void {
     let _scope = ContextScope::enter();
-    // SAFETY: the caller's contract above is `from_raw`'s.
-    let stream = unsafe { ExternalStream::from_raw(stream) };
-    let r = registered().and_then(|b| malloc(b, size, device, stream));
+    // SAFETY: the caller's contract above is `raw_stream`'s.
+    let stream = unsafe { raw_stream(device, stream) };
+    let r = registered().and_then(|b| malloc(b, size, device, &stream));
     report(r).map_or(std::ptr::null_mut(), into_void)
 }
 
@@ -460,9 +473,9 @@ pub unsafe extern "C" fn ferrocuda_free(
     stream: *mut c_void,
 ) {
     let _scope = ContextScope::enter();
-    // SAFETY: the caller's contract above is `from_raw`'s.
-    let stream = unsafe { ExternalStream::from_raw(stream) };
-    report(registered().and_then(|b| free(b, from_void(ptr), size, device, stream)));
+    // SAFETY: the caller's contract above is `raw_stream`'s.
+    let stream = unsafe { raw_stream(device, stream) };
+    report(registered().and_then(|b| free(b, from_void(ptr), size, device, &stream)));
 }
 
 /// PyTorch's `init(device_count)`.
@@ -512,9 +525,9 @@ pub unsafe extern "C" fn ferrocuda_base_alloc(ptr: *mut c_void, size: *mut usize
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn ferrocuda_record_stream(ptr: *mut c_void, stream: *mut c_void) {
     let _scope = ContextScope::enter();
-    // SAFETY: the caller's contract above is `from_raw`'s.
-    let stream = unsafe { ExternalStream::from_raw(stream) };
-    report(registered().and_then(|b| record_stream(b, from_void(ptr), stream)));
+    // SAFETY: the caller's contract above is `raw_stream`'s.
+    let stream = unsafe { raw_stream(0, stream) };
+    report(registered().and_then(|b| record_stream(b, from_void(ptr), &stream)));
 }
 
 /// PyTorch's `begin_allocate_to_pool(device, pool, filter)`. `filter` (a pointer to the

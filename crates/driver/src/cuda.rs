@@ -11,7 +11,7 @@
 //! Every handle a caller passes is checked against a registry of the objects this driver
 //! created, so a stale or made-up handle is `CUDA_ERROR_INVALID_HANDLE`, never a wild pointer
 //! handed to libcuda.
-use crate::{CompileError, Driver, DriverError, ExternalStream, NvmlError};
+use crate::{CompileError, Driver, DriverError, ForeignStream, NvmlError};
 use cudarc::driver::sys;
 use cudarc::nvrtc::sys as nvrtc_sys;
 use ferrocuda_types::{
@@ -28,7 +28,7 @@ use std::sync::OnceLock;
 
 #[cfg(feature = "c-export")]
 pub(crate) mod context_scope;
-mod external;
+mod interop;
 mod nodes;
 
 /// Most kernel arguments one launch takes.
@@ -54,8 +54,6 @@ fn ready(r: sys::CUresult) -> Result<bool, DriverError> {
 #[derive(Default)]
 struct Registry {
     streams: HashSet<(u16, u64)>,
-    /// Streams of other libraries among `streams` ([`Driver::stream_adopt`]), never destroyed.
-    adopted: HashSet<(u16, u64)>,
     events: HashMap<u64, (u16, EventFlags)>,
     modules: HashMap<u64, u16>,
     functions: HashMap<u64, (u16, u64)>,
@@ -63,6 +61,16 @@ struct Registry {
     execs: HashMap<u64, u16>,
     hosts: BTreeMap<u64, u64>,
     phys: HashMap<u64, (u16, u64)>,
+    /// Streams other libraries made, adopted (`stream_adopt`), with their adoption count.
+    adopted: HashMap<(u16, u64), u32>,
+}
+
+impl Registry {
+    /// Whether `raw` names a stream of device `dev` this driver may use: the legacy default
+    /// stream, one it created, or one it adopted.
+    fn knows_stream(&self, dev: u16, raw: u64) -> bool {
+        raw == 0 || self.streams.contains(&(dev, raw)) || self.adopted.contains_key(&(dev, raw))
+    }
 }
 
 struct DeviceSlot {
@@ -193,7 +201,7 @@ impl CudaDriver {
 
     fn stream(&self, s: StreamHandle) -> Result<sys::CUstream, DriverError> {
         let l = self.bind(s.device)?;
-        if s.raw != 0 && !l.registry.read().streams.contains(&(s.device.0, s.raw)) {
+        if !l.registry.read().knows_stream(s.device.0, s.raw) {
             return Err(DriverError::INVALID_HANDLE);
         }
         Ok(s.raw as sys::CUstream)
@@ -734,9 +742,6 @@ impl Driver for CudaDriver {
     }
 
     fn stream_destroy(&self, stream: StreamHandle) -> Result<(), DriverError> {
-        if self.is_adopted(stream) {
-            return Err(DriverError::NOT_PERMITTED);
-        }
         let l = self.bind(stream.device)?;
         if !l
             .registry
@@ -957,7 +962,7 @@ impl Driver for CudaDriver {
                 .functions
                 .get(&function.raw)
                 .is_some_and(|(d, _)| *d == function.device.0);
-            let s_ok = stream.raw == 0 || reg.streams.contains(&(stream.device.0, stream.raw));
+            let s_ok = reg.knows_stream(stream.device.0, stream.raw);
             if !f_ok || !s_ok || function.device != stream.device {
                 return Err(DriverError::INVALID_HANDLE);
             }
@@ -1243,11 +1248,11 @@ impl Driver for CudaDriver {
         check(unsafe { sys::cuMemUnmap(at.0, bytes as usize) })
     }
 
-    fn stream_adopt(
-        &self,
-        dev: DeviceIndex,
-        stream: ExternalStream,
-    ) -> Result<StreamHandle, DriverError> {
-        self.adopt_stream(dev, stream)
+    fn stream_adopt(&self, stream: &ForeignStream) -> Result<StreamHandle, DriverError> {
+        interop::adopt(self, stream)
+    }
+
+    fn stream_forget(&self, stream: StreamHandle) -> Result<(), DriverError> {
+        interop::forget(self, stream)
     }
 }

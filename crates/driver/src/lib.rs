@@ -30,6 +30,10 @@
 //!   virtual-memory API maps physical chunks at 2 MiB granularity, out-of-memory comes from a
 //!   capacity or is injected at the N-th call, and every call is counted.
 //! - `unsafe` lives here only, each block with a `// SAFETY:` note.
+//! - **Other libraries' code is called here too**: allocator functions of a shared library
+//!   ([`pluggable`], PyTorch's `CUDAPluggableAllocator`), and cudarc's safe API beside ours
+//!   ([`interop`]: its streams adopted, never destroyed; device memory lent to it through its
+//!   pointer traits). A missing library or function is a typed error.
 //!
 //! # What the layer above must do
 //! - Never use a handle after destroying its object (it gets an error, not the object).
@@ -42,16 +46,18 @@
 pub mod c_export;
 mod cuda;
 mod error;
-mod external;
 pub mod fake;
 pub mod fork;
+pub mod interop;
 pub mod nvml;
+pub mod pluggable;
 
 pub use cuda::{CudaDriver, RawGraph, RawLaunch};
 pub use error::{CompileError, DriverError};
-pub use external::ExternalStream;
 pub use fake::{Completion, FakeDriver, FakeDriverBuilder, KernelContext};
+pub use interop::ForeignStream;
 pub use nvml::NvmlError;
+pub use pluggable::{Hook, PluggableError, PluggableLibrary};
 
 use ferrocuda_types::{
     CaptureMode, CaptureStatus, DeviceIndex, DeviceProperties, DevicePtr, EventFlags, EventHandle,
@@ -295,21 +301,17 @@ pub trait Driver: Send + Sync + std::fmt::Debug + 'static {
     /// Unmaps `[at, at + bytes)` (`cuMemUnmap`).
     fn vm_unmap(&self, dev: DeviceIndex, at: DevicePtr, bytes: u64) -> Result<(), DriverError>;
 
-    // ---- streams of other libraries (the PyTorch allocator plugin) ------------------------
-    /// Adopts another library's stream of `dev` (PyTorch's `cudaStream_t`): from now on the
-    /// handle returned is accepted wherever a stream is, as one this driver created.
-    /// Adopting again returns the same handle; the legacy default stream is always adopted.
-    /// The real driver checks that the stream belongs to `dev`'s primary context (else
-    /// `CUDA_ERROR_INVALID_CONTEXT`), refuses a stream nobody vouched for
-    /// (`CUDA_ERROR_INVALID_HANDLE`, see [`ExternalStream::of_fake`]), and never destroys
-    /// an adopted stream: its [`Driver::stream_destroy`] refuses one
-    /// (`CUDA_ERROR_NOT_PERMITTED`), its maker owns it. The fake adopts the streams it has
-    /// (else `CUDA_ERROR_INVALID_HANDLE`); since it also plays the other library in tests,
-    /// it still lets them be destroyed.
-    fn stream_adopt(
-        &self,
-        dev: DeviceIndex,
-        stream: ExternalStream,
-    ) -> Result<StreamHandle, DriverError>;
+    // ---- interop: streams made by other libraries (cudarc) -------------------------------
+    /// Makes a stream another library made usable through this driver, without owning it:
+    /// the handle works in every stream method until [`Driver::stream_forget`] (adopting
+    /// one stream twice needs two forgets); this driver never destroys it. The legacy
+    /// default stream (raw 0) is that device's own. A cudarc stream must belong to the
+    /// primary context of its device, which is what this driver uses
+    /// (`CUDA_ERROR_INVALID_CONTEXT` otherwise); a foreign stream of another backend is
+    /// `CUDA_ERROR_INVALID_HANDLE`.
+    fn stream_adopt(&self, stream: &ForeignStream) -> Result<StreamHandle, DriverError>;
+    /// Ends one adoption of `stream` (the stream itself lives on with its maker). A handle
+    /// not adopted is `CUDA_ERROR_INVALID_HANDLE`.
+    fn stream_forget(&self, stream: StreamHandle) -> Result<(), DriverError>;
 }
 pub use fake::Call;

@@ -308,7 +308,7 @@ fn step() -> impl Strategy<Value = Step> {
         prop::sample::select(vec![DType::F32, DType::F16]),
         any::<bool>(),
         0u16..2,
-        prop::collection::vec((1i64..4, 1i64..3), 1..4),
+        prop::collection::vec((1i64..4, 1i64..3), 1..7),
         any::<bool>(),
         prop::bool::weighted(0.9),
         prop::sample::select(vec![None, Some(DType::F16), Some(DType::BF16)]),

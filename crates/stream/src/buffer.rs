@@ -82,6 +82,10 @@ impl<T: Element> DeviceBuffer<T> {
     pub fn device(&self) -> DeviceIndex {
         self.device
     }
+    /// The runtime it was made on.
+    pub(crate) fn runtime(&self) -> &Arc<Runtime> {
+        &self.runtime
+    }
     /// Its device address.
     pub fn ptr(&self) -> DevicePtr {
         self.ptr

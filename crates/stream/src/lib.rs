@@ -27,6 +27,11 @@
 //!   init; the fake driver reads it when built).
 //! - Device mismatch is checked here, once, not in the driver: a launch whose buffer argument
 //!   lives on another device is [`StreamError::DeviceMismatch`].
+//! - **Other libraries' streams and buffers**: a cudarc stream is adopted as a [`Stream`]
+//!   ([`Runtime::adopt_stream`], `torch.cuda.ExternalStream`'s role: never destroyed by us),
+//!   and a [`DeviceBuffer`] is lent to another stream without a copy ([`DeviceBuffer::lend`],
+//!   [`DeviceBuffer::cudarc`] for cudarc's pointer traits), the order between the streams
+//!   kept by events both ways.
 //!
 //! # What the layers above must do
 //! - Keep allocations alive until the streams using them are done (the caching allocator's
@@ -41,6 +46,7 @@ mod availability;
 mod buffer;
 mod error;
 mod event;
+mod interop;
 mod memory;
 mod module;
 mod per_device;
@@ -55,6 +61,7 @@ pub use buffer::DeviceBuffer;
 pub use error::{MemoryError, Result, StreamError};
 pub use event::Event;
 pub use ferrocuda_driver::Driver;
+pub use interop::Lent;
 pub use memory::{DriverMemory, MemoryResource};
 pub use module::{CacheOutcome, Function, KernelCache, Module};
 pub use per_device::PerDevice;

@@ -1,6 +1,7 @@
 //! The runtime: one driver, its devices, the per-thread current device and streams.
+use crate::stream::Ownership;
 use crate::{AvailabilityCheck, Event, PerDevice, Result, Stream, StreamError};
-use ferrocuda_driver::Driver;
+use ferrocuda_driver::{Driver, ForeignStream};
 use ferrocuda_types::{
     Device, DeviceIndex, DeviceKind, DeviceProperties, EventFlags, StreamFlags, StreamHandle,
 };
@@ -112,7 +113,12 @@ impl Runtime {
     /// The devices, initialising at the first call (in a bad fork, [`StreamError::BadFork`]).
     fn devices(&self) -> Result<&[DeviceState]> {
         self.devices.get_or_init(&*self.driver, |d| DeviceState {
-            default_stream: Stream::wrap(self.driver.clone(), StreamHandle::legacy(d), 0, false),
+            default_stream: Stream::wrap(
+                self.driver.clone(),
+                StreamHandle::legacy(d),
+                0,
+                Ownership::Borrowed,
+            ),
             pools: Default::default(),
             capture_stream: OnceLock::new(),
             properties: OnceLock::new(),
@@ -318,7 +324,12 @@ impl Runtime {
                 priority,
             },
         )?;
-        Ok(Stream::wrap(self.driver.clone(), handle, priority, true))
+        Ok(Stream::wrap(
+            self.driver.clone(),
+            handle,
+            priority,
+            Ownership::Owned,
+        ))
     }
 
     /// A stream from the device's pool (`torch.cuda.Stream()` in PyTorch): 32 per priority,
@@ -341,7 +352,12 @@ impl Runtime {
                             priority,
                         };
                         let h = self.driver.stream_create(dev, flags)?;
-                        Ok(Stream::wrap(self.driver.clone(), h, priority, true))
+                        Ok(Stream::wrap(
+                            self.driver.clone(),
+                            h,
+                            priority,
+                            Ownership::Owned,
+                        ))
                     })
                     .collect::<Result<Vec<_>>>()?;
                 // A racing thread may have won; its pool is kept and ours dropped (destroyed).
@@ -372,7 +388,29 @@ impl Runtime {
         self.check_device(handle.device)?;
         // Validates the handle before anything is built on it.
         self.driver.stream_query(handle)?;
-        Ok(Stream::wrap(self.driver.clone(), handle, 0, false))
+        Ok(Stream::wrap(
+            self.driver.clone(),
+            handle,
+            0,
+            Ownership::Borrowed,
+        ))
+    }
+
+    /// Adopts a stream another library made (a cudarc stream: [`ForeignStream::cudarc`]),
+    /// as `torch.cuda.ExternalStream` wraps a raw stream: work of ferrocuda can go on it (make
+    /// it current with [`Runtime::stream_guard`]) and it is never destroyed by ferrocuda. The
+    /// returned stream keeps the foreign one alive; when its last clone drops, the driver
+    /// forgets it. Adopting one stream twice gives two equal streams. Its priority reads 0,
+    /// as for [`Runtime::external_stream`].
+    pub fn adopt_stream(&self, foreign: ForeignStream) -> Result<Stream> {
+        self.check_device(foreign.device())?;
+        let handle = self.driver.stream_adopt(&foreign)?;
+        Ok(Stream::wrap(
+            self.driver.clone(),
+            handle,
+            0,
+            Ownership::Adopted(foreign),
+        ))
     }
 
     // ---- events --------------------------------------------------------------------------

@@ -1,23 +1,37 @@
 //! Streams.
 use crate::{Event, Function, Result, StreamError};
-use ferrocuda_driver::Driver;
+use ferrocuda_driver::{Driver, ForeignStream};
 use ferrocuda_types::{DeviceIndex, EventFlags, KernelArg, LaunchConfig, StreamHandle};
 use std::sync::Arc;
+
+/// Who destroys the driver stream when the last clone drops.
+#[derive(Debug)]
+pub(crate) enum Ownership {
+    /// We made it: destroyed.
+    Owned,
+    /// The device's own, or named by a handle the driver already knew: left alone.
+    Borrowed,
+    /// Another library's, adopted: the adoption ends (the stream is never destroyed), then
+    /// the foreign stream, which keeps the stream alive, is dropped.
+    Adopted(ForeignStream),
+}
 
 #[derive(Debug)]
 struct StreamInner {
     driver: Arc<dyn Driver>,
     handle: StreamHandle,
     priority: i32,
-    owned: bool,
+    ownership: Ownership,
 }
 
 impl Drop for StreamInner {
     fn drop(&mut self) {
-        if self.owned {
-            // Work already enqueued still runs; an error here has no one to go to.
-            let _ = self.driver.stream_destroy(self.handle);
-        }
+        // Work already enqueued still runs; an error here has no one to go to.
+        let _ = match self.ownership {
+            Ownership::Owned => self.driver.stream_destroy(self.handle),
+            Ownership::Adopted(_) => self.driver.stream_forget(self.handle),
+            Ownership::Borrowed => Ok(()),
+        };
     }
 }
 
@@ -43,15 +57,25 @@ impl Stream {
         driver: Arc<dyn Driver>,
         handle: StreamHandle,
         priority: i32,
-        owned: bool,
+        ownership: Ownership,
     ) -> Stream {
         Stream {
             inner: Arc::new(StreamInner {
                 driver,
                 handle,
                 priority,
-                owned,
+                ownership,
             }),
+        }
+    }
+
+    /// The other library's stream this one adopted ([`Runtime::adopt_stream`]), if any.
+    ///
+    /// [`Runtime::adopt_stream`]: crate::Runtime::adopt_stream
+    pub fn adopted_from(&self) -> Option<&ForeignStream> {
+        match &self.inner.ownership {
+            Ownership::Adopted(foreign) => Some(foreign),
+            _ => None,
         }
     }
 

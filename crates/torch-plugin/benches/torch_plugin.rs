@@ -11,8 +11,9 @@
 
 use criterion::{Criterion, criterion_group, criterion_main};
 use ferrocuda::alloc::{CachingAllocator, DeviceAllocators};
-use ferrocuda::driver::{CudaDriver, Driver, ExternalStream, FakeDriver};
-use ferrocuda::types::{AllocatorConfig, DeviceIndex, StreamFlags, StreamHandle};
+use ferrocuda::driver::interop::cudarc::driver::CudaContext;
+use ferrocuda::driver::{CudaDriver, Driver, FakeDriver, ForeignStream};
+use ferrocuda::types::{AllocatorConfig, DeviceIndex, StreamHandle};
 use ferrocuda_driver::c_export as c;
 use ferrocuda_torch::TorchBackend;
 use std::hint::black_box;
@@ -21,17 +22,26 @@ use std::sync::Arc;
 const DEV: DeviceIndex = DeviceIndex(0);
 const MIB: usize = 1 << 20;
 
-fn driver() -> Arc<dyn Driver> {
+/// The driver, and a stream another library made on it (cudarc's on the GPU, as PyTorch
+/// makes its own; the fake's stand-in elsewhere).
+fn driver() -> (Arc<dyn Driver>, ForeignStream) {
     let cuda = CudaDriver::new();
     match cuda.unavailable_reason() {
-        None => Arc::new(cuda),
+        None => {
+            let ctx = CudaContext::new(0).expect("cudarc context");
+            let stream = ctx.new_stream().expect("cudarc stream");
+            let foreign = ForeignStream::cudarc(&stream).expect("foreign stream");
+            (Arc::new(cuda), foreign)
+        }
         Some(reason) => {
             if std::env::var("FERROCUDA_REQUIRE_GPU").is_ok_and(|v| v == "1") {
                 eprintln!("torch_plugin bench: no usable GPU ({reason})");
                 std::process::exit(1);
             }
             eprintln!("torch_plugin bench: no GPU ({reason}); measuring over the fake device");
-            Arc::new(FakeDriver::default())
+            let fake = FakeDriver::default();
+            let foreign = fake.foreign_stream(DEV).expect("foreign stream");
+            (Arc::new(fake), foreign)
         }
     }
 }
@@ -41,39 +51,28 @@ fn direct_pair(a: &CachingAllocator, stream: StreamHandle) {
     a.free(black_box(x.ptr)).expect("free");
 }
 
-fn shim_pair(b: &TorchBackend, stream: ExternalStream) {
+fn shim_pair(b: &TorchBackend, stream: &ForeignStream) {
     let x = c::malloc(b, MIB, 0, stream).expect("alloc");
     c::free(b, black_box(x), MIB, 0, stream).expect("free");
 }
 
 fn shims(cr: &mut Criterion) {
-    let driver = driver();
+    let (driver, foreign) = driver();
     let allocators = DeviceAllocators::new(driver.clone(), AllocatorConfig::default(), true);
     let b = TorchBackend::new(driver.clone(), allocators.clone());
     let a = allocators.device(DEV).expect("allocator");
-    let own = driver
-        .stream_create(
-            DEV,
-            StreamFlags {
-                non_blocking: true,
-                priority: 0,
-            },
-        )
-        .expect("stream");
     let mut g = cr.benchmark_group("torch_plugin");
     direct_pair(a, StreamHandle::legacy(DEV));
     g.bench_function("pair_1MiB_direct", |x| {
         x.iter(|| direct_pair(a, StreamHandle::legacy(DEV)))
     });
-    shim_pair(&b, ExternalStream::LEGACY);
-    g.bench_function("pair_1MiB_shim", |x| {
-        x.iter(|| shim_pair(&b, ExternalStream::LEGACY))
-    });
-    // A stream this driver made counts as adopted already: the set is what is measured.
-    let stream = ExternalStream::of_fake(own);
-    shim_pair(&b, stream);
+    let legacy = ForeignStream::legacy(DEV);
+    shim_pair(&b, &legacy);
+    g.bench_function("pair_1MiB_shim", |x| x.iter(|| shim_pair(&b, &legacy)));
+    // Adopted at the first pair: the per-thread set is what the others pay.
+    shim_pair(&b, &foreign);
     g.bench_function("pair_1MiB_shim_stream", |x| {
-        x.iter(|| shim_pair(&b, stream))
+        x.iter(|| shim_pair(&b, &foreign))
     });
     g.finish();
 }

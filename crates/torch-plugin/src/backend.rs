@@ -3,7 +3,7 @@ use crate::PluginError;
 use ferrocuda::alloc::history::{HistoryOptions, SkipFrames};
 use ferrocuda::alloc::{AllocError, CachingAllocator, DeviceAllocators, Route};
 use ferrocuda::driver::c_export::{BackendError, TorchAllocator};
-use ferrocuda::driver::{Driver, ExternalStream};
+use ferrocuda::driver::{Driver, ForeignStream};
 use ferrocuda::types::{AllocatorConfig, DeviceIndex, DevicePtr, PoolId, StreamHandle};
 use rustc_hash::FxHashSet;
 use std::cell::RefCell;
@@ -69,12 +69,12 @@ impl TorchBackend {
             .collect()
     }
 
-    /// The driver's handle of PyTorch's stream, adopting it the first time this thread
-    /// sees it.
+    /// The driver's handle of PyTorch's stream on `dev`, adopting it the first time this
+    /// thread sees it (PyTorch's streams live as long as the process: never forgotten).
     fn stream(
         &self,
         dev: DeviceIndex,
-        stream: ExternalStream,
+        stream: &ForeignStream,
     ) -> Result<StreamHandle, PluginError> {
         let key = (self.id, dev.0, stream.raw());
         let known = || ADOPTED.try_with(|a| a.borrow().contains(&key)) == Ok(true);
@@ -84,7 +84,11 @@ impl TorchBackend {
                 raw: stream.raw(),
             });
         }
-        let handle = self.driver.stream_adopt(dev, stream)?;
+        let handle = if stream.device() == dev {
+            self.driver.stream_adopt(stream)?
+        } else {
+            self.driver.stream_adopt(&stream.for_device(dev))?
+        };
         // A thread past its thread-locals (freeing in its own exit) adopts every time.
         let _ = ADOPTED.try_with(|a| a.borrow_mut().insert(key));
         Ok(handle)
@@ -111,7 +115,7 @@ impl TorchAllocator for TorchBackend {
         &self,
         bytes: u64,
         device: DeviceIndex,
-        stream: ExternalStream,
+        stream: &ForeignStream,
     ) -> Result<DevicePtr, BackendError> {
         let stream = self.stream(device, stream)?;
         let a = self.allocator(device)?;
@@ -124,7 +128,7 @@ impl TorchAllocator for TorchBackend {
         ptr: DevicePtr,
         _bytes: u64,
         device: DeviceIndex,
-        _stream: ExternalStream,
+        _stream: &ForeignStream,
     ) -> Result<(), BackendError> {
         match self.allocator(device)?.free(ptr) {
             Err(AllocError::InvalidPointer(p)) => Err(PluginError::NotAllocatedHere(p).into()),
@@ -133,7 +137,7 @@ impl TorchAllocator for TorchBackend {
     }
 
     /// The device is the one whose allocator handed `ptr` out.
-    fn record_stream(&self, ptr: DevicePtr, stream: ExternalStream) -> Result<(), BackendError> {
+    fn record_stream(&self, ptr: DevicePtr, stream: &ForeignStream) -> Result<(), BackendError> {
         let mut refused = PluginError::NotAllocatedHere(ptr);
         for a in self.allocators.created() {
             let handle = match self.stream(a.device(), stream) {

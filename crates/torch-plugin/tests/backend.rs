@@ -3,10 +3,10 @@
 #![allow(clippy::panic)]
 use ferrocuda::alloc::{CachingAllocator, DeviceAllocators};
 use ferrocuda::driver::fake::Completion;
-use ferrocuda::driver::{Call, Driver, ExternalStream, FakeDriver};
+use ferrocuda::driver::{Call, Driver, FakeDriver, ForeignStream};
 use ferrocuda::types::{
     AllocatorConfig, CaptureMode, DeviceIndex, DevicePtr, MemsetValue, PoolId, Snapshot,
-    StreamFlags, StreamHandle,
+    StreamHandle,
 };
 use ferrocuda_driver::c_export::{self as c, ExportError, MempoolId, TorchAllocator};
 use ferrocuda_torch::TorchBackend;
@@ -15,7 +15,6 @@ use std::sync::Arc;
 type TestResult = Result<(), Box<dyn std::error::Error>>;
 const MIB: usize = 1 << 20;
 const D0: DeviceIndex = DeviceIndex(0);
-const LEGACY: ExternalStream = ExternalStream::LEGACY;
 
 fn setup_with(config: &str, fake: FakeDriver) -> (Arc<FakeDriver>, TorchBackend) {
     let fake = Arc::new(fake);
@@ -28,15 +27,19 @@ fn setup(config: &str) -> (Arc<FakeDriver>, TorchBackend) {
     setup_with(config, FakeDriver::default())
 }
 
-/// A stream PyTorch made (on the fake device, the fake plays PyTorch too).
-fn torch_stream(fake: &FakeDriver) -> Result<StreamHandle, Box<dyn std::error::Error>> {
-    Ok(fake.stream_create(
-        D0,
-        StreamFlags {
-            non_blocking: true,
-            priority: 0,
-        },
-    )?)
+/// The legacy default stream, as PyTorch passes it (null).
+fn legacy() -> ForeignStream {
+    ForeignStream::legacy(D0)
+}
+
+/// A stream PyTorch made ("another library" on the fake device), and the handle the test,
+/// playing PyTorch, issues its own work with (having adopted it too).
+fn torch_stream(
+    fake: &FakeDriver,
+) -> Result<(ForeignStream, StreamHandle), Box<dyn std::error::Error>> {
+    let foreign = fake.foreign_stream(D0)?;
+    let handle = fake.stream_adopt(&foreign)?;
+    Ok((foreign, handle))
 }
 
 fn allocator(b: &TorchBackend) -> &CachingAllocator {
@@ -62,9 +65,9 @@ fn pool(id: PoolId) -> MempoolId {
 #[test]
 fn alloc_and_free_serve_pytorch_and_count_in_the_statistics() -> TestResult {
     let (fake, b) = setup("");
-    let s = ExternalStream::of_fake(torch_stream(&fake)?);
-    let x = c::malloc(&b, 3 * MIB, 0, s)?;
-    let y = c::malloc(&b, 1000, 0, LEGACY)?;
+    let (s, _) = torch_stream(&fake)?;
+    let x = c::malloc(&b, 3 * MIB, 0, &s)?;
+    let y = c::malloc(&b, 1000, 0, &legacy())?;
     assert_eq!(stat(&b, "allocation.all.current"), 2);
     assert_eq!(
         stat(&b, "requested_bytes.all.current"),
@@ -79,11 +82,11 @@ fn alloc_and_free_serve_pytorch_and_count_in_the_statistics() -> TestResult {
         Some(s.raw()),
         "the block is tied to PyTorch's stream"
     );
-    c::free(&b, x, 3 * MIB, 0, s)?;
-    c::free(&b, y, 1000, 0, LEGACY)?;
+    c::free(&b, x, 3 * MIB, 0, &s)?;
+    c::free(&b, y, 1000, 0, &legacy())?;
     assert_eq!(stat(&b, "allocation.all.current"), 0);
     assert_eq!(
-        c::malloc(&b, 0, 0, LEGACY)?,
+        c::malloc(&b, 0, 0, &legacy())?,
         DevicePtr(0),
         "zero bytes: null"
     );
@@ -96,9 +99,9 @@ fn alloc_and_free_serve_pytorch_and_count_in_the_statistics() -> TestResult {
 #[test]
 fn a_pointer_not_allocated_here_is_an_error_not_a_panic() -> TestResult {
     let (_fake, b) = setup("");
-    let x = c::malloc(&b, MIB, 0, LEGACY)?;
+    let x = c::malloc(&b, MIB, 0, &legacy())?;
     for bad in [DevicePtr(0x1234), x.offset(512)] {
-        let e = c::free(&b, bad, MIB, 0, LEGACY).err().ok_or("freed")?;
+        let e = c::free(&b, bad, MIB, 0, &legacy()).err().ok_or("freed")?;
         assert!(
             matches!(e, ExportError::Backend { call: "free", .. }),
             "{e}"
@@ -109,8 +112,8 @@ fn a_pointer_not_allocated_here_is_an_error_not_a_panic() -> TestResult {
             "{e}"
         );
     }
-    c::free(&b, x, MIB, 0, LEGACY)?;
-    assert!(c::free(&b, x, MIB, 0, LEGACY).is_err(), "a double free");
+    c::free(&b, x, MIB, 0, &legacy())?;
+    assert!(c::free(&b, x, MIB, 0, &legacy()).is_err(), "a double free");
     assert_eq!(stat(&b, "allocation.all.current"), 0);
     allocator(&b).check_invariants()?;
     Ok(())
@@ -118,24 +121,26 @@ fn a_pointer_not_allocated_here_is_an_error_not_a_panic() -> TestResult {
 
 #[test]
 fn bad_arguments_are_typed_errors() -> TestResult {
-    let (fake, b) = setup("");
+    let (fake, b) = setup_with("", FakeDriver::builder().devices(2).build());
     let invalid_device =
         |r: Result<_, ExportError>| matches!(r, Err(ExportError::InvalidDevice { value: -1, .. }));
-    assert!(invalid_device(c::malloc(&b, MIB, -1, LEGACY).map(|_| ())));
-    assert!(invalid_device(c::free(&b, DevicePtr(1), 1, -1, LEGACY)));
+    assert!(invalid_device(
+        c::malloc(&b, MIB, -1, &legacy()).map(|_| ())
+    ));
+    assert!(invalid_device(c::free(&b, DevicePtr(1), 1, -1, &legacy())));
     assert!(invalid_device(c::memory_fraction(&b, 0.5, -1)));
     assert!(invalid_device(c::init(&b, -1)));
-    let no_device = c::malloc(&b, MIB, 3, LEGACY).err().ok_or("allocated")?;
+    let no_device = c::malloc(&b, MIB, 3, &legacy()).err().ok_or("allocated")?;
     assert!(
         no_device.to_string().contains("Invalid device argument"),
         "{no_device}"
     );
-    // A stream the driver does not have.
-    let made_up = ExternalStream::of_fake(StreamHandle {
-        device: D0,
-        raw: 0xdead,
-    });
-    let e = c::malloc(&b, MIB, 0, made_up).err().ok_or("allocated")?;
+    // A stream of another device, and one nobody made.
+    let other = fake.foreign_stream(DeviceIndex(1))?;
+    let e = c::malloc(&b, MIB, 0, &other).err().ok_or("allocated")?;
+    assert!(e.to_string().contains("CUDA_ERROR_INVALID_HANDLE"), "{e}");
+    let forgotten = fake.foreign_stream(D0)?.for_device(DeviceIndex(1));
+    let e = c::malloc(&b, MIB, 1, &forgotten).err().ok_or("allocated")?;
     assert!(e.to_string().contains("CUDA_ERROR_INVALID_HANDLE"), "{e}");
     assert!(c::memory_fraction(&b, 1.5, 0).is_err());
     let unknown = pool(PoolId::for_capture());
@@ -153,18 +158,18 @@ fn record_stream_holds_a_block_until_the_other_stream_is_done() -> TestResult {
         "",
         FakeDriver::builder().completion(Completion::Manual).build(),
     );
-    let (s1, s2) = (torch_stream(&fake)?, torch_stream(&fake)?);
-    let (e1, e2) = (ExternalStream::of_fake(s1), ExternalStream::of_fake(s2));
-    let x = c::malloc(&b, MIB, 0, e1)?;
-    c::record_stream(&b, x, e2)?;
+    let ((e1, _), (e2, s2)) = (torch_stream(&fake)?, torch_stream(&fake)?);
+    let x = c::malloc(&b, MIB, 0, &e1)?;
+    // PyTorch does not say the device: the shim names the stream for device 0.
+    c::record_stream(&b, x, &e2.for_device(D0))?;
     fake.memset_async(x, MemsetValue::U8(1), 16, s2)?;
-    c::free(&b, x, MIB, 0, e1)?;
-    let y = c::malloc(&b, MIB, 0, e1)?;
+    c::free(&b, x, MIB, 0, &e1)?;
+    let y = c::malloc(&b, MIB, 0, &e1)?;
     assert_ne!(x, y, "held back by the event on s2");
     fake.advance_all();
-    c::free(&b, y, MIB, 0, e1)?;
-    assert_eq!(c::malloc(&b, MIB, 0, e1)?, x, "free once s2 is done");
-    let e = c::record_stream(&b, DevicePtr(0x999), e2)
+    c::free(&b, y, MIB, 0, &e1)?;
+    assert_eq!(c::malloc(&b, MIB, 0, &e1)?, x, "free once s2 is done");
+    let e = c::record_stream(&b, DevicePtr(0x999), &e2)
         .err()
         .ok_or("recorded")?;
     assert!(e.to_string().contains("not allocated here"), "{e}");
@@ -179,16 +184,15 @@ fn record_stream_holds_a_block_until_the_other_stream_is_done() -> TestResult {
 #[test]
 fn a_cuda_graph_capture_in_pytorchs_order_uses_a_private_pool() -> TestResult {
     let (fake, b) = setup("");
-    let s = torch_stream(&fake)?;
-    let es = ExternalStream::of_fake(s);
-    let before = c::malloc(&b, MIB, 0, LEGACY)?; // a default-pool block
+    let (es, s) = torch_stream(&fake)?;
+    let before = c::malloc(&b, MIB, 0, &legacy())?; // a default-pool block
     let graph_pool = PoolId::for_capture();
     c::reset(&b)?; // `torch.cuda.graph` empties the cache first
     c::begin_allocate_to_pool(&b, 0, pool(graph_pool))?;
     fake.stream_begin_capture(s, CaptureMode::Global)?;
-    let tmp = c::malloc(&b, 4 * MIB, 0, es)?;
-    c::free(&b, tmp, 4 * MIB, 0, es)?;
-    let out = c::malloc(&b, 4 * MIB, 0, es)?;
+    let tmp = c::malloc(&b, 4 * MIB, 0, &es)?;
+    c::free(&b, tmp, 4 * MIB, 0, &es)?;
+    let out = c::malloc(&b, 4 * MIB, 0, &es)?;
     assert_eq!(out, tmp, "reused in capture order");
     c::reset(&b)?; // nothing is freed during a capture
     assert_eq!(fake.calls(Call::Free), 0);
@@ -204,11 +208,11 @@ fn a_cuda_graph_capture_in_pytorchs_order_uses_a_private_pool() -> TestResult {
     fake.graph_destroy(graph)?;
     c::release_pool(&b, 0, pool(graph_pool))?; // CUDAGraph::reset
     let reserved = stat(&b, "reserved_bytes.all.current");
-    c::free(&b, out, 4 * MIB, 0, es)?; // the output outlived the graph
+    c::free(&b, out, 4 * MIB, 0, &es)?; // the output outlived the graph
     c::reset(&b)?;
     assert!(stat(&b, "reserved_bytes.all.current") < reserved);
     assert!(allocator(&b).pool_blocks(graph_pool).is_empty());
-    c::free(&b, before, MIB, 0, LEGACY)?;
+    c::free(&b, before, MIB, 0, &legacy())?;
     allocator(&b).check_invariants()?;
     Ok(())
 }
@@ -217,18 +221,20 @@ fn a_cuda_graph_capture_in_pytorchs_order_uses_a_private_pool() -> TestResult {
 fn the_memory_fraction_caps_what_is_reserved() -> TestResult {
     let (_fake, b) = setup_with("", FakeDriver::builder().capacity(8 << 30).build());
     c::memory_fraction(&b, 0.25, 0)?;
-    let e = c::malloc(&b, 3 << 30, 0, LEGACY).err().ok_or("allocated")?;
+    let e = c::malloc(&b, 3 << 30, 0, &legacy())
+        .err()
+        .ok_or("allocated")?;
     assert!(e.to_string().contains("out of memory"), "{e}");
-    let x = c::malloc(&b, 1 << 30, 0, LEGACY)?;
-    c::free(&b, x, 1 << 30, 0, LEGACY)?;
+    let x = c::malloc(&b, 1 << 30, 0, &legacy())?;
+    c::free(&b, x, 1 << 30, 0, &legacy())?;
     Ok(())
 }
 
 #[test]
 fn base_alloc_gives_the_segment_except_for_expandable_segments() -> TestResult {
     let (_fake, b) = setup("");
-    let x = c::malloc(&b, 1000, 0, LEGACY)?;
-    let y = c::malloc(&b, 1000, 0, LEGACY)?;
+    let x = c::malloc(&b, 1000, 0, &legacy())?;
+    let y = c::malloc(&b, 1000, 0, &legacy())?;
     assert_eq!(
         c::base_alloc(&b, y)?,
         (x, 2 * MIB as u64),
@@ -236,7 +242,7 @@ fn base_alloc_gives_the_segment_except_for_expandable_segments() -> TestResult {
     );
     assert!(c::base_alloc(&b, DevicePtr(7)).is_err());
     let (_fake, b) = setup("expandable_segments:True");
-    let z = c::malloc(&b, 1000, 0, LEGACY)?;
+    let z = c::malloc(&b, 1000, 0, &legacy())?;
     let e = c::base_alloc(&b, z).err().ok_or("shared")?;
     assert!(
         e.to_string().contains("cannot be shared between processes"),
@@ -251,8 +257,8 @@ fn statistics_settings_history_and_snapshot() -> TestResult {
     let settings = c::allocator_settings(&b)?;
     assert!(settings.contains("expandable_segments:True"), "{settings}");
     c::record_memory_history(&b, true, 1000)?;
-    let x = c::malloc(&b, 5 * MIB, 0, LEGACY)?;
-    c::free(&b, x, 5 * MIB, 0, LEGACY)?;
+    let x = c::malloc(&b, 5 * MIB, 0, &legacy())?;
+    c::free(&b, x, 5 * MIB, 0, &legacy())?;
     assert_eq!(stat(&b, "allocation.all.allocated"), 1);
     assert!(stat(&b, "reserved_bytes.all.peak") >= 5 * MIB as i64);
     c::reset_peak_memory_stats(&b, 0)?;
@@ -292,14 +298,15 @@ fn init_checks_pytorchs_device_count() -> TestResult {
 #[test]
 fn each_thread_adopts_a_stream_once() -> TestResult {
     let (fake, b) = setup("");
-    let s = ExternalStream::of_fake(torch_stream(&fake)?);
+    let s = fake.foreign_stream(D0)?;
     for _ in 0..3 {
-        let x = c::malloc(&b, MIB, 0, s)?;
-        c::free(&b, x, MIB, 0, s)?;
+        let x = c::malloc(&b, MIB, 0, &s)?;
+        c::free(&b, x, MIB, 0, &s)?;
     }
-    assert_eq!(fake.calls(Call::StreamAdopt), 1);
-    std::thread::scope(|t| t.spawn(|| c::malloc(&b, MIB, 0, s)).join())
+    assert_eq!(fake.adoptions(&s), Some(1));
+    std::thread::scope(|t| t.spawn(|| c::malloc(&b, MIB, 0, &s)).join())
         .map_err(|_| "the thread panicked")??;
+    assert_eq!(fake.adoptions(&s), Some(2));
     assert_eq!(fake.calls(Call::StreamAdopt), 2);
     Ok(())
 }
@@ -314,13 +321,13 @@ impl TorchAllocator for Panics {
     fn init(&self, _: usize) -> R<()> {
         panic!("init")
     }
-    fn allocate(&self, _: u64, _: DeviceIndex, _: ExternalStream) -> R<DevicePtr> {
+    fn allocate(&self, _: u64, _: DeviceIndex, _: &ForeignStream) -> R<DevicePtr> {
         panic!("allocate {}", 42)
     }
-    fn free(&self, _: DevicePtr, _: u64, _: DeviceIndex, _: ExternalStream) -> R<()> {
+    fn free(&self, _: DevicePtr, _: u64, _: DeviceIndex, _: &ForeignStream) -> R<()> {
         panic!("free")
     }
-    fn record_stream(&self, _: DevicePtr, _: ExternalStream) -> R<()> {
+    fn record_stream(&self, _: DevicePtr, _: &ForeignStream) -> R<()> {
         panic!("record_stream")
     }
     fn empty_cache(&self) -> R<()> {
@@ -361,16 +368,16 @@ impl TorchAllocator for Panics {
 #[test]
 fn a_panic_in_the_backend_is_caught_and_reported() {
     let b = Panics;
-    let e = c::malloc(&b, 1, 0, LEGACY).err();
+    let e = c::malloc(&b, 1, 0, &legacy()).err();
     assert!(
         matches!(&e, Some(ExportError::Panicked { call: "alloc", message }) if message == "allocate 42"),
         "{e:?}"
     );
     let caught = [
-        c::free(&b, DevicePtr(1), 1, 0, LEGACY),
+        c::free(&b, DevicePtr(1), 1, 0, &legacy()),
         c::init(&b, 1),
         c::reset(&b),
-        c::record_stream(&b, DevicePtr(1), LEGACY),
+        c::record_stream(&b, DevicePtr(1), &legacy()),
         c::memory_fraction(&b, 0.5, 0),
         c::begin_allocate_to_pool(&b, 0, pool(PoolId(1, 0))),
         c::end_allocate_to_pool(&b, 0, pool(PoolId(1, 0))),
@@ -422,35 +429,31 @@ mod differential {
         // The direct allocator exists from the start; so does the shims' (PyTorch makes
         // every device's at init: a first `empty_cache` counts a sync either way).
         let _ = allocator(&b);
-        let side = (torch_stream(&fake)?, torch_stream(&direct_fake)?);
-        assert_eq!(side.0, side.1);
+        let (side, side_direct) = (torch_stream(&fake)?.0, torch_stream(&direct_fake)?.1);
+        assert_eq!(side.raw(), side_direct.raw);
         let mut live: Vec<(DevicePtr, usize, bool)> = Vec::new();
         for op in program {
             match *op {
                 Op::Alloc { bytes, on_side } => {
                     let (ext, handle) = if on_side {
-                        (ExternalStream::of_fake(side.0), side.1)
+                        (side.clone(), side_direct)
                     } else {
-                        (LEGACY, StreamHandle::legacy(D0))
+                        (legacy(), StreamHandle::legacy(D0))
                     };
-                    let ours = c::malloc(&b, bytes, 0, ext)?;
+                    let ours = c::malloc(&b, bytes, 0, &ext)?;
                     assert_eq!(ours, direct.allocate(bytes as u64, handle)?.ptr);
                     live.push((ours, bytes, on_side));
                 }
                 Op::Free(i) if !live.is_empty() => {
                     let (ptr, bytes, on_side) = live.swap_remove(i % live.len());
-                    let ext = if on_side {
-                        ExternalStream::of_fake(side.0)
-                    } else {
-                        LEGACY
-                    };
-                    c::free(&b, ptr, bytes, 0, ext)?;
+                    let ext = if on_side { side.clone() } else { legacy() };
+                    c::free(&b, ptr, bytes, 0, &ext)?;
                     direct.free(ptr)?;
                 }
                 Op::RecordStream(i) if !live.is_empty() => {
                     let ptr = live[i % live.len()].0;
-                    c::record_stream(&b, ptr, ExternalStream::of_fake(side.0))?;
-                    direct.record_stream(ptr, side.1)?;
+                    c::record_stream(&b, ptr, &side)?;
+                    direct.record_stream(ptr, side_direct)?;
                 }
                 Op::EmptyCache => {
                     c::reset(&b)?;

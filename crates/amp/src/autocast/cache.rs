@@ -129,7 +129,9 @@ pub fn thread_cache_len<V: Clone + 'static>() -> usize {
 /// by itself when the thread's outermost autocast scope exits. The values are dropped
 /// after the cache is released, so their destructors may use autocast.
 pub fn clear_thread_caches() {
-    let taken = CACHES.with(|c| std::mem::take(&mut *c.borrow_mut()));
+    // `try_with`: a guard dropped while its thread is torn down may come here after the
+    // caches are gone, and then there is nothing left to clear.
+    let taken = CACHES.try_with(|c| std::mem::take(&mut *c.borrow_mut()));
     drop(taken);
 }
 

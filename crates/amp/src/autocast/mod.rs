@@ -13,6 +13,7 @@
 //! - [`policy`](mod@policy): the compiled lookup ([`OpId`], [`CastPolicy`]).
 //! - [`cast`](mod@cast): eligibility and cast rules ([`cast_inputs`]).
 //! - [`state`](mod@state): per-thread state, region guards, [`AmpState`] snapshots.
+//! - `thread_state`: where the state lives and how guards dropped in any order restore it.
 //! - [`cache`](mod@cache): the version-checked weight-cast cache.
 //! - [`docs_lists`] / [`docs_page`](mod@docs_page): PyTorch's doc lists, their drift, and the
 //!   generated op-policy page.
@@ -25,6 +26,7 @@ pub mod error;
 pub mod policy;
 pub mod state;
 pub mod tables;
+mod thread_state;
 
 pub use cache::{WeightCastCache, clear_thread_caches, thread_cache_len};
 pub use cast::{AutocastArg, CastPlan, cast_inputs, cast_inputs_by_name, is_eligible};
@@ -35,6 +37,7 @@ pub use error::AutocastError;
 pub use policy::{CastPolicy, OpId, all_listed_ops, listed_ops, policy, policy_by_name};
 pub use state::{
     AmpState, Autocast, AutocastGuard, InferenceModeGuard, RedispatchGuard, StateGuard, dtype,
-    is_cache_enabled, is_enabled, is_inference_mode, nesting, thread_state_version,
+    is_cache_enabled, is_enabled, is_inference_mode, nesting,
 };
 pub use tables::BINARY_CROSS_ENTROPY_BANNED;
+pub use thread_state::thread_state_version;

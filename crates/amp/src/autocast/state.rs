@@ -8,14 +8,28 @@
 //! entered any number of times, and [`AmpState`] is a plain snapshot value to carry autocast
 //! into another thread or a recompute closure (new threads start with autocast off, as in
 //! PyTorch).
-use std::cell::Cell;
+//!
+//! # Guards dropped out of order
+//!
+//! Every guard ([`AutocastGuard`], [`StateGuard`], [`RedispatchGuard`],
+//! [`InferenceModeGuard`]) records what it changes on a per-thread stack. A guard dropped
+//! on top of the stack (Rust's scoping does this) restores the state it found. A guard
+//! dropped below others (guards kept in a `Vec`, two `let`s dropped by hand, a redispatch
+//! guard outliving its region) takes its own change out: the state becomes the state before
+//! the oldest live guard with each live guard's change applied in the order they were made.
+//! So once every guard is gone the state is the one before the first, whatever the drop
+//! order, and the nesting depth counts the live scopes (the weight-cast cache is cleared
+//! when the last one goes). PyTorch's `with` blocks always exit in reverse order; its
+//! `autocast.__exit__` called by hand out of order restores what that region found, which
+//! can leave autocast on after the last exit (`torch/amp/autocast_mode.py`): here, by
+//! design, it cannot.
 use std::marker::PhantomData;
 
 use ferrocuda_types::DType;
 
-use super::cache;
 use super::device::DeviceKind;
 use super::error::AutocastError;
+use super::thread_state::{self, Frame};
 
 const N: usize = DeviceKind::COUNT;
 
@@ -36,7 +50,7 @@ impl Default for AmpState {
 
 impl AmpState {
     /// Everything off, default dtypes, cache on: a new thread's state.
-    const NEW_THREAD: AmpState = {
+    pub(super) const NEW_THREAD: AmpState = {
         let mut dtype = [DType::F16; N];
         let mut i = 0;
         while i < N {
@@ -52,7 +66,7 @@ impl AmpState {
 
     /// This thread's current state.
     pub fn current() -> AmpState {
-        THREAD.with(|t| t.get().amp)
+        thread_state::current().frame.amp
     }
 
     /// Whether autocast is on for `device`.
@@ -99,9 +113,8 @@ impl AmpState {
     /// scope like [`Autocast::enter`]'s (it counts in the nesting depth, and the outermost
     /// scope's exit clears this thread's weight-cast cache).
     pub fn enter(self) -> StateGuard {
-        let previous = enter_scope(|amp| *amp = self);
         StateGuard {
-            previous,
+            id: thread_state::push(Change::Install(self)),
             _thread_bound: PhantomData,
         }
     }
@@ -164,17 +177,8 @@ impl Autocast {
         if self.enabled {
             check_dtype(self.device, self.dtype)?;
         }
-        let d = self.device.index();
-        let previous = enter_scope(|amp| {
-            amp.enabled[d] = self.enabled;
-            amp.dtype[d] = self.dtype;
-            amp.cache_enabled = self.cache_enabled;
-        });
         Ok(AutocastGuard {
-            device: self.device,
-            enabled: previous.enabled[d],
-            dtype: previous.dtype[d],
-            cache_enabled: previous.cache_enabled,
+            id: thread_state::push(Change::Region(*self)),
             _thread_bound: PhantomData,
         })
     }
@@ -186,42 +190,35 @@ impl Autocast {
     }
 }
 
-/// The scope of an entered [`Autocast`] region: restores the device's enabled flag and
-/// dtype and the cache flag it found, and clears this thread's weight-cast cache when it
-/// is the outermost scope. Guards are bound to their thread; drop them in reverse order.
+/// The scope of an entered [`Autocast`] region: dropped on top of this thread's guards, it
+/// restores the state it found (and clears this thread's weight-cast cache when it is the
+/// last scope); dropped below others, it takes its change out from under them (see
+/// [out of order](self#guards-dropped-out-of-order)). Guards are bound to their thread.
 #[derive(Debug)]
 #[must_use = "the region ends when the guard drops"]
 pub struct AutocastGuard {
-    device: DeviceKind,
-    enabled: bool,
-    dtype: DType,
-    cache_enabled: bool,
+    id: u64,
     _thread_bound: PhantomData<*const ()>,
 }
 
 impl Drop for AutocastGuard {
     fn drop(&mut self) {
-        let d = self.device.index();
-        exit_scope(|amp| {
-            amp.enabled[d] = self.enabled;
-            amp.dtype[d] = self.dtype;
-            amp.cache_enabled = self.cache_enabled;
-        });
+        thread_state::pop(self.id);
     }
 }
 
-/// The scope of an installed [`AmpState`]: restores the whole state it found.
+/// The scope of an installed [`AmpState`]: takes the installed state away again, as
+/// [`AutocastGuard`] does its region.
 #[derive(Debug)]
 #[must_use = "the state is uninstalled when the guard drops"]
 pub struct StateGuard {
-    previous: AmpState,
+    id: u64,
     _thread_bound: PhantomData<*const ()>,
 }
 
 impl Drop for StateGuard {
     fn drop(&mut self) {
-        let previous = self.previous;
-        exit_scope(|amp| *amp = previous);
+        thread_state::pop(self.id);
     }
 }
 
@@ -231,22 +228,15 @@ impl Drop for StateGuard {
 #[derive(Debug)]
 #[must_use = "autocast comes back when the guard drops"]
 pub struct RedispatchGuard {
-    device: DeviceKind,
-    was_enabled: bool,
+    id: u64,
     _thread_bound: PhantomData<*const ()>,
 }
 
 impl RedispatchGuard {
     /// Suspends autocast for `device` on this thread.
     pub fn new(device: DeviceKind) -> RedispatchGuard {
-        let was_enabled = update(|t| {
-            let was = t.amp.enabled[device.index()];
-            t.amp.enabled[device.index()] = false;
-            was
-        });
         RedispatchGuard {
-            device,
-            was_enabled,
+            id: thread_state::push(Change::Redispatch(device)),
             _thread_bound: PhantomData,
         }
     }
@@ -254,8 +244,7 @@ impl RedispatchGuard {
 
 impl Drop for RedispatchGuard {
     fn drop(&mut self) {
-        let (d, was) = (self.device.index(), self.was_enabled);
-        update(|t| t.amp.enabled[d] = was);
+        thread_state::pop(self.id);
     }
 }
 
@@ -264,16 +253,15 @@ impl Drop for RedispatchGuard {
 #[derive(Debug)]
 #[must_use = "the flag is restored when the guard drops"]
 pub struct InferenceModeGuard {
-    was: bool,
+    id: u64,
     _thread_bound: PhantomData<*const ()>,
 }
 
 impl InferenceModeGuard {
     /// Sets the flag to `on` until the guard drops.
     pub fn new(on: bool) -> InferenceModeGuard {
-        let was = update(|t| std::mem::replace(&mut t.inference_mode, on));
         InferenceModeGuard {
-            was,
+            id: thread_state::push(Change::InferenceMode(on)),
             _thread_bound: PhantomData,
         }
     }
@@ -281,8 +269,41 @@ impl InferenceModeGuard {
 
 impl Drop for InferenceModeGuard {
     fn drop(&mut self) {
-        let was = self.was;
-        update(|t| t.inference_mode = was);
+        thread_state::pop(self.id);
+    }
+}
+
+/// What one guard changes, re-applied when a guard made before it goes first.
+#[derive(Copy, Clone, Debug)]
+pub(super) enum Change {
+    /// An entered region: its device's flag and dtype, and the cache flag.
+    Region(Autocast),
+    /// An installed snapshot.
+    Install(AmpState),
+    /// Autocast off for one device ([`RedispatchGuard`]).
+    Redispatch(DeviceKind),
+    /// The inference-mode flag.
+    InferenceMode(bool),
+}
+
+impl Change {
+    pub(super) fn apply(self, frame: &mut Frame) {
+        match self {
+            Change::Region(r) => {
+                let d = r.device.index();
+                frame.amp.enabled[d] = r.enabled;
+                frame.amp.dtype[d] = r.dtype;
+                frame.amp.cache_enabled = r.cache_enabled;
+            }
+            Change::Install(state) => frame.amp = state,
+            Change::Redispatch(device) => frame.amp.enabled[device.index()] = false,
+            Change::InferenceMode(on) => frame.inference_mode = on,
+        }
+    }
+
+    /// Whether it is a scope (a region or a snapshot), counted in [`nesting`].
+    pub(super) fn is_scope(self) -> bool {
+        matches!(self, Change::Region(_) | Change::Install(_))
     }
 }
 
@@ -303,12 +324,12 @@ pub fn is_cache_enabled() -> bool {
 
 /// How many scopes are open on this thread.
 pub fn nesting() -> u32 {
-    THREAD.with(|t| t.get().nesting)
+    thread_state::current().nesting
 }
 
 /// Whether this thread is in the tensor library's inference mode ([`InferenceModeGuard`]).
 pub fn is_inference_mode() -> bool {
-    THREAD.with(|t| t.get().inference_mode)
+    thread_state::current().frame.inference_mode
 }
 
 /// What the hot path reads: everything for one device in one thread-local access.
@@ -322,70 +343,16 @@ pub(crate) struct DeviceView {
 
 #[inline]
 pub(crate) fn device_view(device: DeviceKind) -> DeviceView {
-    THREAD.with(|t| {
-        let t = t.get();
-        let d = device.index();
-        DeviceView {
-            enabled: t.amp.enabled[d],
-            dtype: t.amp.dtype[d],
-            cache_usable: t.amp.cache_enabled && !t.inference_mode,
-        }
-    })
-}
-
-#[derive(Copy, Clone, Debug)]
-struct ThreadState {
-    amp: AmpState,
-    nesting: u32,
-    inference_mode: bool,
-}
-
-thread_local! {
-    /// Bumped by every change of this thread's state ([`thread_state_version`]).
-    static VERSION: Cell<u64> = const { Cell::new(0) };
-    static THREAD: Cell<ThreadState> = const {
-        Cell::new(ThreadState { amp: AmpState::NEW_THREAD, nesting: 0, inference_mode: false })
-    };
-}
-
-fn update<R>(f: impl FnOnce(&mut ThreadState) -> R) -> R {
-    VERSION.with(|v| v.set(v.get().wrapping_add(1)));
-    THREAD.with(|cell| {
-        let mut t = cell.get();
-        let r = f(&mut t);
-        cell.set(t);
-        r
-    })
-}
-
-/// A number that changes whenever this thread's autocast state may have changed: a reader
-/// that keeps what it derived from [`AmpState::current`] with the number it read first may
-/// reuse it while the number is unchanged (the guards of a graph cache do, every call).
-pub fn thread_state_version() -> u64 {
-    VERSION.with(Cell::get)
-}
-
-/// Opens a scope: returns the state before `change`, increments the nesting depth.
-fn enter_scope(change: impl FnOnce(&mut AmpState)) -> AmpState {
-    update(|t| {
-        let previous = t.amp;
-        change(&mut t.amp);
-        t.nesting = t.nesting.saturating_add(1);
-        previous
-    })
-}
-
-/// Closes a scope: decrements the depth, clears this thread's cache at depth 0 (as
-/// `autocast.__exit__` does before restoring), then restores.
-fn exit_scope(restore: impl FnOnce(&mut AmpState)) {
-    let outermost = update(|t| {
-        t.nesting = t.nesting.saturating_sub(1);
-        t.nesting == 0
-    });
-    if outermost {
-        cache::clear_thread_caches();
+    let Frame {
+        amp,
+        inference_mode,
+    } = thread_state::current().frame;
+    let d = device.index();
+    DeviceView {
+        enabled: amp.enabled[d],
+        dtype: amp.dtype[d],
+        cache_usable: amp.cache_enabled && !inference_mode,
     }
-    update(|t| restore(&mut t.amp));
 }
 
 fn check_dtype(device: DeviceKind, dtype: DType) -> Result<(), AutocastError> {

@@ -2,8 +2,8 @@
 //! launch per step.
 use super::kernels::{FLAG_MAXIMIZE, FLAG_VARIANT};
 use super::{
-    DeviceOptimizer, OptimError, Param, StepCore, StepCounts, load_kernel, optional_buffer,
-    optional_ptr,
+    DeviceOptimizer, OptimError, Param, StepCore, StepCounts, invalid, load_kernel,
+    optional_buffer, optional_ptr,
 };
 use crate::TensorView;
 use ferrocuda_stream::{DeviceBuffer, Function, Runtime, Stream};
@@ -41,22 +41,24 @@ impl Default for AdamWConfig {
 }
 
 impl AdamWConfig {
-    /// PyTorch's constructor checks, with its messages.
+    /// PyTorch's constructor checks (`torch/optim/adamw.py`, as `torch/optim/adam.py`), in
+    /// its order, with its messages: `not 0.0 <= lr`, `not 0.0 <= eps`,
+    /// `not 0.0 <= betas[i] < 1.0`, `not 0.0 <= weight_decay` (written as range tests, the
+    /// same comparisons), so NaN fails every one and inf passes all but the betas.
     fn validate(&self) -> Result<(), OptimError> {
-        let invalid = |m: String| Err(OptimError::InvalidHyperparameter(m));
         if !(0.0..).contains(&self.lr) {
-            return invalid(format!("Invalid learning rate: {}", self.lr));
+            return Err(invalid("learning rate", self.lr));
         }
         if !(0.0..).contains(&self.eps) {
-            return invalid(format!("Invalid epsilon value: {}", self.eps));
+            return Err(invalid("epsilon value", self.eps));
         }
         for (i, beta) in [self.betas.0, self.betas.1].into_iter().enumerate() {
             if !(0.0..1.0).contains(&beta) {
-                return invalid(format!("Invalid beta parameter at index {i}: {beta}"));
+                return Err(invalid(format_args!("beta parameter at index {i}"), beta));
             }
         }
         if !(0.0..).contains(&self.weight_decay) {
-            return invalid(format!("Invalid weight_decay value: {}", self.weight_decay));
+            return Err(invalid("weight_decay value", self.weight_decay));
         }
         Ok(())
     }
@@ -155,6 +157,10 @@ impl DeviceOptimizer for AdamW {
 
     fn params(&self) -> Vec<TensorView> {
         self.core.params.clone()
+    }
+
+    fn grads(&self) -> Vec<TensorView> {
+        self.core.grads.clone()
     }
 
     fn state_tensors(&self) -> Vec<TensorView> {

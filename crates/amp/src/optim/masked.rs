@@ -13,7 +13,7 @@
 //! The inner optimizer must keep all of its state on the device and list it in
 //! [`DeviceOptimizer::state_tensors`]: host-side state would drift on skipped steps, and
 //! its step must not write `found_inf`.
-use super::{DeviceOptimizer, LaunchTable, OptimError, load_kernel, optional_ptr};
+use super::{DeviceBytes, DeviceOptimizer, LaunchTable, OptimError, load_kernel, optional_ptr};
 use crate::TensorView;
 use ferrocuda_stream::{DeviceBuffer, Function, Runtime, Stream};
 use ferrocuda_types::{DeviceIndex, DevicePtr, KernelArg};
@@ -32,6 +32,7 @@ impl<O: DeviceOptimizer> Masked<O> {
     /// Wraps `inner`, allocating scratch for its parameters and state.
     pub fn new(rt: &Arc<Runtime>, inner: O) -> Result<Masked<O>, OptimError> {
         let device = inner.device();
+        let mut within = DeviceBytes::of(rt, device)?;
         let (mut rows, mut lens, mut offset) = (Vec::new(), Vec::new(), 0u64);
         let views = inner.params().into_iter().chain(inner.state_tensors());
         for (index, view) in views.enumerate() {
@@ -44,11 +45,11 @@ impl<O: DeviceOptimizer> Masked<O> {
                 });
             }
             view.check_range()?;
+            within.add(&view)?;
             rows.extend([view.ptr.0, view.bytes(), offset]);
             lens.push(view.bytes());
-            offset = offset
-                .checked_add(view.bytes())
-                .ok_or(OptimError::TooLarge { chunks: u64::MAX })?;
+            // No overflow: the views' bytes are within the device's memory.
+            offset += view.bytes();
         }
         let masked = Masked {
             table: LaunchTable::new(rt, device, &rows, &lens)?,
@@ -90,6 +91,10 @@ impl<O: DeviceOptimizer> DeviceOptimizer for Masked<O> {
 
     fn params(&self) -> Vec<TensorView> {
         self.inner.params()
+    }
+
+    fn grads(&self) -> Vec<TensorView> {
+        self.inner.grads()
     }
 
     fn state_tensors(&self) -> Vec<TensorView> {

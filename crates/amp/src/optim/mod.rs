@@ -24,6 +24,7 @@
 mod adamw;
 mod kernels;
 mod masked;
+mod python_repr;
 mod sgd;
 
 pub use adamw::{AdamW, AdamWConfig};
@@ -48,7 +49,8 @@ pub enum OptimError {
     #[error(transparent)]
     ViewOutOfRange(#[from] crate::ViewOutOfRange),
     /// A hyperparameter out of range; the message is PyTorch's (`torch/optim/sgd.py`,
-    /// `torch/optim/adamw.py` constructors).
+    /// `torch/optim/adamw.py` constructors), the value printed as Python's `repr` prints a
+    /// float (`-1.0`, `1e-08`, `nan`, `inf`).
     #[error("{0}")]
     InvalidHyperparameter(String),
     /// A parameter or gradient on another device than the first parameter.
@@ -84,6 +86,16 @@ pub enum OptimError {
         param: u64,
         /// Elements of the gradient.
         grad: u64,
+    },
+    /// Parameters (or, for [`Masked`], parameters and state arrays) whose bytes add up to
+    /// more than the device's memory: views that cannot be real (a wrong length), refused
+    /// at the first view past the limit, before any table is built.
+    #[error("parameters of {bytes} bytes or more: more than the device's {limit} bytes")]
+    TooLargeForDevice {
+        /// The bytes of the views in all (saturating).
+        bytes: u64,
+        /// The device's memory.
+        limit: u64,
     },
     /// More work than one multi-tensor launch can address.
     #[error("{chunks} chunks of {CHUNK} elements in one launch: at most 2^31 - 1")]
@@ -123,6 +135,10 @@ pub trait DeviceOptimizer: std::fmt::Debug {
     /// The parameters it updates, in order.
     fn params(&self) -> Vec<TensorView>;
 
+    /// The gradients its step reads, in the order of [`params`](DeviceOptimizer::params):
+    /// what the gradient scaler must unscale (and check) before the step.
+    fn grads(&self) -> Vec<TensorView>;
+
     /// Every other device array a step writes (momentum, moments, counters): with
     /// [`params`](DeviceOptimizer::params), all a step changes. [`Masked`] restores these.
     fn state_tensors(&self) -> Vec<TensorView>;
@@ -131,6 +147,15 @@ pub trait DeviceOptimizer: std::fmt::Debug {
     /// points at a non-zero f32, the step leaves every parameter, every state array and the
     /// step count unchanged. `None` always steps.
     fn step(&mut self, stream: &Stream, found_inf: Option<DevicePtr>) -> Result<(), OptimError>;
+}
+
+/// PyTorch's `ValueError(f"Invalid {what}: {value}")` of an optimizer constructor, the value
+/// printed as Python prints a float.
+fn invalid(what: impl std::fmt::Display, value: f32) -> OptimError {
+    OptimError::InvalidHyperparameter(format!(
+        "Invalid {what}: {}",
+        python_repr::python_repr(value)
+    ))
 }
 
 /// Null pointer bytes, for an absent device-pointer argument.
@@ -279,6 +304,7 @@ impl StepScalars {
 struct StepCore {
     device: DeviceIndex,
     params: Vec<TensorView>,
+    grads: Vec<TensorView>,
     /// Elements in all parameters: the length of each flat state array.
     elements: usize,
     table: LaunchTable,
@@ -290,18 +316,20 @@ impl StepCore {
     /// tensor in the flat state arrays, grad dtype code]`.
     fn new(rt: &Arc<Runtime>, params: &[Param], lr: f32) -> Result<StepCore, OptimError> {
         let device = params.first().ok_or(OptimError::NoParameters)?.param.device;
+        let mut within = DeviceBytes::of(rt, device)?;
         let (mut rows, mut lens, mut offset) = (Vec::new(), Vec::new(), 0u64);
         for (index, p) in params.iter().enumerate() {
             let code = check_param(index, device, p)?;
+            within.add(&p.param)?;
             rows.extend([p.param.ptr.0, p.grad.ptr.0, p.param.len, offset, code]);
             lens.push(p.param.len);
-            offset = offset
-                .checked_add(p.param.len)
-                .ok_or(OptimError::TooLarge { chunks: u64::MAX })?;
+            // No overflow: the parameters' bytes are within the device's memory.
+            offset += p.param.len;
         }
         Ok(StepCore {
             device,
             params: params.iter().map(|p| p.param).collect(),
+            grads: params.iter().map(|p| p.grad).collect(),
             elements: offset as usize,
             table: LaunchTable::new(rt, device, &rows, &lens)?,
             scalars: StepScalars::new(rt, device, lr)?,
@@ -322,6 +350,35 @@ impl StepCore {
     /// The scalars as a state tensor.
     fn scalars_view(&self) -> TensorView {
         TensorView::of(&self.scalars.buf)
+    }
+}
+
+/// The bytes of a list of views, which may not exceed their device's memory: a larger list
+/// cannot be real (a wrong length), and is refused before any table is built for it.
+#[derive(Debug)]
+struct DeviceBytes {
+    bytes: u64,
+    limit: u64,
+}
+
+impl DeviceBytes {
+    fn of(rt: &Runtime, device: DeviceIndex) -> Result<DeviceBytes, OptimError> {
+        Ok(DeviceBytes {
+            bytes: 0,
+            limit: rt.device_properties(device)?.total_memory,
+        })
+    }
+
+    /// Counts `view` (checked by [`TensorView::check_range`] first).
+    fn add(&mut self, view: &TensorView) -> Result<(), OptimError> {
+        self.bytes = self.bytes.saturating_add(view.bytes());
+        if self.bytes > self.limit {
+            return Err(OptimError::TooLargeForDevice {
+                bytes: self.bytes,
+                limit: self.limit,
+            });
+        }
+        Ok(())
     }
 }
 

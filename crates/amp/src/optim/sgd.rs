@@ -1,8 +1,8 @@
 //! SGD with momentum (`torch/optim/sgd.py`), as one fused multi-tensor launch per step.
 use super::kernels::{FLAG_MAXIMIZE, FLAG_VARIANT};
 use super::{
-    DeviceOptimizer, OptimError, Param, StepCore, StepCounts, load_kernel, optional_buffer,
-    optional_ptr,
+    DeviceOptimizer, OptimError, Param, StepCore, StepCounts, invalid, load_kernel,
+    optional_buffer, optional_ptr,
 };
 use crate::TensorView;
 use ferrocuda_stream::{DeviceBuffer, Function, Runtime, Stream};
@@ -40,20 +40,23 @@ impl Default for SgdConfig {
 }
 
 impl SgdConfig {
-    /// PyTorch's constructor checks, with its messages.
+    /// PyTorch's constructor checks (`torch/optim/sgd.py`, `SGD.__init__`), in its order,
+    /// with its messages. They are Python's `<` comparisons, so NaN passes every one (and
+    /// `dampening` is checked only against Nesterov).
     fn validate(&self) -> Result<(), OptimError> {
-        let invalid = |m: String| Err(OptimError::InvalidHyperparameter(m));
-        if !(0.0..).contains(&self.lr) {
-            return invalid(format!("Invalid learning rate: {}", self.lr));
+        if self.lr < 0.0 {
+            return Err(invalid("learning rate", self.lr));
         }
-        if !(0.0..).contains(&self.momentum) {
-            return invalid(format!("Invalid momentum value: {}", self.momentum));
+        if self.momentum < 0.0 {
+            return Err(invalid("momentum value", self.momentum));
         }
-        if !(0.0..).contains(&self.weight_decay) {
-            return invalid(format!("Invalid weight_decay value: {}", self.weight_decay));
+        if self.weight_decay < 0.0 {
+            return Err(invalid("weight_decay value", self.weight_decay));
         }
         if self.nesterov && (self.momentum <= 0.0 || self.dampening != 0.0) {
-            return invalid("Nesterov momentum requires a momentum and zero dampening".into());
+            return Err(OptimError::InvalidHyperparameter(
+                "Nesterov momentum requires a momentum and zero dampening".into(),
+            ));
         }
         Ok(())
     }
@@ -129,6 +132,10 @@ impl DeviceOptimizer for Sgd {
 
     fn params(&self) -> Vec<TensorView> {
         self.core.params.clone()
+    }
+
+    fn grads(&self) -> Vec<TensorView> {
+        self.core.grads.clone()
     }
 
     fn state_tensors(&self) -> Vec<TensorView> {

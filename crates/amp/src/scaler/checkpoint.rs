@@ -2,20 +2,29 @@
 //! PyTorch's keys, so that a checkpoint reads the same in both.
 use super::GradScaler;
 use super::error::ScalerError;
-use serde::{Deserialize, Serialize};
+use serde::de::{self, Visitor};
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+use std::fmt;
 
 /// A scaler's checkpoint: PyTorch's five keys, every one absent for a disabled scaler (which
 /// serializes as `{}`, as PyTorch's empty dict).
+///
+/// The three floats keep non-finite values through formats without them (JSON, where
+/// serde_json would write `null`): a finite float is a number, +inf, -inf and NaN are the
+/// strings `"inf"`, `"-inf"` and `"nan"` (Python's `repr`). Reading accepts both forms
+/// (any other string is an error), so `{"scale": "inf", "growth_factor": 2.0, ...}`
+/// round-trips bit for bit (NaN as a NaN). Reading the strings needs a self-describing
+/// format (JSON, YAML, ...).
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct ScalerStateDict {
     /// `"scale"`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(default, skip_serializing_if = "Option::is_none", with = "lossless")]
     pub scale: Option<f64>,
     /// `"growth_factor"`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(default, skip_serializing_if = "Option::is_none", with = "lossless")]
     pub growth_factor: Option<f64>,
     /// `"backoff_factor"`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(default, skip_serializing_if = "Option::is_none", with = "lossless")]
     pub backoff_factor: Option<f64>,
     /// `"growth_interval"`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -33,6 +42,69 @@ impl ScalerStateDict {
     /// Whether no key is present (PyTorch's `{}`).
     pub fn is_empty(&self) -> bool {
         *self == ScalerStateDict::default()
+    }
+}
+
+/// A float written as a number when finite, else as `"inf"`, `"-inf"` or `"nan"`.
+#[derive(Copy, Clone, Debug)]
+struct Lossless(f64);
+
+impl Serialize for Lossless {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let x = self.0;
+        if x.is_nan() {
+            s.serialize_str("nan")
+        } else if x == f64::INFINITY {
+            s.serialize_str("inf")
+        } else if x == f64::NEG_INFINITY {
+            s.serialize_str("-inf")
+        } else {
+            s.serialize_f64(x)
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for Lossless {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Lossless, D::Error> {
+        struct Float;
+        impl Visitor<'_> for Float {
+            type Value = Lossless;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(r#"a number, or "inf", "-inf" or "nan""#)
+            }
+            fn visit_f64<E: de::Error>(self, v: f64) -> Result<Lossless, E> {
+                Ok(Lossless(v))
+            }
+            fn visit_i64<E: de::Error>(self, v: i64) -> Result<Lossless, E> {
+                Ok(Lossless(v as f64))
+            }
+            fn visit_u64<E: de::Error>(self, v: u64) -> Result<Lossless, E> {
+                Ok(Lossless(v as f64))
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<Lossless, E> {
+                match v {
+                    "inf" => Ok(Lossless(f64::INFINITY)),
+                    "-inf" => Ok(Lossless(f64::NEG_INFINITY)),
+                    "nan" => Ok(Lossless(f64::NAN)),
+                    _ => Err(E::invalid_value(de::Unexpected::Str(v), &self)),
+                }
+            }
+        }
+        d.deserialize_any(Float)
+    }
+}
+
+/// `#[serde(with)]` for the optional floats of [`ScalerStateDict`].
+mod lossless {
+    use super::Lossless;
+    use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+    pub(super) fn serialize<S: Serializer>(v: &Option<f64>, s: S) -> Result<S::Ok, S::Error> {
+        v.map(Lossless).serialize(s)
+    }
+
+    pub(super) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<f64>, D::Error> {
+        Ok(Option::<Lossless>::deserialize(d)?.map(|l| l.0))
     }
 }
 

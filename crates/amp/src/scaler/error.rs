@@ -46,6 +46,13 @@ pub enum ScalerError {
     /// moved after the optimizer was made, ...).
     #[error("No inf checks were recorded for this optimizer.")]
     NoInfChecksForOptimizer,
+    /// `step` for an optimizer after `unscale_` with another gradient list than the one
+    /// `unscale_` unscaled (PyTorch cannot meet this: it reads the optimizer's own
+    /// gradients); the step would run on gradients never unscaled or checked.
+    #[error(
+        "step() was given other gradients than unscale_() unscaled for this optimizer; they were never unscaled or checked for infs."
+    )]
+    GradsChanged,
     /// `update` with no optimizer unscaled or stepped since the last one.
     #[error("No inf checks were recorded prior to update.")]
     NoInfChecksBeforeUpdate,
@@ -69,11 +76,17 @@ pub enum ScalerError {
     /// A gradient view whose bytes run past the end of the address space.
     #[error(transparent)]
     ViewOutOfRange(#[from] crate::ViewOutOfRange),
-    /// A gradient list too large for one chunk table (over 2^32 chunks of 64 KiB).
-    #[error("a gradient list of {bytes} bytes is too large for one launch")]
+    /// A gradient list larger than its device's memory (views that cannot be real), or
+    /// than one chunk table addresses (2^32 chunks of 64 KiB): refused before any table is
+    /// built.
+    #[error(
+        "a gradient list of {bytes} bytes is too large: at most {limit} bytes (the device's memory)"
+    )]
     TooLarge {
-        /// The list's total size.
+        /// The list's total size (saturating).
         bytes: u64,
+        /// The most a list may hold.
+        limit: u64,
     },
     /// `load_state_dict({})`: the dict came from a disabled scaler.
     #[error(

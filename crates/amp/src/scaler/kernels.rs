@@ -215,13 +215,22 @@ pub(crate) fn code_dtype(code: u32) -> DType {
     }
 }
 
-/// The chunk table of `views` as the kernel reads it: two 64-bit words per chunk, the
-/// address, then the length (low half) and the dtype code (high half).
-pub(crate) fn plan_chunks(
+/// The most bytes a gradient list on `device` may hold: the device's memory (no list of
+/// real views is larger), and no more than one chunk table addresses.
+pub(crate) fn list_limit(runtime: &Runtime, device: DeviceIndex) -> Result<u64, ScalerError> {
+    let memory = runtime.device_properties(device)?.total_memory;
+    Ok(memory.min(CHUNK_BYTES * u64::from(u32::MAX)))
+}
+
+/// Checks `views` before any table is built: each on `device`, of a dtype the kernel
+/// takes, inside the address space; all together at most `limit` bytes and 2^32 chunks.
+/// Returns the number of chunks.
+pub(crate) fn check_views(
     device: DeviceIndex,
     views: &[TensorView],
-) -> Result<Vec<i64>, ScalerError> {
-    let mut chunks = 0u64;
+    limit: u64,
+) -> Result<u64, ScalerError> {
+    let (mut bytes, mut chunks) = (0u64, 0u64);
     for v in views {
         if v.device != device {
             return Err(ScalerError::WrongDevice {
@@ -231,18 +240,26 @@ pub(crate) fn plan_chunks(
         }
         dtype_code(v.dtype)?;
         v.check_range()?;
+        bytes = bytes.saturating_add(v.bytes());
         chunks = chunks.saturating_add(v.bytes().div_ceil(CHUNK_BYTES));
+        // Refused at the first view past the limit: no later view is even looked at.
+        if bytes > limit || chunks > u64::from(u32::MAX) {
+            return Err(ScalerError::TooLarge { bytes, limit });
+        }
     }
-    // Counted before the table is built, so a huge list is refused without the host work.
-    if chunks > u64::from(u32::MAX) {
-        return Err(ScalerError::TooLarge {
-            bytes: views
-                .iter()
-                .map(TensorView::bytes)
-                .fold(0, u64::saturating_add),
-        });
-    }
-    let mut words = Vec::new();
+    Ok(chunks)
+}
+
+/// The chunk table of `views` (checked by [`check_views`] against `limit`) as the kernel
+/// reads it: two 64-bit words per chunk, the address, then the length (low half) and the
+/// dtype code (high half).
+pub(crate) fn plan_chunks(
+    device: DeviceIndex,
+    views: &[TensorView],
+    limit: u64,
+) -> Result<Vec<i64>, ScalerError> {
+    let chunks = check_views(device, views, limit)?;
+    let mut words = Vec::with_capacity(2 * chunks as usize);
     for v in views {
         let code = dtype_code(v.dtype)?;
         let per_chunk = CHUNK_BYTES / v.dtype.size() as u64;
@@ -271,16 +288,25 @@ pub struct ChunkTable {
 }
 
 impl ChunkTable {
-    /// Builds the table of `views` on `device`, uploaded on `stream`.
+    /// Builds the table of `views` on `device`, uploaded on `stream`. Refuses, before
+    /// building anything, a view on another device, of another dtype than f32, f16, bf16
+    /// and f64, or past the end of the address space, and a list larger than the device's
+    /// memory ([`ScalerError::TooLarge`]).
     pub fn new(
         runtime: &Arc<Runtime>,
         device: DeviceIndex,
         views: &[TensorView],
         stream: &Stream,
     ) -> Result<ChunkTable, ScalerError> {
-        let words = plan_chunks(device, views)?;
+        let limit = list_limit(runtime, device)?;
+        let words = plan_chunks(device, views, limit)?;
+        // At most 2^32 - 1 chunks: checked by `plan_chunks`.
         let chunks = u32::try_from(words.len() / 2).map_err(|_| ScalerError::TooLarge {
-            bytes: views.iter().map(TensorView::bytes).sum(),
+            bytes: views
+                .iter()
+                .map(TensorView::bytes)
+                .fold(0, u64::saturating_add),
+            limit,
         })?;
         let table = DeviceBuffer::<i64>::uninit(runtime, device, words.len())?;
         if !words.is_empty() {
@@ -436,7 +462,7 @@ mod tests {
             view(DType::BF16, 0, 0),
             view(DType::F16, 1, 0),
         ];
-        let words = plan_chunks(DeviceIndex(0), &views)?;
+        let words = plan_chunks(DeviceIndex(0), &views, u64::MAX)?;
         let chunks: Vec<(u64, u64, DType)> = words
             .chunks_exact(2)
             .map(|c| {
@@ -457,15 +483,27 @@ mod tests {
             ]
         );
         assert_eq!(
-            plan_chunks(DeviceIndex(0), &[view(DType::F32, 1, 1)]),
+            plan_chunks(DeviceIndex(0), &[view(DType::F32, 1, 1)], u64::MAX),
             Err(ScalerError::WrongDevice {
                 expected: DeviceIndex(0),
                 found: DeviceIndex(1)
             })
         );
         assert_eq!(
-            plan_chunks(DeviceIndex(0), &[view(DType::I32, 1, 0)]),
+            plan_chunks(DeviceIndex(0), &[view(DType::I32, 1, 0)], u64::MAX),
             Err(ScalerError::UnsupportedDtype { dtype: DType::I32 })
+        );
+        let two = [view(DType::F32, 1000, 0), view(DType::F32, 1000, 0)];
+        assert_eq!(
+            plan_chunks(DeviceIndex(0), &two, 8000).map(|w| w.len()),
+            Ok(4)
+        );
+        assert_eq!(
+            plan_chunks(DeviceIndex(0), &two, 7999),
+            Err(ScalerError::TooLarge {
+                bytes: 8000,
+                limit: 7999
+            })
         );
         Ok(())
     }

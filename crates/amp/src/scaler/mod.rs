@@ -232,6 +232,8 @@ impl GradScaler {
     /// by the scale, on the current stream, in the loss's dtype (fp16 and bf16 computed in
     /// fp32 and rounded, as PyTorch's `outputs * scale`). Disabled, or bf16: a no-op.
     /// Unlike PyTorch this is in place: a 0-dim fp16 loss stays fp16 (PyTorch promotes it).
+    /// Enabled, a view that cannot be real (see [`ChunkTable::new`])
+    /// is refused, bf16 included.
     pub fn scale_in_place(&mut self, loss: &TensorView) -> Result<(), ScalerError> {
         if !self.config.enabled {
             return Ok(());
@@ -239,6 +241,8 @@ impl GradScaler {
         let stream = self.current_stream()?;
         self.live()?;
         if self.is_bf16_noop() {
+            let limit = kernels::list_limit(&self.runtime, self.device)?;
+            kernels::check_views(self.device, &[*loss], limit)?;
             return Ok(());
         }
         let live = live_for(&mut self.live, "scale")?;
@@ -313,7 +317,7 @@ impl GradScaler {
 
     /// Makes the device state and the chunk table of `grads` now (on `stream`), so that
     /// capturing [`GradScaler::unscale_device`] over the same list allocates and copies
-    /// nothing. Disabled: a no-op.
+    /// nothing. An empty list is refused as `unscale_device` refuses it. Disabled: a no-op.
     pub fn prepare_device(
         &mut self,
         stream: &Stream,
@@ -322,6 +326,7 @@ impl GradScaler {
         if self.live()?.is_none() {
             return Ok(());
         }
+        refuse_empty(grads)?;
         cached_table(
             &mut self.device_table,
             &self.runtime,
@@ -336,7 +341,9 @@ impl GradScaler {
     /// then checks and unscales `grads` by the device's `inv_scale` on `stream`, one launch
     /// for the whole list (its chunk table is built at the first call and kept while the
     /// list is unchanged: call once before capturing). Reads nothing back. Refuses fp16
-    /// gradients as `unscale_` does. Disabled: a no-op.
+    /// gradients as `unscale_` does, and an empty list: it would record no inf check, so
+    /// the step would run unchecked and the update would grow the scale (PyTorch's step and
+    /// update both refuse, "No inf checks were recorded ..."). Disabled: a no-op.
     pub fn unscale_device(
         &mut self,
         stream: &Stream,
@@ -345,6 +352,7 @@ impl GradScaler {
         if !self.config.enabled {
             return Ok(());
         }
+        refuse_empty(grads)?;
         state_machine::refuse_fp16(grads)?;
         self.live()?;
         let live = live_for(&mut self.live, "unscale_device")?;
@@ -446,6 +454,15 @@ impl GradScaler {
             None => Ok(StepStats::default()),
         }
     }
+}
+
+/// PyTorch's "No inf checks were recorded for this optimizer." for a list with nothing to
+/// check, on the sync-free path.
+fn refuse_empty(grads: &[TensorView]) -> Result<(), ScalerError> {
+    if grads.is_empty() {
+        return Err(ScalerError::NoInfChecksForOptimizer);
+    }
+    Ok(())
 }
 
 /// The state for `op`, which PyTorch refuses before the first `scale`.

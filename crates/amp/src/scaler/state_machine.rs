@@ -68,6 +68,15 @@ impl OptimizerState {
     fn found_inf(&self) -> DeviceScalar<f32> {
         DeviceScalar::of(&self.found_inf)
     }
+
+    /// Whether `grads` is the list this iteration's check ran on (its table describes it;
+    /// an empty list leaves no table).
+    fn checked(&self, grads: &[TensorView]) -> bool {
+        match &self.table {
+            Some(table) => table.describes(grads),
+            None => grads.is_empty(),
+        }
+    }
 }
 
 /// `_unscale_grads_(allow_fp16=False)`'s refusal.
@@ -142,6 +151,7 @@ impl GradScaler {
         };
         live.state.zero(st.found_inf(), &stream)?;
         if grads.is_empty() {
+            st.table = None;
             return Ok(st);
         }
         let inv = match pass {
@@ -160,6 +170,8 @@ impl GradScaler {
     /// called, reads the optimizer's found_inf to the host (a sync, as PyTorch's
     /// `_maybe_opt_step`), and runs `optimizer_step` only if every gradient was finite.
     /// Returns `None` when the step was skipped (PyTorch returns `None` both ways).
+    /// No gradients is PyTorch's "No inf checks were recorded for this optimizer."; after
+    /// `unscale_`, `grads` must be the list it unscaled ([`ScalerError::GradsChanged`]).
     /// Disabled: runs the step.
     pub fn step<R>(
         &mut self,
@@ -174,7 +186,7 @@ impl GradScaler {
         match self.stage(opt) {
             Stage::Stepped => return Err(ScalerError::StepAlreadyCalled),
             Stage::Ready => self.unscale_(opt, grads)?,
-            Stage::Unscaled => {}
+            Stage::Unscaled => self.check_unscaled(opt, grads)?,
         }
         let st = self
             .optimizers
@@ -190,8 +202,12 @@ impl GradScaler {
     /// `step(optimizer)` on PyTorch's `_step_supports_amp_scaling` path, for an optimizer
     /// whose kernels read found_inf (and divide by the scale) on the device: if `unscale_`
     /// was not called, checks `grads` for inf/NaN without unscaling (fp16 allowed) and passes
-    /// the scale as `grad_scale`; then runs `optimizer_step` with no host sync. Disabled: runs
-    /// it with `None`.
+    /// the scale as `grad_scale`; then runs `optimizer_step` with no host sync. After
+    /// `unscale_`, `grads` must be the list it unscaled ([`ScalerError::GradsChanged`]).
+    /// No gradients is not an error, as in PyTorch (whose found_inf is then `sum([]) == 0`):
+    /// `found_inf` points at 0.0 and the optimizer (with nothing to update) steps; nothing is
+    /// recorded, so an `update` with no other optimizer checked is still refused. Disabled:
+    /// runs it with `None`.
     pub fn step_fused<R>(
         &mut self,
         opt: OptimizerId,
@@ -208,12 +224,15 @@ impl GradScaler {
                 self.record(opt, grads, Pass::CheckOnly)?;
                 Some(scale)
             }
-            Stage::Unscaled => None,
+            Stage::Unscaled => {
+                self.check_unscaled(opt, grads)?;
+                None
+            }
         };
+        // Made by the check (or by `unscale_`), recorded or not.
         let st = self
             .optimizers
             .get_mut(&opt)
-            .filter(|s| s.recorded)
             .ok_or(ScalerError::NoInfChecksForOptimizer)?;
         let args = AmpStepArgs {
             grad_scale,
@@ -222,6 +241,14 @@ impl GradScaler {
         let result = optimizer_step(Some(&args));
         st.stage = Stage::Stepped;
         Ok(result)
+    }
+
+    /// Refuses a step after `unscale_` on other gradients than the ones it unscaled.
+    fn check_unscaled(&self, opt: OptimizerId, grads: &[TensorView]) -> Result<(), ScalerError> {
+        match self.optimizers.get(&opt) {
+            Some(st) if st.checked(grads) => Ok(()),
+            _ => Err(ScalerError::GradsChanged),
+        }
     }
 
     /// `update()`: moves the scale by PyTorch's rule from the combined found_inf of every

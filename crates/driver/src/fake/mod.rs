@@ -14,7 +14,7 @@
 //! real driver gave PyTorch), so differential tests and replays break best-fit ties as the
 //! recording did. [`FakeDriverBuilder::capacity`] sets the device's total memory.
 mod addresses;
-mod external;
+mod interop;
 mod memory;
 mod nodes;
 mod work;
@@ -22,7 +22,7 @@ mod work;
 pub use addresses::{AddressPlan, AddressPlanError, PLAN_REGION, PlanUse, WhenUnusable};
 pub use work::{HostKernel, KernelContext};
 
-use crate::{CompileError, Driver, DriverError, ExternalStream, NvmlError};
+use crate::{CompileError, Driver, DriverError, ForeignStream, NvmlError};
 use ferrocuda_types::{
     CaptureMode, CaptureStatus, DeviceIndex, DeviceProperties, DevicePtr, EventFlags, EventHandle,
     FunctionHandle, GraphExecHandle, GraphHandle, GraphNode, HostPtr, KernelArg, LaunchConfig,
@@ -112,9 +112,10 @@ pub enum Call {
     VmSetAccess,
     VmUnmap,
     StreamAdopt,
+    StreamForget,
 }
 
-const CALL_KINDS: usize = Call::StreamAdopt as usize + 1;
+const CALL_KINDS: usize = Call::StreamForget as usize + 1;
 
 /// Configures a [`FakeDriver`].
 #[derive(Debug, Clone)]
@@ -228,6 +229,7 @@ impl FakeDriverBuilder {
                 captures: HashMap::new(),
                 sticky: vec![None; self.devices],
                 failures: Vec::new(),
+                foreign: HashMap::new(),
             }),
         }
     }
@@ -334,6 +336,9 @@ struct State {
     captures: HashMap<u64, Capture>,
     sticky: Vec<Option<DriverError>>,
     failures: Vec<Failure>,
+    /// Streams of "another library" (`FakeDriver::foreign_stream`), with how many times
+    /// they are adopted: usable through the driver only while adopted.
+    foreign: HashMap<StreamKey, u32>,
 }
 
 thread_local! {
@@ -529,6 +534,7 @@ impl State {
     fn stream_key(&self, s: StreamHandle) -> Result<StreamKey, DriverError> {
         let key = (s.device.0, s.raw);
         match self.streams.get(&key) {
+            Some(_) if self.foreign.get(&key) == Some(&0) => Err(DriverError::INVALID_HANDLE),
             Some(_) => Ok(key),
             None if s.device.as_usize() >= self.devices => Err(DriverError::INVALID_DEVICE),
             None => Err(DriverError::INVALID_HANDLE),
@@ -1137,7 +1143,8 @@ impl Driver for FakeDriver {
     fn stream_destroy(&self, stream: StreamHandle) -> Result<(), DriverError> {
         let mut st = self.enter(Call::StreamDestroy)?;
         let key = st.stream_key(stream)?;
-        if key.1 == 0 {
+        // The legacy stream is the device's, an adopted one its maker's.
+        if key.1 == 0 || st.foreign.contains_key(&key) {
             return Err(DriverError::INVALID_HANDLE);
         }
         // Work already enqueued still runs (it completes now; nothing can observe it later).
@@ -1720,11 +1727,13 @@ impl Driver for FakeDriver {
         st.memory.unmap(at, bytes)
     }
 
-    fn stream_adopt(
-        &self,
-        dev: DeviceIndex,
-        stream: ExternalStream,
-    ) -> Result<StreamHandle, DriverError> {
-        self.adopt_stream(dev, stream)
+    fn stream_adopt(&self, stream: &ForeignStream) -> Result<StreamHandle, DriverError> {
+        let mut st = self.enter(Call::StreamAdopt)?;
+        interop::adopt(&mut st, stream)
+    }
+
+    fn stream_forget(&self, stream: StreamHandle) -> Result<(), DriverError> {
+        let mut st = self.enter(Call::StreamForget)?;
+        interop::forget(&mut st, stream)
     }
 }

@@ -115,6 +115,12 @@ struct DimCheck {
 }
 
 impl DimCheck {
+    /// Non-zero when `size` or `stride` fails this dim's check.
+    #[inline(always)]
+    fn differs(&self, size: i64, stride: i64) -> i64 {
+        ((size ^ self.size) & self.size_mask) | ((stride ^ self.stride) & self.stride_mask)
+    }
+
     fn new(size: Option<i64>, stride: Option<i64>) -> DimCheck {
         let split = |v: Option<i64>| v.map_or((0, 0), |v| (v, -1));
         let ((size, size_mask), (stride, stride_mask)) = (split(size), split(stride));
@@ -124,6 +130,29 @@ impl DimCheck {
             stride,
             stride_mask,
         }
+    }
+}
+
+/// Non-zero when any dim of one input fails `checks` (all three slices have the input's
+/// rank). Ranks 1 to 4, most tensors', are unrolled: straight-line code with no loop or
+/// trip-count branch; the rest fold in a loop.
+#[inline(always)]
+fn dims_differ(checks: &[DimCheck], sizes: &[i64], strides: &[i64]) -> i64 {
+    match (checks, sizes, strides) {
+        ([a], [s0], [t0]) => a.differs(*s0, *t0),
+        ([a, b], [s0, s1], [t0, t1]) => a.differs(*s0, *t0) | b.differs(*s1, *t1),
+        ([a, b, c], [s0, s1, s2], [t0, t1, t2]) => {
+            a.differs(*s0, *t0) | b.differs(*s1, *t1) | c.differs(*s2, *t2)
+        }
+        ([a, b, c, d], [s0, s1, s2, s3], [t0, t1, t2, t3]) => {
+            a.differs(*s0, *t0) | b.differs(*s1, *t1) | c.differs(*s2, *t2) | d.differs(*s3, *t3)
+        }
+        _ => checks
+            .iter()
+            .zip(sizes.iter().zip(strides))
+            .fold(0, |acc, (d, (size, stride))| {
+                acc | d.differs(*size, *stride)
+            }),
     }
 }
 
@@ -165,13 +194,7 @@ impl GuardSet {
             let Some((mine, rest)) = dims.split_at_checked(input.sizes().len()) else {
                 return false;
             };
-            let differs = mine
-                .iter()
-                .zip(input.sizes().iter().zip(input.strides()))
-                .fold(0, |acc, (d, (size, stride))| {
-                    acc | ((size ^ d.size) & d.size_mask) | ((stride ^ d.stride) & d.stride_mask)
-                });
-            if differs != 0 {
+            if dims_differ(mine, input.sizes(), input.strides()) != 0 {
                 return false;
             }
             dims = rest;
