@@ -25,10 +25,12 @@
 //!   allocators (`ferrocuda::memory`), so the driver is the real one unless
 //!   `FERROCUDA_BACKEND=fake`, and a malformed configuration makes every call fail with the
 //!   parse error (kept for `ferrocuda_last_error`) instead of being ignored.
-//! - **PyTorch's streams are adopted, not owned.** A `cudaStream_t` PyTorch passes becomes a
-//!   driver handle through `Driver::stream_adopt` (checked against the device's primary
-//!   context; never destroyed), once per stream and thread (a thread-local set keeps the hot
-//!   path off the driver's registry lock).
+//! - **PyTorch's streams are adopted, not owned.** A `cudaStream_t` PyTorch passes is a
+//!   `ForeignStream` (made by the shim with the `unsafe` `ForeignStream::from_raw`) and
+//!   becomes a driver handle through `Driver::stream_adopt` (checked against the device's
+//!   primary context; never destroyed), once per stream and thread (a thread-local set keeps
+//!   the hot path off the driver's registry lock), never forgotten: PyTorch's streams live as
+//!   long as the process.
 //! - **CUDA graphs without PyTorch's filter.** `beginAllocateToPool` comes with a C++
 //!   closure a C function cannot call; the pool is routed with `Route::NextCapture` (bound to
 //!   the first capture that allocates, preferring the thread that began it), which is exact
