@@ -4,7 +4,8 @@
 //! - `doc`: the docs, failing on any rustdoc or cargo warning;
 //! - `gpu-bundle`: builds release test and bench binaries into `gpu-bundle/` (git-ignored)
 //!   with a `run.sh` that runs them against the real driver, fails on any skip, and ends with
-//!   `N passed, N failed`;
+//!   `N passed, N failed`; with them the PyTorch allocator library (`libferrocuda_torch.so`)
+//!   and `xtask/torch/plugin_bench.py`, which `run.sh` runs against real PyTorch;
 //! - `bench`: the criterion benches (they need a GPU; without one they say they skipped);
 //! - `cli-fuzz [--cases N] [--seed S] [--long] [--case N]`: the `ferrocuda` command against
 //!   generated and mutated traces (see [`fuzz`]); `ci` runs it with a fixed seed;
@@ -32,6 +33,7 @@ use std::process::{Command, ExitCode, Stdio};
 
 /// Test binaries that go into the GPU bundle.
 const GPU_TESTS: &[&str] = &[
+    "ferrocuda_driver",
     "conformance_cuda",
     "alloc_conformance",
     "graph_conformance",
@@ -50,10 +52,16 @@ const GPU_LIBRARIES: &[(&str, &str)] =
     &[("ferrocuda-pluggable-fixture", "ferrocuda_pluggable_fixture")];
 /// Bundled test binaries that run only some of their tests on the GPU (`--exact` names):
 /// `graph_fuzz`'s fake-device run takes a minute and proves nothing about the GPU.
-const GPU_TEST_ONLY: &[(&str, &str)] = &[(
-    "graph_fuzz",
-    "random_graph_programs_corrupt_nothing_on_the_gpu",
-)];
+const GPU_TEST_ONLY: &[(&str, &str)] = &[
+    (
+        "graph_fuzz",
+        "random_graph_programs_corrupt_nothing_on_the_gpu",
+    ),
+    (
+        "ferrocuda_driver",
+        "cuda::interop::tests::a_raw_stream_is_adopted_checked_and_never_destroyed",
+    ),
+];
 /// Bench binaries that go into the GPU bundle.
 const GPU_BENCHES: &[&str] = &[
     "launch",
@@ -66,9 +74,15 @@ const GPU_BENCHES: &[&str] = &[
     "guards",
     "trees",
     "pinned",
+    "torch_plugin",
 ];
 /// Examples that go into the GPU bundle (each must succeed and say it ran on the GPU).
 const GPU_EXAMPLES: &[&str] = &["tour", "snapshot", "decode"];
+/// The PyTorch allocator library (crates/torch-plugin) and the script `run.sh` runs it with
+/// against real PyTorch.
+const TORCH_PLUGIN: &str = "ferrocuda-torch";
+const TORCH_PLUGIN_LIBRARY: &str = "ferrocuda_torch";
+const TORCH_PLUGIN_SCRIPT: &str = "xtask/torch/plugin_bench.py";
 
 fn main() -> ExitCode {
     let task = std::env::args().nth(1).unwrap_or_default();
@@ -142,7 +156,8 @@ fn cargo_with_env(args: &[&str], env: &[(&str, &str)]) -> Result<(), String> {
 const TOOLS: &[(&str, &str)] = &[(
     "python3",
     "ferrocuda-types' snapshot::tests::python_reads_it_as_pytorch_does reads ferrocuda's \
-     snapshot pickle with CPython's own unpickler",
+     snapshot pickle with CPython's own unpickler, and ferrocuda-torch's tests/library.rs \
+     loads the built PyTorch allocator library with ctypes",
 )];
 
 /// Checks up front that every tool of [`TOOLS`] runs (`runs` tries one), so a missing one
@@ -415,6 +430,7 @@ fn gpu_bundle() -> Result<(), String> {
         let file = lib.file_name().ok_or("a library without a file name")?;
         copy_stripped(&lib, &dir.join(file))?;
     }
+    bundle_torch_plugin(&dir)?;
     // PyTorch's figures come from the same run: take the anchor script along when the
     // shared folder beside the checkout has it.
     let anchor = root().join("../shared/tools/torch_anchor.py");
@@ -428,11 +444,7 @@ fn gpu_bundle() -> Result<(), String> {
     // The pinned-memory anchor lives in this repository (PyTorch's side of benches/pinned.rs).
     std::fs::write(dir.join("torch_pinned.py"), TORCH_PINNED_PY).map_err(|e| e.to_string())?;
     let script = dir.join("run.sh");
-    let only: String = GPU_TEST_ONLY
-        .iter()
-        .map(|(name, test)| format!("    test_{name}) echo \"--exact {test}\" ;;\n"))
-        .collect();
-    std::fs::write(&script, RUN_SH.replace("@TEST_ONLY@\n", &only)).map_err(|e| e.to_string())?;
+    std::fs::write(&script, run_sh()).map_err(|e| e.to_string())?;
     let status = Command::new("chmod")
         .arg("+x")
         .arg(&script)
@@ -446,6 +458,27 @@ fn gpu_bundle() -> Result<(), String> {
         dir.display()
     );
     pack_if_large(&dir)
+}
+
+/// The bundle's `run.sh`: [`RUN_SH`] with the tests of [`GPU_TEST_ONLY`] filled in.
+fn run_sh() -> String {
+    let only: String = GPU_TEST_ONLY
+        .iter()
+        .map(|(name, test)| format!("    test_{name}) echo \"--exact {test}\" ;;\n"))
+        .collect();
+    RUN_SH.replace("@TEST_ONLY@\n", &only)
+}
+
+/// Builds the PyTorch allocator library in release and copies it, stripped of line tables,
+/// with its script into the bundle.
+fn bundle_torch_plugin(dir: &Path) -> Result<(), String> {
+    let lib = built_library(TORCH_PLUGIN, TORCH_PLUGIN_LIBRARY)?;
+    let file = lib.file_name().ok_or("a library without a file name")?;
+    copy_stripped(&lib, &dir.join(file))?;
+    let script = root().join(TORCH_PLUGIN_SCRIPT);
+    let name = script.file_name().ok_or("the plugin script has no name")?;
+    std::fs::copy(&script, dir.join(name)).map_err(|e| format!("{}: {e}", script.display()))?;
+    Ok(())
 }
 
 /// Copies a built file into the bundle, without its line tables (they make the bundle too
@@ -563,6 +596,21 @@ print('memory_viz accepted it: %d segments, %d trace entries, %d lines of trace 
 PY
   cp snapshot.pickle "$OUT/" 2>/dev/null
 fi
+# ferrocuda's allocator inside real PyTorch (libferrocuda_torch.so): the check with an empty
+# configuration (PyTorch's behaviour) and the recommended one, then the three-way benchmark.
+# ONLY=plugin runs just these; PLUGIN_BENCH_ARGS passes options to the benchmark.
+plugin() {
+  local name=$1; shift
+  want "$name" || return 0
+  echo "=== $name"
+  if OUT="$OUT" PYTHONUNBUFFERED=1 "$@" 2>&1 | tee "$OUT/$name.log"; then passed=$((passed + 1)); else echo "$name failed"; failed=$((failed + 1)); fi
+}
+if [ -f plugin_bench.py ] && [ -f libferrocuda_torch.so ]; then
+  plugin plugin_check env -u FERROCUDA_ALLOC_CONF -u PYTORCH_CUDA_ALLOC_CONF python3 plugin_bench.py check
+  plugin plugin_check_recommended env -u PYTORCH_CUDA_ALLOC_CONF FERROCUDA_ALLOC_CONF=ferrocuda_recommended:True python3 plugin_bench.py check
+  # shellcheck disable=SC2086
+  plugin plugin_bench python3 plugin_bench.py bench ${PLUGIN_BENCH_ARGS:-}
+fi
 if [ -f torch_anchor.py ] && [ -z "${ONLY:-}" ]; then
   echo "=== torch_anchor.py (PyTorch, same machine, same run)"
   if PYTHONUNBUFFERED=1 python3 torch_anchor.py 2>&1 | tee "$OUT/torch_anchor.log"; then
@@ -572,6 +620,7 @@ if [ -f torch_anchor.py ] && [ -z "${ONLY:-}" ]; then
   fi
 fi
 grep -h 'ratio' "$OUT"/bench_*.log 2>/dev/null
+grep -h '^target ' "$OUT"/plugin_bench.log 2>/dev/null
 if [ -f "$OUT/torch_anchor.json" ]; then
   python3 - "$OUT" <<'PY'
 import json, os, sys
@@ -640,6 +689,25 @@ echo "$passed passed, $failed failed"
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `run.sh` is valid bash and runs the plugin's check and benchmark.
+    #[test]
+    fn run_sh_parses_and_runs_the_plugin_steps() {
+        let script = run_sh();
+        let path = std::env::temp_dir().join(format!("ferrocuda-run-sh-{}", std::process::id()));
+        std::fs::write(&path, &script).unwrap();
+        let parsed = Command::new("bash").arg("-n").arg(&path).status().unwrap();
+        let _ = std::fs::remove_file(&path);
+        assert!(parsed.success(), "bash -n refused run.sh");
+        for step in [
+            "plugin_bench.py check",
+            "plugin_bench.py bench",
+            "--exact cuda::interop::tests::",
+        ] {
+            assert!(script.contains(step), "run.sh lacks {step}");
+        }
+        assert!(!script.contains("@TEST_ONLY@"));
+    }
 
     #[test]
     fn a_missing_tool_is_named_with_the_test_that_needs_it() {

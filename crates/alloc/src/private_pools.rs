@@ -7,6 +7,7 @@ use crate::pluggable::PluggableAllocator;
 use ferrocuda_types::{PoolId, StreamHandle};
 use rustc_hash::FxHashMap;
 use std::sync::Arc;
+use std::thread::ThreadId;
 
 /// Whose allocations a pool being recorded to takes.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -18,21 +19,34 @@ pub enum Route {
     Stream(StreamHandle),
     /// Allocations made by this thread.
     Thread(std::thread::ThreadId),
+    /// The stream capture about to begin, not yet known: until a capture binds it, the
+    /// allocations of the thread that began routing (as [`Route::Thread`]); the first
+    /// allocation made in a capture that no route takes binds it to that capture (the newest
+    /// unbound route begun by the allocating thread, else the newest unbound route), and from
+    /// then on it is [`Route::Capture`] of that capture. For callers told of the pool before
+    /// the capture that fills it begins, with no way to name that capture: PyTorch's
+    /// pluggable-allocator hook `beginAllocateToPool`, whose filter (`capture_id ==
+    /// this->capture_id_`) is a C++ closure a C function cannot call. Counts as a capture
+    /// underway from the start (no event work, no driver frees), as PyTorch's
+    /// `captures_underway` does from `beginAllocateToPool` on.
+    NextCapture,
 }
 
 impl Route {
-    /// Whether this route takes an allocation on `stream`, in capture `capture` (if the
-    /// stream is capturing), made by thread `thread`.
+    /// Whether this route, begun by thread `began`, takes an allocation on `stream`, in
+    /// capture `capture` (if the stream is capturing), made by thread `thread`.
     pub(crate) fn takes(
         &self,
         stream: StreamHandle,
         capture: Option<u64>,
         thread: std::thread::ThreadId,
+        began: std::thread::ThreadId,
     ) -> bool {
         match *self {
             Route::Capture(id) => capture == Some(id),
             Route::Stream(s) => s == stream,
             Route::Thread(t) => t == thread,
+            Route::NextCapture => capture.is_none() && began == thread,
         }
     }
 }
@@ -59,17 +73,38 @@ pub(crate) struct PrivatePools {
 
 impl PrivatePools {
     /// The pool an allocation on `stream` (in capture `capture`, if any) is served from:
-    /// the newest route that takes it, else the default pool.
-    pub(crate) fn route(&self, stream: StreamHandle, capture: Option<u64>) -> PoolId {
+    /// the newest route that takes it, else the default pool. An allocation in a capture no
+    /// route names first binds a [`Route::NextCapture`] to it.
+    pub(crate) fn route(&mut self, stream: StreamHandle, capture: Option<u64>) -> PoolId {
         if self.routes.is_empty() {
             return PoolId::DEFAULT;
         }
         let me = std::thread::current().id();
+        if let Some(id) = capture {
+            self.bind_next_capture(id, me);
+        }
         self.routes
             .iter()
             .rev()
-            .find(|(_, route, _)| route.takes(stream, capture, me))
+            .find(|(_, route, began)| route.takes(stream, capture, me, *began))
             .map_or(PoolId::DEFAULT, |(pool, _, _)| *pool)
+    }
+
+    /// Binds an unbound [`Route::NextCapture`] to capture `id` when no route names `id` yet:
+    /// the newest one `me` began, else the newest one.
+    fn bind_next_capture(&mut self, id: u64, me: ThreadId) {
+        if self.routes.iter().any(|(_, r, _)| *r == Route::Capture(id)) {
+            return;
+        }
+        let unbound = |began: Option<ThreadId>| {
+            move |(_, r, t): &(PoolId, Route, ThreadId)| {
+                *r == Route::NextCapture && began.is_none_or(|b| b == *t)
+            }
+        };
+        let newest = self.routes.iter().rposition(unbound(Some(me)));
+        if let Some(i) = newest.or_else(|| self.routes.iter().rposition(unbound(None))) {
+            self.routes[i].1 = Route::Capture(id);
+        }
     }
 
     /// Whether any pool is being recorded to.
@@ -77,11 +112,12 @@ impl PrivatePools {
         !self.routes.is_empty()
     }
 
-    /// Whether any stream capture records into a pool now.
+    /// Whether any stream capture records into a pool now (or is about to: an unbound
+    /// [`Route::NextCapture`]).
     pub(crate) fn capturing(&self) -> bool {
         self.routes
             .iter()
-            .any(|(_, r, _)| matches!(r, Route::Capture(_)))
+            .any(|(_, r, _)| matches!(r, Route::Capture(_) | Route::NextCapture))
     }
 
     /// Whether the calling thread began routing a stream capture (it is the capturing
@@ -90,7 +126,7 @@ impl PrivatePools {
         let me = std::thread::current().id();
         self.routes
             .iter()
-            .any(|(_, r, t)| matches!(r, Route::Capture(_)) && *t == me)
+            .any(|(_, r, t)| matches!(r, Route::Capture(_) | Route::NextCapture) && *t == me)
     }
 
     /// Whether the blocks of `pool` may be given back to the driver: the default pool's,

@@ -26,6 +26,8 @@ use std::ffi::{CString, c_void};
 use std::path::Path;
 use std::sync::OnceLock;
 
+#[cfg(feature = "c-export")]
+pub(crate) mod context_scope;
 mod host_register;
 mod interop;
 mod nodes;
@@ -192,6 +194,8 @@ impl CudaDriver {
         // SAFETY: writes through a valid pointer.
         check(unsafe { sys::cuCtxGetCurrent(&mut current) })?;
         if current as usize != ctx {
+            #[cfg(feature = "c-export")]
+            context_scope::note_switch(current);
             // SAFETY: `ctx` is a retained primary context, never released while we live.
             check(unsafe { sys::cuCtxSetCurrent(ctx as sys::CUcontext) })?;
         }

@@ -38,6 +38,9 @@ pub(crate) enum Origin {
     /// The fake device's stand-in for another library
     /// ([`FakeDriver::foreign_stream`](crate::FakeDriver::foreign_stream)).
     Fake,
+    /// A raw handle whose caller vouched that it is live ([`ForeignStream::from_raw`]):
+    /// PyTorch's `cudaStream_t`, given to the C functions of `libferrocuda_torch.so`.
+    Raw,
 }
 
 impl ForeignStream {
@@ -53,6 +56,33 @@ impl ForeignStream {
         })
     }
 
+    /// The legacy default stream of `device` (a null `cudaStream_t`), which every context
+    /// has: adopting it gives [`StreamHandle::legacy`](ferrocuda_types::StreamHandle::legacy).
+    pub fn legacy(device: DeviceIndex) -> ForeignStream {
+        ForeignStream {
+            device,
+            raw: 0,
+            origin: Origin::Raw,
+        }
+    }
+
+    /// A raw `cudaStream_t` / `CUstream` of `device` that another library (PyTorch) passed
+    /// in. Nothing keeps it alive: its maker does.
+    ///
+    /// # Safety
+    /// `raw` is null (the legacy default stream) or a stream handle of the CUDA driver loaded
+    /// in this process that is live now and stays live while ferrocuda may use it: until
+    /// every allocation made or recorded on it has been freed and the work it was used by
+    /// has completed (what PyTorch's own allocator assumes of the streams it is given). The
+    /// driver checks that it belongs to `device`'s primary context before using it.
+    pub unsafe fn from_raw(device: DeviceIndex, raw: *mut std::ffi::c_void) -> ForeignStream {
+        ForeignStream {
+            device,
+            raw: raw.addr() as u64,
+            origin: Origin::Raw,
+        }
+    }
+
     pub(crate) fn fake(device: DeviceIndex, raw: u64) -> ForeignStream {
         ForeignStream {
             device,
@@ -64,6 +94,16 @@ impl ForeignStream {
     /// Its device.
     pub fn device(&self) -> DeviceIndex {
         self.device
+    }
+
+    /// The same stream, said to be of `device`: for a caller that is not told the device
+    /// (PyTorch's `record_stream` hook). Adopting it checks the claim (a stream of another
+    /// device is refused), so nothing is trusted that was not vouched for before.
+    pub fn for_device(&self, device: DeviceIndex) -> ForeignStream {
+        ForeignStream {
+            device,
+            ..self.clone()
+        }
     }
 
     /// The stream as its maker names it: a `CUstream` (0 for the legacy default stream).

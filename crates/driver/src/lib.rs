@@ -33,7 +33,9 @@
 //! - **Other libraries' code is called here too**: allocator functions of a shared library
 //!   ([`pluggable`], PyTorch's `CUDAPluggableAllocator`), and cudarc's safe API beside ours
 //!   ([`interop`]: its streams adopted, never destroyed; device memory lent to it through its
-//!   pointer traits). A missing library or function is a typed error.
+//!   pointer traits). A missing library or function is a typed error. And the other way:
+//!   `c_export` (feature `c-export`) holds the C functions PyTorch calls in
+//!   `libferrocuda_torch.so`, turning its raw pointers into typed values.
 //!
 //! # What the layer above must do
 //! - Never use a handle after destroying its object (it gets an error, not the object).
@@ -42,6 +44,8 @@
 //! - Not hold its own locks across driver calls that can block (synchronize, free).
 //! - Apply `CUDA_VISIBLE_DEVICES` to NVML's count itself (libcuda applies it to its own).
 
+#[cfg(feature = "c-export")]
+pub mod c_export;
 mod cuda;
 mod error;
 pub mod fake;

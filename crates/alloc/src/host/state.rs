@@ -129,7 +129,7 @@ impl State {
         let me = std::thread::current().id();
         self.routes
             .iter()
-            .find(|(_, route, _)| route.takes(stream, capture, me))
+            .find(|(_, route, began)| route.takes(stream, capture, me, *began))
             .map_or(PoolId::DEFAULT, |(pool, _, _)| *pool)
     }
 

@@ -35,11 +35,15 @@ impl FakeDriver {
 }
 
 pub(super) fn adopt(st: &mut State, foreign: &ForeignStream) -> Result<StreamHandle, DriverError> {
-    let Origin::Fake = foreign.origin() else {
+    // A raw handle vouched for is taken as one of the fake's foreign streams, if it is one.
+    let (Origin::Fake | Origin::Raw) = foreign.origin() else {
         return Err(DriverError::INVALID_HANDLE);
     };
     let dev = foreign.device();
     st.check_device(dev)?;
+    if let (Origin::Raw, 0) = (foreign.origin(), foreign.raw()) {
+        return Ok(StreamHandle::legacy(dev));
+    }
     let key = (dev.0, foreign.raw());
     let count = st
         .foreign

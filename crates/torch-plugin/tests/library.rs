@@ -1,0 +1,195 @@
+//! The built library, loaded as PyTorch loads it (Python's `ctypes.CDLL`, functions by
+//! name, `MempoolId_t` by value) on the fake device (`FERROCUDA_BACKEND=fake`): every
+//! exported name resolves, the hooks work, and errors come back as errors.
+use std::path::PathBuf;
+use std::process::Command;
+
+type TestResult = Result<(), Box<dyn std::error::Error>>;
+
+/// The library cargo built beside this test (`target/<profile>/deps/`).
+fn library() -> Result<PathBuf, Box<dyn std::error::Error>> {
+    let exe = std::env::current_exe()?;
+    let deps = exe.parent().ok_or("the test has no folder")?;
+    let name = format!(
+        "{}ferrocuda_torch{}",
+        std::env::consts::DLL_PREFIX,
+        std::env::consts::DLL_SUFFIX
+    );
+    [deps.join(&name), deps.join("..").join(&name)]
+        .into_iter()
+        .find(|p| p.exists())
+        .ok_or_else(|| format!("{name} was not built beside {}", deps.display()).into())
+}
+
+/// Runs `script` with the library's path as its argument; its output if it succeeded.
+fn python(script: &str, env: &[(&str, &str)]) -> Result<String, Box<dyn std::error::Error>> {
+    let out = Command::new("python3")
+        .arg("-c")
+        .arg(script)
+        .arg(library()?)
+        .env("FERROCUDA_BACKEND", "fake")
+        .env_remove("FERROCUDA_ALLOC_CONF")
+        .env_remove("PYTORCH_CUDA_ALLOC_CONF")
+        .envs(env.iter().copied())
+        .output()
+        .map_err(|e| format!("python3 is needed to load the library: {e}"))?;
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    if out.status.success() {
+        Ok(text)
+    } else {
+        Err(format!("python3 failed ({}):\n{text}", out.status).into())
+    }
+}
+
+/// Declarations every script shares.
+const PRELUDE: &str = r#"
+import ctypes, json, os, pickle, sys, tempfile
+lib = ctypes.CDLL(sys.argv[1])
+P, I, Z, D = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t, ctypes.c_double
+class MempoolId(ctypes.Structure):
+    _fields_ = [("first", ctypes.c_uint64), ("second", ctypes.c_uint64)]
+sig = {
+    "ferrocuda_malloc": (P, [Z, I, P]),
+    "ferrocuda_free": (None, [P, Z, I, P]),
+    "ferrocuda_init": (None, [I]),
+    "ferrocuda_reset": (None, []),
+    "ferrocuda_memory_fraction": (None, [D, I]),
+    "ferrocuda_base_alloc": (P, [P, ctypes.POINTER(ctypes.c_size_t)]),
+    "ferrocuda_record_stream": (None, [P, P]),
+    "ferrocuda_begin_allocate_to_pool": (None, [I, MempoolId, P]),
+    "ferrocuda_end_allocate_to_pool": (None, [I, MempoolId]),
+    "ferrocuda_release_pool": (None, [I, MempoolId]),
+    "ferrocuda_memory_stats_json": (ctypes.c_ssize_t, [I, ctypes.c_char_p, Z]),
+    "ferrocuda_reset_peak_memory_stats": (I, [I]),
+    "ferrocuda_allocator_settings": (ctypes.c_ssize_t, [ctypes.c_char_p, Z]),
+    "ferrocuda_record_memory_history": (I, [I, Z]),
+    "ferrocuda_dump_snapshot": (I, [ctypes.c_char_p]),
+    "ferrocuda_last_error": (ctypes.c_ssize_t, [ctypes.c_char_p, Z]),
+    "ferrocuda_error_count": (ctypes.c_uint64, []),
+}
+missing = [n for n in sig if not hasattr(lib, n)]
+assert not missing, f"not exported: {missing}"
+for n, (res, args) in sig.items():
+    f = getattr(lib, n); f.restype = res; f.argtypes = args
+def text(fn, *args):
+    n = fn(*args, None, 0)
+    assert n >= 0, last_error()
+    buf = ctypes.create_string_buffer(n + 1)
+    assert fn(*args, buf, n + 1) == n
+    return buf.value.decode()
+def last_error():
+    return text(lib.ferrocuda_last_error)
+def stats():
+    return json.loads(text(lib.ferrocuda_memory_stats_json, 0))
+def fails(call, *args):
+    before = lib.ferrocuda_error_count()
+    r = call(*args)
+    assert lib.ferrocuda_error_count() == before + 1, f"{call.__name__} did not fail"
+    return r
+"#;
+
+#[test]
+fn pytorchs_calls_through_the_built_library() -> TestResult {
+    let script = format!(
+        "{PRELUDE}{}",
+        r#"
+MIB = 1 << 20
+lib.ferrocuda_init(1)
+p = lib.ferrocuda_malloc(3 * MIB, 0, None)
+assert p, last_error()
+assert stats()["allocation.all.current"] == 1
+lib.ferrocuda_record_stream(p, None)
+lib.ferrocuda_free(p, 3 * MIB, 0, None)
+assert stats()["allocation.all.current"] == 0
+assert lib.ferrocuda_error_count() == 0, last_error()
+
+# Foreign pointers, bad devices and streams: errors kept, no crash.
+fails(lib.ferrocuda_free, 0x1234, 16, 0, None)
+assert "Trying to free a pointer not allocated here" in last_error(), last_error()
+assert fails(lib.ferrocuda_malloc, MIB, -1, None) is None
+assert "not a device index" in last_error()
+assert fails(lib.ferrocuda_malloc, MIB, 0, 0xdead) is None
+assert "CUDA_ERROR_INVALID_HANDLE" in last_error(), last_error()
+fails(lib.ferrocuda_record_stream, 0x1234, None)
+fails(lib.ferrocuda_memory_fraction, 2.0, 0)
+
+# The pool hooks, with MempoolId_t by value; outside a capture the route takes this
+# thread's allocations (torch.cuda.use_mem_pool).
+pool = MempoolId(0, 7)
+lib.ferrocuda_begin_allocate_to_pool(0, pool, None)
+q = lib.ferrocuda_malloc(MIB, 0, None)
+lib.ferrocuda_end_allocate_to_pool(0, pool)
+fails(lib.ferrocuda_end_allocate_to_pool, 0, pool)
+size = ctypes.c_size_t(0)
+base = lib.ferrocuda_base_alloc(q, ctypes.byref(size))
+assert base == q and size.value == 2 * MIB, (base, q, size.value)
+lib.ferrocuda_free(q, MIB, 0, None)
+reserved = stats()["reserved_bytes.all.current"]
+lib.ferrocuda_release_pool(0, pool)
+lib.ferrocuda_reset()
+assert stats()["reserved_bytes.all.current"] < reserved
+
+# History and the snapshot file.
+assert lib.ferrocuda_record_memory_history(1, 1000) == 0
+r = lib.ferrocuda_malloc(5 * MIB, 0, None)
+lib.ferrocuda_free(r, 5 * MIB, 0, None)
+assert lib.ferrocuda_reset_peak_memory_stats(0) == 0
+path = os.path.join(tempfile.mkdtemp(), "snapshot.pickle")
+assert lib.ferrocuda_dump_snapshot(path.encode()) == 0, last_error()
+snap = pickle.load(open(path, "rb"))
+actions = [e["action"] for e in snap["device_traces"][0]]
+assert actions[-4:] == ["alloc", "free_requested", "free_completed", "snapshot"], actions
+assert fails(lib.ferrocuda_dump_snapshot, None) == -1
+lib.ferrocuda_memory_fraction(0.5, 0)
+print("settings:", text(lib.ferrocuda_allocator_settings))
+print("errors:", lib.ferrocuda_error_count())
+"#
+    );
+    let out = python(&script, &[])?;
+    assert!(out.contains("errors: 7"), "{out}");
+    Ok(())
+}
+
+/// A malformed `FERROCUDA_ALLOC_CONF` is never ignored: every call fails with the parse
+/// error, and `alloc` returns null.
+#[test]
+fn a_malformed_configuration_fails_every_call() -> TestResult {
+    let script = format!(
+        "{PRELUDE}{}",
+        r#"
+assert fails(lib.ferrocuda_malloc, 1 << 20, 0, None) is None
+print(last_error())
+"#
+    );
+    let out = python(&script, &[("FERROCUDA_ALLOC_CONF", "no_such_key:1")])?;
+    assert!(
+        out.contains("could not be made") && out.contains("no_such_key"),
+        "{out}"
+    );
+    Ok(())
+}
+
+/// The configuration comes from `FERROCUDA_ALLOC_CONF`.
+#[test]
+fn the_configuration_comes_from_the_environment() -> TestResult {
+    let script = format!(
+        "{PRELUDE}{}",
+        r#"
+print(text(lib.ferrocuda_allocator_settings))
+"#
+    );
+    let out = python(
+        &script,
+        &[("FERROCUDA_ALLOC_CONF", "ferrocuda_recommended:True")],
+    )?;
+    assert!(
+        out.contains("FERROCUDA_ALLOC_CONF=ferrocuda_recommended:True")
+            && out.contains("expandable_segments:True"),
+        "{out}"
+    );
+    Ok(())
+}

@@ -1,0 +1,496 @@
+"""ferrocuda's caching allocator inside real PyTorch, loaded as a CUDAPluggableAllocator
+(libferrocuda_torch.so, from crates/torch-plugin), beside PyTorch's own allocator.
+
+    python3 plugin_bench.py check
+        ferrocuda only, fails loudly (exit 1): every hook is installed, tensors come from
+        ferrocuda (its statistics move, no exported call failed), record_stream,
+        empty_cache and the memory fraction reach it, CUDA graphs captured by PyTorch
+        (torch.cuda.graph, a shared pool, make_graphed_callables) replay correctly with their
+        memory in the graph's private pool, and the snapshot file loads in PyTorch's viewer.
+
+    python3 plugin_bench.py bench [--steps N] [--requests N] [--repeats R] [--only WORKLOAD]
+        a GPT-2-small-style bf16 training loop and a BERT-style serving loop with random
+        shapes (models randomly initialised), each run three ways, one process each:
+        PyTorch native (default), PyTorch native with expandable_segments:True, and
+        ferrocuda with FERROCUDA_ALLOC_CONF=ferrocuda_recommended:True. Prints step time and
+        peak reserved side by side and whether ferrocuda met its targets (step time within 2%
+        of native, peak reserved at or below native expandable's); writes plugin_bench.json.
+
+    python3 plugin_bench.py worker WORKLOAD WAY [--steps N] [--requests N]
+        one run (what bench starts), printing one JSON line.
+
+The library is FERROCUDA_TORCH_LIB, else libferrocuda_torch.so beside this script. Results
+go to $OUT (else the current folder).
+"""
+import argparse
+import ctypes
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+LIB = os.environ.get("FERROCUDA_TORCH_LIB", os.path.join(HERE, "libferrocuda_torch.so"))
+OUT = os.environ.get("OUT", ".")
+MIB = 1 << 20
+
+# PyTorch's setter on allocator() -> the function of libferrocuda_torch.so it is given.
+HOOKS = [
+    ("set_init_fn", "ferrocuda_init"),
+    ("set_reset_fn", "ferrocuda_reset"),
+    ("set_memory_fraction_fn", "ferrocuda_memory_fraction"),
+    ("set_base_alloc_fn", "ferrocuda_base_alloc"),
+    ("set_record_stream_fn", "ferrocuda_record_stream"),
+    ("set_begin_allocate_to_pool", "ferrocuda_begin_allocate_to_pool"),
+    ("set_end_allocate_to_pool_fn", "ferrocuda_end_allocate_to_pool"),
+    ("set_release_pool", "ferrocuda_release_pool"),
+]
+
+WAYS = {
+    "native_default": {"PYTORCH_CUDA_ALLOC_CONF": None, "FERROCUDA_ALLOC_CONF": None},
+    "native_expandable": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "FERROCUDA_ALLOC_CONF": None},
+    "ferrocuda": {"PYTORCH_CUDA_ALLOC_CONF": None, "FERROCUDA_ALLOC_CONF": "ferrocuda_recommended:True"},
+}
+
+
+class Ferrocuda:
+    """libferrocuda_torch.so installed as PyTorch's CUDA allocator, and its own functions."""
+
+    def __init__(self, path=LIB, strict=True):
+        import torch
+        if not os.path.exists(path):
+            raise SystemExit(f"{path} not found: build it (cargo xtask gpu-bundle) or set FERROCUDA_TORCH_LIB")
+        if torch.cuda.is_initialized():
+            raise SystemExit("CUDA is already initialised: the allocator must be installed first")
+        self.allocator = torch.cuda.memory.CUDAPluggableAllocator(path, "ferrocuda_malloc", "ferrocuda_free")
+        self.lib = ctypes.CDLL(path)  # the same handle PyTorch's ctypes load got
+        hooks = self.allocator.allocator()
+        self.installed, self.missing = [], []
+        for setter, name in HOOKS:
+            if hasattr(hooks, setter):
+                getattr(hooks, setter)(ctypes.cast(getattr(self.lib, name), ctypes.c_void_p).value)
+                self.installed.append(setter)
+            else:
+                self.missing.append(setter)
+        if strict and self.missing:
+            raise SystemExit(f"this PyTorch ({torch.__version__}) lacks the hook setters {self.missing}")
+        torch.cuda.memory.change_current_allocator(self.allocator)
+        L = self.lib
+        L.ferrocuda_memory_stats_json.restype = ctypes.c_ssize_t
+        L.ferrocuda_memory_stats_json.argtypes = (ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t)
+        L.ferrocuda_allocator_settings.restype = ctypes.c_ssize_t
+        L.ferrocuda_allocator_settings.argtypes = (ctypes.c_char_p, ctypes.c_size_t)
+        L.ferrocuda_last_error.restype = ctypes.c_ssize_t
+        L.ferrocuda_last_error.argtypes = (ctypes.c_char_p, ctypes.c_size_t)
+        L.ferrocuda_error_count.restype = ctypes.c_uint64
+        L.ferrocuda_reset_peak_memory_stats.argtypes = (ctypes.c_int,)
+        L.ferrocuda_record_memory_history.argtypes = (ctypes.c_int, ctypes.c_size_t)
+        L.ferrocuda_dump_snapshot.argtypes = (ctypes.c_char_p,)
+
+    def _text(self, fn, *args):
+        n = fn(*args, None, 0)
+        if n < 0:
+            raise RuntimeError(self.last_error())
+        buf = ctypes.create_string_buffer(n + 1)
+        fn(*args, buf, n + 1)
+        return buf.value.decode()
+
+    def stats(self, device=0):
+        return json.loads(self._text(self.lib.ferrocuda_memory_stats_json, device))
+
+    def settings(self):
+        return self._text(self.lib.ferrocuda_allocator_settings)
+
+    def last_error(self):
+        n = self.lib.ferrocuda_last_error(None, 0)
+        buf = ctypes.create_string_buffer(n + 1)
+        self.lib.ferrocuda_last_error(buf, n + 1)
+        return buf.value.decode()
+
+    def errors(self):
+        return self.lib.ferrocuda_error_count()
+
+    def require_no_error(self, where):
+        if self.errors():
+            raise AssertionError(f"{where}: {self.errors()} ferrocuda call(s) failed; last: {self.last_error()}")
+
+
+# ---- models (randomly initialised) ---------------------------------------------------------
+
+def gpt2_small(torch):
+    """GPT-2 small: 12 layers, 768 wide, 12 heads, 1024 positions, 50257 tokens, tied head."""
+    nn, F = torch.nn, torch.nn.functional
+
+    class Block(nn.Module):
+        def __init__(self, d=768, heads=12):
+            super().__init__()
+            self.heads = heads
+            self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+            self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+            self.fc, self.out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+        def forward(self, x):
+            B, T, C = x.shape
+            q, k, v = self.qkv(self.ln1(x)).split(C, dim=2)
+            q, k, v = (t.view(B, T, self.heads, C // self.heads).transpose(1, 2) for t in (q, k, v))
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = x + self.proj(y.transpose(1, 2).reshape(B, T, C))
+            return x + self.out(F.gelu(self.fc(self.ln2(x)), approximate="tanh"))
+
+    class GPT(nn.Module):
+        def __init__(self, vocab=50257, positions=1024, d=768, layers=12):
+            super().__init__()
+            self.wte, self.wpe = nn.Embedding(vocab, d), nn.Embedding(positions, d)
+            self.blocks = nn.ModuleList(Block(d) for _ in range(layers))
+            self.ln_f = nn.LayerNorm(d)
+            self.head = nn.Linear(d, vocab, bias=False)
+            self.head.weight = self.wte.weight
+
+        def forward(self, ids, targets):
+            pos = torch.arange(ids.shape[1], device=ids.device)
+            x = self.wte(ids) + self.wpe(pos)
+            for b in self.blocks:
+                x = b(x)
+            logits = self.head(self.ln_f(x))
+            return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
+
+    return GPT()
+
+
+def bert_base(torch):
+    """BERT base encoder: 12 post-norm layers, 768 wide, 12 heads, 512 positions."""
+    nn, F = torch.nn, torch.nn.functional
+
+    class Layer(nn.Module):
+        def __init__(self, d=768, heads=12):
+            super().__init__()
+            self.heads = heads
+            self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+            self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+            self.fc, self.out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+        def forward(self, x, mask):
+            B, T, C = x.shape
+            q, k, v = self.qkv(x).split(C, dim=2)
+            q, k, v = (t.view(B, T, self.heads, C // self.heads).transpose(1, 2) for t in (q, k, v))
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            x = self.ln1(x + self.proj(y.transpose(1, 2).reshape(B, T, C)))
+            return self.ln2(x + self.out(F.gelu(self.fc(x))))
+
+    class Bert(nn.Module):
+        def __init__(self, vocab=30522, positions=512, d=768, layers=12):
+            super().__init__()
+            self.tok, self.pos, self.typ = nn.Embedding(vocab, d), nn.Embedding(positions, d), nn.Embedding(2, d)
+            self.ln = nn.LayerNorm(d)
+            self.layers = nn.ModuleList(Layer(d) for _ in range(layers))
+            self.pool = nn.Linear(d, d)
+
+        def forward(self, ids, lengths):
+            T = ids.shape[1]
+            pos = torch.arange(T, device=ids.device)
+            x = self.ln(self.tok(ids) + self.pos(pos) + self.typ(torch.zeros_like(ids)))
+            keep = pos[None, :] < lengths[:, None]  # padding mask, as a served batch has
+            mask = keep[:, None, None, :]
+            for layer in self.layers:
+                x = layer(x, mask)
+            return torch.tanh(self.pool(x[:, 0]))
+
+    return Bert()
+
+
+# ---- workloads: (warm-up, measured) step lists; each step returns when its work is done ----
+
+def gpt2_train(torch, steps, seed):
+    dev = "cuda"
+    torch.manual_seed(0)
+    model = gpt2_small(torch).to(dev)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    lengths = [128, 256, 384, 512, 640, 768, 896, 1024]
+    rng = random.Random(seed)
+
+    def step(L):
+        ids = torch.randint(0, 50257, (8, L + 1), device=dev)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(ids[:, :-1], ids[:, 1:])
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+
+    warm = [lambda L=L: step(L) for L in lengths]  # every shape once
+    measured = [lambda L=rng.choice(lengths): step(L) for _ in range(steps)]
+    return warm, measured
+
+
+def bert_serve(torch, requests, seed):
+    dev = "cuda"
+    torch.manual_seed(0)
+    model = bert_base(torch).to(dev).eval().half()
+    rng = random.Random(seed)
+
+    def request(B, L):
+        with torch.inference_mode():
+            ids = torch.randint(0, 30522, (B, L), device=dev)
+            lengths = torch.randint(L // 2, L + 1, (B,), device=dev)
+            model(ids, lengths).float().sum().item()  # the answer goes back to the host
+
+    shapes = [(rng.randint(1, 64), rng.choice([64, 128, 192, 256, 384, 512])) for _ in range(requests)]
+    warm = [lambda s=s: request(*s) for s in shapes[: max(10, requests // 10)]]
+    measured = [lambda s=s: request(*s) for s in shapes]
+    return warm, measured
+
+
+WORKLOADS = {"gpt2_train": gpt2_train, "bert_serve": bert_serve}
+
+
+def worker(workload, way, steps, requests, seed=1234):
+    """One run in this process; prints one JSON line."""
+    ferro = Ferrocuda() if way == "ferrocuda" else None
+    import torch
+    n = steps if workload == "gpt2_train" else requests
+    warm, measured = WORKLOADS[workload](torch, n, seed)
+    for f in warm:
+        f()
+    times = []
+    for f in measured:
+        t = time.perf_counter()
+        f()
+        times.append(time.perf_counter() - t)
+    if ferro:
+        st = ferro.stats()
+        ferro.require_no_error(f"{workload} on ferrocuda")
+        if st["allocation.all.allocated"] == 0:
+            raise AssertionError("ferrocuda allocated nothing: PyTorch did not use it")
+        conf = ferro.settings()
+    else:
+        st = torch.cuda.memory_stats()
+        conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+    free, total = torch.cuda.mem_get_info()
+    res = {
+        "workload": workload, "way": way, "conf": conf, "torch": torch.__version__,
+        "device": torch.cuda.get_device_name(), "steps": len(times),
+        "step_ms_mean": 1e3 * statistics.fmean(times), "step_ms_median": 1e3 * statistics.median(times),
+        "total_s": sum(times),
+        "peak_reserved": st["reserved_bytes.all.peak"], "peak_allocated": st["allocated_bytes.all.peak"],
+        "num_device_alloc": st.get("num_device_alloc"), "num_alloc_retries": st["num_alloc_retries"],
+        "allocations": st["allocation.all.allocated"], "device_used_at_end": total - free,
+    }
+    print(json.dumps(res), flush=True)
+
+
+def bench(args):
+    """Every workload three ways, `repeats` rounds, each run a fresh process."""
+    env0 = dict(os.environ)
+    rows = []
+    workloads = [args.only] if args.only else list(WORKLOADS)
+    for r in range(args.repeats):
+        for workload in workloads:
+            for way, conf in WAYS.items():
+                env = dict(env0)
+                for k, v in conf.items():
+                    env.pop(k, None)
+                    if v is not None:
+                        env[k] = v
+                cmd = [sys.executable, os.path.abspath(__file__), "worker", workload, way,
+                       "--steps", str(args.steps), "--requests", str(args.requests)]
+                print(f"--- round {r + 1}: {workload} / {way}", flush=True)
+                p = subprocess.run(cmd, env=env, capture_output=True, text=True)
+                sys.stderr.write(p.stderr[-4000:])
+                line = [l for l in p.stdout.splitlines() if l.startswith("{")]
+                if p.returncode != 0 or not line:
+                    print(p.stdout[-2000:])
+                    raise SystemExit(f"{workload} / {way} failed (exit {p.returncode})")
+                res = json.loads(line[-1])
+                res["round"] = r + 1
+                print(line[-1], flush=True)
+                rows.append(res)
+    with open(os.path.join(OUT, "plugin_bench.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+    report(rows, workloads)
+
+
+def report(rows, workloads):
+    """The side-by-side table: median over rounds of each run's mean step time; peak
+    reserved is the largest of the rounds."""
+    print()
+    print(f"{'workload':12} {'way':18} {'step ms':>9} {'vs default':>10} {'peak reserved MiB':>18} {'vs expandable':>13}")
+    verdicts = []
+    for workload in workloads:
+        agg = {}
+        for way in WAYS:
+            mine = [r for r in rows if r["workload"] == workload and r["way"] == way]
+            agg[way] = (statistics.median(r["step_ms_mean"] for r in mine), max(r["peak_reserved"] for r in mine))
+        base_t, exp_r = agg["native_default"][0], agg["native_expandable"][1]
+        for way, (t, peak) in agg.items():
+            print(f"{workload:12} {way:18} {t:9.2f} {t / base_t:10.3f} {peak / MIB:18.0f} {peak / exp_r:13.3f}")
+        t, peak = agg["ferrocuda"]
+        best_native = min(agg["native_default"][0], agg["native_expandable"][0])
+        verdicts.append(f"{workload}: step time {100 * (t / base_t - 1):+.2f}% vs native default, "
+                        f"{100 * (t / best_native - 1):+.2f}% vs the faster native "
+                        f"(target within 2%: {'MET' if t <= 1.02 * base_t else 'MISSED'}); "
+                        f"peak reserved {peak / MIB:.0f} MiB vs {exp_r / MIB:.0f} MiB native expandable "
+                        f"(target at or below: {'MET' if peak <= exp_r else 'MISSED'})")
+    print()
+    for v in verdicts:
+        print("target", v)
+
+
+# ---- check ---------------------------------------------------------------------------------
+
+def check():
+    ferro = Ferrocuda()
+    import torch
+    print(f"PyTorch {torch.__version__} on {torch.cuda.get_device_name()}; hooks installed: {ferro.installed}")
+    print(f"ferrocuda configuration: {ferro.settings() or '(empty: exact PyTorch behaviour)'}")
+    lib = ferro.lib
+    assert lib.ferrocuda_record_memory_history(1, 100000) == 0, ferro.last_error()
+
+    # Tensors come from ferrocuda.
+    x = torch.randn(1024, 1024, device="cuda")
+    st = ferro.stats()
+    assert st["allocation.all.current"] >= 1 and st["allocated_bytes.all.current"] >= 4 * MIB, st
+    ferro.require_no_error("a first tensor")
+    print(f"tensors: {st['allocation.all.current']} live from ferrocuda, {st['reserved_bytes.all.current'] / MIB:.0f} MiB reserved")
+
+    # record_stream reaches it: the block is held for the side stream's work.
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        y = x * 2
+    x.record_stream(side)
+    del x
+    torch.cuda.synchronize()
+    assert float(y.sum()) != 0.0
+    del y
+    ferro.require_no_error("record_stream")
+
+    # empty_cache and the memory fraction reach it.
+    big = torch.empty(256 * MIB, dtype=torch.uint8, device="cuda")
+    del big
+    before = ferro.stats()["reserved_bytes.all.current"]
+    torch.cuda.empty_cache()
+    after = ferro.stats()["reserved_bytes.all.current"]
+    assert after < before, (before, after)
+    torch.cuda.set_per_process_memory_fraction(0.95)
+    ferro.require_no_error("empty_cache / memory fraction")
+    print(f"empty_cache: reserved {before / MIB:.0f} -> {after / MIB:.0f} MiB")
+
+    check_graphs(torch, ferro)
+
+    # The snapshot file, in PyTorch's own viewer.
+    path = os.path.join(OUT, "ferrocuda_plugin_snapshot.pickle")
+    assert lib.ferrocuda_dump_snapshot(path.encode()) == 0, ferro.last_error()
+    import pickle
+    from torch.cuda import _memory_viz as viz
+    snap = pickle.load(open(path, "rb"))
+    viz.segsum(snap)
+    viz.trace(snap)
+    print(f"snapshot: {len(snap['segments'])} segments, {len(snap['device_traces'][0])} trace entries, read by _memory_viz")
+    st = ferro.stats()
+    assert st["allocation.all.allocated"] > 0 and st["segment.all.allocated"] > 0, st
+    ferro.require_no_error("the check")
+    print(f"ferrocuda served {st['allocation.all.allocated']} allocations, {st['segment.all.allocated']} segments, 0 errors")
+    print("plugin check: PASSED")
+
+
+def check_graphs(torch, ferro):
+    """CUDA graphs captured by PyTorch with ferrocuda as its allocator replay correctly,
+    and their memory comes from their private pools."""
+    import pickle
+    dev = "cuda"
+    w = torch.randn(1024, 1024, device=dev) / 32
+    static_in = torch.randn(2048, 1024, device=dev)
+
+    def f(x):
+        h = torch.relu(x @ w)  # temporaries the capture allocates and frees
+        h = h * 2 + 1
+        return h.softmax(-1) @ w.t()
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            f(static_in)
+    torch.cuda.current_stream().wait_stream(side)
+
+    g = torch.cuda.CUDAGraph()
+    allocated_before = ferro.stats()["allocation.all.allocated"]
+    with torch.cuda.graph(g):
+        static_out = f(static_in)
+    captured = ferro.stats()["allocation.all.allocated"] - allocated_before
+    assert captured >= 3, f"the capture allocated {captured} times from ferrocuda"
+    # A second graph sharing the first one's pool, fed by its output.
+    g2 = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g2, pool=g.pool()):
+        static_out2 = (static_out * 3).sum(0)
+
+    path = os.path.join(OUT, "ferrocuda_plugin_graph_snapshot.pickle")
+    assert ferro.lib.ferrocuda_dump_snapshot(path.encode()) == 0, ferro.last_error()
+    pools = {tuple(s["segment_pool_id"]) for s in pickle.load(open(path, "rb"))["segments"]}
+    assert tuple(g.pool()) in pools, f"no segment in the graph's pool {g.pool()}: {pools}"
+
+    for i in range(5):
+        static_in.copy_(torch.randn_like(static_in))
+        g.replay()
+        g2.replay()
+        ref = f(static_in)
+        torch.testing.assert_close(static_out, ref, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(static_out2, (ref * 3).sum(0), rtol=1e-3, atol=1e-3)
+    expected = static_out.clone()
+    pool = tuple(g.pool())
+    del g, g2  # releasePool: the outputs stay valid until freed
+    torch.cuda.synchronize()
+    torch.testing.assert_close(static_out, expected)
+    del static_out, static_out2, expected
+    torch.cuda.empty_cache()
+
+    # make_graphed_callables: forward and backward graphs of a small model, trained.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.Linear(512, 10)).to(dev)
+    ref_model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.Linear(512, 10)).to(dev)
+    ref_model.load_state_dict(model.state_dict())
+    sample = torch.randn(64, 256, device=dev)
+    graphed = torch.cuda.make_graphed_callables(model, (sample,))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref_model.parameters(), lr=0.1)
+    for step in range(5):
+        data, target = torch.randn(64, 256, device=dev), torch.randint(0, 10, (64,), device=dev)
+        for m, o in ((graphed, opt), (ref_model, ref_opt)):
+            loss = torch.nn.functional.cross_entropy(m(data), target)
+            loss.backward()
+            o.step()
+            o.zero_grad(set_to_none=True)
+    for p, q in zip(model.parameters(), ref_model.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-3, atol=1e-4)
+    ferro.require_no_error("CUDA graphs")
+    print(f"CUDA graphs: {captured} allocations captured into private pool {pool}, a second graph "
+          "sharing it, make_graphed_callables: every replay equals eager")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("check")
+    b = sub.add_parser("bench")
+    b.add_argument("--steps", type=int, default=30)
+    b.add_argument("--requests", type=int, default=150)
+    b.add_argument("--repeats", type=int, default=2)
+    b.add_argument("--only", choices=list(WORKLOADS))
+    w = sub.add_parser("worker")
+    w.add_argument("workload", choices=list(WORKLOADS))
+    w.add_argument("way", choices=list(WAYS))
+    w.add_argument("--steps", type=int, default=30)
+    w.add_argument("--requests", type=int, default=150)
+    a = p.parse_args()
+    if a.cmd == "check":
+        check()
+    elif a.cmd == "bench":
+        bench(a)
+    else:
+        worker(a.workload, a.way, a.steps, a.requests)
+
+
+if __name__ == "__main__":
+    main()
