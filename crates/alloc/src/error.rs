@@ -2,7 +2,7 @@
 //! buffer's error below this layer can carry it too) and is re-exported here.
 use ferrocuda_driver::{DriverError, PluggableError};
 use ferrocuda_stream::{MemoryError, StreamError};
-use ferrocuda_types::{ConfigError, DevicePtr, PoolId};
+use ferrocuda_types::{ConfigError, DevicePtr, PoolId, PoolOutOfMemory};
 
 pub use ferrocuda_types::OutOfMemory;
 
@@ -110,6 +110,29 @@ pub enum AllocError {
     /// `changeCurrentAllocator` check).
     #[error("Can't swap an already initialized allocator")]
     AlreadyInitialized,
+    /// Out of memory in the `backend:cudaMallocAsync` allocator: its own accounting against
+    /// the memory fraction, or the pool after a trim and one retry (PyTorch's message).
+    #[error("{0}")]
+    PoolOutOfMemory(Box<PoolOutOfMemory>),
+    /// What the `backend:cudaMallocAsync` allocator has no form of (history, checkpoints,
+    /// IPC, …): PyTorch's text, naming its C++ function.
+    #[error(
+        "cudaMallocAsync does not yet support {0}. If you need it, please file an issue describing your use case."
+    )]
+    AsyncUnsupported(&'static str),
+    /// A snapshot under `backend:cudaMallocAsync` (PyTorch's `snapshot` text).
+    #[error(
+        "Calling snapshot with backend:cudaMallocAsync is not meaningful. (For backend:native, snapshot returns a detailed summary of all blocks tracked by the allocator, but the cudaMallocAsync backend does not track individual blocks.)"
+    )]
+    AsyncSnapshot,
+    /// A capture begun while another is under way (the backend allows one per process).
+    #[error("Only one capture at a time is allowed in a process.")]
+    CaptureUnderway,
+    /// A capture ended that the backend did not see begin.
+    #[error(
+        "CudaMallocAsync::notifyCaptureAboutToEnd called, but CudaMallocAsync::capture_underway is false."
+    )]
+    NoCaptureUnderway,
 }
 
 /// A driver error as the stream layer reads it (its one conversion decides, so a call in a
@@ -132,6 +155,9 @@ impl From<AllocError> for StreamError {
         match e {
             AllocError::OutOfMemory(report) => StreamError::Memory {
                 source: MemoryError::OutOfMemory(report),
+            },
+            AllocError::PoolOutOfMemory(report) => StreamError::Memory {
+                source: MemoryError::PoolOutOfMemory(report),
             },
             AllocError::NoSuchDevice { device, count } => StreamError::InvalidDevice {
                 index: device,

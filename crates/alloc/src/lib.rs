@@ -58,6 +58,7 @@
 #![forbid(unsafe_code)]
 
 mod allocator;
+mod async_backend;
 mod block;
 mod checkpoint;
 mod devices;
@@ -80,6 +81,7 @@ mod tally;
 mod thread_cache;
 
 pub use allocator::CachingAllocator;
+pub use async_backend::AsyncAllocator;
 pub use block::{Allocation, BlockInfo};
 pub use devices::{DeviceAllocators, caching_disabled};
 pub use engine::OomObserver;
