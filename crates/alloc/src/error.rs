@@ -125,6 +125,11 @@ pub enum AllocError {
         "Calling snapshot with backend:cudaMallocAsync is not meaningful. (For backend:native, snapshot returns a detailed summary of all blocks tracked by the allocator, but the cudaMallocAsync backend does not track individual blocks.)"
     )]
     AsyncSnapshot,
+    /// A configuration naming another backend than the allocator's own: the caching
+    /// allocator made or re-configured with `backend:cudaMallocAsync`, or the other way
+    /// round (PyTorch's assertion in `parseAllocatorConfig`).
+    #[error("Allocator backend parsed at runtime != allocator backend parsed at load time")]
+    WrongBackend,
     /// A capture begun while another is under way (the backend allows one per process).
     #[error("Only one capture at a time is allowed in a process.")]
     CaptureUnderway,

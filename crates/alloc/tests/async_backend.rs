@@ -269,3 +269,27 @@ fn unsupported_functions_and_bad_input_are_pytorchs_errors() -> TestResult {
     assert_eq!(a.base_allocation(x)?, (x, 1000));
     Ok(())
 }
+
+/// `backend:cudaMallocAsync` parses (it selects this allocator); the caching allocator
+/// refuses it, made or re-configured, with PyTorch's assertion text.
+#[test]
+fn the_backend_key_selects_and_the_native_allocator_refuses_it() -> TestResult {
+    let config = ferrocuda_types::AllocatorConfig::parse("backend:cudaMallocAsync")?;
+    assert_eq!(
+        config.backend,
+        ferrocuda_types::AllocatorBackend::CudaMallocAsync
+    );
+    let fake = Arc::new(FakeDriver::default());
+    let e = ferrocuda_alloc::CachingAllocator::new(fake.clone(), D0, config, true).unwrap_err();
+    let text = "Allocator backend parsed at runtime != allocator backend parsed at load time";
+    assert_eq!(e.to_string(), text);
+    let native = ferrocuda_alloc::CachingAllocator::new(fake, D0, Default::default(), true)?;
+    native.update_config("backend:native")?;
+    let e = native.update_config("backend:cudaMallocAsync").unwrap_err();
+    assert_eq!(e.to_string(), text);
+    assert_eq!(
+        native.config().backend,
+        ferrocuda_types::AllocatorBackend::Native
+    );
+    Ok(())
+}

@@ -191,7 +191,6 @@ fn options_not_built_yet_are_errors() {
         "pinned_max_round_threshold_mb:8",
         "pinned_max_cached_size_mb:8",
         "pinned_free_catch_all:True",
-        "backend:cudaMallocAsync",
         "graph_capture_record_stream_reuse:True",
         "expandable_segments_reserve_by_class:[weights:0.5]",
     ] {

@@ -662,7 +662,7 @@ fn d7_throw_on_cudamalloc_oom_rejects_up_front_or_is_refused() -> TestResult {
 }
 
 /// Options with no observable effect in ferrocuda yet (no pinned host allocator, no
-/// cudaMallocAsync backend, no stream reserve classes, no in-capture record_stream reuse):
+/// stream reserve classes, no in-capture record_stream reuse):
 /// accepting them silently would make a user believe they work. Each must be refused by
 /// `AllocatorConfig::parse`/`CachingAllocator::new` — and by `update_config` at run time —
 /// with an error that says it is not supported.
@@ -670,7 +670,6 @@ fn d7_throw_on_cudamalloc_oom_rejects_up_front_or_is_refused() -> TestResult {
 fn d7_options_without_effect_are_refused() {
     let cases = [
         ("graph_capture_record_stream_reuse", "True"),
-        ("backend", "cudaMallocAsync"),
         ("pinned_use_cuda_host_register", "True"),
         ("pinned_use_hip_host_register", "True"),
         ("pinned_num_register_threads", "8"),
