@@ -9,9 +9,9 @@
 //! call its hooks, the raw allocation functions its `alloc` and `free`, and what it has no
 //! form of (statistics, history, snapshots) is PyTorch's "does not yet support" error.
 use crate::alloc::history::{HistoryOptions, SkipFrames};
-use crate::alloc::{AllocError, DeviceAllocators, PluggableAllocator};
+use crate::alloc::{AllocError, AsyncAllocator, DeviceAllocators, PluggableAllocator};
 use crate::stream::{MemoryResource, Runtime, Stream, StreamError};
-use crate::types::{DeviceIndex, DevicePtr, StreamHandle};
+use crate::types::{AllocatorBackend, AllocatorConfig, DeviceIndex, DevicePtr, StreamHandle};
 use std::collections::BTreeMap;
 use std::sync::{Arc, OnceLock};
 
@@ -23,7 +23,45 @@ use current::pluggable;
 pub use current::{change_current_allocator, get_allocator_backend};
 pub use pool::{MemPool, MemPoolGuard, use_mem_pool};
 
-static ALLOCATORS: OnceLock<Result<Arc<DeviceAllocators>, AllocError>> = OnceLock::new();
+/// The allocator the configuration selects (`backend:native` or `backend:cudaMallocAsync`).
+#[derive(Debug)]
+enum Configured {
+    /// One caching allocator per device.
+    Native(Arc<DeviceAllocators>),
+    /// PyTorch's `CudaMallocAsyncAllocator`.
+    Async(Arc<AsyncAllocator>),
+}
+
+impl Configured {
+    /// The allocators of the configuration in the environment, for `rt`'s driver.
+    fn from_env(rt: &Runtime) -> Result<Configured, AllocError> {
+        let config = AllocatorConfig::from_env().map_err(|(_, e)| AllocError::Config(e))?;
+        Ok(match config.backend {
+            AllocatorBackend::CudaMallocAsync => {
+                Configured::Async(AsyncAllocator::from_config(rt.driver().clone(), &config)?)
+            }
+            _ => Configured::Native(DeviceAllocators::from_env(rt.driver().clone())?),
+        })
+    }
+
+    /// `initialized()`.
+    fn is_initialized(&self) -> bool {
+        match self {
+            Configured::Native(a) => a.is_initialized(),
+            Configured::Async(a) => a.is_initialized(),
+        }
+    }
+
+    /// `init(device_count)`.
+    fn init(&self) -> Result<(), AllocError> {
+        match self {
+            Configured::Native(a) => a.init(),
+            Configured::Async(a) => a.init().map(drop),
+        }
+    }
+}
+
+static ALLOCATORS: OnceLock<Result<Configured, AllocError>> = OnceLock::new();
 
 /// Serves every request with the configuration error, so a typo in the allocator
 /// configuration is never silently ignored.
@@ -48,37 +86,69 @@ impl MemoryResource for Misconfigured {
 }
 
 /// The allocators of this module, made from the environment for `rt`'s driver on first use.
-fn allocators_for(rt: &Runtime) -> &'static Result<Arc<DeviceAllocators>, AllocError> {
-    ALLOCATORS.get_or_init(|| DeviceAllocators::from_env(rt.driver().clone()))
+fn allocators_for(rt: &Runtime) -> &'static Result<Configured, AllocError> {
+    ALLOCATORS.get_or_init(|| Configured::from_env(rt))
 }
 
 /// Installs the environment-configured allocators on `rt` (the global runtime does this
 /// itself); only the first call's runtime is served by the functions of this module.
 pub fn install(rt: &Arc<Runtime>) {
     match allocators_for(rt) {
-        Ok(a) => a.install(rt),
+        Ok(Configured::Native(a)) => a.install(rt),
+        Ok(Configured::Async(a)) => rt.set_memory(a.clone()),
         Err(e) => rt.set_memory(Arc::new(Misconfigured(e.clone()))),
     }
 }
 
-/// The global runtime's allocators (or the configuration error).
-pub fn allocators() -> Result<&'static Arc<DeviceAllocators>, AllocError> {
+/// The configured allocators of the global runtime (or the configuration error).
+fn configured() -> Result<&'static Configured, AllocError> {
     allocators_for(crate::runtime())
         .as_ref()
         .map_err(Clone::clone)
 }
 
+/// The global runtime's caching allocators (or the configuration error; under
+/// `backend:cudaMallocAsync`, PyTorch's backend assertion error).
+pub fn allocators() -> Result<&'static Arc<DeviceAllocators>, AllocError> {
+    match configured()? {
+        Configured::Native(a) => Ok(a),
+        Configured::Async(_) => Err(AllocError::WrongBackend),
+    }
+}
+
+/// The `backend:cudaMallocAsync` allocator of the global runtime, when configured.
+pub fn async_allocator() -> Option<&'static Arc<AsyncAllocator>> {
+    match configured() {
+        Ok(Configured::Async(a)) => Some(a),
+        _ => None,
+    }
+}
+
 /// The caching allocators, for the function PyTorch's allocator interface calls `what`: a
-/// pluggable allocator current has no form of it ([`PluggableAllocator::unsupported`]).
+/// pluggable allocator current ([`PluggableAllocator::unsupported`]) or the cudaMallocAsync
+/// backend ([`AsyncAllocator::unsupported`]) has no form of it.
 fn native(what: &'static str) -> Result<&'static Arc<DeviceAllocators>, AllocError> {
+    match (pluggable(), configured()?) {
+        (Some(_), _) => Err(PluggableAllocator::unsupported(what)),
+        (None, Configured::Async(_)) => Err(AsyncAllocator::unsupported(what)),
+        (None, Configured::Native(a)) => Ok(a),
+    }
+}
+
+/// The allocator serving `what`: a pluggable one current has no form of it; otherwise the
+/// configured backend.
+fn serving(what: &'static str) -> Result<&'static Configured, AllocError> {
     match pluggable() {
         Some(_) => Err(PluggableAllocator::unsupported(what)),
-        None => allocators(),
+        None => configured(),
     }
 }
 
 fn stats_of(dev: DeviceIndex) -> Result<crate::types::DeviceStats, AllocError> {
-    Ok(native("getDeviceStats")?.device(dev)?.stats())
+    match serving("getDeviceStats")? {
+        Configured::Native(a) => Ok(a.device(dev)?.stats()),
+        Configured::Async(a) => a.stats(dev),
+    }
 }
 
 /// `torch.cuda.memory_allocated`: bytes of live allocations.
@@ -113,30 +183,40 @@ pub fn memory_summary(dev: DeviceIndex, abbreviated: bool) -> Result<String, All
 
 /// `torch.cuda.reset_peak_memory_stats`.
 pub fn reset_peak_memory_stats(dev: DeviceIndex) -> Result<(), AllocError> {
-    native("resetPeakStats")?.device(dev)?.reset_peak_stats();
+    match serving("resetPeakStats")? {
+        Configured::Native(a) => a.device(dev)?.reset_peak_stats(),
+        Configured::Async(a) => a.reset_peak_stats(dev)?,
+    }
     Ok(())
 }
 
-/// `torch.cuda.reset_accumulated_memory_stats`.
+/// `torch.cuda.reset_accumulated_memory_stats` (no effect under `backend:cudaMallocAsync`,
+/// with PyTorch's warning).
 pub fn reset_accumulated_memory_stats(dev: DeviceIndex) -> Result<(), AllocError> {
-    native("resetAccumulatedStats")?
-        .device(dev)?
-        .reset_accumulated_stats();
+    match serving("resetAccumulatedStats")? {
+        Configured::Native(a) => a.device(dev)?.reset_accumulated_stats(),
+        Configured::Async(a) => a.reset_accumulated_stats(dev)?,
+    }
     Ok(())
 }
 
-/// `torch.cuda.empty_cache`, on every device in use (a pluggable allocator's reset hook).
+/// `torch.cuda.empty_cache`, on every device in use (a pluggable allocator's reset hook;
+/// under `backend:cudaMallocAsync`, a synchronization and a trim of each pool).
 pub fn empty_cache() -> Result<(), AllocError> {
     if let Some(p) = pluggable() {
         p.empty_cache();
         return Ok(());
     }
-    allocators()?.created().for_each(|a| a.empty_cache());
+    match configured()? {
+        Configured::Native(a) => a.created().for_each(|a| a.empty_cache()),
+        Configured::Async(a) => a.empty_cache()?,
+    }
     Ok(())
 }
 
 /// `torch.cuda.set_per_process_memory_fraction` (a pluggable allocator's memory-fraction
-/// hook, after Python's range check).
+/// hook, after Python's range check; under `backend:cudaMallocAsync`, a limit on its own
+/// count of bytes in use).
 pub fn set_per_process_memory_fraction(fraction: f64, dev: DeviceIndex) -> Result<(), AllocError> {
     if let Some(p) = pluggable() {
         if !(0.0..=1.0).contains(&fraction) {
@@ -146,7 +226,10 @@ pub fn set_per_process_memory_fraction(fraction: f64, dev: DeviceIndex) -> Resul
         p.set_memory_fraction(fraction, dev);
         return Ok(());
     }
-    allocators()?.device(dev)?.set_memory_fraction(fraction)
+    match configured()? {
+        Configured::Native(a) => a.device(dev)?.set_memory_fraction(fraction),
+        Configured::Async(a) => a.set_memory_fraction(fraction, dev),
+    }
 }
 
 /// `torch.cuda.get_per_process_memory_fraction`.
@@ -175,22 +258,29 @@ pub fn caching_allocator_alloc(
             ptr => Ok(ptr),
         };
     }
-    Ok(allocators()?.device(dev)?.allocate(bytes, stream)?.ptr)
+    match configured()? {
+        Configured::Native(a) => Ok(a.device(dev)?.allocate(bytes, stream)?.ptr),
+        Configured::Async(a) => a.allocate(dev, bytes, stream),
+    }
 }
 
 /// `torch.cuda.caching_allocator_delete(ptr)` (a pluggable allocator's `raw_delete`:
 /// "Trying to free a pointer not allocated here" for one it did not hand out).
 pub fn caching_allocator_delete(ptr: DevicePtr) -> Result<(), AllocError> {
-    match pluggable() {
-        Some(p) => p.raw_delete(ptr),
-        None => allocators()?.free_anywhere(ptr),
+    match (pluggable(), configured()?) {
+        (Some(p), _) => p.raw_delete(ptr),
+        (None, Configured::Native(a)) => a.free_anywhere(ptr),
+        (None, Configured::Async(a)) => a.free(ptr),
     }
 }
 
 /// `torch.cuda.memory._set_allocator_settings`: re-parses the configuration for every
 /// device (see `docs/configuration.md`).
 pub fn set_allocator_settings(settings: &str) -> Result<(), AllocError> {
-    allocators()?.set_settings(settings)
+    match configured()? {
+        Configured::Native(a) => a.set_settings(settings),
+        Configured::Async(a) => a.update_config(settings),
+    }
 }
 
 /// `torch.cuda.mem_get_info`: `(free, total)` device bytes.
@@ -245,7 +335,10 @@ pub fn record_memory_history(
 
 /// `torch.cuda.memory._snapshot()`: segments of every device, per-device history, settings.
 pub fn memory_snapshot() -> Result<crate::types::Snapshot, AllocError> {
-    native("snapshot")?.snapshot()
+    match serving("snapshot")? {
+        Configured::Native(a) => a.snapshot(),
+        Configured::Async(a) => a.snapshot(),
+    }
 }
 
 /// `torch.cuda.memory._dump_snapshot(path)`: the snapshot as a pickle PyTorch's viewer reads.

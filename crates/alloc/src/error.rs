@@ -130,6 +130,12 @@ pub enum AllocError {
     /// round (PyTorch's assertion in `parseAllocatorConfig`).
     #[error("Allocator backend parsed at runtime != allocator backend parsed at load time")]
     WrongBackend,
+    /// An option of the caching allocator with `backend:cudaMallocAsync`, which has no use
+    /// for it: PyTorch's warning, as an error.
+    #[error(
+        "backend:cudaMallocAsync ignores max_split_size_mb, roundup_power2_divisions, and garbage_collect_threshold."
+    )]
+    AsyncIgnoredOptions,
     /// A capture begun while another is under way (the backend allows one per process).
     #[error("Only one capture at a time is allowed in a process.")]
     CaptureUnderway,

@@ -18,7 +18,7 @@ fn setup(capacity: u64, completion: Completion) -> (Arc<FakeDriver>, Arc<AsyncAl
             .completion(completion)
             .build(),
     );
-    let a = AsyncAllocator::new(fake.clone()).unwrap_or_else(|e| panic!("{e}"));
+    let a = AsyncAllocator::new(fake.clone());
     (fake, a)
 }
 

@@ -3,10 +3,51 @@
 //! fraction, `emptyCache`, and PyTorch's errors for what it has no form of.
 use super::AsyncAllocator;
 use crate::AllocError;
+use ferrocuda_driver::Driver;
 use ferrocuda_stream::{MemoryResource, StreamError};
-use ferrocuda_types::{DeviceIndex, DevicePtr, DeviceStats, StreamHandle};
+use ferrocuda_types::{
+    AllocatorBackend, AllocatorConfig, DeviceIndex, DevicePtr, DeviceStats, StreamHandle,
+};
+use std::sync::Arc;
 
 impl AsyncAllocator {
+    /// The allocator for a configuration that selects it (`backend:cudaMallocAsync`):
+    /// another backend is PyTorch's backend assertion, and an option only the caching
+    /// allocator has is an error (PyTorch warns and ignores it; here an option must do
+    /// something).
+    pub fn from_config(
+        driver: Arc<dyn Driver>,
+        config: &AllocatorConfig,
+    ) -> Result<Arc<AsyncAllocator>, AllocError> {
+        Self::check_config(config)?;
+        Ok(AsyncAllocator::new(driver))
+    }
+
+    fn check_config(config: &AllocatorConfig) -> Result<(), AllocError> {
+        if config.backend != AllocatorBackend::CudaMallocAsync {
+            return Err(AllocError::WrongBackend);
+        }
+        let native_part = AllocatorConfig {
+            backend: AllocatorBackend::Native,
+            ..config.clone()
+        };
+        if native_part != AllocatorConfig::default() {
+            return Err(AllocError::AsyncIgnoredOptions);
+        }
+        Ok(())
+    }
+
+    /// `_set_allocator_settings` under this backend: the string must keep the backend and
+    /// set nothing else (nothing else has an effect here).
+    pub fn update_config(&self, s: &str) -> Result<(), AllocError> {
+        let mut config = AllocatorConfig {
+            backend: AllocatorBackend::CudaMallocAsync,
+            ..AllocatorConfig::default()
+        };
+        config.update(s)?;
+        Self::check_config(&config)
+    }
+
     /// `getDeviceStats`: the pool's used memory as `allocated_bytes` and `active_bytes`,
     /// its reserved memory as `reserved_bytes` (current and peak of `all`); every other
     /// statistic zero. A device not used yet reports zeros without touching the driver.

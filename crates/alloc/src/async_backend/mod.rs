@@ -33,7 +33,7 @@ use ferrocuda_types::{
 };
 use parking_lot::{Mutex, MutexGuard};
 use rustc_hash::FxHashMap;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 mod inspect;
 
@@ -82,28 +82,24 @@ impl State {
 }
 
 /// PyTorch's `backend:cudaMallocAsync` allocator for every device of one driver (its state
-/// is process-wide in PyTorch: one capture at a time, one pointer table).
+/// is process-wide in PyTorch: one capture at a time, one pointer table). Making it
+/// initialises nothing: the driver is asked for its devices at the first use.
 #[derive(Debug)]
 pub struct AsyncAllocator {
     driver: Arc<dyn Driver>,
-    device_count: usize,
+    /// `init(device_count)`: made at the first use.
+    device_count: OnceLock<usize>,
     state: Mutex<State>,
 }
 
 impl AsyncAllocator {
-    /// The allocator for the devices of `driver` (`init(device_count)`).
-    pub fn new(driver: Arc<dyn Driver>) -> Result<Arc<AsyncAllocator>, AllocError> {
-        let device_count = driver
-            .device_count()
-            .map_err(|reason| AllocError::NotAvailable { reason })?;
-        Ok(Arc::new(AsyncAllocator {
+    /// The allocator for the devices of `driver`.
+    pub fn new(driver: Arc<dyn Driver>) -> Arc<AsyncAllocator> {
+        Arc::new(AsyncAllocator {
             driver,
-            device_count,
-            state: Mutex::new(State {
-                devices: vec![None; device_count],
-                ..State::default()
-            }),
-        }))
+            device_count: OnceLock::new(),
+            state: Mutex::new(State::default()),
+        })
     }
 
     /// `name()`: what `get_allocator_backend` reports.
@@ -116,14 +112,36 @@ impl AsyncAllocator {
         &self.driver
     }
 
+    /// `init(device_count)`, which CUDA's lazy initialisation runs (the first use does it
+    /// too): asks the driver for its devices.
+    pub fn init(&self) -> Result<usize, AllocError> {
+        if let Some(&n) = self.device_count.get() {
+            return Ok(n);
+        }
+        let n = self
+            .driver
+            .device_count()
+            .map_err(|e| match AllocError::from(e) {
+                AllocError::Driver(reason) => AllocError::NotAvailable { reason },
+                other => other,
+            })?;
+        Ok(*self.device_count.get_or_init(|| n))
+    }
+
+    /// `initialized()`.
+    pub fn is_initialized(&self) -> bool {
+        self.device_count.get().is_some()
+    }
+
     /// `assertValidDevice`.
     fn check_device(&self, dev: DeviceIndex) -> Result<(), AllocError> {
-        if dev.as_usize() < self.device_count {
+        let count = self.init()?;
+        if dev.as_usize() < count {
             Ok(())
         } else {
             Err(AllocError::NoSuchDevice {
                 device: dev.0,
-                count: self.device_count,
+                count,
             })
         }
     }
@@ -135,14 +153,11 @@ impl AsyncAllocator {
         dev: DeviceIndex,
     ) -> Result<&'a mut DeviceState, AllocError> {
         self.check_device(dev)?;
-        let slot = st
-            .devices
-            .get_mut(dev.as_usize())
-            .ok_or(AllocError::NoSuchDevice {
-                device: dev.0,
-                count: self.device_count,
-            })?;
-        if slot.is_none() {
+        if st.devices.len() <= dev.as_usize() {
+            st.devices.resize(dev.as_usize() + 1, None);
+        }
+        let i = dev.as_usize();
+        if st.devices[i].is_none() {
             self.driver.mem_pool_set_release_threshold(dev, u64::MAX)?;
             let unifying = self.driver.stream_create(
                 dev,
@@ -151,15 +166,15 @@ impl AsyncAllocator {
                     priority: 0,
                 },
             )?;
-            *slot = Some(DeviceState {
+            return Ok(st.devices[i].insert(DeviceState {
                 unifying,
                 used: 0,
                 limit: u64::MAX,
-            });
+            }));
         }
-        slot.as_mut().ok_or(AllocError::NoSuchDevice {
+        st.devices[i].as_mut().ok_or(AllocError::NoSuchDevice {
             device: dev.0,
-            count: self.device_count,
+            count: i,
         })
     }
 
