@@ -43,6 +43,8 @@ const GPU_TESTS: &[&str] = &[
     "cudarc_interop",
     "cudarc_launch",
     "allocator_swap",
+    "allocator_async",
+    "conformance_async",
 ];
 /// Shared libraries the bundled tests load from beside themselves (package, library name).
 const GPU_LIBRARIES: &[(&str, &str)] =
