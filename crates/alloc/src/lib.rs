@@ -43,6 +43,10 @@
 //!   (it is a `MemoryResource` too) or feed one private pool with segments
 //!   ([`CachingAllocator::create_pool_with_allocator`], `MemPool(allocator=…)`), the
 //!   caching, splitting and statistics staying this allocator's.
+//! - **`backend:cudaMallocAsync`** ([`AsyncAllocator`], PyTorch's `CudaMallocAsyncAllocator`):
+//!   a second allocator behind the same [`MemoryResource`](ferrocuda_stream::MemoryResource)
+//!   interface that caches nothing itself: the driver's stream-ordered pools do, and it keeps
+//!   PyTorch's pointer table, usage streams, memory-fraction count and capture rules.
 //! - **Typed errors**: [`AllocError`] has its own cases (no such device with PyTorch's
 //!   `assertValidDevice` text, CUDA not available, ...); the out-of-memory report lives in
 //!   `ferrocuda_types` (re-exported here) so that, serving buffers, it reaches the user
