@@ -166,7 +166,9 @@ fn pool_out_of_memory_trims_and_retries_once() -> TestResult {
     let x = a.allocate(D0, 6 * GIB, LEGACY)?;
     a.free(x)?;
     // 6 GiB stay reserved; 7 more do not fit until the pool is trimmed.
+    let syncs = fake.calls(Call::StreamSynchronize);
     let y = a.allocate(D0, 7 * GIB, LEGACY)?;
+    assert_eq!(fake.calls(Call::StreamSynchronize) - syncs, 1);
     assert_eq!(fake.calls(Call::MemPoolTrimTo), 1);
     assert_eq!(fake.calls(Call::MemAllocAsync), 3);
     assert_eq!(stat(&a, "reserved_bytes.all.current"), 7 * GIB as i64);

@@ -14,8 +14,8 @@
 //! - **Memory fraction** (`setMemoryFraction`): a limit of `fraction × total` bytes checked
 //!   against the allocator's own count before the driver is asked; passing it is an
 //!   out-of-memory error with PyTorch's text ([`PoolOutOfMemory`]).
-//! - **Out of memory from the pool**: the device is synchronized, the pool trimmed to
-//!   nothing and the allocation tried once more (PyTorch 2.15) before the error.
+//! - **Out of memory from the pool**: the allocating stream is synchronized, the pool
+//!   trimmed to nothing and the allocation tried once more (PyTorch 2.15) before the error.
 //! - **Statistics** (`getDeviceStats`): `allocated_bytes` and `active_bytes` are the pool's
 //!   used memory, `reserved_bytes` its reserved memory (current and peak, aggregate only);
 //!   everything else is zero.
@@ -213,10 +213,18 @@ impl AsyncAllocator {
             Ok(ptr) => return Ok(ptr),
             Err(Refused::Limit) => {}
             Err(Refused::Pool) => {
-                // Trimming cannot help a refusal by the allocator's own count.
-                self.driver.device_synchronize(dev)?;
-                self.driver.mem_pool_trim_to(dev, 0)?;
-                if let Ok(ptr) = self.try_allocate(dev, bytes, stream)? {
+                // PyTorch 2.15 (#188110): synchronize the stream, trim the pool's idle
+                // memory, retry once. Trimming cannot help a refusal by the allocator's own
+                // count, so that one is not retried. Where the synchronization or the trim
+                // fails (a capturing stream refuses to synchronize), the out-of-memory error
+                // stands.
+                let trimmed = self
+                    .driver
+                    .stream_synchronize(stream)
+                    .and_then(|()| self.driver.mem_pool_trim_to(dev, 0));
+                if trimmed.is_ok()
+                    && let Ok(ptr) = self.try_allocate(dev, bytes, stream)?
+                {
                     return Ok(ptr);
                 }
             }
