@@ -72,6 +72,11 @@ fn memory_functions() -> Outcome {
     ] {
         ensure(stat(key)? == 0, format!("{key} is zero under this backend"))?;
     }
+    // A buffer used on a side stream is freed after that stream's work (record_stream).
+    let side = rt.stream_from_pool(D0, false)?;
+    let shared = DeviceBuffer::<f32>::filled(rt, D0, 1000, 2.0)?;
+    shared.record_stream(&side)?;
+    drop(shared);
     drop(buf);
     rt.synchronize(D0)?;
     ensure(memory::memory_allocated(D0)? == 0, "freed")?;
