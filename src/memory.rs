@@ -9,9 +9,13 @@
 //! call its hooks, the raw allocation functions its `alloc` and `free`, and what it has no
 //! form of (statistics, history, snapshots) is PyTorch's "does not yet support" error.
 use crate::alloc::history::{HistoryOptions, SkipFrames};
-use crate::alloc::{AllocError, DeviceAllocators, HostAllocator, PluggableAllocator};
+use crate::alloc::{
+    AllocError, AsyncAllocator, DeviceAllocators, HostAllocator, PluggableAllocator,
+};
 use crate::stream::{HostMemoryResource, MemoryResource, Runtime, Stream, StreamError};
-use crate::types::{DeviceIndex, DevicePtr, HostRange, StreamHandle};
+use crate::types::{
+    AllocatorBackend, AllocatorConfig, DeviceIndex, DevicePtr, HostRange, StreamHandle,
+};
 use std::collections::BTreeMap;
 use std::sync::{Arc, OnceLock};
 
@@ -23,7 +27,50 @@ use current::pluggable;
 pub use current::{change_current_allocator, get_allocator_backend};
 pub use pool::{MemPool, MemPoolGuard, use_mem_pool};
 
-static ALLOCATORS: OnceLock<Result<Arc<DeviceAllocators>, AllocError>> = OnceLock::new();
+/// The allocator the configuration selects (`backend:native` or `backend:cudaMallocAsync`).
+#[derive(Debug)]
+enum Configured {
+    /// One caching allocator per device.
+    Native(Arc<DeviceAllocators>),
+    /// PyTorch's `CudaMallocAsyncAllocator`, and the pinned host allocator (which does not
+    /// depend on the device backend in PyTorch either).
+    Async(Arc<AsyncAllocator>, Arc<HostAllocator>),
+}
+
+impl Configured {
+    /// The allocators of the configuration in the environment, for `rt`'s driver.
+    fn from_env(rt: &Runtime) -> Result<Configured, AllocError> {
+        let config = AllocatorConfig::from_env().map_err(|(_, e)| AllocError::Config(e))?;
+        Ok(match config.backend {
+            AllocatorBackend::CudaMallocAsync => {
+                let host = HostAllocator::new(rt.driver().clone(), config.clone());
+                Configured::Async(
+                    AsyncAllocator::from_config(rt.driver().clone(), &config)?,
+                    host,
+                )
+            }
+            _ => Configured::Native(DeviceAllocators::from_env(rt.driver().clone())?),
+        })
+    }
+
+    /// `initialized()`.
+    fn is_initialized(&self) -> bool {
+        match self {
+            Configured::Native(a) => a.is_initialized(),
+            Configured::Async(a, _) => a.is_initialized(),
+        }
+    }
+
+    /// `init(device_count)`.
+    fn init(&self) -> Result<(), AllocError> {
+        match self {
+            Configured::Native(a) => a.init(),
+            Configured::Async(a, _) => a.init().map(drop),
+        }
+    }
+}
+
+static ALLOCATORS: OnceLock<Result<Configured, AllocError>> = OnceLock::new();
 
 /// Serves every request with the configuration error, so a typo in the allocator
 /// configuration is never silently ignored.
@@ -60,15 +107,19 @@ impl HostMemoryResource for Misconfigured {
 }
 
 /// The allocators of this module, made from the environment for `rt`'s driver on first use.
-fn allocators_for(rt: &Runtime) -> &'static Result<Arc<DeviceAllocators>, AllocError> {
-    ALLOCATORS.get_or_init(|| DeviceAllocators::from_env(rt.driver().clone()))
+fn allocators_for(rt: &Runtime) -> &'static Result<Configured, AllocError> {
+    ALLOCATORS.get_or_init(|| Configured::from_env(rt))
 }
 
 /// Installs the environment-configured allocators on `rt` (the global runtime does this
 /// itself); only the first call's runtime is served by the functions of this module.
 pub fn install(rt: &Arc<Runtime>) {
     match allocators_for(rt) {
-        Ok(a) => a.install(rt),
+        Ok(Configured::Native(a)) => a.install(rt),
+        Ok(Configured::Async(a, host)) => {
+            rt.set_memory(a.clone());
+            rt.set_host_memory(host.clone());
+        }
         Err(e) => {
             let refuse = Arc::new(Misconfigured(e.clone()));
             rt.set_memory(refuse.clone());
@@ -77,24 +128,55 @@ pub fn install(rt: &Arc<Runtime>) {
     }
 }
 
-/// The global runtime's allocators (or the configuration error).
-pub fn allocators() -> Result<&'static Arc<DeviceAllocators>, AllocError> {
+/// The configured allocators of the global runtime (or the configuration error).
+fn configured() -> Result<&'static Configured, AllocError> {
     allocators_for(crate::runtime())
         .as_ref()
         .map_err(Clone::clone)
 }
 
+/// The global runtime's caching allocators (or the configuration error; under
+/// `backend:cudaMallocAsync`, PyTorch's backend assertion error).
+pub fn allocators() -> Result<&'static Arc<DeviceAllocators>, AllocError> {
+    match configured()? {
+        Configured::Native(a) => Ok(a),
+        Configured::Async(..) => Err(AllocError::WrongBackend),
+    }
+}
+
+/// The `backend:cudaMallocAsync` allocator of the global runtime, when configured.
+pub fn async_allocator() -> Option<&'static Arc<AsyncAllocator>> {
+    match configured() {
+        Ok(Configured::Async(a, _)) => Some(a),
+        _ => None,
+    }
+}
+
 /// The caching allocators, for the function PyTorch's allocator interface calls `what`: a
-/// pluggable allocator current has no form of it ([`PluggableAllocator::unsupported`]).
+/// pluggable allocator current ([`PluggableAllocator::unsupported`]) or the cudaMallocAsync
+/// backend ([`AsyncAllocator::unsupported`]) has no form of it.
 fn native(what: &'static str) -> Result<&'static Arc<DeviceAllocators>, AllocError> {
+    match (pluggable(), configured()?) {
+        (Some(_), _) => Err(PluggableAllocator::unsupported(what)),
+        (None, Configured::Async(..)) => Err(AsyncAllocator::unsupported(what)),
+        (None, Configured::Native(a)) => Ok(a),
+    }
+}
+
+/// The allocator serving `what`: a pluggable one current has no form of it; otherwise the
+/// configured backend.
+fn serving(what: &'static str) -> Result<&'static Configured, AllocError> {
     match pluggable() {
         Some(_) => Err(PluggableAllocator::unsupported(what)),
-        None => allocators(),
+        None => configured(),
     }
 }
 
 fn stats_of(dev: DeviceIndex) -> Result<crate::types::DeviceStats, AllocError> {
-    Ok(native("getDeviceStats")?.device(dev)?.stats())
+    match serving("getDeviceStats")? {
+        Configured::Native(a) => Ok(a.device(dev)?.stats()),
+        Configured::Async(a, _) => a.stats(dev),
+    }
 }
 
 /// `torch.cuda.memory_allocated`: bytes of live allocations.
@@ -129,32 +211,44 @@ pub fn memory_summary(dev: DeviceIndex, abbreviated: bool) -> Result<String, All
 
 /// `torch.cuda.reset_peak_memory_stats`.
 pub fn reset_peak_memory_stats(dev: DeviceIndex) -> Result<(), AllocError> {
-    native("resetPeakStats")?.device(dev)?.reset_peak_stats();
+    match serving("resetPeakStats")? {
+        Configured::Native(a) => a.device(dev)?.reset_peak_stats(),
+        Configured::Async(a, _) => a.reset_peak_stats(dev)?,
+    }
     Ok(())
 }
 
-/// `torch.cuda.reset_accumulated_memory_stats`.
+/// `torch.cuda.reset_accumulated_memory_stats` (no effect under `backend:cudaMallocAsync`,
+/// with PyTorch's warning).
 pub fn reset_accumulated_memory_stats(dev: DeviceIndex) -> Result<(), AllocError> {
-    native("resetAccumulatedStats")?
-        .device(dev)?
-        .reset_accumulated_stats();
+    match serving("resetAccumulatedStats")? {
+        Configured::Native(a) => a.device(dev)?.reset_accumulated_stats(),
+        Configured::Async(a, _) => a.reset_accumulated_stats(dev)?,
+    }
     Ok(())
 }
 
-/// `torch.cuda.empty_cache`, on every device in use (a pluggable allocator's reset hook).
+/// `torch.cuda.empty_cache`, on every device in use (a pluggable allocator's reset hook;
+/// under `backend:cudaMallocAsync`, a synchronization and a trim of each pool).
 pub fn empty_cache() -> Result<(), AllocError> {
     if let Some(p) = pluggable() {
         p.empty_cache();
         return Ok(());
     }
-    allocators()?.created().for_each(|a| a.empty_cache());
+    match configured()? {
+        Configured::Native(a) => a.created().for_each(|a| a.empty_cache()),
+        Configured::Async(a, _) => a.empty_cache()?,
+    }
     Ok(())
 }
 
 /// The global runtime's pinned host allocator (what
 /// [`PinnedBuffer`](crate::stream::PinnedBuffer)s of the global runtime allocate from).
 pub fn host_allocator() -> Result<&'static Arc<HostAllocator>, AllocError> {
-    Ok(allocators()?.host())
+    match configured()? {
+        Configured::Native(a) => Ok(a.host()),
+        Configured::Async(_, host) => Ok(host),
+    }
 }
 
 /// `torch.cuda.host_memory_stats`: the pinned host allocator's flat dictionary with
@@ -184,7 +278,8 @@ pub fn host_empty_cache() -> Result<(), AllocError> {
 }
 
 /// `torch.cuda.set_per_process_memory_fraction` (a pluggable allocator's memory-fraction
-/// hook, after Python's range check).
+/// hook, after Python's range check; under `backend:cudaMallocAsync`, a limit on its own
+/// count of bytes in use).
 pub fn set_per_process_memory_fraction(fraction: f64, dev: DeviceIndex) -> Result<(), AllocError> {
     if let Some(p) = pluggable() {
         if !(0.0..=1.0).contains(&fraction) {
@@ -194,7 +289,10 @@ pub fn set_per_process_memory_fraction(fraction: f64, dev: DeviceIndex) -> Resul
         p.set_memory_fraction(fraction, dev);
         return Ok(());
     }
-    allocators()?.device(dev)?.set_memory_fraction(fraction)
+    match configured()? {
+        Configured::Native(a) => a.device(dev)?.set_memory_fraction(fraction),
+        Configured::Async(a, _) => a.set_memory_fraction(fraction, dev),
+    }
 }
 
 /// `torch.cuda.get_per_process_memory_fraction`.
@@ -223,22 +321,29 @@ pub fn caching_allocator_alloc(
             ptr => Ok(ptr),
         };
     }
-    Ok(allocators()?.device(dev)?.allocate(bytes, stream)?.ptr)
+    match configured()? {
+        Configured::Native(a) => Ok(a.device(dev)?.allocate(bytes, stream)?.ptr),
+        Configured::Async(a, _) => a.allocate(dev, bytes, stream),
+    }
 }
 
 /// `torch.cuda.caching_allocator_delete(ptr)` (a pluggable allocator's `raw_delete`:
 /// "Trying to free a pointer not allocated here" for one it did not hand out).
 pub fn caching_allocator_delete(ptr: DevicePtr) -> Result<(), AllocError> {
-    match pluggable() {
-        Some(p) => p.raw_delete(ptr),
-        None => allocators()?.free_anywhere(ptr),
+    match (pluggable(), configured()?) {
+        (Some(p), _) => p.raw_delete(ptr),
+        (None, Configured::Native(a)) => a.free_anywhere(ptr),
+        (None, Configured::Async(a, _)) => a.free(ptr),
     }
 }
 
 /// `torch.cuda.memory._set_allocator_settings`: re-parses the configuration for every
 /// device (see `docs/configuration.md`).
 pub fn set_allocator_settings(settings: &str) -> Result<(), AllocError> {
-    allocators()?.set_settings(settings)
+    match configured()? {
+        Configured::Native(a) => a.set_settings(settings),
+        Configured::Async(a, _) => a.update_config(settings),
+    }
 }
 
 /// `torch.cuda.mem_get_info`: `(free, total)` device bytes.
@@ -293,7 +398,10 @@ pub fn record_memory_history(
 
 /// `torch.cuda.memory._snapshot()`: segments of every device, per-device history, settings.
 pub fn memory_snapshot() -> Result<crate::types::Snapshot, AllocError> {
-    native("snapshot")?.snapshot()
+    match serving("snapshot")? {
+        Configured::Native(a) => a.snapshot(),
+        Configured::Async(a, _) => a.snapshot(),
+    }
 }
 
 /// `torch.cuda.memory._dump_snapshot(path)`: the snapshot as a pickle PyTorch's viewer reads.

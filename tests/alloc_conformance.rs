@@ -2,8 +2,8 @@
 //! (manual completion) in CI, the real driver in the GPU bundle (`#[ignore]`d without a
 //! GPU: skipped, with the reason). Exact statistics, OOM text and retry, memory fraction,
 //! `test_allocator_settings` sizes, record_stream reuse timing, a 10 000-op fuzz with data
-//! integrity.
-use ferrocuda::alloc::{AllocError, CachingAllocator};
+//! integrity (run through the `backend:cudaMallocAsync` allocator too).
+use ferrocuda::alloc::{AllocError, AsyncAllocator, CachingAllocator};
 use ferrocuda::stream::Module;
 use ferrocuda::stream::conformance::{Harness, KERNELS, SPIN_CYCLES_PER_MS};
 use ferrocuda::types::{
@@ -184,9 +184,67 @@ fn record_stream_reuse_timing(h: &Harness) -> TestResult {
     Ok(())
 }
 
+/// What the allocator-agnostic tests need of a backend: the caching allocator
+/// (`backend:native`) or the cudaMallocAsync allocator.
+trait UnderTest {
+    fn alloc(&self, bytes: u64, stream: StreamHandle) -> Result<DevicePtr, AllocError>;
+    fn free(&self, ptr: DevicePtr) -> Result<(), AllocError>;
+    fn empty_cache(&self) -> Result<(), AllocError>;
+    fn reserved(&self) -> Result<i64, AllocError>;
+    /// The backend's own consistency check (the caching allocator's invariants).
+    fn check(&self) -> Result<(), String>;
+}
+
+impl UnderTest for CachingAllocator {
+    fn alloc(&self, bytes: u64, stream: StreamHandle) -> Result<DevicePtr, AllocError> {
+        Ok(self.allocate(bytes, stream)?.ptr)
+    }
+    fn free(&self, ptr: DevicePtr) -> Result<(), AllocError> {
+        CachingAllocator::free(self, ptr)
+    }
+    fn empty_cache(&self) -> Result<(), AllocError> {
+        CachingAllocator::empty_cache(self);
+        Ok(())
+    }
+    fn reserved(&self) -> Result<i64, AllocError> {
+        Ok(stat(self, "reserved_bytes.all.current"))
+    }
+    fn check(&self) -> Result<(), String> {
+        self.check_invariants()
+    }
+}
+
+impl UnderTest for AsyncAllocator {
+    fn alloc(&self, bytes: u64, stream: StreamHandle) -> Result<DevicePtr, AllocError> {
+        self.allocate(D0, bytes, stream)
+    }
+    fn free(&self, ptr: DevicePtr) -> Result<(), AllocError> {
+        AsyncAllocator::free(self, ptr)
+    }
+    fn empty_cache(&self) -> Result<(), AllocError> {
+        AsyncAllocator::empty_cache(self)
+    }
+    fn reserved(&self) -> Result<i64, AllocError> {
+        Ok(self.stats(D0)?.reserved_bytes.all.current)
+    }
+    fn check(&self) -> Result<(), String> {
+        Ok(())
+    }
+}
+
 fn fuzz_with_data_integrity(h: &Harness) -> TestResult {
+    fuzz_over(h, &allocator(h, "")?)
+}
+
+/// The fuzz through the `backend:cudaMallocAsync` allocator.
+fn async_fuzz_with_data_integrity(h: &Harness) -> TestResult {
+    fuzz_over(h, &*AsyncAllocator::new(h.rt.driver().clone()))
+}
+
+/// 10 000 random allocations and frees with `empty_cache` among them: no live block's data
+/// changes, and everything is given back at the end.
+fn fuzz_over(h: &Harness, a: &dyn UnderTest) -> TestResult {
     let d = h.rt.driver();
-    let a = allocator(h, "")?;
     let mut live: Vec<(DevicePtr, u64, u8)> = Vec::new();
     let mut seed = 0x2545_f491_4f6c_dd1du64;
     for step in 0..10_000u32 {
@@ -205,29 +263,29 @@ fn fuzz_with_data_integrity(h: &Harness) -> TestResult {
             );
             a.free(ptr)?;
         } else if r.is_multiple_of(97) {
-            a.empty_cache();
+            a.empty_cache()?;
         } else {
             let size = if r.is_multiple_of(5) {
                 64 + (r >> 20) % MIB
             } else {
                 2 * MIB + (r >> 20) % (18 * MIB)
             };
-            let x = a.allocate(size, LEGACY)?;
+            let x = a.alloc(size, LEGACY)?;
             let tag = (step % 251) as u8 + 1;
-            d.memset_async(x.ptr, MemsetValue::U8(tag), 64, LEGACY)?;
-            d.memset_async(x.ptr.offset(size - 64), MemsetValue::U8(tag), 64, LEGACY)?;
-            live.push((x.ptr, size, tag));
+            d.memset_async(x, MemsetValue::U8(tag), 64, LEGACY)?;
+            d.memset_async(x.offset(size - 64), MemsetValue::U8(tag), 64, LEGACY)?;
+            live.push((x, size, tag));
         }
         if step % 500 == 0 {
-            a.check_invariants()?;
+            a.check()?;
         }
     }
     for (ptr, _, _) in live {
         a.free(ptr)?;
     }
-    a.empty_cache();
-    a.check_invariants()?;
-    assert_eq!(stat(&a, "reserved_bytes.all.current"), 0);
+    a.empty_cache()?;
+    a.check()?;
+    assert_eq!(a.reserved()?, 0);
     Ok(())
 }
 
@@ -305,6 +363,7 @@ ferrocuda::stream::both_backends!(
     allocator_settings_sizes,
     record_stream_reuse_timing,
     fuzz_with_data_integrity,
+    async_fuzz_with_data_integrity,
     expandable_segments,
     expandable_reclaim
 );

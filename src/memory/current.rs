@@ -82,10 +82,15 @@ pub fn change_current_allocator(allocator: &Arc<PluggableAllocator>) -> Result<(
     Ok(())
 }
 
-/// `torch.cuda.memory.get_allocator_backend()`: `"native"`, or the pluggable allocator's
-/// name, `"pluggable"`, once one is current.
+/// `torch.cuda.memory.get_allocator_backend()`: `"native"` or `"cudaMallocAsync"` as the
+/// configuration selects, or the pluggable allocator's name, `"pluggable"`, once one is
+/// current.
 pub fn get_allocator_backend() -> &'static str {
-    pluggable().map_or("native", |a| a.name())
+    match (pluggable(), super::async_allocator()) {
+        (Some(p), _) => p.name(),
+        (None, Some(a)) => a.name(),
+        (None, None) => "native",
+    }
 }
 
 /// What CUDA's lazy initialisation does to the current allocator ([`crate::init`]): the

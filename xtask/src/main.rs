@@ -46,6 +46,8 @@ const GPU_TESTS: &[&str] = &[
     "cudarc_launch",
     "allocator_swap",
     "pinned_conformance",
+    "allocator_async",
+    "conformance_async",
 ];
 /// Shared libraries the bundled tests load from beside themselves (package, library name).
 const GPU_LIBRARIES: &[(&str, &str)] =

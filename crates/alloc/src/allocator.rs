@@ -20,7 +20,8 @@ use crate::stream_order::StreamOrder;
 use crate::tally::Tally;
 use ferrocuda_driver::Driver;
 use ferrocuda_types::{
-    AllocatorConfig, CaptureStatus, DeviceIndex, DevicePtr, PoolId, StreamHandle,
+    AllocatorBackend as Backend, AllocatorConfig, CaptureStatus, DeviceIndex, DevicePtr, PoolId,
+    StreamHandle,
 };
 use parking_lot::Mutex;
 use rustc_hash::FxHashMap;
@@ -72,6 +73,9 @@ impl CachingAllocator {
         config: AllocatorConfig,
         caching: bool,
     ) -> Result<CachingAllocator, AllocError> {
+        if config.backend != Backend::Native {
+            return Err(AllocError::WrongBackend);
+        }
         let (_, device_total) = driver.mem_get_info(device)?;
         let fraction = config.per_process_memory_fraction;
         let stats = Tally {
@@ -133,7 +137,12 @@ impl CachingAllocator {
     /// changes.
     pub fn update_config(&self, s: &str) -> Result<(), AllocError> {
         let mut st = self.engine.lock();
-        st.config.update(s)?;
+        let mut next = st.config.clone();
+        next.update(s)?;
+        if next.backend != Backend::Native {
+            return Err(AllocError::WrongBackend);
+        }
+        st.config = next;
         st.stats.max_split_size = st.config.max_split_size.map_or(-1, |m| m as i64);
         Ok(())
     }

@@ -2,7 +2,7 @@
 //! buffer's error below this layer can carry it too) and is re-exported here.
 use ferrocuda_driver::{DriverError, PluggableError};
 use ferrocuda_stream::{MemoryError, StreamError};
-use ferrocuda_types::{ConfigError, DevicePtr, PoolId};
+use ferrocuda_types::{ConfigError, DevicePtr, PoolId, PoolOutOfMemory};
 
 pub use ferrocuda_types::OutOfMemory;
 
@@ -120,6 +120,40 @@ pub enum AllocError {
     /// A pinned host request too large to have a free-list bucket (over 2^63 bytes).
     #[error("cannot allocate {0} bytes of pinned host memory: more than 2^63 bytes")]
     HostRequestTooLarge(u64),
+    /// Out of memory in the `backend:cudaMallocAsync` allocator: its own accounting against
+    /// the memory fraction, or the pool after a trim and one retry (PyTorch's message).
+    #[error("{0}")]
+    PoolOutOfMemory(Box<PoolOutOfMemory>),
+    /// What the `backend:cudaMallocAsync` allocator has no form of (history, checkpoints,
+    /// IPC, …): PyTorch's text, naming its C++ function.
+    #[error(
+        "cudaMallocAsync does not yet support {0}. If you need it, please file an issue describing your use case."
+    )]
+    AsyncUnsupported(&'static str),
+    /// A snapshot under `backend:cudaMallocAsync` (PyTorch's `snapshot` text).
+    #[error(
+        "Calling snapshot with backend:cudaMallocAsync is not meaningful. (For backend:native, snapshot returns a detailed summary of all blocks tracked by the allocator, but the cudaMallocAsync backend does not track individual blocks.)"
+    )]
+    AsyncSnapshot,
+    /// A configuration naming another backend than the allocator's own: the caching
+    /// allocator made or re-configured with `backend:cudaMallocAsync`, or the other way
+    /// round (PyTorch's assertion in `parseAllocatorConfig`).
+    #[error("Allocator backend parsed at runtime != allocator backend parsed at load time")]
+    WrongBackend,
+    /// An option of the caching allocator with `backend:cudaMallocAsync`, which has no use
+    /// for it: PyTorch's warning, as an error.
+    #[error(
+        "backend:cudaMallocAsync ignores max_split_size_mb, roundup_power2_divisions, and garbage_collect_threshold."
+    )]
+    AsyncIgnoredOptions,
+    /// A capture begun while another is under way (the backend allows one per process).
+    #[error("Only one capture at a time is allowed in a process.")]
+    CaptureUnderway,
+    /// A capture ended that the backend did not see begin.
+    #[error(
+        "CudaMallocAsync::notifyCaptureAboutToEnd called, but CudaMallocAsync::capture_underway is false."
+    )]
+    NoCaptureUnderway,
 }
 
 /// A driver error as the stream layer reads it (its one conversion decides, so a call in a
@@ -142,6 +176,9 @@ impl From<AllocError> for StreamError {
         match e {
             AllocError::OutOfMemory(report) => StreamError::Memory {
                 source: MemoryError::OutOfMemory(report),
+            },
+            AllocError::PoolOutOfMemory(report) => StreamError::Memory {
+                source: MemoryError::PoolOutOfMemory(report),
             },
             AllocError::NoSuchDevice { device, count } => StreamError::InvalidDevice {
                 index: device,

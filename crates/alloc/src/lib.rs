@@ -48,6 +48,10 @@
 //!   `CachingHostAllocator` (power-of-two blocks never split, events per using stream,
 //!   private pools for captures); it shares only [`Route`] and [`AllocError`] with the
 //!   device allocator, and [`DeviceAllocators`] holds one beside the device allocators.
+//! - **`backend:cudaMallocAsync`** ([`AsyncAllocator`], PyTorch's `CudaMallocAsyncAllocator`):
+//!   a second allocator behind the same [`MemoryResource`](ferrocuda_stream::MemoryResource)
+//!   interface that caches nothing itself: the driver's stream-ordered pools do, and it keeps
+//!   PyTorch's pointer table, usage streams, memory-fraction count and capture rules.
 //! - **Typed errors**: [`AllocError`] has its own cases (no such device with PyTorch's
 //!   `assertValidDevice` text, CUDA not available, ...); the out-of-memory report lives in
 //!   `ferrocuda_types` (re-exported here) so that, serving buffers, it reaches the user
@@ -63,6 +67,7 @@
 #![forbid(unsafe_code)]
 
 mod allocator;
+mod async_backend;
 mod block;
 mod checkpoint;
 mod devices;
@@ -86,6 +91,7 @@ mod tally;
 mod thread_cache;
 
 pub use allocator::CachingAllocator;
+pub use async_backend::AsyncAllocator;
 pub use block::{Allocation, BlockInfo};
 pub use devices::{DeviceAllocators, caching_disabled};
 pub use engine::OomObserver;

@@ -184,7 +184,6 @@ fn throw_on_cudamalloc_oom_rejects_up_front() -> TestResult {
 #[test]
 fn options_not_built_yet_are_errors() {
     for config in [
-        "backend:cudaMallocAsync",
         "graph_capture_record_stream_reuse:True",
         "expandable_segments_reserve_by_class:[weights:0.5]",
     ] {

@@ -661,9 +661,9 @@ fn d7_throw_on_cudamalloc_oom_rejects_up_front_or_is_refused() -> TestResult {
     Ok(())
 }
 
-/// Options with no observable effect in ferrocuda yet (no cudaMallocAsync backend, no
-/// stream reserve classes, no in-capture record_stream reuse; the `pinned_*` keys have
-/// theirs, tested in `host.rs`):
+/// Options with no observable effect in ferrocuda yet (no stream reserve classes, no
+/// in-capture record_stream reuse; the `pinned_*` keys have theirs, tested in `host.rs`, and
+/// `backend:cudaMallocAsync` selects its allocator, tested in `async_backend.rs`):
 /// accepting them silently would make a user believe they work. Each must be refused by
 /// `AllocatorConfig::parse`/`CachingAllocator::new` — and by `update_config` at run time —
 /// with an error that says it is not supported.
@@ -671,7 +671,6 @@ fn d7_throw_on_cudamalloc_oom_rejects_up_front_or_is_refused() -> TestResult {
 fn d7_options_without_effect_are_refused() {
     let cases = [
         ("graph_capture_record_stream_reuse", "True"),
-        ("backend", "cudaMallocAsync"),
         ("expandable_segments_reserve_by_class", "[inference:0.5]"),
     ];
     let mut silent = Vec::new();

@@ -30,6 +30,7 @@ use std::sync::OnceLock;
 pub(crate) mod context_scope;
 mod host_register;
 mod interop;
+mod mem_pool;
 mod nodes;
 
 /// Most kernel arguments one launch takes.
@@ -1283,5 +1284,38 @@ impl Driver for CudaDriver {
 
     fn host_mfree(&self, ptr: HostPtr) -> Result<(), DriverError> {
         host_register::mfree(self, ptr)
+    }
+
+    fn mem_alloc_async(
+        &self,
+        dev: DeviceIndex,
+        bytes: u64,
+        stream: StreamHandle,
+    ) -> Result<DevicePtr, DriverError> {
+        mem_pool::alloc_async(self, dev, bytes, stream)
+    }
+
+    fn mem_free_async(&self, ptr: DevicePtr, stream: StreamHandle) -> Result<(), DriverError> {
+        mem_pool::free_async(self, ptr, stream)
+    }
+
+    fn mem_pool_set_release_threshold(
+        &self,
+        dev: DeviceIndex,
+        bytes: u64,
+    ) -> Result<(), DriverError> {
+        mem_pool::set_release_threshold(self, dev, bytes)
+    }
+
+    fn mem_pool_usage(&self, dev: DeviceIndex) -> Result<crate::MemPoolUsage, DriverError> {
+        mem_pool::usage(self, dev)
+    }
+
+    fn mem_pool_reset_peaks(&self, dev: DeviceIndex) -> Result<(), DriverError> {
+        mem_pool::reset_peaks(self, dev)
+    }
+
+    fn mem_pool_trim_to(&self, dev: DeviceIndex, keep: u64) -> Result<(), DriverError> {
+        mem_pool::trim_to(self, dev, keep)
     }
 }

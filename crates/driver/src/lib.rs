@@ -340,5 +340,49 @@ pub trait Driver: Send + Sync + std::fmt::Debug + 'static {
     fn host_unregister(&self, ptr: HostPtr) -> Result<(), DriverError>;
     /// Frees memory from [`Driver::host_malloc`] (`free`); it must be unregistered first.
     fn host_mfree(&self, ptr: HostPtr) -> Result<(), DriverError>;
+
+    // ---- stream-ordered allocation (the cudaMallocAsync backend) -------------------------
+    /// Allocates from `dev`'s default memory pool in `stream` order (`cuMemAllocAsync`):
+    /// a block freed on `stream` is reusable at once, one freed on another stream once that
+    /// free has completed; otherwise the pool grows.
+    fn mem_alloc_async(
+        &self,
+        dev: DeviceIndex,
+        bytes: u64,
+        stream: StreamHandle,
+    ) -> Result<DevicePtr, DriverError>;
+    /// Gives memory from [`Driver::mem_alloc_async`] back to its pool in `stream` order
+    /// (`cuMemFreeAsync`): reusable once the work enqueued on `stream` so far completes.
+    fn mem_free_async(&self, ptr: DevicePtr, stream: StreamHandle) -> Result<(), DriverError>;
+    /// Sets the release threshold of `dev`'s default pool (`cuMemPoolSetAttribute`,
+    /// `CU_MEMPOOL_ATTR_RELEASE_THRESHOLD`): unused memory above it goes back to the device
+    /// at synchronizations; `u64::MAX` keeps everything.
+    fn mem_pool_set_release_threshold(
+        &self,
+        dev: DeviceIndex,
+        bytes: u64,
+    ) -> Result<(), DriverError>;
+    /// Reserved and used bytes of `dev`'s default pool, with their high-water marks
+    /// (`cuMemPoolGetAttribute`, `CU_MEMPOOL_ATTR_{RESERVED,USED}_MEM_{CURRENT,HIGH}`).
+    fn mem_pool_usage(&self, dev: DeviceIndex) -> Result<MemPoolUsage, DriverError>;
+    /// Resets both high-water marks of `dev`'s default pool to their current values
+    /// (setting `CU_MEMPOOL_ATTR_{RESERVED,USED}_MEM_HIGH` to 0).
+    fn mem_pool_reset_peaks(&self, dev: DeviceIndex) -> Result<(), DriverError>;
+    /// Releases unused memory of `dev`'s default pool until it holds at most `keep` bytes
+    /// (`cuMemPoolTrimTo`); frees not yet completed stay.
+    fn mem_pool_trim_to(&self, dev: DeviceIndex, keep: u64) -> Result<(), DriverError>;
+}
+
+/// What a stream-ordered memory pool holds ([`Driver::mem_pool_usage`]).
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub struct MemPoolUsage {
+    /// Bytes the pool holds from the device.
+    pub reserved: u64,
+    /// Highest `reserved` since the last reset.
+    pub reserved_high: u64,
+    /// Bytes of live allocations.
+    pub used: u64,
+    /// Highest `used` since the last reset.
+    pub used_high: u64,
 }
 pub use fake::Call;

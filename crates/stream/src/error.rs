@@ -1,6 +1,6 @@
 //! Errors of the stream layer.
 use ferrocuda_driver::{CompileError, DriverError};
-use ferrocuda_types::{DeviceIndex, DeviceParseError, OutOfMemory};
+use ferrocuda_types::{DeviceIndex, DeviceParseError, OutOfMemory, PoolOutOfMemory};
 
 /// What can go wrong with devices, streams, events, kernels and buffers.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -91,6 +91,9 @@ pub enum MemoryError {
     /// Out of memory, with the figures of the report (PyTorch's message).
     #[error("{0}")]
     OutOfMemory(Box<OutOfMemory>),
+    /// Out of memory in the `backend:cudaMallocAsync` allocator (PyTorch's message).
+    #[error("{0}")]
+    PoolOutOfMemory(Box<PoolOutOfMemory>),
     /// Any other failure, as the resource describes it (an invalid pointer, a
     /// misconfigured allocator, ...).
     #[error("{0}")]

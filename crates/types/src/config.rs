@@ -557,10 +557,9 @@ impl AllocatorConfig {
     }
 
     /// Options that parse but are not built yet: setting one is an error rather than a
-    /// silent no-op (`cudaMallocAsync` is still to come).
+    /// silent no-op.
     fn check_supported(&self, p: &Parser, key: &Token) -> Result<(), ConfigError> {
         let unsupported = match key.text.as_str() {
-            "backend" => self.backend == Backend::CudaMallocAsync,
             "graph_capture_record_stream_reuse" => self.graph_capture_record_stream_reuse,
             "expandable_segments_reserve_by_class" => true,
             _ => false,

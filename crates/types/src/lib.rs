@@ -47,7 +47,7 @@ pub use host::{DurationStat, HostRange, HostStats};
 pub use launch::{
     CaptureMode, CaptureStatus, EventFlags, KernelArg, LaunchConfig, MemsetValue, StreamFlags,
 };
-pub use oom::OutOfMemory;
+pub use oom::{OutOfMemory, PoolOutOfMemory};
 pub use snapshot::{
     AllocatorSettings, ExternalAnnotation, Frame, Snapshot, SnapshotBlock, SnapshotSegment,
     TraceEntry,

@@ -94,3 +94,42 @@ impl fmt::Display for OutOfMemory {
         Ok(())
     }
 }
+
+/// The figures of an out-of-memory error of the `backend:cudaMallocAsync` allocator. Its
+/// `Display` is PyTorch's message (`c10/cuda/CUDAMallocAsyncAllocator.cpp`, `mallocAsync`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PoolOutOfMemory {
+    /// Device index.
+    pub device: u16,
+    /// Bytes of live allocations of this allocator on the device (`pytorch_used_bytes`).
+    pub allocated: u64,
+    /// Bytes requested.
+    pub requested: u64,
+    /// Device memory in bytes.
+    pub device_total: u64,
+    /// Free device memory in bytes, as the driver reports it.
+    pub device_free: u64,
+    /// The limit set by the memory fraction (`u64::MAX` when none is set).
+    pub limit: u64,
+}
+
+impl fmt::Display for PoolOutOfMemory {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "Allocation on device {} would exceed allowed memory. (out of memory)\
+             \nCurrently allocated     : {}\
+             \nRequested               : {}\
+             \nDevice limit            : {}\
+             \nFree (according to CUDA): {}\
+             \nPyTorch limit (set by user-supplied memory fraction)\
+             \n                        : {}",
+            self.device,
+            format_size(self.allocated),
+            format_size(self.requested),
+            format_size(self.device_total),
+            format_size(self.device_free),
+            format_size(self.limit),
+        )
+    }
+}

@@ -16,6 +16,7 @@
 mod addresses;
 mod host_register;
 mod interop;
+mod mem_pool;
 mod memory;
 mod nodes;
 mod work;
@@ -23,7 +24,7 @@ mod work;
 pub use addresses::{AddressPlan, AddressPlanError, PLAN_REGION, PlanUse, WhenUnusable};
 pub use work::{HostKernel, KernelContext};
 
-use crate::{CompileError, Driver, DriverError, ForeignStream, NvmlError};
+use crate::{CompileError, Driver, DriverError, ForeignStream, MemPoolUsage, NvmlError};
 use ferrocuda_types::{
     CaptureMode, CaptureStatus, DeviceIndex, DeviceProperties, DevicePtr, EventFlags, EventHandle,
     FunctionHandle, GraphExecHandle, GraphHandle, GraphNode, HostPtr, KernelArg, LaunchConfig,
@@ -119,9 +120,15 @@ pub enum Call {
     HostRegister,
     HostUnregister,
     HostMfree,
+    MemAllocAsync,
+    MemFreeAsync,
+    MemPoolSetReleaseThreshold,
+    MemPoolUsage,
+    MemPoolResetPeaks,
+    MemPoolTrimTo,
 }
 
-const CALL_KINDS: usize = Call::HostMfree as usize + 1;
+const CALL_KINDS: usize = Call::MemPoolTrimTo as usize + 1;
 
 /// Configures a [`FakeDriver`].
 #[derive(Debug, Clone)]
@@ -237,6 +244,7 @@ impl FakeDriverBuilder {
                 sticky: vec![None; self.devices],
                 failures: Vec::new(),
                 foreign: HashMap::new(),
+                pools: Vec::new(),
             }),
         }
     }
@@ -348,6 +356,8 @@ struct State {
     /// Streams of "another library" (`FakeDriver::foreign_stream`), with how many times
     /// they are adopted: usable through the driver only while adopted.
     foreign: HashMap<StreamKey, u32>,
+    /// Each device's default stream-ordered memory pool, made at its first use.
+    pools: Vec<mem_pool::Pool>,
 }
 
 thread_local! {
@@ -1780,5 +1790,44 @@ impl Driver for FakeDriver {
 
     fn host_mfree(&self, ptr: HostPtr) -> Result<(), DriverError> {
         host_register::mfree(&mut *self.enter(Call::HostMfree)?, ptr)
+    }
+
+    fn mem_alloc_async(
+        &self,
+        dev: DeviceIndex,
+        bytes: u64,
+        stream: StreamHandle,
+    ) -> Result<DevicePtr, DriverError> {
+        let mut st = self.enter(Call::MemAllocAsync)?;
+        mem_pool::alloc_async(&mut st, dev, bytes, stream)
+    }
+
+    fn mem_free_async(&self, ptr: DevicePtr, stream: StreamHandle) -> Result<(), DriverError> {
+        let mut st = self.enter(Call::MemFreeAsync)?;
+        mem_pool::free_async(&mut st, ptr, stream)
+    }
+
+    fn mem_pool_set_release_threshold(
+        &self,
+        dev: DeviceIndex,
+        bytes: u64,
+    ) -> Result<(), DriverError> {
+        let mut st = self.enter(Call::MemPoolSetReleaseThreshold)?;
+        mem_pool::set_release_threshold(&mut st, dev, bytes)
+    }
+
+    fn mem_pool_usage(&self, dev: DeviceIndex) -> Result<MemPoolUsage, DriverError> {
+        let mut st = self.enter(Call::MemPoolUsage)?;
+        mem_pool::usage(&mut st, dev)
+    }
+
+    fn mem_pool_reset_peaks(&self, dev: DeviceIndex) -> Result<(), DriverError> {
+        let mut st = self.enter(Call::MemPoolResetPeaks)?;
+        mem_pool::reset_peaks(&mut st, dev)
+    }
+
+    fn mem_pool_trim_to(&self, dev: DeviceIndex, keep: u64) -> Result<(), DriverError> {
+        let mut st = self.enter(Call::MemPoolTrimTo)?;
+        mem_pool::trim_to(&mut st, dev, keep)
     }
 }

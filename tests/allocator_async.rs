@@ -1,0 +1,241 @@
+//! The global runtime under `backend:cudaMallocAsync` (from `FERROCUDA_ALLOC_CONF`): its
+//! buffers and every `ferrocuda::memory` function behave as PyTorch's do under that backend
+//! (c10/cuda/CUDAMallocAsyncAllocator.cpp).
+//!
+//! The configuration is read once per process, so each scenario runs in a fresh one: this
+//! test has no harness. Run without `FERROCUDA_ASYNC_SCENARIO`, it runs itself once per
+//! scenario and backend with that variable set: on the fake device always, on the real
+//! driver too when `FERROCUDA_REQUIRE_GPU=1` (the GPU bundle; reported as ignored
+//! otherwise). Arguments that do not start with `-` select scenarios by substring.
+use ferrocuda::alloc::AllocError;
+use ferrocuda::memory::{self, MemPool};
+use ferrocuda::stream::DeviceBuffer;
+use ferrocuda::types::DeviceIndex;
+use std::process::{Command, ExitCode};
+
+const SCENARIO: &str = "FERROCUDA_ASYNC_SCENARIO";
+const D0: DeviceIndex = DeviceIndex(0);
+const MIB: u64 = 1 << 20;
+
+type Outcome = Result<(), Box<dyn std::error::Error>>;
+
+struct Scenario {
+    name: &'static str,
+    config: &'static str,
+    run: fn() -> Outcome,
+}
+
+const SCENARIOS: &[Scenario] = &[
+    Scenario {
+        name: "the_memory_functions_follow_the_async_backend",
+        config: "backend:cudaMallocAsync",
+        run: memory_functions,
+    },
+    Scenario {
+        name: "a_native_option_beside_the_async_backend_is_an_error",
+        config: "backend:cudaMallocAsync,max_split_size_mb:100",
+        run: native_option_refused,
+    },
+];
+
+fn ensure(ok: bool, what: impl std::fmt::Display) -> Outcome {
+    if ok {
+        Ok(())
+    } else {
+        Err(what.to_string().into())
+    }
+}
+
+fn stat(key: &str) -> Result<i64, AllocError> {
+    Ok(memory::memory_stats(D0)?[key])
+}
+
+fn memory_functions() -> Outcome {
+    let rt = ferrocuda::runtime();
+    ensure(
+        memory::get_allocator_backend() == "cudaMallocAsync",
+        "get_allocator_backend",
+    )?;
+    let values: Vec<f32> = (0..(MIB as usize)).map(|i| i as f32).collect();
+    let buf = DeviceBuffer::from_slice(rt, D0, &values)?;
+    ensure(buf.to_host()? == values, "a buffer's contents come back")?;
+    let allocated = memory::memory_allocated(D0)?;
+    ensure(allocated >= 4 * MIB, format!("allocated {allocated}"))?;
+    ensure(
+        memory::memory_reserved(D0)? >= allocated,
+        "reserved covers allocated",
+    )?;
+    for key in [
+        "allocation.all.current",
+        "segment.all.current",
+        "num_alloc_retries",
+    ] {
+        ensure(stat(key)? == 0, format!("{key} is zero under this backend"))?;
+    }
+    // A buffer used on a side stream is freed after that stream's work (record_stream).
+    let side = rt.stream_from_pool(D0, false)?;
+    let shared = DeviceBuffer::<f32>::filled(rt, D0, 1000, 2.0)?;
+    shared.record_stream(&side)?;
+    drop(shared);
+    drop(buf);
+    rt.synchronize(D0)?;
+    ensure(memory::memory_allocated(D0)? == 0, "freed")?;
+    ensure(
+        memory::memory_reserved(D0)? > 0,
+        "the pool keeps freed memory (release threshold u64::MAX)",
+    )?;
+    memory::empty_cache()?;
+    ensure(
+        memory::memory_reserved(D0)? == 0,
+        "empty_cache trims the pool",
+    )?;
+
+    // The memory fraction, by the allocator's own count, with PyTorch's text.
+    let (_, total) = memory::mem_get_info(D0)?;
+    memory::set_per_process_memory_fraction(0.25, D0)?;
+    let e = memory::caching_allocator_alloc(total / 2, D0, None)
+        .err()
+        .ok_or("half the device passed a quarter's limit")?;
+    ensure(
+        e.to_string()
+            .starts_with("Allocation on device 0 would exceed allowed memory. (out of memory)\nCurrently allocated     : 0 bytes\n"),
+        format!("the fraction's error: {e}"),
+    )?;
+    let p = memory::caching_allocator_alloc(MIB, D0, None)?;
+    memory::caching_allocator_delete(p)?;
+    memory::set_per_process_memory_fraction(1.0, D0)?;
+
+    // Peaks follow the pool; accumulated statistics have no form here.
+    memory::reset_peak_memory_stats(D0)?;
+    ensure(memory::max_memory_allocated(D0)? == 0, "peak reset")?;
+    memory::reset_accumulated_memory_stats(D0)?;
+
+    // What this backend has no form of: PyTorch's errors.
+    let unsupported = |f: &str| {
+        format!(
+            "cudaMallocAsync does not yet support {f}. If you need it, please file an issue describing your use case."
+        )
+    };
+    ensure(
+        memory::memory_snapshot().map(drop).map_err(|e| e.to_string())
+            == Err("Calling snapshot with backend:cudaMallocAsync is not meaningful. (For backend:native, snapshot returns a detailed summary of all blocks tracked by the allocator, but the cudaMallocAsync backend does not track individual blocks.)".into()),
+        "snapshot",
+    )?;
+    ensure(
+        memory::record_memory_history(Some("all"), None, "python", 100).map_err(|e| e.to_string())
+            == Err(unsupported("recordHistory")),
+        "history",
+    )?;
+    ensure(
+        MemPool::new(None).map(drop).map_err(|e| e.to_string())
+            == Err(unsupported("createOrIncrefPool")),
+        "MemPool",
+    )?;
+    ensure(
+        memory::get_per_process_memory_fraction(D0).map_err(|e| e.to_string())
+            == Err(unsupported("getMemoryFraction")),
+        "getMemoryFraction",
+    )?;
+
+    // Settings at run time keep the backend.
+    memory::set_allocator_settings("backend:cudaMallocAsync")?;
+    ensure(
+        matches!(
+            memory::set_allocator_settings("backend:native"),
+            Err(AllocError::WrongBackend)
+        ),
+        "switching backends at run time",
+    )?;
+    ensure(
+        matches!(
+            memory::set_allocator_settings("max_split_size_mb:100"),
+            Err(AllocError::AsyncIgnoredOptions)
+        ),
+        "a native option at run time",
+    )?;
+    Ok(())
+}
+
+fn native_option_refused() -> Outcome {
+    let e = DeviceBuffer::<f32>::uninit(ferrocuda::runtime(), D0, 10)
+        .err()
+        .ok_or("the allocation succeeded")?;
+    ensure(
+        e.to_string()
+            == "backend:cudaMallocAsync ignores max_split_size_mb, roundup_power2_divisions, and garbage_collect_threshold.",
+        format!("the error: {e}"),
+    )
+}
+
+fn main() -> ExitCode {
+    if let Ok(name) = std::env::var(SCENARIO) {
+        return match SCENARIOS.iter().find(|s| s.name == name).map(|s| (s.run)()) {
+            Some(Ok(())) => ExitCode::SUCCESS,
+            Some(Err(e)) => {
+                eprintln!("{name}: {e}");
+                ExitCode::FAILURE
+            }
+            None => {
+                eprintln!("no scenario {name}");
+                ExitCode::FAILURE
+            }
+        };
+    }
+    let gpu = std::env::var("FERROCUDA_REQUIRE_GPU").is_ok_and(|v| v == "1");
+    let filters: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| !a.starts_with('-'))
+        .collect();
+    let (mut passed, mut failed, mut ignored) = (0, 0, 0);
+    for s in SCENARIOS
+        .iter()
+        .filter(|s| filters.is_empty() || filters.iter().any(|f| s.name.contains(f.as_str())))
+    {
+        for backend in ["fake", "cuda"] {
+            let name = format!("{backend}::{}", s.name);
+            if backend == "cuda" && !gpu {
+                println!("test {name} ... ignored, needs a GPU: runs in the GPU bundle");
+                ignored += 1;
+                continue;
+            }
+            match run_in_own_process(s, backend) {
+                Ok(()) => {
+                    println!("test {name} ... ok");
+                    passed += 1;
+                }
+                Err(e) => {
+                    println!("test {name} ... FAILED\n{e}");
+                    failed += 1;
+                }
+            }
+        }
+    }
+    let verdict = if failed == 0 { "ok" } else { "FAILED" };
+    println!("\ntest result: {verdict}. {passed} passed; {failed} failed; {ignored} ignored");
+    if failed == 0 {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    }
+}
+
+fn run_in_own_process(s: &Scenario, backend: &str) -> Result<(), String> {
+    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+    let out = Command::new(exe)
+        .env_remove("PYTORCH_CUDA_ALLOC_CONF")
+        .env_remove("PYTORCH_ALLOC_CONF")
+        .env("FERROCUDA_ALLOC_CONF", s.config)
+        .env("FERROCUDA_BACKEND", backend)
+        .env(SCENARIO, s.name)
+        .output()
+        .map_err(|e| e.to_string())?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(format!(
+            "{}: {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        ))
+    }
+}
