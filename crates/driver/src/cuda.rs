@@ -28,6 +28,7 @@ use std::sync::OnceLock;
 
 mod interop;
 mod nodes;
+mod peer;
 
 /// Most kernel arguments one launch takes.
 const MAX_KERNEL_ARGS: usize = 64;
@@ -670,19 +671,7 @@ impl Driver for CudaDriver {
         stream: StreamHandle,
     ) -> Result<(), DriverError> {
         let s = self.stream(stream)?;
-        let l = self.loaded()?;
-        let ctx = |d: DeviceIndex| -> Result<sys::CUcontext, DriverError> {
-            self.bind(d)?;
-            let slot = l
-                .devices
-                .get(d.as_usize())
-                .ok_or(DriverError::INVALID_DEVICE)?;
-            match slot.context.get() {
-                Some(Ok(c)) => Ok(*c as sys::CUcontext),
-                _ => Err(DriverError::INVALID_CONTEXT),
-            }
-        };
-        let (dst_ctx, src_ctx) = (ctx(dst.0)?, ctx(src.0)?);
+        let (dst_ctx, src_ctx) = (self.primary_context(dst.0)?, self.primary_context(src.0)?);
         self.bind(stream.device)?;
         // SAFETY: both contexts are retained primary contexts; addresses validated by the driver.
         check(unsafe {
@@ -1250,5 +1239,17 @@ impl Driver for CudaDriver {
 
     fn stream_forget(&self, stream: StreamHandle) -> Result<(), DriverError> {
         interop::forget(self, stream)
+    }
+
+    fn device_can_access_peer(
+        &self,
+        dev: DeviceIndex,
+        peer: DeviceIndex,
+    ) -> Result<bool, DriverError> {
+        self.can_access_peer(dev, peer)
+    }
+
+    fn enable_peer_access(&self, dev: DeviceIndex, peer: DeviceIndex) -> Result<(), DriverError> {
+        self.enable_peer(dev, peer)
     }
 }

@@ -17,9 +17,11 @@ mod addresses;
 mod interop;
 mod memory;
 mod nodes;
+mod peer;
 mod work;
 
 pub use addresses::{AddressPlan, AddressPlanError, PLAN_REGION, PlanUse, WhenUnusable};
+pub use peer::PeerCopies;
 pub use work::{HostKernel, KernelContext};
 
 use crate::{CompileError, Driver, DriverError, ForeignStream, NvmlError};
@@ -113,9 +115,11 @@ pub enum Call {
     VmUnmap,
     StreamAdopt,
     StreamForget,
+    DeviceCanAccessPeer,
+    EnablePeerAccess,
 }
 
-const CALL_KINDS: usize = Call::StreamForget as usize + 1;
+const CALL_KINDS: usize = Call::EnablePeerAccess as usize + 1;
 
 /// Configures a [`FakeDriver`].
 #[derive(Debug, Clone)]
@@ -127,6 +131,7 @@ pub struct FakeDriverBuilder {
     launch_blocking: bool,
     nvml: Result<usize, NvmlError>,
     plans: Vec<(DeviceIndex, AddressPlan)>,
+    no_peer: Vec<(u16, u16)>,
 }
 
 impl Default for FakeDriverBuilder {
@@ -141,6 +146,7 @@ impl Default for FakeDriverBuilder {
                 "the fake device has no NVML (FakeDriverBuilder::nvml gives it one)".into(),
             )),
             plans: Vec::new(),
+            no_peer: Vec::new(),
         }
     }
 }
@@ -230,6 +236,7 @@ impl FakeDriverBuilder {
                 sticky: vec![None; self.devices],
                 failures: Vec::new(),
                 foreign: HashMap::new(),
+                peers: peer::Peers::new(&self.no_peer),
             }),
         }
     }
@@ -339,6 +346,7 @@ struct State {
     /// Streams of "another library" (`FakeDriver::foreign_stream`), with how many times
     /// they are adopted: usable through the driver only while adopted.
     foreign: HashMap<StreamKey, u32>,
+    peers: peer::Peers,
 }
 
 thread_local! {
@@ -1070,6 +1078,7 @@ impl Driver for FakeDriver {
         if st.dev_ptr_check(dst.1, bytes)? != dst.0 || st.dev_ptr_check(src.1, bytes)? != src.0 {
             return Err(DriverError::INVALID_VALUE);
         }
+        st.route_peer_copy(DeviceIndex(key.0), dst, src, bytes)?;
         st.enqueue(
             key,
             Work::DeviceToDevice {
@@ -1712,11 +1721,7 @@ impl Driver for FakeDriver {
         at: DevicePtr,
         bytes: u64,
     ) -> Result<(), DriverError> {
-        let mut st = self.enter(Call::VmSetAccess)?;
-        if device_of(at) != Some(dev) {
-            return Err(DriverError::INVALID_VALUE);
-        }
-        st.memory.set_access(at, bytes)
+        self.enter(Call::VmSetAccess)?.set_access(dev, at, bytes)
     }
 
     fn vm_unmap(&self, dev: DeviceIndex, at: DevicePtr, bytes: u64) -> Result<(), DriverError> {
@@ -1735,5 +1740,18 @@ impl Driver for FakeDriver {
     fn stream_forget(&self, stream: StreamHandle) -> Result<(), DriverError> {
         let mut st = self.enter(Call::StreamForget)?;
         interop::forget(&mut st, stream)
+    }
+
+    fn device_can_access_peer(
+        &self,
+        dev: DeviceIndex,
+        peer: DeviceIndex,
+    ) -> Result<bool, DriverError> {
+        self.enter(Call::DeviceCanAccessPeer)?
+            .can_access_peer(dev, peer)
+    }
+
+    fn enable_peer_access(&self, dev: DeviceIndex, peer: DeviceIndex) -> Result<(), DriverError> {
+        self.enter(Call::EnablePeerAccess)?.enable_peer(dev, peer)
     }
 }
