@@ -49,6 +49,7 @@ mod event;
 mod interop;
 mod memory;
 mod module;
+mod peer;
 mod per_device;
 mod runtime;
 mod stream;

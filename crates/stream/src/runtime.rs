@@ -57,6 +57,9 @@ pub struct Runtime {
     devices: PerDevice<DeviceState>,
     pub(crate) kernel_cache: crate::module::KernelCache,
     memory: parking_lot::RwLock<Arc<dyn crate::MemoryResource>>,
+    /// PyTorch's `p2pAccessEnabled_` cache: `(dev, dev_to_access)` → whether `dev` has
+    /// access ([`Runtime::get_p2p_access`]).
+    pub(crate) peer_access: Mutex<std::collections::HashMap<(u16, u16), bool>>,
 }
 
 impl Runtime {
@@ -74,6 +77,7 @@ impl Runtime {
             id: NEXT_RUNTIME_ID.fetch_add(1, Ordering::Relaxed),
             devices: PerDevice::default(),
             kernel_cache: cache,
+            peer_access: Mutex::default(),
             memory: parking_lot::RwLock::new(Arc::new(crate::DriverMemory(driver.clone()))),
             driver,
         })
