@@ -69,6 +69,7 @@ mod free_list;
 mod free_pools;
 pub mod history;
 mod inspect;
+mod peer_access;
 mod pluggable;
 mod private_pools;
 mod release;
