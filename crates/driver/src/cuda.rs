@@ -27,6 +27,7 @@ use std::path::Path;
 use std::sync::OnceLock;
 
 mod interop;
+pub mod nccl;
 mod nodes;
 mod peer;
 

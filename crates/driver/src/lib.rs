@@ -50,7 +50,7 @@ pub mod interop;
 pub mod nvml;
 pub mod pluggable;
 
-pub use cuda::{CudaDriver, RawGraph, RawLaunch};
+pub use cuda::{CudaDriver, RawGraph, RawLaunch, nccl};
 pub use error::{CompileError, DriverError};
 pub use fake::{Completion, FakeDriver, FakeDriverBuilder, KernelContext, PeerCopies};
 pub use interop::ForeignStream;
