@@ -43,7 +43,11 @@ const GPU_TESTS: &[&str] = &[
     "cudarc_interop",
     "cudarc_launch",
     "allocator_swap",
+    "nccl_gpu",
 ];
+/// Test binaries that need two GPUs: bundled as `multi_*`, run by run.sh only with
+/// `MULTI_GPU=1` (on fewer than two GPUs they fail, never skip).
+const GPU_TESTS_MULTI: &[&str] = &["multi_gpu"];
 /// Shared libraries the bundled tests load from beside themselves (package, library name).
 const GPU_LIBRARIES: &[(&str, &str)] =
     &[("ferrocuda-pluggable-fixture", "ferrocuda_pluggable_fixture")];
@@ -392,6 +396,11 @@ fn gpu_bundle() -> Result<(), String> {
             "test_",
         ),
         (
+            vec!["test", "--release", "--no-run", "--workspace"],
+            GPU_TESTS_MULTI,
+            "multi_",
+        ),
+        (
             vec!["bench", "--no-run", "--workspace"],
             GPU_BENCHES,
             "bench_",
@@ -498,6 +507,7 @@ const RUN_SH: &str = r#"#!/usr/bin/env bash
 # Runs the bundled tests and benches against the real CUDA driver. A skipped (ignored) test,
 # a missing GPU, or a failed bench counts as a failure. Last line: "N passed, N failed".
 # ONLY=<regex> runs just the binaries whose names match (and skips the PyTorch checks).
+# MULTI_GPU=1 also runs the multi_* binaries, which need two GPUs (they fail on fewer).
 set -u -o pipefail
 cd "$(dirname "$0")"
 OUT=${OUT:-$PWD/out}
@@ -512,7 +522,7 @@ tests_of() {
 @TEST_ONLY@
   esac
 }
-for t in test_*; do
+for t in test_* ${MULTI_GPU:+multi_*}; do
   want "$t" || continue
   echo "=== $t"
   # shellcheck disable=SC2046
