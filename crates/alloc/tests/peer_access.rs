@@ -20,9 +20,9 @@ fn expandable() -> Result<AllocatorConfig, Box<dyn std::error::Error>> {
     Ok(AllocatorConfig::parse("expandable_segments:True")?)
 }
 
-fn stack(
-    devices: usize,
-) -> Result<(Arc<FakeDriver>, Arc<Runtime>, Arc<DeviceAllocators>), Box<dyn std::error::Error>> {
+type Stack = (Arc<FakeDriver>, Arc<Runtime>, Arc<DeviceAllocators>);
+
+fn stack(devices: usize) -> Result<Stack, Box<dyn std::error::Error>> {
     let fake = Arc::new(FakeDriver::builder().devices(devices).build());
     let rt = Runtime::with_kernel_cache(fake.clone(), KernelCache::at(None));
     let allocators = DeviceAllocators::new(fake.clone(), expandable()?, true);
@@ -135,10 +135,7 @@ fn copies_between_devices_through_the_stack_open_expandable_segments() -> TestRe
     let big1 = DeviceBuffer::<u8>::filled(&rt, D1, 4 << 20, 0)?;
     let big0 = DeviceBuffer::<u8>::filled(&rt, D0, 4 << 20, 7)?;
     big1.copy_from(&big0)?;
-    assert_eq!(
-        big1.to_host()?.iter().filter(|&&b| b == 7).count(),
-        4 << 20
-    );
+    assert_eq!(big1.to_host()?.iter().filter(|&&b| b == 7).count(), 4 << 20);
     Ok(())
 }
 

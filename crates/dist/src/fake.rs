@@ -88,7 +88,7 @@ pub struct FakeGroup {
 
 impl FakeGroup {
     /// A group with rank `i` on `devices[i]`, its group stream on the first device.
-    pub fn new(driver: Arc<FakeDriver>, devices: &[DeviceIndex]) -> Result<Vec<FakeRank>> {
+    pub fn ranks(driver: Arc<FakeDriver>, devices: &[DeviceIndex]) -> Result<Vec<FakeRank>> {
         let first = *devices
             .first()
             .ok_or(DistError::InvalidRank { rank: 0, size: 0 })?;

@@ -28,7 +28,7 @@ fn world(n: usize) -> Res<World> {
     let rt = Runtime::with_kernel_cache(fake.clone(), KernelCache::at(None));
     DeviceAllocators::new(fake.clone(), AllocatorConfig::default(), true).install(&rt);
     let devices: Vec<DeviceIndex> = (0..n as u16).map(DeviceIndex).collect();
-    let ranks = FakeGroup::new(fake.clone(), &devices)?;
+    let ranks = FakeGroup::ranks(fake.clone(), &devices)?;
     let groups = ranks
         .iter()
         .map(|r| ProcessGroup::new(rt.clone(), Box::new(r.clone())).map(Arc::new))

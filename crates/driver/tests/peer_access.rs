@@ -64,13 +64,16 @@ fn enabling_peer_access_has_the_drivers_error_codes() -> TestResult {
     Ok(())
 }
 
-fn read(fake: &FakeDriver, dev: DeviceIndex, ptr: DevicePtr, n: usize) -> Vec<u8> {
+fn read(
+    fake: &FakeDriver,
+    dev: DeviceIndex,
+    ptr: DevicePtr,
+    n: usize,
+) -> Result<Vec<u8>, DriverError> {
     let mut out = vec![0u8; n];
-    let s = fake
-        .stream_create(dev, StreamFlags::default())
-        .expect("stream");
-    fake.memcpy_dtoh(&mut out, ptr, s).expect("read back");
-    out
+    let s = fake.stream_create(dev, StreamFlags::default())?;
+    fake.memcpy_dtoh(&mut out, ptr, s)?;
+    Ok(out)
 }
 
 #[test]
@@ -87,7 +90,7 @@ fn a_peer_copy_is_staged_without_access_and_direct_with_it() -> TestResult {
             staged: 1
         }
     );
-    assert_eq!(read(&fake, D1, dst, 256), vec![5; 256]);
+    assert_eq!(read(&fake, D1, dst, 256)?, vec![5; 256]);
 
     fake.enable_peer_access(D0, D1)?;
     fake.memset_async(src, MemsetValue::U8(6), 256, s0)?;
@@ -99,7 +102,7 @@ fn a_peer_copy_is_staged_without_access_and_direct_with_it() -> TestResult {
             staged: 1
         }
     );
-    assert_eq!(read(&fake, D1, dst, 256), vec![6; 256]);
+    assert_eq!(read(&fake, D1, dst, 256)?, vec![6; 256]);
     Ok(())
 }
 
@@ -132,7 +135,7 @@ fn a_direct_copy_needs_the_far_mapping_opened_to_the_copying_device() -> TestRes
             staged: 1
         }
     );
-    assert_eq!(read(&fake, D1, va.base, 64), vec![9; 64]);
+    assert_eq!(read(&fake, D1, va.base, 64)?, vec![9; 64]);
 
     // Unmapped and mapped again, the new mapping is closed to peers.
     fake.vm_unmap(D1, va.base, page)?;
