@@ -4,7 +4,7 @@
 //! - `doc`: the docs, failing on any rustdoc or cargo warning;
 //! - `gpu-bundle`: builds release test and bench binaries into `gpu-bundle/` (git-ignored)
 //!   with a `run.sh` that runs them against the real driver, fails on any skip, and ends with
-//!   `N passed, N failed`;
+//!   `N passed, N failed` (`MULTI_GPU=1 run.sh` also runs the two-GPU `multi_*` binaries);
 //! - `bench`: the criterion benches (they need a GPU; without one they say they skipped);
 //! - `cli-fuzz [--cases N] [--seed S] [--long] [--case N]`: the `ferrocuda` command against
 //!   generated and mutated traces (see [`fuzz`]); `ci` runs it with a fixed seed;
@@ -47,7 +47,7 @@ const GPU_TESTS: &[&str] = &[
 ];
 /// Test binaries that need two GPUs: bundled as `multi_*`, run by run.sh only with
 /// `MULTI_GPU=1` (on fewer than two GPUs they fail, never skip).
-const GPU_TESTS_MULTI: &[&str] = &["multi_gpu"];
+const GPU_TESTS_MULTI: &[&str] = &["two_gpus"];
 /// Shared libraries the bundled tests load from beside themselves (package, library name).
 const GPU_LIBRARIES: &[(&str, &str)] =
     &[("ferrocuda-pluggable-fixture", "ferrocuda_pluggable_fixture")];
