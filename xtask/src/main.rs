@@ -44,6 +44,7 @@ const GPU_TESTS: &[&str] = &[
     "cudarc_launch",
     "allocator_swap",
     "nccl_gpu",
+    "peer_cuda",
 ];
 /// Test binaries that need two GPUs: bundled as `multi_*`, run by run.sh only with
 /// `MULTI_GPU=1` (on fewer than two GPUs they fail, never skip).
