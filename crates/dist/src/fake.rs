@@ -5,13 +5,15 @@
 //! that reads every rank's input and writes every rank's output, and records an event that
 //! every rank's stream waits for. So a collective completes on a rank's stream only after
 //! the work before it on every rank's stream, as NCCL's kernels do, in eager and in manual
-//! completion alike, and without a host synchronisation. Send and receive are not modelled.
+//! completion alike, and without a host synchronisation. A call captured into a graph (the
+//! group stream joins the capture through its waits) runs again at every replay. Send and
+//! receive are not modelled.
 use crate::{Collective, DistError, Result};
 use ferrocuda_driver::nccl::ReduceOp;
 use ferrocuda_driver::{Driver, FakeDriver, KernelContext};
 use ferrocuda_types::{
-    DType, DeviceIndex, DevicePtr, EventFlags, EventHandle, FunctionHandle, KernelArg,
-    LaunchConfig, StreamFlags, StreamHandle,
+    CaptureStatus, DType, DeviceIndex, DevicePtr, EventFlags, EventHandle, FunctionHandle,
+    KernelArg, LaunchConfig, StreamFlags, StreamHandle,
 };
 use parking_lot::{Condvar, Mutex};
 use std::collections::HashMap;
@@ -53,8 +55,9 @@ struct Shared {
     function: FunctionHandle,
     round: Mutex<Round>,
     turn: Condvar,
-    /// Calls enqueued and not yet run by the host kernel, by call number.
-    plans: Arc<Mutex<HashMap<u64, Vec<Arrival>>>>,
+    /// Calls enqueued and not yet run by the host kernel, by call number, and whether a
+    /// graph captured them (then they stay: every replay runs them again).
+    plans: Arc<Mutex<Plans>>,
     next: AtomicU64,
     /// Events made for calls, destroyed with the group.
     events: Mutex<Vec<EventHandle>>,
@@ -78,6 +81,8 @@ impl Drop for Shared {
     }
 }
 
+type Plans = HashMap<u64, (Vec<Arrival>, bool)>;
+
 static NEXT_GROUP: AtomicU64 = AtomicU64::new(1);
 
 /// A group of ranks on the fake device's devices (the fake's `ncclCommInitAll`).
@@ -96,12 +101,18 @@ impl FakeGroup {
             "ferrocuda_fake_collective_{}",
             NEXT_GROUP.fetch_add(1, Ordering::Relaxed)
         );
-        let plans: Arc<Mutex<HashMap<u64, Vec<Arrival>>>> = Arc::default();
+        let plans: Arc<Mutex<Plans>> = Arc::default();
         let completed: Arc<AtomicU64> = Arc::default();
         let (p, c) = (plans.clone(), completed.clone());
         driver.register_kernel(&name, move |ctx| {
             let call: u64 = ctx.arg(0)?;
-            let plan = p.lock().remove(&call).ok_or("unknown call")?;
+            let plan = {
+                let mut plans = p.lock();
+                match plans.get(&call) {
+                    Some((plan, true)) => plan.clone(),
+                    _ => plans.remove(&call).ok_or("unknown call")?.0,
+                }
+            };
             run(ctx, &plan)?;
             c.fetch_add(1, Ordering::Relaxed);
             Ok(())
@@ -240,7 +251,9 @@ impl FakeRank {
             d.stream_wait_event(sh.stream, a.ready)?;
         }
         let call = sh.next.fetch_add(1, Ordering::Relaxed);
-        sh.plans.lock().insert(call, arrivals);
+        // Waiting for events recorded in a capture made the group stream join it.
+        let captured = d.stream_capture_status(sh.stream)? != CaptureStatus::None;
+        sh.plans.lock().insert(call, (arrivals, captured));
         d.launch(
             sh.function,
             &LaunchConfig::for_elements(1, 1),
