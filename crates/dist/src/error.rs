@@ -36,12 +36,9 @@ pub enum DistError {
     /// The ranks of one collective call disagree (kind, count, type, operation or root).
     #[error("the ranks called mismatched collectives: {0}")]
     Mismatched(String),
-    /// An element type the backend cannot reduce.
-    #[error("no reduction for {0:?} here")]
+    /// An element type the fake group does not move (it handles f32, f64, i32, i64).
+    #[error("the fake group has no {0:?} arithmetic")]
     UnsupportedType(DType),
-    /// A collective the fake group does not model.
-    #[error("the fake group does not model {0}")]
-    Unsupported(&'static str),
     /// A rank, root or peer out of range.
     #[error("invalid rank {rank} for a group of {size}")]
     InvalidRank {

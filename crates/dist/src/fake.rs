@@ -7,7 +7,7 @@
 //! the work before it on every rank's stream, as NCCL's kernels do, in eager and in manual
 //! completion alike, and without a host synchronisation. A call captured into a graph (the
 //! group stream joins the capture through its waits) runs again at every replay. Send and
-//! receive are not modelled.
+//! receive meet in pairs (a sender and its receiver) the same way.
 use crate::{Collective, DistError, Result};
 use ferrocuda_driver::nccl::ReduceOp;
 use ferrocuda_driver::{Driver, FakeDriver, KernelContext};
@@ -27,6 +27,15 @@ enum Kind {
     Broadcast(usize),
     ReduceScatter(ReduceOp),
     AllGather,
+    /// Rank `.0` sends to rank `.1` (the sender's buffer is `send`, the receiver's `recv`).
+    SendRecv(usize, usize),
+}
+
+/// Who meets for a call: every rank, or a sender and its receiver.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
+enum Meeting {
+    All,
+    Pair(usize, usize),
 }
 
 /// One rank's part of a call: what, its buffers, and the event ending its input.
@@ -53,7 +62,7 @@ struct Shared {
     size: usize,
     stream: StreamHandle,
     function: FunctionHandle,
-    round: Mutex<Round>,
+    rounds: Mutex<HashMap<Meeting, Round>>,
     turn: Condvar,
     /// Calls enqueued and not yet run by the host kernel, by call number, and whether a
     /// graph captured them (then they stay: every replay runs them again).
@@ -128,10 +137,7 @@ impl FakeGroup {
             size: devices.len(),
             stream,
             function,
-            round: Mutex::new(Round {
-                arrived: vec![None; devices.len()],
-                ..Round::default()
-            }),
+            rounds: Mutex::new(HashMap::new()),
             turn: Condvar::new(),
             plans,
             next: AtomicU64::new(0),
@@ -165,6 +171,16 @@ impl FakeRank {
         self.group.shared.completed.load(Ordering::Relaxed)
     }
 
+    fn peer(&self, peer: usize) -> Result<()> {
+        if peer >= self.group.shared.size || peer == self.rank {
+            return Err(DistError::InvalidRank {
+                rank: peer,
+                size: self.group.shared.size,
+            });
+        }
+        Ok(())
+    }
+
     /// The group's own stream (where the data moves).
     pub fn group_stream(&self) -> StreamHandle {
         self.group.shared.stream
@@ -187,9 +203,16 @@ impl FakeRank {
                 found: stream.device,
             });
         }
+        if !matches!(dtype, DType::F32 | DType::F64 | DType::I32 | DType::I64) {
+            return Err(DistError::UnsupportedType(dtype));
+        }
         let ready = d.event_create(self.device, EventFlags::default())?;
         sh.events.lock().push(ready);
         d.event_record(ready, stream)?;
+        let (meeting, slot, parties) = match &kind {
+            &Kind::SendRecv(from, to) => (Meeting::Pair(from, to), usize::from(self.rank == to), 2),
+            _ => (Meeting::All, self.rank, sh.size),
+        };
         let arrival = Arrival {
             kind,
             count,
@@ -198,37 +221,42 @@ impl FakeRank {
             recv,
             ready,
         };
-        let mut round = sh.round.lock();
+        let mut rounds = sh.rounds.lock();
         // A previous call still being left by slower ranks.
-        while round.done.is_some() {
-            sh.turn.wait(&mut round);
+        while rounds.get(&meeting).is_some_and(|r| r.done.is_some()) {
+            sh.turn.wait(&mut rounds);
         }
-        round.arrived[self.rank] = Some(arrival);
+        let round = rounds.entry(meeting).or_insert_with(|| Round {
+            arrived: vec![None; parties],
+            ..Round::default()
+        });
+        round.arrived[slot] = Some(arrival);
         let outcome = if round.arrived.iter().all(Option::is_some) {
             let arrivals: Vec<Arrival> = round.arrived.iter().flatten().cloned().collect();
-            drop(round);
+            drop(rounds);
             let outcome = self.enqueue(arrivals);
-            round = sh.round.lock();
-            round.done = Some(outcome.clone());
+            rounds = sh.rounds.lock();
+            if let Some(round) = rounds.get_mut(&meeting) {
+                round.done = Some(outcome.clone());
+            }
             sh.turn.notify_all();
             outcome
         } else {
             loop {
-                if let Some(done) = round.done.clone() {
+                if let Some(done) = rounds.get(&meeting).and_then(|r| r.done.clone()) {
                     break done;
                 }
-                sh.turn.wait(&mut round);
+                sh.turn.wait(&mut rounds);
             }
         };
-        round.left += 1;
-        if round.left == sh.size {
-            *round = Round {
-                arrived: vec![None; sh.size],
-                ..Round::default()
-            };
-            sh.turn.notify_all();
+        if let Some(round) = rounds.get_mut(&meeting) {
+            round.left += 1;
+            if round.left == parties {
+                rounds.remove(&meeting);
+                sh.turn.notify_all();
+            }
         }
-        drop(round);
+        drop(rounds);
         Ok(d.stream_wait_event(stream, outcome?)?)
     }
 
@@ -343,6 +371,11 @@ fn run_typed<T: Num>(
             let all: Vec<T> = read(ctx, n)?.concat();
             plan.iter().try_for_each(|a| ctx.write(a.recv, &all))
         }
+        Kind::SendRecv(..) => {
+            let (from, to) = (&plan[0], plan.get(1).ok_or("a send without its receive")?);
+            let data = ctx.read::<T>(from.send, n)?;
+            ctx.write(to.recv, &data)
+        }
     }
 }
 
@@ -412,10 +445,28 @@ impl Collective for FakeRank {
     ) -> Result<()> {
         self.call(Kind::AllGather, send, recv, send_count, dtype, stream)
     }
-    fn send(&self, _: DevicePtr, _: usize, _: DType, _: usize, _: StreamHandle) -> Result<()> {
-        Err(DistError::Unsupported("send"))
+    fn send(
+        &self,
+        buf: DevicePtr,
+        count: usize,
+        dtype: DType,
+        peer: usize,
+        stream: StreamHandle,
+    ) -> Result<()> {
+        self.peer(peer)?;
+        let kind = Kind::SendRecv(self.rank, peer);
+        self.call(kind, buf, DevicePtr(0), count, dtype, stream)
     }
-    fn recv(&self, _: DevicePtr, _: usize, _: DType, _: usize, _: StreamHandle) -> Result<()> {
-        Err(DistError::Unsupported("recv"))
+    fn recv(
+        &self,
+        buf: DevicePtr,
+        count: usize,
+        dtype: DType,
+        peer: usize,
+        stream: StreamHandle,
+    ) -> Result<()> {
+        self.peer(peer)?;
+        let kind = Kind::SendRecv(peer, self.rank);
+        self.call(kind, DevicePtr(0), buf, count, dtype, stream)
     }
 }

@@ -16,7 +16,7 @@
 //!   stream waits for the current stream, buffers are recorded on it, `Work::wait` is a
 //!   stream wait. Nothing here synchronises the host.
 //! - **The fake moves data in stream order** on a group stream of its own, so manual
-//!   completion shows what waits for what; it does not model send and receive.
+//!   completion shows what waits for what; send and receive meet in pairs.
 //! - `#![forbid(unsafe_code)]`: NCCL's FFI is in `ferrocuda-driver`.
 //!
 //! # What the layer above must do

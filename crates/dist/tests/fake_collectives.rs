@@ -154,14 +154,42 @@ fn bad_calls_are_typed_errors() -> TestResult {
         g.broadcast(&small, 2),
         Err(DistError::InvalidRank { rank: 2, size: 2 })
     ));
+    let bytes = DeviceBuffer::<u8>::filled(&w.rt, DeviceIndex(0), 4, 0)?;
     assert!(matches!(
-        g.send(&small, 1),
-        Err(DistError::Unsupported("send"))
+        g.all_reduce(&bytes, ReduceOp::Sum),
+        Err(DistError::UnsupportedType(ferrocuda_types::DType::U8))
     ));
     assert!(matches!(
         g.send(&small, 0),
         Err(DistError::InvalidRank { .. })
     ));
+    Ok(())
+}
+
+#[test]
+fn send_and_recv_pair_up_in_stream_order() -> TestResult {
+    let w = world(3)?;
+    let got = each_rank(&w, |r, g, rt| {
+        let b = DeviceBuffer::from_slice(rt, g.device(), &input(r, 5))?;
+        // A ring: each rank sends to the next and receives from the previous.
+        let (next, prev) = ((r + 1) % 3, (r + 2) % 3);
+        let out = DeviceBuffer::<f32>::filled(rt, g.device(), 5, 0.0)?;
+        if r == 0 {
+            g.send(&b, next)?.wait()?;
+            g.recv(&out, prev)?.wait()?;
+        } else {
+            g.recv(&out, prev)?.wait()?;
+            g.send(&b, next)?.wait()?;
+        }
+        Ok(out.to_host()?)
+    })?;
+    for (r, got) in got.iter().enumerate() {
+        assert_eq!(
+            got,
+            &input((r + 2) % 3, 5),
+            "rank {r} got its predecessor's data"
+        );
+    }
     Ok(())
 }
 
