@@ -6,6 +6,7 @@
 //!   with a `run.sh` that runs them against the real driver, fails on any skip, and ends with
 //!   `N passed, N failed`; with them the PyTorch allocator library (`libferrocuda_torch.so`)
 //!   and `xtask/torch/plugin_bench.py`, which `run.sh` runs against real PyTorch;
+//!   (`MULTI_GPU=1 run.sh` also runs the two-GPU `multi_*` binaries);
 //! - `bench`: the criterion benches (they need a GPU; without one they say they skipped);
 //! - `cli-fuzz [--cases N] [--seed S] [--long] [--case N]`: the `ferrocuda` command against
 //!   generated and mutated traces (see [`fuzz`]); `ci` runs it with a fixed seed;
@@ -48,7 +49,12 @@ const GPU_TESTS: &[&str] = &[
     "pinned_conformance",
     "allocator_async",
     "conformance_async",
+    "nccl_gpu",
+    "peer_cuda",
 ];
+/// Test binaries that need two GPUs: bundled as `multi_*`, run by run.sh only with
+/// `MULTI_GPU=1` (on fewer than two GPUs they fail, never skip).
+const GPU_TESTS_MULTI: &[&str] = &["two_gpus"];
 /// Shared libraries the bundled tests load from beside themselves (package, library name).
 const GPU_LIBRARIES: &[(&str, &str)] =
     &[("ferrocuda-pluggable-fixture", "ferrocuda_pluggable_fixture")];
@@ -411,6 +417,11 @@ fn gpu_bundle() -> Result<(), String> {
             "test_",
         ),
         (
+            vec!["test", "--release", "--no-run", "--workspace"],
+            GPU_TESTS_MULTI,
+            "multi_",
+        ),
+        (
             vec!["bench", "--no-run", "--workspace"],
             GPU_BENCHES,
             "bench_",
@@ -541,6 +552,7 @@ const RUN_SH: &str = r#"#!/usr/bin/env bash
 # Runs the bundled tests and benches against the real CUDA driver. A skipped (ignored) test,
 # a missing GPU, or a failed bench counts as a failure. Last line: "N passed, N failed".
 # ONLY=<regex> runs just the binaries whose names match (and skips the PyTorch checks).
+# MULTI_GPU=1 also runs the multi_* binaries, which need two GPUs (they fail on fewer).
 set -u -o pipefail
 cd "$(dirname "$0")"
 OUT=${OUT:-$PWD/out}
@@ -555,7 +567,7 @@ tests_of() {
 @TEST_ONLY@
   esac
 }
-for t in test_*; do
+for t in test_* ${MULTI_GPU:+multi_*}; do
   want "$t" || continue
   echo "=== $t"
   # shellcheck disable=SC2046

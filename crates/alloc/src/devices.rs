@@ -200,4 +200,15 @@ impl MemoryResource for DeviceAllocators {
     ) -> Result<(), StreamError> {
         Ok(self.device(dev)?.record_stream(ptr, stream)?)
     }
+
+    /// PyTorch's `NativeCachingAllocator::enablePeerAccess` after the driver's part:
+    /// `dev_to_access`'s allocator (made now if need be) opens its expandable segments to
+    /// `dev`.
+    fn add_peer_access(
+        &self,
+        dev: DeviceIndex,
+        dev_to_access: DeviceIndex,
+    ) -> Result<(), StreamError> {
+        Ok(self.device(dev_to_access)?.add_peer_access(dev)?)
+    }
 }

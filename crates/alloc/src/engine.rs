@@ -51,6 +51,11 @@ pub(crate) struct Engine {
     /// This allocator's side of the per-thread front end.
     pub(crate) cache: ThreadCache,
     pub(crate) state: Mutex<Locked>,
+    /// Devices given access to this device's expandable segments (PyTorch's
+    /// `devices_with_peer_access_`). Read-held from mapping pages until they are recorded in
+    /// the segment, write-held while a new peer is opened to every mapped page: so no page
+    /// is mapped without every peer's access. Lock order: this, then `state`.
+    pub(crate) peers: parking_lot::RwLock<Vec<DeviceIndex>>,
 }
 
 impl Engine {
@@ -71,6 +76,7 @@ impl Engine {
                 state,
                 slots: Registry::default(),
             }),
+            peers: parking_lot::RwLock::default(),
         }
     }
 

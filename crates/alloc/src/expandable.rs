@@ -83,6 +83,23 @@ impl Expandable {
         self.segments.get_mut(seg)?.as_mut()
     }
 
+    /// Every mapped run of pages, as `(address, bytes)`, across all segments.
+    pub(crate) fn mapped_runs(&self) -> Vec<(u64, u64)> {
+        let mut runs: Vec<(u64, u64)> = Vec::new();
+        for s in self.segments.iter().flatten() {
+            let mut run: Option<(u64, u64)> = None;
+            for (i, h) in s.handles.iter().enumerate() {
+                match (h, run.as_mut()) {
+                    (Some(_), Some((_, bytes))) => *bytes += s.page,
+                    (Some(_), None) => run = Some((s.va.base.0 + i as u64 * s.page, s.page)),
+                    (None, _) => runs.extend(run.take()),
+                }
+            }
+            runs.extend(run);
+        }
+        runs
+    }
+
     /// The page size of the expandable segment that block `id` lies in.
     pub(crate) fn page_of(&self, blocks: &Blocks, id: usize) -> Option<u64> {
         self.segment_of(blocks, id).map(|s| s.page)

@@ -8,7 +8,7 @@ use crate::error::AllocError;
 use crate::expandable::{ExpandableSegment, Grow, Unmap, UnmapJob};
 use crate::state::State;
 use ferrocuda_driver::DriverError;
-use ferrocuda_types::{DevicePtr, PhysHandle, PoolId, PoolKind, StreamHandle};
+use ferrocuda_types::{DeviceIndex, DevicePtr, PhysHandle, PoolId, PoolKind, StreamHandle};
 
 impl Engine {
     /// The page of a new expandable segment of `kind`: 2 MiB small; large,
@@ -134,7 +134,9 @@ impl Engine {
             })
             .collect();
         drop(st);
-        let (mapped, spare_back) = self.map_pages(&jobs, page, reuse);
+        // Held until the pages are recorded, so that a peer added meanwhile sees them.
+        let peers = self.peers.read();
+        let (mapped, spare_back) = self.map_pages(&jobs, page, reuse, &peers);
         let mut st = self.lock();
         st.expandable.put_spare(kind, page, spare_back);
         let handles = match mapped {
@@ -150,10 +152,12 @@ impl Engine {
             }
         };
         let first = st.commit_growth(plan, handles, stream, kind, created);
+        drop(peers);
         Ok((st, Some(first)))
     }
 
-    /// Maps `bytes` at each address, a page at a time, then grants access. All or nothing.
+    /// Maps `bytes` at each address, a page at a time, then grants access to this device
+    /// and to each of `peers` (PyTorch's `ExpandableSegment::map`). All or nothing.
     /// Returns the pages mapped per job (or the error), and the spare pages not used (all
     /// of them after a failure: a rollback unmaps them again).
     pub(crate) fn map_pages(
@@ -161,6 +165,7 @@ impl Engine {
         jobs: &[(u64, u64)],
         page: u64,
         mut spare: Vec<PhysHandle>,
+        peers: &[DeviceIndex],
     ) -> (Result<Vec<Vec<PhysHandle>>, DriverError>, Vec<PhysHandle>) {
         let d = &self.driver;
         let from_spare: std::collections::HashSet<PhysHandle> = spare.iter().copied().collect();
@@ -192,7 +197,10 @@ impl Engine {
                     v.push(h);
                 }
             }
-            if let Err(e) = d.vm_set_access(self.device, DevicePtr(addr), bytes) {
+            let granted = std::iter::once(&self.device)
+                .chain(peers)
+                .try_for_each(|&dev| d.vm_set_access(dev, DevicePtr(addr), bytes));
+            if let Err(e) = granted {
                 result = Err(e);
                 break;
             }

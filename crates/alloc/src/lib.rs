@@ -80,6 +80,7 @@ mod free_pools;
 pub mod history;
 pub mod host;
 mod inspect;
+mod peer_access;
 mod pluggable;
 mod private_pools;
 mod release;

@@ -31,7 +31,9 @@ pub(crate) mod context_scope;
 mod host_register;
 mod interop;
 mod mem_pool;
+pub mod nccl;
 mod nodes;
+mod peer;
 
 /// Most kernel arguments one launch takes.
 const MAX_KERNEL_ARGS: usize = 64;
@@ -678,19 +680,7 @@ impl Driver for CudaDriver {
         stream: StreamHandle,
     ) -> Result<(), DriverError> {
         let s = self.stream(stream)?;
-        let l = self.loaded()?;
-        let ctx = |d: DeviceIndex| -> Result<sys::CUcontext, DriverError> {
-            self.bind(d)?;
-            let slot = l
-                .devices
-                .get(d.as_usize())
-                .ok_or(DriverError::INVALID_DEVICE)?;
-            match slot.context.get() {
-                Some(Ok(c)) => Ok(*c as sys::CUcontext),
-                _ => Err(DriverError::INVALID_CONTEXT),
-            }
-        };
-        let (dst_ctx, src_ctx) = (ctx(dst.0)?, ctx(src.0)?);
+        let (dst_ctx, src_ctx) = (self.primary_context(dst.0)?, self.primary_context(src.0)?);
         self.bind(stream.device)?;
         // SAFETY: both contexts are retained primary contexts; addresses validated by the driver.
         check(unsafe {
@@ -1317,5 +1307,17 @@ impl Driver for CudaDriver {
 
     fn mem_pool_trim_to(&self, dev: DeviceIndex, keep: u64) -> Result<(), DriverError> {
         mem_pool::trim_to(self, dev, keep)
+    }
+
+    fn device_can_access_peer(
+        &self,
+        dev: DeviceIndex,
+        peer: DeviceIndex,
+    ) -> Result<bool, DriverError> {
+        self.can_access_peer(dev, peer)
+    }
+
+    fn enable_peer_access(&self, dev: DeviceIndex, peer: DeviceIndex) -> Result<(), DriverError> {
+        self.enable_peer(dev, peer)
     }
 }

@@ -54,9 +54,9 @@ pub mod interop;
 pub mod nvml;
 pub mod pluggable;
 
-pub use cuda::{CudaDriver, RawGraph, RawLaunch};
+pub use cuda::{CudaDriver, RawGraph, RawLaunch, nccl};
 pub use error::{CompileError, DriverError};
-pub use fake::{Completion, FakeDriver, FakeDriverBuilder, KernelContext};
+pub use fake::{Completion, FakeDriver, FakeDriverBuilder, KernelContext, PeerCopies};
 pub use interop::ForeignStream;
 pub use nvml::NvmlError;
 pub use pluggable::{Hook, PluggableError, PluggableLibrary};
@@ -138,7 +138,9 @@ pub trait Driver: Send + Sync + std::fmt::Debug + 'static {
         bytes: u64,
         stream: StreamHandle,
     ) -> Result<(), DriverError>;
-    /// Copies between devices (`cuMemcpyPeerAsync`), ordered on `stream`.
+    /// Copies between devices (`cuMemcpyPeerAsync`), ordered on `stream`: directly when the
+    /// stream's device has peer access to the other one, staged through the host by the
+    /// driver otherwise.
     fn memcpy_peer_async(
         &self,
         dst: (DeviceIndex, DevicePtr),
@@ -297,7 +299,9 @@ pub trait Driver: Send + Sync + std::fmt::Debug + 'static {
     fn vm_destroy(&self, handle: PhysHandle) -> Result<(), DriverError>;
     /// Maps all of `handle` at `at` (`cuMemMap`).
     fn vm_map(&self, at: DevicePtr, handle: PhysHandle) -> Result<(), DriverError>;
-    /// Makes `[at, at + bytes)` readable and writable by `dev` (`cuMemSetAccess`).
+    /// Makes `[at, at + bytes)` readable and writable by `dev` (`cuMemSetAccess`). `dev` may
+    /// be a peer of the memory's device (PyTorch's `ExpandableSegment::setAccess` for peers);
+    /// one that cannot access it is `CUDA_ERROR_INVALID_DEVICE`.
     fn vm_set_access(&self, dev: DeviceIndex, at: DevicePtr, bytes: u64)
     -> Result<(), DriverError>;
     /// Unmaps `[at, at + bytes)` (`cuMemUnmap`).
@@ -371,6 +375,21 @@ pub trait Driver: Send + Sync + std::fmt::Debug + 'static {
     /// Releases unused memory of `dev`'s default pool until it holds at most `keep` bytes
     /// (`cuMemPoolTrimTo`); frees not yet completed stay.
     fn mem_pool_trim_to(&self, dev: DeviceIndex, keep: u64) -> Result<(), DriverError>;
+
+    // ---- several devices: peer access ----------------------------------------------------
+    /// Whether `dev` can access `peer`'s memory directly (`cuDeviceCanAccessPeer`); a device
+    /// and itself: `false`, as CUDA answers.
+    fn device_can_access_peer(
+        &self,
+        dev: DeviceIndex,
+        peer: DeviceIndex,
+    ) -> Result<bool, DriverError>;
+    /// Lets `dev` access `peer`'s memory (`cuCtxEnablePeerAccess` in `dev`'s primary
+    /// context). Enabling twice is [`DriverError::PEER_ACCESS_ALREADY_ENABLED`], a pair that
+    /// cannot is [`DriverError::PEER_ACCESS_UNSUPPORTED`], a device and itself
+    /// [`DriverError::INVALID_DEVICE`]: the policy (PyTorch's "already enabled is fine") is
+    /// the caller's.
+    fn enable_peer_access(&self, dev: DeviceIndex, peer: DeviceIndex) -> Result<(), DriverError>;
 }
 
 /// What a stream-ordered memory pool holds ([`Driver::mem_pool_usage`]).

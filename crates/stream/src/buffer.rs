@@ -175,8 +175,10 @@ impl<T: Element> DeviceBuffer<T> {
         Ok(out)
     }
 
-    /// Copies `src` into this buffer on the current stream of this buffer's device; across
-    /// devices this is an explicit peer copy.
+    /// Copies `src` into this buffer (`Tensor.copy_`): on one device, on its current
+    /// stream; across devices as PyTorch does ([`Runtime::copy_between_devices`]: on the
+    /// source device's current stream, ordered after and before the destination device's
+    /// current stream, over peer access when it can be enabled).
     pub fn copy_from(&self, src: &DeviceBuffer<T>) -> Result<()> {
         if src.len != self.len {
             return Err(StreamError::LengthMismatch {
@@ -187,19 +189,8 @@ impl<T: Element> DeviceBuffer<T> {
         if self.len == 0 {
             return Ok(());
         }
-        let stream = self.stream()?;
-        let driver = self.runtime.driver();
-        if src.device == self.device {
-            Ok(driver.memcpy_dtod_async(self.ptr, src.ptr, self.bytes(), stream.handle())?)
-        } else {
-            // The source's pending work must finish first: order on its current stream.
-            stream.wait_stream(&src.stream()?)?;
-            Ok(driver.memcpy_peer_async(
-                (self.device, self.ptr),
-                (src.device, src.ptr),
-                self.bytes(),
-                stream.handle(),
-            )?)
-        }
+        self.runtime
+            .copy_between_devices((self.device, self.ptr), (src.device, src.ptr), self.bytes())
+            .map(drop)
     }
 }

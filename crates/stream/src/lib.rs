@@ -51,6 +51,7 @@ mod event;
 mod interop;
 mod memory;
 mod module;
+mod peer;
 mod per_device;
 mod pinned_buffer;
 mod runtime;

@@ -15,6 +15,15 @@ pub trait MemoryResource: Send + Sync + std::fmt::Debug {
     /// Notes that `stream` uses the memory at `ptr`, so it is not reused before the work
     /// enqueued there so far has completed (`Tensor.record_stream`).
     fn record_stream(&self, dev: DeviceIndex, ptr: DevicePtr, stream: StreamHandle) -> Result<()>;
+    /// `dev` has just been given access to `dev_to_access`'s memory
+    /// ([`Runtime::get_p2p_access`](crate::Runtime::get_p2p_access)): memory of
+    /// `dev_to_access` whose access is set per device (expandable segments) must be opened
+    /// to `dev`, now and when mapped later (PyTorch's allocator `enablePeerAccess`, after
+    /// the driver's). Nothing to do by default: `cuMemAlloc` memory follows the context.
+    fn add_peer_access(&self, dev: DeviceIndex, dev_to_access: DeviceIndex) -> Result<()> {
+        let _ = (dev, dev_to_access);
+        Ok(())
+    }
 }
 
 /// Straight `cuMemAlloc`/`cuMemFree`: the default until an allocator is installed.

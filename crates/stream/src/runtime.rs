@@ -58,6 +58,9 @@ pub struct Runtime {
     pub(crate) kernel_cache: crate::module::KernelCache,
     memory: parking_lot::RwLock<Arc<dyn crate::MemoryResource>>,
     host_memory: parking_lot::RwLock<Arc<dyn crate::HostMemoryResource>>,
+    /// PyTorch's `p2pAccessEnabled_` cache: `(dev, dev_to_access)` → whether `dev` has
+    /// access ([`Runtime::get_p2p_access`]).
+    pub(crate) peer_access: Mutex<std::collections::HashMap<(u16, u16), bool>>,
 }
 
 impl Runtime {
@@ -75,6 +78,7 @@ impl Runtime {
             id: NEXT_RUNTIME_ID.fetch_add(1, Ordering::Relaxed),
             devices: PerDevice::default(),
             kernel_cache: cache,
+            peer_access: Mutex::default(),
             memory: parking_lot::RwLock::new(Arc::new(crate::DriverMemory(driver.clone()))),
             host_memory: parking_lot::RwLock::new(Arc::new(crate::DriverHostMemory(
                 driver.clone(),

@@ -37,6 +37,9 @@ struct Mapping {
     len: u64,
     chunk: u64,
     accessible: bool,
+    /// Devices (bit `d`) other than the owner that may access it: all for `cuMemAlloc`
+    /// memory (peer access is the context's), those given `cuMemSetAccess` for a mapping.
+    peers: u64,
 }
 
 struct DeviceSpace {
@@ -56,6 +59,12 @@ pub(crate) struct Memory {
     chunks: HashMap<u64, Chunk>,
     next_chunk: u64,
     backing: bool,
+}
+
+/// The bit of `peer` in [`Mapping::peers`] (the fake models peers among 64 devices).
+fn peer_bit(peer: DeviceIndex) -> Result<u64, DriverError> {
+    1u64.checked_shl(u32::from(peer.0))
+        .ok_or(DriverError::INVALID_DEVICE)
 }
 
 fn round_up(v: u64, to: u64) -> u64 {
@@ -259,6 +268,7 @@ impl Memory {
                 len,
                 chunk,
                 accessible,
+                peers: 0,
             },
         );
         if let Some(c) = self.chunks.get_mut(&chunk) {
@@ -299,6 +309,42 @@ impl Memory {
             }
         }
         Ok(())
+    }
+
+    /// `cuMemSetAccess` for `peer`, a device other than the memory's.
+    pub(crate) fn set_peer_access(
+        &mut self,
+        at: DevicePtr,
+        bytes: u64,
+        peer: DeviceIndex,
+    ) -> Result<(), DriverError> {
+        let dev = device_of(at).ok_or(DriverError::INVALID_VALUE)?;
+        let space = self.space(dev)?;
+        let bit = peer_bit(peer)?;
+        for s in Self::tiling(space, at.0, bytes)? {
+            if let Some(m) = space.mappings.get_mut(&s) {
+                m.peers |= bit;
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether `peer` may access all of `[ptr, ptr + len)` (mapped memory of another device).
+    pub(crate) fn peer_accessible(&self, ptr: DevicePtr, len: u64, peer: DeviceIndex) -> bool {
+        let (Some(dev), Ok(bit)) = (device_of(ptr), peer_bit(peer)) else {
+            return false;
+        };
+        let Some(space) = self.devices.get(dev.as_usize()) else {
+            return false;
+        };
+        let (mut at, end) = (ptr.0, ptr.0 + len);
+        while at < end {
+            match space.mappings.range(..=at).next_back() {
+                Some((&s, m)) if at < s + m.len && m.peers & bit != 0 => at = s + m.len,
+                _ => return false,
+            }
+        }
+        true
     }
 
     pub(crate) fn unmap(&mut self, at: DevicePtr, bytes: u64) -> Result<(), DriverError> {
@@ -350,6 +396,7 @@ impl Memory {
                 len,
                 chunk,
                 accessible: true,
+                peers: u64::MAX,
             },
         );
         space.mallocs.insert(at.0, chunk);

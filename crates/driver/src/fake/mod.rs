@@ -19,9 +19,11 @@ mod interop;
 mod mem_pool;
 mod memory;
 mod nodes;
+mod peer;
 mod work;
 
 pub use addresses::{AddressPlan, AddressPlanError, PLAN_REGION, PlanUse, WhenUnusable};
+pub use peer::PeerCopies;
 pub use work::{HostKernel, KernelContext};
 
 use crate::{CompileError, Driver, DriverError, ForeignStream, MemPoolUsage, NvmlError};
@@ -126,9 +128,11 @@ pub enum Call {
     MemPoolUsage,
     MemPoolResetPeaks,
     MemPoolTrimTo,
+    DeviceCanAccessPeer,
+    EnablePeerAccess,
 }
 
-const CALL_KINDS: usize = Call::MemPoolTrimTo as usize + 1;
+const CALL_KINDS: usize = Call::EnablePeerAccess as usize + 1;
 
 /// Configures a [`FakeDriver`].
 #[derive(Debug, Clone)]
@@ -140,6 +144,7 @@ pub struct FakeDriverBuilder {
     launch_blocking: bool,
     nvml: Result<usize, NvmlError>,
     plans: Vec<(DeviceIndex, AddressPlan)>,
+    no_peer: Vec<(u16, u16)>,
 }
 
 impl Default for FakeDriverBuilder {
@@ -154,6 +159,7 @@ impl Default for FakeDriverBuilder {
                 "the fake device has no NVML (FakeDriverBuilder::nvml gives it one)".into(),
             )),
             plans: Vec::new(),
+            no_peer: Vec::new(),
         }
     }
 }
@@ -245,6 +251,7 @@ impl FakeDriverBuilder {
                 failures: Vec::new(),
                 foreign: HashMap::new(),
                 pools: Vec::new(),
+                peers: peer::Peers::new(&self.no_peer),
             }),
         }
     }
@@ -358,6 +365,7 @@ struct State {
     foreign: HashMap<StreamKey, u32>,
     /// Each device's default stream-ordered memory pool, made at its first use.
     pools: Vec<mem_pool::Pool>,
+    peers: peer::Peers,
 }
 
 thread_local! {
@@ -1093,6 +1101,7 @@ impl Driver for FakeDriver {
         if st.dev_ptr_check(dst.1, bytes)? != dst.0 || st.dev_ptr_check(src.1, bytes)? != src.0 {
             return Err(DriverError::INVALID_VALUE);
         }
+        st.route_peer_copy(DeviceIndex(key.0), dst, src, bytes)?;
         st.enqueue(
             key,
             Work::DeviceToDevice {
@@ -1735,11 +1744,7 @@ impl Driver for FakeDriver {
         at: DevicePtr,
         bytes: u64,
     ) -> Result<(), DriverError> {
-        let mut st = self.enter(Call::VmSetAccess)?;
-        if device_of(at) != Some(dev) {
-            return Err(DriverError::INVALID_VALUE);
-        }
-        st.memory.set_access(at, bytes)
+        self.enter(Call::VmSetAccess)?.set_access(dev, at, bytes)
     }
 
     fn vm_unmap(&self, dev: DeviceIndex, at: DevicePtr, bytes: u64) -> Result<(), DriverError> {
@@ -1829,5 +1834,18 @@ impl Driver for FakeDriver {
     fn mem_pool_trim_to(&self, dev: DeviceIndex, keep: u64) -> Result<(), DriverError> {
         let mut st = self.enter(Call::MemPoolTrimTo)?;
         mem_pool::trim_to(&mut st, dev, keep)
+    }
+
+    fn device_can_access_peer(
+        &self,
+        dev: DeviceIndex,
+        peer: DeviceIndex,
+    ) -> Result<bool, DriverError> {
+        self.enter(Call::DeviceCanAccessPeer)?
+            .can_access_peer(dev, peer)
+    }
+
+    fn enable_peer_access(&self, dev: DeviceIndex, peer: DeviceIndex) -> Result<(), DriverError> {
+        self.enter(Call::EnablePeerAccess)?.enable_peer(dev, peer)
     }
 }

@@ -1,0 +1,39 @@
+//! Several GPUs: collectives on ferrocuda streams and buffers (`torch.distributed` with the
+//! NCCL backend, for the parts a runtime owns) and DDP's bucketed gradient all-reduce.
+//!
+//! A [`ProcessGroup`] runs one rank's collectives through a [`Collective`] backend: NCCL's
+//! communicator ([`NcclComm`](ferrocuda_driver::nccl::NcclComm), loaded at run time; a
+//! missing libnccl is [`NcclError::Unavailable`](ferrocuda_driver::nccl::NcclError)) on the
+//! GPU, or the in-process [`FakeGroup`] over the fake device's devices in CI. A
+//! [`Reducer`] buckets gradients as DDP does and all-reduces each bucket as soon as it is
+//! full, overlapping the backward pass.
+//!
+//! # Design choices
+//! - **One seam for collectives** ([`Collective`]): the process group's stream order,
+//!   `record_stream` and `Work` semantics, and the reducer's bucketing, are tested on the
+//!   fake device with the same code that drives NCCL.
+//! - **PyTorch's stream protocol** (`ProcessGroupNCCL::collective`): the communication
+//!   stream waits for the current stream, buffers are recorded on it, `Work::wait` is a
+//!   stream wait. Nothing here synchronises the host.
+//! - **The fake moves data in stream order** on a group stream of its own, so manual
+//!   completion shows what waits for what; send and receive meet in pairs.
+//! - `#![forbid(unsafe_code)]`: NCCL's FFI is in `ferrocuda-driver`.
+//!
+//! # What the layer above must do
+//! - Pass the same calls in the same order on every rank (NCCL's rule; the fake reports a
+//!   mismatch as [`DistError::Mismatched`]).
+//! - Create communicators one thread (or process) per device, and share the unique id.
+#![forbid(unsafe_code)]
+
+mod collective;
+mod error;
+mod fake;
+mod group;
+mod reducer;
+
+pub use collective::Collective;
+pub use error::{DistError, Result};
+pub use fake::{FakeGroup, FakeRank};
+pub use ferrocuda_driver::nccl::ReduceOp;
+pub use group::{ProcessGroup, Work};
+pub use reducer::{BucketCaps, Reducer, assign_buckets, reduce_found_inf};
