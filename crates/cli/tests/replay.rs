@@ -2,7 +2,7 @@
 //! `tests/data/`):
 //! with the default configuration ferrocuda's allocator must reproduce PyTorch's own figures
 //! exactly, and its books must equal a recount of its blocks (checked inside `replay`).
-use ferrocuda_cli::replay::{AddressUse, replay, replay_with};
+use ferrocuda_cli::replay::{AddressUse, Device, replay};
 use ferrocuda_cli::trace::{Action, events, read_device_traces, read_recording, segment_addresses};
 use ferrocuda_types::AllocatorConfig;
 use std::path::Path;
@@ -74,14 +74,11 @@ fn recorded_addresses_make_every_default_figure_exact() -> TestResult {
         let trace = &recording.snapshot.device_traces[0];
         let recorded = segment_addresses(trace);
         let config = AllocatorConfig::default();
-        let (f, _) = replay_with(
-            &events(trace),
-            "default",
-            config,
-            80 << 30,
-            Some(&recorded),
-            |_| {},
-        )?;
+        let device = Device::Fake {
+            capacity: 80 << 30,
+            recorded_addresses: true,
+        };
+        let (f, _) = device.replay(&events(trace), &recorded, "default", config, |_| {})?;
         for (ours, key) in [
             (f.peak_requested, "peak_requested"),
             (f.peak_allocated, "peak_allocated"),
