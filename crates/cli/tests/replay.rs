@@ -190,7 +190,9 @@ fn the_command_prints_a_table_and_json() -> TestResult {
     assert!(
         text.contains("reserved/requested")
             && text.contains("max_split_size_mb:100")
-            && text.contains("1.3563"),
+            && text.contains("1.3563")
+            && text.contains("ns per event")
+            && text.contains("alloc/free events timed"),
         "{text}"
     );
     let out = Command::new(exe)
@@ -209,11 +211,23 @@ fn the_command_prints_a_table_and_json() -> TestResult {
         "num_device_free",
         "num_ooms",
         "events",
+        "timed_events",
         "seconds",
+        "ns_per_event",
+        "backend",
     ];
     for k in keys {
         assert!(json[0].get(k).is_some(), "missing {k}");
     }
+    // The fake device is the default; every alloc and free of this trace is timed.
+    assert_eq!(json[0]["backend"], "fake");
+    assert_eq!(json[0]["timed_events"], 5163 + 5160);
+    let ns = json[0]["ns_per_event"].as_f64().unwrap_or_default();
+    let seconds = json[0]["seconds"].as_f64().unwrap_or_default();
+    assert!(
+        ns > 0.0 && (ns * 10323.0 / 1e9 - seconds).abs() <= seconds * 1e-9,
+        "{ns} ns per event, {seconds} s"
+    );
     let bad = Command::new(exe)
         .arg("replay")
         .arg(&trace)

@@ -9,6 +9,7 @@
 //! - Random traces with what the real ones lack (several streams, addresses reused without
 //!   a free, frees of addresses never allocated, out-of-memory errors on a small device) give
 //!   the figures of the loop as it was before, kept here as the reference.
+//! - The events timed are the events PyTorch's own replay (`torch_replay.py`) times.
 use ferrocuda_alloc::{AllocError, CachingAllocator};
 use ferrocuda_cli::options::parse_capacity;
 use ferrocuda_cli::replay::{Device, Figures, fake_device, replay_with};
@@ -53,13 +54,28 @@ fn computed(f: &Figures) -> Result<serde_json::Value, serde_json::Error> {
     Ok(v)
 }
 
-/// Replays every row of `replay-before.json` whose trace is `trace`.
+/// The events PyTorch's `torch_replay.py` timed on `trace`, where it was run on it
+/// (`docs/measurements/traces_2026-11-23/torch_replay.json`: six of the eight traces).
+fn torch_events(trace: &str) -> Result<Option<u64>, Box<dyn std::error::Error>> {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../docs/measurements/traces_2026-11-23/torch_replay.json");
+    let rows: Vec<serde_json::Value> = serde_json::from_str(&std::fs::read_to_string(path)?)?;
+    let name = format!("{trace}.default.pickle.xz");
+    Ok(rows
+        .iter()
+        .find(|r| r["trace"] == name.as_str())
+        .and_then(|r| r["events"].as_u64()))
+}
+
+/// Replays every row of `replay-before.json` whose trace is `trace`; the events timed are
+/// those PyTorch's replay timed.
 fn check_trace(trace: &str) -> TestResult {
     let rows: Vec<serde_json::Value> =
         serde_json::from_str(&std::fs::read_to_string(data("replay-before.json"))?)?;
     let recording = read_recording(&data(&format!("{trace}.pickle.xz")))?;
     let entries = &recording.snapshot.device_traces[0];
     let (events, recorded) = (events(entries), segment_addresses(entries));
+    let torch = torch_events(trace)?;
     let mut checked = 0;
     for row in rows.iter().filter(|r| r["trace"] == trace) {
         let text = |k: &str| row[k].as_str().ok_or(format!("{k} of {row}"));
@@ -83,6 +99,12 @@ fn check_trace(trace: &str) -> TestResult {
             f.reserved_over_requested
         );
         assert_eq!(f.conf, conf);
+        if let Some(n) = torch {
+            assert_eq!(
+                f.timed_events, n,
+                "{row}: PyTorch's replay timed {n} events"
+            );
+        }
         checked += 1;
     }
     assert_eq!(checked, 25, "{trace}: rows of replay-before.json");
