@@ -109,7 +109,8 @@ pub enum ReplayError {
     Addresses(#[from] AddressPlanError),
     /// `--device cuda` on a machine where the CUDA driver or a GPU is missing.
     #[error(
-        "--device cuda: CUDA is unavailable on this machine ({0}); replay on the fake device instead (--device fake, the default)"
+        "--device cuda: CUDA is unavailable on this machine ({0}); replay on the fake device \
+         instead (--device fake, the default)"
     )]
     CudaUnavailable(DriverError),
 }
@@ -239,9 +240,9 @@ const PROGRESS_EVERY: usize = 65_536;
 /// events done so far.
 ///
 /// Before the clock starts, the trace becomes a list of allocate and free steps on dense
-/// slots and the recorded streams are created in order of first use ([`plan`]); the clock
-/// covers only the loop of `allocate` and `free` calls (driver calls they make included), as
-/// in PyTorch's `torch_replay.py`. After it stops, the allocator's books are checked against
+/// slots and the recorded streams are created in order of first use (`replay/plan.rs`);
+/// the clock covers only the loop of `allocate` and `free` calls (driver calls they make
+/// included), as in PyTorch's `torch_replay.py`. After it stops, the allocator's books are checked against
 /// a recount of its blocks, the figures are read, and the blocks still live are freed, so
 /// that dropping the allocator gives all its memory back.
 pub fn replay_with(
