@@ -340,6 +340,10 @@ fn invocation(r: &mut Rng, file: &Path, dir: &Path) -> Invocation {
             if r.chance(30) {
                 args.push("--addresses=recorded".into());
             }
+            // Without a GPU: refused in one line (with a fake-device option or without).
+            if r.chance(5) {
+                args.push("--device=cuda".into());
+            }
         }
         "plot" => {
             args.push("-o".into());

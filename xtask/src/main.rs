@@ -5,8 +5,10 @@
 //! - `gpu-bundle`: builds release test and bench binaries into `gpu-bundle/` (git-ignored)
 //!   with a `run.sh` that runs them against the real driver, fails on any skip, and ends with
 //!   `N passed, N failed`; with them the PyTorch allocator library (`libferrocuda_torch.so`)
-//!   and `xtask/torch/plugin_bench.py`, which `run.sh` runs against real PyTorch;
-//!   (`MULTI_GPU=1 run.sh` also runs the two-GPU `multi_*` binaries);
+//!   and `xtask/torch/plugin_bench.py`, which `run.sh` runs against real PyTorch, and the
+//!   `ferrocuda` command, four traces and `replay.sh`, which replays them on the fake device,
+//!   on the GPU and through PyTorch's allocator and fails if the fake and the real device's
+//!   memory figures differ (`MULTI_GPU=1 run.sh` also runs the two-GPU `multi_*` binaries);
 //! - `bench`: the criterion benches (they need a GPU; without one they say they skipped);
 //! - `cli-fuzz [--cases N] [--seed S] [--long] [--case N]`: the `ferrocuda` command against
 //!   generated and mutated traces (see [`fuzz`]); `ci` runs it with a fixed seed;
@@ -91,6 +93,13 @@ const GPU_EXAMPLES: &[&str] = &["tour", "snapshot", "decode"];
 const TORCH_PLUGIN: &str = "ferrocuda-torch";
 const TORCH_PLUGIN_LIBRARY: &str = "ferrocuda_torch";
 const TORCH_PLUGIN_SCRIPT: &str = "xtask/torch/plugin_bench.py";
+/// Traces of `tests/data` the bundle replays on the GPU beside PyTorch's allocator
+/// (`replay.sh`): the four models of `shared/tools/torch_traces.py`, the shared recording
+/// script (training with random shapes: GPT-2, ResNet-50; serving: BERT, a Llama decoder).
+const REPLAY_TRACES: &[&str] = &["gpt2_train", "resnet50_train", "bert_serve", "llama_decode"];
+/// The replay comparison's scripts, written into the bundle.
+const REPLAY_SH: &str = include_str!("../gpu/replay.sh");
+const REPLAY_COMPARE_PY: &str = include_str!("../gpu/replay_compare.py");
 
 fn main() -> ExitCode {
     let task = std::env::args().nth(1).unwrap_or_default();
@@ -431,6 +440,18 @@ fn gpu_bundle() -> Result<(), String> {
             GPU_EXAMPLES,
             "example_",
         ),
+        (
+            vec![
+                "build",
+                "--release",
+                "-p",
+                "ferrocuda-cli",
+                "--bin",
+                "ferrocuda",
+            ],
+            &["ferrocuda"],
+            "",
+        ),
     ];
     for (args, names, prefix) in groups {
         for (name, exe) in built_executables(&args, names)? {
@@ -456,16 +477,10 @@ fn gpu_bundle() -> Result<(), String> {
     }
     // The pinned-memory anchor lives in this repository (PyTorch's side of benches/pinned.rs).
     std::fs::write(dir.join("torch_pinned.py"), TORCH_PINNED_PY).map_err(|e| e.to_string())?;
+    bundle_replay(&dir, &root().join("../shared/tools/torch_replay.py"))?;
     let script = dir.join("run.sh");
     std::fs::write(&script, run_sh()).map_err(|e| e.to_string())?;
-    let status = Command::new("chmod")
-        .arg("+x")
-        .arg(&script)
-        .status()
-        .map_err(|e| e.to_string())?;
-    if !status.success() {
-        return Err("chmod failed".into());
-    }
+    make_executable(&script)?;
     eprintln!(
         "bundle ready in {}: run gpu-bundle/run.sh on the GPU machine",
         dir.display()
@@ -506,6 +521,42 @@ fn copy_stripped(from: &Path, to: &Path) -> Result<(), String> {
         );
     }
     Ok(())
+}
+
+fn make_executable(path: &Path) -> Result<(), String> {
+    let status = Command::new("chmod")
+        .arg("+x")
+        .arg(path)
+        .status()
+        .map_err(|e| e.to_string())?;
+    if status.success() {
+        Ok(())
+    } else {
+        Err(format!("chmod +x {} failed", path.display()))
+    }
+}
+
+/// What the replay comparison needs in the bundle: the traces of [`REPLAY_TRACES`] under
+/// `traces/`, `replay.sh`, `replay_compare.py`, and a copy of PyTorch's replay `torch`
+/// (`shared/tools/torch_replay.py`, beside the checkout: without it the bundle is not made).
+fn bundle_replay(dir: &Path, torch: &Path) -> Result<(), String> {
+    let traces = dir.join("traces");
+    std::fs::create_dir_all(&traces).map_err(|e| e.to_string())?;
+    for name in REPLAY_TRACES {
+        let file = format!("{name}.pickle.xz");
+        let from = root().join("tests/data").join(&file);
+        std::fs::copy(&from, traces.join(&file)).map_err(|e| format!("{}: {e}", from.display()))?;
+    }
+    std::fs::copy(torch, dir.join("torch_replay.py")).map_err(|e| {
+        format!(
+            "{}: {e} (the replay comparison runs PyTorch's allocator through it)",
+            torch.display()
+        )
+    })?;
+    std::fs::write(dir.join("replay_compare.py"), REPLAY_COMPARE_PY).map_err(|e| e.to_string())?;
+    let script = dir.join("replay.sh");
+    std::fs::write(&script, REPLAY_SH).map_err(|e| e.to_string())?;
+    make_executable(&script)
 }
 
 /// Past this size a bundle is also written as `gpu-bundle.tar.xz` (about 8x smaller), for
@@ -551,7 +602,9 @@ const TORCH_PINNED_PY: &str = include_str!("../anchors/torch_pinned.py");
 const RUN_SH: &str = r#"#!/usr/bin/env bash
 # Runs the bundled tests and benches against the real CUDA driver. A skipped (ignored) test,
 # a missing GPU, or a failed bench counts as a failure. Last line: "N passed, N failed".
-# ONLY=<regex> runs just the binaries whose names match (and skips the PyTorch checks).
+# ONLY=<regex> runs just the binaries whose names match (and skips the PyTorch checks);
+# ONLY=replay runs just the replay comparison (replay.sh: ferrocuda on the fake device and the
+# GPU, and PyTorch's allocator, on the same traces).
 # MULTI_GPU=1 also runs the multi_* binaries, which need two GPUs (they fail on fewer).
 set -u -o pipefail
 cd "$(dirname "$0")"
@@ -595,6 +648,14 @@ for b in bench_*; do
   echo "=== $b"
   if ./"$b" --bench 2>&1 | tee "$OUT/$b.log"; then passed=$((passed + 1)); else echo "$b failed"; failed=$((failed + 1)); fi
 done
+if want replay; then
+  echo "=== replay: ferrocuda on the fake device and on the GPU, PyTorch's allocator, same traces"
+  if ./replay.sh "$OUT/replay" 2>&1 | tee "$OUT/replay.log"; then
+    passed=$((passed + 1))
+  else
+    echo "replay comparison failed"; failed=$((failed + 1))
+  fi
+fi
 if [ -f snapshot.pickle ] && [ -z "${ONLY:-}" ]; then
   echo "=== PyTorch's memory viewer on ferrocuda's snapshot"
   if python3 - snapshot.pickle <<'PY' 2>&1 | tee "$OUT/memory_viz.log"; then passed=$((passed + 1)); else echo "memory_viz check failed"; failed=$((failed + 1)); fi
@@ -721,6 +782,48 @@ mod tests {
             assert!(script.contains(step), "run.sh lacks {step}");
         }
         assert!(!script.contains("@TEST_ONLY@"));
+    }
+
+    fn bash_accepts(name: &str, script: &str, dir: &Path) -> bool {
+        let path = dir.join(name);
+        std::fs::write(&path, script).is_ok()
+            && Command::new("bash")
+                .arg("-n")
+                .arg(&path)
+                .status()
+                .is_ok_and(|s| s.success())
+    }
+
+    #[test]
+    fn the_bundle_carries_the_replay_comparison() -> Result<(), String> {
+        let dir = std::env::temp_dir().join(format!("xtask-bundle-replay-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+        let missing = bundle_replay(&dir, &dir.join("no/torch_replay.py"))
+            .err()
+            .unwrap_or_default();
+        assert!(
+            missing.contains("torch_replay.py") && missing.contains("PyTorch's allocator"),
+            "{missing}"
+        );
+        let torch = dir.join("stand-in.py");
+        std::fs::write(&torch, "print('torch')\n").map_err(|e| e.to_string())?;
+        bundle_replay(&dir, &torch)?;
+        for name in REPLAY_TRACES {
+            assert!(
+                dir.join(format!("traces/{name}.pickle.xz")).is_file(),
+                "{name}"
+            );
+        }
+        for file in ["torch_replay.py", "replay.sh", "replay_compare.py"] {
+            assert!(dir.join(file).is_file(), "{file}");
+        }
+        // run.sh runs the step (ONLY=replay runs just it), and both scripts parse.
+        assert!(RUN_SH.contains("if want replay; then") && RUN_SH.contains("./replay.sh"));
+        assert!(bash_accepts("run.sh", &run_sh(), &dir));
+        assert!(bash_accepts("replay.sh", REPLAY_SH, &dir));
+        let _ = std::fs::remove_dir_all(&dir);
+        Ok(())
     }
 
     #[test]

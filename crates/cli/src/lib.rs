@@ -1,6 +1,7 @@
 //! The `ferrocuda` command's library: reading PyTorch memory snapshots and replaying their
 //! allocation traces through ferrocuda's caching allocator on the fake device, so allocator
-//! settings can be compared on a real workload without a GPU.
+//! settings can be compared on a real workload without a GPU, or on the GPU itself, timed as
+//! PyTorch's own replay times PyTorch's allocator.
 //!
 //! # Design choices
 //! - A replay allocates on the trace's streams, frees at `free_completed` (a block whose
@@ -13,9 +14,15 @@
 //!   every error (`event 3 of device 0 (device_traces[0][3]), field size`), and refused
 //!   when it has neither `device_traces` nor `segments` or a size above 2^50.
 //! - Options are checked before any file is read ([`options`]): `--capacity` with units and
-//!   a range, every `--conf` (or the environment's configuration) parsed.
+//!   a range, every `--conf` (or the environment's configuration) parsed, the fake device's
+//!   options refused with `--device cuda`, and CUDA's availability asked.
 //! - Each device of a trace is replayed on a fake device of its own: PyTorch's allocators
-//!   are per device, so merging them would invent out-of-memory errors.
+//!   are per device, so merging them would invent out-of-memory errors. On the GPU
+//!   (`--device cuda`) each is replayed on device 0 in turn, with an allocator of its own.
+//! - The clock covers only the allocator's `allocate` and `free` calls (and the driver calls
+//!   they make): the trace is turned into steps on dense slots and its streams are created
+//!   before it starts ([`replay::replay_with`]), as `shared/tools/torch_replay.py` prepares
+//!   PyTorch's replay, so the two times per event compare like with like.
 //! - PyTorch's figures are shown beside ours when known ([`pytorch`]), compared per parsed
 //!   configuration.
 //!

@@ -5,9 +5,9 @@
 #![forbid(unsafe_code)]
 
 use clap::{Parser, Subcommand, ValueEnum};
-use ferrocuda_cli::options::{parse_capacity, resolve_confs};
+use ferrocuda_cli::options::{choose_device, resolve_confs};
 use ferrocuda_cli::pytorch;
-use ferrocuda_cli::replay::{Figures, replay_with};
+use ferrocuda_cli::replay::{Device, Figures};
 use ferrocuda_cli::report::{plot_html, summary};
 use ferrocuda_cli::trace::{events, read_recording, segment_addresses};
 use ferrocuda_types::format_size;
@@ -29,8 +29,9 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Replays a PyTorch memory snapshot's device traces through ferrocuda's allocator on the
-    /// fake device, once per --conf, and prints the figures side by side (each device of
-    /// the trace separately, on a fake device of its own).
+    /// fake device (or the GPU with --device cuda), once per --conf, and prints the figures
+    /// side by side, with the allocator's time per alloc or free event (each device of the
+    /// trace separately, on a fake device of its own or on cuda:0 in turn).
     Replay {
         /// A snapshot from torch.cuda.memory._snapshot() (pickle, optionally .xz or .gz).
         trace: PathBuf,
@@ -39,10 +40,14 @@ enum Command {
         /// PYTORCH_CUDA_ALLOC_CONF, else PYTORCH_ALLOC_CONF, else the defaults.
         #[arg(long = "conf")]
         confs: Vec<String>,
+        /// Where to replay: `fake`, the fake device in host memory, or `cuda`, the real
+        /// driver's device 0 (a GPU is needed).
+        #[arg(long, value_enum, default_value_t = DeviceArg::Fake)]
+        device: DeviceArg,
         /// Memory of each fake device: GiB (`80`) or with a unit (`80G`, `512M`, `1T`);
-        /// 2M to 4T.
-        #[arg(long, default_value = "80")]
-        capacity: String,
+        /// 2M to 4T. Default 80. Fake device only.
+        #[arg(long)]
+        capacity: Option<String>,
         /// PyTorch's figures to show beside ours (rows of model, conf and figures, as in
         /// tests/data/pytorch-figures.json). Default: the recording's own memory_stats,
         /// else a pytorch-figures.json beside the trace.
@@ -51,11 +56,12 @@ enum Command {
         /// Print a JSON array instead of a table.
         #[arg(long)]
         json: bool,
-        /// Where the fake device puts segments: `fresh` increasing addresses, or the
-        /// `recorded` ones (the trace's segment_alloc events, in order, per device), so
-        /// best-fit ties between segments break as they did in the recording.
-        #[arg(long, value_enum, default_value_t = Addresses::Fresh)]
-        addresses: Addresses,
+        /// Where the fake device puts segments: `fresh` increasing addresses (the default),
+        /// or the `recorded` ones (the trace's segment_alloc events, in order, per device),
+        /// so best-fit ties between segments break as they did in the recording. Fake device
+        /// only.
+        #[arg(long, value_enum)]
+        addresses: Option<Addresses>,
     },
     /// Prints PyTorch's memory_summary table for a snapshot (current state from its
     /// segments, peaks of requested and reserved bytes from its history).
@@ -71,6 +77,15 @@ enum Command {
         #[arg(short = 'o', long = "output")]
         output: PathBuf,
     },
+}
+
+/// `replay --device`.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
+enum DeviceArg {
+    /// The fake device in host memory.
+    Fake,
+    /// The real CUDA driver's device 0.
+    Cuda,
 }
 
 /// `replay --addresses`.
@@ -127,11 +142,30 @@ fn run(cli: Cli) -> Result<(), Failure> {
         Command::Replay {
             trace,
             confs,
+            device,
             capacity,
             pytorch_figures,
             json,
             addresses,
-        } => replay_command(&trace, &confs, &capacity, pytorch_figures, json, addresses),
+        } => {
+            // Options first: a bad one is reported before the driver is initialised or any
+            // file is read.
+            let choice = choose_device(
+                device == DeviceArg::Cuda,
+                capacity.as_deref(),
+                addresses.map(|a| a == Addresses::Recorded),
+            )?;
+            let (confs, conf_note) = resolve_confs(&confs, |k| std::env::var(k).ok())?;
+            let device = Device::open(&choice)?;
+            let options = ReplayOptions {
+                confs,
+                conf_note,
+                device,
+                sidecar: pytorch_figures,
+                json,
+            };
+            replay_command(&trace, options)
+        }
         Command::Summary { snapshot } => {
             let recording = read_recording(&snapshot)?;
             emit(&summary(&recording.snapshot))
@@ -157,17 +191,24 @@ fn progress_bar(total: u64) -> Option<indicatif::ProgressBar> {
     })
 }
 
-fn replay_command(
-    trace: &std::path::Path,
-    flags: &[String],
-    capacity: &str,
+/// `replay`'s options, checked.
+struct ReplayOptions {
+    confs: Vec<ferrocuda_cli::options::Conf>,
+    /// Where the configurations came from.
+    conf_note: String,
+    device: Device,
     sidecar: Option<PathBuf>,
     json: bool,
-    addresses: Addresses,
-) -> Result<(), Failure> {
-    // Options first: a bad one is reported before any file is read or replay is run.
-    let capacity = parse_capacity(capacity)?;
-    let (confs, conf_note) = resolve_confs(flags, |k| std::env::var(k).ok())?;
+}
+
+fn replay_command(trace: &std::path::Path, options: ReplayOptions) -> Result<(), Failure> {
+    let ReplayOptions {
+        confs,
+        conf_note,
+        device: target,
+        sidecar,
+        json,
+    } = options;
     let recording = read_recording(trace)?;
     let devices: Vec<(u16, Vec<_>, Vec<u64>)> = recording
         .snapshot
@@ -196,20 +237,13 @@ fn replay_command(
     let mut columns = Vec::new();
     let mut done = 0u64;
     for (device, events, recorded) in &devices {
-        let plan = (addresses == Addresses::Recorded).then_some(recorded.as_slice());
         for conf in &confs {
-            let (mut figures, _) = replay_with(
-                events,
-                &conf.label,
-                conf.config.clone(),
-                capacity,
-                plan,
-                |n| {
+            let (mut figures, _) =
+                target.replay(events, recorded, &conf.label, conf.config.clone(), |n| {
                     if let Some(b) = &bar {
                         b.set_position(done + n);
                     }
-                },
-            )?;
+                })?;
             done += events.len() as u64;
             figures.device = *device;
             if *device == 0 {
@@ -239,11 +273,15 @@ fn replay_command(
         emit(&text.join("\n"))?;
     }
     note(&conf_note);
+    note(&format!("replayed on {}", target.describe()));
     if devices.len() > 1 {
+        let each = match target {
+            Device::Cuda(_) => "on cuda:0 in turn, each with an allocator of its own",
+            _ => "on a fake device of its own",
+        };
         note(&format!(
-            "the trace has {} devices: each device separately, on a fake device of {} of its own",
-            devices.len(),
-            format_size(capacity)
+            "the trace has {} devices: each device separately, {each}",
+            devices.len()
         ));
     }
     if let Some(r) = &reference {
@@ -290,9 +328,8 @@ fn table(device: u16, heading: bool, columns: &[Figures]) -> String {
         ("device frees", |f| f.num_device_free.to_string()),
         ("OOMs", |f| f.num_ooms.to_string()),
         ("events", |f| f.events.to_string()),
-        ("events per second", |f| {
-            format!("{:.2e}", f.events as f64 / f.seconds.max(1e-9))
-        }),
+        ("alloc/free events timed", |f| f.timed_events.to_string()),
+        ("ns per event", |f| format!("{:.1}", f.ns_per_event)),
     ];
     if columns.iter().any(|c| c.addresses.is_some()) {
         rows.push(("recorded addresses used", |f| match f.addresses {

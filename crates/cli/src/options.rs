@@ -1,5 +1,6 @@
-//! The replay's options, checked before any file is read: the fake device's capacity and
-//! the allocator configurations (`--conf`, else the environment as the facade reads it).
+//! The replay's options, checked before any file is read: the device (`--device`, and the
+//! fake device's capacity and addresses) and the allocator configurations (`--conf`, else
+//! the environment as the facade reads it).
 use ferrocuda_types::{AllocatorConfig, ConfigError};
 
 const MIB: u64 = 1 << 20;
@@ -9,6 +10,8 @@ pub const MIN_CAPACITY: u64 = 2 * MIB;
 /// Largest `--capacity`: 4 TiB (a fake device's address span is 16 TiB, and expandable
 /// segments reserve address space beyond the memory they map).
 pub const MAX_CAPACITY: u64 = 4 << 40;
+/// `--capacity` when not given: 80 GiB, an H100's or A100's memory.
+pub const DEFAULT_CAPACITY: u64 = 80 * GIB;
 
 /// Parses `--capacity`: a whole number of GiB (`80`), or a whole number with a binary unit
 /// as the allocator configuration writes sizes (`80G`, `512M`, `1T`, also `80GiB`).
@@ -36,6 +39,64 @@ pub fn parse_capacity(text: &str) -> Result<u64, String> {
         .filter(|b| (MIN_CAPACITY..=MAX_CAPACITY).contains(b))
         .ok_or_else(|| bad("out of range: the fake device takes 2M to 4T"))?;
     Ok(bytes)
+}
+
+/// The device the options chose (`--device`).
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum DeviceChoice {
+    /// The fake device (the default): `capacity` bytes (`--capacity`, default 80 GiB), and
+    /// segments at the trace's recorded addresses with `--addresses recorded`.
+    Fake {
+        /// Bytes of memory.
+        capacity: u64,
+        /// Whether segments go to the recorded addresses.
+        recorded_addresses: bool,
+    },
+    /// The real driver's device 0 (`--device cuda`).
+    Cuda,
+}
+
+/// Why the device options cannot be used.
+#[derive(Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum DeviceError {
+    /// `--capacity` does not parse or is out of range.
+    #[error("{0}")]
+    Capacity(String),
+    /// An option of the fake device was given with `--device cuda`.
+    #[error(
+        "{flag} applies to the fake device only: with --device cuda the GPU's own memory and \
+         the driver's addresses are used (drop {flag}, or replay with --device fake)"
+    )]
+    FakeOnly {
+        /// The option.
+        flag: &'static str,
+    },
+}
+
+/// The device of `--device` (`cuda` true for `cuda`), with the fake device's `--capacity`
+/// and `--addresses` (`Some(true)` for `recorded`, `Some(false)` for `fresh`) when given:
+/// with `cuda` either is an error.
+pub fn choose_device(
+    cuda: bool,
+    capacity: Option<&str>,
+    recorded_addresses: Option<bool>,
+) -> Result<DeviceChoice, DeviceError> {
+    if cuda {
+        return match (capacity, recorded_addresses) {
+            (Some(_), _) => Err(DeviceError::FakeOnly { flag: "--capacity" }),
+            (_, Some(_)) => Err(DeviceError::FakeOnly {
+                flag: "--addresses",
+            }),
+            (None, None) => Ok(DeviceChoice::Cuda),
+        };
+    }
+    Ok(DeviceChoice::Fake {
+        capacity: capacity.map_or(Ok(DEFAULT_CAPACITY), |c| {
+            parse_capacity(c).map_err(DeviceError::Capacity)
+        })?,
+        recorded_addresses: recorded_addresses.unwrap_or(false),
+    })
 }
 
 /// One configuration to replay: its column label and the parsed configuration.
@@ -157,6 +218,43 @@ mod tests {
             "80 G B",
         ] {
             assert!(parse_capacity(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn the_fake_devices_options_are_refused_with_cuda() {
+        assert_eq!(
+            choose_device(false, None, None),
+            Ok(DeviceChoice::Fake {
+                capacity: DEFAULT_CAPACITY,
+                recorded_addresses: false
+            })
+        );
+        assert_eq!(
+            choose_device(false, Some("2G"), Some(true)),
+            Ok(DeviceChoice::Fake {
+                capacity: 2 * GIB,
+                recorded_addresses: true
+            })
+        );
+        assert!(matches!(
+            choose_device(false, Some("1.5G"), None),
+            Err(DeviceError::Capacity(m)) if m.contains("--capacity \"1.5G\"")
+        ));
+        assert_eq!(choose_device(true, None, None), Ok(DeviceChoice::Cuda));
+        for (capacity, addresses, flag) in [
+            (Some("80G"), None, "--capacity"),
+            (Some("bogus"), None, "--capacity"),
+            (None, Some(true), "--addresses"),
+            (None, Some(false), "--addresses"),
+        ] {
+            let err = choose_device(true, capacity, addresses);
+            assert_eq!(err, Err(DeviceError::FakeOnly { flag }));
+            let text = err.err().map(|e| e.to_string()).unwrap_or_default();
+            assert!(
+                text.contains(flag) && text.contains("fake device only"),
+                "{text}"
+            );
         }
     }
 

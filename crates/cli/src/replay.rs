@@ -1,11 +1,17 @@
-//! Replaying a device trace through ferrocuda's allocator on the fake device.
+//! Replaying a device trace through ferrocuda's allocator, on the fake device (the
+//! default) or the real one (`--device cuda`), timed as PyTorch's own replay times its.
+mod plan;
+
+use crate::options::DeviceChoice;
 use crate::pytorch::PytorchFigures;
-use crate::trace::{Action, Event};
+use crate::trace::Event;
 use ferrocuda_alloc::{AllocError, CachingAllocator};
 use ferrocuda_driver::fake::{AddressPlan, AddressPlanError, PlanUse, WhenUnusable};
-use ferrocuda_driver::{Driver, FakeDriver};
-use ferrocuda_types::{AllocatorConfig, DeviceIndex, DevicePtr, StreamFlags, StreamHandle};
-use std::collections::HashMap;
+use ferrocuda_driver::{CudaDriver, Driver, DriverError, FakeDriver};
+use ferrocuda_types::{
+    AllocatorConfig, DeviceIndex, DevicePtr, StreamFlags, StreamHandle, format_size,
+};
+use plan::{Plan, Step};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -18,6 +24,8 @@ pub struct Figures {
     pub conf: String,
     /// The device of the trace whose events were replayed.
     pub device: u16,
+    /// Where it was replayed: `fake` or `cuda` ([`Driver::backend`]).
+    pub backend: &'static str,
     /// Peak of the bytes the program asked for (sum of live requests).
     pub peak_requested: u64,
     /// Peak of allocated (rounded) bytes.
@@ -34,8 +42,15 @@ pub struct Figures {
     pub num_ooms: u64,
     /// Trace events processed.
     pub events: u64,
-    /// Wall time of the replay.
+    /// The `alloc` and `free_completed` events the allocator was asked to serve (a free of
+    /// an address the trace never allocated, or already freed, is not one): the events
+    /// timed, the same count as PyTorch's `torch_replay.py` reports as `events`.
+    pub timed_events: u64,
+    /// Wall time of the timed loop: the allocator's `allocate` and `free` calls, with the
+    /// driver calls they make.
     pub seconds: f64,
+    /// `seconds` per timed event, in nanoseconds (0 when there are none).
+    pub ns_per_event: f64,
     /// PyTorch's own figures for this trace and configuration, when known.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub pytorch: Option<PytorchFigures>,
@@ -92,6 +107,107 @@ pub enum ReplayError {
     /// The trace's segment addresses cannot be handed out (`--addresses recorded`).
     #[error("--addresses recorded: the trace's segment_alloc addresses: {0}")]
     Addresses(#[from] AddressPlanError),
+    /// `--device cuda` on a machine where the CUDA driver or a GPU is missing.
+    #[error(
+        "--device cuda: CUDA is unavailable on this machine ({0}); replay on the fake device \
+         instead (--device fake, the default)"
+    )]
+    CudaUnavailable(DriverError),
+}
+
+/// Where replays run (`--device`).
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub enum Device {
+    /// A fresh fake device for each replay, of `capacity` bytes; with `recorded_addresses`
+    /// its `malloc`s hand out the trace's `segment_alloc` addresses in order.
+    Fake {
+        /// Bytes of memory.
+        capacity: u64,
+        /// Whether segments go to the recorded addresses.
+        recorded_addresses: bool,
+    },
+    /// The real driver's device 0, shared by every replay (each with its own allocator,
+    /// which gives its memory back when dropped).
+    Cuda(Arc<CudaDriver>),
+}
+
+impl Device {
+    /// The device `choice` names; for the real one, the driver is initialised here and a
+    /// machine without a usable GPU is [`ReplayError::CudaUnavailable`].
+    pub fn open(choice: &DeviceChoice) -> Result<Device, ReplayError> {
+        match *choice {
+            DeviceChoice::Fake {
+                capacity,
+                recorded_addresses,
+            } => Ok(Device::Fake {
+                capacity,
+                recorded_addresses,
+            }),
+            DeviceChoice::Cuda => {
+                let cuda = CudaDriver::new();
+                match cuda.unavailable_reason() {
+                    Some(reason) => Err(ReplayError::CudaUnavailable(reason)),
+                    None => Ok(Device::Cuda(Arc::new(cuda))),
+                }
+            }
+        }
+    }
+
+    /// What the replays ran on, for the note under the figures.
+    pub fn describe(&self) -> String {
+        match self {
+            Device::Fake { capacity, .. } => {
+                format!("the fake device ({} each)", format_size(*capacity))
+            }
+            Device::Cuda(cuda) => match cuda.device_properties(DEV) {
+                Ok(p) => format!("cuda:0 ({})", p.name),
+                Err(_) => "cuda:0".into(),
+            },
+        }
+    }
+
+    /// Replays one device's `events` (whose `segment_alloc` addresses are `recorded`)
+    /// under `config`, shown as `label`.
+    pub fn replay(
+        &self,
+        events: &[Event],
+        recorded: &[u64],
+        label: &str,
+        config: AllocatorConfig,
+        progress: impl FnMut(u64),
+    ) -> Result<(Figures, CachingAllocator), ReplayError> {
+        match self {
+            Device::Fake {
+                capacity,
+                recorded_addresses,
+            } => {
+                let plan = recorded_addresses.then_some(recorded);
+                let fake = fake_device(*capacity, plan)?;
+                let (mut figures, allocator) =
+                    replay_with(fake.clone(), events, label, config, progress)?;
+                figures.addresses = fake.address_plan_use(DEV).map(AddressUse::from);
+                Ok((figures, allocator))
+            }
+            Device::Cuda(cuda) => replay_with(cuda.clone(), events, label, config, progress),
+        }
+    }
+}
+
+/// A fake device of `capacity` bytes that keeps no bytes; with `addresses`, its `malloc`s
+/// hand them out in order, and where the replay's segments stop matching the recording's
+/// (another configuration), a segment whose recorded place is taken, and every segment past
+/// the record, gets a fresh address above them all.
+pub fn fake_device(
+    capacity: u64,
+    addresses: Option<&[u64]>,
+) -> Result<Arc<FakeDriver>, ReplayError> {
+    let mut builder = FakeDriver::builder().capacity(capacity).backing(false);
+    if let Some(list) = addresses {
+        let plan = AddressPlan::new(list.to_vec(), WhenUnusable::Fresh)?;
+        builder = builder.address_plan(DEV, plan);
+    }
+    Ok(Arc::new(builder.build()))
 }
 
 /// Replays `events` (one device's trace) through a fresh allocator configured with `conf`,
@@ -107,86 +223,91 @@ pub fn replay(
         source,
     })?;
     let label = if conf.is_empty() { "default" } else { conf };
-    replay_with(events, label, config, capacity, None, progress)
+    replay_with(
+        fake_device(capacity, None)?,
+        events,
+        label,
+        config,
+        progress,
+    )
 }
 
-/// [`replay`] with a parsed configuration, shown as `label` in the figures. With
-/// `addresses` (the trace's [`segment_addresses`](crate::trace::segment_addresses)), the
-/// fake device hands them out to its `malloc`s in order, so best-fit ties between segments
-/// break as they did in the recording; where the replay's segments stop matching the
-/// recording's (another configuration), a segment whose recorded place is taken, and every
-/// segment past the record, gets a fresh address above them all.
+/// Progress is reported between chunks of this many steps.
+const PROGRESS_EVERY: usize = 65_536;
+
+/// Replays `events` (one device's trace) through a fresh allocator on `driver`'s device 0,
+/// configured with `config` and shown as `label`; `progress` is called with the trace
+/// events done so far.
+///
+/// Before the clock starts, the trace becomes a list of allocate and free steps on dense
+/// slots and the recorded streams are created in order of first use (`replay/plan.rs`);
+/// the clock covers only the loop of `allocate` and `free` calls (driver calls they make
+/// included), as in PyTorch's `torch_replay.py`. After it stops, the allocator's books are checked against
+/// a recount of its blocks, the figures are read, and the blocks still live are freed, so
+/// that dropping the allocator gives all its memory back.
 pub fn replay_with(
+    driver: Arc<dyn Driver>,
     events: &[Event],
     label: &str,
     config: AllocatorConfig,
-    capacity: u64,
-    addresses: Option<&[u64]>,
     mut progress: impl FnMut(u64),
 ) -> Result<(Figures, CachingAllocator), ReplayError> {
-    let mut builder = FakeDriver::builder().capacity(capacity).backing(false);
-    if let Some(list) = addresses {
-        let plan = AddressPlan::new(list.to_vec(), WhenUnusable::Fresh)?;
-        builder = builder.address_plan(DEV, plan);
-    }
-    let fake = Arc::new(builder.build());
-    let allocator = CachingAllocator::new(fake.clone(), DEV, config, true)
+    let plan = Plan::new(events);
+    let allocator = CachingAllocator::new(driver.clone(), DEV, config, true)
         .map_err(|source| ReplayError::Allocator { index: 0, source })?;
-    let mut streams: HashMap<u64, StreamHandle> = HashMap::new();
-    let mut live: HashMap<u64, (DevicePtr, u64)> = HashMap::new();
+    let streams = plan
+        .streams
+        .iter()
+        .map(|s| {
+            if s.id == 0 {
+                return Ok(StreamHandle::legacy(DEV));
+            }
+            let flags = StreamFlags {
+                non_blocking: true,
+                priority: 0,
+            };
+            driver
+                .stream_create(DEV, flags)
+                .map_err(|d| ReplayError::Allocator {
+                    index: s.first_use,
+                    source: d.into(),
+                })
+        })
+        .collect::<Result<Vec<StreamHandle>, ReplayError>>()?;
+    let mut live: Vec<Option<(DevicePtr, u64)>> = vec![None; plan.slots];
     let (mut requested, mut peak_requested, mut ooms) = (0u64, 0u64, 0u64);
+    let failed = |k: usize, source| ReplayError::Allocator {
+        index: plan.origin[k],
+        source,
+    };
     let start = Instant::now();
-    for (index, e) in events.iter().enumerate() {
-        if index % 65_536 == 0 {
-            progress(index as u64);
-        }
-        match e.action {
-            Action::Alloc => {
-                let stream = match streams.get(&e.stream) {
-                    Some(s) => *s,
-                    None => {
-                        let s = if e.stream == 0 {
-                            StreamHandle::legacy(DEV)
-                        } else {
-                            let flags = StreamFlags {
-                                non_blocking: true,
-                                priority: 0,
-                            };
-                            fake.stream_create(DEV, flags)
-                                .map_err(|d| ReplayError::Allocator {
-                                    index,
-                                    source: d.into(),
-                                })?
-                        };
-                        *streams.entry(e.stream).or_insert(s)
-                    }
-                };
-                match allocator.allocate(e.size, stream) {
-                    Ok(x) => {
-                        if let Some((old, size)) = live.insert(e.addr, (x.ptr, e.size)) {
-                            // The trace reused an address without freeing it first: free ours.
-                            requested -= size;
-                            allocator
-                                .free(old)
-                                .map_err(|source| ReplayError::Allocator { index, source })?;
+    for (chunk, steps) in plan.steps.chunks(PROGRESS_EVERY).enumerate() {
+        let first = chunk * PROGRESS_EVERY;
+        progress(plan.origin[first] as u64);
+        for (k, step) in (first..).zip(steps) {
+            match *step {
+                Step::Alloc { slot, stream, size } => {
+                    match allocator.allocate(size, streams[stream]) {
+                        Ok(x) => {
+                            if let Some((old, old_size)) = live[slot].replace((x.ptr, size)) {
+                                // The trace reused an address without freeing it: free ours.
+                                requested -= old_size;
+                                allocator.free(old).map_err(|e| failed(k, e))?;
+                            }
+                            requested += size;
+                            peak_requested = peak_requested.max(requested);
                         }
-                        requested += e.size;
-                        peak_requested = peak_requested.max(requested);
+                        Err(AllocError::OutOfMemory(_)) => ooms += 1,
+                        Err(source) => return Err(failed(k, source)),
                     }
-                    Err(AllocError::OutOfMemory(_)) => ooms += 1,
-                    Err(source) => return Err(ReplayError::Allocator { index, source }),
+                }
+                Step::Free { slot } => {
+                    if let Some((ptr, size)) = live[slot].take() {
+                        requested -= size;
+                        allocator.free(ptr).map_err(|e| failed(k, e))?;
+                    }
                 }
             }
-            Action::FreeCompleted => {
-                // Frees of blocks allocated before recording began, or that OOMed, are skipped.
-                if let Some((ptr, size)) = live.remove(&e.addr) {
-                    requested -= size;
-                    allocator
-                        .free(ptr)
-                        .map_err(|source| ReplayError::Allocator { index, source })?;
-                }
-            }
-            Action::Other => {}
         }
     }
     let seconds = start.elapsed().as_secs_f64();
@@ -196,9 +317,11 @@ pub fn replay_with(
         .map_err(ReplayError::Invariant)?;
     let stats = allocator.stats();
     let peak_reserved = stats.reserved_bytes.all.peak as u64;
+    let timed_events = plan.steps.len() as u64;
     let figures = Figures {
         conf: label.to_owned(),
         device: 0,
+        backend: driver.backend(),
         peak_requested,
         peak_allocated: stats.allocated_bytes.all.peak as u64,
         peak_reserved,
@@ -211,9 +334,24 @@ pub fn replay_with(
         num_device_free: stats.num_device_free as u64,
         num_ooms: ooms,
         events: events.len() as u64,
+        timed_events,
         seconds,
+        ns_per_event: if timed_events == 0 {
+            0.0
+        } else {
+            seconds * 1e9 / timed_events as f64
+        },
         pytorch: None,
-        addresses: fake.address_plan_use(DEV).map(AddressUse::from),
+        addresses: None,
     };
+    // Like PyTorch's replay, blocks still live at the end are freed after the clock stops.
+    for (ptr, _) in live.into_iter().flatten() {
+        allocator
+            .free(ptr)
+            .map_err(|source| ReplayError::Allocator {
+                index: events.len(),
+                source,
+            })?;
+    }
     Ok((figures, allocator))
 }

@@ -472,3 +472,79 @@ fn recorded_addresses_are_checked_and_used_per_device() -> TestResult {
     let _ = std::fs::remove_dir_all(dir);
     Ok(())
 }
+
+/// `--capacity` and `--addresses` belong to the fake device: with `--device cuda` they are
+/// refused, before the driver is initialised or the trace is read.
+#[test]
+fn the_fake_devices_options_are_refused_with_device_cuda() -> TestResult {
+    let missing = "/nonexistent/trace.pickle";
+    for (flags, named) in [
+        (&["--capacity", "80G"][..], "--capacity"),
+        (&["--capacity=1.5G"][..], "--capacity"),
+        (&["--addresses", "recorded"][..], "--addresses"),
+        (&["--addresses", "fresh"][..], "--addresses"),
+    ] {
+        let mut args = vec!["replay", missing, "--device", "cuda"];
+        args.extend_from_slice(flags);
+        let out = ferrocuda(&args)?;
+        assert_one_line_failure(&out, &[named, "fake device only"]);
+    }
+    let out = ferrocuda(&["replay", missing, "--device", "gpu"])?;
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    // The fake device is the default, and `--device fake` takes its options.
+    let trace = data("resnet50_train.pickle.xz");
+    let t = trace.to_string_lossy();
+    let out = ferrocuda(&[
+        "replay",
+        &t,
+        "--device",
+        "fake",
+        "--capacity",
+        "4G",
+        "--json",
+    ])?;
+    assert!(out.status.success(), "{}", stderr(&out));
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+    assert_eq!(json[0]["backend"], "fake", "{json}");
+    assert!(json[0]["num_ooms"].as_u64() > Some(0), "{json}");
+    Ok(())
+}
+
+/// `--device cuda` without a GPU is a one-line error saying CUDA is unavailable, given
+/// before the trace is read. With a GPU it replays there, and the figures of the expandable
+/// configuration (which do not depend on where the driver puts segments) are the fake
+/// device's.
+#[test]
+fn device_cuda_replays_on_the_gpu_or_says_cuda_is_unavailable() -> TestResult {
+    let cuda = ferrocuda_driver::CudaDriver::new();
+    if let Some(reason) = cuda.unavailable_reason() {
+        eprintln!("no GPU here ({reason}): checking the error");
+        let out = ferrocuda(&["replay", "/nonexistent/trace.pickle", "--device", "cuda"])?;
+        assert_one_line_failure(&out, &["--device cuda", "CUDA is unavailable", reason.name]);
+        return Ok(());
+    }
+    let trace = data("resnet50_train.pickle.xz");
+    let t = trace.to_string_lossy();
+    let conf = ["--conf", "expandable_segments:True", "--json"];
+    let run = |device: &str| -> Result<serde_json::Value, Box<dyn std::error::Error>> {
+        let mut args = vec!["replay", &*t, "--device", device];
+        args.extend_from_slice(&conf);
+        let out = ferrocuda(&args)?;
+        assert!(out.status.success(), "{}", stderr(&out));
+        Ok(serde_json::from_slice(&out.stdout)?)
+    };
+    let (real, fake) = (run("cuda")?, run("fake")?);
+    assert_eq!(real[0]["backend"], "cuda");
+    for key in [
+        "peak_requested",
+        "peak_allocated",
+        "peak_reserved",
+        "num_device_alloc",
+        "num_device_free",
+        "num_ooms",
+        "timed_events",
+    ] {
+        assert_eq!(real[0][key], fake[0][key], "{key}");
+    }
+    Ok(())
+}

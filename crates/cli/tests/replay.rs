@@ -2,7 +2,7 @@
 //! `tests/data/`):
 //! with the default configuration ferrocuda's allocator must reproduce PyTorch's own figures
 //! exactly, and its books must equal a recount of its blocks (checked inside `replay`).
-use ferrocuda_cli::replay::{AddressUse, replay, replay_with};
+use ferrocuda_cli::replay::{AddressUse, Device, replay};
 use ferrocuda_cli::trace::{Action, events, read_device_traces, read_recording, segment_addresses};
 use ferrocuda_types::AllocatorConfig;
 use std::path::Path;
@@ -74,14 +74,11 @@ fn recorded_addresses_make_every_default_figure_exact() -> TestResult {
         let trace = &recording.snapshot.device_traces[0];
         let recorded = segment_addresses(trace);
         let config = AllocatorConfig::default();
-        let (f, _) = replay_with(
-            &events(trace),
-            "default",
-            config,
-            80 << 30,
-            Some(&recorded),
-            |_| {},
-        )?;
+        let device = Device::Fake {
+            capacity: 80 << 30,
+            recorded_addresses: true,
+        };
+        let (f, _) = device.replay(&events(trace), &recorded, "default", config, |_| {})?;
         for (ours, key) in [
             (f.peak_requested, "peak_requested"),
             (f.peak_allocated, "peak_allocated"),
@@ -193,7 +190,9 @@ fn the_command_prints_a_table_and_json() -> TestResult {
     assert!(
         text.contains("reserved/requested")
             && text.contains("max_split_size_mb:100")
-            && text.contains("1.3563"),
+            && text.contains("1.3563")
+            && text.contains("ns per event")
+            && text.contains("alloc/free events timed"),
         "{text}"
     );
     let out = Command::new(exe)
@@ -212,11 +211,23 @@ fn the_command_prints_a_table_and_json() -> TestResult {
         "num_device_free",
         "num_ooms",
         "events",
+        "timed_events",
         "seconds",
+        "ns_per_event",
+        "backend",
     ];
     for k in keys {
         assert!(json[0].get(k).is_some(), "missing {k}");
     }
+    // The fake device is the default; every alloc and free of this trace is timed.
+    assert_eq!(json[0]["backend"], "fake");
+    assert_eq!(json[0]["timed_events"], 5163 + 5160);
+    let ns = json[0]["ns_per_event"].as_f64().unwrap_or_default();
+    let seconds = json[0]["seconds"].as_f64().unwrap_or_default();
+    assert!(
+        ns > 0.0 && (ns * 10323.0 / 1e9 - seconds).abs() <= seconds * 1e-9,
+        "{ns} ns per event, {seconds} s"
+    );
     let bad = Command::new(exe)
         .arg("replay")
         .arg(&trace)

@@ -1,0 +1,160 @@
+"""Compares the replays replay.sh wrote into DIR and prints one table.
+
+    python3 replay_compare.py DIR
+
+DIR holds, per trace NAME and configuration TAG (default, expandable):
+  NAME.TAG.fake.json     `ferrocuda replay NAME --device fake --json`
+  NAME.TAG.cuda.R.json   `ferrocuda replay NAME --device cuda --json`, run R = 1, 2, ...
+  NAME.TAG.torch.R.json  `torch_replay.py NAME --repeat 1 --json ...`, run R
+
+Fails (exit code 1, with a line starting "MISMATCH" or "MISSING") where
+  - a memory figure of a GPU run differs from the fake device's (peak_reserved,
+    peak_allocated, num_device_alloc, num_device_free, num_ooms);
+  - ours and PyTorch timed different numbers of events, or ran another configuration (the
+    ratio would compare unlike work);
+  - a file is missing or unreadable.
+Prints, per trace and configuration, the fastest run of each side: ns per event of ferrocuda
+on the GPU and of PyTorch, their ratio (the target, <= 0.5, is for the default
+configuration), ferrocuda on the fake device, and PyTorch's memory figures beside ours
+(for information: both depend on where the driver puts segments under the default
+configuration). Writes the table's figures to DIR/summary.json."""
+import glob
+import json
+import os
+import re
+import sys
+
+MEMORY = ["peak_reserved", "peak_allocated", "num_device_alloc", "num_device_free", "num_ooms"]
+# The configuration each tag must have run under: ferrocuda's label, PyTorch's
+# PYTORCH_CUDA_ALLOC_CONF.
+CONF = {"default": ("default", ""), "expandable": ("expandable_segments:True",) * 2}
+TARGET = {"default": 0.5}
+ADDRESS_NOTE = (
+    "note: under the default configuration best fit breaks ties between equal free blocks by "
+    "address, so figures can follow where the driver put the segments (tests/data/README.md); "
+    "the expandable configuration's do not")
+
+
+def load(path, problems):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        problems.append(f"MISSING {os.path.basename(path)}: {e}")
+        return None
+
+
+def ours(path, problems):
+    """The one row of a `ferrocuda replay --json` (a trace of one device)."""
+    rows = load(path, problems)
+    if rows is None:
+        return None
+    if not isinstance(rows, list) or len(rows) != 1:
+        problems.append(f"MISSING {os.path.basename(path)}: expected one device's figures")
+        return None
+    return rows[0]
+
+
+def runs(directory, stem, side, problems):
+    paths = sorted(glob.glob(os.path.join(directory, f"{stem}.{side}.*.json")))
+    if not paths:
+        problems.append(f"MISSING {stem}.{side}.*.json")
+    read = ours if side == "cuda" else load
+    return [r for r in (read(p, problems) for p in paths) if r is not None]
+
+
+def compare(directory):
+    """(rows of the table, problems)."""
+    problems, table = [], []
+    stems = sorted({re.sub(r"\.fake\.json$", "", os.path.basename(p))
+                    for p in glob.glob(os.path.join(directory, "*.fake.json"))})
+    if not stems:
+        problems.append(f"MISSING {directory}/*.fake.json: no replay ran")
+    for stem in stems:
+        name, tag = stem.rsplit(".", 1)
+        fake = ours(os.path.join(directory, f"{stem}.fake.json"), problems)
+        cuda = runs(directory, stem, "cuda", problems)
+        torch = runs(directory, stem, "torch", problems)
+        if fake is None or not cuda or not torch:
+            continue
+        want_ours, want_theirs = CONF.get(tag, (None, None))
+        for run in [fake] + cuda:
+            if run.get("conf") != want_ours:
+                problems.append(f"MISMATCH {name} {tag}: ferrocuda ran {run.get('conf')!r}")
+        for run in torch:
+            if run.get("conf") != want_theirs:
+                problems.append(f"MISMATCH {name} {tag}: PyTorch ran {run.get('conf')!r}")
+        for i, run in enumerate(cuda, 1):
+            if run.get("backend") != "cuda":
+                problems.append(f"MISMATCH {name} {tag}: GPU run {i} ran on {run.get('backend')!r}")
+            for key in MEMORY:
+                if run.get(key) != fake.get(key):
+                    problems.append(f"MISMATCH {name} {tag}: {key} fake {fake.get(key)} "
+                                    f"!= cuda {run.get(key)} (GPU run {i})")
+        for run in cuda + torch:
+            events = run.get("timed_events", run.get("events"))
+            if events != fake.get("timed_events"):
+                problems.append(f"MISMATCH {name} {tag}: {events} events timed in one run, "
+                                f"{fake.get('timed_events')} on the fake device")
+        best = min(cuda, key=lambda r: r["ns_per_event"])
+        theirs = min(torch, key=lambda r: r["ns_per_event"])
+        ratio = best["ns_per_event"] / theirs["ns_per_event"] if theirs["ns_per_event"] else None
+        table.append({
+            "trace": name, "conf": tag, "events": fake.get("timed_events"),
+            "ferrocuda_cuda_ns_per_event": best["ns_per_event"],
+            "pytorch_ns_per_event": theirs["ns_per_event"],
+            "ratio": ratio, "target": TARGET.get(tag),
+            "ferrocuda_fake_ns_per_event": fake.get("ns_per_event"),
+            "runs": [len(cuda), len(torch)],
+            "ours": {k: fake.get(k) for k in MEMORY},
+            "pytorch": {k: theirs.get(k) for k in MEMORY if k in theirs},
+        })
+    return table, problems
+
+
+def versus(key, theirs, mine):
+    return f"{key} =" if theirs == mine else f"{key} {theirs} (ours {mine})"
+
+
+def render(table):
+    head = (f"{'trace':20} {'conf':10} {'events':>8} {'ours cuda ns/ev':>15} "
+            f"{'PyTorch ns/ev':>13} {'ratio':>6} {'target':>7} {'fake ns/ev':>10}  "
+            "PyTorch's memory figures against ours")
+    lines = [head]
+    for r in table:
+        ratio = "-" if r["ratio"] is None else f"{r['ratio']:.3f}"
+        target = "-"
+        if r["target"] is not None:
+            met = r["ratio"] is not None and r["ratio"] <= r["target"]
+            target = f"{'met' if met else 'NOT'} {r['target']}"
+        theirs = ", ".join(versus(k, v, r["ours"][k]) for k, v in r["pytorch"].items())
+        lines.append(
+            f"{r['trace']:20} {r['conf']:10} {r['events']:>8} "
+            f"{r['ferrocuda_cuda_ns_per_event']:15.1f} {r['pytorch_ns_per_event']:13.1f} "
+            f"{ratio:>6} {target:>7} {r['ferrocuda_fake_ns_per_event']:10.1f}  {theirs}")
+    return "\n".join(lines)
+
+
+def main(argv):
+    if len(argv) != 2:
+        print(__doc__.splitlines()[2].strip(), file=sys.stderr)
+        return 2
+    directory = argv[1]
+    table, problems = compare(directory)
+    print(render(table))
+    with open(os.path.join(directory, "summary.json"), "w") as f:
+        json.dump({"rows": table, "problems": problems}, f, indent=1)
+    for p in problems:
+        print(p)
+    if any(p.startswith("MISMATCH") and "default" in p.split(":")[0] for p in problems):
+        print(ADDRESS_NOTE)
+    if problems:
+        print(f"replay comparison FAILED: {len(problems)} problem(s)")
+        return 1
+    print(f"replay comparison passed: {len(table)} traces x configurations, "
+          "memory figures of the fake and the real device equal")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
