@@ -8,16 +8,20 @@ DIR holds, per trace NAME and configuration TAG (default, expandable):
   NAME.TAG.torch.R.json  `torch_replay.py NAME --repeat 1 --json ...`, run R
 
 Fails (exit code 1, with a line starting "MISMATCH" or "MISSING") where
-  - a memory figure of a GPU run differs from the fake device's (peak_reserved,
-    peak_allocated, num_device_alloc, num_device_free, num_ooms);
+  - a memory figure of one of our GPU runs differs from PyTorch's on the same GPU
+    (peak_reserved, peak_allocated, num_device_alloc, num_device_free): both allocators got
+    their segments from the same driver, so an exact allocator gives PyTorch's figures;
+  - a memory figure of a GPU run differs from the fake device's (the same keys and num_ooms)
+    under the expandable configuration; under the default one best fit breaks ties between
+    equal free blocks by address, so where the fake device placed segments in another order
+    than the driver the figures may differ: that is printed as a note, not a failure;
   - ours and PyTorch timed different numbers of events, or ran another configuration (the
     ratio would compare unlike work);
   - a file is missing or unreadable.
 Prints, per trace and configuration, the fastest run of each side: ns per event of ferrocuda
 on the GPU and of PyTorch, their ratio (the target, <= 0.5, is for the default
-configuration), ferrocuda on the fake device, and PyTorch's memory figures beside ours
-(for information: both depend on where the driver puts segments under the default
-configuration). Writes the table's figures to DIR/summary.json."""
+configuration), ferrocuda on the fake device, and PyTorch's memory figures beside ours on
+the GPU. Writes the table's figures to DIR/summary.json."""
 import glob
 import json
 import os
@@ -64,8 +68,8 @@ def runs(directory, stem, side, problems):
 
 
 def compare(directory):
-    """(rows of the table, problems)."""
-    problems, table = [], []
+    """(rows of the table, problems, notes)."""
+    problems, table, notes = [], [], []
     stems = sorted({re.sub(r"\.fake\.json$", "", os.path.basename(p))
                     for p in glob.glob(os.path.join(directory, "*.fake.json"))})
     if not stems:
@@ -89,8 +93,17 @@ def compare(directory):
                 problems.append(f"MISMATCH {name} {tag}: GPU run {i} ran on {run.get('backend')!r}")
             for key in MEMORY:
                 if run.get(key) != fake.get(key):
-                    problems.append(f"MISMATCH {name} {tag}: {key} fake {fake.get(key)} "
-                                    f"!= cuda {run.get(key)} (GPU run {i})")
+                    line = (f"{name} {tag}: {key} fake {fake.get(key)} != cuda {run.get(key)} "
+                            f"(GPU run {i})")
+                    if tag == "default" and key != "num_ooms":
+                        notes.append(f"note: {line}")
+                    else:
+                        problems.append(f"MISMATCH {line}")
+            for j, theirs in enumerate(torch, 1):
+                for key in MEMORY:
+                    if key in theirs and run.get(key) != theirs[key]:
+                        problems.append(f"MISMATCH {name} {tag}: {key} PyTorch {theirs[key]} "
+                                        f"!= ours on the GPU {run.get(key)} (runs {j}, {i})")
         for run in cuda + torch:
             events = run.get("timed_events", run.get("events"))
             if events != fake.get("timed_events"):
@@ -106,10 +119,11 @@ def compare(directory):
             "ratio": ratio, "target": TARGET.get(tag),
             "ferrocuda_fake_ns_per_event": fake.get("ns_per_event"),
             "runs": [len(cuda), len(torch)],
-            "ours": {k: fake.get(k) for k in MEMORY},
+            "ours": {k: best.get(k) for k in MEMORY},
+            "fake": {k: fake.get(k) for k in MEMORY},
             "pytorch": {k: theirs.get(k) for k in MEMORY if k in theirs},
         })
-    return table, problems
+    return table, problems, notes
 
 
 def versus(key, theirs, mine):
@@ -119,7 +133,7 @@ def versus(key, theirs, mine):
 def render(table):
     head = (f"{'trace':20} {'conf':10} {'events':>8} {'ours cuda ns/ev':>15} "
             f"{'PyTorch ns/ev':>13} {'ratio':>6} {'target':>7} {'fake ns/ev':>10}  "
-            "PyTorch's memory figures against ours")
+            "PyTorch's memory figures against ours on the GPU")
     lines = [head]
     for r in table:
         ratio = "-" if r["ratio"] is None else f"{r['ratio']:.3f}"
@@ -140,19 +154,19 @@ def main(argv):
         print(__doc__.splitlines()[2].strip(), file=sys.stderr)
         return 2
     directory = argv[1]
-    table, problems = compare(directory)
+    table, problems, notes = compare(directory)
     print(render(table))
     with open(os.path.join(directory, "summary.json"), "w") as f:
-        json.dump({"rows": table, "problems": problems}, f, indent=1)
-    for p in problems:
+        json.dump({"rows": table, "problems": problems, "notes": notes}, f, indent=1)
+    for p in notes + problems:
         print(p)
-    if any(p.startswith("MISMATCH") and "default" in p.split(":")[0] for p in problems):
+    if notes:
         print(ADDRESS_NOTE)
     if problems:
         print(f"replay comparison FAILED: {len(problems)} problem(s)")
         return 1
-    print(f"replay comparison passed: {len(table)} traces x configurations, "
-          "memory figures of the fake and the real device equal")
+    print(f"replay comparison passed: {len(table)} traces x configurations, memory figures "
+          "on the GPU equal to PyTorch's, and to the fake device's where addresses do not matter")
     return 0
 
 

@@ -155,7 +155,7 @@ def gpt2_small(torch):
             for b in self.blocks:
                 x = b(x)
             logits = self.head(self.ln_f(x))
-            return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
+            return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
     return GPT()
 

@@ -12,14 +12,18 @@ type TestResult = Result<(), Box<dyn std::error::Error>>;
 const EXE: &str = env!("CARGO_BIN_EXE_ferrocuda");
 
 /// `ferrocuda` with `--device cuda` replaced by `--device fake` and the output relabelled
-/// `cuda`; with SKEW set, the GPU runs report one device allocation more.
+/// `cuda`; with SKEW=cuda, the GPU runs report one device allocation more (then they differ
+/// from PyTorch's and from the fake device's), with SKEW=fake the fake device's runs do
+/// (then the GPU agrees with PyTorch and only the fake device differs).
 const FAKE_GPU: &str = r#"#!/usr/bin/env bash
 args=(); cuda=0
 for a in "$@"; do if [ "$a" = cuda ]; then cuda=1; a=fake; fi; args+=("$a"); done
 out=$("$REAL_FERROCUDA" "${args[@]}") || exit $?
 if [ "$cuda" = 1 ]; then
   out=${out//\"backend\": \"fake\"/\"backend\": \"cuda\"}
-  if [ -n "${SKEW:-}" ]; then out=${out//\"num_device_alloc\": /\"num_device_alloc\": 1}; fi
+  if [ "${SKEW:-}" = cuda ]; then out=${out//\"num_device_alloc\": /\"num_device_alloc\": 1}; fi
+elif [ "${SKEW:-}" = fake ]; then
+  out=${out//\"num_device_alloc\": /\"num_device_alloc\": 1}
 fi
 printf '%s\n' "$out"
 "#;
@@ -70,7 +74,7 @@ fn bundle(dir: &Path) -> TestResult {
     Ok(())
 }
 
-fn run_step(dir: &Path, skew: bool) -> Result<Output, std::io::Error> {
+fn run_step(dir: &Path, skew: Option<&str>) -> Result<Output, std::io::Error> {
     let mut cmd = Command::new("bash");
     cmd.arg(dir.join("replay.sh"))
         .arg(dir.join("out"))
@@ -80,8 +84,8 @@ fn run_step(dir: &Path, skew: bool) -> Result<Output, std::io::Error> {
         .env("REPLAY_RUNS", "2")
         // The step must not be swayed by a configuration in the caller's environment.
         .env("FERROCUDA_ALLOC_CONF", "max_split_size_mb:100");
-    if skew {
-        cmd.env("SKEW", "1");
+    if let Some(side) = skew {
+        cmd.env("SKEW", side);
     }
     cmd.output()
 }
@@ -96,7 +100,7 @@ fn the_bundles_replay_step_passes_on_equal_figures_and_fails_on_a_difference() -
         .arg(dir.join("fake_gpu.sh"))
         .status()?;
 
-    let out = run_step(&dir, false)?;
+    let out = run_step(&dir, None)?;
     let text = String::from_utf8_lossy(&out.stdout).into_owned();
     let err = String::from_utf8_lossy(&out.stderr).into_owned();
     assert!(out.status.success(), "{text}\n{err}");
@@ -126,13 +130,25 @@ fn the_bundles_replay_step_passes_on_equal_figures_and_fails_on_a_difference() -
     }
     assert!(dir.join("out/small.expandable.cuda.2.json").exists());
 
-    let out = run_step(&dir, true)?;
+    // Ours on the GPU differs from PyTorch's on the GPU: a failure in both configurations.
+    let out = run_step(&dir, Some("cuda"))?;
     let text = String::from_utf8_lossy(&out.stdout).into_owned();
     assert!(!out.status.success(), "{text}");
     assert!(
-        text.contains("MISMATCH small default: num_device_alloc")
-            && text.contains("MISMATCH small expandable: num_device_alloc")
+        text.contains("MISMATCH small default: num_device_alloc PyTorch")
+            && text.contains("MISMATCH small expandable: num_device_alloc PyTorch")
             && text.contains("replay comparison FAILED"),
+        "{text}"
+    );
+    // Only the fake device differs: a note under the default configuration (segment
+    // placement), a failure under the expandable one.
+    let out = run_step(&dir, Some("fake"))?;
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(!out.status.success(), "{text}");
+    assert!(
+        text.contains("note: small default: num_device_alloc fake")
+            && !text.contains("MISMATCH small default")
+            && text.contains("MISMATCH small expandable: num_device_alloc fake"),
         "{text}"
     );
     let _ = std::fs::remove_dir_all(&dir);

@@ -62,7 +62,9 @@ fn gpu_one_rank_all_reduce_captured_into_a_graph_replays() -> TestResult {
         pg.all_reduce(&b, ReduceOp::Sum)?.wait()?;
         capture.end()?;
     }
-    assert!(graph.node_count()? >= 2);
+    // One rank, in place: NCCL enqueues nothing for the collective, so the fill's memset is
+    // what the graph holds; the collectives' capture must still succeed and replay.
+    assert!(graph.node_count()? >= 1);
     b.fill(0.0)?;
     let stream = g.rt.current_stream(D0)?;
     graph.replay(&stream)?;
