@@ -115,10 +115,19 @@ struct DimCheck {
 }
 
 impl DimCheck {
-    /// Non-zero when `size` or `stride` fails this dim's check.
+    /// Non-zero when `size` or `stride` fails this dim's check. `EXACT`: every dim of the
+    /// set is static (all masks are all ones), so the masks need not be loaded.
     #[inline(always)]
-    fn differs(&self, size: i64, stride: i64) -> i64 {
-        ((size ^ self.size) & self.size_mask) | ((stride ^ self.stride) & self.stride_mask)
+    fn differs<const EXACT: bool>(&self, size: i64, stride: i64) -> i64 {
+        if EXACT {
+            (size ^ self.size) | (stride ^ self.stride)
+        } else {
+            ((size ^ self.size) & self.size_mask) | ((stride ^ self.stride) & self.stride_mask)
+        }
+    }
+
+    fn is_static(&self) -> bool {
+        self.size_mask == -1 && self.stride_mask == -1
     }
 
     fn new(size: Option<i64>, stride: Option<i64>) -> DimCheck {
@@ -137,21 +146,26 @@ impl DimCheck {
 /// rank). Ranks 1 to 4, most tensors', are unrolled: straight-line code with no loop or
 /// trip-count branch; the rest fold in a loop.
 #[inline(always)]
-fn dims_differ(checks: &[DimCheck], sizes: &[i64], strides: &[i64]) -> i64 {
+fn dims_differ<const EXACT: bool>(checks: &[DimCheck], sizes: &[i64], strides: &[i64]) -> i64 {
     match (checks, sizes, strides) {
-        ([a], [s0], [t0]) => a.differs(*s0, *t0),
-        ([a, b], [s0, s1], [t0, t1]) => a.differs(*s0, *t0) | b.differs(*s1, *t1),
+        ([a], [s0], [t0]) => a.differs::<EXACT>(*s0, *t0),
+        ([a, b], [s0, s1], [t0, t1]) => a.differs::<EXACT>(*s0, *t0) | b.differs::<EXACT>(*s1, *t1),
         ([a, b, c], [s0, s1, s2], [t0, t1, t2]) => {
-            a.differs(*s0, *t0) | b.differs(*s1, *t1) | c.differs(*s2, *t2)
+            a.differs::<EXACT>(*s0, *t0)
+                | b.differs::<EXACT>(*s1, *t1)
+                | c.differs::<EXACT>(*s2, *t2)
         }
         ([a, b, c, d], [s0, s1, s2, s3], [t0, t1, t2, t3]) => {
-            a.differs(*s0, *t0) | b.differs(*s1, *t1) | c.differs(*s2, *t2) | d.differs(*s3, *t3)
+            a.differs::<EXACT>(*s0, *t0)
+                | b.differs::<EXACT>(*s1, *t1)
+                | c.differs::<EXACT>(*s2, *t2)
+                | d.differs::<EXACT>(*s3, *t3)
         }
         _ => checks
             .iter()
             .zip(sizes.iter().zip(strides))
             .fold(0, |acc, (d, (size, stride))| {
-                acc | d.differs(*size, *stride)
+                acc | d.differs::<EXACT>(*size, *stride)
             }),
     }
 }
@@ -162,12 +176,14 @@ pub struct GuardSet {
     globals: GlobalState,
     headers: Box<[u64]>,
     dims: Box<[DimCheck]>,
+    /// No dim is dynamic: the masks are all ones and the check skips them.
+    all_static: bool,
 }
 
 impl GuardSet {
     /// Flattens `spec`.
     pub fn new(spec: &Specialization) -> GuardSet {
-        let dims = spec
+        let dims: Box<[DimCheck]> = spec
             .inputs
             .iter()
             .flat_map(|g| g.sizes().iter().zip(g.strides()))
@@ -176,6 +192,7 @@ impl GuardSet {
         GuardSet {
             globals: spec.globals,
             headers: spec.inputs.iter().map(TensorGuard::header).collect(),
+            all_static: dims.iter().all(DimCheck::is_static),
             dims,
         }
     }
@@ -183,6 +200,19 @@ impl GuardSet {
     /// Whether `inputs` and `globals` pass every guard.
     #[inline]
     pub fn check(&self, inputs: &[TensorMeta<'_>], globals: &GlobalState) -> bool {
+        if self.all_static {
+            self.check_with::<true>(inputs, globals)
+        } else {
+            self.check_with::<false>(inputs, globals)
+        }
+    }
+
+    #[inline(always)]
+    fn check_with<const EXACT: bool>(
+        &self,
+        inputs: &[TensorMeta<'_>],
+        globals: &GlobalState,
+    ) -> bool {
         if inputs.len() != self.headers.len() || self.globals != *globals {
             return false;
         }
@@ -194,7 +224,7 @@ impl GuardSet {
             let Some((mine, rest)) = dims.split_at_checked(input.sizes().len()) else {
                 return false;
             };
-            if dims_differ(mine, input.sizes(), input.strides()) != 0 {
+            if dims_differ::<EXACT>(mine, input.sizes(), input.strides()) != 0 {
                 return false;
             }
             dims = rest;
