@@ -5,8 +5,9 @@
 //! (`recordStream`, so memory freed while the collective is in flight is not reused before
 //! it ends), and the returned [`Work`] holds an event whose `wait` makes the current stream
 //! wait for the collective: no host synchronisation anywhere.
+use crate::collective::check_ranks;
 use crate::{Collective, DistError, Result};
-use ferrocuda_driver::nccl::ReduceOp;
+use ferrocuda_driver::nccl::{CollectiveOp, ReduceOp};
 use ferrocuda_stream::{DeviceBuffer, Event, Runtime, Stream};
 use ferrocuda_types::{DeviceIndex, Element};
 use std::sync::Arc;
@@ -121,12 +122,7 @@ impl ProcessGroup {
 
     /// Copies rank `root`'s `buf` into every rank's `buf` (`dist.broadcast`).
     pub fn broadcast<T: Element>(&self, buf: &DeviceBuffer<T>, root: usize) -> Result<Work> {
-        if root >= self.size() {
-            return Err(DistError::InvalidRank {
-                rank: root,
-                size: self.size(),
-            });
-        }
+        self.ranks(CollectiveOp::Broadcast { root })?;
         self.run(&[buf], |c, s| {
             c.broadcast(buf.ptr(), buf.ptr(), buf.len(), T::DTYPE, root, s.handle())
         })
@@ -171,7 +167,7 @@ impl ProcessGroup {
 
     /// Sends `buf` to rank `peer` (`dist.send`, asynchronous like `isend`).
     pub fn send<T: Element>(&self, buf: &DeviceBuffer<T>, peer: usize) -> Result<Work> {
-        self.peer(peer)?;
+        self.ranks(CollectiveOp::Send { peer })?;
         self.run(&[buf], |c, s| {
             c.send(buf.ptr(), buf.len(), T::DTYPE, peer, s.handle())
         })
@@ -179,20 +175,14 @@ impl ProcessGroup {
 
     /// Receives into `buf` from rank `peer` (`dist.recv`, asynchronous like `irecv`).
     pub fn recv<T: Element>(&self, buf: &DeviceBuffer<T>, peer: usize) -> Result<Work> {
-        self.peer(peer)?;
+        self.ranks(CollectiveOp::Recv { peer })?;
         self.run(&[buf], |c, s| {
             c.recv(buf.ptr(), buf.len(), T::DTYPE, peer, s.handle())
         })
     }
 
-    fn peer(&self, peer: usize) -> Result<()> {
-        if peer >= self.size() || peer == self.rank() {
-            return Err(DistError::InvalidRank {
-                rank: peer,
-                size: self.size(),
-            });
-        }
-        Ok(())
+    fn ranks(&self, op: CollectiveOp) -> Result<()> {
+        check_ranks(op, self.rank(), self.size())
     }
 
     fn lengths(&self, what: &'static str, expected: usize, found: usize) -> Result<()> {
