@@ -15,14 +15,12 @@ use std::process::ExitCode;
 
 #[path = "common/fresh_process.rs"]
 mod fresh_process;
-use fresh_process::{Runner, Scenario};
+use fresh_process::{Outcome, Runner, Scenario, ensure};
 
 const D0: DeviceIndex = DeviceIndex(0);
 const MIB: u64 = 1 << 20;
 
-type Outcome = Result<(), Box<dyn std::error::Error>>;
-
-const SCENARIOS: &[Scenario<Box<dyn std::error::Error>>] = &[
+const SCENARIOS: &[Scenario] = &[
     Scenario {
         name: "the_memory_functions_follow_the_async_backend",
         env: &[("FERROCUDA_ALLOC_CONF", "backend:cudaMallocAsync")],
@@ -37,14 +35,6 @@ const SCENARIOS: &[Scenario<Box<dyn std::error::Error>>] = &[
         run: native_option_refused,
     },
 ];
-
-fn ensure(ok: bool, what: impl std::fmt::Display) -> Outcome {
-    if ok {
-        Ok(())
-    } else {
-        Err(what.to_string().into())
-    }
-}
 
 fn stat(key: &str) -> Result<i64, AllocError> {
     Ok(memory::memory_stats(D0)?[key])

@@ -19,14 +19,12 @@ use std::process::ExitCode;
 
 #[path = "common/fresh_process.rs"]
 mod fresh_process;
-use fresh_process::{Runner, Scenario};
+use fresh_process::{Outcome, Runner, Scenario, ensure};
 
 const D0: DeviceIndex = DeviceIndex(0);
 const MIB: u64 = 1 << 20;
 
-type Outcome = Result<(), Box<dyn std::error::Error>>;
-
-const SCENARIOS: &[Scenario<Box<dyn std::error::Error>>] = &[
+const SCENARIOS: &[Scenario] = &[
     Scenario {
         name: "a_pluggable_allocator_serves_the_runtime_once_swapped_in",
         env: &[],
@@ -48,14 +46,6 @@ const SCENARIOS: &[Scenario<Box<dyn std::error::Error>>] = &[
         run: mem_pool,
     },
 ];
-
-fn ensure(ok: bool, what: impl std::fmt::Display) -> Outcome {
-    if ok {
-        Ok(())
-    } else {
-        Err(what.to_string().into())
-    }
-}
 
 /// The fixture's functions for the backend: host memory on the fake device (which only
 /// does arithmetic on these addresses), `cuMemAlloc` on the GPU.

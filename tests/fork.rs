@@ -19,15 +19,13 @@ use std::sync::Arc;
 
 #[path = "common/fresh_process.rs"]
 mod fresh_process;
-use fresh_process::{Runner, Scenario};
+use fresh_process::{Outcome, Runner, Scenario, ensure};
 
 const D0: DeviceIndex = DeviceIndex(0);
 const PYTORCH_TEXT: &str = "Cannot re-initialize CUDA in forked subprocess. To use CUDA with \
                             multiprocessing, you must use the 'spawn' start method";
 
-type Outcome = Result<(), String>;
-
-const SCENARIOS: &[Scenario<String>] = &[
+const SCENARIOS: &[Scenario] = &[
     Scenario {
         name: "a_child_forked_before_initialisation_works",
         env: &[],
@@ -77,10 +75,6 @@ const SCENARIOS: &[Scenario<String>] = &[
     },
 ];
 
-fn ensure(ok: bool, what: impl std::fmt::Display) -> Outcome {
-    if ok { Ok(()) } else { Err(what.to_string()) }
-}
-
 /// Runs `child` in a forked child; its failure, panic or refusal to fork is this outcome's.
 fn in_child(child: impl FnOnce() -> Outcome) -> Outcome {
     let code = fork_and_wait(|| match child() {
@@ -115,9 +109,7 @@ fn round_trip(rt: &Arc<Runtime>) -> Outcome {
 fn is_bad_fork(result: Result<impl std::fmt::Debug, StreamError>, call: &str) -> Outcome {
     match result {
         Err(e @ StreamError::BadFork) if e.to_string() == PYTORCH_TEXT => Ok(()),
-        other => Err(format!(
-            "{call} gave {other:?}, not PyTorch's bad-fork error"
-        )),
+        other => Err(format!("{call} gave {other:?}, not PyTorch's bad-fork error").into()),
     }
 }
 

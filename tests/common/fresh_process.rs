@@ -9,12 +9,24 @@
 use std::fmt::Display;
 use std::process::{Command, ExitCode};
 
+/// What a scenario gives: its failure is a message.
+pub(crate) type Outcome = Result<(), Box<dyn std::error::Error>>;
+
+/// `Ok` if `ok`, else the failure `what`.
+pub(crate) fn ensure(ok: bool, what: impl Display) -> Outcome {
+    if ok {
+        Ok(())
+    } else {
+        Err(what.to_string().into())
+    }
+}
+
 /// One scenario: its name, the environment its process gets, and its body.
-pub(crate) struct Scenario<E> {
+pub(crate) struct Scenario {
     pub(crate) name: &'static str,
     /// Set in the scenario's process, after `Runner::cleared` is removed.
     pub(crate) env: &'static [(&'static str, &'static str)],
-    pub(crate) run: fn() -> Result<(), E>,
+    pub(crate) run: fn() -> Outcome,
 }
 
 /// What the tests that use this differ in.
@@ -32,7 +44,7 @@ pub(crate) struct Runner {
 
 impl Runner {
     /// The test's `main`. Arguments that do not start with `-` select scenarios by substring.
-    pub(crate) fn main<E: Display>(&self, scenarios: &[Scenario<E>]) -> ExitCode {
+    pub(crate) fn main(&self, scenarios: &[Scenario]) -> ExitCode {
         if let Ok(name) = std::env::var(self.variable) {
             return run_one(scenarios, &name);
         }
@@ -87,7 +99,7 @@ impl Runner {
         }
     }
 
-    fn run_in_own_process<E>(&self, s: &Scenario<E>, backend: Option<&str>) -> Result<(), String> {
+    fn run_in_own_process(&self, s: &Scenario, backend: Option<&str>) -> Result<(), String> {
         let exe = std::env::current_exe().map_err(|e| e.to_string())?;
         let mut command = Command::new(exe);
         for var in self.cleared {
@@ -114,7 +126,7 @@ impl Runner {
 }
 
 /// In a scenario's own process: runs the named one.
-fn run_one<E: Display>(scenarios: &[Scenario<E>], name: &str) -> ExitCode {
+fn run_one(scenarios: &[Scenario], name: &str) -> ExitCode {
     match scenarios.iter().find(|s| s.name == name).map(|s| (s.run)()) {
         Some(Ok(())) => ExitCode::SUCCESS,
         Some(Err(e)) => {
