@@ -11,40 +11,30 @@ use ferrocuda::alloc::AllocError;
 use ferrocuda::memory::{self, MemPool};
 use ferrocuda::stream::DeviceBuffer;
 use ferrocuda::types::DeviceIndex;
-use std::process::{Command, ExitCode};
+use std::process::ExitCode;
 
-const SCENARIO: &str = "FERROCUDA_ASYNC_SCENARIO";
+#[path = "common/fresh_process.rs"]
+mod fresh_process;
+use fresh_process::{Outcome, Runner, Scenario, ensure};
+
 const D0: DeviceIndex = DeviceIndex(0);
 const MIB: u64 = 1 << 20;
-
-type Outcome = Result<(), Box<dyn std::error::Error>>;
-
-struct Scenario {
-    name: &'static str,
-    config: &'static str,
-    run: fn() -> Outcome,
-}
 
 const SCENARIOS: &[Scenario] = &[
     Scenario {
         name: "the_memory_functions_follow_the_async_backend",
-        config: "backend:cudaMallocAsync",
+        env: &[("FERROCUDA_ALLOC_CONF", "backend:cudaMallocAsync")],
         run: memory_functions,
     },
     Scenario {
         name: "a_native_option_beside_the_async_backend_is_an_error",
-        config: "backend:cudaMallocAsync,max_split_size_mb:100",
+        env: &[(
+            "FERROCUDA_ALLOC_CONF",
+            "backend:cudaMallocAsync,max_split_size_mb:100",
+        )],
         run: native_option_refused,
     },
 ];
-
-fn ensure(ok: bool, what: impl std::fmt::Display) -> Outcome {
-    if ok {
-        Ok(())
-    } else {
-        Err(what.to_string().into())
-    }
-}
 
 fn stat(key: &str) -> Result<i64, AllocError> {
     Ok(memory::memory_stats(D0)?[key])
@@ -168,74 +158,10 @@ fn native_option_refused() -> Outcome {
 }
 
 fn main() -> ExitCode {
-    if let Ok(name) = std::env::var(SCENARIO) {
-        return match SCENARIOS.iter().find(|s| s.name == name).map(|s| (s.run)()) {
-            Some(Ok(())) => ExitCode::SUCCESS,
-            Some(Err(e)) => {
-                eprintln!("{name}: {e}");
-                ExitCode::FAILURE
-            }
-            None => {
-                eprintln!("no scenario {name}");
-                ExitCode::FAILURE
-            }
-        };
+    Runner {
+        variable: "FERROCUDA_ASYNC_SCENARIO",
+        cleared: &["PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"],
+        per_backend: true,
     }
-    let gpu = std::env::var("FERROCUDA_REQUIRE_GPU").is_ok_and(|v| v == "1");
-    let filters: Vec<String> = std::env::args()
-        .skip(1)
-        .filter(|a| !a.starts_with('-'))
-        .collect();
-    let (mut passed, mut failed, mut ignored) = (0, 0, 0);
-    for s in SCENARIOS
-        .iter()
-        .filter(|s| filters.is_empty() || filters.iter().any(|f| s.name.contains(f.as_str())))
-    {
-        for backend in ["fake", "cuda"] {
-            let name = format!("{backend}::{}", s.name);
-            if backend == "cuda" && !gpu {
-                println!("test {name} ... ignored, needs a GPU: runs in the GPU bundle");
-                ignored += 1;
-                continue;
-            }
-            match run_in_own_process(s, backend) {
-                Ok(()) => {
-                    println!("test {name} ... ok");
-                    passed += 1;
-                }
-                Err(e) => {
-                    println!("test {name} ... FAILED\n{e}");
-                    failed += 1;
-                }
-            }
-        }
-    }
-    let verdict = if failed == 0 { "ok" } else { "FAILED" };
-    println!("\ntest result: {verdict}. {passed} passed; {failed} failed; {ignored} ignored");
-    if failed == 0 {
-        ExitCode::SUCCESS
-    } else {
-        ExitCode::FAILURE
-    }
-}
-
-fn run_in_own_process(s: &Scenario, backend: &str) -> Result<(), String> {
-    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
-    let out = Command::new(exe)
-        .env_remove("PYTORCH_CUDA_ALLOC_CONF")
-        .env_remove("PYTORCH_ALLOC_CONF")
-        .env("FERROCUDA_ALLOC_CONF", s.config)
-        .env("FERROCUDA_BACKEND", backend)
-        .env(SCENARIO, s.name)
-        .output()
-        .map_err(|e| e.to_string())?;
-    if out.status.success() {
-        Ok(())
-    } else {
-        Err(format!(
-            "{}: {}",
-            out.status,
-            String::from_utf8_lossy(&out.stderr).trim()
-        ))
-    }
+    .main(SCENARIOS)
 }

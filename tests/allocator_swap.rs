@@ -15,45 +15,37 @@ use ferrocuda::memory::{self, MemPool};
 use ferrocuda::stream::DeviceBuffer;
 use ferrocuda::types::DeviceIndex;
 use ferrocuda_pluggable_fixture::{Event, Probe, path};
-use std::process::{Command, ExitCode};
+use std::process::ExitCode;
 
-const SCENARIO: &str = "FERROCUDA_SWAP_SCENARIO";
+#[path = "common/fresh_process.rs"]
+mod fresh_process;
+use fresh_process::{Outcome, Runner, Scenario, ensure};
+
 const D0: DeviceIndex = DeviceIndex(0);
 const MIB: u64 = 1 << 20;
-
-type Outcome = Result<(), Box<dyn std::error::Error>>;
-
-struct Scenario {
-    name: &'static str,
-    run: fn() -> Outcome,
-}
 
 const SCENARIOS: &[Scenario] = &[
     Scenario {
         name: "a_pluggable_allocator_serves_the_runtime_once_swapped_in",
+        env: &[],
         run: swapped_in,
     },
     Scenario {
         name: "an_initialised_runtime_refuses_the_swap",
+        env: &[],
         run: refused_after_init,
     },
     Scenario {
         name: "an_allocation_initialises_the_caching_allocator",
+        env: &[],
         run: refused_after_allocation,
     },
     Scenario {
         name: "a_mem_pool_takes_its_segments_from_a_pluggable_allocator",
+        env: &[],
         run: mem_pool,
     },
 ];
-
-fn ensure(ok: bool, what: impl std::fmt::Display) -> Outcome {
-    if ok {
-        Ok(())
-    } else {
-        Err(what.to_string().into())
-    }
-}
 
 /// The fixture's functions for the backend: host memory on the fake device (which only
 /// does arithmetic on these addresses), `cuMemAlloc` on the GPU.
@@ -254,74 +246,14 @@ fn mem_pool() -> Outcome {
 }
 
 fn main() -> ExitCode {
-    if let Ok(name) = std::env::var(SCENARIO) {
-        return match SCENARIOS.iter().find(|s| s.name == name).map(|s| (s.run)()) {
-            Some(Ok(())) => ExitCode::SUCCESS,
-            Some(Err(e)) => {
-                eprintln!("{name}: {e}");
-                ExitCode::FAILURE
-            }
-            None => {
-                eprintln!("no scenario {name}");
-                ExitCode::FAILURE
-            }
-        };
+    Runner {
+        variable: "FERROCUDA_SWAP_SCENARIO",
+        cleared: &[
+            "FERROCUDA_ALLOC_CONF",
+            "PYTORCH_CUDA_ALLOC_CONF",
+            "PYTORCH_ALLOC_CONF",
+        ],
+        per_backend: true,
     }
-    let gpu = std::env::var("FERROCUDA_REQUIRE_GPU").is_ok_and(|v| v == "1");
-    let filters: Vec<String> = std::env::args()
-        .skip(1)
-        .filter(|a| !a.starts_with('-'))
-        .collect();
-    let (mut passed, mut failed, mut ignored) = (0, 0, 0);
-    for s in SCENARIOS
-        .iter()
-        .filter(|s| filters.is_empty() || filters.iter().any(|f| s.name.contains(f.as_str())))
-    {
-        for backend in ["fake", "cuda"] {
-            let name = format!("{backend}::{}", s.name);
-            if backend == "cuda" && !gpu {
-                println!("test {name} ... ignored, needs a GPU: runs in the GPU bundle");
-                ignored += 1;
-                continue;
-            }
-            match run_in_own_process(s.name, backend) {
-                Ok(()) => {
-                    println!("test {name} ... ok");
-                    passed += 1;
-                }
-                Err(e) => {
-                    println!("test {name} ... FAILED\n{e}");
-                    failed += 1;
-                }
-            }
-        }
-    }
-    let verdict = if failed == 0 { "ok" } else { "FAILED" };
-    println!("\ntest result: {verdict}. {passed} passed; {failed} failed; {ignored} ignored");
-    if failed == 0 {
-        ExitCode::SUCCESS
-    } else {
-        ExitCode::FAILURE
-    }
-}
-
-fn run_in_own_process(scenario: &str, backend: &str) -> Result<(), String> {
-    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
-    let out = Command::new(exe)
-        .env_remove("FERROCUDA_ALLOC_CONF")
-        .env_remove("PYTORCH_CUDA_ALLOC_CONF")
-        .env_remove("PYTORCH_ALLOC_CONF")
-        .env("FERROCUDA_BACKEND", backend)
-        .env(SCENARIO, scenario)
-        .output()
-        .map_err(|e| e.to_string())?;
-    if out.status.success() {
-        Ok(())
-    } else {
-        Err(format!(
-            "{}: {}",
-            out.status,
-            String::from_utf8_lossy(&out.stderr).trim()
-        ))
-    }
+    .main(SCENARIOS)
 }

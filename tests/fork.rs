@@ -14,29 +14,16 @@ use ferrocuda::driver::fork::{fork_and_wait, in_bad_fork};
 use ferrocuda::driver::{CudaDriver, Driver, DriverError, FakeDriver};
 use ferrocuda::stream::{AvailabilityCheck, DeviceBuffer, KernelCache, Runtime, StreamError};
 use ferrocuda::types::DeviceIndex;
-use std::process::{Command, ExitCode};
+use std::process::ExitCode;
 use std::sync::Arc;
 
-const SCENARIO: &str = "FERROCUDA_FORK_SCENARIO";
+#[path = "common/fresh_process.rs"]
+mod fresh_process;
+use fresh_process::{Outcome, Runner, Scenario, ensure};
+
 const D0: DeviceIndex = DeviceIndex(0);
 const PYTORCH_TEXT: &str = "Cannot re-initialize CUDA in forked subprocess. To use CUDA with \
                             multiprocessing, you must use the 'spawn' start method";
-
-/// Variables a scenario's process starts without, unless the scenario sets them.
-const CLEARED: &[&str] = &[
-    "FERROCUDA_BACKEND",
-    "FERROCUDA_NVML_BASED_CUDA_CHECK",
-    "PYTORCH_NVML_BASED_CUDA_CHECK",
-    "CUDA_VISIBLE_DEVICES",
-];
-
-type Outcome = Result<(), String>;
-
-struct Scenario {
-    name: &'static str,
-    env: &'static [(&'static str, &'static str)],
-    run: fn() -> Outcome,
-}
 
 const SCENARIOS: &[Scenario] = &[
     Scenario {
@@ -88,10 +75,6 @@ const SCENARIOS: &[Scenario] = &[
     },
 ];
 
-fn ensure(ok: bool, what: impl std::fmt::Display) -> Outcome {
-    if ok { Ok(()) } else { Err(what.to_string()) }
-}
-
 /// Runs `child` in a forked child; its failure, panic or refusal to fork is this outcome's.
 fn in_child(child: impl FnOnce() -> Outcome) -> Outcome {
     let code = fork_and_wait(|| match child() {
@@ -126,9 +109,7 @@ fn round_trip(rt: &Arc<Runtime>) -> Outcome {
 fn is_bad_fork(result: Result<impl std::fmt::Debug, StreamError>, call: &str) -> Outcome {
     match result {
         Err(e @ StreamError::BadFork) if e.to_string() == PYTORCH_TEXT => Ok(()),
-        other => Err(format!(
-            "{call} gave {other:?}, not PyTorch's bad-fork error"
-        )),
+        other => Err(format!("{call} gave {other:?}, not PyTorch's bad-fork error").into()),
     }
 }
 
@@ -237,65 +218,16 @@ fn global_ferrocuda_variable_wins() -> Outcome {
 }
 
 fn main() -> ExitCode {
-    if let Ok(name) = std::env::var(SCENARIO) {
-        return match SCENARIOS.iter().find(|s| s.name == name).map(|s| (s.run)()) {
-            Some(Ok(())) => ExitCode::SUCCESS,
-            Some(Err(e)) => {
-                eprintln!("{name}: {e}");
-                ExitCode::FAILURE
-            }
-            None => {
-                eprintln!("no scenario {name}");
-                ExitCode::FAILURE
-            }
-        };
+    Runner {
+        variable: "FERROCUDA_FORK_SCENARIO",
+        // Variables a scenario's process starts without, unless the scenario sets them.
+        cleared: &[
+            "FERROCUDA_BACKEND",
+            "FERROCUDA_NVML_BASED_CUDA_CHECK",
+            "PYTORCH_NVML_BASED_CUDA_CHECK",
+            "CUDA_VISIBLE_DEVICES",
+        ],
+        per_backend: false,
     }
-    let filters: Vec<String> = std::env::args()
-        .skip(1)
-        .filter(|a| !a.starts_with('-'))
-        .collect();
-    let selected = SCENARIOS
-        .iter()
-        .filter(|s| filters.is_empty() || filters.iter().any(|f| s.name.contains(f.as_str())));
-    let (mut passed, mut failed) = (0, 0);
-    for s in selected {
-        match run_in_own_process(s) {
-            Ok(()) => {
-                println!("test {} ... ok", s.name);
-                passed += 1;
-            }
-            Err(e) => {
-                println!("test {} ... FAILED\n{e}", s.name);
-                failed += 1;
-            }
-        }
-    }
-    let verdict = if failed == 0 { "ok" } else { "FAILED" };
-    println!("\ntest result: {verdict}. {passed} passed; {failed} failed");
-    if failed == 0 {
-        ExitCode::SUCCESS
-    } else {
-        ExitCode::FAILURE
-    }
-}
-
-fn run_in_own_process(s: &Scenario) -> Outcome {
-    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
-    let mut command = Command::new(exe);
-    for var in CLEARED {
-        command.env_remove(var);
-    }
-    let out = command
-        .envs(s.env.iter().copied())
-        .env(SCENARIO, s.name)
-        .output()
-        .map_err(|e| e.to_string())?;
-    ensure(
-        out.status.success(),
-        format!(
-            "{}: {}",
-            out.status,
-            String::from_utf8_lossy(&out.stderr).trim()
-        ),
-    )
+    .main(SCENARIOS)
 }

@@ -68,7 +68,7 @@ pub(crate) struct PrivatePools {
     pools: FxHashMap<PoolId, PrivatePool>,
     /// Pools being recorded to, newest last, with whose allocations they take and the
     /// thread that began routing.
-    routes: Vec<(PoolId, Route, std::thread::ThreadId)>,
+    routes: Routes,
 }
 
 impl PrivatePools {
@@ -207,31 +207,14 @@ impl PrivatePools {
 
     /// `beginAllocateToPool`: routes what `route` takes into `pool`, which gains a user.
     pub(crate) fn begin(&mut self, pool: PoolId, route: Route) -> Result<(), AllocError> {
-        if pool.is_default() {
-            return Err(AllocError::Pool(
-                "beginAllocateToPool: the default pool cannot be recorded to".into(),
-            ));
-        }
-        if self.routes.iter().any(|(p, _, _)| *p == pool) {
-            return Err(AllocError::Pool(format!(
-                "beginAllocateToPool: already recording to mempool_id {pool}"
-            )));
-        }
+        begin_route(&mut self.routes, pool, route)?;
         self.retain(pool);
-        self.routes.push((pool, route, std::thread::current().id()));
         Ok(())
     }
 
     /// `endAllocateToPool`: stops routing into `pool`, which keeps its user.
     pub(crate) fn end(&mut self, pool: PoolId) -> Result<(), AllocError> {
-        let i = self.routes.iter().position(|(p, _, _)| *p == pool);
-        let i = i.ok_or_else(|| {
-            AllocError::Pool(format!(
-                "endAllocatePool: not currently recording to mempool_id {pool}"
-            ))
-        })?;
-        self.routes.remove(i);
-        Ok(())
+        end_route(&mut self.routes, pool)
     }
 
     /// The allocator is going: no route stays and no pool keeps users.
@@ -239,4 +222,40 @@ impl PrivatePools {
         self.pools.values_mut().for_each(|p| p.use_count = 0);
         self.routes.clear();
     }
+}
+
+/// Pools being allocated to, newest last, each with the route it takes and the thread that
+/// began it: the device allocator's and the host allocator's lists.
+pub(crate) type Routes = Vec<(PoolId, Route, ThreadId)>;
+
+/// `beginAllocateToPool`'s checks, then the route (the caller gives the pool its user).
+pub(crate) fn begin_route(
+    routes: &mut Routes,
+    pool: PoolId,
+    route: Route,
+) -> Result<(), AllocError> {
+    if pool.is_default() {
+        return Err(AllocError::Pool(
+            "beginAllocateToPool: the default pool cannot be recorded to".into(),
+        ));
+    }
+    if routes.iter().any(|(p, _, _)| *p == pool) {
+        return Err(AllocError::Pool(format!(
+            "beginAllocateToPool: already recording to mempool_id {pool}"
+        )));
+    }
+    routes.push((pool, route, std::thread::current().id()));
+    Ok(())
+}
+
+/// `endAllocateToPool`: the route into `pool` goes; the pool keeps its user.
+pub(crate) fn end_route(routes: &mut Routes, pool: PoolId) -> Result<(), AllocError> {
+    let i = routes.iter().position(|(p, _, _)| *p == pool);
+    let i = i.ok_or_else(|| {
+        AllocError::Pool(format!(
+            "endAllocatePool: not currently recording to mempool_id {pool}"
+        ))
+    })?;
+    routes.remove(i);
+    Ok(())
 }

@@ -9,7 +9,7 @@ mod common;
 use common::{LEGACY, MIB, TestResult, setup, stat};
 use ferrocuda_alloc::{AllocError, PluggableAllocator, Route};
 use ferrocuda_driver::{Call, Hook, PluggableLibrary, fake::Completion};
-use ferrocuda_pluggable_fixture::{Event, Probe, path};
+use ferrocuda_pluggable_fixture::{Event, HOOK_FUNCTIONS, Probe, path};
 use ferrocuda_stream::{MemoryResource, StreamError};
 use ferrocuda_types::{DeviceIndex, DevicePtr, PoolId, StreamHandle};
 use std::sync::Arc;
@@ -25,15 +25,11 @@ fn host() -> Result<Arc<PluggableAllocator>, AllocError> {
 }
 
 fn hooked() -> Result<Arc<PluggableAllocator>, Box<dyn std::error::Error>> {
-    let lib = PluggableLibrary::load(path(), "fixture_host_alloc", "fixture_host_free")?
-        .with_hook(Hook::Init, "fixture_init")?
-        .with_hook(Hook::Reset, "fixture_reset")?
-        .with_hook(Hook::MemoryFraction, "fixture_memory_fraction")?
-        .with_hook(Hook::BaseAlloc, "fixture_base_alloc")?
-        .with_hook(Hook::RecordStream, "fixture_record_stream")?
-        .with_hook(Hook::BeginAllocateToPool, "fixture_begin_allocate_to_pool")?
-        .with_hook(Hook::EndAllocateToPool, "fixture_end_allocate_to_pool")?
-        .with_hook(Hook::ReleasePool, "fixture_release_pool")?;
+    let lib = PluggableLibrary::load(path(), "fixture_host_alloc", "fixture_host_free")?;
+    let lib = Hook::ALL
+        .into_iter()
+        .zip(HOOK_FUNCTIONS)
+        .try_fold(lib, |lib, (hook, function)| lib.with_hook(hook, function))?;
     Ok(PluggableAllocator::new(lib))
 }
 
@@ -114,19 +110,24 @@ fn as_a_memory_resource_a_null_allocation_is_an_error_not_a_buffer() -> TestResu
     Ok(())
 }
 
+/// Every function of `a` that has a hook, on `p` and pool (0, 9).
+fn call_each_hooked_function(a: &PluggableAllocator, p: DevicePtr) {
+    a.init(3);
+    a.empty_cache();
+    a.set_memory_fraction(0.5, D2);
+    a.record_stream(p, S);
+    a.begin_allocate_to_pool(D2, PoolId(0, 9));
+    a.end_allocate_to_pool(D2, PoolId(0, 9));
+    a.release_pool(D2, PoolId(0, 9));
+}
+
 #[test]
 fn each_function_calls_its_hook_or_nothing() -> TestResult {
     let probe = Probe::open()?;
     let bare = host()?;
     let p = bare.malloc(4096, D2, S);
     probe.clear();
-    bare.init(3);
-    bare.empty_cache();
-    bare.set_memory_fraction(0.5, D2);
-    bare.record_stream(p, S);
-    bare.begin_allocate_to_pool(D2, PoolId(0, 9));
-    bare.end_allocate_to_pool(D2, PoolId(0, 9));
-    bare.release_pool(D2, PoolId(0, 9));
+    call_each_hooked_function(&bare, p);
     let inner = DevicePtr(p.0 + 100);
     assert_eq!(
         bare.base_allocation(inner, 7),
@@ -144,13 +145,7 @@ fn each_function_calls_its_hook_or_nothing() -> TestResult {
     assert_eq!(a.name(), "pluggable");
     let p = a.malloc(4096, D2, S);
     probe.clear();
-    a.init(3);
-    a.empty_cache();
-    a.set_memory_fraction(0.5, D2);
-    a.record_stream(p, S);
-    a.begin_allocate_to_pool(D2, PoolId(0, 9));
-    a.end_allocate_to_pool(D2, PoolId(0, 9));
-    a.release_pool(D2, PoolId(0, 9));
+    call_each_hooked_function(&a, p);
     assert_eq!(a.base_allocation(DevicePtr(p.0 + 100), 7), (p, 4096));
     let pool = (0, 9);
     assert_eq!(

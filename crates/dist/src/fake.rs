@@ -8,8 +8,9 @@
 //! completion alike, and without a host synchronisation. A call captured into a graph (the
 //! group stream joins the capture through its waits) runs again at every replay. Send and
 //! receive meet in pairs (a sender and its receiver) the same way.
+use crate::collective::check_ranks;
 use crate::{Collective, DistError, Result};
-use ferrocuda_driver::nccl::ReduceOp;
+use ferrocuda_driver::nccl::{CollectiveCall, CollectiveOp, ReduceOp};
 use ferrocuda_driver::{Driver, FakeDriver, KernelContext};
 use ferrocuda_types::{
     CaptureStatus, DType, DeviceIndex, DevicePtr, EventFlags, EventHandle, FunctionHandle,
@@ -171,30 +172,12 @@ impl FakeRank {
         self.group.shared.completed.load(Ordering::Relaxed)
     }
 
-    fn peer(&self, peer: usize) -> Result<()> {
-        if peer >= self.group.shared.size || peer == self.rank {
-            return Err(DistError::InvalidRank {
-                rank: peer,
-                size: self.group.shared.size,
-            });
-        }
-        Ok(())
-    }
-
     /// The group's own stream (where the data moves).
     pub fn group_stream(&self) -> StreamHandle {
         self.group.shared.stream
     }
 
-    fn call(
-        &self,
-        kind: Kind,
-        send: DevicePtr,
-        recv: DevicePtr,
-        count: usize,
-        dtype: DType,
-        stream: StreamHandle,
-    ) -> Result<()> {
+    fn call(&self, kind: Kind, call: &CollectiveCall, stream: StreamHandle) -> Result<()> {
         let sh = &self.group.shared;
         let d = &sh.driver;
         if stream.device != self.device {
@@ -203,8 +186,11 @@ impl FakeRank {
                 found: stream.device,
             });
         }
-        if !matches!(dtype, DType::F32 | DType::F64 | DType::I32 | DType::I64) {
-            return Err(DistError::UnsupportedType(dtype));
+        if !matches!(
+            call.dtype,
+            DType::F32 | DType::F64 | DType::I32 | DType::I64
+        ) {
+            return Err(DistError::UnsupportedType(call.dtype));
         }
         let ready = d.event_create(self.device, EventFlags::default())?;
         sh.events.lock().push(ready);
@@ -215,10 +201,10 @@ impl FakeRank {
         };
         let arrival = Arrival {
             kind,
-            count,
-            dtype,
-            send,
-            recv,
+            count: call.count,
+            dtype: call.dtype,
+            send: call.send,
+            recv: call.recv,
             ready,
         };
         let mut rounds = sh.rounds.lock();
@@ -389,84 +375,16 @@ impl Collective for FakeRank {
     fn device(&self) -> DeviceIndex {
         self.device
     }
-    fn all_reduce(
-        &self,
-        send: DevicePtr,
-        recv: DevicePtr,
-        count: usize,
-        dtype: DType,
-        op: ReduceOp,
-        stream: StreamHandle,
-    ) -> Result<()> {
-        self.call(Kind::AllReduce(op), send, recv, count, dtype, stream)
-    }
-    fn broadcast(
-        &self,
-        send: DevicePtr,
-        recv: DevicePtr,
-        count: usize,
-        dtype: DType,
-        root: usize,
-        stream: StreamHandle,
-    ) -> Result<()> {
-        if root >= self.size() {
-            return Err(DistError::InvalidRank {
-                rank: root,
-                size: self.size(),
-            });
-        }
-        self.call(Kind::Broadcast(root), send, recv, count, dtype, stream)
-    }
-    fn reduce_scatter(
-        &self,
-        send: DevicePtr,
-        recv: DevicePtr,
-        recv_count: usize,
-        dtype: DType,
-        op: ReduceOp,
-        stream: StreamHandle,
-    ) -> Result<()> {
-        self.call(
-            Kind::ReduceScatter(op),
-            send,
-            recv,
-            recv_count,
-            dtype,
-            stream,
-        )
-    }
-    fn all_gather(
-        &self,
-        send: DevicePtr,
-        recv: DevicePtr,
-        send_count: usize,
-        dtype: DType,
-        stream: StreamHandle,
-    ) -> Result<()> {
-        self.call(Kind::AllGather, send, recv, send_count, dtype, stream)
-    }
-    fn send(
-        &self,
-        buf: DevicePtr,
-        count: usize,
-        dtype: DType,
-        peer: usize,
-        stream: StreamHandle,
-    ) -> Result<()> {
-        self.peer(peer)?;
-        let kind = Kind::SendRecv(self.rank, peer);
-        self.call(kind, buf, DevicePtr(0), count, dtype, stream)
-    }
-    fn recv(
-        &self,
-        buf: DevicePtr,
-        count: usize,
-        dtype: DType,
-        peer: usize,
-        stream: StreamHandle,
-    ) -> Result<()> {
-        self.peer(peer)?;
-        let kind = Kind::SendRecv(peer, self.rank);
-        self.call(kind, DevicePtr(0), buf, count, dtype, stream)
+    fn collective(&self, call: &CollectiveCall, stream: StreamHandle) -> Result<()> {
+        check_ranks(call.op, self.rank, self.size())?;
+        let kind = match call.op {
+            CollectiveOp::AllReduce(op) => Kind::AllReduce(op),
+            CollectiveOp::Broadcast { root } => Kind::Broadcast(root),
+            CollectiveOp::ReduceScatter(op) => Kind::ReduceScatter(op),
+            CollectiveOp::AllGather => Kind::AllGather,
+            CollectiveOp::Send { peer } => Kind::SendRecv(self.rank, peer),
+            CollectiveOp::Recv { peer } => Kind::SendRecv(peer, self.rank),
+        };
+        self.call(kind, call, stream)
     }
 }

@@ -5,10 +5,11 @@
 //! (`recordStream`, so memory freed while the collective is in flight is not reused before
 //! it ends), and the returned [`Work`] holds an event whose `wait` makes the current stream
 //! wait for the collective: no host synchronisation anywhere.
+use crate::collective::check_ranks;
 use crate::{Collective, DistError, Result};
-use ferrocuda_driver::nccl::ReduceOp;
+use ferrocuda_driver::nccl::{CollectiveCall, CollectiveOp, ReduceOp};
 use ferrocuda_stream::{DeviceBuffer, Event, Runtime, Stream};
-use ferrocuda_types::{DeviceIndex, Element};
+use ferrocuda_types::{DeviceIndex, DevicePtr, Element};
 use std::sync::Arc;
 
 /// One rank's process group: a collectives backend and a communication stream.
@@ -89,19 +90,31 @@ impl ProcessGroup {
         Ok(())
     }
 
-    /// Runs `call` on the communication stream after the current stream, marks `buffers`
-    /// used by it, and returns the work.
+    /// Runs `op` (`count` elements of `send` into `recv`, of `T`) on the communication
+    /// stream after the current stream, marks `buffers` used by it, and returns the work.
     fn run<T: Element>(
         &self,
+        op: CollectiveOp,
         buffers: &[&DeviceBuffer<T>],
-        call: impl FnOnce(&dyn Collective, &Stream) -> Result<()>,
+        send: DevicePtr,
+        recv: DevicePtr,
+        count: usize,
     ) -> Result<Work> {
+        check_ranks(op, self.rank(), self.size())?;
         for b in buffers {
             self.check(b)?;
         }
         let current = self.runtime.current_stream(self.device())?;
         self.stream.wait_stream(&current)?;
-        call(&*self.comm, &self.stream)?;
+        let dtype = T::DTYPE;
+        let call = CollectiveCall {
+            op,
+            send,
+            recv,
+            count,
+            dtype,
+        };
+        self.comm.collective(&call, self.stream.handle())?;
         for b in buffers {
             b.record_stream(&self.stream)?;
         }
@@ -114,22 +127,14 @@ impl ProcessGroup {
 
     /// Reduces `buf` over all ranks, in place (`dist.all_reduce`).
     pub fn all_reduce<T: Element>(&self, buf: &DeviceBuffer<T>, op: ReduceOp) -> Result<Work> {
-        self.run(&[buf], |c, s| {
-            c.all_reduce(buf.ptr(), buf.ptr(), buf.len(), T::DTYPE, op, s.handle())
-        })
+        let op = CollectiveOp::AllReduce(op);
+        self.run(op, &[buf], buf.ptr(), buf.ptr(), buf.len())
     }
 
     /// Copies rank `root`'s `buf` into every rank's `buf` (`dist.broadcast`).
     pub fn broadcast<T: Element>(&self, buf: &DeviceBuffer<T>, root: usize) -> Result<Work> {
-        if root >= self.size() {
-            return Err(DistError::InvalidRank {
-                rank: root,
-                size: self.size(),
-            });
-        }
-        self.run(&[buf], |c, s| {
-            c.broadcast(buf.ptr(), buf.ptr(), buf.len(), T::DTYPE, root, s.handle())
-        })
+        let op = CollectiveOp::Broadcast { root };
+        self.run(op, &[buf], buf.ptr(), buf.ptr(), buf.len())
     }
 
     /// Reduces `input` (`size` blocks of `output.len()`) over ranks; this rank's block lands
@@ -140,21 +145,16 @@ impl ProcessGroup {
         input: &DeviceBuffer<T>,
         op: ReduceOp,
     ) -> Result<Work> {
-        self.lengths(
-            "reduce_scatter input",
-            output.len() * self.size(),
-            input.len(),
-        )?;
-        self.run(&[output, input], |c, s| {
-            c.reduce_scatter(
-                input.ptr(),
-                output.ptr(),
-                output.len(),
-                T::DTYPE,
-                op,
-                s.handle(),
-            )
-        })
+        let expected = output.len() * self.size();
+        self.lengths("reduce_scatter input", expected, input.len())?;
+        let op = CollectiveOp::ReduceScatter(op);
+        self.run(
+            op,
+            &[output, input],
+            input.ptr(),
+            output.ptr(),
+            output.len(),
+        )
     }
 
     /// Gathers every rank's `input` into `output`, by rank (`dist.all_gather_into_tensor`).
@@ -164,35 +164,20 @@ impl ProcessGroup {
         input: &DeviceBuffer<T>,
     ) -> Result<Work> {
         self.lengths("all_gather output", input.len() * self.size(), output.len())?;
-        self.run(&[output, input], |c, s| {
-            c.all_gather(input.ptr(), output.ptr(), input.len(), T::DTYPE, s.handle())
-        })
+        let op = CollectiveOp::AllGather;
+        self.run(op, &[output, input], input.ptr(), output.ptr(), input.len())
     }
 
     /// Sends `buf` to rank `peer` (`dist.send`, asynchronous like `isend`).
     pub fn send<T: Element>(&self, buf: &DeviceBuffer<T>, peer: usize) -> Result<Work> {
-        self.peer(peer)?;
-        self.run(&[buf], |c, s| {
-            c.send(buf.ptr(), buf.len(), T::DTYPE, peer, s.handle())
-        })
+        let op = CollectiveOp::Send { peer };
+        self.run(op, &[buf], buf.ptr(), DevicePtr(0), buf.len())
     }
 
     /// Receives into `buf` from rank `peer` (`dist.recv`, asynchronous like `irecv`).
     pub fn recv<T: Element>(&self, buf: &DeviceBuffer<T>, peer: usize) -> Result<Work> {
-        self.peer(peer)?;
-        self.run(&[buf], |c, s| {
-            c.recv(buf.ptr(), buf.len(), T::DTYPE, peer, s.handle())
-        })
-    }
-
-    fn peer(&self, peer: usize) -> Result<()> {
-        if peer >= self.size() || peer == self.rank() {
-            return Err(DistError::InvalidRank {
-                rank: peer,
-                size: self.size(),
-            });
-        }
-        Ok(())
+        let op = CollectiveOp::Recv { peer };
+        self.run(op, &[buf], DevicePtr(0), buf.ptr(), buf.len())
     }
 
     fn lengths(&self, what: &'static str, expected: usize, found: usize) -> Result<()> {

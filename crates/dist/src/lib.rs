@@ -34,6 +34,6 @@ mod reducer;
 pub use collective::Collective;
 pub use error::{DistError, Result};
 pub use fake::{FakeGroup, FakeRank};
-pub use ferrocuda_driver::nccl::ReduceOp;
+pub use ferrocuda_driver::nccl::{CollectiveCall, CollectiveOp, ReduceOp};
 pub use group::{ProcessGroup, Work};
 pub use reducer::{BucketCaps, Reducer, assign_buckets, reduce_found_inf};

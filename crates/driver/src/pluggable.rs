@@ -98,6 +98,18 @@ pub enum Hook {
 }
 
 impl Hook {
+    /// Every hook, in the order of PyTorch's setters.
+    pub const ALL: [Hook; 8] = [
+        Hook::Init,
+        Hook::Reset,
+        Hook::MemoryFraction,
+        Hook::BaseAlloc,
+        Hook::RecordStream,
+        Hook::BeginAllocateToPool,
+        Hook::EndAllocateToPool,
+        Hook::ReleasePool,
+    ];
+
     /// The name PyTorch's members give the function (`init_fn_` …), for messages.
     fn role(self) -> &'static str {
         match self {

@@ -3,7 +3,7 @@
 //! this test: every argument reaches the library as passed, every hook runs only when given,
 //! and a missing file or function is a typed error with Python's text.
 use ferrocuda_driver::{Hook, PluggableError, PluggableLibrary};
-use ferrocuda_pluggable_fixture::{Event, Probe, path};
+use ferrocuda_pluggable_fixture::{Event, HOOK_FUNCTIONS, Probe, path};
 use ferrocuda_types::{DeviceIndex, PoolId, StreamHandle};
 
 type TestResult = Result<(), Box<dyn std::error::Error>>;
@@ -16,6 +16,13 @@ const S: StreamHandle = StreamHandle {
 
 fn host() -> Result<PluggableLibrary, PluggableError> {
     PluggableLibrary::load(path(), "fixture_host_alloc", "fixture_host_free")
+}
+
+fn with_every_hook(lib: PluggableLibrary) -> Result<PluggableLibrary, PluggableError> {
+    Hook::ALL
+        .into_iter()
+        .zip(HOOK_FUNCTIONS)
+        .try_fold(lib, |lib, (hook, function)| lib.with_hook(hook, function))
 }
 
 #[test]
@@ -61,16 +68,7 @@ fn a_null_allocation_is_returned_as_zero() -> TestResult {
 fn hooks_run_only_when_given_and_receive_their_arguments() -> TestResult {
     let probe = Probe::open()?;
     let bare = host()?;
-    for hook in [
-        Hook::Init,
-        Hook::Reset,
-        Hook::MemoryFraction,
-        Hook::BaseAlloc,
-        Hook::RecordStream,
-        Hook::BeginAllocateToPool,
-        Hook::EndAllocateToPool,
-        Hook::ReleasePool,
-    ] {
+    for hook in Hook::ALL {
         assert!(!bare.has_hook(hook), "{hook:?}");
     }
     let pool = PoolId(0, 7);
@@ -80,15 +78,7 @@ fn hooks_run_only_when_given_and_receive_their_arguments() -> TestResult {
     assert!(!bare.pool_hook(Hook::BeginAllocateToPool, D1, pool));
     assert!(probe.events().is_empty(), "no hook, no call");
 
-    let lib = host()?
-        .with_hook(Hook::Init, "fixture_init")?
-        .with_hook(Hook::Reset, "fixture_reset")?
-        .with_hook(Hook::MemoryFraction, "fixture_memory_fraction")?
-        .with_hook(Hook::BaseAlloc, "fixture_base_alloc")?
-        .with_hook(Hook::RecordStream, "fixture_record_stream")?
-        .with_hook(Hook::BeginAllocateToPool, "fixture_begin_allocate_to_pool")?
-        .with_hook(Hook::EndAllocateToPool, "fixture_end_allocate_to_pool")?
-        .with_hook(Hook::ReleasePool, "fixture_release_pool")?;
+    let lib = with_every_hook(host()?)?;
     assert!(lib.init(4) && lib.reset() && lib.memory_fraction(0.25, D1));
     assert!(lib.record_stream(0x1000, S));
     for hook in [

@@ -4,11 +4,10 @@
 //! state borrowed (the callers in `mod.rs`, `events.rs` and `memory.rs` make them).
 use super::stats::Stats;
 use crate::AllocError;
-use crate::private_pools::Route;
+use crate::private_pools::{Route, Routes, begin_route, end_route};
 use ferrocuda_types::{EventHandle, HostRange, PoolId, StreamHandle};
 use rustc_hash::FxHashMap;
 use std::collections::VecDeque;
-use std::thread::ThreadId;
 
 /// Free-list buckets: one per `ceil(log2(size))` (PyTorch's `MAX_SIZE_INDEX`).
 pub(crate) const BUCKETS: usize = 64;
@@ -101,7 +100,7 @@ pub(crate) struct State {
     default: BlockPool,
     private: FxHashMap<PoolId, PrivatePool>,
     /// Pools being allocated to, newest last, with the thread that began each.
-    routes: Vec<(PoolId, Route, ThreadId)>,
+    routes: Routes,
     pub(crate) stats: Stats,
 }
 
@@ -135,31 +134,14 @@ impl State {
 
     /// `begin_allocate_to_pool`: the pool gains a user and takes what `route` takes.
     pub(crate) fn begin(&mut self, pool: PoolId, route: Route) -> Result<(), AllocError> {
-        if pool.is_default() {
-            return Err(AllocError::Pool(
-                "beginAllocateToPool: the default pool cannot be recorded to".into(),
-            ));
-        }
-        if self.routes.iter().any(|(p, _, _)| *p == pool) {
-            return Err(AllocError::Pool(format!(
-                "beginAllocateToPool: already recording to mempool_id {pool}"
-            )));
-        }
+        begin_route(&mut self.routes, pool, route)?;
         self.private.entry(pool).or_default().use_count += 1;
-        self.routes.push((pool, route, std::thread::current().id()));
         Ok(())
     }
 
     /// `end_allocate_to_pool`: no more allocations go to `pool`; it keeps its user.
     pub(crate) fn end(&mut self, pool: PoolId) -> Result<(), AllocError> {
-        let i = self.routes.iter().position(|(p, _, _)| *p == pool);
-        let i = i.ok_or_else(|| {
-            AllocError::Pool(format!(
-                "endAllocatePool: not currently recording to mempool_id {pool}"
-            ))
-        })?;
-        self.routes.remove(i);
-        Ok(())
+        end_route(&mut self.routes, pool)
     }
 
     /// `release_pool`: one user fewer; at none the pool is freeable.

@@ -209,6 +209,18 @@ pub extern "C" fn fixture_cuda_free(
     }
 }
 
+/// The library's hook functions, in the order of `ferrocuda_driver::Hook::ALL`.
+pub const HOOK_FUNCTIONS: [&str; 8] = [
+    "fixture_init",
+    "fixture_reset",
+    "fixture_memory_fraction",
+    "fixture_base_alloc",
+    "fixture_record_stream",
+    "fixture_begin_allocate_to_pool",
+    "fixture_end_allocate_to_pool",
+    "fixture_release_pool",
+];
+
 /// `void fixture_init(int device_count)`.
 #[unsafe(no_mangle)]
 pub extern "C" fn fixture_init(device_count: c_int) {

@@ -168,6 +168,66 @@ impl ReduceOp {
     }
 }
 
+/// What one collective call does beyond its buffers, count and element type: the NCCL
+/// function it is, and that function's operation, root or peer.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
+pub enum CollectiveOp {
+    /// `count` elements of `send` reduced over all ranks into `recv`.
+    AllReduce(ReduceOp),
+    /// `count` elements of rank `root`'s `send` into every rank's `recv`.
+    Broadcast {
+        /// The rank whose data is copied.
+        root: usize,
+    },
+    /// `size * count` elements of `send` reduced over ranks; rank `r` keeps block `r` in
+    /// `recv`.
+    ReduceScatter(ReduceOp),
+    /// Every rank's `count` elements of `send`, by rank, into every rank's `recv`.
+    AllGather,
+    /// `count` elements of `send` to rank `peer`.
+    Send {
+        /// The receiving rank.
+        peer: usize,
+    },
+    /// `count` elements from rank `peer` into `recv`.
+    Recv {
+        /// The sending rank.
+        peer: usize,
+    },
+}
+
+impl CollectiveOp {
+    /// The rank this call names, if it is out of range for rank `rank` of a group of `size`:
+    /// a broadcast's root must be a rank, a peer another rank than the caller.
+    pub fn bad_rank(self, rank: usize, size: usize) -> Option<usize> {
+        match self {
+            CollectiveOp::Broadcast { root } if root >= size => Some(root),
+            CollectiveOp::Send { peer } | CollectiveOp::Recv { peer }
+                if peer >= size || peer == rank =>
+            {
+                Some(peer)
+            }
+            _ => None,
+        }
+    }
+}
+
+/// One rank's part of a collective call. Buffers are device addresses the caller keeps
+/// alive until the stream has run the call; a send leaves `recv` unused, a receive `send`.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct CollectiveCall {
+    /// What the call does.
+    pub op: CollectiveOp,
+    /// The input.
+    pub send: DevicePtr,
+    /// The output.
+    pub recv: DevicePtr,
+    /// Elements per rank as NCCL counts them (reduce-scatter's output, all-gather's input).
+    pub count: usize,
+    /// The element type.
+    pub dtype: DType,
+}
+
 /// The 128 bytes that name a communicator across processes (`ncclUniqueId`): made by one
 /// rank ([`UniqueId::new`]) and passed to the others by the caller.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -313,150 +373,45 @@ impl NcclComm {
         check(f(*comm as sys::ncclComm_t, s))
     }
 
-    /// `count` elements of `send` reduced over all ranks into `recv` (`ncclAllReduce`); in
-    /// place when they are equal. Ordered on `stream`.
-    pub fn all_reduce(
-        &self,
-        send: DevicePtr,
-        recv: DevicePtr,
-        count: usize,
-        dtype: DType,
-        op: ReduceOp,
-        stream: StreamHandle,
-    ) -> Result<(), NcclError> {
-        let t = data_type(dtype)?;
+    /// Enqueues this rank's part of `call` on `stream` (`ncclAllReduce`, in place when the
+    /// buffers are equal; `ncclBroadcast`, `ncclReduceScatter`, `ncclAllGather`, `ncclSend`,
+    /// `ncclRecv`).
+    pub fn collective(&self, call: &CollectiveCall, stream: StreamHandle) -> Result<(), NcclError> {
+        let t = data_type(call.dtype)?;
+        let other = match call.op {
+            CollectiveOp::Broadcast { root } if root >= self.size => {
+                return Err(NcclError::InvalidArgument("root must be a rank"));
+            }
+            CollectiveOp::Broadcast { root } => c_int(root, "root")?,
+            CollectiveOp::Send { peer } | CollectiveOp::Recv { peer } => {
+                if call.op.bad_rank(self.rank, self.size).is_some() {
+                    return Err(NcclError::InvalidArgument("peer must be another rank"));
+                }
+                c_int(peer, "peer")?
+            }
+            CollectiveOp::AllReduce(_)
+            | CollectiveOp::ReduceScatter(_)
+            | CollectiveOp::AllGather => 0,
+        };
+        let (send, recv, n) = (
+            call.send.0 as *const c_void,
+            call.recv.0 as *mut c_void,
+            call.count,
+        );
         // SAFETY: a live communicator and a registered stream of its device; device
         // addresses are only dereferenced on the device.
         self.call(stream, |c, s| unsafe {
-            sys::ncclAllReduce(
-                send.0 as *const c_void,
-                recv.0 as *mut c_void,
-                count,
-                t,
-                op.raw(),
-                c,
-                s,
-            )
+            match call.op {
+                CollectiveOp::AllReduce(op) => sys::ncclAllReduce(send, recv, n, t, op.raw(), c, s),
+                CollectiveOp::Broadcast { .. } => sys::ncclBroadcast(send, recv, n, t, other, c, s),
+                CollectiveOp::ReduceScatter(op) => {
+                    sys::ncclReduceScatter(send, recv, n, t, op.raw(), c, s)
+                }
+                CollectiveOp::AllGather => sys::ncclAllGather(send, recv, n, t, c, s),
+                CollectiveOp::Send { .. } => sys::ncclSend(send, n, t, other, c, s),
+                CollectiveOp::Recv { .. } => sys::ncclRecv(recv, n, t, other, c, s),
+            }
         })
-    }
-
-    /// `count` elements of `send` on rank `root` copied into `recv` on every rank
-    /// (`ncclBroadcast`).
-    pub fn broadcast(
-        &self,
-        send: DevicePtr,
-        recv: DevicePtr,
-        count: usize,
-        dtype: DType,
-        root: usize,
-        stream: StreamHandle,
-    ) -> Result<(), NcclError> {
-        let t = data_type(dtype)?;
-        if root >= self.size {
-            return Err(NcclError::InvalidArgument("root must be a rank"));
-        }
-        let root = c_int(root, "root")?;
-        // SAFETY: as all_reduce.
-        self.call(stream, |c, s| unsafe {
-            sys::ncclBroadcast(
-                send.0 as *const c_void,
-                recv.0 as *mut c_void,
-                count,
-                t,
-                root,
-                c,
-                s,
-            )
-        })
-    }
-
-    /// `size * recv_count` elements of `send` reduced over ranks; rank `r` keeps block `r`
-    /// in `recv` (`ncclReduceScatter`).
-    pub fn reduce_scatter(
-        &self,
-        send: DevicePtr,
-        recv: DevicePtr,
-        recv_count: usize,
-        dtype: DType,
-        op: ReduceOp,
-        stream: StreamHandle,
-    ) -> Result<(), NcclError> {
-        let t = data_type(dtype)?;
-        // SAFETY: as all_reduce.
-        self.call(stream, |c, s| unsafe {
-            sys::ncclReduceScatter(
-                send.0 as *const c_void,
-                recv.0 as *mut c_void,
-                recv_count,
-                t,
-                op.raw(),
-                c,
-                s,
-            )
-        })
-    }
-
-    /// Every rank's `send_count` elements gathered, by rank, into `recv` on every rank
-    /// (`ncclAllGather`).
-    pub fn all_gather(
-        &self,
-        send: DevicePtr,
-        recv: DevicePtr,
-        send_count: usize,
-        dtype: DType,
-        stream: StreamHandle,
-    ) -> Result<(), NcclError> {
-        let t = data_type(dtype)?;
-        // SAFETY: as all_reduce.
-        self.call(stream, |c, s| unsafe {
-            sys::ncclAllGather(
-                send.0 as *const c_void,
-                recv.0 as *mut c_void,
-                send_count,
-                t,
-                c,
-                s,
-            )
-        })
-    }
-
-    /// Sends `count` elements to rank `peer` (`ncclSend`); pairs with its [`NcclComm::recv`].
-    pub fn send(
-        &self,
-        buf: DevicePtr,
-        count: usize,
-        dtype: DType,
-        peer: usize,
-        stream: StreamHandle,
-    ) -> Result<(), NcclError> {
-        let (t, p) = (data_type(dtype)?, self.peer(peer)?);
-        // SAFETY: as all_reduce.
-        self.call(stream, |c, s| unsafe {
-            sys::ncclSend(buf.0 as *const c_void, count, t, p, c, s)
-        })
-    }
-
-    /// Receives `count` elements from rank `peer` (`ncclRecv`).
-    pub fn recv(
-        &self,
-        buf: DevicePtr,
-        count: usize,
-        dtype: DType,
-        peer: usize,
-        stream: StreamHandle,
-    ) -> Result<(), NcclError> {
-        let (t, p) = (data_type(dtype)?, self.peer(peer)?);
-        // SAFETY: as all_reduce.
-        self.call(stream, |c, s| unsafe {
-            sys::ncclRecv(buf.0 as *mut c_void, count, t, p, c, s)
-        })
-    }
-
-    fn peer(&self, peer: usize) -> Result<i32, NcclError> {
-        if peer >= self.size || peer == self.rank {
-            return Err(NcclError::InvalidArgument("peer must be another rank"));
-        }
-        c_int(peer, "peer")
     }
 }
 
