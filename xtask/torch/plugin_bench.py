@@ -470,6 +470,7 @@ def check_graphs(torch, ferro):
 
 
 def main():
+    os.makedirs(OUT, exist_ok=True)  # run by hand with OUT=some/new/folder
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("check")
