@@ -10,9 +10,10 @@
 
     python3 plugin_bench.py bench [--steps N] [--requests N] [--repeats R] [--only WORKLOAD]
         a GPT-2-small-style bf16 training loop and a BERT-style serving loop with random
-        shapes (models randomly initialised), each run three ways, one process each:
-        PyTorch native (default), PyTorch native with expandable_segments:True, and
-        ferrocuda with FERROCUDA_ALLOC_CONF=ferrocuda_recommended:True. Prints step time and
+        shapes (models randomly initialised), each run four ways, one process each:
+        PyTorch native (default), PyTorch native with expandable_segments:True,
+        ferrocuda with FERROCUDA_ALLOC_CONF=ferrocuda_recommended:True, and ferrocuda with
+        the empty configuration (to tell the library's cost from the configuration's). Prints step time and
         peak reserved side by side and whether ferrocuda met its targets (step time within 2%
         of native, peak reserved at or below native expandable's); writes plugin_bench.json.
 
@@ -53,6 +54,9 @@ WAYS = {
     "native_default": {"PYTORCH_CUDA_ALLOC_CONF": None, "FERROCUDA_ALLOC_CONF": None},
     "native_expandable": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "FERROCUDA_ALLOC_CONF": None},
     "ferrocuda": {"PYTORCH_CUDA_ALLOC_CONF": None, "FERROCUDA_ALLOC_CONF": "ferrocuda_recommended:True"},
+    # ferrocuda with the empty configuration (PyTorch's behaviour): what the library itself
+    # costs, apart from what expandable segments and reclaim cost or save.
+    "ferrocuda_default": {"PYTORCH_CUDA_ALLOC_CONF": None, "FERROCUDA_ALLOC_CONF": None},
 }
 
 
@@ -248,7 +252,7 @@ WORKLOADS = {"gpt2_train": gpt2_train, "bert_serve": bert_serve}
 
 def worker(workload, way, steps, requests, seed=1234):
     """One run in this process; prints one JSON line."""
-    ferro = Ferrocuda() if way == "ferrocuda" else None
+    ferro = Ferrocuda() if way.startswith("ferrocuda") else None
     import torch
     n = steps if workload == "gpt2_train" else requests
     warm, measured = WORKLOADS[workload](torch, n, seed)
@@ -282,7 +286,7 @@ def worker(workload, way, steps, requests, seed=1234):
 
 
 def bench(args):
-    """Every workload three ways, `repeats` rounds, each run a fresh process."""
+    """Every workload four ways, `repeats` rounds, each run a fresh process."""
     env0 = dict(os.environ)
     rows = []
     workloads = [args.only] if args.only else list(WORKLOADS)
