@@ -8,8 +8,10 @@
 //!   and `xtask/torch/plugin_bench.py`, which `run.sh` runs against real PyTorch, and the
 //!   `ferrocuda` command, four traces and `replay.sh`, which replays them on the fake device,
 //!   on the GPU and through PyTorch's allocator and fails if the fake and the real device's
-//!   memory figures differ (`MULTI_GPU=1 run.sh` also runs the two-GPU `multi_*` binaries);
-//! - `bench`: the criterion benches (they need a GPU; without one they say they skipped);
+//!   memory figures differ (`MULTI_GPU=1 run.sh` also runs the two-GPU `multi_*` tests, the
+//!   `multibench_*` benches and `torch_dist.py`, PyTorch's side of them);
+//! - `bench`: the criterion benches (they need a GPU; without one they say they skipped), all
+//!   but the two-GPU one (`cargo bench -p ferrocuda-dist`);
 //! - `cli-fuzz [--cases N] [--seed S] [--long] [--case N]`: the `ferrocuda` command against
 //!   generated and mutated traces (see [`fuzz`]); `ci` runs it with a fixed seed;
 //! - `alloc-fuzz [--programs N] [--seed S]`: the allocator's structure-aware fuzz
@@ -86,6 +88,9 @@ const GPU_BENCHES: &[&str] = &[
     "pinned",
     "torch_plugin",
 ];
+/// Bench binaries that need two GPUs: bundled as `multibench_*`, run by run.sh only with
+/// `MULTI_GPU=1` (on fewer than two GPUs they fail, never skip).
+const GPU_BENCHES_MULTI: &[&str] = &["multi_gpu"];
 /// Examples that go into the GPU bundle (each must succeed and say it ran on the GPU).
 const GPU_EXAMPLES: &[&str] = &["tour", "snapshot", "decode"];
 /// The PyTorch allocator library (crates/torch-plugin) and the script `run.sh` runs it with
@@ -106,7 +111,8 @@ fn main() -> ExitCode {
     let result = match task.as_str() {
         "ci" => ci(),
         "gpu-bundle" => gpu_bundle(),
-        "bench" => cargo(&["bench", "--workspace"]),
+        // The several-GPU bench fails on fewer than two GPUs: `MULTI_GPU=1 run.sh` runs it.
+        "bench" => cargo(&["bench", "--workspace", "--exclude", "ferrocuda-dist"]),
         "doc" => doc(),
         "cli-fuzz" => {
             let args: Vec<String> = std::env::args().skip(2).collect();
@@ -436,6 +442,11 @@ fn gpu_bundle() -> Result<(), String> {
             "bench_",
         ),
         (
+            vec!["bench", "--no-run", "--workspace"],
+            GPU_BENCHES_MULTI,
+            "multibench_",
+        ),
+        (
             vec!["build", "--release", "--examples"],
             GPU_EXAMPLES,
             "example_",
@@ -477,6 +488,8 @@ fn gpu_bundle() -> Result<(), String> {
     }
     // The pinned-memory anchor lives in this repository (PyTorch's side of benches/pinned.rs).
     std::fs::write(dir.join("torch_pinned.py"), TORCH_PINNED_PY).map_err(|e| e.to_string())?;
+    // And the several-GPU one (PyTorch's side of crates/dist/benches/multi_gpu.rs).
+    std::fs::write(dir.join("torch_dist.py"), TORCH_DIST_PY).map_err(|e| e.to_string())?;
     bundle_replay(&dir, &root().join("../shared/tools/torch_replay.py"))?;
     let script = dir.join("run.sh");
     std::fs::write(&script, run_sh()).map_err(|e| e.to_string())?;
@@ -599,13 +612,18 @@ fn pack_if_large(dir: &Path) -> Result<(), String> {
 /// `benches/pinned.rs` (run by `run.sh`, compared with the criterion figures).
 const TORCH_PINNED_PY: &str = include_str!("../anchors/torch_pinned.py");
 
+/// PyTorch's `dist.all_reduce` (NCCL) bus bandwidth and `t.to("cuda:1")` bandwidth, measured
+/// beside `crates/dist/benches/multi_gpu.rs` (run by `run.sh` with `MULTI_GPU=1`).
+const TORCH_DIST_PY: &str = include_str!("../anchors/torch_dist.py");
+
 const RUN_SH: &str = r#"#!/usr/bin/env bash
 # Runs the bundled tests and benches against the real CUDA driver. A skipped (ignored) test,
 # a missing GPU, or a failed bench counts as a failure. Last line: "N passed, N failed".
 # ONLY=<regex> runs just the binaries whose names match (and skips the PyTorch checks);
 # ONLY=replay runs just the replay comparison (replay.sh: ferrocuda on the fake device and the
 # GPU, and PyTorch's allocator, on the same traces).
-# MULTI_GPU=1 also runs the multi_* binaries, which need two GPUs (they fail on fewer).
+# MULTI_GPU=1 also runs the multi_* tests and multibench_* benches, which need two GPUs (they
+# fail on fewer), and torch_dist.py, PyTorch's side of multibench_multi_gpu, with a ratio table.
 set -u -o pipefail
 cd "$(dirname "$0")"
 OUT=${OUT:-$PWD/out}
@@ -643,7 +661,7 @@ for e in example_*; do
     echo "$e failed (or did not run on the GPU)"; failed=$((failed + 1))
   fi
 done
-for b in bench_*; do
+for b in bench_* ${MULTI_GPU:+multibench_*}; do
   want "$b" || continue
   echo "=== $b"
   if ./"$b" --bench 2>&1 | tee "$OUT/$b.log"; then passed=$((passed + 1)); else echo "$b failed"; failed=$((failed + 1)); fi
@@ -757,6 +775,32 @@ for label, mine, theirs in [("H2D 64 MiB pinned, GB/s", "pinned_64MiB", "torch_h
     print(f"{label:28} {a:13.2f} {b:11.2f} {a / b:7.3f}")
 PY
 fi
+if [ -n "${MULTI_GPU:-}" ] && [ -f torch_dist.py ] && want torch_dist; then
+  echo "=== torch_dist.py (PyTorch's dist.all_reduce, NCCL, and t.to(\"cuda:1\"), same run)"
+  if OUT="$OUT" PYTHONUNBUFFERED=1 python3 torch_dist.py 2>&1 | tee "$OUT/torch_dist.log"; then
+    passed=$((passed + 1))
+  else
+    echo "torch_dist.py failed"; failed=$((failed + 1))
+  fi
+fi
+if [ -n "${MULTI_GPU:-}" ] && [ -f "$OUT/torch_dist.json" ]; then
+  python3 - "$OUT" <<'PY'
+import json, os, re, sys
+out = sys.argv[1]
+torch = json.load(open(os.path.join(out, "torch_dist.json")))
+log = os.path.join(out, "multibench_multi_gpu.log")
+text = open(log).read() if os.path.exists(log) else ""
+def ours(key):
+    m = re.search(r"^" + key + r" ([0-9.]+)", text, re.M)
+    return float(m.group(1)) if m else None
+print(f"{'several GPUs, GB/s':28} {'ferrocuda':>10} {'PyTorch':>10} {'ratio':>7} {'target':>7}")
+for label, mine, theirs, target in [
+        ("all-reduce 256 MiB busbw", "ferrocuda_allreduce_busbw_GBps", "torch_allreduce_busbw_GBps", ">=0.98"),
+        ("peer copy 256 MiB 0->1", "ferrocuda_peer_copy_GBps", "torch_peer_copy_GBps", "-")]:
+    a, b = ours(mine), torch.get(theirs)
+    print(f"{label:28} missing" if a is None or b is None else f"{label:28} {a:10.2f} {b:10.2f} {a / b:7.3f} {target:>7}")
+PY
+fi
 echo "$passed passed, $failed failed"
 [ "$failed" = 0 ]
 "#;
@@ -778,6 +822,9 @@ mod tests {
             "plugin_bench.py check",
             "plugin_bench.py bench",
             "--exact cuda::interop::tests::",
+            "${MULTI_GPU:+multibench_*}",
+            "python3 torch_dist.py",
+            "torch_allreduce_busbw_GBps",
         ] {
             assert!(script.contains(step), "run.sh lacks {step}");
         }
