@@ -85,35 +85,26 @@ impl<T: Element> DeviceBuffer<T> {
     /// (`CUDA_ERROR_INVALID_HANDLE`).
     ///
     /// A cudarc program switching its allocations to ferrocuda's caching allocator (only the
-    /// allocation changes; cudarc's launch and copies stay):
+    /// allocation changes; cudarc's copies, memsets, launch builder and cuBLAS wrappers take
+    /// the view through the same `DevicePtr` / `DevicePtrMut` traits):
     /// ```no_run
     /// # use ferrocuda_driver::{CudaDriver, interop::cudarc};
     /// # use ferrocuda_stream::{DeviceBuffer, Runtime};
     /// # use ferrocuda_types::DeviceIndex;
     /// # use std::sync::Arc;
     /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
-    /// use cudarc::driver::{CudaContext, LaunchConfig, PushKernelArg};
+    /// use cudarc::driver::CudaContext;
     /// let ctx = CudaContext::new(0)?;
     /// let stream = ctx.default_stream();
-    /// let ptx = cudarc::nvrtc::compile_ptx(
-    ///     r#"extern "C" __global__ void add_one(float* x, int n) {
-    ///            int i = blockIdx.x * blockDim.x + threadIdx.x;
-    ///            if (i < n) x[i] += 1.0f;
-    ///        }"#,
-    /// )?;
-    /// let add_one = ctx.load_module(ptx)?.load_function("add_one")?;
     ///
     /// // Before: let mut x = stream.clone_htod(&[1.0f32; 1024])?;
     /// let rt = Runtime::new(Arc::new(CudaDriver::new())); // or ferrocuda::runtime()
     /// let x = DeviceBuffer::from_slice(&rt, DeviceIndex(0), &[1.0f32; 1024])?;
     /// let mut view = x.cudarc(&stream)?;
     ///
-    /// let n = 1024i32;
-    /// let mut launch = stream.launch_builder(&add_one);
-    /// launch.arg(&mut view).arg(&n);
-    /// unsafe { launch.launch(LaunchConfig::for_num_elems(1024)) }?;
+    /// stream.memcpy_htod(&[2.0f32; 1024], &mut view)?;
     /// assert_eq!(stream.clone_dtoh(&view)?, vec![2.0f32; 1024]);
-    /// drop(view); // ferrocuda's current stream now waits for the launch
+    /// drop(view); // ferrocuda's current stream now waits for cudarc's work
     /// assert_eq!(x.to_host()?, vec![2.0f32; 1024]);
     /// # Ok(())
     /// # }
