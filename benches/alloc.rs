@@ -13,9 +13,10 @@
 // A benchmark has no caller to report to: setup failures abort it, loudly.
 #![allow(clippy::expect_used)]
 
+mod common;
+
 use criterion::{Criterion, criterion_group};
 use ferrocuda::alloc::CachingAllocator;
-use ferrocuda::driver::{CudaDriver, Driver, FakeDriver};
 use ferrocuda::types::{AllocatorConfig, DeviceIndex, StreamHandle};
 use std::hint::black_box;
 use std::sync::Arc;
@@ -24,28 +25,13 @@ use std::time::{Duration, Instant};
 const DEV: DeviceIndex = DeviceIndex(0);
 const STREAM: StreamHandle = StreamHandle::legacy(DEV);
 
-fn driver() -> Arc<dyn Driver> {
-    let cuda = CudaDriver::new();
-    match cuda.unavailable_reason() {
-        None => Arc::new(cuda),
-        Some(reason) => {
-            if std::env::var("FERROCUDA_REQUIRE_GPU").is_ok_and(|v| v == "1") {
-                eprintln!("alloc bench: no usable GPU ({reason})");
-                std::process::exit(1);
-            }
-            eprintln!("alloc bench: no GPU ({reason}); measuring over the fake device");
-            Arc::new(FakeDriver::default())
-        }
-    }
-}
-
 fn pair(a: &CachingAllocator, size: u64) {
     let x = a.allocate(size, STREAM).expect("allocate");
     a.free(black_box(x.ptr)).expect("free");
 }
 
 fn hot_path(c: &mut Criterion) {
-    let driver = driver();
+    let driver = common::driver("alloc");
     let a = Arc::new(
         CachingAllocator::new(driver.clone(), DEV, AllocatorConfig::default(), true)
             .expect("allocator"),

@@ -13,33 +13,18 @@
 // A benchmark has no caller to report to: setup failures abort it, loudly.
 #![allow(clippy::expect_used)]
 
+mod common;
+
 use criterion::{Criterion, Throughput, criterion_group};
 use ferrocuda::alloc::{DeviceAllocators, HostAllocator};
-use ferrocuda::driver::{CudaDriver, Driver, FakeDriver};
 use ferrocuda::stream::{DeviceBuffer, PinnedBuffer, Runtime};
 use ferrocuda::types::{AllocatorConfig, DeviceIndex, StreamHandle};
 use std::hint::black_box;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 const DEV: DeviceIndex = DeviceIndex(0);
 const STREAM: StreamHandle = StreamHandle::legacy(DEV);
 const COPY_BYTES: usize = 64 << 20;
-
-fn driver() -> Arc<dyn Driver> {
-    let cuda = CudaDriver::new();
-    match cuda.unavailable_reason() {
-        None => Arc::new(cuda),
-        Some(reason) => {
-            if std::env::var("FERROCUDA_REQUIRE_GPU").is_ok_and(|v| v == "1") {
-                eprintln!("pinned bench: no usable GPU ({reason})");
-                std::process::exit(1);
-            }
-            eprintln!("pinned bench: no GPU ({reason}); measuring over the fake device");
-            Arc::new(FakeDriver::default())
-        }
-    }
-}
 
 fn pair(a: &HostAllocator, size: u64) {
     let r = a.allocate(size, STREAM).expect("allocate");
@@ -47,7 +32,7 @@ fn pair(a: &HostAllocator, size: u64) {
 }
 
 fn pairs(c: &mut Criterion) {
-    let rt = Runtime::new(driver());
+    let rt = Runtime::new(common::driver("pinned"));
     let allocators = DeviceAllocators::new(rt.driver().clone(), AllocatorConfig::default(), true);
     allocators.install(&rt);
     let a = allocators.host().clone();
