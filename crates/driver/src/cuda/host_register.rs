@@ -69,36 +69,38 @@ pub(super) fn prefault(
 }
 
 pub(super) fn register(d: &CudaDriver, ptr: HostPtr) -> Result<(), DriverError> {
-    let l = bind_any(d)?;
-    let mut registry = l.registry.write();
-    let entry = registry
-        .mallocs
-        .get_mut(&ptr.raw)
-        .ok_or(DriverError::INVALID_VALUE)?;
-    if entry.1 {
-        return Err(DriverError::HOST_MEMORY_ALREADY_REGISTERED);
-    }
-    let len = entry.0.max(1) as usize;
-    // SAFETY: `ptr` is a live allocation of `len` bytes from `malloc` (registry), not yet
-    // registered; a context is current. The write lock keeps `mfree` out meanwhile.
-    check(unsafe { sys::cuMemHostRegister_v2(ptr.raw as *mut c_void, len, 0) })?;
-    entry.1 = true;
-    Ok(())
+    set_registered(d, ptr, true)
 }
 
 pub(super) fn unregister(d: &CudaDriver, ptr: HostPtr) -> Result<(), DriverError> {
+    set_registered(d, ptr, false)
+}
+
+/// Page-locks (`cuMemHostRegister`) or unlocks (`cuMemHostUnregister`) an allocation from
+/// `malloc`, under the registry's write lock so that `mfree` stays out meanwhile.
+fn set_registered(d: &CudaDriver, ptr: HostPtr, register: bool) -> Result<(), DriverError> {
     let l = bind_any(d)?;
     let mut registry = l.registry.write();
     let entry = registry
         .mallocs
         .get_mut(&ptr.raw)
         .ok_or(DriverError::INVALID_VALUE)?;
-    if !entry.1 {
-        return Err(DriverError::HOST_MEMORY_NOT_REGISTERED);
+    match (register, entry.1) {
+        (true, true) => return Err(DriverError::HOST_MEMORY_ALREADY_REGISTERED),
+        (false, false) => return Err(DriverError::HOST_MEMORY_NOT_REGISTERED),
+        _ => {}
     }
-    // SAFETY: `ptr` was registered by `register` (registry) and is still allocated.
-    check(unsafe { sys::cuMemHostUnregister(ptr.raw as *mut c_void) })?;
-    entry.1 = false;
+    let raw = ptr.raw as *mut c_void;
+    if register {
+        let len = entry.0.max(1) as usize;
+        // SAFETY: `ptr` is a live allocation of `len` bytes from `malloc` (registry), not
+        // yet registered; a context is current.
+        check(unsafe { sys::cuMemHostRegister_v2(raw, len, 0) })?;
+    } else {
+        // SAFETY: `ptr` was registered by `register` (registry) and is still allocated.
+        check(unsafe { sys::cuMemHostUnregister(raw) })?;
+    }
+    entry.1 = register;
     Ok(())
 }
 
