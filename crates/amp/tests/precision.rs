@@ -6,7 +6,7 @@ use ferrocuda_amp::precision::{
     Backend, CublasComputeType::*, CublasLtReductionScheme::*, CublasMathMode::*, CudaDataType::*,
     CudnnOp, Fp32Precision, MatmulPrecision, NoTf32Guard, PrecisionError, PrecisionOp,
     PrecisionSettings, ReductionOption, cublas_gemm, cublas_handle_math_mode, cublaslt_gemm,
-    cudnn_allows_tf32, global, global_version, reduced_precision_disabled, update_global,
+    cudnn_allows_tf32, global, reduced_precision_disabled,
 };
 use ferrocuda_types::DType::{self, BF16, F16, F32, F64, I32};
 
@@ -372,17 +372,5 @@ fn cublaslt_compute_types_and_reduction_masks() -> TestResult {
         (g.compute_type, g.scale_type),
         (CUBLAS_COMPUTE_16F, CUDA_R_16F)
     );
-    Ok(())
-}
-
-#[test]
-fn the_global_settings_update_in_place() -> TestResult {
-    let was = global();
-    let version = global_version();
-    update_global(|s| s.set_float32_matmul_precision(MatmulPrecision::Medium));
-    assert_eq!(global().resolve(Backend::Mkldnn, Matmul), Bf16);
-    assert!(global_version() > version, "an update moves the version");
-    update_global(|s| *s = was);
-    assert_eq!(global(), was);
     Ok(())
 }

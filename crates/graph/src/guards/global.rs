@@ -297,7 +297,6 @@ impl fmt::Display for GlobalStateDiff {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use ferrocuda_amp::precision::MatmulPrecision;
 
     fn state(library: LibraryState, amp: AmpState, p: &PrecisionSettings) -> GlobalState {
         GlobalState::from_parts(library, &amp, p)
@@ -431,17 +430,5 @@ mod tests {
         assert_eq!(outside.reason(&inside), "autocast ");
         assert_eq!(outside, GlobalState::current(lib));
         Ok(())
-    }
-
-    #[test]
-    fn current_sees_a_precision_update_after_an_earlier_read() {
-        let lib = LibraryState::default();
-        let before = GlobalState::current(lib);
-        let was = precision::global();
-        precision::update_global(|s| s.set_float32_matmul_precision(MatmulPrecision::High));
-        let after = GlobalState::current(lib);
-        precision::update_global(|s| *s = was);
-        assert_eq!(before.reason(&after), "allow_tf32 ");
-        assert_eq!(GlobalState::current(lib), before, "and the restore too");
     }
 }
