@@ -12,6 +12,7 @@ use crate::alloc::history::{HistoryOptions, SkipFrames};
 use crate::alloc::{
     AllocError, AsyncAllocator, DeviceAllocators, HostAllocator, PluggableAllocator,
 };
+use crate::graph::CaptureMemory;
 use crate::stream::{HostMemoryResource, MemoryResource, Runtime, Stream, StreamError};
 use crate::types::{
     AllocatorBackend, AllocatorConfig, DeviceIndex, DevicePtr, HostRange, StreamHandle,
@@ -150,6 +151,21 @@ pub fn async_allocator() -> Option<&'static Arc<AsyncAllocator>> {
         Ok(Configured::Async(a, _)) => Some(a),
         _ => None,
     }
+}
+
+/// What a [`CudaGraph`](crate::graph::CudaGraph) of the global runtime captures through,
+/// under either backend:
+/// `CudaGraph::new(ferrocuda::runtime().clone(), ferrocuda::memory::capture_memory()?, dev)`.
+/// With a pluggable allocator current, PyTorch's "does not yet support" error for
+/// `beginAllocateToPool` (its hooks are not called by ferrocuda's graphs).
+pub fn capture_memory() -> Result<CaptureMemory, AllocError> {
+    Ok(match serving("beginAllocateToPool")? {
+        Configured::Native(a) => CaptureMemory::Native(a.clone()),
+        Configured::Async(a, host) => CaptureMemory::Async {
+            device: a.clone(),
+            host: host.clone(),
+        },
+    })
 }
 
 /// The caching allocators, for the function PyTorch's allocator interface calls `what`: a

@@ -8,6 +8,7 @@
 //! driver too when `FERROCUDA_REQUIRE_GPU=1` (the GPU bundle; reported as ignored
 //! otherwise). Arguments that do not start with `-` select scenarios by substring.
 use ferrocuda::alloc::AllocError;
+use ferrocuda::graph::{CaptureMemory, CaptureMode, CudaGraph};
 use ferrocuda::memory::{self, MemPool};
 use ferrocuda::stream::DeviceBuffer;
 use ferrocuda::types::DeviceIndex;
@@ -33,6 +34,16 @@ const SCENARIOS: &[Scenario] = &[
             "backend:cudaMallocAsync,max_split_size_mb:100",
         )],
         run: native_option_refused,
+    },
+    Scenario {
+        name: "a_graph_captures_through_the_async_backend",
+        env: &[("FERROCUDA_ALLOC_CONF", "backend:cudaMallocAsync")],
+        run: graph_capture,
+    },
+    Scenario {
+        name: "capture_memory_is_the_native_allocators_by_default",
+        env: &[],
+        run: native_capture_memory,
     },
 ];
 
@@ -154,6 +165,46 @@ fn native_option_refused() -> Outcome {
         e.to_string()
             == "backend:cudaMallocAsync ignores max_split_size_mb, roundup_power2_divisions, and garbage_collect_threshold.",
         format!("the error: {e}"),
+    )
+}
+
+/// `memory::capture_memory()` under the key: a graph captures through the async backend,
+/// its output in graph memory filled by the replay; freeing it afterwards is PyTorch's
+/// uncaptured free of a captured allocation.
+fn graph_capture() -> Outcome {
+    let rt = ferrocuda::runtime();
+    let capture_memory = memory::capture_memory()?;
+    ensure(
+        matches!(capture_memory, CaptureMemory::Async { .. }),
+        "capture_memory is the async backend's",
+    )?;
+    let g = CudaGraph::new(rt.clone(), capture_memory, D0)?;
+    let capture = g.capture(None, None, CaptureMode::ThreadLocal)?;
+    let out = DeviceBuffer::<f32>::uninit(rt, D0, 1024)?;
+    out.fill(3.0)?;
+    capture.end()?;
+    let stream = rt.current_stream(D0)?;
+    g.replay(&stream)?;
+    stream.synchronize()?;
+    ensure(
+        out.to_host()? == vec![3.0; 1024],
+        "the replay filled graph memory",
+    )?;
+    g.reset()?;
+    drop(out);
+    let warnings = memory::async_allocator()
+        .ok_or("no async allocator")?
+        .take_warnings();
+    ensure(
+        warnings.len() == 1 && warnings[0].starts_with("Attempting uncaptured free"),
+        format!("warnings {warnings:?}"),
+    )
+}
+
+fn native_capture_memory() -> Outcome {
+    ensure(
+        matches!(memory::capture_memory()?, CaptureMemory::Native(_)),
+        "capture_memory is the caching allocators'",
     )
 }
 

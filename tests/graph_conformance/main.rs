@@ -3,7 +3,8 @@
 //! The `torch.cuda.graph` example, pool routing and lifetime, the capture rules as typed
 //! errors, a capture left by a panic or a `?`, pool sharing, fork/join, THREAD_LOCAL
 //! captures, graphed callables, exact memory statistics, graph-safe Philox RNG, the
-//! driver's view of graph nodes and `update_inputs` (typed and by raw address).
+//! driver's view of graph nodes and `update_inputs` (typed and by raw address), and
+//! captures under `backend:cudaMallocAsync`.
 use ferrocuda::alloc::DeviceAllocators;
 use ferrocuda::graph::{CudaGraph, GraphError, PoolId, register_fake_philox};
 use ferrocuda::stream::conformance::{Harness, KERNELS};
@@ -97,6 +98,7 @@ impl Setup<'_> {
     }
 }
 
+mod async_backend;
 mod callables;
 mod capture;
 mod mlp;
@@ -105,6 +107,11 @@ mod pools;
 mod rng;
 mod update_inputs;
 
+use async_backend::{
+    async_capture_defers_uncaptured_frees_one_capture_at_a_time,
+    async_capture_left_without_end_ends_the_allocators, async_capture_replays_into_graph_memory,
+    async_graphed_callables_chain,
+};
 use callables::{graphed_callable_refused_call_changes_nothing, graphed_callables_chain};
 use capture::{
     a_capture_left_without_end_is_discarded, capture_memory_outlives_reset,
@@ -147,4 +154,8 @@ ferrocuda::stream::both_backends!(
     three_graphs_share_one_segment,
     capture_empties_the_cache_first,
     captures_sharing_a_pool_share_a_stream,
+    async_capture_replays_into_graph_memory,
+    async_capture_defers_uncaptured_frees_one_capture_at_a_time,
+    async_capture_left_without_end_ends_the_allocators,
+    async_graphed_callables_chain,
 );

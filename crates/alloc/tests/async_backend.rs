@@ -310,3 +310,64 @@ fn pinned_host_keys_go_with_the_backend_and_native_keys_do_not() -> TestResult {
     ));
     Ok(())
 }
+
+/// During a real stream capture the driver makes graph memory: outside the pool (whose
+/// figures, the statistics, do not move), freed by a free node or outside the graph, made
+/// again by each launch; a captured free of pool memory is refused by the driver, which is
+/// why the allocator defers it.
+#[test]
+fn captured_allocations_are_graph_memory_outside_the_pool() -> TestResult {
+    use ferrocuda_driver::DriverError;
+    use ferrocuda_types::{CaptureMode, GraphNode};
+    let (fake, a) = setup(80 * GIB, Completion::Eager);
+    let s = new_stream(&fake)?;
+    let before = a.allocate(D0, MIB, s)?;
+    let allocated = stat(&a, "allocated_bytes.all.current");
+    let reserved = stat(&a, "reserved_bytes.all.current");
+    a.begin_allocate_to_pool()?;
+    fake.stream_begin_capture(s, CaptureMode::ThreadLocal)?;
+    let out = a.allocate(D0, 3 * MIB, s)?;
+    let scratch = a.allocate(D0, MIB, s)?;
+    fake.memset_async(scratch, MemsetValue::U8(7), 16, s)?;
+    a.free(scratch)?;
+    a.free(before)?;
+    assert_eq!(
+        (
+            stat(&a, "allocated_bytes.all.current"),
+            stat(&a, "reserved_bytes.all.current")
+        ),
+        (allocated, reserved),
+        "graph memory is not the pool's"
+    );
+    assert_eq!(
+        fake.mem_free_async(before, s),
+        Err(DriverError::INVALID_VALUE),
+        "a free node frees graph memory only"
+    );
+    let graph = fake.stream_end_capture(s)?;
+    a.end_allocate_to_pool(s)?;
+    let memory_nodes = fake
+        .graph_nodes(graph)?
+        .into_iter()
+        .filter(|n| {
+            *n == GraphNode::Opaque {
+                what: "graph memory allocation or free",
+            }
+        })
+        .count();
+    assert_eq!(memory_nodes, 3, "two allocations and one free");
+    let exec = fake.graph_instantiate(graph)?;
+    fake.graph_launch(exec, s)?;
+    fake.graph_launch(exec, s)?;
+    // The graph's output freed outside it (PyTorch's warning), then once too often.
+    a.free(out)?;
+    assert!(a.take_warnings()[1].starts_with("Attempting uncaptured free"));
+    assert_eq!(fake.mem_free_async(out, s), Err(DriverError::INVALID_VALUE));
+    // A launch allocates it again, at the same address.
+    fake.graph_launch(exec, s)?;
+    fake.mem_free_async(out, s)?;
+    // The deferred free of `before` ran at this allocation, outside the capture.
+    let _next = a.allocate(D0, MIB, s)?;
+    assert_eq!(stat(&a, "allocated_bytes.all.current"), allocated);
+    Ok(())
+}

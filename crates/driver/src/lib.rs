@@ -348,7 +348,9 @@ pub trait Driver: Send + Sync + std::fmt::Debug + 'static {
     // ---- stream-ordered allocation (the cudaMallocAsync backend) -------------------------
     /// Allocates from `dev`'s default memory pool in `stream` order (`cuMemAllocAsync`):
     /// a block freed on `stream` is reusable at once, one freed on another stream once that
-    /// free has completed; otherwise the pool grows.
+    /// free has completed; otherwise the pool grows. On a capturing stream it is a graph
+    /// memory node instead: the graph's memory, outside the default pool and its usage, at
+    /// an address fixed for the graph's life.
     fn mem_alloc_async(
         &self,
         dev: DeviceIndex,
@@ -357,6 +359,9 @@ pub trait Driver: Send + Sync + std::fmt::Debug + 'static {
     ) -> Result<DevicePtr, DriverError>;
     /// Gives memory from [`Driver::mem_alloc_async`] back to its pool in `stream` order
     /// (`cuMemFreeAsync`): reusable once the work enqueued on `stream` so far completes.
+    /// On a capturing stream it is a graph free node, which must name graph memory (else
+    /// `CUDA_ERROR_INVALID_VALUE`); outside a capture it also frees graph memory a launch
+    /// (or the capture) allocated.
     fn mem_free_async(&self, ptr: DevicePtr, stream: StreamHandle) -> Result<(), DriverError>;
     /// Sets the release threshold of `dev`'s default pool (`cuMemPoolSetAttribute`,
     /// `CU_MEMPOOL_ATTR_RELEASE_THRESHOLD`): unused memory above it goes back to the device

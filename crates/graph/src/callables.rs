@@ -1,6 +1,5 @@
 //! Graphed callables (`torch.cuda.make_graphed_callables`) for closures over device buffers.
-use crate::{CudaGraph, GraphError};
-use ferrocuda_alloc::DeviceAllocators;
+use crate::{CaptureMemory, CudaGraph, GraphError};
 use ferrocuda_stream::{DeviceBuffer, Runtime, StreamError};
 use ferrocuda_types::{CaptureMode, DeviceIndex, Element, PoolId};
 use parking_lot::Mutex;
@@ -61,12 +60,13 @@ pub struct GraphedCallables<T: Element> {
 /// order, on that stream.
 pub fn make_graphed_callables<T: Element>(
     runtime: &Arc<Runtime>,
-    allocators: &Arc<DeviceAllocators>,
+    memory: impl Into<CaptureMemory>,
     device: DeviceIndex,
     mut callables: Vec<Callable<'_, T>>,
     sample_inputs: Vec<Vec<DeviceBuffer<T>>>,
     options: GraphedOptions,
 ) -> Result<GraphedCallables<T>, GraphError> {
+    let memory = memory.into();
     if callables.len() != sample_inputs.len() {
         return Err(GraphError::SampleCount {
             callables: callables.len(),
@@ -93,7 +93,7 @@ pub fn make_graphed_callables<T: Element>(
     let pool = options.pool.unwrap_or_else(PoolId::handle);
     let mut graphed = Vec::with_capacity(callables.len());
     for (i, (f, inputs)) in callables.iter_mut().zip(sample_inputs).enumerate() {
-        let graph = CudaGraph::new(runtime.clone(), allocators.clone(), device)?;
+        let graph = CudaGraph::new(runtime.clone(), memory.clone(), device)?;
         let capture = graph.capture(Some(&side), Some(pool), options.mode)?;
         let outputs = f(&inputs).map_err(callable_failed(i))?;
         capture.end()?;

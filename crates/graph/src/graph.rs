@@ -1,7 +1,8 @@
 //! `CudaGraph` and its capture guard.
+use crate::CaptureMemory;
 use crate::PhiloxGenerator;
 use crate::repoint;
-use ferrocuda_alloc::{AllocError, CachingAllocator, DeviceAllocators, Route};
+use ferrocuda_alloc::AllocError;
 use ferrocuda_driver::{Driver, DriverError};
 use ferrocuda_stream::{DeviceBuffer, Runtime, Stream, StreamError, StreamGuard};
 use ferrocuda_types::{
@@ -11,7 +12,6 @@ use ferrocuda_types::{
 use parking_lot::Mutex;
 use std::path::Path;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 
 /// How [`CudaGraph::update_inputs`] applied new input addresses.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -174,23 +174,24 @@ struct State {
 #[derive(Debug)]
 pub struct CudaGraph {
     runtime: Arc<Runtime>,
-    allocators: Arc<DeviceAllocators>,
+    memory: CaptureMemory,
     device: DeviceIndex,
     state: Mutex<State>,
 }
 
 impl CudaGraph {
-    /// A graph for `device`, whose captures allocate through `allocators` (installed as the
-    /// runtime's memory resource).
+    /// A graph for `device`, whose captures allocate through `memory` (the allocators
+    /// installed as the runtime's memory resource: an `Arc<DeviceAllocators>` for
+    /// `backend:native`, or [`CaptureMemory::Async`]).
     pub fn new(
         runtime: Arc<Runtime>,
-        allocators: Arc<DeviceAllocators>,
+        memory: impl Into<CaptureMemory>,
         device: DeviceIndex,
     ) -> Result<CudaGraph, GraphError> {
         runtime.check_device(device)?;
         Ok(CudaGraph {
             runtime,
-            allocators,
+            memory: memory.into(),
             device,
             state: Mutex::new(State::default()),
         })
@@ -261,14 +262,12 @@ impl CudaGraph {
         ) {
             return Err(GraphError::NestedCapture);
         }
-        let allocator = self.allocators.device(self.device)?;
         let pool = pool.unwrap_or_else(PoolId::for_capture);
         // The allocator learns that a capture is underway before it begins (PyTorch's
         // `CUDAGraph::capture_begin`: `beginAllocateToPool`, then `cudaStreamBeginCapture`),
-        // so a free racing in from another thread defers its events instead of recording
-        // them into the capture. The pool's route needs the capture id, known only once the
-        // capture began: a fence stands in until then.
-        let fence = CaptureFence::raise(allocator)?;
+        // so a free racing in from another thread is deferred instead of recorded into the
+        // capture.
+        let announced = self.memory.announce(self.device, stream.handle())?;
         self.driver().stream_begin_capture(stream.handle(), mode)?;
         let id = match self.driver().stream_capture_status(stream.handle()) {
             Ok(CaptureStatus::Active { id }) => id,
@@ -279,21 +278,14 @@ impl CudaGraph {
                     .map_or(GraphError::Invalidated, GraphError::from));
             }
         };
-        if let Err(e) = allocator.begin_allocate_to_pool(pool, Route::Capture(id)) {
-            self.abort_capture(stream);
-            return Err(e.into());
-        }
         // Pinned host memory asked for during the capture comes from the pool of the same
         // id in the host allocator (PyTorch's `begin_allocate_to_pool` on the host
         // allocator in `CUDAGraph::capture_begin`).
-        let host = self.allocators.host();
-        if let Err(e) = host.begin_allocate_to_pool(pool, Route::Capture(id)) {
+        if let Err(e) = self.memory.route(self.device, pool, id) {
             self.abort_capture(stream);
-            let _ = allocator.end_allocate_to_pool(pool);
-            let _ = allocator.release_pool(pool);
             return Err(e.into());
         }
-        drop(fence);
+        announced.keep();
         let mut started = 0;
         let prologues = st.generators.iter().try_for_each(|(g, _)| {
             g.capture_prologue(id)?;
@@ -307,10 +299,8 @@ impl CudaGraph {
                 g.capture_epilogue();
             }
             self.abort_capture(stream);
-            let _ = allocator.end_allocate_to_pool(pool);
-            let _ = allocator.release_pool(pool);
-            let _ = host.end_allocate_to_pool(pool);
-            let _ = host.release_pool(pool);
+            let _ = self.memory.end(self.device, pool, stream.handle());
+            let _ = self.memory.release(self.device, pool);
             return Err(e);
         }
         st.capturing = Some(stream.clone());
@@ -337,7 +327,6 @@ impl CudaGraph {
         if st.capturing.is_none() {
             return Err(GraphError::NotCapturing);
         }
-        let allocator = self.allocators.device(self.device)?;
         let (Some(stream), Some(pool)) = (st.capturing.take(), st.pool) else {
             return Err(GraphError::NotCapturing);
         };
@@ -350,10 +339,7 @@ impl CudaGraph {
             self.abort_capture(&stream);
             None
         };
-        let host = self.allocators.host();
-        let unrouted = allocator
-            .end_allocate_to_pool(pool)
-            .and(host.end_allocate_to_pool(pool));
+        let unrouted = self.memory.end(self.device, pool, stream.handle());
         for (generator, increment) in &mut st.generators {
             let drawn = generator.capture_epilogue();
             *increment = if keep { drawn } else { 0 };
@@ -361,8 +347,7 @@ impl CudaGraph {
         let result = ended.map_or(Ok(()), |ended| self.keep_graph(&mut st, ended));
         if !keep || result.is_err() {
             st.pool = None;
-            let _ = allocator.release_pool(pool);
-            let _ = host.release_pool(pool);
+            let _ = self.memory.release(self.device, pool);
         }
         unrouted?;
         result
@@ -610,8 +595,7 @@ impl CudaGraph {
             self.driver().graph_destroy(graph)?;
         }
         if let Some(pool) = st.pool.take() {
-            self.allocators.device(self.device)?.release_pool(pool)?;
-            self.allocators.host().release_pool(pool)?;
+            self.memory.release(self.device, pool)?;
         }
         Ok(())
     }
@@ -635,7 +619,7 @@ impl CudaGraph {
         mode: CaptureMode,
     ) -> Result<CaptureGuard<'a>, GraphError> {
         self.runtime.synchronize(self.device)?;
-        self.allocators.device(self.device)?.empty_cache();
+        self.memory.empty_cache(self.device)?;
         let stream = match stream {
             Some(s) => s.clone(),
             None => self.idle_capture_stream()?,
@@ -663,34 +647,6 @@ impl CudaGraph {
 impl Drop for CudaGraph {
     fn drop(&mut self) {
         let _ = self.reset();
-    }
-}
-
-/// Tells the allocator a capture is underway before the capture's own route can be set:
-/// a route for a capture id no stream has (0, which CUDA never gives a capture) into a pool
-/// of its own, which nothing is ever allocated from. While it stands the allocator defers
-/// `record_stream` frees and frees nothing to the driver, as for any capture. Dropping it
-/// ends the route and releases its pool.
-struct CaptureFence<'a> {
-    allocator: &'a CachingAllocator,
-    pool: PoolId,
-}
-
-impl<'a> CaptureFence<'a> {
-    fn raise(allocator: &'a CachingAllocator) -> Result<CaptureFence<'a>, AllocError> {
-        // Outside the spaces of capture pools `(n, 0)` and handles `(0, n)`, and unique, so
-        // that two captures starting at once each raise their own.
-        static NEXT: AtomicU64 = AtomicU64::new(1);
-        let pool = PoolId(u64::MAX, NEXT.fetch_add(1, Ordering::Relaxed));
-        allocator.begin_allocate_to_pool(pool, Route::Capture(0))?;
-        Ok(CaptureFence { allocator, pool })
-    }
-}
-
-impl Drop for CaptureFence<'_> {
-    fn drop(&mut self) {
-        let _ = self.allocator.end_allocate_to_pool(self.pool);
-        let _ = self.allocator.release_pool(self.pool);
     }
 }
 

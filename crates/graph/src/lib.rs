@@ -4,7 +4,8 @@
 //! it) into a graph, instantiates it, and replays it. While it captures, the caching
 //! allocator serves every allocation made on the capture's streams from the graph's private
 //! pool, so replays touch the same addresses; a pool can be shared between graphs that
-//! replay in capture order.
+//! replay in capture order. Under `backend:cudaMallocAsync` ([`CaptureMemory::Async`]) the
+//! driver makes what the capture allocates the graph's own memory instead.
 //!
 //! [`make_graphed_callables`] captures closures in order into one shared pool;
 //! [`PhiloxGenerator`] draws random numbers that replays advance like eager calls;
@@ -41,6 +42,7 @@
 #![forbid(unsafe_code)]
 
 mod callables;
+mod capture_memory;
 mod graph;
 pub mod guards;
 mod repoint;
@@ -50,6 +52,7 @@ pub mod trees;
 pub use callables::{
     Callable, CallableError, GraphedCallables, GraphedOptions, make_graphed_callables,
 };
+pub use capture_memory::CaptureMemory;
 pub use ferrocuda_types::{CaptureMode, PoolId};
 pub use graph::{CaptureGuard, CudaGraph, GraphError, InputMove, InputUpdate};
 pub use rng::{PHILOX_KERNELS, PhiloxGenerator, register_fake_philox};

@@ -10,6 +10,15 @@
 //! Unused completed blocks stay reserved until a trim, or until reserved memory exceeds
 //! the release threshold (checked at every pool act: the real driver checks at
 //! synchronizations). `used` counts block sizes; the highs follow `reserved` and `used`.
+//!
+//! On a capturing stream, `cuMemAllocAsync` and `cuMemFreeAsync` become graph memory
+//! nodes (CUDA's "graph memory nodes"): the memory is the graph's, outside the default pool
+//! and its usage, at an address fixed for the graph's life and kept mapped (CUDA's graph
+//! memory pool keeps it until a trim). A captured free must name graph memory. Graph
+//! memory is live from its capture (or a launch of its graph) until a free node runs or
+//! `cuMemFreeAsync` frees it outside the graph; a launch makes it live again, as
+//! `CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH` frees and re-allocates it.
+use super::work::{Node, Work};
 use super::{State, StreamKey};
 use crate::{DriverError, MemPoolUsage};
 use ferrocuda_types::{DeviceIndex, DevicePtr, StreamHandle};
@@ -37,6 +46,8 @@ pub(super) struct Pool {
     /// Live blocks: address → size.
     live: HashMap<u64, u64>,
     freed: Vec<Freed>,
+    /// Graph memory made on this device: address → whether it is allocated now.
+    graph: HashMap<u64, bool>,
 }
 
 impl Pool {
@@ -104,6 +115,9 @@ pub(super) fn alloc_async(
     }
     apply_threshold(st, dev)?;
     let want = bytes.div_ceil(BLOCK).saturating_mul(BLOCK);
+    if capturing(st, key) {
+        return alloc_in_capture(st, dev, want, key);
+    }
     let freed = pool(st, dev)?.freed.clone();
     let best = freed
         .iter()
@@ -127,6 +141,68 @@ pub(super) fn alloc_async(
     Ok(ptr)
 }
 
+fn capturing(st: &State, key: StreamKey) -> bool {
+    st.streams.get(&key).is_some_and(|s| s.capture.is_some())
+}
+
+/// A captured `cuMemAllocAsync`: a graph memory node and its memory.
+fn alloc_in_capture(
+    st: &mut State,
+    dev: DeviceIndex,
+    bytes: u64,
+    key: StreamKey,
+) -> Result<DevicePtr, DriverError> {
+    let ptr = st.memory.malloc(dev, bytes)?;
+    let node = Work::GraphMemory {
+        device: dev,
+        ptr,
+        alloc: true,
+    };
+    if let Err(e) = st.enqueue(key, node) {
+        st.memory.free(dev, ptr)?;
+        return Err(e);
+    }
+    pool(st, dev)?.graph.insert(ptr.0, true);
+    Ok(ptr)
+}
+
+/// `cuMemFreeAsync` of graph memory: a free node while capturing, else a free of what
+/// the graph's last launch (or its capture) allocated.
+fn free_graph_memory(
+    st: &mut State,
+    ptr: DevicePtr,
+    dev: DeviceIndex,
+    key: StreamKey,
+) -> Result<(), DriverError> {
+    if pool(st, dev)?.graph.get(&ptr.0) != Some(&true) {
+        return Err(DriverError::INVALID_VALUE);
+    }
+    if capturing(st, key) {
+        let node = Work::GraphMemory {
+            device: dev,
+            ptr,
+            alloc: false,
+        };
+        st.enqueue(key, node)?;
+    }
+    pool(st, dev)?.graph.insert(ptr.0, false);
+    Ok(())
+}
+
+/// A launch runs the graph's memory nodes: each allocation it makes is live again (an
+/// unfreed one from the last launch is freed first, as auto-free-on-launch does), each
+/// free it makes ends one.
+pub(super) fn launch_graph_memory(st: &mut State, nodes: &[Node]) -> Result<(), DriverError> {
+    for node in nodes {
+        if let Work::GraphMemory { device, ptr, alloc } = node.work
+            && let Some(live) = pool(st, device)?.graph.get_mut(&ptr.0)
+        {
+            *live = alloc;
+        }
+    }
+    Ok(())
+}
+
 pub(super) fn free_async(
     st: &mut State,
     ptr: DevicePtr,
@@ -134,6 +210,13 @@ pub(super) fn free_async(
 ) -> Result<(), DriverError> {
     let key = st.stream_key(stream)?;
     let dev = stream.device;
+    if pool(st, dev)?.graph.contains_key(&ptr.0) {
+        return free_graph_memory(st, ptr, dev, key);
+    }
+    if capturing(st, key) {
+        // A captured free becomes a free node, which can free graph memory only.
+        return Err(DriverError::INVALID_VALUE);
+    }
     let seq = st.streams.get(&key).map_or(0, |s| s.enqueued);
     let p = pool(st, dev)?;
     let bytes = p.live.remove(&ptr.0).ok_or(DriverError::INVALID_VALUE)?;

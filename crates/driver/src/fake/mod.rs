@@ -1609,7 +1609,11 @@ impl Driver for FakeDriver {
             .get(&exec.raw)
             .filter(|e| e.device == exec.device && e.device == stream.device);
         let nodes = e.ok_or(DriverError::INVALID_HANDLE)?.nodes.clone();
-        st.enqueue(key, Work::Graph(nodes))
+        st.enqueue(key, Work::Graph(nodes.clone()))?;
+        if st.streams.get(&key).is_some_and(|s| s.capture.is_some()) {
+            return Ok(()); // a child graph node: its memory nodes run when the parent does
+        }
+        mem_pool::launch_graph_memory(&mut st, &nodes)
     }
 
     fn graph_exec_destroy(&self, exec: GraphExecHandle) -> Result<(), DriverError> {

@@ -51,6 +51,10 @@ pub(super) fn describe(work: &Work) -> GraphNode {
             what: "event record",
         },
         Work::Wait { .. } => GraphNode::Ordering { what: "event wait" },
+        // The real driver's text (`cuda/nodes.rs`).
+        Work::GraphMemory { .. } => GraphNode::Opaque {
+            what: "graph memory allocation or free",
+        },
     }
 }
 

@@ -105,6 +105,15 @@ pub(crate) enum Work {
         stream: (u16, u64),
         seq: u64,
     },
+    /// A graph memory node: `cuMemAllocAsync` (`alloc`) or `cuMemFreeAsync` captured.
+    /// The memory stays mapped for the process, as CUDA's graph memory pool keeps it, so
+    /// running the node touches nothing; launching the graph marks the allocation live or
+    /// freed (see `mem_pool::launch_graph_memory`).
+    GraphMemory {
+        device: DeviceIndex,
+        ptr: DevicePtr,
+        alloc: bool,
+    },
 }
 
 impl Work {
@@ -120,6 +129,8 @@ impl Work {
             Work::Graph(nodes) => format!("graph of {}", nodes.len()),
             Work::Record { .. } => "event record".into(),
             Work::Wait { .. } => "event wait".into(),
+            Work::GraphMemory { alloc: true, .. } => "mem alloc".into(),
+            Work::GraphMemory { alloc: false, .. } => "mem free".into(),
         }
     }
 }
@@ -183,6 +194,6 @@ pub(crate) fn execute(
         Work::Graph(nodes) => nodes
             .iter()
             .try_for_each(|n| execute(&n.work, memory, hosts)),
-        Work::Record { .. } | Work::Wait { .. } => Ok(()),
+        Work::Record { .. } | Work::Wait { .. } | Work::GraphMemory { .. } => Ok(()),
     }
 }
