@@ -3,11 +3,11 @@
 //! pool's figures; frees of memory from before the capture wait for its end; one capture
 //! at a time; a capture left without `end` ends the allocator's capture too; graphed
 //! callables.
+use crate::callables::double_and_triple;
 use crate::{D0, N, Setup, TestResult};
 use ferrocuda::alloc::{AllocError, AsyncAllocator, HostAllocator};
 use ferrocuda::graph::{
-    Callable, CaptureMemory, CaptureMode, CudaGraph, GraphError, GraphedOptions,
-    make_graphed_callables,
+    CaptureMemory, CaptureMode, CudaGraph, GraphError, GraphedOptions, make_graphed_callables,
 };
 use ferrocuda::stream::DeviceBuffer;
 use ferrocuda::stream::conformance::Harness;
@@ -175,25 +175,17 @@ pub(crate) fn async_capture_left_without_end_ends_the_allocators(h: &Harness) ->
 pub(crate) fn async_graphed_callables_chain(h: &Harness) -> TestResult {
     let a = AsyncSetup::new(h)?;
     let s = &a.s;
-    let double: Callable<'_, f32> = Box::new(|inputs| {
-        let y = DeviceBuffer::<f32>::uninit(&s.h.rt, D0, N)?;
-        s.scale(&s.h.rt.current_stream(D0)?, &y, &inputs[0], 2.0)?;
-        Ok(vec![y])
-    });
-    let triple: Callable<'_, f32> = Box::new(|inputs| {
-        let z = DeviceBuffer::<f32>::uninit(&s.h.rt, D0, N)?;
-        s.scale(&s.h.rt.current_stream(D0)?, &z, &inputs[0], 3.0)?;
-        Ok(vec![z])
-    });
+    let runs = std::cell::Cell::new(0);
     let graphed = make_graphed_callables(
         &s.h.rt,
         a.memory.clone(),
         D0,
-        vec![double, triple],
+        double_and_triple(s, &runs),
         vec![vec![s.buffer(0.0)?], vec![s.buffer(0.0)?]],
         GraphedOptions::default(),
     )?;
     assert!(!a.allocator.capture_underway());
+    assert_eq!(runs.get(), 4, "3 warm-up runs and the capture");
     let stream = s.h.rt.current_stream(D0)?;
     for v in [4.0f32, 5.0] {
         let x = s.buffer(v)?;

@@ -3,29 +3,37 @@ use crate::{D0, N, Setup, TestResult};
 use ferrocuda::graph::{Callable, GraphError, GraphedOptions, make_graphed_callables};
 use ferrocuda::stream::conformance::Harness;
 use ferrocuda::stream::{DeviceBuffer, StreamError};
+use std::cell::Cell;
+
+/// `y = 2x` (counting its runs) and `z = 3y`, each into a buffer it allocates.
+pub(crate) fn double_and_triple<'a>(
+    s: &'a Setup<'_>,
+    runs: &'a Cell<usize>,
+) -> Vec<Callable<'a, f32>> {
+    let scaled = move |a: f32| -> Callable<'a, f32> {
+        Box::new(move |inputs| {
+            if a == 2.0 {
+                runs.set(runs.get() + 1);
+            }
+            let y = DeviceBuffer::<f32>::uninit(&s.h.rt, D0, N)?;
+            s.scale(&s.h.rt.current_stream(D0)?, &y, &inputs[0], a)?;
+            Ok(vec![y])
+        })
+    };
+    vec![scaled(2.0), scaled(3.0)]
+}
 
 /// `make_graphed_callables`: warm-up runs, one shared pool, static inputs copied into only
 /// when a different buffer is passed, outputs chained from one callable to the next, the
 /// replay order checked in debug builds.
 pub(crate) fn graphed_callables_chain(h: &Harness) -> TestResult {
     let s = Setup::new(h)?;
-    let runs = std::cell::Cell::new(0);
-    let double: Callable<'_, f32> = Box::new(|inputs| {
-        runs.set(runs.get() + 1);
-        let y = DeviceBuffer::<f32>::uninit(&s.h.rt, D0, N)?;
-        s.scale(&s.h.rt.current_stream(D0)?, &y, &inputs[0], 2.0)?;
-        Ok(vec![y])
-    });
-    let triple: Callable<'_, f32> = Box::new(|inputs| {
-        let z = DeviceBuffer::<f32>::uninit(&s.h.rt, D0, N)?;
-        s.scale(&s.h.rt.current_stream(D0)?, &z, &inputs[0], 3.0)?;
-        Ok(vec![z])
-    });
+    let runs = Cell::new(0);
     let graphed = make_graphed_callables(
         &s.h.rt,
         &s.allocators,
         D0,
-        vec![double, triple],
+        double_and_triple(&s, &runs),
         vec![vec![s.buffer(0.0)?], vec![s.buffer(0.0)?]],
         GraphedOptions::default(),
     )?;
