@@ -15,7 +15,8 @@
 //!   against the allocator's own count before the driver is asked; passing it is an
 //!   out-of-memory error with PyTorch's text ([`PoolOutOfMemory`]).
 //! - **Out of memory from the pool**: the allocating stream is synchronized, the pool
-//!   trimmed to nothing and the allocation tried once more (PyTorch 2.15) before the error.
+//!   trimmed to nothing and the allocation tried once more (PyTorch 2.15) before the error;
+//!   not while a capture is underway (a synchronization would invalidate it).
 //! - **Statistics** (`getDeviceStats`): `allocated_bytes` and `active_bytes` are the pool's
 //!   used memory, `reserved_bytes` its reserved memory (current and peak, aggregate only);
 //!   everything else is zero.
@@ -212,12 +213,15 @@ impl AsyncAllocator {
         match self.try_allocate(dev, bytes, stream)? {
             Ok(ptr) => return Ok(ptr),
             Err(Refused::Limit) => {}
+            // While a capture is underway no stream is synchronized: a capturing stream's
+            // synchronization would invalidate the capture (and, in global mode, so would
+            // another stream's), so the out-of-memory error stands and the capture goes on.
+            Err(Refused::Pool) if self.capture_underway() => {}
             Err(Refused::Pool) => {
                 // PyTorch 2.15 (#188110): synchronize the stream, trim the pool's idle
                 // memory, retry once. Trimming cannot help a refusal by the allocator's own
                 // count, so that one is not retried. Where the synchronization or the trim
-                // fails (a capturing stream refuses to synchronize), the out-of-memory error
-                // stands.
+                // fails, the out-of-memory error stands.
                 let trimmed = self
                     .driver
                     .stream_synchronize(stream)
@@ -241,8 +245,16 @@ impl AsyncAllocator {
     ) -> Result<Result<DevicePtr, Refused>, AllocError> {
         let mut st = self.state.lock();
         if !st.capture_underway && !st.deferred.is_empty() {
+            // Each deferred free is tried once; one the driver refuses (a recorded stream
+            // destroyed since, say) is reported as a warning rather than failing this
+            // unrelated allocation or keeping the others.
             for ptr in std::mem::take(&mut st.deferred) {
-                self.free_impl(&mut st, ptr)?;
+                if let Err(e) = self.free_impl(&mut st, ptr) {
+                    st.warn(format!(
+                        "ferrocuda: the deferred free of {:#x} failed: {e}",
+                        ptr.0
+                    ));
+                }
             }
         }
         let capture_underway = st.capture_underway;
@@ -313,19 +325,39 @@ impl AsyncAllocator {
         self.free_impl(&mut st, ptr)
     }
 
-    /// `free_impl`.
+    /// `free_impl`. The pointer leaves the books before the driver is asked, so that a
+    /// refusal (a capture invalidated meanwhile, a recorded stream destroyed) cannot leave
+    /// bytes counted that no owner will free again; the refusal is returned.
     fn free_impl(&self, st: &mut MutexGuard<'_, State>, ptr: DevicePtr) -> Result<(), AllocError> {
-        let usage = st.ptrs.get(&ptr.0).ok_or(AllocError::InvalidPointer(ptr))?;
-        let (creation, size) = (usage.creation, usage.size);
-        let recorded = usage.recorded.clone();
+        let usage = st
+            .ptrs
+            .remove(&ptr.0)
+            .ok_or(AllocError::InvalidPointer(ptr))?;
+        let PtrUsage {
+            creation,
+            size,
+            recorded,
+            ..
+        } = usage;
         let dev = creation.device;
+        self.device_state(st, dev)?.used -= size;
         let free_stream = if recorded.is_empty() {
             creation
         } else {
             let unifying = self.device_state(st, dev)?.unifying;
             self.sync_raw(creation, unifying)?;
             for s in &recorded {
-                self.sync_raw(*s, unifying)?;
+                match self.sync_raw(*s, unifying) {
+                    // A recorded stream destroyed since cannot be waited on (PyTorch never
+                    // destroys streams): outside a capture the device is synchronized
+                    // instead, which covers its last work. Rare, so under the lock.
+                    Err(AllocError::Driver(e))
+                        if e == DriverError::INVALID_HANDLE && !st.capture_underway =>
+                    {
+                        self.driver.device_synchronize(dev)?;
+                    }
+                    other => other?,
+                }
             }
             unifying
         };
@@ -333,9 +365,6 @@ impl AsyncAllocator {
         if st.capture_underway && !st.capture_free_streams.contains(&free_stream) {
             st.capture_free_streams.push(free_stream);
         }
-        let ds = self.device_state(st, dev)?;
-        ds.used -= size;
-        st.ptrs.remove(&ptr.0);
         Ok(())
     }
 
@@ -413,11 +442,20 @@ impl AsyncAllocator {
         if !st.capture_underway {
             return Err(AllocError::NoCaptureUnderway);
         }
-        for s in std::mem::take(&mut st.capture_free_streams) {
-            self.sync_raw(s, capture_stream)?;
-        }
+        // The capture is over whatever the joins do: a failed join must not leave every
+        // later capture refused and every uncaptured free deferred for good.
         st.capture_underway = false;
-        Ok(())
+        let mut joined = Ok(());
+        for s in std::mem::take(&mut st.capture_free_streams) {
+            match self.sync_raw(s, capture_stream) {
+                // A stream destroyed since (PyTorch never destroys its streams) has no
+                // later work to order: nothing to join.
+                Err(AllocError::Driver(e)) if e == DriverError::INVALID_HANDLE => {}
+                Err(e) if joined.is_ok() => joined = Err(e),
+                _ => {}
+            }
+        }
+        joined
     }
 
     /// `releasePool`: nothing to do (pointers made during the capture are freed by their
