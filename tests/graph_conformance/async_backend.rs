@@ -16,14 +16,14 @@ use std::sync::Arc;
 
 /// The kernels of [`Setup`], with the runtime's memory served by a cudaMallocAsync
 /// allocator and graphs capturing through it.
-struct AsyncSetup<'h> {
-    s: Setup<'h>,
-    allocator: Arc<AsyncAllocator>,
-    memory: CaptureMemory,
+pub(crate) struct AsyncSetup<'h> {
+    pub(crate) s: Setup<'h>,
+    pub(crate) allocator: Arc<AsyncAllocator>,
+    pub(crate) memory: CaptureMemory,
 }
 
 impl AsyncSetup<'_> {
-    fn new(h: &Harness) -> Result<AsyncSetup<'_>, crate::BoxError> {
+    pub(crate) fn new(h: &Harness) -> Result<AsyncSetup<'_>, crate::BoxError> {
         let s = Setup::new(h)?;
         let driver = h.rt.driver().clone();
         let allocator = AsyncAllocator::new(driver.clone());
@@ -41,7 +41,7 @@ impl AsyncSetup<'_> {
         })
     }
 
-    fn graph(&self) -> Result<CudaGraph, GraphError> {
+    pub(crate) fn graph(&self) -> Result<CudaGraph, GraphError> {
         CudaGraph::new(self.s.h.rt.clone(), self.memory.clone(), D0)
     }
 

@@ -99,6 +99,7 @@ impl Setup<'_> {
 }
 
 mod async_backend;
+mod async_scenarios;
 mod callables;
 mod capture;
 mod mlp;

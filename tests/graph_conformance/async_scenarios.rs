@@ -1,51 +1,40 @@
 //! Scenarios of CUDA graph capture under `backend:cudaMallocAsync` (PyTorch's
-//! CUDAMallocAsyncAllocator.cpp with CUDAGraph.cpp), scenario by scenario, on the fake device.
-use ferrocuda::alloc::{AllocError, AsyncAllocator, HostAllocator};
+//! CUDAMallocAsyncAllocator.cpp with CUDAGraph.cpp), on the fake device: threads, side streams,
+//! record_stream, unjoined and invalidated captures, double and foreign frees, the memory
+//! fraction, out of memory during a capture, destroyed streams.
+use crate::async_backend::AsyncSetup;
+use crate::{BoxError, D0, N, TestResult};
+use ferrocuda::alloc::{AllocError, AsyncAllocator};
 use ferrocuda::driver::{Call, Driver, DriverError, FakeDriver};
 use ferrocuda::graph::{CaptureMemory, CaptureMode, CudaGraph, GraphError};
-use ferrocuda::stream::conformance::{Harness, KERNELS, fake_harness};
-use ferrocuda::stream::{DeviceBuffer, Function, Module, Stream};
-use ferrocuda::types::{
-    AllocatorConfig, CaptureStatus, DeviceIndex, DevicePtr, KernelArg, LaunchConfig,
-};
+use ferrocuda::stream::conformance::{Harness, fake_harness};
+use ferrocuda::stream::{DeviceBuffer, Stream};
+use ferrocuda::types::{CaptureStatus, DevicePtr};
 use std::sync::Arc;
 
-type TestResult = Result<(), Box<dyn std::error::Error>>;
-type Res<T> = Result<T, Box<dyn std::error::Error>>;
-const D0: DeviceIndex = DeviceIndex(0);
-const N: usize = 1024;
+type Res<T> = Result<T, BoxError>;
 const MIB: i64 = 1 << 20;
 const ONE_CAPTURE: &str = "Only one capture at a time is allowed in a process.";
 const CAPTURED_FREE: &str = "Attempting uncaptured free of a captured allocation with address";
 const DEFERRED_FREE: &str =
     "freeAsync() was called on an uncaptured allocation during graph capture";
 
-struct Fx {
-    h: Harness,
+/// An [`AsyncSetup`] over a fake harness, with the scenarios' helpers.
+struct Fx<'h> {
+    h: &'h Harness,
     a: Arc<AsyncAllocator>,
     memory: CaptureMemory,
-    scale: Function,
-    add_one: Function,
+    base: AsyncSetup<'h>,
 }
 
-impl Fx {
-    fn new() -> Res<Fx> {
-        let h = fake_harness();
-        let driver = h.rt.driver().clone();
-        let a = AsyncAllocator::new(driver.clone());
-        let host = HostAllocator::new(driver, AllocatorConfig::default());
-        h.rt.set_memory(a.clone());
-        h.rt.set_host_memory(host.clone());
-        let module = Module::from_cuda_source(&h.rt, D0, "audit_async", KERNELS)?;
+impl<'h> Fx<'h> {
+    fn new(h: &'h Harness) -> Res<Fx<'h>> {
+        let base = AsyncSetup::new(h)?;
         Ok(Fx {
-            memory: CaptureMemory::Async {
-                device: a.clone(),
-                host,
-            },
-            scale: module.function("scale_f32")?,
-            add_one: module.function("add_one_f32")?,
-            a,
             h,
+            a: base.allocator.clone(),
+            memory: base.memory.clone(),
+            base,
         })
     }
 
@@ -54,7 +43,7 @@ impl Fx {
     }
 
     fn graph(&self) -> Result<CudaGraph, GraphError> {
-        CudaGraph::new(self.h.rt.clone(), self.memory.clone(), D0)
+        self.base.graph()
     }
 
     fn stat(&self, key: &str) -> Res<i64> {
@@ -72,14 +61,13 @@ impl Fx {
     }
 
     fn buf(&self, v: f32) -> Res<DeviceBuffer<f32>> {
-        Ok(DeviceBuffer::filled(&self.h.rt, D0, N, v)?)
+        self.base.s.buffer(v)
     }
 
     fn uninit(&self, n: usize) -> Res<DeviceBuffer<f32>> {
         Ok(DeviceBuffer::uninit(&self.h.rt, D0, n)?)
     }
 
-    /// `y = a * x` on `s`.
     fn scale(
         &self,
         s: &Stream,
@@ -87,16 +75,11 @@ impl Fx {
         x: &DeviceBuffer<f32>,
         a: f32,
     ) -> TestResult {
-        let n = N as u32;
-        let args = [y.arg(), x.arg(), KernelArg::value(&a), KernelArg::value(&n)];
-        Ok(s.launch(&self.scale, &LaunchConfig::for_elements(N, 256), &args)?)
+        self.base.s.scale(s, y, x, a)
     }
 
-    /// `x += 1` on `s`.
     fn add_one(&self, s: &Stream, x: &DeviceBuffer<f32>) -> TestResult {
-        let n = N as u32;
-        let args = [x.arg(), KernelArg::value(&n)];
-        Ok(s.launch(&self.add_one, &LaunchConfig::for_elements(N, 256), &args)?)
+        self.base.s.add_one(s, x)
     }
 
     fn current(&self) -> Res<Stream> {
@@ -130,7 +113,8 @@ fn starts(w: &[String], i: usize, prefix: &str) -> bool {
 /// replays; a graph that is not capturing cannot end the allocator's capture.
 #[test]
 fn second_capture_from_another_thread_is_refused_and_first_survives() -> TestResult {
-    let f = Fx::new()?;
+    let h = fake_harness();
+    let f = Fx::new(&h)?;
     let input = f.buf(3.0)?;
     let g1 = f.graph()?;
     let idle = f.graph()?;
@@ -178,7 +162,8 @@ fn second_capture_from_another_thread_is_refused_and_first_survives() -> TestRes
 /// replays, or when the held output is finally freed (PyTorch's warning, naming it).
 #[test]
 fn captured_memory_stays_outside_every_pool_figure() -> TestResult {
-    let f = Fx::new()?;
+    let h = fake_harness();
+    let f = Fx::new(&h)?;
     let input = f.buf(1.0)?;
     f.h.rt.synchronize(D0)?;
     f.a.empty_cache()?;
@@ -225,7 +210,8 @@ fn captured_memory_stays_outside_every_pool_figure() -> TestResult {
 /// record_stream'd one through the unifying stream). A later capture does not warn again.
 #[test]
 fn uncaptured_frees_wait_for_the_next_uncaptured_allocation() -> TestResult {
-    let f = Fx::new()?;
+    let h = fake_harness();
+    let f = Fx::new(&h)?;
     let rt = &f.h.rt;
     let current = f.current()?;
     let x = f.buf(1.0)?;
@@ -307,7 +293,8 @@ fn uncaptured_frees_wait_for_the_next_uncaptured_allocation() -> TestResult {
 /// and the other graph still replays; freeing each names its own address.
 #[test]
 fn held_outputs_survive_interleaved_replays_and_reset() -> TestResult {
-    let f = Fx::new()?;
+    let h = fake_harness();
+    let f = Fx::new(&h)?;
     let input = f.buf(1.0)?;
     let g1 = f.graph()?;
     let cap = g1.capture(None, None, CaptureMode::ThreadLocal)?;
@@ -359,7 +346,8 @@ fn held_outputs_survive_interleaved_replays_and_reset() -> TestResult {
 /// `endAllocateToPool`), the allocator's capture is over and the graph captures again.
 #[test]
 fn side_stream_tensor_freed_after_the_rejoin_does_not_dangle() -> TestResult {
-    let f = Fx::new()?;
+    let h = fake_harness();
+    let f = Fx::new(&h)?;
     let rt = &f.h.rt;
     let input = f.buf(2.0)?;
     let g = f.graph()?;
@@ -398,7 +386,8 @@ fn side_stream_tensor_freed_after_the_rejoin_does_not_dangle() -> TestResult {
 /// is over all the same.
 #[test]
 fn record_streamed_captured_buffer_freed_in_capture_is_joined() -> TestResult {
-    let f = Fx::new()?;
+    let h = fake_harness();
+    let f = Fx::new(&h)?;
     let rt = &f.h.rt;
     let input = f.buf(4.0)?;
     let g = f.graph()?;
@@ -427,7 +416,8 @@ fn record_streamed_captured_buffer_freed_in_capture_is_joined() -> TestResult {
 /// is over, figures are back after the drops, and the same graph then captures and replays.
 #[test]
 fn unjoined_capture_fails_cleanly_and_the_graph_captures_again() -> TestResult {
-    let f = Fx::new()?;
+    let h = fake_harness();
+    let f = Fx::new(&h)?;
     let rt = &f.h.rt;
     let input = f.buf(1.0)?;
     rt.synchronize(D0)?;
@@ -464,7 +454,8 @@ fn unjoined_capture_fails_cleanly_and_the_graph_captures_again() -> TestResult {
 /// memory fraction checks) is back to the input alone: the whole limit is usable again.
 #[test]
 fn invalidated_capture_leaves_no_capture_and_no_counted_bytes() -> TestResult {
-    let f = Fx::new()?;
+    let h = fake_harness();
+    let f = Fx::new(&h)?;
     let rt = &f.h.rt;
     let input = f.buf(1.0)?; // 4 KiB counted
     let limit: u64 = 8 << 20;
@@ -507,7 +498,8 @@ fn invalidated_capture_leaves_no_capture_and_no_counted_bytes() -> TestResult {
 /// eagerly and is not in the graph.
 #[test]
 fn other_threads_allocation_during_thread_local_capture_is_not_captured() -> TestResult {
-    let f = Fx::new()?;
+    let h = fake_harness();
+    let f = Fx::new(&h)?;
     let input = f.buf(2.0)?;
     f.h.rt.synchronize(D0)?;
     let base = f.stat("allocated_bytes.all.current")?;
@@ -563,7 +555,8 @@ fn other_threads_allocation_during_thread_local_capture_is_not_captured() -> Tes
 /// graph memory pointer freed twice and a captured free of memory not from the graph.
 #[test]
 fn double_frees_and_foreign_frees_are_refused() -> TestResult {
-    let f = Fx::new()?;
+    let h = fake_harness();
+    let f = Fx::new(&h)?;
     let fake = f.fake()?.clone();
     let g = f.graph()?;
     let cap = g.capture(None, None, CaptureMode::ThreadLocal)?;
@@ -609,7 +602,8 @@ fn double_frees_and_foreign_frees_are_refused() -> TestResult {
 /// free runs at the next allocation; the graph captures again.
 #[test]
 fn discarded_capture_with_live_captured_buffer_and_deferred_free() -> TestResult {
-    let f = Fx::new()?;
+    let h = fake_harness();
+    let f = Fx::new(&h)?;
     let rt = &f.h.rt;
     let x = f.buf(3.0)?;
     let input = f.buf(1.0)?;
@@ -654,7 +648,8 @@ fn discarded_capture_with_live_captured_buffer_and_deferred_free() -> TestResult
 /// on, a captured free gives the bytes back, and the graph ends and replays.
 #[test]
 fn memory_fraction_counts_captured_bytes_and_a_refusal_keeps_the_capture() -> TestResult {
-    let f = Fx::new()?;
+    let h = fake_harness();
+    let f = Fx::new(&h)?;
     let input = f.buf(1.0)?; // 4 KiB
     f.limit_to(64 << 10)?;
     let g = f.graph()?;
@@ -687,7 +682,8 @@ fn memory_fraction_counts_captured_bytes_and_a_refusal_keeps_the_capture() -> Te
 /// synchronization of the capturing stream (CUDA invalidates a capture on that).
 #[test]
 fn pool_out_of_memory_during_capture_does_not_invalidate_it() -> TestResult {
-    let f = Fx::new()?;
+    let h = fake_harness();
+    let f = Fx::new(&h)?;
     let input = f.buf(1.0)?;
     let g = f.graph()?;
     let cap = g.capture(None, None, CaptureMode::ThreadLocal)?;
@@ -719,7 +715,8 @@ fn pool_out_of_memory_during_capture_does_not_invalidate_it() -> TestResult {
 /// over, so the next capture begins.
 #[test]
 fn side_stream_dropped_before_end_does_not_wedge_the_allocator() -> TestResult {
-    let f = Fx::new()?;
+    let h = fake_harness();
+    let f = Fx::new(&h)?;
     let rt = &f.h.rt;
     let input = f.buf(1.0)?;
     let g = f.graph()?;
@@ -757,7 +754,8 @@ fn side_stream_dropped_before_end_does_not_wedge_the_allocator() -> TestResult {
 /// the next (unrelated) allocation fail or lose the other deferred frees.
 #[test]
 fn deferred_free_with_a_dropped_recorded_stream_does_not_fail_the_next_allocation() -> TestResult {
-    let f = Fx::new()?;
+    let h = fake_harness();
+    let f = Fx::new(&h)?;
     let rt = &f.h.rt;
     let current = f.current()?;
     let x = f.buf(1.0)?;
