@@ -24,8 +24,8 @@ mod current;
 mod pool;
 
 pub(crate) use current::init_current;
-use current::pluggable;
 pub use current::{change_current_allocator, get_allocator_backend};
+use current::{pluggable, pluggable_initialized};
 pub use pool::{MemPool, MemPoolGuard, use_mem_pool};
 
 /// The allocator the configuration selects (`backend:native` or `backend:cudaMallocAsync`).
@@ -297,7 +297,7 @@ pub fn host_empty_cache() -> Result<(), AllocError> {
 /// hook, after Python's range check; under `backend:cudaMallocAsync`, a limit on its own
 /// count of bytes in use).
 pub fn set_per_process_memory_fraction(fraction: f64, dev: DeviceIndex) -> Result<(), AllocError> {
-    if let Some(p) = pluggable() {
+    if let Some(p) = pluggable_initialized() {
         if !(0.0..=1.0).contains(&fraction) {
             return Err(AllocError::InvalidFraction(fraction));
         }
@@ -323,11 +323,14 @@ pub fn caching_allocator_alloc(
     dev: DeviceIndex,
     stream: Option<&Stream>,
 ) -> Result<DevicePtr, AllocError> {
+    // PyTorch allocates `with torch.cuda.device(device)`: a device that does not exist is
+    // refused before any allocator is asked, whatever stream is given.
+    crate::runtime().check_device(dev)?;
     let stream = match stream {
         Some(s) => s.handle(),
         None => crate::runtime().current_stream(dev)?.handle(),
     };
-    if let Some(p) = pluggable() {
+    if let Some(p) = pluggable_initialized() {
         // `raw_alloc_with_stream`; a null answer to a request is an error here.
         return match p.malloc(bytes, dev, stream) {
             DevicePtr(0) if bytes > 0 => Err(AllocError::PluggableOutOfMemory {

@@ -41,6 +41,11 @@ const SCENARIOS: &[Scenario] = &[
         run: refused_after_allocation,
     },
     Scenario {
+        name: "a_raw_allocation_or_a_fraction_first_initialises_the_pluggable_allocator",
+        env: &[],
+        run: first_calls_initialise,
+    },
+    Scenario {
         name: "a_mem_pool_takes_its_segments_from_a_pluggable_allocator",
         env: &[],
         run: mem_pool,
@@ -167,6 +172,54 @@ fn swapped_in() -> Outcome {
         )?;
     }
     ensure(probe.live() == 0, "everything went back")
+}
+
+/// PyTorch's `caching_allocator_alloc` and `set_per_process_memory_fraction` run CUDA's
+/// lazy initialisation first (`current_device()`, `_lazy_init()`), so a pluggable
+/// allocator's `init` hook comes before the first call it sees; a device that does not
+/// exist is refused before the library is asked (`with torch.cuda.device(device)`),
+/// whatever stream is given.
+fn first_calls_initialise() -> Outcome {
+    let probe = Probe::open()?;
+    let lib = library()?
+        .with_hook(Hook::Init, "fixture_init")?
+        .with_hook(Hook::MemoryFraction, "fixture_memory_fraction")?;
+    memory::change_current_allocator(&PluggableAllocator::new(lib))?;
+    let rt = ferrocuda::runtime();
+    memory::set_per_process_memory_fraction(0.5, D0)?;
+    let count = rt.device_count() as i32;
+    ensure(
+        probe.events()
+            == [
+                Event::Init(count),
+                Event::MemoryFraction {
+                    fraction: 0.5,
+                    device: 0,
+                },
+            ],
+        format!("init, then the fraction: {:?}", probe.events()),
+    )?;
+    let stream = rt.current_stream(D0)?;
+    let missing = ferrocuda::types::DeviceIndex(count as u16 + 4);
+    let refused = memory::caching_allocator_alloc(1024, missing, Some(&stream));
+    ensure(
+        refused.is_err() && probe.events().len() == 2,
+        format!(
+            "a missing device: {refused:?}, library saw {:?}",
+            probe.events()
+        ),
+    )?;
+    let raw = memory::caching_allocator_alloc(256, D0, Some(&stream))?;
+    memory::caching_allocator_delete(raw)?;
+    ensure(
+        probe
+            .events()
+            .iter()
+            .filter(|e| matches!(e, Event::Init(_)))
+            .count()
+            == 1,
+        format!("one init: {:?}", probe.events()),
+    )
 }
 
 fn refused_after_init() -> Outcome {

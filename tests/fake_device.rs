@@ -393,3 +393,25 @@ fn a_hook_runs_once_at_the_start_of_the_next_call_of_its_kind() -> TestResult {
     fake.free(dev, q)?;
     Ok(())
 }
+
+/// A buffer whose byte count does not fit 64 bits is a typed error before any allocator is
+/// asked (it panicked in debug builds and wrapped to a tiny allocation in release ones).
+#[test]
+fn a_buffer_length_whose_bytes_overflow_is_refused() -> TestResult {
+    let (fake, rt) = fake(1, Completion::Eager);
+    let len = usize::MAX / 4 + 2;
+    let device = DeviceBuffer::<f32>::uninit(&rt, D0, len).err();
+    assert!(
+        matches!(&device, Some(StreamError::Memory { .. })),
+        "{device:?}"
+    );
+    let text = device.map(|e| e.to_string()).unwrap_or_default();
+    assert!(text.contains("larger than memory"), "{text}");
+    let pinned = ferrocuda::stream::PinnedBuffer::<f32>::uninit(&rt, len).err();
+    assert!(
+        matches!(pinned, Some(StreamError::Memory { .. })),
+        "{pinned:?}"
+    );
+    assert_eq!(fake.calls(Call::Malloc) + fake.calls(Call::HostAlloc), 0);
+    Ok(())
+}

@@ -56,6 +56,16 @@ pub(crate) fn pluggable() -> Option<&'static Arc<PluggableAllocator>> {
     CURRENT.get().map(|i| &i.allocator)
 }
 
+/// The pluggable allocator swapped in, if one was, initialised first (its `init` hook runs
+/// once): for the functions that run CUDA's lazy initialisation in PyTorch before they
+/// reach the allocator (`caching_allocator_alloc`, `set_per_process_memory_fraction`).
+pub(crate) fn pluggable_initialized() -> Option<&'static Arc<PluggableAllocator>> {
+    CURRENT.get().map(|i| {
+        i.ensure_init();
+        &i.allocator
+    })
+}
+
 /// `torch.cuda.memory.change_current_allocator(allocator)`: from now on the global
 /// runtime's buffers (and the functions of [`crate::memory`]) use `allocator`. Allowed only
 /// while the current allocator is not initialised, else [`AllocError::AlreadyInitialized`]

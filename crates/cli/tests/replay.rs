@@ -317,3 +317,29 @@ fn the_recommended_set_beats_pytorchs_expandable_segments_on_every_trace() -> Te
     }
     Ok(())
 }
+
+/// A snapshot's `allocator_settings` under the empty configuration are PyTorch's own, key
+/// for key (the recordings in tests/data were made with it, PyTorch 2.11), and its
+/// `PYTORCH_CUDA_ALLOC_CONF` is the last settings string parsed.
+#[test]
+fn snapshot_allocator_settings_are_pytorchs() -> TestResult {
+    use ferrocuda_alloc::CachingAllocator;
+    use ferrocuda_cli::replay::fake_device;
+    use ferrocuda_types::DeviceIndex;
+    let recorded = read_recording(&data("gpt2_train.pickle.xz"))?
+        .snapshot
+        .allocator_settings;
+    let a = CachingAllocator::new(
+        fake_device(1 << 30, None)?,
+        DeviceIndex(0),
+        AllocatorConfig::default(),
+        true,
+    )?;
+    assert_eq!(a.allocator_settings(), recorded);
+    a.update_config("expandable_segments:True, max_split_size_mb:64")?;
+    let now = a.allocator_settings();
+    assert_eq!(now.conf, "expandable_segments:True, max_split_size_mb:64");
+    assert_eq!(now.max_split_size, 64 << 20);
+    assert!(now.expandable_segments);
+    Ok(())
+}

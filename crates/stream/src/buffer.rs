@@ -26,11 +26,24 @@ impl<T: Element> Drop for DeviceBuffer<T> {
     }
 }
 
+/// The bytes of `len` elements of `T` (`what` names the buffer in the error): a count that
+/// does not fit 64 bits is refused before anything is asked of an allocator.
+pub(crate) fn byte_len<T>(len: usize, what: &str) -> Result<u64> {
+    (len as u64)
+        .checked_mul(size_of::<T>() as u64)
+        .ok_or_else(|| StreamError::Memory {
+            source: crate::MemoryError::Other(format!(
+                "{what} of {len} elements of {} bytes is larger than memory",
+                size_of::<T>()
+            )),
+        })
+}
+
 impl<T: Element> DeviceBuffer<T> {
     /// Uninitialized memory for `len` elements on `dev`.
     pub fn uninit(runtime: &Arc<Runtime>, dev: DeviceIndex, len: usize) -> Result<DeviceBuffer<T>> {
         runtime.check_device(dev)?;
-        let bytes = (len * size_of::<T>()) as u64;
+        let bytes = byte_len::<T>(len, "a device buffer")?;
         let memory = runtime.memory();
         let ptr = if len == 0 {
             DevicePtr(0)
@@ -92,7 +105,8 @@ impl<T: Element> DeviceBuffer<T> {
     }
     /// Its size in bytes.
     pub fn bytes(&self) -> u64 {
-        (self.len * size_of::<T>()) as u64
+        // Checked at construction (`byte_len`).
+        self.len as u64 * size_of::<T>() as u64
     }
     /// The buffer as a kernel argument (a device pointer that knows its device).
     pub fn arg(&self) -> KernelArg<'static> {

@@ -40,14 +40,7 @@ impl<T: Element> PinnedBuffer<T> {
     /// asked for on the current stream of the current device.
     pub fn uninit(runtime: &Arc<Runtime>, len: usize) -> Result<PinnedBuffer<T>> {
         let memory = runtime.host_memory();
-        let bytes = (len as u64)
-            .checked_mul(size_of::<T>() as u64)
-            .ok_or_else(|| StreamError::Memory {
-                source: crate::MemoryError::Other(format!(
-                    "a pinned buffer of {len} elements of {} bytes is larger than memory",
-                    size_of::<T>()
-                )),
-            })?;
+        let bytes = crate::buffer::byte_len::<T>(len, "a pinned buffer")?;
         let range = if bytes == 0 {
             None
         } else {
@@ -80,7 +73,8 @@ impl<T: Element> PinnedBuffer<T> {
     }
     /// Its size in bytes.
     pub fn bytes(&self) -> u64 {
-        (self.len * size_of::<T>()) as u64
+        // Checked at construction (`byte_len`).
+        self.len as u64 * size_of::<T>() as u64
     }
     /// The host memory it occupies (`None` when empty). The range may be longer than
     /// [`PinnedBuffer::bytes`]: the caching host allocator rounds sizes up.

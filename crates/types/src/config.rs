@@ -105,6 +105,29 @@ pub struct AllocatorConfig {
     /// ferrocuda-only improvements ([`AllocatorConfig::RECOMMENDED`]) before the other keys
     /// of the string apply (so they can override any of it).
     pub ferrocuda_recommended: bool,
+    /// The settings string this configuration was last parsed from (PyTorch's
+    /// `CUDAAllocatorConfig::last_allocator_settings()`, which a snapshot shows as
+    /// `PYTORCH_CUDA_ALLOC_CONF`): empty for the defaults.
+    #[serde(skip)]
+    pub settings_text: SettingsText,
+}
+
+/// The text a configuration was last parsed from. It records where the configuration came
+/// from and is not part of what it configures: any two compare equal.
+#[derive(Clone, Debug, Default)]
+pub struct SettingsText(pub String);
+
+impl PartialEq for SettingsText {
+    fn eq(&self, _: &SettingsText) -> bool {
+        true
+    }
+}
+
+impl SettingsText {
+    /// The text.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
 }
 
 /// A virtual-address reserve: a fraction of device memory, or bytes (`12G`).
@@ -147,6 +170,7 @@ impl Default for AllocatorConfig {
             oom_search_after_sync: false,
             expandable_segments_page: None,
             ferrocuda_recommended: false,
+            settings_text: SettingsText::default(),
         }
     }
 }
@@ -389,6 +413,7 @@ impl AllocatorConfig {
         for (key, value) in &pairs {
             c.apply(&p, key, value)?;
         }
+        c.settings_text = SettingsText(s.to_owned());
         *self = c;
         Ok(())
     }

@@ -35,6 +35,7 @@ mod stats;
 pub use checkpoint::{BlockCheckpoint, PoolCheckpoint, RestoreResult, SegmentCheckpoint};
 pub use config::{
     AllocatorConfig, Backend as AllocatorBackend, ConfigError, ROUNDUP_INTERVALS, ReserveSize,
+    SettingsText,
 };
 pub use device::{Device, DeviceKind, DeviceParseError, DeviceProperties};
 pub use dtype::{DType, Element};

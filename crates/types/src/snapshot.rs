@@ -88,11 +88,13 @@ pub struct TraceEntry {
     pub frames: Vec<Frame>,
 }
 
-/// `allocator_settings` of a snapshot (spec §7.4).
+/// `allocator_settings` of a snapshot, with PyTorch 2.11's keys in its order
+/// (`CUDACachingAllocator.cpp`, `snapshot`; the recordings in `tests/data` have them).
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct AllocatorSettings {
-    /// The configuration string in force.
+    /// The settings string last parsed (`last_allocator_settings`): empty for the
+    /// defaults.
     #[serde(rename = "PYTORCH_CUDA_ALLOC_CONF")]
     pub conf: String,
     /// Bytes, or -1 when unlimited.
@@ -101,6 +103,14 @@ pub struct AllocatorSettings {
     pub garbage_collection_threshold: f64,
     /// Whether expandable segments are on.
     pub expandable_segments: bool,
+    /// `pinned_num_register_threads`.
+    pub pinned_num_register_threads: u64,
+    /// `release_lock_on_cudamalloc`.
+    pub release_lock_on_cudamalloc: bool,
+    /// `pinned_use_cuda_host_register`.
+    pub pinned_use_cuda_host_register: bool,
+    /// `graph_capture_record_stream_reuse`.
+    pub graph_capture_record_stream_reuse: bool,
     /// Divisions per interval, keyed by the interval's lower bound in MiB (`"1"`, `"2"`, …).
     pub roundup_power2_divisions: std::collections::BTreeMap<String, u64>,
 }
@@ -206,6 +216,10 @@ mod tests {
                 max_split_size: -1,
                 garbage_collection_threshold: 0.0,
                 expandable_segments: false,
+                pinned_num_register_threads: 1,
+                release_lock_on_cudamalloc: false,
+                pinned_use_cuda_host_register: false,
+                graph_capture_record_stream_reuse: false,
                 roundup_power2_divisions: [("1".to_string(), 0)].into_iter().collect(),
             },
             external_annotations: Vec::new(),
