@@ -220,9 +220,9 @@ impl TorchAllocator for TorchBackend {
         Ok(())
     }
 
-    /// Where the configuration came from (`FERROCUDA_ALLOC_CONF=...`, the ferrocuda-only
-    /// keys included), then device 0's PyTorch settings in force (every device has the
-    /// same).
+    /// Where the configuration came from (`FERROCUDA_ALLOC_CONF=...`), then device 0's
+    /// settings in force (every device has the same): PyTorch's keys, and ferrocuda's own
+    /// where they differ from their defaults.
     fn allocator_settings(&self) -> Result<String, BackendError> {
         let effective = self.allocator(DeviceIndex(0))?.config();
         Ok(match &self.source {

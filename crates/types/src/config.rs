@@ -755,7 +755,47 @@ impl fmt::Display for AllocatorConfig {
             f,
             ",per_process_memory_fraction:{}",
             self.per_process_memory_fraction
-        )
+        )?;
+        // ferrocuda's own keys, where they differ from their defaults (the recommended set
+        // shows as the keys it set).
+        let default = AllocatorConfig::default();
+        let flags = [
+            (
+                "cross_stream_reuse",
+                self.cross_stream_reuse,
+                default.cross_stream_reuse,
+            ),
+            (
+                "expandable_segments_reclaim",
+                self.expandable_segments_reclaim,
+                default.expandable_segments_reclaim,
+            ),
+            ("thread_cache", self.thread_cache, default.thread_cache),
+            (
+                "garbage_collection_without_fraction",
+                self.garbage_collection_without_fraction,
+                default.garbage_collection_without_fraction,
+            ),
+            (
+                "oom_release_partial",
+                self.oom_release_partial,
+                default.oom_release_partial,
+            ),
+            (
+                "oom_search_after_sync",
+                self.oom_search_after_sync,
+                default.oom_search_after_sync,
+            ),
+        ];
+        for (key, on, by_default) in flags {
+            if on != by_default {
+                write!(f, ",{key}:{}", if on { "True" } else { "False" })?;
+            }
+        }
+        if let Some(page) = self.expandable_segments_page {
+            write!(f, ",expandable_segments_page_mb:{}", page / MIB)?;
+        }
+        Ok(())
     }
 }
 
@@ -906,6 +946,29 @@ mod tests {
     fn display_round_trips() {
         let c = AllocatorConfig::parse("max_split_size_mb:64,roundup_power2_divisions:[32:4,>:2],garbage_collection_threshold:0.25").expect("a valid config");
         assert_eq!(AllocatorConfig::parse(&c.to_string()), Ok(c));
+        // ferrocuda's own keys show where they differ from their defaults.
+        let mut r = AllocatorConfig::parse("ferrocuda_recommended:True,thread_cache:False")
+            .expect("a valid config");
+        let text = r.to_string();
+        for key in [
+            "expandable_segments:True",
+            "expandable_segments_reclaim:True",
+            "expandable_segments_page_mb:2",
+            "oom_search_after_sync:True",
+            "oom_release_partial:True",
+            "thread_cache:False",
+        ] {
+            assert!(text.contains(key), "{key} in {text}");
+        }
+        let back = AllocatorConfig::parse(&text).expect("its own text parses");
+        // The umbrella flag itself is not shown: the keys it set are.
+        r.ferrocuda_recommended = false;
+        assert_eq!(back, r);
+        assert!(
+            !AllocatorConfig::default()
+                .to_string()
+                .contains("thread_cache")
+        );
     }
 
     /// At least 30 malformed inputs, each with the token and position its error names.
