@@ -202,7 +202,7 @@ impl History {
             device_free: None,
             compile_context: "N/A".into(),
             user_metadata: String::new(),
-            frames: frames.map(|f| f.to_vec()).unwrap_or_default(),
+            frames: frames.map(|f| f.to_vec()),
         });
         self.trim();
     }

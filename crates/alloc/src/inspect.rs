@@ -3,7 +3,7 @@
 use crate::allocator::CachingAllocator;
 use crate::block::{Block, BlockInfo};
 use ferrocuda_types::{
-    AllocatorSettings, DevicePtr, DeviceStats, Frame, PoolId, PoolKind, SnapshotBlock,
+    AllocatorSettings, DevicePtr, DeviceStats, Frame, IntervalMib, PoolId, PoolKind, SnapshotBlock,
     SnapshotSegment, TraceEntry,
 };
 use rustc_hash::FxHashMap;
@@ -98,7 +98,7 @@ impl CachingAllocator {
                 .roundup_power2_divisions
                 .iter()
                 .enumerate()
-                .map(|(i, d)| ((1u64 << i).to_string(), *d))
+                .map(|(i, d)| (IntervalMib(1u64 << i), *d))
                 .collect(),
         }
     }

@@ -343,3 +343,60 @@ fn snapshot_allocator_settings_are_pytorchs() -> TestResult {
     assert!(now.expandable_segments);
     Ok(())
 }
+
+/// A snapshot written by `dump_snapshot` has PyTorch's dict keys in PyTorch's order at every
+/// level (snapshot, segment, block, trace entry, settings, rounding intervals), read by
+/// CPython from both files: history recorded without context, as the recording was.
+#[test]
+fn snapshot_keys_are_pytorchs_in_order() -> TestResult {
+    use ferrocuda_alloc::CachingAllocator;
+    use ferrocuda_alloc::history::HistoryOptions;
+    use ferrocuda_cli::replay::fake_device;
+    use ferrocuda_types::{DeviceIndex, Snapshot, StreamHandle};
+    let dev = DeviceIndex(0);
+    let a = CachingAllocator::new(
+        fake_device(1 << 30, None)?,
+        dev,
+        AllocatorConfig::default(),
+        true,
+    )?;
+    a.record_memory_history(HistoryOptions::parse(Some("all"), None, 100)?);
+    let x = a.allocate(1000, StreamHandle::legacy(dev))?;
+    let y = a.allocate(30 << 20, StreamHandle::legacy(dev))?;
+    a.free(x.ptr)?;
+    let (segments, trace) = a.snapshot();
+    let ours = Snapshot {
+        segments,
+        device_traces: vec![trace],
+        allocator_settings: a.allocator_settings(),
+        external_annotations: Vec::new(),
+    };
+    let path = std::env::temp_dir().join(format!("ferrocuda-keys-{}.pickle", std::process::id()));
+    std::fs::write(&path, ours.to_pickle()?)?;
+    a.free(y.ptr)?;
+    let script = "import lzma, pickle, sys\n\
+        def shape(s):\n\
+        \x20   seg = s['segments'][0]\n\
+        \x20   entry = [e for t in s['device_traces'] for e in t if e['action'] == 'alloc'][0]\n\
+        \x20   st = s['allocator_settings']\n\
+        \x20   return [list(s), list(seg), list(seg['blocks'][0]), list(entry), list(st),\n\
+        \x20           list(st['roundup_power2_divisions'])]\n\
+        ours = shape(pickle.load(open(sys.argv[1], 'rb')))\n\
+        ref = shape(pickle.load(lzma.open(sys.argv[2])))\n\
+        assert ours == ref, (ours, ref)\n\
+        print('ok')";
+    let out = Command::new("python3")
+        .arg("-c")
+        .arg(script)
+        .arg(&path)
+        .arg(data("bert_serve.pickle.xz"))
+        .output();
+    let _ = std::fs::remove_file(&path);
+    let out = out?;
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(())
+}

@@ -50,7 +50,7 @@ pub use launch::{
 };
 pub use oom::{OutOfMemory, PoolOutOfMemory};
 pub use snapshot::{
-    AllocatorSettings, ExternalAnnotation, Frame, Snapshot, SnapshotBlock, SnapshotSegment,
-    TraceEntry,
+    AllocatorSettings, ExternalAnnotation, Frame, IntervalMib, Snapshot, SnapshotBlock,
+    SnapshotSegment, TraceEntry,
 };
 pub use stats::{DeviceStats, PoolKind, Stat, StatArray, format_size};

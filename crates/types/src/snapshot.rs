@@ -60,13 +60,16 @@ pub struct SnapshotSegment {
     pub blocks: Vec<SnapshotBlock>,
 }
 
-/// One event of the history (`device_traces`).
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+/// One event of the history (`device_traces`). Written with PyTorch's keys in its order
+/// (`CUDACachingAllocator.cpp`, `_memory_snapshot`): an `oom` entry has `device_free` where
+/// the others have `addr`, and `frames` only where a context was recorded.
+#[derive(Clone, Debug, PartialEq, Deserialize)]
 pub struct TraceEntry {
     /// `alloc`, `free_requested`, `free_completed`, `segment_alloc`, `segment_free`,
     /// `segment_map`, `segment_unmap`, `snapshot` or `oom`.
     pub action: String,
-    /// Address (for `oom`: 0).
+    /// Address (for `oom`: 0, and not written).
+    #[serde(default)]
     pub addr: u64,
     /// Bytes (requested bytes for `alloc` and frees; the rounded request for `oom`).
     pub size: u64,
@@ -83,9 +86,52 @@ pub struct TraceEntry {
     /// User metadata (empty).
     #[serde(default)]
     pub user_metadata: String,
-    /// Where it happened, when recorded.
+    /// Where it happened: `Some` when a context was recorded (then written, even empty).
     #[serde(default)]
-    pub frames: Vec<Frame>,
+    pub frames: Option<Vec<Frame>>,
+}
+
+impl Serialize for TraceEntry {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        let oom = self.action == "oom";
+        let mut map = serializer.serialize_map(None)?;
+        map.serialize_entry("action", &self.action)?;
+        if oom {
+            map.serialize_entry("device_free", &self.device_free.unwrap_or_default())?;
+        } else {
+            map.serialize_entry("addr", &self.addr)?;
+        }
+        map.serialize_entry("size", &self.size)?;
+        map.serialize_entry("stream", &self.stream)?;
+        map.serialize_entry("time_us", &self.time_us)?;
+        map.serialize_entry("compile_context", &self.compile_context)?;
+        map.serialize_entry("user_metadata", &self.user_metadata)?;
+        if let Some(frames) = &self.frames {
+            map.serialize_entry("frames", frames)?;
+        }
+        map.end()
+    }
+}
+
+/// The key of a `roundup_power2_divisions` entry: an interval's lower bound in MiB,
+/// written as a string (`"1"`, `"2"`, …) and ordered by number, as PyTorch writes them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct IntervalMib(pub u64);
+
+impl Serialize for IntervalMib {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.serialize_str(&self.0.to_string())
+    }
+}
+
+impl<'de> Deserialize<'de> for IntervalMib {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let text = String::deserialize(deserializer)?;
+        text.parse()
+            .map(IntervalMib)
+            .map_err(|_| serde::de::Error::custom(format!("'{text}' is not a MiB bound")))
+    }
 }
 
 /// `allocator_settings` of a snapshot, with PyTorch 2.11's keys in its order
@@ -112,7 +158,7 @@ pub struct AllocatorSettings {
     /// `graph_capture_record_stream_reuse`.
     pub graph_capture_record_stream_reuse: bool,
     /// Divisions per interval, keyed by the interval's lower bound in MiB (`"1"`, `"2"`, …).
-    pub roundup_power2_divisions: std::collections::BTreeMap<String, u64>,
+    pub roundup_power2_divisions: std::collections::BTreeMap<IntervalMib, u64>,
 }
 
 /// A whole snapshot: what `torch.cuda.memory._snapshot()` returns.
@@ -209,7 +255,7 @@ mod tests {
                 device_free: Some(5),
                 compile_context: "N/A".into(),
                 user_metadata: String::new(),
-                frames: vec![frame],
+                frames: Some(vec![frame]),
             }]],
             allocator_settings: AllocatorSettings {
                 conf: String::new(),
@@ -220,7 +266,9 @@ mod tests {
                 release_lock_on_cudamalloc: false,
                 pinned_use_cuda_host_register: false,
                 graph_capture_record_stream_reuse: false,
-                roundup_power2_divisions: [("1".to_string(), 0)].into_iter().collect(),
+                roundup_power2_divisions: [(IntervalMib(1), 0), (IntervalMib(16), 2)]
+                    .into_iter()
+                    .collect(),
             },
             external_annotations: Vec::new(),
         }
@@ -248,6 +296,8 @@ mod tests {
             assert sum(b['size'] for b in seg['blocks']) == seg['total_size']\n\
             e = s['device_traces'][0][0]\n\
             assert e['action'] == 'oom' and e['device_free'] == 5 and e['frames'][0]['name'] == 'main'\n\
+            assert 'addr' not in e, e\n\
+            assert list(s['allocator_settings']['roundup_power2_divisions']) == ['1', '16']\n\
             assert s['allocator_settings']['PYTORCH_CUDA_ALLOC_CONF'] == ''\n\
             print('ok')";
         let out = std::process::Command::new("python3")
