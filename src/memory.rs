@@ -195,28 +195,44 @@ fn stats_of(dev: DeviceIndex) -> Result<crate::types::DeviceStats, AllocError> {
     }
 }
 
+/// One figure of the statistics, or 0 before CUDA is initialised: PyTorch reads these from
+/// `memory_stats`, which is empty then, without initialising anything.
+fn figure(
+    dev: DeviceIndex,
+    of: impl FnOnce(&crate::types::DeviceStats) -> i64,
+) -> Result<u64, AllocError> {
+    if !crate::is_initialized() {
+        return Ok(0);
+    }
+    Ok(of(&stats_of(dev)?) as u64)
+}
+
 /// `torch.cuda.memory_allocated`: bytes of live allocations.
 pub fn memory_allocated(dev: DeviceIndex) -> Result<u64, AllocError> {
-    Ok(stats_of(dev)?.allocated_bytes.all.current as u64)
+    figure(dev, |s| s.allocated_bytes.all.current)
 }
 
 /// `torch.cuda.max_memory_allocated`.
 pub fn max_memory_allocated(dev: DeviceIndex) -> Result<u64, AllocError> {
-    Ok(stats_of(dev)?.allocated_bytes.all.peak as u64)
+    figure(dev, |s| s.allocated_bytes.all.peak)
 }
 
 /// `torch.cuda.memory_reserved`: bytes held from the driver.
 pub fn memory_reserved(dev: DeviceIndex) -> Result<u64, AllocError> {
-    Ok(stats_of(dev)?.reserved_bytes.all.current as u64)
+    figure(dev, |s| s.reserved_bytes.all.current)
 }
 
 /// `torch.cuda.max_memory_reserved`.
 pub fn max_memory_reserved(dev: DeviceIndex) -> Result<u64, AllocError> {
-    Ok(stats_of(dev)?.reserved_bytes.all.peak as u64)
+    figure(dev, |s| s.reserved_bytes.all.peak)
 }
 
-/// `torch.cuda.memory_stats`: the flat dictionary with PyTorch's keys.
+/// `torch.cuda.memory_stats`: the flat dictionary with PyTorch's keys; empty before CUDA is
+/// initialised (`memory_stats_as_nested_dict`), which it does not initialise.
 pub fn memory_stats(dev: DeviceIndex) -> Result<BTreeMap<String, i64>, AllocError> {
+    if !crate::is_initialized() {
+        return Ok(BTreeMap::new());
+    }
     Ok(stats_of(dev)?.to_map())
 }
 

@@ -592,17 +592,22 @@ fn swap_refused_after_init() {
     });
 }
 
-/// A statistic initialises the caching allocator (ferrocuda's documented rule): swap refused.
+/// A statistic read before CUDA is initialised initialises nothing (PyTorch): the swap is refused only after `init`.
 #[test]
 fn swap_refused_after_statistic() {
     fresh("swap_refused_after_statistic", || {
         let _probe = Probe::open().unwrap();
+        // A statistic read before CUDA is initialised initialises nothing (PyTorch's
+        // `memory_stats_as_nested_dict` returns {}), so the swap is still allowed; after
+        // `init` it is refused.
         assert_eq!(memory::memory_allocated(DEV).unwrap(), 0);
+        assert!(memory::memory_stats(DEV).unwrap().is_empty());
+        ferrocuda::init().unwrap();
         let a = PluggableAllocator::new(host_lib());
         let r = memory::change_current_allocator(&a);
         assert!(
             matches!(r, Err(AllocError::AlreadyInitialized)),
-            "swap after a statistic: {r:?}"
+            "swap after init: {r:?}"
         );
     });
 }
@@ -948,6 +953,7 @@ fn mempool_segments_come_from_library() {
         let base_live = probe.live();
         let mut c = Checks::default();
         let rt = ferrocuda::runtime();
+        ferrocuda::init().unwrap(); // statistics are empty before CUDA is initialised
         let s0 = memory::memory_stats(DEV).unwrap();
         let a = PluggableAllocator::new(host_lib());
         let pool = MemPool::new(Some(a.clone())).unwrap();
@@ -1128,6 +1134,7 @@ fn mempool_null_segment_is_oom_with_exact_stats() {
         let probe = Probe::open().unwrap();
         let mut c = Checks::default();
         let rt = ferrocuda::runtime();
+        ferrocuda::init().unwrap(); // statistics are empty before CUDA is initialised
         let s0 = memory::memory_stats(DEV).unwrap();
         let null =
             PluggableAllocator::load(path(), "fixture_null_alloc", "fixture_host_free").unwrap();
@@ -1193,6 +1200,7 @@ fn mempool_concurrent_threads() {
         let base_live = probe.live();
         let mut c = Checks::default();
         let rt = ferrocuda::runtime();
+        ferrocuda::init().unwrap(); // statistics are empty before CUDA is initialised
         let s0 = memory::memory_stats(DEV).unwrap();
         let a = PluggableAllocator::new(host_lib());
         // One pool per thread, all fed by the same library (PyTorch refuses two

@@ -70,7 +70,8 @@ pub(crate) fn pluggable_initialized() -> Option<&'static Arc<PluggableAllocator>
 /// runtime's buffers (and the functions of [`crate::memory`]) use `allocator`. Allowed only
 /// while the current allocator is not initialised, else [`AllocError::AlreadyInitialized`]
 /// ("Can't swap an already initialized allocator"): the caching allocators are initialised
-/// by [`crate::init`] or their first use (an allocation, a statistic); a pluggable
+/// by [`crate::init`] or their first use (an allocation; a statistic read after CUDA is
+/// initialised; before it, statistics are empty and initialise nothing); a pluggable
 /// allocator is initialised when made, so it is never swapped out. Buffers made before keep
 /// the allocator that made them.
 pub fn change_current_allocator(allocator: &Arc<PluggableAllocator>) -> Result<(), AllocError> {

@@ -176,7 +176,7 @@ impl CachingAllocator {
         if bytes >= ONE_EXABYTE {
             // PyTorch refuses these before its device allocator (`NativeCachingAllocator::
             // malloc`): no statistic, no history entry, no observer.
-            return Err(self.engine.oom_report(bytes, true, stream));
+            return Err(self.engine.oom_report(bytes, bytes, true, stream));
         }
         if bytes == 0 {
             return Ok(Allocation {

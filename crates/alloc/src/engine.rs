@@ -133,21 +133,29 @@ impl Engine {
         waited.map_err(AllocError::from)
     }
 
+    /// The out-of-memory error for an allocation of `requested` bytes (the segment size,
+    /// PyTorch's `alloc_size`); the history's `oom` entry records `rounded`, the rounded
+    /// request (PyTorch's `params.size()`).
     pub(crate) fn oom_report(
         &self,
         requested: u64,
+        rounded: u64,
         beyond_one_exabyte: bool,
         stream: StreamHandle,
     ) -> AllocError {
         let device_free = self.driver.mem_get_info(self.device).map_or(0, |(f, _)| f);
         let mut st = self.lock();
         if !beyond_one_exabyte {
-            st.history.record_oom(requested, device_free, stream.raw);
+            st.history.record_oom(rounded, device_free, stream.raw);
         }
         let mut per_stream: FxHashMap<u64, (StreamHandle, u64)> = FxHashMap::default();
         let mut largest = 0;
+        let mut allocated_in_private_pools = 0;
         for key in st.pools.keys() {
             let b = &st.blocks[key.id];
+            if !key.pool.is_default() {
+                allocated_in_private_pools += b.size;
+            }
             largest = largest.max(b.size);
             per_stream
                 .entry(b.stream)
@@ -165,6 +173,7 @@ impl Engine {
             allowed: st.allowed_max,
             allocated: st.stats.allocated_bytes.current() as u64,
             reserved: st.stats.reserved_bytes.current() as u64,
+            allocated_in_private_pools,
             largest_free_block: largest,
             cached_per_stream,
             non_releasable: st.stats.inactive_split_bytes.current() as u64,
@@ -183,7 +192,7 @@ impl Engine {
 
     pub(crate) fn driver_oom(&self, e: DriverError, bytes: u64) -> AllocError {
         if e.is_out_of_memory() {
-            self.oom_report(bytes, false, StreamHandle::legacy(self.device))
+            self.oom_report(bytes, bytes, false, StreamHandle::legacy(self.device))
         } else {
             AllocError::from(e)
         }
@@ -202,7 +211,7 @@ impl Engine {
         }
         st.stats.num_oom_rejections += 1;
         drop(st);
-        let mut report = self.oom_report(bytes, false, StreamHandle::legacy(self.device));
+        let mut report = self.oom_report(bytes, bytes, false, StreamHandle::legacy(self.device));
         if let AllocError::OutOfMemory(oom) = &mut report {
             oom.rejected_by_fraction = true;
         }

@@ -77,9 +77,12 @@ impl CachingAllocator {
             segments.push(seg);
         }
         segments.sort_by_key(|s| s.address);
+        // The trace is copied before the `snapshot` entry is recorded, so that entry shows
+        // in the next snapshot only (PyTorch's `NativeCachingAllocator::snapshot`).
+        let trace = st.history.entries();
         let active = st.stats.active_bytes.current() as u64;
         st.history.record("snapshot", 0, active, 0, None);
-        (segments, st.history.entries())
+        (segments, trace)
     }
 
     /// `allocator_settings` of a snapshot.

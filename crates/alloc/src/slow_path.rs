@@ -67,7 +67,7 @@ impl Engine {
             // No synchronization and no cudaFree while a capture is underway.
             st.stats.num_ooms += 1;
             drop(st);
-            return Err(self.oom_report(segment, false, stream));
+            return Err(self.oom_report(segment, size, false, stream));
         }
         if st.config.oom_search_after_sync {
             // The block needed may be one that other streams' events held back (PyTorch
@@ -95,7 +95,7 @@ impl Engine {
         }
         st.stats.num_ooms += 1;
         drop(st);
-        Err(self.oom_report(segment, false, stream))
+        Err(self.oom_report(segment, size, false, stream))
     }
 
     /// `alloc_block`: more device memory for `req`: a mapped expandable range when

@@ -6,8 +6,9 @@ use crate::{StreamHandle, format_size};
 use std::fmt;
 
 /// The figures of an out-of-memory error. Its `Display` is PyTorch's message
-/// (`c10/cuda/CUDACachingAllocator.cpp`, `DeviceCachingAllocator::malloc`), with
-/// ferrocuda's fragmentation figures added before the hint.
+/// (`c10/cuda/CUDACachingAllocator.cpp`, `DeviceCachingAllocator::malloc`); the
+/// fragmentation figures PyTorch does not print (largest free block, cached memory per
+/// stream, non-releasable memory) are fields only.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct OutOfMemory {
     /// Device index.
@@ -27,6 +28,9 @@ pub struct OutOfMemory {
     pub allocated: u64,
     /// Bytes reserved by this allocator.
     pub reserved: u64,
+    /// Bytes of cached free blocks in private pools (PyTorch's `allocated_in_private_pools`,
+    /// counted as allocated in the message).
+    pub allocated_in_private_pools: u64,
     /// Largest cached free block, in bytes.
     pub largest_free_block: u64,
     /// Cached free bytes per stream.
@@ -65,23 +69,23 @@ impl fmt::Display for OutOfMemory {
         if let Some(a) = self.allowed {
             write!(f, "{} allowed; ", format_size(a))?;
         }
+        let private = self.allocated_in_private_pools;
         write!(
             f,
-            "Of the allocated memory {} is allocated by PyTorch, and {} is reserved by PyTorch but unallocated.",
-            format_size(self.allocated),
-            format_size(self.reserved.saturating_sub(self.allocated))
+            "Of the allocated memory {} is allocated by PyTorch, ",
+            format_size(self.allocated + private)
         )?;
-        let per_stream: Vec<String> = self
-            .cached_per_stream
-            .iter()
-            .map(|(s, b)| format!("stream {:#x}: {}", s.raw, format_size(*b)))
-            .collect();
+        if private > 0 {
+            write!(
+                f,
+                "with {} allocated in private pools (e.g., CUDA Graphs), ",
+                format_size(private)
+            )?;
+        }
         write!(
             f,
-            " Largest free block: {}; cached free memory per stream: [{}]; non-releasable (split) memory: {}.",
-            format_size(self.largest_free_block),
-            per_stream.join(", "),
-            format_size(self.non_releasable)
+            "and {} is reserved by PyTorch but unallocated.",
+            format_size(self.reserved.saturating_sub(self.allocated + private))
         )?;
         if !self.expandable_segments {
             f.write_str(

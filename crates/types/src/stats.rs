@@ -315,11 +315,12 @@ impl DeviceStats {
                 lines.push(summary_row(label, s, &a.all, fmt));
             }
         }
-        lines.push(rule('-'));
+        // A rule above each oversize row (torch/cuda/memory.py, `memory_summary`).
         for (name, s) in [
             ("Oversize allocations", &self.oversize_allocations),
             ("Oversize GPU segments", &self.oversize_segments),
         ] {
+            lines.push(rule('-'));
             lines.push(summary_row(name, s, s, format_count));
         }
         lines.push(rule('='));

@@ -198,6 +198,7 @@ impl AsyncAllocator {
                     allowed: None,
                     allocated: 0,
                     reserved: 0,
+                    allocated_in_private_pools: 0,
                     largest_free_block: 0,
                     cached_per_stream: Vec::new(),
                     non_releasable: 0,
