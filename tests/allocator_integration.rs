@@ -98,6 +98,7 @@ fn out_of_memory_reaches_buffers_as_a_typed_error() -> TestResult {
             beyond_one_exabyte: false,
             device_total: 64 << 20,
             device_free: 62 << 20,
+            processes: Vec::new(),
             allowed: None,
             allocated: 1024,
             reserved: 2 << 20,

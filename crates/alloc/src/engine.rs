@@ -7,7 +7,7 @@ use crate::error::{AllocError, OutOfMemory};
 use crate::state::{Released, State};
 use crate::thread_cache::{Registry, ThreadCache};
 use ferrocuda_driver::{Driver, DriverError};
-use ferrocuda_types::{DeviceIndex, DevicePtr, StreamHandle};
+use ferrocuda_types::{DeviceIndex, DevicePtr, ProcessMemory, StreamHandle};
 use parking_lot::{Mutex, MutexGuard};
 use rustc_hash::FxHashMap;
 use std::sync::Arc;
@@ -144,6 +144,20 @@ impl Engine {
         stream: StreamHandle,
     ) -> AllocError {
         let device_free = self.driver.mem_get_info(self.device).map_or(0, |(f, _)| f);
+        let processes = if beyond_one_exabyte {
+            Vec::new()
+        } else {
+            let me = std::process::id();
+            self.driver
+                .gpu_processes(self.device)
+                .into_iter()
+                .map(|p| ProcessMemory {
+                    pid: p.pid,
+                    used: p.used,
+                    this_process: p.pid == me,
+                })
+                .collect()
+        };
         let mut st = self.lock();
         if !beyond_one_exabyte {
             st.history.record_oom(rounded, device_free, stream.raw);
@@ -170,6 +184,7 @@ impl Engine {
             beyond_one_exabyte,
             device_total: self.device_total,
             device_free,
+            processes,
             allowed: st.allowed_max,
             allocated: st.stats.allocated_bytes.current() as u64,
             reserved: st.stats.reserved_bytes.current() as u64,

@@ -147,6 +147,69 @@ fn out_of_memory_message_and_one_exabyte() -> TestResult {
 
 /// PyTorch's `release_cached_blocks` under out of memory: every cached segment goes, one
 /// retry and one sync of all streams are counted.
+/// The parts of PyTorch's message that depend on the machine and the pools
+/// (`DeviceCachingAllocator::malloc`): NVML's processes on the device (this one named as
+/// such), and the cached blocks of private pools, counted as allocated and named; the
+/// history's `oom` entry records the rounded request, not the segment size.
+#[test]
+fn out_of_memory_message_processes_private_pools_and_trace() -> TestResult {
+    use ferrocuda_alloc::Route;
+    use ferrocuda_alloc::history::HistoryOptions;
+    use ferrocuda_driver::GpuProcess;
+    use ferrocuda_types::PoolId;
+    let fake = Arc::new(
+        FakeDriver::builder()
+            .capacity(48 * MIB)
+            .gpu_processes(vec![
+                GpuProcess {
+                    pid: std::process::id(),
+                    used: 40 * MIB,
+                },
+                GpuProcess {
+                    pid: 4242,
+                    used: 3 * MIB,
+                },
+            ])
+            .build(),
+    );
+    let a = CachingAllocator::new(fake.clone(), D0, AllocatorConfig::default(), true)?;
+    a.record_memory_history(HistoryOptions::parse(Some("all"), None, 100)?);
+    let pool = PoolId(0, 7);
+    a.begin_allocate_to_pool(pool, Route::Thread(std::thread::current().id()))?;
+    let cached = a.allocate(30 * MIB, LEGACY)?;
+    a.end_allocate_to_pool(pool)?;
+    a.free(cached.ptr)?;
+    let live = a.allocate(10 * MIB, LEGACY)?;
+    let err = a
+        .allocate(5 * MIB + 1, LEGACY)
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+    assert_eq!(
+        err,
+        "CUDA out of memory. Tried to allocate 20.00 MiB. GPU 0 has a total capacity of \
+         48.00 MiB of which 8.00 MiB is free. Including non-PyTorch memory, this process has \
+         40.00 MiB memory in use. Process 4242 has 3.00 MiB memory in use. Of the allocated \
+         memory 40.00 MiB is allocated by PyTorch, with 30.00 MiB allocated in private pools \
+         (e.g., CUDA Graphs), and 0 bytes is reserved by PyTorch but unallocated. If reserved \
+         but unallocated memory is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
+         to avoid fragmentation.  See documentation for Memory Management  \
+         (https://docs.pytorch.org/docs/stable/notes/cuda.html#optimizing-memory-usage-with-pytorch-cuda-alloc-conf)"
+    );
+    let (_, trace) = a.snapshot();
+    let oom = trace
+        .iter()
+        .find(|e| e.action == "oom")
+        .ok_or("an oom entry")?;
+    assert_eq!(
+        (oom.size, oom.device_free),
+        (5 * MIB + 512, Some(8 * MIB)),
+        "the rounded request and the free memory"
+    );
+    a.free(live.ptr)?;
+    Ok(())
+}
+
 #[test]
 fn out_of_memory_frees_every_cached_segment_and_counts_a_retry() -> TestResult {
     let (fake, a) = setup(GIB, "", Completion::Eager);

@@ -484,6 +484,21 @@ impl Driver for CudaDriver {
         crate::nvml::device_count()
     }
 
+    fn gpu_processes(&self, dev: DeviceIndex) -> Vec<crate::nvml::GpuProcess> {
+        use sys::CUdevice_attribute as A;
+        let pci = (|| {
+            Ok::<_, DriverError>(format!(
+                "{:08X}:{:02X}:{:02X}.0",
+                self.attribute(dev, A::CU_DEVICE_ATTRIBUTE_PCI_DOMAIN_ID)?,
+                self.attribute(dev, A::CU_DEVICE_ATTRIBUTE_PCI_BUS_ID)?,
+                self.attribute(dev, A::CU_DEVICE_ATTRIBUTE_PCI_DEVICE_ID)?
+            ))
+        })();
+        pci.ok()
+            .and_then(|id| crate::nvml::compute_processes(&id).ok())
+            .unwrap_or_default()
+    }
+
     fn device_properties(&self, dev: DeviceIndex) -> Result<DeviceProperties, DriverError> {
         use sys::CUdevice_attribute as A;
         let l = self.loaded()?;

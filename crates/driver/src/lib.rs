@@ -58,7 +58,7 @@ pub use cuda::{CudaDriver, RawGraph, RawLaunch, nccl};
 pub use error::{CompileError, DriverError};
 pub use fake::{Completion, FakeDriver, FakeDriverBuilder, KernelContext, PeerCopies};
 pub use interop::ForeignStream;
-pub use nvml::NvmlError;
+pub use nvml::{GpuProcess, NvmlError};
 pub use pluggable::{Hook, PluggableError, PluggableLibrary};
 
 use ferrocuda_types::{
@@ -85,6 +85,11 @@ pub trait Driver: Send + Sync + std::fmt::Debug + 'static {
     /// fake answers what it was built with (by default no NVML, as on a machine without an
     /// NVIDIA driver).
     fn nvml_device_count(&self) -> Result<usize, NvmlError>;
+    /// The compute processes NVML lists on `dev`, with the device memory each uses (what
+    /// PyTorch's out-of-memory message reports, `reportProcessMemoryInfo`): empty where NVML
+    /// is missing or fails, as PyTorch 2.15 leaves the part out then. The fake lists what it
+    /// was built with ([`fake::FakeDriverBuilder::gpu_processes`]).
+    fn gpu_processes(&self, dev: DeviceIndex) -> Vec<nvml::GpuProcess>;
     /// Name, capability, memory and SM count of `dev`.
     fn device_properties(&self, dev: DeviceIndex) -> Result<DeviceProperties, DriverError>;
     /// `(free, total)` device memory in bytes (`cuMemGetInfo`).

@@ -1,13 +1,17 @@
 //! NVML, asked how many GPUs the machine has without initialising CUDA: what PyTorch's
 //! `_raw_device_count_nvml` does for `PYTORCH_NVML_BASED_CUDA_CHECK=1`.
 //!
+//! Also the compute processes on a GPU and their memory, which PyTorch's out-of-memory
+//! message lists (`reportProcessMemoryInfo` in c10/cuda/CUDACachingAllocator.cpp).
+//!
 //! libnvidia-ml is loaded at run time with `libloading` (`libnvidia-ml.so.1`, else
-//! `libnvidia-ml.so`): cudarc has no NVML bindings, and four functions are all we call,
-//! `nvmlInit_v2`, `nvmlDeviceGetCount_v2`, `nvmlShutdown` and `nvmlErrorString` (to name a
-//! failure). A machine without the library is data ([`NvmlError::LibraryNotFound`]), never a
+//! `libnvidia-ml.so`): cudarc has no NVML bindings, and six functions are all we call,
+//! `nvmlInit_v2`, `nvmlDeviceGetCount_v2`, `nvmlShutdown`, `nvmlErrorString` (to name a
+//! failure), `nvmlDeviceGetHandleByPciBusId_v2` and `nvmlDeviceGetComputeRunningProcesses`
+//! (the last two optional: a library without them still counts devices). A machine without the library is data ([`NvmlError::LibraryNotFound`]), never a
 //! panic. NVML is not CUDA: asking it neither initialises CUDA nor makes a later fork unsafe.
 use libloading::Library;
-use std::ffi::{CStr, OsStr, c_char, c_int, c_uint};
+use std::ffi::{CStr, CString, OsStr, c_char, c_int, c_uint, c_ulonglong, c_void};
 use std::sync::OnceLock;
 
 /// The library names [`device_count`] tries, in order.
@@ -39,12 +43,39 @@ pub enum NvmlError {
 /// `nvmlReturn_t`: 0 is success.
 type Status = c_int;
 
+/// `NVML_ERROR_INSUFFICIENT_SIZE`: the array was too small; the count says how many.
+const INSUFFICIENT_SIZE: Status = 7;
+
+/// `nvmlDevice_t`.
+type Device = *mut c_void;
+
+/// `nvmlProcessInfo_v1_t`, what the unversioned `nvmlDeviceGetComputeRunningProcesses`
+/// fills (PyTorch calls that one).
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct ProcessInfoV1 {
+    pid: c_uint,
+    used_gpu_memory: c_ulonglong,
+}
+
+/// A compute process on a GPU and the device memory it uses, as NVML reports it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GpuProcess {
+    /// Its process id.
+    pub pid: u32,
+    /// Device memory it uses, in bytes.
+    pub used: u64,
+}
+
 /// A loaded NVML library and the functions ferrocuda calls in it.
 pub struct Nvml {
     init: unsafe extern "C" fn() -> Status,
     device_get_count: unsafe extern "C" fn(*mut c_uint) -> Status,
     shutdown: unsafe extern "C" fn() -> Status,
     error_string: Option<unsafe extern "C" fn(Status) -> *const c_char>,
+    handle_by_pci_bus_id: Option<unsafe extern "C" fn(*const c_char, *mut Device) -> Status>,
+    compute_processes:
+        Option<unsafe extern "C" fn(Device, *mut c_uint, *mut ProcessInfoV1) -> Status>,
     /// Keeps the functions above loaded: dropped only with them.
     _library: Library,
 }
@@ -99,6 +130,8 @@ impl Nvml {
                 device_get_count: function(&library, "nvmlDeviceGetCount_v2")?,
                 shutdown: function(&library, "nvmlShutdown")?,
                 error_string: function(&library, "nvmlErrorString").ok(),
+                handle_by_pci_bus_id: function(&library, "nvmlDeviceGetHandleByPciBusId_v2").ok(),
+                compute_processes: function(&library, "nvmlDeviceGetComputeRunningProcesses").ok(),
                 _library: library,
             })
         }
@@ -118,6 +151,66 @@ impl Nvml {
         // the count, which is what was asked, so it is not reported.
         let _ = unsafe { (self.shutdown)() };
         counted.map(|()| count as usize)
+    }
+
+    /// The compute processes on the GPU whose PCI bus id is `pci_bus_id`
+    /// (`"%08X:%02X:%02X.0"`, domain, bus, device), in NVML's order, with the memory each
+    /// uses. NVML is initialised for the call and shut down after it.
+    pub fn compute_processes(&self, pci_bus_id: &str) -> Result<Vec<GpuProcess>, NvmlError> {
+        let by_pci = self.handle_by_pci_bus_id.ok_or(NvmlError::MissingFunction(
+            "nvmlDeviceGetHandleByPciBusId_v2",
+        ))?;
+        let running = self.compute_processes.ok_or(NvmlError::MissingFunction(
+            "nvmlDeviceGetComputeRunningProcesses",
+        ))?;
+        let id = CString::new(pci_bus_id).map_err(|_| NvmlError::Call {
+            function: "nvmlDeviceGetHandleByPciBusId_v2",
+            code: 2,
+            message: "a PCI bus id with a NUL byte".into(),
+        })?;
+        // SAFETY: takes no argument; paired with the nvmlShutdown below.
+        self.check("nvmlInit_v2", unsafe { (self.init)() })?;
+        let listed = (|| {
+            let mut device: Device = std::ptr::null_mut();
+            // SAFETY: NVML is initialised; `id` is NUL-terminated and outlives the call;
+            // one handle is written through a valid pointer.
+            self.check("nvmlDeviceGetHandleByPciBusId_v2", unsafe {
+                by_pci(id.as_ptr(), &mut device)
+            })?;
+            let mut procs = vec![ProcessInfoV1::default(); 8];
+            // A process starting between two calls can make the array short again: a few
+            // tries, as PyTorch's loop would (it has no bound).
+            for _ in 0..8 {
+                let mut count = procs.len() as c_uint;
+                // SAFETY: `procs` holds `count` entries of the struct the function fills;
+                // it writes at most that many and the count through valid pointers.
+                let status = unsafe { running(device, &mut count, procs.as_mut_ptr()) };
+                if status == INSUFFICIENT_SIZE {
+                    procs.resize(
+                        (count as usize).max(procs.len() * 2),
+                        ProcessInfoV1::default(),
+                    );
+                    continue;
+                }
+                self.check("nvmlDeviceGetComputeRunningProcesses", status)?;
+                procs.truncate(count as usize);
+                return Ok(procs
+                    .iter()
+                    .map(|p| GpuProcess {
+                        pid: p.pid,
+                        used: p.used_gpu_memory,
+                    })
+                    .collect());
+            }
+            Err(NvmlError::Call {
+                function: "nvmlDeviceGetComputeRunningProcesses",
+                code: INSUFFICIENT_SIZE,
+                message: "the process list kept growing".into(),
+            })
+        })();
+        // SAFETY: balances the successful nvmlInit_v2 above.
+        let _ = unsafe { (self.shutdown)() };
+        listed
     }
 
     fn check(&self, function: &'static str, status: Status) -> Result<(), NvmlError> {
@@ -142,15 +235,24 @@ impl Nvml {
     }
 }
 
-/// The number of GPUs the machine's NVML sees ([`LIBRARY_NAMES`], loaded once and kept
-/// loaded). Never initialises CUDA.
-pub fn device_count() -> Result<usize, NvmlError> {
+/// The machine's NVML ([`LIBRARY_NAMES`]), loaded once and kept loaded.
+fn system() -> Result<&'static Nvml, NvmlError> {
     static SYSTEM: OnceLock<Result<Nvml, NvmlError>> = OnceLock::new();
     SYSTEM
         .get_or_init(|| Nvml::open(&LIBRARY_NAMES))
         .as_ref()
-        .map_err(Clone::clone)?
-        .device_count()
+        .map_err(Clone::clone)
+}
+
+/// The number of GPUs the machine's NVML sees. Never initialises CUDA.
+pub fn device_count() -> Result<usize, NvmlError> {
+    system()?.device_count()
+}
+
+/// The compute processes on the GPU at `pci_bus_id`, from the machine's NVML
+/// ([`Nvml::compute_processes`]).
+pub fn compute_processes(pci_bus_id: &str) -> Result<Vec<GpuProcess>, NvmlError> {
+    system()?.compute_processes(pci_bus_id)
 }
 
 #[cfg(test)]

@@ -48,7 +48,7 @@ pub use host::{DurationStat, HostRange, HostStats};
 pub use launch::{
     CaptureMode, CaptureStatus, EventFlags, KernelArg, LaunchConfig, MemsetValue, StreamFlags,
 };
-pub use oom::{OutOfMemory, PoolOutOfMemory};
+pub use oom::{OutOfMemory, PoolOutOfMemory, ProcessMemory};
 pub use snapshot::{
     AllocatorSettings, ExternalAnnotation, Frame, IntervalMib, Snapshot, SnapshotBlock,
     SnapshotSegment, TraceEntry,

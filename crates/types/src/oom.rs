@@ -22,6 +22,9 @@ pub struct OutOfMemory {
     pub device_total: u64,
     /// Free device memory in bytes, as the driver reports it.
     pub device_free: u64,
+    /// The compute processes on the device and their memory, as NVML lists them (empty
+    /// without NVML).
+    pub processes: Vec<ProcessMemory>,
     /// The memory-fraction limit, if set.
     pub allowed: Option<u64>,
     /// Bytes allocated by this allocator.
@@ -41,6 +44,17 @@ pub struct OutOfMemory {
     pub expandable_segments: bool,
     /// Refused up front for passing the memory fraction (`throw_on_cudamalloc_oom`).
     pub rejected_by_fraction: bool,
+}
+
+/// A process using the device, for the out-of-memory message.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ProcessMemory {
+    /// Its process id.
+    pub pid: u32,
+    /// Device memory it uses, in bytes (all of it, PyTorch's or not).
+    pub used: u64,
+    /// Whether it is the process reporting.
+    pub this_process: bool,
 }
 
 impl fmt::Display for OutOfMemory {
@@ -66,6 +80,14 @@ impl fmt::Display for OutOfMemory {
             format_size(self.device_total),
             format_size(self.device_free)
         )?;
+        for p in &self.processes {
+            if p.this_process {
+                f.write_str("Including non-PyTorch memory, this process")?;
+            } else {
+                write!(f, "Process {}", p.pid)?;
+            }
+            write!(f, " has {} memory in use. ", format_size(p.used))?;
+        }
         if let Some(a) = self.allowed {
             write!(f, "{} allowed; ", format_size(a))?;
         }

@@ -462,6 +462,24 @@ mod tests {
         );
         assert!(text.contains("|       from small pool |      0 B   |"));
         assert_eq!(s.summary(0, true).lines().count(), lines.len() - 18);
+        // torch/cuda/memory.py puts a rule above each oversize row, then the closing one.
+        let rule = format!("|{}|", "-".repeat(75));
+        let n = lines.len();
+        assert_eq!(
+            [
+                lines[n - 5],
+                &lines[n - 4][..23],
+                lines[n - 3],
+                &lines[n - 2][..23]
+            ],
+            [
+                rule.as_str(),
+                "| Oversize allocations ",
+                rule.as_str(),
+                "| Oversize GPU segments"
+            ]
+        );
+        assert_eq!(lines[n - 1], format!("|{}|", "=".repeat(75)));
     }
 
     #[test]

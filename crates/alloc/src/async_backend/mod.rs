@@ -195,6 +195,7 @@ impl AsyncAllocator {
                     beyond_one_exabyte: true,
                     device_total: 0,
                     device_free: 0,
+                    processes: Vec::new(),
                     allowed: None,
                     allocated: 0,
                     reserved: 0,

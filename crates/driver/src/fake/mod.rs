@@ -26,6 +26,7 @@ pub use addresses::{AddressPlan, AddressPlanError, PLAN_REGION, PlanUse, WhenUnu
 pub use peer::PeerCopies;
 pub use work::{HostKernel, KernelContext};
 
+use crate::nvml::GpuProcess;
 use crate::{CompileError, Driver, DriverError, ForeignStream, MemPoolUsage, NvmlError};
 use ferrocuda_types::{
     CaptureMode, CaptureStatus, DeviceIndex, DeviceProperties, DevicePtr, EventFlags, EventHandle,
@@ -130,9 +131,10 @@ pub enum Call {
     MemPoolTrimTo,
     DeviceCanAccessPeer,
     EnablePeerAccess,
+    GpuProcesses,
 }
 
-const CALL_KINDS: usize = Call::EnablePeerAccess as usize + 1;
+const CALL_KINDS: usize = Call::GpuProcesses as usize + 1;
 
 /// Configures a [`FakeDriver`].
 #[derive(Debug, Clone)]
@@ -143,6 +145,7 @@ pub struct FakeDriverBuilder {
     backing: bool,
     launch_blocking: bool,
     nvml: Result<usize, NvmlError>,
+    processes: Vec<GpuProcess>,
     plans: Vec<(DeviceIndex, AddressPlan)>,
     no_peer: Vec<(u16, u16)>,
 }
@@ -155,6 +158,7 @@ impl Default for FakeDriverBuilder {
             completion: Completion::Eager,
             backing: true,
             launch_blocking: std::env::var("CUDA_LAUNCH_BLOCKING").is_ok_and(|v| v == "1"),
+            processes: Vec::new(),
             nvml: Err(NvmlError::LibraryNotFound(
                 "the fake device has no NVML (FakeDriverBuilder::nvml gives it one)".into(),
             )),
@@ -201,6 +205,13 @@ impl FakeDriverBuilder {
         self
     }
 
+    /// The compute processes NVML lists on every device ([`Driver::gpu_processes`]); none
+    /// by default.
+    pub fn gpu_processes(mut self, processes: Vec<GpuProcess>) -> Self {
+        self.processes = processes;
+        self
+    }
+
     /// Address mode for device `dev`: its successful `malloc`s take `plan`'s addresses in
     /// order (moved into the device's span, see [`AddressPlan`]). Replaces an earlier plan
     /// for `dev`; a plan for a device the driver does not have is never used.
@@ -228,6 +239,7 @@ impl FakeDriverBuilder {
             calls: std::array::from_fn(|_| AtomicU64::new(0)),
             launch_blocking: self.launch_blocking,
             nvml: self.nvml,
+            processes: self.processes,
             initialized: AtomicBool::new(false),
             hooks: Mutex::new(Vec::new()),
             hooked: AtomicBool::new(false),
@@ -380,6 +392,7 @@ pub struct FakeDriver {
     calls: [AtomicU64; CALL_KINDS],
     launch_blocking: bool,
     nvml: Result<usize, NvmlError>,
+    processes: Vec<GpuProcess>,
     /// Set by the first driver act (the fake's `cuInit`).
     initialized: AtomicBool,
     /// Hooks run at the start of a call of their kind (`before_next`), and whether any is set.
@@ -944,6 +957,11 @@ impl Driver for FakeDriver {
     fn nvml_device_count(&self) -> Result<usize, NvmlError> {
         self.count(Call::NvmlDeviceCount);
         self.nvml.clone()
+    }
+
+    fn gpu_processes(&self, _dev: DeviceIndex) -> Vec<GpuProcess> {
+        self.count(Call::GpuProcesses);
+        self.processes.clone()
     }
 
     fn device_properties(&self, dev: DeviceIndex) -> Result<DeviceProperties, DriverError> {
