@@ -116,7 +116,7 @@ impl Engine {
             order.defer(blocks, id, uses);
             return Ok(());
         }
-        let unrecorded = order.record(&*self.driver, self.device, blocks, id, uses);
+        let unrecorded = order.record(&*self.driver, blocks, id, uses);
         if unrecorded.is_empty() {
             return Ok(());
         }
@@ -252,7 +252,7 @@ impl Engine {
         for (id, uses) in deferred {
             let State { order, blocks, .. } = &mut *st;
             // A stream that cannot take an event now: wait for it here (rare).
-            for stream in order.record(&*self.driver, self.device, blocks, id, uses) {
+            for stream in order.record(&*self.driver, blocks, id, uses) {
                 let _ = self.driver.stream_synchronize(stream);
             }
             if st.blocks[id].event_count == 0 && !st.blocks[id].allocated {

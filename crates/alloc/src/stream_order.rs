@@ -32,14 +32,14 @@ impl StreamOrder {
         self.pending > 0
     }
 
-    /// A spare event, or a new one.
+    /// A spare event of `device`, or a new one.
     pub(crate) fn event(
         &mut self,
         driver: &dyn Driver,
         device: DeviceIndex,
     ) -> Result<EventHandle, DriverError> {
-        match self.spare.pop() {
-            Some(e) => Ok(e),
+        match self.spare.iter().rposition(|e| e.device == device) {
+            Some(i) => Ok(self.spare.swap_remove(i)),
             None => driver.event_create(device, EventFlags::default()),
         }
     }
@@ -50,18 +50,19 @@ impl StreamOrder {
     }
 
     /// `insert_events`: records an event on each stream of `uses` for block `id` (counted
-    /// in its `event_count`). Returns the streams no event could be recorded on.
+    /// in its `event_count`), made on that stream's device (a stream of another device, a
+    /// peer's, takes an event of its own device, as PyTorch switches device for it).
+    /// Returns the streams no event could be recorded on.
     pub(crate) fn record(
         &mut self,
         driver: &dyn Driver,
-        device: DeviceIndex,
         blocks: &mut Blocks,
         id: usize,
         uses: Vec<StreamHandle>,
     ) -> Vec<StreamHandle> {
         let mut unrecorded = Vec::new();
         for stream in uses {
-            let recorded = self.event(driver, device).and_then(|e| {
+            let recorded = self.event(driver, stream.device).and_then(|e| {
                 driver
                     .event_record(e, stream)
                     .map(|()| e)

@@ -51,6 +51,13 @@ pub enum DistError {
     /// only once" and "Expected to have finished reduction in the prior iteration").
     #[error("reducer: {0}")]
     Reducer(String),
+    /// A rank this call waits for left the group (every handle of it was dropped) before
+    /// joining the call: the call can never complete. NCCL would block until its timeout.
+    #[error("rank {rank} left the group before joining this call")]
+    RankGone {
+        /// The rank that left.
+        rank: usize,
+    },
 }
 
 impl From<DriverError> for DistError {

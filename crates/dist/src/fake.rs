@@ -19,7 +19,7 @@ use ferrocuda_types::{
 use parking_lot::{Condvar, Mutex};
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 /// What one collective does, the same on every rank but for the buffers.
 #[derive(Clone, Debug, PartialEq)]
@@ -73,6 +73,8 @@ struct Shared {
     events: Mutex<Vec<EventHandle>>,
     /// Calls completed by the host kernel.
     completed: Arc<AtomicU64>,
+    /// Ranks whose every handle was dropped: a call waiting for one of them fails.
+    gone: Vec<AtomicBool>,
 }
 
 impl std::fmt::Debug for Shared {
@@ -144,12 +146,17 @@ impl FakeGroup {
             next: AtomicU64::new(0),
             events: Mutex::new(Vec::new()),
             completed,
+            gone: devices.iter().map(|_| AtomicBool::new(false)).collect(),
         });
         let group = FakeGroup { shared };
         Ok(devices
             .iter()
             .enumerate()
             .map(|(rank, &device)| FakeRank {
+                _membership: Arc::new(Membership {
+                    shared: group.shared.clone(),
+                    rank,
+                }),
                 group: group.clone(),
                 rank,
                 device,
@@ -158,12 +165,33 @@ impl FakeGroup {
     }
 }
 
-/// One rank of a [`FakeGroup`].
+/// One rank of a [`FakeGroup`]. Once every clone of a rank is dropped, the rank has left
+/// the group: the others' calls that wait for it fail with [`DistError::RankGone`] instead
+/// of waiting forever.
 #[derive(Debug, Clone)]
 pub struct FakeRank {
     group: FakeGroup,
     rank: usize,
     device: DeviceIndex,
+    _membership: Arc<Membership>,
+}
+
+/// A rank's presence in the group, shared by its clones.
+#[derive(Debug)]
+struct Membership {
+    shared: Arc<Shared>,
+    rank: usize,
+}
+
+impl Drop for Membership {
+    fn drop(&mut self) {
+        if let Some(gone) = self.shared.gone.get(self.rank) {
+            gone.store(true, Ordering::Release);
+        }
+        // Under the lock, so that a waiter between its check and its wait sees it.
+        let _rounds = self.shared.rounds.lock();
+        self.shared.turn.notify_all();
+    }
 }
 
 impl FakeRank {
@@ -231,6 +259,28 @@ impl FakeRank {
             loop {
                 if let Some(done) = rounds.get(&meeting).and_then(|r| r.done.clone()) {
                     break done;
+                }
+                let missing = rounds.get(&meeting).and_then(|r| {
+                    r.arrived
+                        .iter()
+                        .enumerate()
+                        .filter(|(_, a)| a.is_none())
+                        .map(|(slot, _)| match meeting {
+                            Meeting::All => slot,
+                            Meeting::Pair(from, to) => [from, to][slot],
+                        })
+                        .find(|&rank| sh.gone.get(rank).is_some_and(|g| g.load(Ordering::Acquire)))
+                });
+                if let Some(rank) = missing {
+                    // Withdraw, so that the round does not wait for this rank either.
+                    if let Some(round) = rounds.get_mut(&meeting) {
+                        round.arrived[slot] = None;
+                        if round.arrived.iter().all(Option::is_none) {
+                            rounds.remove(&meeting);
+                        }
+                    }
+                    sh.turn.notify_all();
+                    return Err(DistError::RankGone { rank });
                 }
                 sh.turn.wait(&mut rounds);
             }

@@ -168,7 +168,11 @@ impl ProcessGroup {
         self.run(op, &[output, input], input.ptr(), output.ptr(), input.len())
     }
 
-    /// Sends `buf` to rank `peer` (`dist.send`, asynchronous like `isend`).
+    /// Sends `buf` to rank `peer` (`dist.send`, asynchronous like `isend`: the data moves
+    /// in stream order). With NCCL the host returns at once; with the in-process
+    /// [`FakeGroup`](crate::FakeGroup) the call is a host rendezvous with the receiver, so
+    /// two ranks that each send before they receive wait for each other there (order them,
+    /// or pair the calls as NCCL's group calls would).
     pub fn send<T: Element>(&self, buf: &DeviceBuffer<T>, peer: usize) -> Result<Work> {
         let op = CollectiveOp::Send { peer };
         self.run(op, &[buf], buf.ptr(), DevicePtr(0), buf.len())

@@ -134,13 +134,7 @@ impl Reducer {
                 "Expected to mark a variable ready only once (parameter {param})"
             )));
         }
-        if grad.len() != len {
-            return Err(DistError::LengthMismatch {
-                what: "gradient",
-                expected: len,
-                found: grad.len(),
-            });
-        }
+        self.check_gradient(grad, len)?;
         let dst = bucket_ptr(&self.buckets[b].flat, offset);
         copy(&self.runtime, self.group.device(), dst, grad.ptr(), len)?;
         self.slots[param].3 = true;
@@ -167,6 +161,9 @@ impl Reducer {
                     .into(),
             ));
         }
+        for (slot, grad) in self.slots.iter().zip(grads) {
+            self.check_gradient(grad, slot.2)?;
+        }
         for bucket in &mut self.buckets {
             if let Some(work) = bucket.work.take() {
                 work.wait()?;
@@ -176,19 +173,31 @@ impl Reducer {
         for (p, slot) in self.slots.iter_mut().enumerate() {
             let (b, offset, len, _) = *slot;
             let dst = grads[p];
-            if dst.len() != len {
-                return Err(DistError::LengthMismatch {
-                    what: "gradient",
-                    expected: len,
-                    found: dst.len(),
-                });
-            }
             let src = bucket_ptr(&self.buckets[b].flat, offset);
             copy(&self.runtime, self.group.device(), dst.ptr(), src, len)?;
             slot.3 = false;
         }
         self.next_launch = 0;
         self.launched.clear();
+        Ok(())
+    }
+
+    /// A gradient must live on the group's device (the bucket copies are same-device copies
+    /// on its current stream) and have its parameter's length.
+    fn check_gradient(&self, grad: &DeviceBuffer<f32>, len: usize) -> Result<()> {
+        if grad.device() != self.group.device() {
+            return Err(DistError::DeviceMismatch {
+                expected: self.group.device(),
+                found: grad.device(),
+            });
+        }
+        if grad.len() != len {
+            return Err(DistError::LengthMismatch {
+                what: "gradient",
+                expected: len,
+                found: grad.len(),
+            });
+        }
         Ok(())
     }
 }
