@@ -41,6 +41,11 @@ const SCENARIOS: &[Scenario] = &[
         run: refused_after_allocation,
     },
     Scenario {
+        name: "statistics_before_cuda_is_initialised_are_empty_and_initialise_nothing",
+        env: &[],
+        run: statistics_before_init,
+    },
+    Scenario {
         name: "a_raw_allocation_or_a_fraction_first_initialises_the_pluggable_allocator",
         env: &[],
         run: first_calls_initialise,
@@ -172,6 +177,23 @@ fn swapped_in() -> Outcome {
         )?;
     }
     ensure(probe.live() == 0, "everything went back")
+}
+
+/// PyTorch's `memory_stats_as_nested_dict`: `if not is_initialized(): return {}`; the
+/// figures read from it are 0, and asking initialises nothing (so the swap stays allowed).
+fn statistics_before_init() -> Outcome {
+    ensure(
+        memory::memory_stats(D0)?.is_empty(),
+        "memory_stats is empty",
+    )?;
+    ensure(memory::memory_allocated(D0)? == 0, "memory_allocated is 0")?;
+    ensure(
+        memory::max_memory_reserved(D0)? == 0,
+        "max_memory_reserved is 0",
+    )?;
+    ensure(!ferrocuda::is_initialized(), "nothing was initialised")?;
+    memory::change_current_allocator(&PluggableAllocator::new(library()?))?;
+    Ok(())
 }
 
 /// PyTorch's `caching_allocator_alloc` and `set_per_process_memory_fraction` run CUDA's

@@ -152,14 +152,50 @@ impl HistoryOptions {
     }
 }
 
-/// The ring buffer.
+/// The ring buffer, and the stacks segments were allocated with.
 #[derive(Debug, Default)]
 pub(crate) struct History {
     pub(crate) options: HistoryOptions,
     entries: VecDeque<TraceEntry>,
+    /// Where each live segment was allocated, by address, when a context was recorded
+    /// (PyTorch's `context_when_segment_allocated`): a snapshot's segment `frames`, and
+    /// the `segment_free` entry's.
+    segment_frames: rustc_hash::FxHashMap<u64, Arc<[Frame]>>,
 }
 
 impl History {
+    /// Whether trace entries carry frames (context `"alloc"` or `"all"`): PyTorch's
+    /// `record_trace` keeps the context it is given only then.
+    pub(crate) fn entries_have_frames(&self) -> bool {
+        self.options.context >= HistoryContext::Alloc
+    }
+
+    /// A segment was allocated at `ptr` by a request with `frames`: the `segment_alloc`
+    /// entry, and the frames kept for the segment.
+    pub(crate) fn segment_allocated(&mut self, ptr: u64, size: u64, stream: u64, frames: Frames) {
+        if let Some(f) = frames {
+            self.segment_frames.insert(ptr, f.clone());
+        }
+        let on_trace = frames.filter(|_| self.entries_have_frames());
+        self.record("segment_alloc", ptr, size, stream, on_trace);
+    }
+
+    /// The segment at `ptr` was freed: the `segment_free` entry, with the segment's
+    /// allocation frames.
+    pub(crate) fn segment_freed(&mut self, ptr: u64, size: u64, stream: u64) {
+        let frames = self.segment_frames.remove(&ptr);
+        let on_trace = frames.as_ref().filter(|_| self.entries_have_frames());
+        self.record("segment_free", ptr, size, stream, on_trace);
+    }
+
+    /// The frames the segment at `ptr` was allocated with (empty without).
+    pub(crate) fn segment_frames(&self, ptr: u64) -> Vec<Frame> {
+        self.segment_frames
+            .get(&ptr)
+            .map(|f| f.to_vec())
+            .unwrap_or_default()
+    }
+
     pub(crate) fn set(&mut self, options: HistoryOptions) {
         SKIPPED.write().merge(&options.skip_frames);
         if options.mode == HistoryMode::Off {

@@ -46,7 +46,7 @@ impl CachingAllocator {
                 .into(),
                 segment_pool_id: (b.pool_id.0, b.pool_id.1),
                 is_expandable: b.segment.is_some(),
-                frames: Vec::new(),
+                frames: st.history.segment_frames(b.ptr),
                 blocks: Vec::new(),
             };
             let mut cursor = Some(head);

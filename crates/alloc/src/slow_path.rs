@@ -171,7 +171,7 @@ impl Engine {
                     st.stats.oversize_segments.increase(1);
                 }
                 st.history
-                    .record("segment_alloc", ptr.0, bytes, stream.raw, None);
+                    .segment_allocated(ptr.0, bytes, stream.raw, req.frames.as_ref());
                 st.private.segment_added(pool);
                 let s = &mut st.stats;
                 s.segment.increase(kind, 1);

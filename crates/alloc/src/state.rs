@@ -92,8 +92,24 @@ impl State {
         } else {
             Vec::new()
         };
-        self.history
-            .record("free_requested", ptr, requested, stream, frames);
+        // PyTorch's `free`: the free's own stack (context "all"), else the allocation's;
+        // `free_block` then records the same (`context ? context : context_when_allocated`).
+        let alloc_frames = if b.has_frames && self.history.entries_have_frames() {
+            b.frames.clone()
+        } else {
+            None
+        };
+        if let Some(free_frames) = frames {
+            b.frames = Some(free_frames.clone());
+            b.has_frames = true;
+        }
+        self.history.record(
+            "free_requested",
+            ptr,
+            requested,
+            stream,
+            frames.or(alloc_frames.as_ref()),
+        );
         self.stats.allocation.decrease(kind, 1);
         self.stats.allocated_bytes.decrease(kind, size as i64);
         if oversize {
@@ -254,7 +270,7 @@ impl State {
         let (ptr, stream, kind) = (b.ptr, b.stream, b.pool);
         let (size, requested, counted) = (b.size, b.requested, b.segment.is_none());
         let frames = if std::mem::take(&mut b.has_frames) {
-            let with_frames = self.history.options.context >= HistoryContext::All;
+            let with_frames = self.history.entries_have_frames();
             b.frames.take().filter(|_| with_frames)
         } else {
             None
@@ -313,7 +329,7 @@ impl State {
         let b = &self.blocks[id];
         let (ptr, size, kind) = (b.ptr, b.size, b.pool);
         let (stream, pool) = (self.blocks[id].stream, self.blocks[id].pool_id);
-        self.history.record("segment_free", ptr, size, stream, None);
+        self.history.segment_freed(ptr, size, stream);
         let source = self.private.allocator(pool);
         self.private.segment_released(pool);
         if self.oversize_segments.remove(&ptr) {
