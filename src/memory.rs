@@ -313,10 +313,13 @@ pub fn host_empty_cache() -> Result<(), AllocError> {
 /// hook, after Python's range check; under `backend:cudaMallocAsync`, a limit on its own
 /// count of bytes in use).
 pub fn set_per_process_memory_fraction(fraction: f64, dev: DeviceIndex) -> Result<(), AllocError> {
-    if let Some(p) = pluggable_initialized() {
-        if !(0.0..=1.0).contains(&fraction) {
-            return Err(AllocError::InvalidFraction(fraction));
-        }
+    // torch/cuda/memory.py: CUDA's lazy initialisation, then the range check (which NaN
+    // passes, to meet the allocator's own check).
+    let pluggable = pluggable_initialized();
+    if !fraction.is_nan() && !(0.0..=1.0).contains(&fraction) {
+        return Err(AllocError::FractionOutOfRange(fraction));
+    }
+    if let Some(p) = pluggable {
         crate::runtime().check_device(dev)?;
         p.set_memory_fraction(fraction, dev);
         return Ok(());
@@ -365,6 +368,10 @@ pub fn caching_allocator_alloc(
 /// `torch.cuda.caching_allocator_delete(ptr)` (a pluggable allocator's `raw_delete`:
 /// "Trying to free a pointer not allocated here" for one it did not hand out).
 pub fn caching_allocator_delete(ptr: DevicePtr) -> Result<(), AllocError> {
+    if ptr.0 == 0 {
+        // PyTorch's `free` returns at once for a null pointer.
+        return Ok(());
+    }
     match (pluggable(), configured()?) {
         (Some(p), _) => p.raw_delete(ptr),
         (None, Configured::Native(a)) => a.free_anywhere(ptr),

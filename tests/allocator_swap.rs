@@ -117,7 +117,7 @@ fn swapped_in() -> Outcome {
     memory::set_per_process_memory_fraction(0.5, D0)?;
     let bad = memory::set_per_process_memory_fraction(1.5, D0);
     ensure(
-        bad == Err(AllocError::InvalidFraction(1.5)),
+        bad == Err(AllocError::FractionOutOfRange(1.5)),
         format!("{bad:?}"),
     )?;
     let tail: Vec<Event> = probe.events().split_off(2);

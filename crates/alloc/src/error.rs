@@ -32,9 +32,14 @@ pub enum AllocError {
     /// A pointer this allocator did not hand out (or already took back).
     #[error("invalid device pointer: {0}")]
     InvalidPointer(DevicePtr),
-    /// A memory fraction outside [0, 1].
-    #[error("invalid fraction:{0}. Please set within [0, 1].")]
+    /// A memory fraction outside [0, 1], refused by the allocator (C++'s
+    /// `setMemoryFraction` text; C++ streams NaN as `nan`).
+    #[error("invalid fraction:{}. Please set within [0, 1].", cpp_double(*.0))]
     InvalidFraction(f64),
+    /// A memory fraction below 0 or above 1, refused by `set_per_process_memory_fraction`
+    /// before any allocator (torch/cuda/memory.py's `ValueError`; NaN passes this check).
+    #[error("Invalid fraction value: {0:?}. Allowed range: 0~1")]
+    FractionOutOfRange(f64),
     /// A bad configuration string.
     #[error(transparent)]
     Config(#[from] ConfigError),
@@ -214,5 +219,14 @@ mod tests {
             other.to_string().starts_with("CUDA driver error: "),
             "{other}"
         );
+    }
+}
+
+/// A double as C++'s `operator<<` writes the common cases (`nan`, `inf`, `1.5`, `2`).
+fn cpp_double(x: f64) -> String {
+    if x.is_nan() {
+        "nan".into()
+    } else {
+        x.to_string()
     }
 }

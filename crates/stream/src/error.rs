@@ -43,12 +43,23 @@ pub enum StreamError {
         /// What the offending object is.
         what: &'static str,
     },
-    /// `elapsed_time` on an event that was never recorded.
-    #[error("both events must be recorded before calculating elapsed time")]
+    /// `elapsed_time` on an event that was never recorded (c10/cuda/CUDAEvent.h's text).
+    #[error("Both events must be recorded before calculating elapsed time.")]
     EventNotRecorded,
-    /// `elapsed_time` on an event created without timing.
-    #[error("both events must be created with enable_timing=true to calculate elapsed time")]
+    /// `elapsed_time` on an event whose work has not completed (c10/cuda/CUDAEvent.h).
+    #[error("Both events must be completed before calculating elapsed time.")]
+    EventNotCompleted,
+    /// `elapsed_time` on an event created without timing (c10/cuda/CUDAEvent.h).
+    #[error("Both events must be created with argument 'enable_timing=True'.")]
     TimingDisabled,
+    /// `record` on a stream of another device than the event's (c10/cuda/CUDAEvent.h).
+    #[error("Event device {event} does not match recording stream's device {stream}.")]
+    EventDeviceMismatch {
+        /// The event's device index.
+        event: u16,
+        /// The stream's device index.
+        stream: u16,
+    },
     /// An interprocess event must have timing disabled (a CUDA rule).
     #[error("an interprocess event cannot have timing enabled")]
     InterprocessTiming,

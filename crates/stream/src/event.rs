@@ -61,10 +61,9 @@ impl Event {
             let mut slot = self.inner.handle.lock();
             match *slot {
                 Some(h) if h.device != dev => {
-                    return Err(StreamError::DeviceMismatch {
-                        expected: dev,
-                        found: h.device,
-                        what: "the event",
+                    return Err(StreamError::EventDeviceMismatch {
+                        event: h.device.0,
+                        stream: dev.0,
                     });
                 }
                 Some(h) => h,
@@ -113,6 +112,9 @@ impl Event {
                 found: b.device,
                 what: "the end event",
             });
+        }
+        if !(self.query()? && end.query()?) {
+            return Err(StreamError::EventNotCompleted);
         }
         Ok(self.inner.driver.event_elapsed_ms(a, b)?)
     }

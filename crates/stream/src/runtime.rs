@@ -357,7 +357,11 @@ impl Runtime {
         let state = self.device_state(dev)?;
         let (least, greatest) = self.priority_range(dev)?;
         let (pool, priority) = if high_priority {
-            (&state.pools[1], greatest.max(-1))
+            // c10/cuda/CUDAStream.cpp: `max_stream_priorities` is the device's number of
+            // priorities, at most `max_compile_time_stream_priorities` (4), and the high
+            // pool's priority `-max_stream_priorities + 1` (-3 on a (0, -5) device).
+            let levels = (least - greatest + 1).clamp(1, 4);
+            (&state.pools[1], -(levels - 1))
         } else {
             (&state.pools[0], least)
         };
