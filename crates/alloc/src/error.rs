@@ -199,6 +199,15 @@ impl From<AllocError> for StreamError {
     }
 }
 
+/// A double as C++'s `operator<<` writes the common cases (`nan`, `inf`, `1.5`, `2`).
+fn cpp_double(x: f64) -> String {
+    if x.is_nan() {
+        "nan".into()
+    } else {
+        x.to_string()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -219,14 +228,5 @@ mod tests {
             other.to_string().starts_with("CUDA driver error: "),
             "{other}"
         );
-    }
-}
-
-/// A double as C++'s `operator<<` writes the common cases (`nan`, `inf`, `1.5`, `2`).
-fn cpp_double(x: f64) -> String {
-    if x.is_nan() {
-        "nan".into()
-    } else {
-        x.to_string()
     }
 }
