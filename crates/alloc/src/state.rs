@@ -92,24 +92,18 @@ impl State {
         } else {
             Vec::new()
         };
-        // PyTorch's `free`: the free's own stack (context "all"), else the allocation's;
-        // `free_block` then records the same (`context ? context : context_when_allocated`).
-        let alloc_frames = if b.has_frames && self.history.entries_have_frames() {
-            b.frames.clone()
-        } else {
-            None
-        };
+        // PyTorch's `free`: the free's own stack (context "all") takes the allocation's
+        // place, and both entries of the free record it (`context ? context :
+        // context_when_allocated`).
         if let Some(free_frames) = frames {
             b.frames = Some(free_frames.clone());
             b.has_frames = true;
         }
-        self.history.record(
-            "free_requested",
-            ptr,
-            requested,
-            stream,
-            frames.or(alloc_frames.as_ref()),
-        );
+        let on_trace = (b.has_frames && self.history.entries_have_frames())
+            .then(|| b.frames.clone())
+            .flatten();
+        self.history
+            .record("free_requested", ptr, requested, stream, on_trace.as_ref());
         self.stats.allocation.decrease(kind, 1);
         self.stats.allocated_bytes.decrease(kind, size as i64);
         if oversize {
