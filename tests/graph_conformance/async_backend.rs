@@ -6,6 +6,7 @@
 use crate::callables::double_and_triple;
 use crate::{D0, N, Setup, TestResult};
 use ferrocuda::alloc::{AllocError, AsyncAllocator, HostAllocator};
+use ferrocuda::driver::DriverError;
 use ferrocuda::graph::{
     CaptureMemory, CaptureMode, CudaGraph, GraphError, GraphedOptions, make_graphed_callables,
 };
@@ -68,13 +69,14 @@ pub(crate) fn async_capture_replays_into_graph_memory(h: &Harness) -> TestResult
     let output = DeviceBuffer::<f32>::uninit(&s.h.rt, D0, N)?;
     s.scale(&stream, &output, &temporary, 3.0)?;
     drop(temporary);
+    capture.end()?;
+    assert!(!a.allocator.capture_underway());
+    // Read after the capture: the driver refuses the pool's attributes during one.
     assert_eq!(
         a.allocated()?,
         allocated,
         "graph memory is outside the pool"
     );
-    capture.end()?;
-    assert!(!a.allocator.capture_underway());
     assert!(g.node_count()? >= 5, "two kernels, two allocations, a free");
     let current = s.h.rt.current_stream(D0)?;
     for round in 0..3 {
@@ -91,6 +93,37 @@ pub(crate) fn async_capture_replays_into_graph_memory(h: &Harness) -> TestResult
     assert_eq!(warnings.len(), 1, "{warnings:?}");
     assert!(warnings[0].starts_with("Attempting uncaptured free of a captured allocation"));
     assert_eq!(a.allocated()?, allocated);
+    Ok(())
+}
+
+/// The statistics read the pool's attributes, which the driver refuses during a capture
+/// from the capturing thread: `memory_stats()` inside `torch.cuda.graph` under PyTorch's
+/// cudaMallocAsync backend fails the same way, and the capture is invalidated. A capture
+/// that is the device's first use under this backend still captures (the device is set up
+/// before the capture begins, as PyTorch's graph-state tensors set it up).
+pub(crate) fn async_stats_during_a_capture_invalidate_it(h: &Harness) -> TestResult {
+    let a = AsyncSetup::new(h)?;
+    let s = &a.s;
+    let g = a.graph()?;
+    let capture = g.capture(None, None, CaptureMode::ThreadLocal)?;
+    let first = DeviceBuffer::<f32>::filled(&s.h.rt, D0, N, 5.0)?;
+    let refused = a.allocator.stats(D0);
+    assert!(
+        matches!(&refused, Err(AllocError::Driver(e)) if *e == DriverError::STREAM_CAPTURE_UNSUPPORTED),
+        "{refused:?}"
+    );
+    assert!(matches!(capture.end(), Err(GraphError::Invalidated)));
+    assert!(
+        !a.allocator.capture_underway(),
+        "the allocator's capture ended too"
+    );
+    drop(first);
+    let again = g.capture(None, None, CaptureMode::ThreadLocal)?;
+    let out = DeviceBuffer::<f32>::filled(&s.h.rt, D0, N, 7.0)?;
+    again.end()?;
+    let current = s.h.rt.current_stream(D0)?;
+    g.replay(&current)?;
+    s.expect(&current, &out, 7.0, "the second capture replays")?;
     Ok(())
 }
 

@@ -111,7 +111,7 @@ mod update_inputs;
 use async_backend::{
     async_capture_defers_uncaptured_frees_one_capture_at_a_time,
     async_capture_left_without_end_ends_the_allocators, async_capture_replays_into_graph_memory,
-    async_graphed_callables_chain,
+    async_graphed_callables_chain, async_stats_during_a_capture_invalidate_it,
 };
 use callables::{graphed_callable_refused_call_changes_nothing, graphed_callables_chain};
 use capture::{
@@ -159,4 +159,5 @@ ferrocuda::stream::both_backends!(
     async_capture_defers_uncaptured_frees_one_capture_at_a_time,
     async_capture_left_without_end_ends_the_allocators,
     async_graphed_callables_chain,
+    async_stats_during_a_capture_invalidate_it,
 );

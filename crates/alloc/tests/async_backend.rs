@@ -4,8 +4,8 @@
 // Test code: a failed setup should stop the test loudly.
 #![allow(clippy::panic, clippy::unwrap_used, clippy::expect_used)]
 use ferrocuda_alloc::{AllocError, AsyncAllocator};
-use ferrocuda_driver::{Call, Driver, FakeDriver, fake::Completion};
-use ferrocuda_types::{DevicePtr, MemsetValue};
+use ferrocuda_driver::{Call, Driver, DriverError, FakeDriver, fake::Completion};
+use ferrocuda_types::{CaptureMode, DeviceIndex, DevicePtr, MemsetValue};
 use std::sync::Arc;
 
 mod common;
@@ -192,9 +192,9 @@ fn capture_rules() -> TestResult {
         a.end_allocate_to_pool(s),
         Err(AllocError::NoCaptureUnderway)
     ));
-    a.begin_allocate_to_pool()?;
+    a.begin_allocate_to_pool(D0)?;
     assert_eq!(
-        a.begin_allocate_to_pool().unwrap_err().to_string(),
+        a.begin_allocate_to_pool(D0).unwrap_err().to_string(),
         "Only one capture at a time is allowed in a process."
     );
     let during = a.allocate(D0, MIB, s)?;
@@ -221,7 +221,7 @@ fn capture_rules() -> TestResult {
     let _next = a.allocate(D0, MIB, s)?;
     assert_eq!(fake.calls(Call::MemFreeAsync), 3);
     // A captured pointer freed outside a capture: allowed, with PyTorch's warning.
-    a.begin_allocate_to_pool()?;
+    a.begin_allocate_to_pool(D0)?;
     let kept = a.allocate(D0, MIB, s)?;
     a.end_allocate_to_pool(s)?;
     a.free(kept)?;
@@ -230,6 +230,37 @@ fn capture_rules() -> TestResult {
         w[0].starts_with("Attempting uncaptured free of a captured allocation with address 0x"),
         "{w:?}"
     );
+    Ok(())
+}
+
+/// A capture that is the allocator's first use of a device sets the device up before it
+/// begins: the release threshold cannot be set once the driver is capturing.
+#[test]
+fn a_capture_sets_up_an_unused_device_before_it_begins() -> TestResult {
+    let (fake, a) = setup(80 * GIB, Completion::Eager);
+    let s = new_stream(&fake)?;
+    assert!(matches!(
+        a.begin_allocate_to_pool(DeviceIndex(7)),
+        Err(AllocError::NoSuchDevice { device: 7, .. })
+    ));
+    assert_eq!(fake.calls(Call::MemPoolSetReleaseThreshold), 0);
+    a.begin_allocate_to_pool(D0)?;
+    assert_eq!(fake.calls(Call::MemPoolSetReleaseThreshold), 1);
+    fake.stream_begin_capture(s, CaptureMode::ThreadLocal)?;
+    let during = a.allocate(D0, MIB, s)?;
+    assert_eq!(fake.calls(Call::MemPoolSetReleaseThreshold), 1);
+    assert!(matches!(
+        a.stats(D0),
+        Err(AllocError::Driver(e)) if e == DriverError::STREAM_CAPTURE_UNSUPPORTED
+    ));
+    a.end_allocate_to_pool(s)?;
+    assert_eq!(
+        fake.stream_end_capture(s).unwrap_err(),
+        DriverError::STREAM_CAPTURE_INVALIDATED,
+        "a pool call during the capture invalidated it"
+    );
+    assert!(a.stats(D0).is_ok());
+    let _ = during;
     Ok(())
 }
 
@@ -317,20 +348,27 @@ fn pinned_host_keys_go_with_the_backend_and_native_keys_do_not() -> TestResult {
 /// why the allocator defers it.
 #[test]
 fn captured_allocations_are_graph_memory_outside_the_pool() -> TestResult {
-    use ferrocuda_driver::DriverError;
-    use ferrocuda_types::{CaptureMode, GraphNode};
+    use ferrocuda_types::GraphNode;
     let (fake, a) = setup(80 * GIB, Completion::Eager);
     let s = new_stream(&fake)?;
     let before = a.allocate(D0, MIB, s)?;
     let allocated = stat(&a, "allocated_bytes.all.current");
     let reserved = stat(&a, "reserved_bytes.all.current");
-    a.begin_allocate_to_pool()?;
+    a.begin_allocate_to_pool(D0)?;
     fake.stream_begin_capture(s, CaptureMode::ThreadLocal)?;
     let out = a.allocate(D0, 3 * MIB, s)?;
     let scratch = a.allocate(D0, MIB, s)?;
     fake.memset_async(scratch, MemsetValue::U8(7), 16, s)?;
     a.free(scratch)?;
     a.free(before)?;
+    assert_eq!(
+        fake.mem_free_async(before, s),
+        Err(DriverError::INVALID_VALUE),
+        "a free node frees graph memory only"
+    );
+    let graph = fake.stream_end_capture(s)?;
+    a.end_allocate_to_pool(s)?;
+    // Read after the capture: the driver refuses the pool's attributes during one.
     assert_eq!(
         (
             stat(&a, "allocated_bytes.all.current"),
@@ -339,13 +377,6 @@ fn captured_allocations_are_graph_memory_outside_the_pool() -> TestResult {
         (allocated, reserved),
         "graph memory is not the pool's"
     );
-    assert_eq!(
-        fake.mem_free_async(before, s),
-        Err(DriverError::INVALID_VALUE),
-        "a free node frees graph memory only"
-    );
-    let graph = fake.stream_end_capture(s)?;
-    a.end_allocate_to_pool(s)?;
     let memory_nodes = fake
         .graph_nodes(graph)?
         .into_iter()

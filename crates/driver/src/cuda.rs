@@ -11,6 +11,7 @@
 //! Every handle a caller passes is checked against a registry of the objects this driver
 //! created, so a stale or made-up handle is `CUDA_ERROR_INVALID_HANDLE`, never a wild pointer
 //! handed to libcuda.
+use crate::malloc_log::MallocLog;
 use crate::{CompileError, Driver, DriverError, ForeignStream, NvmlError};
 use cudarc::driver::sys;
 use cudarc::nvrtc::sys as nvrtc_sys;
@@ -95,6 +96,7 @@ struct Loaded {
 /// handle checked against a registry of the objects this driver created.
 pub struct CudaDriver {
     loaded: OnceLock<Result<Loaded, DriverError>>,
+    mallocs: MallocLog,
 }
 
 impl std::fmt::Debug for CudaDriver {
@@ -120,6 +122,7 @@ impl CudaDriver {
     pub fn new() -> CudaDriver {
         CudaDriver {
             loaded: OnceLock::new(),
+            mallocs: MallocLog::default(),
         }
     }
 
@@ -156,6 +159,20 @@ impl CudaDriver {
     /// successfully or not. Asking NVML is not one.
     pub fn is_initialized(&self) -> bool {
         self.loaded.get().is_some()
+    }
+
+    /// Starts (`true`) or stops keeping the address of every successful `malloc`
+    /// (`cuMemAlloc`), in order; either way what was kept is dropped. `ferrocuda replay
+    /// --device cuda` keeps them so that a replay on the fake device can place its segments
+    /// where this driver placed them (`FakeDriverBuilder::address_plan`).
+    pub fn log_mallocs(&self, on: bool) {
+        self.mallocs.set(on);
+    }
+
+    /// The addresses kept since [`log_mallocs`](Self::log_mallocs) or the last call, in
+    /// `malloc` order, each with its device.
+    pub fn take_malloc_log(&self) -> Vec<(DeviceIndex, DevicePtr)> {
+        self.mallocs.take()
     }
 
     /// Why no device can be used, if none can (initialising the driver to find out).
@@ -558,6 +575,7 @@ impl Driver for CudaDriver {
         let mut ptr = 0;
         // SAFETY: a context is current; writes through a valid pointer.
         check(unsafe { sys::cuMemAlloc_v2(&mut ptr, bytes as usize) })?;
+        self.mallocs.note(dev, DevicePtr(ptr));
         Ok(DevicePtr(ptr))
     }
 

@@ -51,6 +51,7 @@ mod error;
 pub mod fake;
 pub mod fork;
 pub mod interop;
+mod malloc_log;
 pub mod nvml;
 pub mod pluggable;
 
@@ -368,6 +369,12 @@ pub trait Driver: Send + Sync + std::fmt::Debug + 'static {
     /// `CUDA_ERROR_INVALID_VALUE`); outside a capture it also frees graph memory a launch
     /// (or the capture) allocated.
     fn mem_free_async(&self, ptr: DevicePtr, stream: StreamHandle) -> Result<(), DriverError>;
+    /// The four pool calls below are "potentially unsafe" during a capture, as `malloc`:
+    /// from a thread whose capture mode forbids them they fail with
+    /// `CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED` and invalidate the capture (the driver's
+    /// rule; `torch.cuda.memory_stats()` inside a capture under PyTorch's cudaMallocAsync
+    /// backend fails the same way).
+    ///
     /// Sets the release threshold of `dev`'s default pool (`cuMemPoolSetAttribute`,
     /// `CU_MEMPOOL_ATTR_RELEASE_THRESHOLD`): unused memory above it goes back to the device
     /// at synchronizations; `u64::MAX` keeps everything.

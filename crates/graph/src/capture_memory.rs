@@ -83,7 +83,7 @@ impl CaptureMemory {
                 _fence: CaptureFence::raise(a.device(dev)?)?,
             },
             CaptureMemory::Async { device, .. } => {
-                device.begin_allocate_to_pool()?;
+                device.begin_allocate_to_pool(dev)?;
                 Announcement::Async {
                     allocator: device,
                     stream,

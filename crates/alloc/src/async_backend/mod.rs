@@ -423,13 +423,18 @@ impl AsyncAllocator {
 
     // ---- capture ---------------------------------------------------------------------
 
-    /// `beginAllocateToPool` (the pool id and stream filter are ignored): a capture begins;
-    /// one at a time per process.
-    pub fn begin_allocate_to_pool(&self) -> Result<(), AllocError> {
+    /// `beginAllocateToPool` (the pool id and stream filter are ignored): a capture on
+    /// `dev` begins; one at a time per process. The device is set up first if no
+    /// allocation did it yet: its pool's release threshold cannot be set once the capture
+    /// has begun (the driver refuses pool calls then), and in PyTorch it is always set up by
+    /// then, since `CUDAGraph::capture_begin` allocates its generator's graph-state tensors
+    /// before it begins capturing.
+    pub fn begin_allocate_to_pool(&self, dev: DeviceIndex) -> Result<(), AllocError> {
         let mut st = self.state.lock();
         if st.capture_underway {
             return Err(AllocError::CaptureUnderway);
         }
+        self.device_state(&mut st, dev)?;
         st.capture_free_streams.clear();
         st.capture_underway = true;
         Ok(())

@@ -26,6 +26,7 @@ pub use addresses::{AddressPlan, AddressPlanError, PLAN_REGION, PlanUse, WhenUnu
 pub use peer::PeerCopies;
 pub use work::{HostKernel, KernelContext};
 
+use crate::malloc_log::MallocLog;
 use crate::nvml::GpuProcess;
 use crate::{CompileError, Driver, DriverError, ForeignStream, MemPoolUsage, NvmlError};
 use ferrocuda_types::{
@@ -243,6 +244,7 @@ impl FakeDriverBuilder {
             initialized: AtomicBool::new(false),
             hooks: Mutex::new(Vec::new()),
             hooked: AtomicBool::new(false),
+            mallocs: MallocLog::default(),
             state: Mutex::new(State {
                 devices: self.devices,
                 completion: self.completion,
@@ -398,6 +400,7 @@ pub struct FakeDriver {
     /// Hooks run at the start of a call of their kind (`before_next`), and whether any is set.
     hooks: Mutex<Vec<(Call, Hook)>>,
     hooked: AtomicBool,
+    mallocs: MallocLog,
     state: Mutex<State>,
 }
 
@@ -507,6 +510,18 @@ impl FakeDriver {
         let st = self.state.lock();
         let key = st.stream_key(stream)?;
         Ok(st.streams.get(&key).map_or(0, |s| s.queue.len()))
+    }
+
+    /// Starts (`true`) or stops keeping the address of every successful `malloc`, in
+    /// order, as [`CudaDriver::log_mallocs`](crate::CudaDriver::log_mallocs) does.
+    pub fn log_mallocs(&self, on: bool) {
+        self.mallocs.set(on);
+    }
+
+    /// The addresses kept since [`log_mallocs`](Self::log_mallocs) or the last call, in
+    /// `malloc` order, each with its device.
+    pub fn take_malloc_log(&self) -> Vec<(DeviceIndex, DevicePtr)> {
+        self.mallocs.take()
     }
 
     /// How device `dev`'s `malloc`s used its address plan so far (`None` without one).
@@ -990,7 +1005,9 @@ impl Driver for FakeDriver {
         let mut st = self.enter(Call::Malloc)?;
         st.check_device(dev)?;
         st.check_unsafe_call()?;
-        st.memory.malloc(dev, bytes)
+        let ptr = st.memory.malloc(dev, bytes)?;
+        self.mallocs.note(dev, ptr);
+        Ok(ptr)
     }
 
     fn free(&self, dev: DeviceIndex, ptr: DevicePtr) -> Result<(), DriverError> {
@@ -1840,21 +1857,25 @@ impl Driver for FakeDriver {
         bytes: u64,
     ) -> Result<(), DriverError> {
         let mut st = self.enter(Call::MemPoolSetReleaseThreshold)?;
+        st.check_unsafe_call()?;
         mem_pool::set_release_threshold(&mut st, dev, bytes)
     }
 
     fn mem_pool_usage(&self, dev: DeviceIndex) -> Result<MemPoolUsage, DriverError> {
         let mut st = self.enter(Call::MemPoolUsage)?;
+        st.check_unsafe_call()?;
         mem_pool::usage(&mut st, dev)
     }
 
     fn mem_pool_reset_peaks(&self, dev: DeviceIndex) -> Result<(), DriverError> {
         let mut st = self.enter(Call::MemPoolResetPeaks)?;
+        st.check_unsafe_call()?;
         mem_pool::reset_peaks(&mut st, dev)
     }
 
     fn mem_pool_trim_to(&self, dev: DeviceIndex, keep: u64) -> Result<(), DriverError> {
         let mut st = self.enter(Call::MemPoolTrimTo)?;
+        st.check_unsafe_call()?;
         mem_pool::trim_to(&mut st, dev, keep)
     }
 
