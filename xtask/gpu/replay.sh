@@ -2,8 +2,10 @@
 # The bundle's replay comparison (issue 15): every trace in traces/ replayed by ferrocuda on
 # the fake device and on the GPU, and by PyTorch's own allocator (torch_replay.py, from C++),
 # under the default configuration and expandable_segments:True; then replay_compare.py
-# checks that the memory figures of the fake and the real device agree (a mismatch fails)
-# and prints ns per event, ours against PyTorch's.
+# checks that the memory figures of the fake and the real device agree, the fake device
+# placing its segments where the driver placed the GPU run's (`--addresses-from`), and that
+# ours on the GPU equal PyTorch's (a mismatch fails), and prints ns per event, ours against
+# PyTorch's.
 #
 #   replay.sh OUTDIR
 #
@@ -31,12 +33,14 @@ for trace in "${traces[@]}"; do
     tag=$([ "$conf" = default ] && echo default || echo expandable)
     base="$out/$name.$tag"
     echo "--- $name, $conf"
-    if ! timeout 300 "$FERROCUDA" replay "$trace" --device fake --json > "$base.fake.json"; then
-      echo "ferrocuda replay --device fake failed on $name ($conf)"; status=1
-    fi
     for r in $(seq 1 "$runs"); do
       if ! timeout 300 "$FERROCUDA" replay "$trace" --device cuda --json > "$base.cuda.$r.json"; then
         echo "ferrocuda replay --device cuda failed on $name ($conf), run $r"; status=1
+      fi
+      # The fake device with the segment addresses the driver gave this run.
+      if ! timeout 300 "$FERROCUDA" replay "$trace" --device fake --json \
+          --addresses-from "$base.cuda.$r.json" > "$base.fake.$r.json"; then
+        echo "ferrocuda replay --device fake failed on $name ($conf), run $r"; status=1
       fi
       if ! timeout 300 python3 "$TORCH_REPLAY" "$trace" --repeat 1 --json "$base.torch.$r.json" > /dev/null; then
         echo "torch_replay.py failed on $name ($conf), run $r"; status=1

@@ -2,19 +2,21 @@
 
     python3 replay_compare.py DIR
 
-DIR holds, per trace NAME and configuration TAG (default, expandable):
-  NAME.TAG.fake.json     `ferrocuda replay NAME --device fake --json`
-  NAME.TAG.cuda.R.json   `ferrocuda replay NAME --device cuda --json`, run R = 1, 2, ...
-  NAME.TAG.torch.R.json  `torch_replay.py NAME --repeat 1 --json ...`, run R
+DIR holds, per trace NAME, configuration TAG (default, expandable) and run R = 1, 2, ...:
+  NAME.TAG.cuda.R.json   `ferrocuda replay NAME --device cuda --json`
+  NAME.TAG.fake.R.json   `ferrocuda replay NAME --device fake --json
+                          --addresses-from NAME.TAG.cuda.R.json` (the fake device places its
+                          segments where the driver placed run R's)
+  NAME.TAG.torch.R.json  `torch_replay.py NAME --repeat 1 --json ...`
 
 Fails (exit code 1, with a line starting "MISMATCH" or "MISSING") where
   - a memory figure of one of our GPU runs differs from PyTorch's on the same GPU
     (peak_reserved, peak_allocated, num_device_alloc, num_device_free): both allocators got
     their segments from the same driver, so an exact allocator gives PyTorch's figures;
-  - a memory figure of a GPU run differs from the fake device's (the same keys and num_ooms)
-    under the expandable configuration; under the default one best fit breaks ties between
-    equal free blocks by address, so where the fake device placed segments in another order
-    than the driver the figures may differ: that is printed as a note, not a failure;
+  - a memory figure of GPU run R differs from fake run R's (the same keys and num_ooms), or
+    fake run R did not put every segment where the driver put run R's: with the driver's
+    placement (best fit breaks ties between equal free blocks by address) the fake device
+    must give the GPU's figures under every configuration;
   - ours and PyTorch timed different numbers of events, or ran another configuration (the
     ratio would compare unlike work);
   - a file is missing or unreadable.
@@ -33,10 +35,6 @@ MEMORY = ["peak_reserved", "peak_allocated", "num_device_alloc", "num_device_fre
 # PYTORCH_CUDA_ALLOC_CONF.
 CONF = {"default": ("default", ""), "expandable": ("expandable_segments:True",) * 2}
 TARGET = {"default": 0.5}
-ADDRESS_NOTE = (
-    "note: under the default configuration best fit breaks ties between equal free blocks by "
-    "address, so figures can follow where the driver put the segments (tests/data/README.md); "
-    "the expandable configuration's do not")
 
 
 def load(path, problems):
@@ -60,70 +58,88 @@ def ours(path, problems):
 
 
 def runs(directory, stem, side, problems):
-    paths = sorted(glob.glob(os.path.join(directory, f"{stem}.{side}.*.json")))
+    """Run number -> the figures of `stem`'s runs on `side` (cuda, fake or torch)."""
+    paths = glob.glob(os.path.join(directory, f"{stem}.{side}.*.json"))
     if not paths:
         problems.append(f"MISSING {stem}.{side}.*.json")
-    read = ours if side == "cuda" else load
-    return [r for r in (read(p, problems) for p in paths) if r is not None]
+    read = load if side == "torch" else ours
+    found = {}
+    for p in paths:
+        run = int(re.search(r"\.(\d+)\.json$", p).group(1))
+        figures = read(p, problems)
+        if figures is not None:
+            found[run] = figures
+    return found
+
+
+def same_placement(name, tag, i, fake, cuda, problems):
+    """Fake run i put every segment where GPU run i's driver did."""
+    given = len(cuda.get("segment_addresses", []))
+    used = fake.get("addresses") or {}
+    if (used.get("recorded"), used.get("used"), used.get("fresh")) != (given, given, 0):
+        problems.append(f"MISMATCH {name} {tag}: fake run {i} placed segments {used} where the "
+                        f"GPU run gave {given} addresses")
 
 
 def compare(directory):
-    """(rows of the table, problems, notes)."""
-    problems, table, notes = [], [], []
-    stems = sorted({re.sub(r"\.fake\.json$", "", os.path.basename(p))
-                    for p in glob.glob(os.path.join(directory, "*.fake.json"))})
+    """(rows of the table, problems)."""
+    problems, table = [], []
+    stems = sorted({re.sub(r"\.cuda\.\d+\.json$", "", os.path.basename(p))
+                    for p in glob.glob(os.path.join(directory, "*.cuda.*.json"))})
     if not stems:
-        problems.append(f"MISSING {directory}/*.fake.json: no replay ran")
+        problems.append(f"MISSING {directory}/*.cuda.*.json: no replay ran")
     for stem in stems:
         name, tag = stem.rsplit(".", 1)
-        fake = ours(os.path.join(directory, f"{stem}.fake.json"), problems)
         cuda = runs(directory, stem, "cuda", problems)
+        fake = runs(directory, stem, "fake", problems)
         torch = runs(directory, stem, "torch", problems)
-        if fake is None or not cuda or not torch:
+        if not cuda or not fake or not torch:
             continue
         want_ours, want_theirs = CONF.get(tag, (None, None))
-        for run in [fake] + cuda:
+        for run in list(fake.values()) + list(cuda.values()):
             if run.get("conf") != want_ours:
                 problems.append(f"MISMATCH {name} {tag}: ferrocuda ran {run.get('conf')!r}")
-        for run in torch:
+        for run in torch.values():
             if run.get("conf") != want_theirs:
                 problems.append(f"MISMATCH {name} {tag}: PyTorch ran {run.get('conf')!r}")
-        for i, run in enumerate(cuda, 1):
+        for i, run in sorted(cuda.items()):
             if run.get("backend") != "cuda":
                 problems.append(f"MISMATCH {name} {tag}: GPU run {i} ran on {run.get('backend')!r}")
-            for key in MEMORY:
-                if run.get(key) != fake.get(key):
-                    line = (f"{name} {tag}: {key} fake {fake.get(key)} != cuda {run.get(key)} "
-                            f"(GPU run {i})")
-                    if tag == "default" and key != "num_ooms":
-                        notes.append(f"note: {line}")
-                    else:
-                        problems.append(f"MISMATCH {line}")
-            for j, theirs in enumerate(torch, 1):
+            twin = fake.get(i)
+            if twin is None:
+                problems.append(f"MISSING {stem}.fake.{i}.json")
+            else:
+                same_placement(name, tag, i, twin, run, problems)
+                for key in MEMORY:
+                    if run.get(key) != twin.get(key):
+                        problems.append(f"MISMATCH {name} {tag}: {key} fake {twin.get(key)} != "
+                                        f"cuda {run.get(key)} (run {i})")
+            for j, theirs in sorted(torch.items()):
                 for key in MEMORY:
                     if key in theirs and run.get(key) != theirs[key]:
                         problems.append(f"MISMATCH {name} {tag}: {key} PyTorch {theirs[key]} "
                                         f"!= ours on the GPU {run.get(key)} (runs {j}, {i})")
-        for run in cuda + torch:
+        first = fake[min(fake)]
+        for run in list(cuda.values()) + list(torch.values()):
             events = run.get("timed_events", run.get("events"))
-            if events != fake.get("timed_events"):
+            if events != first.get("timed_events"):
                 problems.append(f"MISMATCH {name} {tag}: {events} events timed in one run, "
-                                f"{fake.get('timed_events')} on the fake device")
-        best = min(cuda, key=lambda r: r["ns_per_event"])
-        theirs = min(torch, key=lambda r: r["ns_per_event"])
+                                f"{first.get('timed_events')} on the fake device")
+        best = min(cuda.values(), key=lambda r: r["ns_per_event"])
+        theirs = min(torch.values(), key=lambda r: r["ns_per_event"])
         ratio = best["ns_per_event"] / theirs["ns_per_event"] if theirs["ns_per_event"] else None
         table.append({
-            "trace": name, "conf": tag, "events": fake.get("timed_events"),
+            "trace": name, "conf": tag, "events": first.get("timed_events"),
             "ferrocuda_cuda_ns_per_event": best["ns_per_event"],
             "pytorch_ns_per_event": theirs["ns_per_event"],
             "ratio": ratio, "target": TARGET.get(tag),
-            "ferrocuda_fake_ns_per_event": fake.get("ns_per_event"),
+            "ferrocuda_fake_ns_per_event": min(r["ns_per_event"] for r in fake.values()),
             "runs": [len(cuda), len(torch)],
             "ours": {k: best.get(k) for k in MEMORY},
-            "fake": {k: fake.get(k) for k in MEMORY},
+            "fake": {k: first.get(k) for k in MEMORY},
             "pytorch": {k: theirs.get(k) for k in MEMORY if k in theirs},
         })
-    return table, problems, notes
+    return table, problems
 
 
 def versus(key, theirs, mine):
@@ -154,21 +170,18 @@ def main(argv):
         print(__doc__.splitlines()[2].strip(), file=sys.stderr)
         return 2
     directory = argv[1]
-    table, problems, notes = compare(directory)
+    table, problems = compare(directory)
     print(render(table))
     with open(os.path.join(directory, "summary.json"), "w") as f:
-        json.dump({"rows": table, "problems": problems, "notes": notes}, f, indent=1)
-    for p in notes + problems:
+        json.dump({"rows": table, "problems": problems}, f, indent=1)
+    for p in problems:
         print(p)
-    if notes:
-        print(ADDRESS_NOTE)
     if problems:
         print(f"replay comparison FAILED: {len(problems)} problem(s)")
         return 1
     print(f"replay comparison passed: {len(table)} traces x configurations, memory figures "
-          "on the GPU equal to PyTorch's, and to the fake device's where addresses do not matter")
+          "on the GPU equal to PyTorch's, and to the fake device's with the driver's placement")
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv))

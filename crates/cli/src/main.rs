@@ -5,7 +5,7 @@
 #![forbid(unsafe_code)]
 
 use clap::{Parser, Subcommand, ValueEnum};
-use ferrocuda_cli::options::{choose_device, resolve_confs};
+use ferrocuda_cli::options::{AddressChoice, choose_device, resolve_confs};
 use ferrocuda_cli::pytorch;
 use ferrocuda_cli::replay::{Device, Figures};
 use ferrocuda_cli::report::{plot_html, summary};
@@ -62,6 +62,16 @@ enum Command {
         /// only.
         #[arg(long, value_enum)]
         addresses: Option<Addresses>,
+        /// Place the fake device's segments where a replay of the same trace placed its
+        /// own: FILE is that replay's --json output (typically with --device cuda, whose
+        /// rows carry the driver's segment addresses), read per device and configuration,
+        /// so that best-fit ties break as they did on the GPU. Fake device only.
+        #[arg(
+            long = "addresses-from",
+            value_name = "FILE",
+            conflicts_with = "addresses"
+        )]
+        addresses_from: Option<PathBuf>,
     },
     /// Prints PyTorch's memory_summary table for a snapshot (current state from its
     /// segments, peaks of requested and reserved bytes from its history).
@@ -147,13 +157,19 @@ fn run(cli: Cli) -> Result<(), Failure> {
             pytorch_figures,
             json,
             addresses,
+            addresses_from,
         } => {
             // Options first: a bad one is reported before the driver is initialised or any
             // file is read.
             let choice = choose_device(
                 device == DeviceArg::Cuda,
                 capacity.as_deref(),
-                addresses.map(|a| a == Addresses::Recorded),
+                match (addresses, addresses_from) {
+                    (_, Some(file)) => Some(AddressChoice::From(file)),
+                    (Some(Addresses::Recorded), None) => Some(AddressChoice::Recorded),
+                    (Some(Addresses::Fresh), None) => Some(AddressChoice::Fresh),
+                    (None, None) => None,
+                },
             )?;
             let (confs, conf_note) = resolve_confs(&confs, |k| std::env::var(k).ok())?;
             let device = Device::open(&choice)?;
@@ -238,14 +254,19 @@ fn replay_command(trace: &std::path::Path, options: ReplayOptions) -> Result<(),
     let mut done = 0u64;
     for (device, events, recorded) in &devices {
         for conf in &confs {
-            let (mut figures, _) =
-                target.replay(events, recorded, &conf.label, conf.config.clone(), |n| {
+            let (mut figures, _) = target.replay(
+                *device,
+                events,
+                recorded,
+                &conf.label,
+                conf.config.clone(),
+                |n| {
                     if let Some(b) = &bar {
                         b.set_position(done + n);
                     }
-                })?;
+                },
+            )?;
             done += events.len() as u64;
-            figures.device = *device;
             if *device == 0 {
                 figures.pytorch = reference
                     .as_ref()
@@ -332,7 +353,7 @@ fn table(device: u16, heading: bool, columns: &[Figures]) -> String {
         ("ns per event", |f| format!("{:.1}", f.ns_per_event)),
     ];
     if columns.iter().any(|c| c.addresses.is_some()) {
-        rows.push(("recorded addresses used", |f| match f.addresses {
+        rows.push(("planned addresses used", |f| match f.addresses {
             Some(a) => format!("{} of {}, {} fresh", a.used, a.recorded, a.fresh),
             None => "-".into(),
         }));

@@ -2,6 +2,7 @@
 //! fake device's capacity and addresses) and the allocator configurations (`--conf`, else
 //! the environment as the facade reads it).
 use ferrocuda_types::{AllocatorConfig, ConfigError};
+use std::path::PathBuf;
 
 const MIB: u64 = 1 << 20;
 const GIB: u64 = 1 << 30;
@@ -41,16 +42,38 @@ pub fn parse_capacity(text: &str) -> Result<u64, String> {
     Ok(bytes)
 }
 
+/// Where the fake device puts segments (`--addresses`, `--addresses-from`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum AddressChoice {
+    /// Fresh, increasing addresses (the default).
+    Fresh,
+    /// The trace's `segment_alloc` addresses, in order (`--addresses recorded`).
+    Recorded,
+    /// The addresses the driver gave a replay of the same trace, from that replay's
+    /// `--json` output (`--addresses-from FILE`).
+    From(PathBuf),
+}
+
+impl AddressChoice {
+    /// The option that chose it, for messages.
+    fn flag(&self) -> &'static str {
+        match self {
+            AddressChoice::From(_) => "--addresses-from",
+            _ => "--addresses",
+        }
+    }
+}
+
 /// The device the options chose (`--device`).
-#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub enum DeviceChoice {
     /// The fake device (the default): `capacity` bytes (`--capacity`, default 80 GiB), and
-    /// segments at the trace's recorded addresses with `--addresses recorded`.
+    /// segments where `addresses` says.
     Fake {
         /// Bytes of memory.
         capacity: u64,
-        /// Whether segments go to the recorded addresses.
-        recorded_addresses: bool,
+        /// Where segments go.
+        addresses: AddressChoice,
     },
     /// The real driver's device 0 (`--device cuda`).
     Cuda,
@@ -75,19 +98,17 @@ pub enum DeviceError {
 }
 
 /// The device of `--device` (`cuda` true for `cuda`), with the fake device's `--capacity`
-/// and `--addresses` (`Some(true)` for `recorded`, `Some(false)` for `fresh`) when given:
-/// with `cuda` either is an error.
+/// and addresses (`--addresses` or `--addresses-from`) when given: with `cuda` either is an
+/// error.
 pub fn choose_device(
     cuda: bool,
     capacity: Option<&str>,
-    recorded_addresses: Option<bool>,
+    addresses: Option<AddressChoice>,
 ) -> Result<DeviceChoice, DeviceError> {
     if cuda {
-        return match (capacity, recorded_addresses) {
+        return match (capacity, addresses) {
             (Some(_), _) => Err(DeviceError::FakeOnly { flag: "--capacity" }),
-            (_, Some(_)) => Err(DeviceError::FakeOnly {
-                flag: "--addresses",
-            }),
+            (_, Some(a)) => Err(DeviceError::FakeOnly { flag: a.flag() }),
             (None, None) => Ok(DeviceChoice::Cuda),
         };
     }
@@ -95,7 +116,7 @@ pub fn choose_device(
         capacity: capacity.map_or(Ok(DEFAULT_CAPACITY), |c| {
             parse_capacity(c).map_err(DeviceError::Capacity)
         })?,
-        recorded_addresses: recorded_addresses.unwrap_or(false),
+        addresses: addresses.unwrap_or(AddressChoice::Fresh),
     })
 }
 
@@ -227,14 +248,14 @@ mod tests {
             choose_device(false, None, None),
             Ok(DeviceChoice::Fake {
                 capacity: DEFAULT_CAPACITY,
-                recorded_addresses: false
+                addresses: AddressChoice::Fresh
             })
         );
         assert_eq!(
-            choose_device(false, Some("2G"), Some(true)),
+            choose_device(false, Some("2G"), Some(AddressChoice::Recorded)),
             Ok(DeviceChoice::Fake {
                 capacity: 2 * GIB,
-                recorded_addresses: true
+                addresses: AddressChoice::Recorded
             })
         );
         assert!(matches!(
@@ -245,8 +266,13 @@ mod tests {
         for (capacity, addresses, flag) in [
             (Some("80G"), None, "--capacity"),
             (Some("bogus"), None, "--capacity"),
-            (None, Some(true), "--addresses"),
-            (None, Some(false), "--addresses"),
+            (None, Some(AddressChoice::Recorded), "--addresses"),
+            (None, Some(AddressChoice::Fresh), "--addresses"),
+            (
+                None,
+                Some(AddressChoice::From(PathBuf::from("gpu.json"))),
+                "--addresses-from",
+            ),
         ] {
             let err = choose_device(true, capacity, addresses);
             assert_eq!(err, Err(DeviceError::FakeOnly { flag }));

@@ -2,7 +2,7 @@
 //! default) or the real one (`--device cuda`), timed as PyTorch's own replay times its.
 mod plan;
 
-use crate::options::DeviceChoice;
+use crate::options::{AddressChoice, DeviceChoice};
 use crate::pytorch::PytorchFigures;
 use crate::trace::Event;
 use ferrocuda_alloc::{AllocError, CachingAllocator};
@@ -54,15 +54,21 @@ pub struct Figures {
     /// PyTorch's own figures for this trace and configuration, when known.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub pytorch: Option<PytorchFigures>,
-    /// With recorded addresses: how many segments got theirs.
+    /// With planned addresses (`--addresses recorded`, `--addresses-from`): how many
+    /// segments got theirs.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub addresses: Option<AddressUse>,
+    /// Where the driver put each segment it allocated (`cuMemAlloc`), in order: what
+    /// `--addresses-from` reads, so that a replay on the fake device places its segments as
+    /// this one's were (expandable segments' mappings are not segments of this kind).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub segment_addresses: Vec<u64>,
 }
 
-/// How a replay with recorded addresses used them.
+/// How a replay with planned addresses used them.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, serde::Serialize)]
 pub struct AddressUse {
-    /// `segment_alloc` addresses in the trace.
+    /// Addresses in the plan (the trace's `segment_alloc` events, or the ones given).
     pub recorded: usize,
     /// Segments placed at their recorded address.
     pub used: usize,
@@ -107,6 +113,15 @@ pub enum ReplayError {
     /// The trace's segment addresses cannot be handed out (`--addresses recorded`).
     #[error("--addresses recorded: the trace's segment_alloc addresses: {0}")]
     Addresses(#[from] AddressPlanError),
+    /// `--addresses-from`: the file cannot be read, is not a replay's `--json` output, or
+    /// has no addresses for a device and configuration replayed.
+    #[error("--addresses-from {path}: {why}")]
+    AddressFile {
+        /// The file.
+        path: String,
+        /// What is wrong.
+        why: String,
+    },
     /// `--device cuda` on a machine where the CUDA driver or a GPU is missing.
     #[error(
         "--device cuda: CUDA is unavailable on this machine ({0}); replay on the fake device \
@@ -119,30 +134,117 @@ pub enum ReplayError {
 #[derive(Clone, Debug)]
 #[non_exhaustive]
 pub enum Device {
-    /// A fresh fake device for each replay, of `capacity` bytes; with `recorded_addresses`
-    /// its `malloc`s hand out the trace's `segment_alloc` addresses in order.
+    /// A fresh fake device for each replay, of `capacity` bytes, placing segments where
+    /// `addresses` says.
     Fake {
         /// Bytes of memory.
         capacity: u64,
-        /// Whether segments go to the recorded addresses.
-        recorded_addresses: bool,
+        /// Where segments go.
+        addresses: FakeAddresses,
     },
     /// The real driver's device 0, shared by every replay (each with its own allocator,
     /// which gives its memory back when dropped).
     Cuda(Arc<CudaDriver>),
 }
 
+/// Where the fake device's `malloc`s place segments.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum FakeAddresses {
+    /// Fresh, increasing addresses.
+    Fresh,
+    /// The trace's `segment_alloc` addresses of the device replayed, in order.
+    Recorded,
+    /// The addresses another replay's driver gave, per trace device and configuration
+    /// label (`--addresses-from`), read from `source`.
+    Given {
+        /// The file they came from, for messages.
+        source: String,
+        /// `(trace device, configuration label, addresses)`.
+        rows: Vec<(u16, String, Vec<u64>)>,
+    },
+}
+
+/// A row of a replay's `--json` output, as far as `--addresses-from` reads it.
+#[derive(serde::Deserialize)]
+struct GivenRow {
+    device: u16,
+    conf: String,
+    #[serde(default)]
+    segment_addresses: Vec<u64>,
+}
+
+impl FakeAddresses {
+    /// The addresses `--addresses-from path` gives: every row of the `--json` output of a
+    /// replay (typically `--device cuda`) at `path`.
+    pub fn read(path: &std::path::Path) -> Result<FakeAddresses, ReplayError> {
+        let source = path.display().to_string();
+        let bad = |why: String| ReplayError::AddressFile {
+            path: source.clone(),
+            why,
+        };
+        let text = std::fs::read_to_string(path).map_err(|e| bad(e.to_string()))?;
+        let rows: Vec<GivenRow> = serde_json::from_str(&text)
+            .map_err(|e| bad(format!("not the --json output of `ferrocuda replay` ({e})")))?;
+        Ok(FakeAddresses::Given {
+            source: source.clone(),
+            rows: rows
+                .into_iter()
+                .map(|r| (r.device, r.conf, r.segment_addresses))
+                .collect(),
+        })
+    }
+
+    /// The plan for trace device `device` replayed under `label` (`None`: fresh addresses);
+    /// `recorded` are the trace's own addresses for that device.
+    fn plan(
+        &self,
+        device: u16,
+        label: &str,
+        recorded: &[u64],
+    ) -> Result<Option<AddressPlan>, ReplayError> {
+        match self {
+            FakeAddresses::Fresh => Ok(None),
+            FakeAddresses::Recorded => Ok(Some(AddressPlan::new(
+                recorded.to_vec(),
+                WhenUnusable::Fresh,
+            )?)),
+            FakeAddresses::Given { source, rows } => {
+                let bad = |why: String| ReplayError::AddressFile {
+                    path: source.clone(),
+                    why,
+                };
+                let (_, _, list) = rows
+                    .iter()
+                    .find(|(d, conf, _)| *d == device && conf == label)
+                    .ok_or_else(|| {
+                        bad(format!(
+                            "no row for device {device} under configuration {label:?}"
+                        ))
+                    })?;
+                AddressPlan::new(list.clone(), WhenUnusable::Fresh)
+                    .map(Some)
+                    .map_err(|e| bad(e.to_string()))
+            }
+        }
+    }
+}
+
 impl Device {
     /// The device `choice` names; for the real one, the driver is initialised here and a
-    /// machine without a usable GPU is [`ReplayError::CudaUnavailable`].
+    /// machine without a usable GPU is [`ReplayError::CudaUnavailable`]; the file of
+    /// `--addresses-from` is read here.
     pub fn open(choice: &DeviceChoice) -> Result<Device, ReplayError> {
-        match *choice {
+        match choice {
             DeviceChoice::Fake {
                 capacity,
-                recorded_addresses,
+                addresses,
             } => Ok(Device::Fake {
-                capacity,
-                recorded_addresses,
+                capacity: *capacity,
+                addresses: match addresses {
+                    AddressChoice::Fresh => FakeAddresses::Fresh,
+                    AddressChoice::Recorded => FakeAddresses::Recorded,
+                    AddressChoice::From(path) => FakeAddresses::read(path)?,
+                },
             }),
             DeviceChoice::Cuda => {
                 let cuda = CudaDriver::new();
@@ -167,47 +269,63 @@ impl Device {
         }
     }
 
-    /// Replays one device's `events` (whose `segment_alloc` addresses are `recorded`)
-    /// under `config`, shown as `label`.
+    /// Replays the events of the trace's device `device` (whose `segment_alloc` addresses
+    /// are `recorded`) under `config`, shown as `label`.
     pub fn replay(
         &self,
+        device: u16,
         events: &[Event],
         recorded: &[u64],
         label: &str,
         config: AllocatorConfig,
         progress: impl FnMut(u64),
     ) -> Result<(Figures, CachingAllocator), ReplayError> {
-        match self {
+        let (mut figures, allocator) = match self {
             Device::Fake {
                 capacity,
-                recorded_addresses,
+                addresses,
             } => {
-                let plan = recorded_addresses.then_some(recorded);
-                let fake = fake_device(*capacity, plan)?;
+                let fake = fake_device(*capacity, addresses.plan(device, label, recorded)?);
+                fake.log_mallocs(true);
                 let (mut figures, allocator) =
                     replay_with(fake.clone(), events, label, config, progress)?;
                 figures.addresses = fake.address_plan_use(DEV).map(AddressUse::from);
-                Ok((figures, allocator))
+                figures.segment_addresses = segments_of(fake.take_malloc_log());
+                (figures, allocator)
             }
-            Device::Cuda(cuda) => replay_with(cuda.clone(), events, label, config, progress),
-        }
+            Device::Cuda(cuda) => {
+                cuda.log_mallocs(true);
+                let replayed = replay_with(cuda.clone(), events, label, config, progress);
+                let log = cuda.take_malloc_log();
+                cuda.log_mallocs(false);
+                let (mut figures, allocator) = replayed?;
+                figures.segment_addresses = segments_of(log);
+                (figures, allocator)
+            }
+        };
+        figures.device = device;
+        Ok((figures, allocator))
     }
 }
 
-/// A fake device of `capacity` bytes that keeps no bytes; with `addresses`, its `malloc`s
-/// hand them out in order, and where the replay's segments stop matching the recording's
-/// (another configuration), a segment whose recorded place is taken, and every segment past
-/// the record, gets a fresh address above them all.
-pub fn fake_device(
-    capacity: u64,
-    addresses: Option<&[u64]>,
-) -> Result<Arc<FakeDriver>, ReplayError> {
+/// The addresses of a malloc log that are device [`DEV`]'s.
+fn segments_of(log: Vec<(DeviceIndex, DevicePtr)>) -> Vec<u64> {
+    log.into_iter()
+        .filter(|(d, _)| *d == DEV)
+        .map(|(_, p)| p.0)
+        .collect()
+}
+
+/// A fake device of `capacity` bytes that keeps no bytes; with a `plan`, its `malloc`s hand
+/// its addresses out in order, and where the replay's segments stop matching the plan's
+/// (another configuration), a segment whose planned place is taken, and every segment past
+/// the plan, gets a fresh address above them all.
+pub fn fake_device(capacity: u64, plan: Option<AddressPlan>) -> Arc<FakeDriver> {
     let mut builder = FakeDriver::builder().capacity(capacity).backing(false);
-    if let Some(list) = addresses {
-        let plan = AddressPlan::new(list.to_vec(), WhenUnusable::Fresh)?;
+    if let Some(plan) = plan {
         builder = builder.address_plan(DEV, plan);
     }
-    Ok(Arc::new(builder.build()))
+    Arc::new(builder.build())
 }
 
 /// Replays `events` (one device's trace) through a fresh allocator configured with `conf`,
@@ -223,13 +341,7 @@ pub fn replay(
         source,
     })?;
     let label = if conf.is_empty() { "default" } else { conf };
-    replay_with(
-        fake_device(capacity, None)?,
-        events,
-        label,
-        config,
-        progress,
-    )
+    replay_with(fake_device(capacity, None), events, label, config, progress)
 }
 
 /// Progress is reported between chunks of this many steps.
@@ -343,6 +455,7 @@ pub fn replay_with(
         },
         pytorch: None,
         addresses: None,
+        segment_addresses: Vec::new(),
     };
     // Like PyTorch's replay, blocks still live at the end are freed after the clock stops.
     for (ptr, _) in live.into_iter().flatten() {

@@ -14,7 +14,9 @@ const EXE: &str = env!("CARGO_BIN_EXE_ferrocuda");
 /// `ferrocuda` with `--device cuda` replaced by `--device fake` and the output relabelled
 /// `cuda`; with SKEW=cuda, the GPU runs report one device allocation more (then they differ
 /// from PyTorch's and from the fake device's), with SKEW=fake the fake device's runs do
-/// (then the GPU agrees with PyTorch and only the fake device differs).
+/// (then the GPU agrees with PyTorch and only the fake device differs), with
+/// SKEW=placement the GPU runs do not say where their segments went (then the fake device
+/// cannot place them there).
 const FAKE_GPU: &str = r#"#!/usr/bin/env bash
 args=(); cuda=0
 for a in "$@"; do if [ "$a" = cuda ]; then cuda=1; a=fake; fi; args+=("$a"); done
@@ -22,6 +24,7 @@ out=$("$REAL_FERROCUDA" "${args[@]}") || exit $?
 if [ "$cuda" = 1 ]; then
   out=${out//\"backend\": \"fake\"/\"backend\": \"cuda\"}
   if [ "${SKEW:-}" = cuda ]; then out=${out//\"num_device_alloc\": /\"num_device_alloc\": 1}; fi
+  if [ "${SKEW:-}" = placement ]; then out=${out//\"segment_addresses\"/\"segment_addresses_hidden\"}; fi
 elif [ "${SKEW:-}" = fake ]; then
   out=${out//\"num_device_alloc\": /\"num_device_alloc\": 1}
 fi
@@ -129,6 +132,14 @@ fn the_bundles_replay_step_passes_on_equal_figures_and_fails_on_a_difference() -
         }
     }
     assert!(dir.join("out/small.expandable.cuda.2.json").exists());
+    // The fake device's runs took the GPU runs' segment addresses, every one of them.
+    let fake: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(
+        dir.join("out/small.default.fake.2.json"),
+    )?)?;
+    let used = &fake[0]["addresses"];
+    assert!(used["recorded"].as_u64() > Some(3), "{fake}");
+    assert_eq!(used["used"], used["recorded"], "{fake}");
+    assert_eq!(used["fresh"], 0, "{fake}");
 
     // Ours on the GPU differs from PyTorch's on the GPU: a failure in both configurations.
     let out = run_step(&dir, Some("cuda"))?;
@@ -140,15 +151,25 @@ fn the_bundles_replay_step_passes_on_equal_figures_and_fails_on_a_difference() -
             && text.contains("replay comparison FAILED"),
         "{text}"
     );
-    // Only the fake device differs: a note under the default configuration (segment
-    // placement), a failure under the expandable one.
+    // Only the fake device differs: a failure in both configurations (it had the GPU's
+    // segment addresses, so placement cannot explain it).
     let out = run_step(&dir, Some("fake"))?;
     let text = String::from_utf8_lossy(&out.stdout).into_owned();
     assert!(!out.status.success(), "{text}");
     assert!(
-        text.contains("note: small default: num_device_alloc fake")
-            && !text.contains("MISMATCH small default")
-            && text.contains("MISMATCH small expandable: num_device_alloc fake"),
+        text.contains("MISMATCH small default: num_device_alloc fake")
+            && text.contains("MISMATCH small expandable: num_device_alloc fake")
+            && !text.contains("num_device_alloc PyTorch"),
+        "{text}"
+    );
+    // The GPU runs do not say where their segments went: the fake device's placement is
+    // not the driver's, a failure where the configuration makes segments with malloc.
+    let out = run_step(&dir, Some("placement"))?;
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(!out.status.success(), "{text}");
+    assert!(
+        text.contains("MISMATCH small default: fake run 1 placed segments")
+            && !text.contains("MISMATCH small expandable"),
         "{text}"
     );
     let _ = std::fs::remove_dir_all(&dir);

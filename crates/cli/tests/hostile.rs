@@ -459,7 +459,7 @@ fn recorded_addresses_are_checked_and_used_per_device() -> TestResult {
     }
     let out = ferrocuda(&["replay", &p])?;
     assert!(
-        !stdout(&out).contains("recorded addresses"),
+        !stdout(&out).contains("planned addresses"),
         "{}",
         stdout(&out)
     );
@@ -468,6 +468,122 @@ fn recorded_addresses_are_checked_and_used_per_device() -> TestResult {
     let out = ferrocuda(&["replay", &p, "--addresses", "recorded"])?;
     assert_one_line_failure(&out, &["--addresses recorded", "0x7f0000000100", "512"]);
     let out = ferrocuda(&["replay", &p, "--addresses", "somewhere"])?;
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    let _ = std::fs::remove_dir_all(dir);
+    Ok(())
+}
+
+/// `--addresses-from` takes the segment addresses another replay's driver gave (its `--json`
+/// rows carry them): a replay handed its own addresses gives its own figures with every
+/// segment where it was, one handed the trace's addresses gives `--addresses recorded`'s
+/// figures, and a file that cannot serve is one line naming it.
+#[test]
+fn addresses_from_another_replay_place_segments_where_it_did() -> TestResult {
+    let dir = scratch("addresses-from")?;
+    let trace = data("bert_serve.pickle.xz");
+    let t = trace.to_string_lossy();
+    let rows = |out: &Output| -> Result<Vec<serde_json::Value>, Box<dyn std::error::Error>> {
+        assert!(out.status.success(), "{}", stderr(out));
+        let json: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+        Ok(json.as_array().ok_or("an array")?.clone())
+    };
+    let memory = |row: &serde_json::Value| {
+        [
+            "peak_allocated",
+            "peak_reserved",
+            "num_device_alloc",
+            "num_device_free",
+        ]
+        .map(|k| row[k].clone())
+    };
+    let confs = ["--conf", "default", "--conf", "expandable_segments:True"];
+    let mut args = vec!["replay", &t, "--json"];
+    args.extend_from_slice(&confs);
+    let first = rows(&ferrocuda(&args)?)?;
+    assert!(
+        first[0]["segment_addresses"]
+            .as_array()
+            .is_some_and(|a| a.len() > 30)
+    );
+    assert!(
+        first[1].get("segment_addresses").is_none(),
+        "expandable segments map pages"
+    );
+    let given = dir.join("given.json");
+    std::fs::write(&given, serde_json::to_vec(&first)?)?;
+    let g = given.to_string_lossy().into_owned();
+    args.extend_from_slice(&["--addresses-from", &g]);
+    let again = rows(&ferrocuda(&args)?)?;
+    for (a, b) in first.iter().zip(&again) {
+        assert_eq!(memory(a), memory(b), "{b}");
+        assert_eq!(a["segment_addresses"], b["segment_addresses"]);
+        let n = a["segment_addresses"].as_array().map_or(0, Vec::len);
+        assert_eq!(
+            b["addresses"],
+            json!({"recorded": n, "used": n, "fresh": 0})
+        );
+    }
+    // The trace's own addresses through the file: what --addresses recorded gives.
+    let recorded = rows(&ferrocuda(&[
+        "replay",
+        &t,
+        "--json",
+        "--addresses",
+        "recorded",
+    ])?)?;
+    let addresses = ferrocuda_cli::trace::segment_addresses(
+        &ferrocuda_cli::trace::read_recording(&trace)?
+            .snapshot
+            .device_traces[0],
+    );
+    let file = json!([{"device": 0, "conf": "default", "segment_addresses": addresses}]);
+    std::fs::write(&given, serde_json::to_vec(&file)?)?;
+    let through_file = rows(&ferrocuda(&[
+        "replay",
+        &t,
+        "--json",
+        "--addresses-from",
+        &g,
+    ])?)?;
+    assert_eq!(memory(&recorded[0]), memory(&through_file[0]));
+    assert_ne!(
+        memory(&first[0]),
+        memory(&recorded[0]),
+        "bert_serve's default figures follow segment placement (tests/data/README.md)"
+    );
+    // Files that cannot serve.
+    let missing = dir.join("missing.json");
+    let m = missing.to_string_lossy();
+    let out = ferrocuda(&["replay", &t, "--addresses-from", &m])?;
+    assert_one_line_failure(&out, &["--addresses-from", "missing.json"]);
+    std::fs::write(&given, b"{\"device\": 0}")?;
+    let out = ferrocuda(&["replay", &t, "--addresses-from", &g])?;
+    assert_one_line_failure(&out, &["--addresses-from", "not the --json output"]);
+    std::fs::write(&given, serde_json::to_vec(&file)?)?;
+    let out = ferrocuda(&[
+        "replay",
+        &t,
+        "--conf",
+        "expandable_segments:True",
+        "--addresses-from",
+        &g,
+    ])?;
+    assert_one_line_failure(
+        &out,
+        &["no row for device 0 under configuration \"expandable_segments:True\""],
+    );
+    let unaligned = json!([{"device": 0, "conf": "default", "segment_addresses": [4096, 100]}]);
+    std::fs::write(&given, serde_json::to_vec(&unaligned)?)?;
+    let out = ferrocuda(&["replay", &t, "--addresses-from", &g])?;
+    assert_one_line_failure(&out, &["--addresses-from", "not a multiple of 512"]);
+    let out = ferrocuda(&[
+        "replay",
+        &t,
+        "--addresses",
+        "recorded",
+        "--addresses-from",
+        &g,
+    ])?;
     assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
     let _ = std::fs::remove_dir_all(dir);
     Ok(())
@@ -483,6 +599,7 @@ fn the_fake_devices_options_are_refused_with_device_cuda() -> TestResult {
         (&["--capacity=1.5G"][..], "--capacity"),
         (&["--addresses", "recorded"][..], "--addresses"),
         (&["--addresses", "fresh"][..], "--addresses"),
+        (&["--addresses-from", "gpu.json"][..], "--addresses-from"),
     ] {
         let mut args = vec!["replay", missing, "--device", "cuda"];
         args.extend_from_slice(flags);

@@ -2,7 +2,7 @@
 //! `tests/data/`):
 //! with the default configuration ferrocuda's allocator must reproduce PyTorch's own figures
 //! exactly, and its books must equal a recount of its blocks (checked inside `replay`).
-use ferrocuda_cli::replay::{AddressUse, Device, replay};
+use ferrocuda_cli::replay::{AddressUse, Device, FakeAddresses, replay};
 use ferrocuda_cli::trace::{Action, events, read_device_traces, read_recording, segment_addresses};
 use ferrocuda_types::AllocatorConfig;
 use std::path::Path;
@@ -76,9 +76,9 @@ fn recorded_addresses_make_every_default_figure_exact() -> TestResult {
         let config = AllocatorConfig::default();
         let device = Device::Fake {
             capacity: 80 << 30,
-            recorded_addresses: true,
+            addresses: FakeAddresses::Recorded,
         };
-        let (f, _) = device.replay(&events(trace), &recorded, "default", config, |_| {})?;
+        let (f, _) = device.replay(0, &events(trace), &recorded, "default", config, |_| {})?;
         for (ours, key) in [
             (f.peak_requested, "peak_requested"),
             (f.peak_allocated, "peak_allocated"),
@@ -330,7 +330,7 @@ fn snapshot_allocator_settings_are_pytorchs() -> TestResult {
         .snapshot
         .allocator_settings;
     let a = CachingAllocator::new(
-        fake_device(1 << 30, None)?,
+        fake_device(1 << 30, None),
         DeviceIndex(0),
         AllocatorConfig::default(),
         true,
@@ -355,7 +355,7 @@ fn snapshot_keys_are_pytorchs_in_order() -> TestResult {
     use ferrocuda_types::{DeviceIndex, Snapshot, StreamHandle};
     let dev = DeviceIndex(0);
     let a = CachingAllocator::new(
-        fake_device(1 << 30, None)?,
+        fake_device(1 << 30, None),
         dev,
         AllocatorConfig::default(),
         true,

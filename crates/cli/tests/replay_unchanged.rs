@@ -12,7 +12,7 @@
 //! - The events timed are the events PyTorch's own replay (`torch_replay.py`) times.
 use ferrocuda_alloc::{AllocError, CachingAllocator};
 use ferrocuda_cli::options::parse_capacity;
-use ferrocuda_cli::replay::{Device, Figures, fake_device, replay_with};
+use ferrocuda_cli::replay::{Device, FakeAddresses, Figures, fake_device, replay_with};
 use ferrocuda_cli::trace::{Action, Event, events, read_recording, segment_addresses};
 use ferrocuda_driver::Driver;
 use ferrocuda_types::{AllocatorConfig, DeviceIndex, DevicePtr, StreamFlags, StreamHandle};
@@ -47,6 +47,7 @@ fn computed(f: &Figures) -> Result<serde_json::Value, serde_json::Error> {
             "timed_events",
             "backend",
             "reserved_over_requested",
+            "segment_addresses",
         ] {
             map.remove(key);
         }
@@ -81,10 +82,14 @@ fn check_trace(trace: &str) -> TestResult {
         let text = |k: &str| row[k].as_str().ok_or(format!("{k} of {row}"));
         let device = Device::Fake {
             capacity: parse_capacity(text("capacity")?)?,
-            recorded_addresses: text("addresses")? == "recorded",
+            addresses: if text("addresses")? == "recorded" {
+                FakeAddresses::Recorded
+            } else {
+                FakeAddresses::Fresh
+            },
         };
         let conf = text("conf")?;
-        let (f, _) = device.replay(&events, &recorded, conf, config(conf)?, |_| {})?;
+        let (f, _) = device.replay(0, &events, &recorded, conf, config(conf)?, |_| {})?;
         let mut golden = row["figures"].clone();
         let ratio = golden
             .as_object_mut()
@@ -286,12 +291,12 @@ fn random_traces_replay_as_the_loop_before_did() -> TestResult {
         let conf = confs[case % confs.len()];
         let capacity = [16u64 << 20, 64 << 20, 1 << 30][case % 3];
         let reference = {
-            let fake = fake_device(capacity, None)?;
+            let fake = fake_device(capacity, None);
             let allocator = CachingAllocator::new(fake.clone(), DEV, config(conf)?, true)?;
             replay_before(fake.as_ref(), &allocator, &events)?
         };
         let (f, _) = replay_with(
-            fake_device(capacity, None)?,
+            fake_device(capacity, None),
             &events,
             conf,
             config(conf)?,
