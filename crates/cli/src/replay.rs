@@ -178,15 +178,12 @@ impl FakeAddresses {
     /// replay (typically `--device cuda`) at `path`.
     pub fn read(path: &std::path::Path) -> Result<FakeAddresses, ReplayError> {
         let source = path.display().to_string();
-        let bad = |why: String| ReplayError::AddressFile {
-            path: source.clone(),
-            why,
-        };
+        let bad = |why: String| address_file(&source, why);
         let text = std::fs::read_to_string(path).map_err(|e| bad(e.to_string()))?;
         let rows: Vec<GivenRow> = serde_json::from_str(&text)
             .map_err(|e| bad(format!("not the --json output of `ferrocuda replay` ({e})")))?;
         Ok(FakeAddresses::Given {
-            source: source.clone(),
+            source,
             rows: rows
                 .into_iter()
                 .map(|r| (r.device, r.conf, r.segment_addresses))
@@ -209,10 +206,7 @@ impl FakeAddresses {
                 WhenUnusable::Fresh,
             )?)),
             FakeAddresses::Given { source, rows } => {
-                let bad = |why: String| ReplayError::AddressFile {
-                    path: source.clone(),
-                    why,
-                };
+                let bad = |why: String| address_file(source, why);
                 let (_, _, list) = rows
                     .iter()
                     .find(|(d, conf, _)| *d == device && conf == label)
@@ -226,6 +220,14 @@ impl FakeAddresses {
                     .map_err(|e| bad(e.to_string()))
             }
         }
+    }
+}
+
+/// The error of `--addresses-from path`: `why`.
+fn address_file(path: &str, why: String) -> ReplayError {
+    ReplayError::AddressFile {
+        path: path.to_owned(),
+        why,
     }
 }
 
@@ -354,8 +356,9 @@ const PROGRESS_EVERY: usize = 65_536;
 /// Before the clock starts, the trace becomes a list of allocate and free steps on dense
 /// slots and the recorded streams are created in order of first use (`replay/plan.rs`);
 /// the clock covers only the loop of `allocate` and `free` calls (driver calls they make
-/// included), as in PyTorch's `torch_replay.py`. After it stops, the allocator's books are checked against
-/// a recount of its blocks, the figures are read, and the blocks still live are freed, so
+/// included), as in PyTorch's `torch_replay.py`. After it stops, the allocator's books are
+/// checked against a recount of its blocks, the figures are read, and the blocks still
+/// live are freed, so
 /// that dropping the allocator gives all its memory back.
 pub fn replay_with(
     driver: Arc<dyn Driver>,

@@ -8,8 +8,8 @@
 //! `libnvidia-ml.so`): cudarc has no NVML bindings, and six functions are all we call,
 //! `nvmlInit_v2`, `nvmlDeviceGetCount_v2`, `nvmlShutdown`, `nvmlErrorString` (to name a
 //! failure), `nvmlDeviceGetHandleByPciBusId_v2` and `nvmlDeviceGetComputeRunningProcesses`
-//! (the last two optional: a library without them still counts devices). A machine without the library is data ([`NvmlError::LibraryNotFound`]), never a
-//! panic. NVML is not CUDA: asking it neither initialises CUDA nor makes a later fork unsafe.
+//! (the last two optional: a library without them still counts devices). A machine without
+//! the library is data ([`NvmlError::LibraryNotFound`]), never a panic. NVML is not CUDA: asking it neither initialises CUDA nor makes a later fork unsafe.
 use libloading::Library;
 use std::ffi::{CStr, CString, OsStr, c_char, c_int, c_uint, c_ulonglong, c_void};
 use std::sync::OnceLock;

@@ -82,9 +82,9 @@ impl HostAllocator {
     /// `process_events` for `pool`: queries its oldest events until one is not ready (put
     /// back, oldest still) or none is left. Queries run in relaxed capture mode, so that a
     /// capture under way on this thread is not broken by querying events recorded outside
-    /// it (one recorded inside a capture fails the query, as in PyTorch). A query that fails drops
-    /// its event (its block is never reused) and ends the pass with the error, as
-    /// PyTorch's throwing query does.
+    /// it (one recorded inside a capture fails the query, as in PyTorch). A query that
+    /// fails drops its event (its block is never reused) and ends the pass with the error,
+    /// as PyTorch's throwing query does.
     pub(crate) fn process_events(&self, pool: PoolId) -> Result<(), AllocError> {
         if self
             .state
