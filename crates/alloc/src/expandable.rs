@@ -4,6 +4,7 @@
 //! blocks that are not mapped) and the spare pages of `expandable_segments_reclaim`; the
 //! driver calls that map and unmap are the allocator's.
 use crate::block::Blocks;
+use crate::reclaim_clock::ReclaimClock;
 use ferrocuda_types::{PhysHandle, PoolKind, StreamHandle, VaRange};
 use rustc_hash::FxHashMap;
 use std::collections::BTreeMap;
@@ -15,6 +16,9 @@ pub(crate) struct ExpandableSegment {
     /// The page size it was made with (it keeps it when the configuration changes).
     pub(crate) page: u64,
     pub(crate) handles: Vec<Option<PhysHandle>>,
+    /// Per page, the reclaim epoch of the last free that covered it (0: none since it was
+    /// mapped): see `reclaim_clock`.
+    pub(crate) freed: Vec<u64>,
     pub(crate) stream: StreamHandle,
 }
 
@@ -63,6 +67,8 @@ pub(crate) struct Expandable {
     /// Physical pages unmapped by `expandable_segments_reclaim`, waiting to be mapped again,
     /// per pool (small pages, large pages), with their size. They still count as reserved.
     pub(crate) spare_pages: [Vec<(PhysHandle, u64)>; 2],
+    /// When free pages may be unmapped without a synchronization.
+    pub(crate) clock: ReclaimClock,
 }
 
 impl Expandable {
@@ -114,6 +120,43 @@ impl Expandable {
                 *slot = Some(h);
             }
         }
+    }
+
+    /// Stamps the pages that block `id` (being freed) covers, partial ones too, with the
+    /// reclaim clock's epoch (whatever the configuration: reclaim may be switched on later).
+    pub(crate) fn stamp_free(&mut self, blocks: &Blocks, id: usize) {
+        let (ptr, end) = (blocks[id].ptr, blocks[id].ptr + blocks[id].size);
+        let stamp = self.clock.epoch();
+        if let Some(segment) = self.segment_of_mut(blocks, id) {
+            let base = segment.va.base.0;
+            let from = ((ptr - base) / segment.page) as usize;
+            let to = (end - base).div_ceil(segment.page) as usize;
+            segment.freed[from..to].fill(stamp);
+        }
+    }
+
+    /// The first run of pages inside [`first`, `last`) (page-aligned addresses of block
+    /// `id`'s segment) stamped before `safe_before`, as addresses, if any.
+    pub(crate) fn safe_run(
+        &self,
+        blocks: &Blocks,
+        id: usize,
+        first: u64,
+        last: u64,
+        safe_before: u64,
+    ) -> Option<(u64, u64)> {
+        let segment = self.segment_of(blocks, id)?;
+        let (base, page) = (segment.va.base.0, segment.page);
+        let from = ((first - base) / page) as usize;
+        let to = ((last - base) / page) as usize;
+        let stamps = &segment.freed[from..to];
+        let start = stamps.iter().position(|&s| s < safe_before)?;
+        let len = stamps[start..]
+            .iter()
+            .position(|&s| s >= safe_before)
+            .unwrap_or(stamps.len() - start);
+        let at = first + start as u64 * page;
+        Some((at, at + len as u64 * page))
     }
 
     /// Takes the pages mapped over [`first`, `last`) of block `id`'s segment out of it.

@@ -60,6 +60,7 @@ impl Engine {
             va,
             page,
             handles: vec![None; (bytes / page) as usize],
+            freed: vec![0; (bytes / page) as usize],
             stream,
         });
         let id = st.blocks.insert(Block::new(
@@ -106,10 +107,12 @@ impl Engine {
             return Ok((st, None));
         };
         // `expandable_segments_reclaim`: free whole pages elsewhere in this stream's ranges
-        // are unmapped (after a stream sync) and mapped here instead of new memory.
+        // whose last use has run (`reclaim_clock`) are unmapped and mapped here instead of
+        // new memory.
         let pages = to_map / page;
         let spare_now = st.expandable.spare_count(kind, page);
-        if st.config.expandable_segments_reclaim && pages > spare_now {
+        // While a capture is underway no event may be queried: only new pages then.
+        if st.config.expandable_segments_reclaim && pages > spare_now && !st.capturing() {
             st = self.release_expandable(
                 st,
                 Unmap::Reclaim {
@@ -224,9 +227,15 @@ impl Engine {
     }
 
     /// Unmaps the whole pages inside free expandable blocks (partial pages at either end
-    /// stay mapped), after waiting for each segment's stream: the driver's unmap does not
-    /// wait for queued work. Segments left entirely unmapped give their range back.
+    /// stay mapped). The driver's unmap does not wait for queued work: `Unmap::All` waits
+    /// for each segment's stream first; a reclaim takes only pages whose last free an
+    /// event has shown complete, and waits for nothing. Segments left entirely unmapped
+    /// give their range back.
     pub(crate) fn release_expandable<'a>(&'a self, mut st: Guard<'a>, scope: Unmap) -> Guard<'a> {
+        let safe_before = match scope {
+            Unmap::All => None,
+            Unmap::Reclaim { stream, .. } => Some(self.mark_reclaim(&mut st, stream)),
+        };
         let candidates: Vec<usize> = st
             .pools
             .keys()
@@ -249,10 +258,12 @@ impl Engine {
         };
         let mut jobs: Vec<UnmapJob> = Vec::new();
         for id in candidates {
-            if wanted == 0 {
-                break;
-            }
-            if let Some(job) = st.cut_pages(id, wanted) {
+            // A block may hold several runs of safe pages; after a cut, `id` is the tail
+            // left in the pool, or the cut itself when no tail was left.
+            while wanted > 0
+                && st.blocks[id].in_pool
+                && let Some(job) = st.cut_pages(id, wanted, safe_before)
+            {
                 wanted -= job.bytes / job.page;
                 jobs.push(job);
             }
@@ -266,7 +277,7 @@ impl Engine {
         drop(st);
         let mut synced: Vec<StreamHandle> = Vec::new();
         for job in &jobs {
-            if !synced.contains(&job.stream) {
+            if safe_before.is_none() && !synced.contains(&job.stream) {
                 let _ = self.driver.stream_synchronize(job.stream);
                 synced.push(job.stream);
             }
@@ -306,6 +317,22 @@ impl Engine {
             let _ = self.driver.vm_release(va);
         }
         self.lock()
+    }
+
+    /// Records a reclaim mark on `stream` (an event that starts a new epoch) and settles
+    /// its marks: returns the epoch before which its pages' last use has run.
+    fn mark_reclaim(&self, st: &mut State, stream: StreamHandle) -> u64 {
+        if let Ok(event) = st.order.event(&*self.driver, self.device) {
+            match self.driver.event_record(event, stream) {
+                Ok(()) => st.expandable.clock.marked(stream, event),
+                Err(_) => st.order.give_back(event),
+            }
+        }
+        let (done, safe_before) = st.expandable.clock.settle(&*self.driver, stream);
+        for event in done {
+            st.order.give_back(event);
+        }
+        safe_before
     }
 
     /// Gives the spare pages of `expandable_segments_reclaim` back to the driver.

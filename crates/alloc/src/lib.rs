@@ -83,6 +83,7 @@ mod inspect;
 mod peer_access;
 mod pluggable;
 mod private_pools;
+mod reclaim_clock;
 mod release;
 pub mod rounding;
 mod slow_path;

@@ -145,7 +145,8 @@ impl Engine {
         let mut st = self.lock();
         st.private.forget_users();
         let mut st = self.release_cached(self.synchronize_events(st), None);
-        let events = st.order.take_spare();
+        let mut events = st.order.take_spare();
+        events.extend(st.expandable.clock.take_events());
         drop(st);
         for e in events {
             let _ = self.driver.event_destroy(e);

@@ -260,6 +260,9 @@ impl State {
     /// `free_block`: merges with free neighbours and returns the block to its pool.
     #[inline(always)]
     pub(crate) fn free_block(&mut self, id: usize) {
+        if self.blocks[id].segment.is_some() {
+            self.expandable.stamp_free(&self.blocks, id);
+        }
         let b = &mut self.blocks[id];
         let (ptr, stream, kind) = (b.ptr, b.stream, b.pool);
         let (size, requested, counted) = (b.size, b.requested, b.segment.is_none());
@@ -449,10 +452,17 @@ impl State {
         first
     }
 
-    /// Cuts the whole pages (at most `wanted` of them) out of free expandable block `id`:
-    /// the head and tail around them go back to the free list, the pages' range is set
-    /// aside for unmapping. `None` if the block holds no whole page.
-    pub(crate) fn cut_pages(&mut self, id: usize, wanted: u64) -> Option<UnmapJob> {
+    /// Cuts the whole pages (at most `wanted` of them) out of free expandable block `id`,
+    /// with `safe_before` only the first run of pages stamped before that reclaim epoch:
+    /// the head and tail around them go back to the free list (the tail keeps the index
+    /// `id`), the pages' range is set aside for unmapping. `None` if the block holds no
+    /// such page.
+    pub(crate) fn cut_pages(
+        &mut self,
+        id: usize,
+        wanted: u64,
+        safe_before: Option<u64>,
+    ) -> Option<UnmapJob> {
         let b = &self.blocks[id];
         let seg = self.expandable.segment_of(&self.blocks, id)?;
         let (base, page, stream) = (seg.va.base.0, seg.page, seg.stream);
@@ -461,6 +471,12 @@ impl State {
         if last <= first {
             return None;
         }
+        let (first, last) = match safe_before {
+            Some(epoch) => self
+                .expandable
+                .safe_run(&self.blocks, id, first, last, epoch)?,
+            None => (first, last),
+        };
         let last = last.min(first.saturating_add(wanted.saturating_mul(page)));
         let (end, kind) = (b.ptr + b.size, b.pool);
         self.pool_remove(id);
