@@ -279,6 +279,7 @@ impl CachingAllocator {
         let uses = st.release_live(id, free_frames.as_ref());
         if uses.is_empty() {
             st.free_block(id);
+            self.engine.record_due_mark(&mut st);
             return Ok(());
         }
         self.engine.hold_back(st, id, uses)

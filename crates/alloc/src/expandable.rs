@@ -19,8 +19,15 @@ pub(crate) struct ExpandableSegment {
     /// Per page, the reclaim epoch of the last free that covered it (0: none since it was
     /// mapped): see `reclaim_clock`.
     pub(crate) freed: Vec<u64>,
+    /// Frees since a reclaim mark was last due on this segment.
+    pub(crate) frees_since_mark: u32,
     pub(crate) stream: StreamHandle,
 }
+
+/// Every this many frees in a segment a reclaim mark falls due on its stream: pages freed
+/// late in a step are then covered by a mark the device reaches soon after, not only by
+/// the next growth's (which it has not reached when that growth looks).
+const FREES_PER_MARK: u32 = 16;
 
 /// One step of growing an expandable range: a free mapped block to take as it is, or the
 /// first `bytes` of an unmapped range to map.
@@ -69,6 +76,8 @@ pub(crate) struct Expandable {
     pub(crate) spare_pages: [Vec<(PhysHandle, u64)>; 2],
     /// When free pages may be unmapped without a synchronization.
     pub(crate) clock: ReclaimClock,
+    /// A stream whose frees want a reclaim mark recorded (`FREES_PER_MARK`).
+    pub(crate) mark_due: Option<StreamHandle>,
 }
 
 impl Expandable {
@@ -123,7 +132,8 @@ impl Expandable {
     }
 
     /// Stamps the pages that block `id` (being freed) covers, partial ones too, with the
-    /// reclaim clock's epoch (whatever the configuration: reclaim may be switched on later).
+    /// reclaim clock's epoch (whatever the configuration: reclaim may be switched on later),
+    /// and counts the free towards the segment's next mark.
     pub(crate) fn stamp_free(&mut self, blocks: &Blocks, id: usize) {
         let (ptr, end) = (blocks[id].ptr, blocks[id].ptr + blocks[id].size);
         let stamp = self.clock.epoch();
@@ -132,6 +142,11 @@ impl Expandable {
             let from = ((ptr - base) / segment.page) as usize;
             let to = (end - base).div_ceil(segment.page) as usize;
             segment.freed[from..to].fill(stamp);
+            segment.frees_since_mark += 1;
+            if segment.frees_since_mark >= FREES_PER_MARK {
+                segment.frees_since_mark = 0;
+                self.mark_due = Some(segment.stream);
+            }
         }
     }
 

@@ -61,6 +61,7 @@ impl Engine {
             page,
             handles: vec![None; (bytes / page) as usize],
             freed: vec![0; (bytes / page) as usize],
+            frees_since_mark: 0,
             stream,
         });
         let id = st.blocks.insert(Block::new(
@@ -228,44 +229,31 @@ impl Engine {
 
     /// Unmaps the whole pages inside free expandable blocks (partial pages at either end
     /// stay mapped). The driver's unmap does not wait for queued work: `Unmap::All` waits
-    /// for each segment's stream first; a reclaim takes only pages whose last free an
-    /// event has shown complete, and waits for nothing. Segments left entirely unmapped
-    /// give their range back.
+    /// for each segment's stream first. A reclaim takes pages whose last free a completed
+    /// mark covers (`reclaim_clock`); if they are too few, it waits for an older mark, one
+    /// with work queued behind it (so the device does not run dry), and takes the pages
+    /// that mark covers. Segments left entirely unmapped give their range back.
     pub(crate) fn release_expandable<'a>(&'a self, mut st: Guard<'a>, scope: Unmap) -> Guard<'a> {
-        let safe_before = match scope {
-            Unmap::All => None,
-            Unmap::Reclaim { stream, .. } => Some(self.mark_reclaim(&mut st, stream)),
-        };
-        let candidates: Vec<usize> = st
-            .pools
-            .keys()
-            .filter(|k| st.blocks[k.id].segment.is_some())
-            .filter(|k| match scope {
-                Unmap::All => true,
-                Unmap::Reclaim {
-                    stream, kind, page, ..
-                } => {
-                    k.stream == stream.raw
-                        && st.blocks[k.id].pool == kind
-                        && st.expandable.page_of(&st.blocks, k.id) == Some(page)
-                }
-            })
-            .map(|k| k.id)
-            .collect();
         let mut wanted = match scope {
             Unmap::All => u64::MAX,
             Unmap::Reclaim { pages, .. } => pages,
         };
         let mut jobs: Vec<UnmapJob> = Vec::new();
-        for id in candidates {
-            // A block may hold several runs of safe pages; after a cut, `id` is the tail
-            // left in the pool, or the cut itself when no tail was left.
-            while wanted > 0
-                && st.blocks[id].in_pool
-                && let Some(job) = st.cut_pages(id, wanted, safe_before)
-            {
-                wanted -= job.bytes / job.page;
-                jobs.push(job);
+        match scope {
+            Unmap::All => cut_free_pages(&mut st, scope, None, &mut wanted, &mut jobs),
+            Unmap::Reclaim { stream, .. } => {
+                self.record_mark(&mut st, stream);
+                let safe_before = self.settle_marks(&mut st, stream);
+                cut_free_pages(&mut st, scope, Some(safe_before), &mut wanted, &mut jobs);
+                if wanted > 0
+                    && let Some(event) = st.expandable.clock.mark_to_wait_for(stream)
+                {
+                    drop(st);
+                    let _ = self.driver.event_synchronize(event);
+                    st = self.lock();
+                    let safe_before = self.settle_marks(&mut st, stream);
+                    cut_free_pages(&mut st, scope, Some(safe_before), &mut wanted, &mut jobs);
+                }
             }
         }
         if jobs.is_empty() {
@@ -277,7 +265,7 @@ impl Engine {
         drop(st);
         let mut synced: Vec<StreamHandle> = Vec::new();
         for job in &jobs {
-            if safe_before.is_none() && !synced.contains(&job.stream) {
+            if matches!(scope, Unmap::All) && !synced.contains(&job.stream) {
                 let _ = self.driver.stream_synchronize(job.stream);
                 synced.push(job.stream);
             }
@@ -319,20 +307,41 @@ impl Engine {
         self.lock()
     }
 
-    /// Records a reclaim mark on `stream` (an event that starts a new epoch) and settles
-    /// its marks: returns the epoch before which its pages' last use has run.
-    fn mark_reclaim(&self, st: &mut State, stream: StreamHandle) -> u64 {
+    /// Settles `stream`'s reclaim marks: returns the epoch before which its pages' last use
+    /// has run.
+    fn settle_marks(&self, st: &mut State, stream: StreamHandle) -> u64 {
+        let (done, safe_before) = st.expandable.clock.settle(&*self.driver, stream);
+        for event in done {
+            st.order.give_back(event);
+        }
+        safe_before
+    }
+
+    /// Records a reclaim mark on `stream`, if it takes one (an event that cannot be made or
+    /// recorded only means fewer pages known safe).
+    fn record_mark(&self, st: &mut State, stream: StreamHandle) {
+        if st.expandable.mark_due == Some(stream) {
+            st.expandable.mark_due = None;
+        }
         if let Ok(event) = st.order.event(&*self.driver, self.device) {
             match self.driver.event_record(event, stream) {
                 Ok(()) => st.expandable.clock.marked(stream, event),
                 Err(_) => st.order.give_back(event),
             }
         }
-        let (done, safe_before) = st.expandable.clock.settle(&*self.driver, stream);
-        for event in done {
-            st.order.give_back(event);
+    }
+
+    /// Records the reclaim mark that frees made due (`expandable_segments_reclaim` only; it
+    /// stays due while a capture is underway, where the event would join the graph).
+    pub(crate) fn record_due_mark(&self, st: &mut State) {
+        if st.capturing() {
+            return;
         }
-        safe_before
+        if let Some(stream) = st.expandable.mark_due.take()
+            && st.config.expandable_segments_reclaim
+        {
+            self.record_mark(st, stream);
+        }
     }
 
     /// Gives the spare pages of `expandable_segments_reclaim` back to the driver.
@@ -362,5 +371,43 @@ impl Engine {
             st.total_reserved -= bytes;
         }
         st
+    }
+}
+
+/// Cuts whole free pages (up to `wanted`, counted down) out of the free expandable blocks
+/// `scope` names, with `safe_before` only pages stamped before that reclaim epoch.
+fn cut_free_pages(
+    st: &mut State,
+    scope: Unmap,
+    safe_before: Option<u64>,
+    wanted: &mut u64,
+    jobs: &mut Vec<UnmapJob>,
+) {
+    let candidates: Vec<usize> = st
+        .pools
+        .keys()
+        .filter(|k| st.blocks[k.id].segment.is_some())
+        .filter(|k| match scope {
+            Unmap::All => true,
+            Unmap::Reclaim {
+                stream, kind, page, ..
+            } => {
+                k.stream == stream.raw
+                    && st.blocks[k.id].pool == kind
+                    && st.expandable.page_of(&st.blocks, k.id) == Some(page)
+            }
+        })
+        .map(|k| k.id)
+        .collect();
+    for id in candidates {
+        // A block may hold several runs of safe pages; after a cut, `id` is the tail left
+        // in the pool, or the cut itself when no tail was left.
+        while *wanted > 0
+            && st.blocks[id].in_pool
+            && let Some(job) = st.cut_pages(id, *wanted, safe_before)
+        {
+            *wanted -= job.bytes / job.page;
+            jobs.push(job);
+        }
     }
 }

@@ -9,10 +9,18 @@
 //! stream has completed a mark started after `e`, which an event query tells without
 //! blocking; marks complete in order on their stream, so each stream needs only the newest
 //! completed one. Pages never freed since they were mapped carry stamp 0 and are always safe.
+//!
+//! Marks fall due every few frees of a segment (so that a step's late frees are covered by
+//! a mark the device reaches soon) and at every reclaim. When too few pages are known
+//! safe, a reclaim may wait for an older mark, never for the newest ones.
 use ferrocuda_driver::Driver;
 use ferrocuda_types::{EventHandle, StreamHandle};
 use rustc_hash::FxHashMap;
 use std::collections::VecDeque;
+
+/// How many newer marks a mark needs before a reclaim waits for it: a wait for the newest
+/// would drain the stream's queue, as the synchronization this design avoids does.
+const MARKS_BEHIND: usize = 4;
 
 /// Marks of one stream.
 #[derive(Debug)]
@@ -81,6 +89,15 @@ impl ReclaimClock {
             done.push(event);
         }
         (done, marks.safe_before)
+    }
+
+    /// The newest outstanding mark of `stream` with [`MARKS_BEHIND`] newer ones after it:
+    /// one worth waiting for when too few pages are known safe (the work queued behind
+    /// it keeps the device busy while the host waits).
+    pub(crate) fn mark_to_wait_for(&self, stream: StreamHandle) -> Option<EventHandle> {
+        let outstanding = &self.streams.get(&stream.raw)?.outstanding;
+        let at = outstanding.len().checked_sub(MARKS_BEHIND + 1)?;
+        outstanding.get(at).map(|&(event, _)| event)
     }
 
     /// Every outstanding mark's event (the allocator is going away; its streams were

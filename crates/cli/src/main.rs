@@ -72,6 +72,12 @@ enum Command {
             conflicts_with = "addresses"
         )]
         addresses_from: Option<PathBuf>,
+        /// Let the fake device run queued work (the allocator's events) only at every Nth
+        /// trace step, as a GPU the host runs ahead of, instead of at once: what page
+        /// reclaim (`expandable_segments_reclaim`) saves depends on how far the device
+        /// lags. Fake device only.
+        #[arg(long = "catch-up-every", value_name = "N")]
+        catch_up_every: Option<u64>,
     },
     /// Prints PyTorch's memory_summary table for a snapshot (current state from its
     /// segments, peaks of requested and reserved bytes from its history).
@@ -158,6 +164,7 @@ fn run(cli: Cli) -> Result<(), Failure> {
             json,
             addresses,
             addresses_from,
+            catch_up_every,
         } => {
             // Options first: a bad one is reported before the driver is initialised or any
             // file is read.
@@ -170,6 +177,7 @@ fn run(cli: Cli) -> Result<(), Failure> {
                     (Some(Addresses::Fresh), None) => Some(AddressChoice::Fresh),
                     (None, None) => None,
                 },
+                catch_up_every,
             )?;
             let (confs, conf_note) = resolve_confs(&confs, |k| std::env::var(k).ok())?;
             let device = Device::open(&choice)?;

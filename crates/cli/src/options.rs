@@ -74,6 +74,10 @@ pub enum DeviceChoice {
         capacity: u64,
         /// Where segments go.
         addresses: AddressChoice,
+        /// With `--catch-up-every N`, work enqueued on the fake device (the allocator's
+        /// events) runs only at every `N`th trace step, as on a GPU that the host runs
+        /// ahead of; without it, at once.
+        catch_up_every: Option<u64>,
     },
     /// The real driver's device 0 (`--device cuda`).
     Cuda,
@@ -86,6 +90,9 @@ pub enum DeviceError {
     /// `--capacity` does not parse or is out of range.
     #[error("{0}")]
     Capacity(String),
+    /// `--catch-up-every 0`.
+    #[error("--catch-up-every takes a number of trace steps of at least 1")]
+    CatchUp,
     /// An option of the fake device was given with `--device cuda`.
     #[error(
         "{flag} applies to the fake device only: with --device cuda the GPU's own memory and \
@@ -97,26 +104,34 @@ pub enum DeviceError {
     },
 }
 
-/// The device of `--device` (`cuda` true for `cuda`), with the fake device's `--capacity`
-/// and addresses (`--addresses` or `--addresses-from`) when given: with `cuda` either is an
-/// error.
+/// The device of `--device` (`cuda` true for `cuda`), with the fake device's `--capacity`,
+/// addresses (`--addresses` or `--addresses-from`) and `--catch-up-every` when given: with
+/// `cuda` any of them is an error.
 pub fn choose_device(
     cuda: bool,
     capacity: Option<&str>,
     addresses: Option<AddressChoice>,
+    catch_up_every: Option<u64>,
 ) -> Result<DeviceChoice, DeviceError> {
     if cuda {
-        return match (capacity, addresses) {
-            (Some(_), _) => Err(DeviceError::FakeOnly { flag: "--capacity" }),
-            (_, Some(a)) => Err(DeviceError::FakeOnly { flag: a.flag() }),
-            (None, None) => Ok(DeviceChoice::Cuda),
+        return match (capacity, addresses, catch_up_every) {
+            (Some(_), _, _) => Err(DeviceError::FakeOnly { flag: "--capacity" }),
+            (_, Some(a), _) => Err(DeviceError::FakeOnly { flag: a.flag() }),
+            (_, _, Some(_)) => Err(DeviceError::FakeOnly {
+                flag: "--catch-up-every",
+            }),
+            (None, None, None) => Ok(DeviceChoice::Cuda),
         };
+    }
+    if catch_up_every == Some(0) {
+        return Err(DeviceError::CatchUp);
     }
     Ok(DeviceChoice::Fake {
         capacity: capacity.map_or(Ok(DEFAULT_CAPACITY), |c| {
             parse_capacity(c).map_err(DeviceError::Capacity)
         })?,
         addresses: addresses.unwrap_or(AddressChoice::Fresh),
+        catch_up_every,
     })
 }
 
@@ -245,36 +260,47 @@ mod tests {
     #[test]
     fn the_fake_devices_options_are_refused_with_cuda() {
         assert_eq!(
-            choose_device(false, None, None),
+            choose_device(false, None, None, None),
             Ok(DeviceChoice::Fake {
                 capacity: DEFAULT_CAPACITY,
-                addresses: AddressChoice::Fresh
+                addresses: AddressChoice::Fresh,
+                catch_up_every: None,
             })
         );
         assert_eq!(
-            choose_device(false, Some("2G"), Some(AddressChoice::Recorded)),
+            choose_device(false, Some("2G"), Some(AddressChoice::Recorded), Some(500)),
             Ok(DeviceChoice::Fake {
                 capacity: 2 * GIB,
-                addresses: AddressChoice::Recorded
+                addresses: AddressChoice::Recorded,
+                catch_up_every: Some(500),
             })
         );
+        assert_eq!(
+            choose_device(false, None, None, Some(0)),
+            Err(DeviceError::CatchUp)
+        );
         assert!(matches!(
-            choose_device(false, Some("1.5G"), None),
+            choose_device(false, Some("1.5G"), None, None),
             Err(DeviceError::Capacity(m)) if m.contains("--capacity \"1.5G\"")
         ));
-        assert_eq!(choose_device(true, None, None), Ok(DeviceChoice::Cuda));
-        for (capacity, addresses, flag) in [
-            (Some("80G"), None, "--capacity"),
-            (Some("bogus"), None, "--capacity"),
-            (None, Some(AddressChoice::Recorded), "--addresses"),
-            (None, Some(AddressChoice::Fresh), "--addresses"),
+        assert_eq!(
+            choose_device(true, None, None, None),
+            Ok(DeviceChoice::Cuda)
+        );
+        for (capacity, addresses, catch_up, flag) in [
+            (Some("80G"), None, None, "--capacity"),
+            (Some("bogus"), None, None, "--capacity"),
+            (None, Some(AddressChoice::Recorded), None, "--addresses"),
+            (None, Some(AddressChoice::Fresh), None, "--addresses"),
             (
                 None,
                 Some(AddressChoice::From(PathBuf::from("gpu.json"))),
+                None,
                 "--addresses-from",
             ),
+            (None, None, Some(100), "--catch-up-every"),
         ] {
-            let err = choose_device(true, capacity, addresses);
+            let err = choose_device(true, capacity, addresses, catch_up);
             assert_eq!(err, Err(DeviceError::FakeOnly { flag }));
             let text = err.err().map(|e| e.to_string()).unwrap_or_default();
             assert!(

@@ -6,7 +6,7 @@ use crate::options::{AddressChoice, DeviceChoice};
 use crate::pytorch::PytorchFigures;
 use crate::trace::Event;
 use ferrocuda_alloc::{AllocError, CachingAllocator};
-use ferrocuda_driver::fake::{AddressPlan, AddressPlanError, PlanUse, WhenUnusable};
+use ferrocuda_driver::fake::{AddressPlan, AddressPlanError, Completion, PlanUse, WhenUnusable};
 use ferrocuda_driver::{CudaDriver, Driver, DriverError, FakeDriver};
 use ferrocuda_types::{
     AllocatorConfig, DeviceIndex, DevicePtr, StreamFlags, StreamHandle, format_size,
@@ -141,6 +141,9 @@ pub enum Device {
         capacity: u64,
         /// Where segments go.
         addresses: FakeAddresses,
+        /// Queued work runs only at every this many trace steps (`--catch-up-every`);
+        /// `None`: at once.
+        catch_up_every: Option<u64>,
     },
     /// The real driver's device 0, shared by every replay (each with its own allocator,
     /// which gives its memory back when dropped).
@@ -240,8 +243,10 @@ impl Device {
             DeviceChoice::Fake {
                 capacity,
                 addresses,
+                catch_up_every,
             } => Ok(Device::Fake {
                 capacity: *capacity,
+                catch_up_every: *catch_up_every,
                 addresses: match addresses {
                     AddressChoice::Fresh => FakeAddresses::Fresh,
                     AddressChoice::Recorded => FakeAddresses::Recorded,
@@ -261,8 +266,15 @@ impl Device {
     /// What the replays ran on, for the note under the figures.
     pub fn describe(&self) -> String {
         match self {
-            Device::Fake { capacity, .. } => {
-                format!("the fake device ({} each)", format_size(*capacity))
+            Device::Fake {
+                capacity,
+                catch_up_every,
+                ..
+            } => {
+                let lag = catch_up_every.map_or(String::new(), |n| {
+                    format!(", its queued work run every {n} trace steps")
+                });
+                format!("the fake device ({} each{lag})", format_size(*capacity))
             }
             Device::Cuda(cuda) => match cuda.device_properties(DEV) {
                 Ok(p) => format!("cuda:0 ({})", p.name),
@@ -286,11 +298,22 @@ impl Device {
             Device::Fake {
                 capacity,
                 addresses,
+                catch_up_every,
             } => {
                 let fake = fake_device(*capacity, addresses.plan(device, label, recorded)?);
                 fake.log_mallocs(true);
+                let catch_up = || {
+                    fake.advance_all();
+                };
+                let lag = catch_up_every.map(|every| {
+                    fake.set_completion(Completion::Manual);
+                    CatchUp {
+                        every,
+                        run: &catch_up,
+                    }
+                });
                 let (mut figures, allocator) =
-                    replay_with(fake.clone(), events, label, config, progress)?;
+                    replay_lagging(fake.clone(), events, label, config, progress, lag)?;
                 figures.addresses = fake.address_plan_use(DEV).map(AddressUse::from);
                 figures.segment_addresses = segments_of(fake.take_malloc_log());
                 (figures, allocator)
@@ -365,7 +388,29 @@ pub fn replay_with(
     events: &[Event],
     label: &str,
     config: AllocatorConfig,
+    progress: impl FnMut(u64),
+) -> Result<(Figures, CachingAllocator), ReplayError> {
+    replay_lagging(driver, events, label, config, progress, None)
+}
+
+/// A device that runs its queued work late: `run` completes it, called before every
+/// `every`th step of the trace.
+struct CatchUp<'a> {
+    /// Steps between catch-ups (at least 1).
+    every: u64,
+    /// Completes the device's queued work.
+    run: &'a dyn Fn(),
+}
+
+/// [`replay_with`], on a device whose queued work runs only when `lag` catches it up
+/// (with `None`, as it comes).
+fn replay_lagging(
+    driver: Arc<dyn Driver>,
+    events: &[Event],
+    label: &str,
+    config: AllocatorConfig,
     mut progress: impl FnMut(u64),
+    lag: Option<CatchUp<'_>>,
 ) -> Result<(Figures, CachingAllocator), ReplayError> {
     let plan = Plan::new(events);
     let allocator = CachingAllocator::new(driver.clone(), DEV, config, true)
@@ -400,6 +445,11 @@ pub fn replay_with(
         let first = chunk * PROGRESS_EVERY;
         progress(plan.origin[first] as u64);
         for (k, step) in (first..).zip(steps) {
+            if let Some(lag) = &lag
+                && (k as u64).is_multiple_of(lag.every.max(1))
+            {
+                (lag.run)();
+            }
             match *step {
                 Step::Alloc { slot, stream, size } => {
                     match allocator.allocate(size, streams[stream]) {

@@ -77,6 +77,7 @@ fn recorded_addresses_make_every_default_figure_exact() -> TestResult {
         let device = Device::Fake {
             capacity: 80 << 30,
             addresses: FakeAddresses::Recorded,
+            catch_up_every: None,
         };
         let (f, _) = device.replay(0, &events(trace), &recorded, "default", config, |_| {})?;
         for (ours, key) in [

@@ -87,6 +87,7 @@ fn check_trace(trace: &str) -> TestResult {
             } else {
                 FakeAddresses::Fresh
             },
+            catch_up_every: None,
         };
         let conf = text("conf")?;
         let (f, _) = device.replay(0, &events, &recorded, conf, config(conf)?, |_| {})?;
