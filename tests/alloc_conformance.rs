@@ -322,7 +322,8 @@ fn expandable_segments(h: &Harness) -> TestResult {
 }
 
 /// `expandable_segments_reclaim` over the real virtual-memory API: the physical pages of a
-/// freed hole are unmapped and mapped again at the frontier, keeping live data intact.
+/// freed hole are unmapped and mapped again at the frontier once the work queued on them
+/// has run, keeping live data intact.
 fn expandable_reclaim(h: &Harness) -> TestResult {
     let d = h.rt.driver();
     let a = allocator(
@@ -336,6 +337,10 @@ fn expandable_reclaim(h: &Harness) -> TestResult {
         d.memset_async(x.ptr, MemsetValue::U8(i as u8 + 1), x.size, LEGACY)?;
     }
     a.free(xs[1].ptr)?;
+    // The hole's pages move once the work queued on them has run (the allocator does not
+    // wait for it: `crates/alloc/tests/reclaim_without_sync.rs` checks the early case on
+    // the fake device); after the program's own synchronization the stream is idle.
+    d.stream_synchronize(LEGACY)?;
     let big = a.allocate(60 * MIB, LEGACY)?;
     assert_eq!(stat(&a, "reserved_bytes.all.current"), 140 * MIB as i64);
     d.memset_async(big.ptr, MemsetValue::U8(9), big.size, LEGACY)?;

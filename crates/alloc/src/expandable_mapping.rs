@@ -230,7 +230,8 @@ impl Engine {
     /// Unmaps the whole pages inside free expandable blocks (partial pages at either end
     /// stay mapped). The driver's unmap does not wait for queued work: `Unmap::All` waits
     /// for each segment's stream first. A reclaim takes pages whose last free a completed
-    /// mark covers (`reclaim_clock`); if they are too few, it waits for an older mark, one
+    /// mark covers (`reclaim_clock`), all of them if the stream is found idle; if they are
+    /// too few, it waits for an older mark, one
     /// with work queued behind it (so the device does not run dry), and takes the pages
     /// that mark covers. Segments left entirely unmapped give their range back.
     pub(crate) fn release_expandable<'a>(&'a self, mut st: Guard<'a>, scope: Unmap) -> Guard<'a> {
@@ -242,8 +243,14 @@ impl Engine {
         match scope {
             Unmap::All => cut_free_pages(&mut st, scope, None, &mut wanted, &mut jobs),
             Unmap::Reclaim { stream, .. } => {
-                self.record_mark(&mut st, stream);
-                let safe_before = self.settle_marks(&mut st, stream);
+                let safe_before = if self.driver.stream_query(stream).unwrap_or(false) {
+                    let (done, safe_before) = st.expandable.clock.idle(stream);
+                    st.order.give_back_all(done);
+                    safe_before
+                } else {
+                    self.record_mark(&mut st, stream);
+                    self.settle_marks(&mut st, stream)
+                };
                 cut_free_pages(&mut st, scope, Some(safe_before), &mut wanted, &mut jobs);
                 if wanted > 0
                     && let Some(event) = st.expandable.clock.mark_to_wait_for(stream)
@@ -311,9 +318,7 @@ impl Engine {
     /// has run.
     fn settle_marks(&self, st: &mut State, stream: StreamHandle) -> u64 {
         let (done, safe_before) = st.expandable.clock.settle(&*self.driver, stream);
-        for event in done {
-            st.order.give_back(event);
-        }
+        st.order.give_back_all(done);
         safe_before
     }
 

@@ -11,8 +11,10 @@
 //! completed one. Pages never freed since they were mapped carry stamp 0 and are always safe.
 //!
 //! Marks fall due every few frees of a segment (so that a step's late frees are covered by
-//! a mark the device reaches soon) and at every reclaim. When too few pages are known
-//! safe, a reclaim may wait for an older mark, never for the newest ones.
+//! a mark the device reaches soon) and at every reclaim. A stream found idle (a query, not
+//! a wait: after the program's own synchronization, say) makes every page stamped so far
+//! safe. When too few pages are known safe, a reclaim may wait for an older mark, never for
+//! the newest ones.
 use ferrocuda_driver::Driver;
 use ferrocuda_types::{EventHandle, StreamHandle};
 use rustc_hash::FxHashMap;
@@ -89,6 +91,19 @@ impl ReclaimClock {
             done.push(event);
         }
         (done, marks.safe_before)
+    }
+
+    /// `stream` has run everything enqueued so far (an idle stream): every page stamped
+    /// until now is safe. Returns its outstanding marks' events, free to be recorded again,
+    /// and the stamp below which pages are safe.
+    pub(crate) fn idle(&mut self, stream: StreamHandle) -> (Vec<EventHandle>, u64) {
+        // A new epoch, so that frees from now on are not taken for ones the query covered.
+        self.epoch += 1;
+        let safe_before = self.epoch;
+        let marks = self.streams.entry(stream.raw).or_default();
+        marks.safe_before = safe_before;
+        let done = marks.outstanding.drain(..).map(|(e, _)| e).collect();
+        (done, safe_before)
     }
 
     /// The newest outstanding mark of `stream` with [`MARKS_BEHIND`] newer ones after it:

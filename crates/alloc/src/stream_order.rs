@@ -49,6 +49,11 @@ impl StreamOrder {
         self.spare.push(event);
     }
 
+    /// Gives back events no longer outstanding anywhere.
+    pub(crate) fn give_back_all(&mut self, events: Vec<EventHandle>) {
+        self.spare.extend(events);
+    }
+
     /// `insert_events`: records an event on each stream of `uses` for block `id` (counted
     /// in its `event_count`), made on that stream's device (a stream of another device, a
     /// peer's, takes an event of its own device, as PyTorch switches device for it).

@@ -65,8 +65,11 @@ fn only_the_pages_whose_last_use_ran_move() -> TestResult {
     let xs: Vec<_> = (0..4)
         .map(|_| a.allocate(10 * MIB, LEGACY))
         .collect::<Result<_, _>>()?;
-    a.free(xs[0].ptr)?;
-    a.free(xs[2].ptr)?;
+    fake.advance_all();
+    for x in [&xs[0], &xs[2]] {
+        fake.memset_async(x.ptr, MemsetValue::U8(3), x.size, LEGACY)?;
+        a.free(x.ptr)?;
+    }
     // Growth records a mark covering both frees; the device has not reached it yet.
     let _grown_first = a.allocate(12 * MIB, LEGACY)?;
     assert_eq!(reserved(&a), 52 * MIB, "nothing was known to be safe");
@@ -120,6 +123,8 @@ enum Step {
     Free { pick: usize },
     Write { pick: usize },
     Advance { stream: usize, items: usize },
+    /// Runs everything queued on every stream (as a synchronization of the program would).
+    Drain,
 }
 
 fn step() -> impl Strategy<Value = Step> {
@@ -128,6 +133,7 @@ fn step() -> impl Strategy<Value = Step> {
         3 => any::<usize>().prop_map(|pick| Step::Free { pick }),
         3 => any::<usize>().prop_map(|pick| Step::Write { pick }),
         2 => (0..2usize, 0..40usize).prop_map(|(stream, items)| Step::Advance { stream, items }),
+        1 => Just(Step::Drain),
     ]
 }
 
@@ -184,6 +190,9 @@ proptest! {
                 Step::Advance { stream, items } => {
                     fake.advance(streams[stream], Some(items)).unwrap();
                 }
+                Step::Drain => {
+                    fake.advance_all();
+                }
                 _ => {}
             }
             a.check_invariants().unwrap();
@@ -203,4 +212,56 @@ proptest! {
         let (free, total) = fake.mem_get_info(D0).unwrap();
         prop_assert_eq!(total - free, reserved(&a));
     }
+}
+
+/// Short of safe pages, a reclaim waits for an older mark (one with four newer marks after
+/// it), not for the stream: the work queued behind that mark is still queued afterwards,
+/// and the pages freed before it move.
+#[test]
+fn short_of_safe_pages_a_reclaim_waits_for_an_older_mark_not_the_stream() -> TestResult {
+    let (fake, a) = setup(80 * GIB, RECLAIM, Completion::Manual);
+    let big: Vec<_> = (0..4)
+        .map(|_| a.allocate(10 * MIB, LEGACY))
+        .collect::<Result<_, _>>()?;
+    let small: Vec<_> = (0..96)
+        .map(|_| a.allocate(MIB, LEGACY))
+        .collect::<Result<_, _>>()?;
+    fake.advance_all();
+    // Two holes whose frees the device has not reached, then enough frees for several
+    // marks, each behind queued work.
+    a.free(big[0].ptr)?;
+    a.free(big[2].ptr)?;
+    for x in &small {
+        fake.memset_async(x.ptr, MemsetValue::U8(1), 64, LEGACY)?;
+        a.free(x.ptr)?;
+    }
+    let (syncs, waits) = (
+        fake.calls(Call::StreamSynchronize) + fake.calls(Call::DeviceSynchronize),
+        fake.calls(Call::EventSynchronize),
+    );
+    let before = reserved(&a);
+    let grown = a.allocate(120 * MIB, LEGACY)?;
+    assert_eq!(fake.calls(Call::EventSynchronize), waits + 1, "one wait");
+    assert_eq!(
+        fake.calls(Call::StreamSynchronize) + fake.calls(Call::DeviceSynchronize),
+        syncs,
+        "no synchronization of the stream"
+    );
+    assert!(
+        fake.pending(LEGACY)? > 0,
+        "work queued behind the mark waited for is still queued"
+    );
+    assert!(
+        reserved(&a) - before <= 100 * MIB,
+        "the holes' 20 MiB moved: {} MiB new",
+        (reserved(&a) - before) / MIB
+    );
+    fake.memset_async(grown.ptr, MemsetValue::U8(2), grown.size, LEGACY)?;
+    fake.device_synchronize(D0)?;
+    for x in [&big[1], &big[3]] {
+        a.free(x.ptr)?;
+    }
+    a.free(grown.ptr)?;
+    a.check_invariants()?;
+    Ok(())
 }
