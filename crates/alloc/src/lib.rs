@@ -17,10 +17,15 @@
 //! - **No lock across blocking driver calls**: `malloc`, `free` and synchronizations run
 //!   with the allocator's mutex released (segments being allocated are counted in advance
 //!   so the memory fraction holds). Event record and query, which do not block, run under it.
+//! - **Page reclaim never synchronizes** (`expandable_segments_reclaim`): PyTorch waits for
+//!   the stream before it unmaps; here a page moves only once an event mark recorded after
+//!   its last free has completed (or the stream is idle), and growth creates new pages
+//!   for the rest, so a training step is not drained in its middle.
 //! - **One type per part of the state, calls going one way.** `block` (the slab of block
 //!   records, links, split and merge), `free_pools` (free lists per pool and stream, best
 //!   fit, the oversize rule), `stream_order` (events that hold freed blocks back),
-//!   `expandable` (address ranges, pages, unmapped pieces), `private_pools` (routes, users,
+//!   `expandable` (address ranges, pages, unmapped pieces), `reclaim_clock` (when a free
+//!   page may move without a synchronization), `private_pools` (routes, users,
 //!   which pools a release may touch) are composed by `state`, which does the block-level
 //!   steps. `engine` holds the lock and the steps every path shares; `slow_path` calls
 //!   `release`, which calls `expandable_mapping`, which calls `engine`; `allocator` is the

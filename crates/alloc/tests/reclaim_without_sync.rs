@@ -14,6 +14,15 @@ use proptest::prelude::*;
 const RECLAIM: &str =
     "expandable_segments:True,expandable_segments_reclaim:True,expandable_segments_page_mb:2";
 
+/// `n` allocations of `bytes` on the legacy stream.
+fn allocate_n(
+    a: &ferrocuda_alloc::CachingAllocator,
+    n: usize,
+    bytes: u64,
+) -> Result<Vec<Allocation>, ferrocuda_alloc::AllocError> {
+    (0..n).map(|_| a.allocate(bytes, LEGACY)).collect()
+}
+
 fn reserved(a: &ferrocuda_alloc::CachingAllocator) -> u64 {
     stat(a, "reserved_bytes.all.current") as u64
 }
@@ -23,9 +32,7 @@ fn reserved(a: &ferrocuda_alloc::CachingAllocator) -> u64 {
 #[test]
 fn a_free_with_queued_work_keeps_its_pages_until_that_work_has_run() -> TestResult {
     let (fake, a) = setup(80 * GIB, RECLAIM, Completion::Manual);
-    let xs: Vec<_> = (0..3)
-        .map(|_| a.allocate(40 * MIB, LEGACY))
-        .collect::<Result<_, _>>()?;
+    let xs: Vec<_> = allocate_n(&a, 3, 40 * MIB)?;
     fake.advance_all();
     fake.memset_async(xs[1].ptr, MemsetValue::U8(7), xs[1].size, LEGACY)?;
     a.free(xs[1].ptr)?;
@@ -62,9 +69,7 @@ fn a_free_with_queued_work_keeps_its_pages_until_that_work_has_run() -> TestResu
 #[test]
 fn only_the_pages_whose_last_use_ran_move() -> TestResult {
     let (fake, a) = setup(80 * GIB, RECLAIM, Completion::Manual);
-    let xs: Vec<_> = (0..4)
-        .map(|_| a.allocate(10 * MIB, LEGACY))
-        .collect::<Result<_, _>>()?;
+    let xs: Vec<_> = allocate_n(&a, 4, 10 * MIB)?;
     fake.advance_all();
     for x in [&xs[0], &xs[2]] {
         fake.memset_async(x.ptr, MemsetValue::U8(3), x.size, LEGACY)?;
@@ -119,10 +124,20 @@ fn growth_during_a_capture_queries_no_event() -> TestResult {
 
 #[derive(Clone, Debug)]
 enum Step {
-    Alloc { mib: u64, stream: usize },
-    Free { pick: usize },
-    Write { pick: usize },
-    Advance { stream: usize, items: usize },
+    Alloc {
+        mib: u64,
+        stream: usize,
+    },
+    Free {
+        pick: usize,
+    },
+    Write {
+        pick: usize,
+    },
+    Advance {
+        stream: usize,
+        items: usize,
+    },
     /// Runs everything queued on every stream (as a synchronization of the program would).
     Drain,
 }
@@ -220,12 +235,8 @@ proptest! {
 #[test]
 fn short_of_safe_pages_a_reclaim_waits_for_an_older_mark_not_the_stream() -> TestResult {
     let (fake, a) = setup(80 * GIB, RECLAIM, Completion::Manual);
-    let big: Vec<_> = (0..4)
-        .map(|_| a.allocate(10 * MIB, LEGACY))
-        .collect::<Result<_, _>>()?;
-    let small: Vec<_> = (0..96)
-        .map(|_| a.allocate(MIB, LEGACY))
-        .collect::<Result<_, _>>()?;
+    let big: Vec<_> = allocate_n(&a, 4, 10 * MIB)?;
+    let small: Vec<_> = allocate_n(&a, 96, MIB)?;
     fake.advance_all();
     // Two holes whose frees the device has not reached, then enough frees for several
     // marks, each behind queued work.
