@@ -14,8 +14,8 @@
         PyTorch native (default), PyTorch native with expandable_segments:True,
         ferrocuda with FERROCUDA_ALLOC_CONF=ferrocuda_recommended:True, ferrocuda with
         the empty configuration (to tell the library's cost from the configuration's), and
-        the recommended set without page reclaim (to tell reclaim's synchronizations from
-        the rest); the five ways of a round run back to back. Prints each way's step time
+        the recommended set without page reclaim (to tell what reclaim's event marks and
+        waits cost from the rest); the five ways of a round run back to back. Prints each way's step time
         (median over rounds of each run's mean step, what a loop pays, and of its median
         step, which its few slowest steps do not move), the median over rounds of its mean
         step over native default's in the same round (paired: what drifts between rounds
@@ -63,8 +63,8 @@ WAYS = {
     # ferrocuda with the empty configuration (PyTorch's behaviour): what the library itself
     # costs, apart from what expandable segments and reclaim cost or save.
     "ferrocuda_default": {"PYTORCH_CUDA_ALLOC_CONF": None, "FERROCUDA_ALLOC_CONF": None},
-    # the recommended set without page reclaim (no stream synchronizations): what reclaim
-    # costs in step time (docs/tuning.md counts its synchronizations per trace).
+    # the recommended set without page reclaim (no event marks, no waits): what reclaim
+    # costs in step time (docs/tuning.md has how much it saves as the device lags).
     "ferrocuda_noreclaim": {"PYTORCH_CUDA_ALLOC_CONF": None,
                             "FERROCUDA_ALLOC_CONF": "ferrocuda_recommended:True,expandable_segments_reclaim:False"},
 }

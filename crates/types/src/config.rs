@@ -72,10 +72,10 @@ pub struct AllocatorConfig {
     /// PyTorch never shares cached blocks across streams.
     pub cross_stream_reuse: bool,
     /// `expandable_segments_reclaim` (ferrocuda's own): before an expandable range maps
-    /// new physical pages, whole free pages elsewhere in the same stream's ranges are
-    /// unmapped (after a stream sync) and mapped where they are needed. Physical memory
-    /// then follows live bytes instead of the address layout, at the cost of a host sync on
-    /// growth. Off by default.
+    /// new physical pages, whole free pages elsewhere in the same stream's ranges whose
+    /// last use the device has run (an event mark shows it; no stream sync) are unmapped
+    /// and mapped where they are needed. Physical memory then follows live bytes instead of
+    /// the address layout, less so while the device lags behind the host. Off by default.
     pub expandable_segments_reclaim: bool,
     /// `thread_cache` (ferrocuda's own): a thread that frees the block it allocated last
     /// keeps it parked, and gets it back without the allocator's lock when its next request
