@@ -92,9 +92,7 @@ impl Engine {
             let Locked { state, slots } = &mut *g;
             self.cache.settle_all(state, slots);
         }
-        if g.state.expandable.mark_due.is_some() {
-            self.record_due_mark(&mut g.state);
-        }
+        self.record_due_mark(&mut g.state);
         g
     }
 

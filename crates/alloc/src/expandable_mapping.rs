@@ -338,8 +338,9 @@ impl Engine {
 
     /// Records the reclaim mark that frees made due (`expandable_segments_reclaim` only; it
     /// stays due while a capture is underway, where the event would join the graph).
+    #[inline]
     pub(crate) fn record_due_mark(&self, st: &mut State) {
-        if st.capturing() {
+        if st.expandable.mark_due.is_none() || st.capturing() {
             return;
         }
         if let Some(stream) = st.expandable.mark_due.take()

@@ -24,6 +24,9 @@ use std::collections::VecDeque;
 /// would drain the stream's queue, as the synchronization this design avoids does.
 const MARKS_BEHIND: usize = 4;
 
+/// The first epoch: pages stamped before it (0, never freed since mapped) are always safe.
+const FIRST_EPOCH: u64 = 1;
+
 /// Marks of one stream.
 #[derive(Debug)]
 struct StreamMarks {
@@ -37,7 +40,7 @@ impl Default for StreamMarks {
     fn default() -> StreamMarks {
         StreamMarks {
             outstanding: VecDeque::new(),
-            safe_before: 1,
+            safe_before: FIRST_EPOCH,
         }
     }
 }
@@ -52,7 +55,7 @@ pub(crate) struct ReclaimClock {
 impl Default for ReclaimClock {
     fn default() -> ReclaimClock {
         ReclaimClock {
-            epoch: 1,
+            epoch: FIRST_EPOCH,
             streams: FxHashMap::default(),
         }
     }
@@ -80,7 +83,7 @@ impl ReclaimClock {
         stream: StreamHandle,
     ) -> (Vec<EventHandle>, u64) {
         let Some(marks) = self.streams.get_mut(&stream.raw) else {
-            return (Vec::new(), 1);
+            return (Vec::new(), FIRST_EPOCH);
         };
         let mut done = Vec::new();
         while let Some(&(event, epoch)) = marks.outstanding.front()

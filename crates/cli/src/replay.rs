@@ -302,15 +302,9 @@ impl Device {
             } => {
                 let fake = fake_device(*capacity, addresses.plan(device, label, recorded)?);
                 fake.log_mallocs(true);
-                let catch_up = || {
-                    fake.advance_all();
-                };
                 let lag = catch_up_every.map(|every| {
                     fake.set_completion(Completion::Manual);
-                    CatchUp {
-                        every,
-                        run: &catch_up,
-                    }
+                    CatchUp { every, fake: &fake }
                 });
                 let (mut figures, allocator) =
                     replay_lagging(fake.clone(), events, label, config, progress, lag)?;
@@ -393,13 +387,12 @@ pub fn replay_with(
     replay_lagging(driver, events, label, config, progress, None)
 }
 
-/// A device that runs its queued work late: `run` completes it, called before every
-/// `every`th step of the trace.
+/// A fake device in manual completion whose queued work is run before every `every`th
+/// step of the trace.
 struct CatchUp<'a> {
     /// Steps between catch-ups (at least 1).
     every: u64,
-    /// Completes the device's queued work.
-    run: &'a dyn Fn(),
+    fake: &'a FakeDriver,
 }
 
 /// [`replay_with`], on a device whose queued work runs only when `lag` catches it up
@@ -446,9 +439,9 @@ fn replay_lagging(
         progress(plan.origin[first] as u64);
         for (k, step) in (first..).zip(steps) {
             if let Some(lag) = &lag
-                && (k as u64).is_multiple_of(lag.every.max(1))
+                && (k as u64).is_multiple_of(lag.every)
             {
-                (lag.run)();
+                lag.fake.advance_all();
             }
             match *step {
                 Step::Alloc { slot, stream, size } => {
