@@ -690,7 +690,7 @@ PY
   cp snapshot.pickle "$OUT/" 2>/dev/null
 fi
 # ferrocuda's allocator inside real PyTorch (libferrocuda_torch.so): the check with an empty
-# configuration (PyTorch's behaviour) and the recommended one, then the four-way benchmark.
+# configuration (PyTorch's behaviour) and the recommended one, then the five-way benchmark.
 # ONLY=plugin runs just these; PLUGIN_BENCH_ARGS passes options to the benchmark.
 plugin() {
   local name=$1; shift
