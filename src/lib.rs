@@ -16,8 +16,9 @@
 //!   and reports `is_available() == false`, as `torch.cuda` does. Making it initialises no
 //!   CUDA: that waits for the first call that needs a device ([`init`], [`is_initialized`]).
 //! - [`is_available`] is checked as `torch.cuda.is_available()` is: by the driver, which
-//!   initialises CUDA (a child forked afterwards gets PyTorch's "Cannot re-initialize CUDA
-//!   in forked subprocess" on its first CUDA call), or, with
+//!   runs `cuInit` (a child forked afterwards gets PyTorch's "Cannot re-initialize CUDA
+//!   in forked subprocess" on its first CUDA call) but, as PyTorch's, leaves
+//!   [`is_initialized`] false, or, with
 //!   `FERROCUDA_NVML_BASED_CUDA_CHECK=1` (else `PYTORCH_NVML_BASED_CUDA_CHECK=1`), by NVML,
 //!   leaving CUDA uninitialised and the process safe to fork, with the driver as fallback.
 //! - One caching allocator per device behind it, configured from `FERROCUDA_ALLOC_CONF`

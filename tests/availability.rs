@@ -45,13 +45,20 @@ fn making_a_runtime_initialises_nothing_and_its_first_device_use_does() -> TestR
     Ok(())
 }
 
+/// The driver's check runs `cuInit` (a later fork is bad), but, as PyTorch's
+/// `_cuda_getDeviceCount`, it is not `_lazy_init`: `is_initialized()` stays false (and the
+/// statistics empty) until something needs a device.
 #[test]
-fn the_driver_check_initialises_cuda() {
+fn the_driver_check_initialises_the_driver_but_not_the_runtime() -> TestResult {
     let (fake, rt) = fake(1, Some(Ok(1)));
     assert!(!rt.is_initialized());
     assert!(rt.is_available_by(AvailabilityCheck::Driver));
-    assert!(rt.is_initialized() && fake.is_initialized());
+    assert!(fake.is_initialized() && !rt.is_initialized());
     assert_eq!(fake.calls(Call::NvmlDeviceCount), 0, "NVML is not asked");
+    rt.current_stream(D0)?;
+    assert!(rt.is_initialized());
+    assert_eq!(fake.calls(Call::DeviceCount), 1, "the first count is kept");
+    Ok(())
 }
 
 #[test]
@@ -92,12 +99,18 @@ fn the_nvml_check_without_nvml_falls_back_and_answers_as_the_driver() {
         );
         assert_eq!(
             nvml_fake.calls(Call::NvmlDeviceCount),
-            1,
-            "NVML asked first"
+            2,
+            "NVML asked first, at each check"
         );
         assert!(nvml_fake.is_initialized(), "the fallback asked the driver");
+        assert!(!nvml_rt.is_initialized(), "counting is not _lazy_init");
         assert_eq!(nvml_fake.calls(Call::DeviceCount), 1);
         assert_eq!(nvml_rt.device_count(), devices);
+        assert_eq!(
+            nvml_fake.calls(Call::DeviceCount),
+            1,
+            "the driver's count is kept"
+        );
     }
 }
 
@@ -106,7 +119,7 @@ fn the_nvml_check_falls_back_when_nvml_fails() {
     let (fake, rt) = fake(1, Some(Err(nvml_failure())));
     assert!(rt.is_available_by(AvailabilityCheck::Nvml));
     assert_eq!(fake.calls(Call::NvmlDeviceCount), 1);
-    assert!(rt.is_initialized() && fake.is_initialized());
+    assert!(fake.is_initialized() && !rt.is_initialized());
 }
 
 /// `torch.cuda.device_count()` asks NVML until CUDA is initialised (so counting does not
@@ -116,10 +129,19 @@ fn device_count_asks_nvml_until_initialised() -> TestResult {
     let (fake, rt) = fake(1, Some(Ok(2)));
     assert_eq!(rt.device_count(), 2);
     assert!(!rt.is_initialized());
+    // The driver's check counts without initialising: NVML is still asked after it, at
+    // every call, as PyTorch does before `_lazy_init`.
+    assert!(rt.is_available_by(AvailabilityCheck::Driver));
+    assert_eq!(rt.device_count(), 2);
+    assert_eq!(fake.calls(Call::NvmlDeviceCount), 2);
     rt.init()?;
     assert_eq!(rt.device_count(), 1);
     assert!(rt.is_available_by(AvailabilityCheck::Nvml));
-    assert_eq!(fake.calls(Call::NvmlDeviceCount), 1);
+    assert_eq!(
+        fake.calls(Call::NvmlDeviceCount),
+        2,
+        "not asked once initialised"
+    );
     Ok(())
 }
 
@@ -148,5 +170,7 @@ fn cuda_the_nvml_check_answers_true_without_initialising_cuda() {
         std::env::var("CUDA_VISIBLE_DEVICES")
     );
     assert!(rt.is_available_by(AvailabilityCheck::Driver));
-    assert!(cuda.is_initialized() && rt.is_initialized());
+    assert!(cuda.is_initialized() && !rt.is_initialized());
+    rt.init().expect("init");
+    assert!(rt.is_initialized());
 }

@@ -167,6 +167,10 @@ fn driver_check_then_fork() -> Outcome {
         rt.is_available_by(AvailabilityCheck::Driver),
         "not available",
     )?;
+    ensure(
+        !rt.is_initialized(),
+        "counting devices set is_initialized()",
+    )?;
     in_child(|| is_bad_fork(rt.current_stream(D0), "current_stream"))
 }
 
@@ -186,8 +190,8 @@ fn global_fallback() -> Outcome {
         "the fake device is not available",
     )?;
     ensure(
-        ferrocuda::is_initialized(),
-        "the fallback did not initialise",
+        !ferrocuda::is_initialized(),
+        "counting devices set is_initialized()",
     )?;
     ensure(ferrocuda::device_count() == 1, "device count")?;
     in_child(|| is_bad_fork(ferrocuda::runtime().current_stream(D0), "current_stream"))
@@ -212,9 +216,18 @@ fn global_nvml_no_visible_device() -> Outcome {
 fn global_ferrocuda_variable_wins() -> Outcome {
     ensure(ferrocuda::is_available(), "the driver check was not used")?;
     ensure(
-        ferrocuda::is_initialized(),
-        "the driver check did not initialise",
-    )
+        !ferrocuda::is_initialized(),
+        "counting devices set is_initialized()",
+    )?;
+    // As PyTorch's `memory_stats` after `is_available()`: empty, initialising nothing.
+    let stats = ferrocuda::memory::memory_stats(D0).map_err(|e| e.to_string())?;
+    ensure(
+        stats.is_empty(),
+        format!("statistics before init: {stats:?}"),
+    )?;
+    ensure(!ferrocuda::is_initialized(), "memory_stats initialised")?;
+    // The driver's check ran `cuInit` (NVML's would not have): a later fork is bad.
+    in_child(|| is_bad_fork(ferrocuda::runtime().current_stream(D0), "current_stream"))
 }
 
 fn main() -> ExitCode {

@@ -8,7 +8,7 @@ use ferrocuda_types::{
 use parking_lot::Mutex;
 use std::cell::RefCell;
 use std::marker::PhantomData;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 
 /// Streams per priority in a device's pool, as PyTorch keeps them.
@@ -55,6 +55,9 @@ pub struct Runtime {
     driver: Arc<dyn Driver>,
     /// The devices found at initialisation, or why there are none.
     devices: PerDevice<DeviceState>,
+    /// PyTorch's `torch.cuda._initialized`: set by the first use that needs a device, not
+    /// by counting them (`is_available`, `device_count`), which asks the driver all the same.
+    initialized: AtomicBool,
     pub(crate) kernel_cache: crate::module::KernelCache,
     memory: parking_lot::RwLock<Arc<dyn crate::MemoryResource>>,
     host_memory: parking_lot::RwLock<Arc<dyn crate::HostMemoryResource>>,
@@ -77,6 +80,7 @@ impl Runtime {
         Arc::new(Runtime {
             id: NEXT_RUNTIME_ID.fetch_add(1, Ordering::Relaxed),
             devices: PerDevice::default(),
+            initialized: AtomicBool::new(false),
             kernel_cache: cache,
             peer_access: Mutex::default(),
             memory: parking_lot::RwLock::new(Arc::new(crate::DriverMemory(driver.clone()))),
@@ -123,14 +127,28 @@ impl Runtime {
         self.devices().map(|_| ())
     }
 
-    /// Whether this runtime has initialised CUDA, with a device, and this process is not a
-    /// child forked since (`torch.cuda.is_initialized()`).
+    /// Whether something that needs a device has initialised CUDA through this runtime, and
+    /// this process is not a child forked since (`torch.cuda.is_initialized()`, which is
+    /// `_initialized`, set by `_lazy_init`). Counting devices asks the driver (`cuInit`,
+    /// after which a fork is bad) without making this true, as PyTorch's
+    /// `_cuda_getDeviceCount` does in `is_available()` and `device_count()`.
     pub fn is_initialized(&self) -> bool {
-        matches!(self.devices.made(), Some(Ok(_))) && !ferrocuda_driver::fork::in_bad_fork()
+        self.initialized.load(Ordering::Acquire) && !ferrocuda_driver::fork::in_bad_fork()
     }
 
-    /// The devices, initialising at the first call (in a bad fork, [`StreamError::BadFork`]).
+    /// The devices, initialising at the first call (in a bad fork, [`StreamError::BadFork`]):
+    /// what every use that needs a device goes through (PyTorch's `_lazy_init`).
     fn devices(&self) -> Result<&[DeviceState]> {
+        let found = self.found_devices()?;
+        if !self.initialized.load(Ordering::Relaxed) {
+            self.initialized.store(true, Ordering::Release);
+        }
+        Ok(found)
+    }
+
+    /// The devices, asking the driver at the first call, without counting as PyTorch's lazy
+    /// initialisation (see [`Runtime::is_initialized`]).
+    fn found_devices(&self) -> Result<&[DeviceState]> {
         self.devices.get_or_init(&*self.driver, |d| DeviceState {
             default_stream: Stream::wrap(
                 self.driver.clone(),
@@ -163,11 +181,13 @@ impl Runtime {
     }
 
     /// Number of devices (`torch.cuda.device_count()`): once initialised, those found then
-    /// (also in a bad fork); before, NVML's count with `CUDA_VISIBLE_DEVICES` applied, so
-    /// that counting leaves CUDA uninitialised and a later fork safe; where NVML cannot say,
-    /// the driver's, initialising CUDA. 0 without a driver.
+    /// (also in a bad fork); before, NVML's count with `CUDA_VISIBLE_DEVICES` applied, asked
+    /// at every call as PyTorch does before `_lazy_init`, so that counting leaves CUDA
+    /// uninitialised and a later fork safe; where NVML cannot say, the driver's (its first
+    /// count, kept, as `_cuda_getDeviceCount` keeps it), which runs `cuInit`. 0 without a
+    /// driver.
     pub fn device_count(&self) -> usize {
-        if self.devices.made().is_none() {
+        if !self.initialized.load(Ordering::Acquire) {
             let visible = std::env::var("CUDA_VISIBLE_DEVICES").ok();
             let nvml = crate::availability::nvml_visible_count(visible.as_deref(), || {
                 self.driver.nvml_device_count()
@@ -180,11 +200,11 @@ impl Runtime {
     }
 
     /// The devices found at initialisation (PyTorch's `_cuda_getDeviceCount`, which keeps
-    /// its first count), initialising now if needed; 0 when that fails.
+    /// its first count), asking the driver now if needed; 0 when that fails.
     fn driver_device_count(&self) -> usize {
         match self.devices.made() {
             Some(found) => found.map_or(0, <[_]>::len),
-            None => self.devices().map_or(0, <[_]>::len),
+            None => self.found_devices().map_or(0, <[_]>::len),
         }
     }
 
