@@ -16,15 +16,15 @@
         ferrocuda with FERROCUDA_ALLOC_CONF=ferrocuda_recommended:True, ferrocuda with
         the empty configuration (to tell the library's cost from the configuration's), and
         the recommended set without page reclaim (to tell what reclaim's event marks and
-        waits cost from the rest); the five ways of a round run back to back. Prints each way's step time
-        (median over rounds of each run's mean step, what a loop pays, and of its median
+        waits cost from the rest); the five ways of a round run back to back. Prints each
+        way's step time (median over rounds of each run's mean step, what a loop pays, and of its median
         step, which its few slowest steps do not move), the median over rounds of its mean
         step over native default's in the same round (paired: what drifts between rounds
         cancels), peak reserved side by side, and whether the recommended set and its
         no-reclaim variant met the targets (paired mean within 2% of native, peak reserved
         at or below native expandable's); writes plugin_bench.json. --ways runs a subset
-        (both native ways always among them: the targets are judged against them), so a round costs less and
-        a fixed device time buys more rounds.
+        (both native ways always among them: the targets are judged against them), so a
+        round costs less and a fixed device time buys more rounds.
 
     python3 plugin_bench.py worker WORKLOAD WAY [--steps N] [--requests N]
         one run (what bench starts), printing one JSON line.

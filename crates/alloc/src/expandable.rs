@@ -24,6 +24,13 @@ pub(crate) struct ExpandableSegment {
     pub(crate) stream: StreamHandle,
 }
 
+impl ExpandableSegment {
+    /// The index of the page that holds `addr` (an address inside this segment).
+    fn page_index(&self, addr: u64) -> usize {
+        ((addr - self.va.base.0) / self.page) as usize
+    }
+}
+
 /// Every this many frees in a segment a reclaim mark falls due on its stream: pages freed
 /// late in a step are then covered by a mark the device reaches soon after, not only by
 /// the next growth's (which it has not reached when that growth looks).
@@ -124,7 +131,7 @@ impl Expandable {
     pub(crate) fn store_pages(&mut self, blocks: &Blocks, id: usize, pages: Vec<PhysHandle>) {
         let ptr = blocks[id].ptr;
         if let Some(segment) = self.segment_of_mut(blocks, id) {
-            let first = ((ptr - segment.va.base.0) / segment.page) as usize;
+            let first = segment.page_index(ptr);
             for (slot, h) in segment.handles[first..].iter_mut().zip(pages) {
                 *slot = Some(h);
             }
@@ -138,9 +145,7 @@ impl Expandable {
         let (ptr, end) = (blocks[id].ptr, blocks[id].ptr + blocks[id].size);
         let stamp = self.clock.epoch();
         if let Some(segment) = self.segment_of_mut(blocks, id) {
-            let base = segment.va.base.0;
-            let from = ((ptr - base) / segment.page) as usize;
-            let to = (end - base).div_ceil(segment.page) as usize;
+            let (from, to) = (segment.page_index(ptr), segment.page_index(end - 1) + 1);
             segment.freed[from..to].fill(stamp);
             segment.frees_since_mark += 1;
             if segment.frees_since_mark >= FREES_PER_MARK {
@@ -161,10 +166,8 @@ impl Expandable {
         safe_before: u64,
     ) -> Option<(u64, u64)> {
         let segment = self.segment_of(blocks, id)?;
-        let (base, page) = (segment.va.base.0, segment.page);
-        let from = ((first - base) / page) as usize;
-        let to = ((last - base) / page) as usize;
-        let stamps = &segment.freed[from..to];
+        let page = segment.page;
+        let stamps = &segment.freed[segment.page_index(first)..segment.page_index(last)];
         let start = stamps.iter().position(|&s| s < safe_before)?;
         let len = stamps[start..]
             .iter()
@@ -185,9 +188,7 @@ impl Expandable {
         let Some(segment) = self.segment_of_mut(blocks, id) else {
             return Vec::new();
         };
-        let base = segment.va.base.0;
-        let from = ((first - base) / segment.page) as usize;
-        let to = ((last - base) / segment.page) as usize;
+        let (from, to) = (segment.page_index(first), segment.page_index(last));
         segment.handles[from..to]
             .iter_mut()
             .filter_map(Option::take)

@@ -243,14 +243,7 @@ impl Engine {
         match scope {
             Unmap::All => cut_free_pages(&mut st, scope, None, &mut wanted, &mut jobs),
             Unmap::Reclaim { stream, .. } => {
-                let safe_before = if self.driver.stream_query(stream).unwrap_or(false) {
-                    let (done, safe_before) = st.expandable.clock.idle(stream);
-                    st.order.give_back_all(done);
-                    safe_before
-                } else {
-                    self.record_mark(&mut st, stream);
-                    self.settle_marks(&mut st, stream)
-                };
+                let safe_before = self.known_safe_epoch(&mut st, stream);
                 cut_free_pages(&mut st, scope, Some(safe_before), &mut wanted, &mut jobs);
                 if wanted > 0
                     && let Some(event) = st.expandable.clock.mark_to_wait_for(stream)
@@ -312,6 +305,20 @@ impl Engine {
             let _ = self.driver.vm_release(va);
         }
         self.lock()
+    }
+
+    /// The epoch before which `stream`'s freed pages are known to have run their last use,
+    /// without waiting: every page so far if the stream is idle; else what its completed
+    /// marks show, after recording a new mark for the next reclaim.
+    fn known_safe_epoch(&self, st: &mut State, stream: StreamHandle) -> u64 {
+        if self.driver.stream_query(stream).unwrap_or(false) {
+            let (done, safe_before) = st.expandable.clock.idle(stream);
+            st.order.give_back_all(done);
+            safe_before
+        } else {
+            self.record_mark(st, stream);
+            self.settle_marks(st, stream)
+        }
     }
 
     /// Settles `stream`'s reclaim marks: returns the epoch before which its pages' last use
