@@ -27,7 +27,8 @@
 //!   folder); `ci` runs it;
 //! - `alloc-oracle [DIR]`: PyTorch's allocator results against ours, step by
 //!   step (see [`oracle`]; DIR defaults to `tests/data/oracle`); any difference fails;
-//!   `ci` runs it.
+//!   `ci` runs it;
+//! - `help` (or `-h`, `--help`): these tasks, briefly ([`USAGE`]).
 #![forbid(unsafe_code)]
 
 mod fuzz;
@@ -106,9 +107,41 @@ const REPLAY_TRACES: &[&str] = &["gpt2_train", "resnet50_train", "bert_serve", "
 const REPLAY_SH: &str = include_str!("../gpu/replay.sh");
 const REPLAY_COMPARE_PY: &str = include_str!("../gpu/replay_compare.py");
 
+/// What `cargo xtask --help` prints (and a task it does not know, on stderr).
+const USAGE: &str = "\
+usage: cargo xtask <task> [options]
+
+tasks:
+  ci              what CI runs (.ci/run): checks python3 is there, cargo fmt --check,
+                  clippy -D warnings, every test, the loom model, the CLI fuzz (3000 cases,
+                  seed 11), the PyTorch oracle, the docs with no warning
+  doc             cargo doc --workspace, failing on any rustdoc or cargo warning
+  gpu-bundle      release tests, benches, examples, the ferrocuda command, four traces and
+                  run.sh in gpu-bundle/, to copy to a GPU machine; needs
+                  ../shared/tools/torch_replay.py beside the checkout
+  bench           the criterion benches (they need a GPU; without one they say they skipped)
+  cli-fuzz [--cases N] [--seed S] [--long] [--case N]
+                  the ferrocuda command against generated and mutated traces
+  alloc-fuzz [--programs N] [--seed S]
+                  the allocator's fuzz in release (100 000 programs unless told)
+  thread-diff [--scripts N] [--seed S]
+                  the cross-thread differential test in release (100 000 scripts unless told)
+  graph-fuzz [--programs N] [--seed S]
+                  the graph data-integrity fuzz in release (10 000 programs unless told)
+  loom            the thread cache's slot protocol under loom (built in target/loom)
+  alloc-oracle [DIR]
+                  PyTorch's allocator results against ours, step by step
+                  (DIR: tests/data/oracle)
+  help            this text (also -h, --help)
+";
+
 fn main() -> ExitCode {
     let task = std::env::args().nth(1).unwrap_or_default();
     let result = match task.as_str() {
+        "help" | "-h" | "--help" => {
+            print!("{USAGE}");
+            Ok(())
+        }
         "ci" => ci(),
         "gpu-bundle" => gpu_bundle(),
         // The several-GPU bench fails on fewer than two GPUs: `MULTI_GPU=1 run.sh` runs it.
@@ -132,7 +165,11 @@ fn main() -> ExitCode {
             let dir = std::env::args().nth(2);
             oracle::alloc_oracle(&dir.map_or_else(oracle_dir, PathBuf::from))
         }
-        _ => Err("usage: cargo xtask <ci|gpu-bundle|bench|doc|cli-fuzz|alloc-fuzz|thread-diff|graph-fuzz|loom|alloc-oracle [DIR]>".into()),
+        "" => {
+            eprint!("xtask: no task given\n{USAGE}");
+            return ExitCode::FAILURE;
+        }
+        _ => Err(format!("unknown task\n{USAGE}")),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -179,7 +216,8 @@ fn cargo_with_env(args: &[&str], env: &[(&str, &str)]) -> Result<(), String> {
 const TOOLS: &[(&str, &str)] = &[(
     "python3",
     "ferrocuda-types' snapshot::tests::python_reads_it_as_pytorch_does reads ferrocuda's \
-     snapshot pickle with CPython's own unpickler, and ferrocuda-torch's tests/library.rs \
+     snapshot pickle with CPython's own unpickler (as do ferrocuda-cli's tests/replay.rs and \
+     the root crate's tests/format_scenarios.rs), and ferrocuda-torch's tests/library.rs \
      loads the built PyTorch allocator library with ctypes",
 )];
 
@@ -871,6 +909,29 @@ mod tests {
         assert!(bash_accepts("replay.sh", REPLAY_SH, &dir));
         let _ = std::fs::remove_dir_all(&dir);
         Ok(())
+    }
+
+    /// `cargo xtask --help` names every task `main` runs.
+    #[test]
+    fn the_usage_names_every_task() {
+        for task in [
+            "ci",
+            "doc",
+            "gpu-bundle",
+            "bench",
+            "cli-fuzz",
+            "alloc-fuzz",
+            "thread-diff",
+            "graph-fuzz",
+            "loom",
+            "alloc-oracle",
+            "help",
+        ] {
+            assert!(
+                USAGE.lines().any(|l| l.trim_start().starts_with(task)),
+                "{task}"
+            );
+        }
     }
 
     #[test]
