@@ -5,11 +5,12 @@
 #![forbid(unsafe_code)]
 
 use clap::{Parser, Subcommand, ValueEnum};
-use ferrocuda_cli::options::{AddressChoice, choose_device, resolve_confs};
+use ferrocuda_cli::input::Limits;
+use ferrocuda_cli::options::{AddressChoice, choose_device, parse_max_bytes, resolve_confs};
 use ferrocuda_cli::pytorch;
 use ferrocuda_cli::replay::{Device, Figures};
 use ferrocuda_cli::report::{plot_html, summary};
-use ferrocuda_cli::trace::{events, read_recording, segment_addresses};
+use ferrocuda_cli::trace::{events, read_recording_within, segment_addresses};
 use ferrocuda_types::format_size;
 use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
@@ -24,6 +25,12 @@ use std::process::ExitCode;
 struct Cli {
     #[command(subcommand)]
     command: Command,
+    /// The most pickle bytes a snapshot may decompress to (`512M`, `4G`; 1M to 1T; default
+    /// 1G); half of it bounds the bytes of its distinct strings, and a sixteenth of it the
+    /// number of values it holds. Raise it for a recording of more than about 15 million
+    /// events.
+    #[arg(long = "max-bytes", global = true, value_name = "SIZE")]
+    max_bytes: Option<String>,
 }
 
 #[derive(Subcommand)]
@@ -80,12 +87,15 @@ enum Command {
         catch_up_every: Option<u64>,
     },
     /// Prints PyTorch's memory_summary table for a snapshot (current state from its
-    /// segments, peaks of requested and reserved bytes from its history).
+    /// segments, peaks of requested and reserved bytes from its history), then what holds
+    /// the memory: the largest live blocks and the allocation sites by live bytes, from the
+    /// recorded stacks, and the private pools (CUDA graph captures, MemPools).
     Summary {
         /// A snapshot (pickle, optionally .xz or .gz).
         snapshot: PathBuf,
     },
-    /// Writes a self-contained HTML page with the memory timeline and the largest blocks.
+    /// Writes a self-contained HTML page with the memory timeline, the largest live blocks
+    /// (their stacks on hover) and the allocation sites by live bytes.
     Plot {
         /// A snapshot (pickle, optionally .xz or .gz).
         snapshot: PathBuf,
@@ -128,7 +138,20 @@ impl<E: std::fmt::Display> From<E> for Failure {
 }
 
 fn main() -> ExitCode {
-    match run(Cli::parse()) {
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        // --help and --version print and succeed; an argument error is one line and exit
+        // code 1, as every other failure.
+        Err(e) if !e.use_stderr() => {
+            let _ = e.print();
+            return ExitCode::SUCCESS;
+        }
+        Err(e) => {
+            let _ = writeln!(std::io::stderr(), "ferrocuda: {}", one_line(&e.to_string()));
+            return ExitCode::FAILURE;
+        }
+    };
+    match run(cli) {
         Ok(()) | Err(Failure::BrokenPipe) => ExitCode::SUCCESS,
         Err(Failure::Message(m)) => {
             // stderr may be unwritable too: nothing more to do then than the exit code.
@@ -136,6 +159,23 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// Clap's message in one line: its first line (`error: ...`) without the prefix, and where
+/// to look for the usage.
+fn one_line(text: &str) -> String {
+    let first = text
+        .lines()
+        .find(|l| !l.trim().is_empty())
+        .unwrap_or("bad arguments");
+    let first = first.trim().trim_start_matches("error: ");
+    let tip = text
+        .lines()
+        .map(str::trim)
+        .find(|l| l.starts_with("tip: "))
+        .map(|t| format!(" ({t})"))
+        .unwrap_or_default();
+    format!("{first}{tip} (see ferrocuda --help)")
 }
 
 /// Writes `text` to stdout; a write error is a failure, a closed pipe a quiet end.
@@ -154,6 +194,10 @@ fn note(text: &str) {
 }
 
 fn run(cli: Cli) -> Result<(), Failure> {
+    let limits = match &cli.max_bytes {
+        Some(text) => Limits::scaled(parse_max_bytes(text)?),
+        None => Limits::DEFAULT,
+    };
     match cli.command {
         Command::Replay {
             trace,
@@ -179,9 +223,10 @@ fn run(cli: Cli) -> Result<(), Failure> {
                 },
                 catch_up_every,
             )?;
-            let (confs, conf_note) = resolve_confs(&confs, |k| std::env::var(k).ok())?;
+            let (confs, conf_note) = resolve_confs(&confs, |k| std::env::var(k))?;
             let device = Device::open(&choice)?;
             let options = ReplayOptions {
+                limits,
                 confs,
                 conf_note,
                 device,
@@ -191,12 +236,12 @@ fn run(cli: Cli) -> Result<(), Failure> {
             replay_command(&trace, options)
         }
         Command::Summary { snapshot } => {
-            let recording = read_recording(&snapshot)?;
-            emit(&summary(&recording.snapshot))
+            let recording = read_recording_within(&snapshot, &limits)?;
+            emit(&summary(&recording))
         }
         Command::Plot { snapshot, output } => {
             let title = format!("ferrocuda memory: {}", snapshot.display());
-            let page = plot_html(&read_recording(&snapshot)?.snapshot, &title);
+            let page = plot_html(&read_recording_within(&snapshot, &limits)?, &title);
             std::fs::write(&output, page)
                 .map_err(|e| format!("cannot write {}: {e}", output.display()))?;
             Ok(())
@@ -217,6 +262,7 @@ fn progress_bar(total: u64) -> Option<indicatif::ProgressBar> {
 
 /// `replay`'s options, checked.
 struct ReplayOptions {
+    limits: Limits,
     confs: Vec<ferrocuda_cli::options::Conf>,
     /// Where the configurations came from.
     conf_note: String,
@@ -227,16 +273,16 @@ struct ReplayOptions {
 
 fn replay_command(trace: &std::path::Path, options: ReplayOptions) -> Result<(), Failure> {
     let ReplayOptions {
+        limits,
         confs,
         conf_note,
         device: target,
         sidecar,
         json,
     } = options;
-    let recording = read_recording(trace)?;
+    let recording = read_recording_within(trace, &limits)?;
     let devices: Vec<(u16, Vec<_>, Vec<u64>)> = recording
-        .snapshot
-        .device_traces
+        .traces
         .iter()
         .enumerate()
         .filter(|(_, t)| !t.is_empty())

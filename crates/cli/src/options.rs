@@ -1,7 +1,7 @@
 //! The replay's options, checked before any file is read: the device (`--device`, and the
 //! fake device's capacity and addresses) and the allocator configurations (`--conf`, else
 //! the environment as the facade reads it).
-use ferrocuda_types::{AllocatorConfig, ConfigError};
+use ferrocuda_types::{AllocatorBackend, AllocatorConfig, ConfigError, EnvError};
 use std::path::PathBuf;
 
 const MIB: u64 = 1 << 20;
@@ -17,7 +17,29 @@ pub const DEFAULT_CAPACITY: u64 = 80 * GIB;
 /// Parses `--capacity`: a whole number of GiB (`80`), or a whole number with a binary unit
 /// as the allocator configuration writes sizes (`80G`, `512M`, `1T`, also `80GiB`).
 pub fn parse_capacity(text: &str) -> Result<u64, String> {
-    let bad = |why: &str| format!("--capacity {text:?}: {why}");
+    parse_size("--capacity", text, MIN_CAPACITY..=MAX_CAPACITY).map_err(|e| {
+        e.replace(
+            "out of range",
+            "out of range: the fake device takes 2M to 4T",
+        )
+    })
+}
+
+/// Smallest `--max-bytes`.
+pub const MIN_MAX_BYTES: u64 = MIB;
+/// Largest `--max-bytes`.
+pub const MAX_MAX_BYTES: u64 = 1 << 40;
+
+/// Parses `--max-bytes` (how much pickle the snapshot reader takes), in the grammar of
+/// `--capacity`: 1M to 1T.
+pub fn parse_max_bytes(text: &str) -> Result<u64, String> {
+    parse_size("--max-bytes", text, MIN_MAX_BYTES..=MAX_MAX_BYTES)
+        .map_err(|e| e.replace("out of range", "out of range: 1M to 1T"))
+}
+
+/// A size option: a whole number of GiB, or with a unit K, M, G or T (`iB` may follow).
+fn parse_size(flag: &str, text: &str, range: std::ops::RangeInclusive<u64>) -> Result<u64, String> {
+    let bad = |why: &str| format!("{flag} {text:?}: {why}");
     let t = text.trim();
     let digits = t.bytes().take_while(u8::is_ascii_digit).count();
     let (number, unit) = t.split_at(digits);
@@ -33,13 +55,12 @@ pub fn parse_capacity(text: &str) -> Result<u64, String> {
         "T" => 1 << 40,
         _ => return Err(bad("unknown unit (use K, M, G or T; no unit means G)")),
     };
-    let bytes = number
+    number
         .parse::<u64>()
         .ok()
         .and_then(|n| n.checked_mul(scale))
-        .filter(|b| (MIN_CAPACITY..=MAX_CAPACITY).contains(b))
-        .ok_or_else(|| bad("out of range: the fake device takes 2M to 4T"))?;
-    Ok(bytes)
+        .filter(|b| range.contains(b))
+        .ok_or_else(|| bad("out of range"))
 }
 
 /// Where the fake device puts segments (`--addresses`, `--addresses-from`).
@@ -166,6 +187,22 @@ pub enum ConfError {
         /// Why.
         source: ConfigError,
     },
+    /// A configuration variable is set but cannot be read (not valid UTF-8).
+    #[error(transparent)]
+    EnvUnreadable(#[from] EnvError),
+    /// A configuration selects `backend:cudaMallocAsync`: the replay drives the caching
+    /// allocator block by block, and the driver's stream-ordered pool has no block-level
+    /// form to replay (it would fail at the first event, the caching allocator refusing the
+    /// backend).
+    #[error(
+        "{origin}: replay drives the caching allocator (backend:native) block by block; \
+         backend:cudaMallocAsync has no block-level replay (the driver's pool places memory), \
+         so replay with backend:native or without the backend key"
+    )]
+    AsyncBackend {
+        /// Where it came from: `--conf "…"`, or `VAR="…"`.
+        origin: String,
+    },
 }
 
 fn conf(text: &str) -> Result<Conf, ConfigError> {
@@ -181,23 +218,35 @@ fn conf(text: &str) -> Result<Conf, ConfigError> {
     })
 }
 
-/// The configurations to replay, every one parsed before any replay: the `--conf` flags
-/// (`default` and the empty string are the default configuration), else the environment's
-/// (`FERROCUDA_ALLOC_CONF`, `PYTORCH_CUDA_ALLOC_CONF`, `PYTORCH_ALLOC_CONF`, read through
-/// `var`), else the default. The note says which ran.
+/// A configuration the replay can run: not `backend:cudaMallocAsync`.
+fn replayable(c: Conf, origin: impl FnOnce() -> String) -> Result<Conf, ConfError> {
+    if c.config.backend == AllocatorBackend::CudaMallocAsync {
+        return Err(ConfError::AsyncBackend { origin: origin() });
+    }
+    Ok(c)
+}
+
+/// The configurations to replay, every one parsed and checked before any replay (and before
+/// the trace is read): the `--conf` flags (`default` and the empty string are the default
+/// configuration), else the environment's (`FERROCUDA_ALLOC_CONF`,
+/// `PYTORCH_CUDA_ALLOC_CONF`, `PYTORCH_ALLOC_CONF`, read through `var`, which is
+/// `std::env::var`: a variable set to a value that is not valid UTF-8 is an error naming
+/// it, even beside `--conf`), else the default. `backend:cudaMallocAsync` is refused. The
+/// note says which ran.
 pub fn resolve_confs(
     flags: &[String],
-    var: impl Fn(&str) -> Option<String>,
+    var: impl Fn(&str) -> Result<String, std::env::VarError>,
 ) -> Result<(Vec<Conf>, String), ConfError> {
-    let env = AllocatorConfig::source(var);
+    let env = AllocatorConfig::source(var)?;
     if !flags.is_empty() {
         let confs = flags
             .iter()
             .map(|f| {
-                conf(f).map_err(|source| ConfError::Flag {
+                let c = conf(f).map_err(|source| ConfError::Flag {
                     conf: f.clone(),
                     source,
-                })
+                })?;
+                replayable(c, || format!("--conf {f:?}"))
             })
             .collect::<Result<Vec<_>, _>>()?;
         let note = match env {
@@ -213,6 +262,7 @@ pub fn resolve_confs(
                 conf: value.clone(),
                 source,
             })?;
+            let c = replayable(c, || format!("{var}={value:?}"))?;
             Ok((vec![c], format!("configuration from {var}={value}")))
         }
         None => Ok((
@@ -312,15 +362,18 @@ mod tests {
 
     #[test]
     fn confs_come_from_flags_then_the_environment() {
-        let none = |_: &str| None;
+        let none = |_: &str| Err(std::env::VarError::NotPresent);
         let (c, note) = resolve_confs(&[], none)
             .map_err(|e| e.to_string())
             .unwrap_or_default();
         assert_eq!(c.len(), 1);
         assert_eq!(c[0].label, "default");
         assert!(note.contains("unset"));
-        let env =
-            |k: &str| (k == "PYTORCH_CUDA_ALLOC_CONF").then(|| "expandable_segments:True".into());
+        let env = |k: &str| {
+            (k == "PYTORCH_CUDA_ALLOC_CONF")
+                .then(|| "expandable_segments:True".into())
+                .ok_or(std::env::VarError::NotPresent)
+        };
         let r = resolve_confs(&[], env).ok();
         assert!(
             r.as_ref()
@@ -334,5 +387,60 @@ mod tests {
         );
         let flags = vec![String::new(), "bogus:1".to_owned()];
         assert!(resolve_confs(&flags, none).is_err());
+    }
+
+    /// `backend:cudaMallocAsync` is refused before anything is replayed, from a flag or from
+    /// the environment, naming where it came from.
+    #[test]
+    fn the_async_backend_is_refused() {
+        let none = |_: &str| Err(std::env::VarError::NotPresent);
+        let flags = vec!["default".to_owned(), "backend:cudaMallocAsync".to_owned()];
+        let e = resolve_confs(&flags, none).err().map(|e| e.to_string());
+        assert_eq!(
+            e.as_deref(),
+            Some(
+                "--conf \"backend:cudaMallocAsync\": replay drives the caching allocator \
+                 (backend:native) block by block; backend:cudaMallocAsync has no block-level \
+                 replay (the driver's pool places memory), so replay with backend:native or \
+                 without the backend key"
+            )
+        );
+        let env = |k: &str| {
+            (k == "PYTORCH_ALLOC_CONF")
+                .then(|| "backend:cudaMallocAsync,max_split_size_mb:100".into())
+                .ok_or(std::env::VarError::NotPresent)
+        };
+        let e = resolve_confs(&[], env).err().map(|e| e.to_string());
+        assert!(
+            e.as_deref().is_some_and(|e| e.starts_with(
+                "PYTORCH_ALLOC_CONF=\"backend:cudaMallocAsync,max_split_size_mb:100\": replay drives"
+            )),
+            "{e:?}"
+        );
+        // Beside --conf, the environment's is not used: no error from it.
+        let flags = vec!["backend:native".to_owned()];
+        assert!(resolve_confs(&flags, env).is_ok());
+    }
+
+    /// A configuration variable that is not UTF-8 is an error naming it, with or without
+    /// `--conf`; the next variable does not take its place.
+    #[cfg(unix)]
+    #[test]
+    fn a_variable_that_is_not_utf8_is_an_error() {
+        use std::os::unix::ffi::OsStringExt;
+        let env = |k: &str| match k {
+            "FERROCUDA_ALLOC_CONF" => Err(std::env::VarError::NotUnicode(
+                std::ffi::OsString::from_vec(b"max_split_size_mb:\xff".to_vec()),
+            )),
+            _ => Ok("expandable_segments:True".to_owned()),
+        };
+        for flags in [vec![], vec!["default".to_owned()]] {
+            match resolve_confs(&flags, env) {
+                Err(ConfError::EnvUnreadable(EnvError::NotUnicode { name, .. })) => {
+                    assert_eq!(name, "FERROCUDA_ALLOC_CONF")
+                }
+                other => panic!("{flags:?}: {other:?}"),
+            }
+        }
     }
 }

@@ -2,7 +2,7 @@
 //! can be read off the table: the recording's `memory_stats` (when the snapshot file stores
 //! `torch.cuda.memory_stats()` under that key), or a sidecar `pytorch-figures.json` beside
 //! the trace (rows of `model`, `conf` and the figures, as in the workspace's `tests/data`).
-use crate::trace::Recording;
+use crate::recording::Recording;
 use ferrocuda_types::AllocatorConfig;
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -53,7 +53,7 @@ fn from_stats(stats: &BTreeMap<String, i64>) -> PytorchFigures {
 /// `allocator_settings` names).
 pub fn from_recording(recording: &Recording) -> Option<Reference> {
     let stats = recording.memory_stats.as_ref()?;
-    let config = AllocatorConfig::parse(&recording.snapshot.allocator_settings.conf).ok()?;
+    let config = AllocatorConfig::parse(&recording.allocator_settings.conf).ok()?;
     Some(Reference {
         source: "the recording's memory_stats".into(),
         rows: vec![(config, from_stats(stats))],

@@ -22,7 +22,7 @@ fn figures(
     lag: Option<u64>,
 ) -> Result<Figures, Box<dyn std::error::Error>> {
     let recording = read_recording(&data(trace))?;
-    let trace = &recording.snapshot.device_traces[0];
+    let trace = &recording.traces[0];
     let device = Device::Fake {
         capacity: 80 << 30,
         addresses: FakeAddresses::Fresh,

@@ -71,7 +71,7 @@ fn default_config_reproduces_pytorch_exactly() -> TestResult {
 fn recorded_addresses_make_every_default_figure_exact() -> TestResult {
     for model in ["gpt2_train", "resnet50_train"] {
         let recording = read_recording(&data(&format!("{model}.pickle.xz")))?;
-        let trace = &recording.snapshot.device_traces[0];
+        let trace = &recording.traces[0];
         let recorded = segment_addresses(trace);
         let config = AllocatorConfig::default();
         let device = Device::Fake {
@@ -327,9 +327,7 @@ fn snapshot_allocator_settings_are_pytorchs() -> TestResult {
     use ferrocuda_alloc::CachingAllocator;
     use ferrocuda_cli::replay::fake_device;
     use ferrocuda_types::DeviceIndex;
-    let recorded = read_recording(&data("gpt2_train.pickle.xz"))?
-        .snapshot
-        .allocator_settings;
+    let recorded = read_recording(&data("gpt2_train.pickle.xz"))?.allocator_settings;
     let a = CachingAllocator::new(
         fake_device(1 << 30, None),
         DeviceIndex(0),

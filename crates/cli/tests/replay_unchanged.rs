@@ -74,7 +74,7 @@ fn check_trace(trace: &str) -> TestResult {
     let rows: Vec<serde_json::Value> =
         serde_json::from_str(&std::fs::read_to_string(data("replay-before.json"))?)?;
     let recording = read_recording(&data(&format!("{trace}.pickle.xz")))?;
-    let entries = &recording.snapshot.device_traces[0];
+    let entries = &recording.traces[0];
     let (events, recorded) = (events(entries), segment_addresses(entries));
     let torch = torch_events(trace)?;
     let mut checked = 0;

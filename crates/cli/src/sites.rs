@@ -1,0 +1,179 @@
+//! Allocation sites: which line of the user's program a recorded stack points at, so the
+//! reports can answer "what holds my memory" by code location.
+//!
+//! PyTorch records a stack per block (innermost frame first): its own C++ frames
+//! (the unwinder, the allocator, the dispatcher), then Python's. Frames PyTorch's viewer
+//! hides are hidden here too (`torch/cuda/_memory_viz.py`, `_frame_filter`). A block's site is
+//! its innermost Python frame outside `torch/` (the user's line), else its innermost Python
+//! frame, else its innermost C++ frame outside PyTorch's core (`c10::`, `at::`, the
+//! allocator). A block without a stack of its own (history recorded without context for
+//! blocks) takes the stack of the last `alloc` event at its address.
+use crate::recording::{Frame, Recording, StackId, TraceAction};
+use rustc_hash::FxHashMap;
+
+/// Functions `_frame_filter` omits.
+const OMIT_FUNCTIONS: [&str; 8] = [
+    "unwind::unwind",
+    "CapturedTraceback::gather",
+    "gather_with_cpp",
+    "_start",
+    "__libc_start_main",
+    "PyEval_",
+    "PyObject_",
+    "PyFunction_",
+];
+
+/// File names `_frame_filter` omits.
+const OMIT_FILENAMES: [&str; 10] = [
+    "core/boxing",
+    "/Register",
+    "/Redispatch",
+    "pythonrun.c",
+    "Modules/main.c",
+    "Objects/call.c",
+    "Objects/methodobject.c",
+    "pycore_ceval.h",
+    "ceval.c",
+    "cpython/abstract.h",
+];
+
+/// Longest text of one frame in a report (a recording may hold megabyte-long names).
+const MAX_FRAME_TEXT: usize = 200;
+
+/// Most frames of one stack shown on hover.
+const MAX_FRAMES_SHOWN: usize = 40;
+
+/// Where blocks were allocated: a frame, and one stack that has it (for the hover text).
+#[derive(Copy, Clone, Debug)]
+pub struct Site {
+    /// The frame, or none where nothing was recorded.
+    pub frame: Option<Frame>,
+    /// A stack with this site.
+    pub example: StackId,
+}
+
+impl PartialEq for Site {
+    fn eq(&self, other: &Site) -> bool {
+        self.frame == other.frame
+    }
+}
+
+/// The sites of a recording.
+#[derive(Debug)]
+pub struct Sites<'a> {
+    recording: &'a Recording,
+    last_alloc: FxHashMap<(u16, u64), StackId>,
+}
+
+fn shorten(text: &str) -> &str {
+    match text.char_indices().nth(MAX_FRAME_TEXT) {
+        Some((end, _)) => &text[..end],
+        None => text,
+    }
+}
+
+impl<'a> Sites<'a> {
+    /// Indexes the stacks of `recording`'s `alloc` events by address.
+    pub fn new(recording: &'a Recording) -> Sites<'a> {
+        let mut last_alloc = FxHashMap::default();
+        for (device, trace) in recording.traces.iter().enumerate() {
+            let Ok(device) = u16::try_from(device) else {
+                continue;
+            };
+            for e in trace {
+                if e.action == TraceAction::Alloc && e.stack != StackId::NONE {
+                    last_alloc.insert((device, e.addr), e.stack);
+                }
+            }
+        }
+        Sites {
+            recording,
+            last_alloc,
+        }
+    }
+
+    /// A block's stack: its own, else the last `alloc` event's at its address.
+    pub fn stack_of_block(&self, device: u16, address: u64, own: StackId) -> StackId {
+        if own != StackId::NONE {
+            return own;
+        }
+        self.last_alloc
+            .get(&(device, address))
+            .copied()
+            .unwrap_or(StackId::NONE)
+    }
+
+    fn text(&self, frame: &Frame) -> (&str, &str) {
+        let stacks = &self.recording.stacks;
+        (stacks.text(frame.name), stacks.text(frame.filename))
+    }
+
+    fn shown(&self, frame: &Frame) -> bool {
+        let (name, filename) = self.text(frame);
+        !OMIT_FUNCTIONS.iter().any(|f| name.contains(f))
+            && !OMIT_FILENAMES.iter().any(|f| filename.contains(f))
+    }
+
+    /// The site of a stack.
+    pub fn site(&self, stack: StackId) -> Site {
+        let frames: Vec<&Frame> = self
+            .recording
+            .stacks
+            .frames(stack)
+            .filter(|f| self.shown(f))
+            .collect();
+        let python = |f: &&&Frame| self.text(f).1.ends_with(".py");
+        let user = |f: &&&Frame| python(f) && !self.text(f).1.contains("torch/");
+        let outside_core = |f: &&&Frame| {
+            let name = self.text(f).0;
+            !["c10::", "at::", "CachingAllocator", "torch::"]
+                .iter()
+                .any(|core| name.contains(core))
+        };
+        let frame = frames
+            .iter()
+            .find(user)
+            .or_else(|| frames.iter().find(python))
+            .or_else(|| frames.iter().find(outside_core))
+            .or_else(|| frames.first())
+            .map(|f| **f);
+        Site {
+            frame,
+            example: stack,
+        }
+    }
+
+    /// A site in one line: `file:line function`.
+    pub fn describe(&self, site: Site) -> String {
+        match site.frame {
+            Some(f) => self.frame_line(&f),
+            None => "(no stack recorded)".into(),
+        }
+    }
+
+    fn frame_line(&self, f: &Frame) -> String {
+        let (name, filename) = self.text(f);
+        if f.line > 0 {
+            format!("{}:{} {}", shorten(filename), f.line, shorten(name))
+        } else {
+            format!("{} ({})", shorten(name), shorten(filename))
+        }
+    }
+
+    /// A stack as lines, innermost first, with the frames PyTorch's viewer hides left out.
+    pub fn stack_text(&self, stack: StackId) -> String {
+        let lines: Vec<String> = self
+            .recording
+            .stacks
+            .frames(stack)
+            .filter(|f| self.shown(f))
+            .take(MAX_FRAMES_SHOWN)
+            .map(|f| self.frame_line(f))
+            .collect();
+        if lines.is_empty() {
+            "no stack recorded".into()
+        } else {
+            lines.join("\n")
+        }
+    }
+}
