@@ -337,9 +337,17 @@ fn kernels_must_be_registered_and_defined() -> TestResult {
         "k",
         "extern \"C\" __global__ void unknown_kernel() {}",
     )?;
+    let missing = m.function("unknown_kernel").err();
     assert_eq!(
-        m.function("unknown_kernel").err(),
-        Some(StreamError::Driver(DriverError::KERNEL_NOT_REGISTERED))
+        missing,
+        Some(StreamError::KernelNotRegistered {
+            name: "unknown_kernel".into()
+        })
+    );
+    let text = missing.map(|e| e.to_string()).unwrap_or_default();
+    assert!(
+        text.contains("`unknown_kernel`") && text.contains("register_fake_kernel"),
+        "the error names the kernel and the way to register it: {text}"
     );
     assert_eq!(
         m.function("tiny").err(),

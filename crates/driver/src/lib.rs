@@ -5,6 +5,27 @@
 //! same code and the same test suite run on a real GPU ([`CudaDriver`]) and on a fake device
 //! kept in host memory ([`FakeDriver`]).
 //!
+//! # Example
+//! The fake device, asked one driver act at a time (the layers above do this for you):
+//! ```
+//! use ferrocuda_driver::{Call, Driver, DriverError, FakeDriver};
+//! use ferrocuda_types::{DeviceIndex, StreamHandle};
+//!
+//! let fake = FakeDriver::builder().devices(2).build();
+//! assert_eq!(fake.device_count()?, 2);
+//! let (dev, stream) = (DeviceIndex(0), StreamHandle::legacy(DeviceIndex(0)));
+//! let ptr = fake.malloc(dev, 1 << 20)?;
+//! fake.memcpy_htod_async(ptr, &[1, 2, 3, 4], stream)?;
+//! let mut back = [0u8; 4];
+//! fake.memcpy_dtoh(&mut back, ptr, stream)?;
+//! assert_eq!(back, [1, 2, 3, 4]);
+//! fake.free(dev, ptr)?;
+//! assert_eq!(fake.calls(Call::Malloc), 1); // every act is counted
+//! // A pointer it no longer holds is a typed error, not undefined behaviour.
+//! assert!(fake.free(dev, ptr).is_err());
+//! # Ok::<(), DriverError>(())
+//! ```
+//!
 //! # Design choices
 //! - **One method per driver act.** No method hides policy (caching, retries, ordering):
 //!   policy lives in the layers above, where it can be tested on the fake device.
@@ -76,6 +97,14 @@ use std::path::Path;
 pub trait Driver: Send + Sync + std::fmt::Debug + 'static {
     /// A short name of the backend: `"cuda"` or `"fake"`.
     fn backend(&self) -> &'static str;
+
+    /// The fake device, when this driver is one (`None`, the default, for the real driver).
+    /// Not a driver act: it lets the layers above register the host functions the fake runs
+    /// for their kernels ([`FakeDriver::register_kernel`], [`FakeDriver::provide_kernel`])
+    /// on whatever fake device a runtime was given.
+    fn as_fake(&self) -> Option<&FakeDriver> {
+        None
+    }
 
     // ---- devices -------------------------------------------------------------------------
     /// Devices visible to this process. Without a driver, the reason (the runtime above

@@ -117,8 +117,10 @@ impl<T: Element> DeviceBuffer<T> {
     }
 
     /// Marks the buffer as used by `stream` (`Tensor.record_stream`): after it is dropped,
-    /// its memory is not reused before the work enqueued on `stream` so far completes.
+    /// its memory is not reused before the work enqueued on `stream` so far completes. A
+    /// stream of another runtime is [`StreamError::OtherRuntime`].
     pub fn record_stream(&self, stream: &Stream) -> Result<()> {
+        self.runtime.check_stream(stream)?;
         if self.len == 0 {
             return Ok(());
         }
@@ -194,6 +196,7 @@ impl<T: Element> DeviceBuffer<T> {
     /// source device's current stream, ordered after and before the destination device's
     /// current stream, over peer access when it can be enabled).
     pub fn copy_from(&self, src: &DeviceBuffer<T>) -> Result<()> {
+        self.runtime.check_buffer(src, "the source buffer")?;
         if src.len != self.len {
             return Err(StreamError::LengthMismatch {
                 expected: self.len,

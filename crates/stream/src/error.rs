@@ -73,6 +73,33 @@ pub enum StreamError {
         /// What failed: out of memory with the allocator's figures, or another failure.
         source: MemoryError,
     },
+    /// A stream, event, kernel or buffer made by another [`Runtime`](crate::Runtime) (another
+    /// instance, even over the same driver) was given to this one: refused, so that work
+    /// never lands on this runtime's object that happens to have the same number.
+    #[error(
+        "{what} belongs to another runtime (runtime {found}) than the one it is used with \
+         (runtime {expected})"
+    )]
+    OtherRuntime {
+        /// What the offending object is.
+        what: &'static str,
+        /// [`Runtime::id`](crate::Runtime::id) of the runtime it was used with.
+        expected: u64,
+        /// [`Runtime::id`](crate::Runtime::id) of the runtime that made it.
+        found: u64,
+    },
+    /// The fake device has no host function for the kernel `name` (the driver's
+    /// `FERROCUDA_KERNEL_NOT_REGISTERED`, named). The library's own kernels are provided by
+    /// the crates that own them; a program's own kernel needs
+    /// [`Runtime::register_fake_kernel`](crate::Runtime::register_fake_kernel).
+    #[error(
+        "the fake device has no host function for kernel `{name}`: register one with \
+         `Runtime::register_fake_kernel` (or `FakeDriver::register_kernel`)"
+    )]
+    KernelNotRegistered {
+        /// The kernel's name.
+        name: String,
+    },
     /// Host and device lengths differ.
     #[error("length mismatch: expected {expected} elements, got {found}")]
     LengthMismatch {

@@ -8,6 +8,8 @@ use std::sync::Arc;
 #[derive(Debug)]
 struct EventInner {
     driver: Arc<dyn Driver>,
+    /// [`Runtime::id`](crate::Runtime::id) of the runtime that made it.
+    runtime: u64,
     flags: EventFlags,
     /// Created lazily at the first record, on the recording stream's device (as PyTorch).
     handle: Mutex<Option<EventHandle>>,
@@ -28,10 +30,11 @@ pub struct Event {
 }
 
 impl Event {
-    pub(crate) fn new(driver: Arc<dyn Driver>, flags: EventFlags) -> Event {
+    pub(crate) fn new(driver: Arc<dyn Driver>, runtime: u64, flags: EventFlags) -> Event {
         Event {
             inner: Arc::new(EventInner {
                 driver,
+                runtime,
                 flags,
                 handle: Mutex::new(None),
             }),
@@ -53,9 +56,18 @@ impl Event {
         *self.inner.handle.lock()
     }
 
+    /// [`Runtime::id`](crate::Runtime::id) of the runtime that made this event: it is
+    /// recorded on, and waited for by, that runtime's streams only
+    /// ([`StreamError::OtherRuntime`] otherwise).
+    pub fn runtime_id(&self) -> u64 {
+        self.inner.runtime
+    }
+
     /// Records the event at the current end of `stream` (`Event.record`). An event belongs
-    /// to the device of its first record; recording it on another device is an error.
+    /// to the device of its first record; recording it on another device is an error, and
+    /// on a stream of another runtime [`StreamError::OtherRuntime`].
     pub fn record(&self, stream: &Stream) -> Result<()> {
+        stream.same_runtime(self.inner.runtime, "the event")?;
         let dev = stream.device();
         let handle = {
             let mut slot = self.inner.handle.lock();
@@ -73,8 +85,10 @@ impl Event {
         Ok(self.inner.driver.event_record(handle, stream.handle())?)
     }
 
-    /// Makes later work on `stream` wait for this event; a no-op if never recorded.
+    /// Makes later work on `stream` wait for this event; a no-op if never recorded. A
+    /// stream of another runtime is [`StreamError::OtherRuntime`], recorded or not.
     pub fn wait(&self, stream: &Stream) -> Result<()> {
+        stream.same_runtime(self.inner.runtime, "the event")?;
         match self.handle() {
             Some(h) => Ok(stream.driver().stream_wait_event(stream.handle(), h)?),
             None => Ok(()),
@@ -100,6 +114,7 @@ impl Event {
     /// Milliseconds from this event to `end` (`Event.elapsed_time`). Both must be timing
     /// events, recorded, completed, and on one device.
     pub fn elapsed_time(&self, end: &Event) -> Result<f32> {
+        crate::runtime::same_runtime(self.inner.runtime, end.inner.runtime, "the end event")?;
         if !self.inner.flags.timing || !end.inner.flags.timing {
             return Err(StreamError::TimingDisabled);
         }

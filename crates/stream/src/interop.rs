@@ -60,6 +60,7 @@ impl<T: Element> DeviceBuffer<T> {
     /// Lends the buffer to work on `to` (a stream of its device), without a copy: see
     /// [`Lent`] for the order kept between `to` and ferrocuda's current stream.
     pub fn lend(&self, to: &Stream) -> Result<Lent<'_, T>> {
+        self.runtime().check_stream(to)?;
         if to.device() != self.device() {
             return Err(StreamError::DeviceMismatch {
                 expected: self.device(),

@@ -7,6 +7,30 @@
 //! timing, kernels compiled from CUDA C++ with an on-disk cache, a minimal typed
 //! [`DeviceBuffer`], and a pinned host [`PinnedBuffer`] with non-blocking copies.
 //!
+//! # Example
+//! ```
+//! use ferrocuda_driver::FakeDriver;
+//! use ferrocuda_stream::{DeviceBuffer, Runtime};
+//! use ferrocuda_types::DeviceIndex;
+//! use std::sync::Arc;
+//!
+//! let rt = Runtime::new(Arc::new(FakeDriver::default())); // or Arc::new(CudaDriver::new())
+//! let dev = DeviceIndex(0);
+//! let x = DeviceBuffer::from_slice(&rt, dev, &[1.0f32, 2.0, 3.0])?;
+//! // Work on a side stream, after what the current stream has enqueued.
+//! let side = rt.stream_from_pool(dev, false)?; // torch.cuda.Stream()
+//! side.wait_stream(&rt.current_stream(dev)?)?;
+//! x.record_stream(&side)?; // x is used there too: its memory waits for `side`
+//! {
+//!     let _on_side = rt.stream_guard(&side)?; // with torch.cuda.stream(side):
+//!     x.fill(7.0)?; // runs on the current stream, `side`
+//! }
+//! let done = side.record_event(None)?;
+//! rt.current_stream(dev)?.wait_event(&done)?;
+//! assert_eq!(x.to_host()?, [7.0; 3]);
+//! # Ok::<(), ferrocuda_stream::StreamError>(())
+//! ```
+//!
 //! # Design choices
 //! - **Lazy initialisation, as PyTorch's.** Making a [`Runtime`] asks the driver nothing;
 //!   the first call that needs a device initialises CUDA ([`Runtime::init`],
@@ -32,8 +56,19 @@
 //!   and a [`DeviceBuffer`] is lent to another stream without a copy ([`DeviceBuffer::lend`],
 //!   [`DeviceBuffer::cudarc`] for cudarc's pointer traits), the order between the streams
 //!   kept by events both ways.
+//! - **Objects know their runtime.** Streams, events and kernels carry the
+//!   [`id`](Runtime::id) of the runtime that made them, and every call taking one refuses
+//!   another runtime's ([`StreamError::OtherRuntime`]) rather than use its own object of the
+//!   same number.
+//! - **Kernels on the fake device are host functions found by name**
+//!   ([`Runtime::register_fake_kernel`]); a kernel with none is
+//!   [`StreamError::KernelNotRegistered`], naming it.
 //!
 //! # What the layers above must do
+//! - Check a stream they are given before using its handle with their own runtime
+//!   ([`Runtime::check_stream`]).
+//! - Provide the host versions of the kernels they ship when loading them on a fake device
+//!   ([`Runtime::fake`], `FakeDriver::provide_kernel`), so that no user registers them.
 //! - Keep allocations alive until the streams using them are done (the caching allocator's
 //!   `record_stream` does this for the buffer in the next layer; a [`PinnedBuffer`]'s
 //!   non-blocking copies record their stream with its [`HostMemoryResource`], which must

@@ -5,8 +5,8 @@
 //! image, then the image; an entry that fails that check, or that the driver refuses to
 //! load, is compiled again and rewritten, never fatal. Writes go to a temporary file that is
 //! renamed into place, so concurrent processes never see half an entry.
-use crate::{Result, Runtime};
-use ferrocuda_driver::Driver;
+use crate::{Result, Runtime, StreamError};
+use ferrocuda_driver::{Driver, DriverError};
 use ferrocuda_types::{DeviceIndex, FunctionHandle, ModuleHandle};
 use parking_lot::Mutex;
 use sha2::{Digest, Sha256};
@@ -105,6 +105,8 @@ impl KernelCache {
 #[derive(Debug)]
 struct ModuleInner {
     driver: Arc<dyn Driver>,
+    /// [`Runtime::id`] of the runtime that loaded it.
+    runtime: u64,
     handle: ModuleHandle,
     functions: Mutex<HashMap<String, FunctionHandle>>,
 }
@@ -143,6 +145,10 @@ impl Function {
     pub fn name(&self) -> &str {
         &self.name
     }
+    /// [`Runtime::id`] of the runtime that loaded it: only that runtime's streams launch it.
+    pub fn runtime_id(&self) -> u64 {
+        self._module.runtime
+    }
 }
 
 impl Module {
@@ -168,7 +174,7 @@ impl Module {
         {
             match KernelCache::read(path).map(|image| driver.module_load(dev, &image)) {
                 Some(Ok(handle)) => {
-                    return Ok(Module::wrap(driver.clone(), handle, CacheOutcome::Hit));
+                    return Ok(Module::wrap(rt, handle, CacheOutcome::Hit));
                 }
                 _ => outcome = CacheOutcome::Repaired,
             }
@@ -178,13 +184,14 @@ impl Module {
         if let Some(path) = &path {
             KernelCache::write(path, &image);
         }
-        Ok(Module::wrap(driver.clone(), handle, outcome))
+        Ok(Module::wrap(rt, handle, outcome))
     }
 
-    fn wrap(driver: Arc<dyn Driver>, handle: ModuleHandle, outcome: CacheOutcome) -> Module {
+    fn wrap(rt: &Runtime, handle: ModuleHandle, outcome: CacheOutcome) -> Module {
         Module {
             inner: Arc::new(ModuleInner {
-                driver,
+                driver: rt.driver().clone(),
+                runtime: rt.id(),
                 handle,
                 functions: Mutex::new(HashMap::new()),
             }),
@@ -202,13 +209,23 @@ impl Module {
         self.inner.handle.device
     }
 
-    /// The kernel called `name` (an `extern "C"` name).
+    /// The kernel called `name` (an `extern "C"` name). On the fake device, a kernel with
+    /// no host function registered is [`StreamError::KernelNotRegistered`], naming it.
     pub fn function(&self, name: &str) -> Result<Function> {
         let mut functions = self.inner.functions.lock();
         let handle = match functions.get(name) {
             Some(h) => *h,
             None => {
-                let h = self.inner.driver.module_function(self.inner.handle, name)?;
+                let h = self
+                    .inner
+                    .driver
+                    .module_function(self.inner.handle, name)
+                    .map_err(|e| match e {
+                        DriverError::KERNEL_NOT_REGISTERED => StreamError::KernelNotRegistered {
+                            name: name.to_owned(),
+                        },
+                        e => e.into(),
+                    })?;
                 *functions.entry(name.to_owned()).or_insert(h)
             }
         };

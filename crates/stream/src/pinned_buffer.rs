@@ -123,6 +123,7 @@ impl<T: Element> PinnedBuffer<T> {
     /// Notes that the work enqueued on `stream` so far uses this buffer, so that its memory
     /// is not reused before that work completes (`CachingHostAllocator_recordEvent`).
     pub fn record_event(&self, stream: &Stream) -> Result<()> {
+        self.runtime.check_stream(stream)?;
         match self.range {
             None => Ok(()),
             Some(r) => self.memory.record_host_use(r, stream.handle()),
@@ -133,6 +134,7 @@ impl<T: Element> PinnedBuffer<T> {
     /// stream of `dst`'s device. Non-blocking, it returns once the copy is enqueued and
     /// records the stream; blocking, it waits for the stream.
     pub fn copy_to_device(&self, dst: &DeviceBuffer<T>, non_blocking: bool) -> Result<()> {
+        self.runtime.check_buffer(dst, "the destination buffer")?;
         self.check_len(dst.len())?;
         let Some(r) = self.range else {
             return Ok(());
@@ -150,6 +152,7 @@ impl<T: Element> PinnedBuffer<T> {
     /// Copies `src` into this buffer (`self.copy_(src, non_blocking)`) on the current stream
     /// of `src`'s device; as [`PinnedBuffer::copy_to_device`] otherwise.
     pub fn copy_from_device(&self, src: &DeviceBuffer<T>, non_blocking: bool) -> Result<()> {
+        self.runtime.check_buffer(src, "the source buffer")?;
         self.check_len(src.len())?;
         let Some(r) = self.range else {
             return Ok(());

@@ -1,7 +1,7 @@
 //! The runtime: one driver, its devices, the per-thread current device and streams.
 use crate::stream::Ownership;
 use crate::{AvailabilityCheck, Event, PerDevice, Result, Stream, StreamError};
-use ferrocuda_driver::{Driver, ForeignStream};
+use ferrocuda_driver::{Driver, FakeDriver, ForeignStream, KernelContext};
 use ferrocuda_types::{
     Device, DeviceIndex, DeviceKind, DeviceProperties, EventFlags, StreamFlags, StreamHandle,
 };
@@ -118,6 +118,63 @@ impl Runtime {
         &self.driver
     }
 
+    /// This runtime's number, unique in the process. Streams, events and kernels carry the
+    /// number of the runtime that made them ([`Stream::runtime_id`]), and every operation
+    /// refuses those of another runtime ([`StreamError::OtherRuntime`]).
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
+    /// [`StreamError::OtherRuntime`] unless `stream` was made by this runtime. What the
+    /// layers above call on a stream they were given before using its handle.
+    pub fn check_stream(&self, stream: &Stream) -> Result<()> {
+        same_runtime(self.id, stream.runtime_id(), "the stream")
+    }
+
+    /// [`StreamError::OtherRuntime`] unless `event` was made by this runtime.
+    pub fn check_event(&self, event: &Event) -> Result<()> {
+        same_runtime(self.id, event.runtime_id(), "the event")
+    }
+
+    /// [`StreamError::OtherRuntime`] unless `buffer` (`what`, in the error) was made on
+    /// this runtime.
+    pub(crate) fn check_buffer<T: ferrocuda_types::Element>(
+        &self,
+        buffer: &crate::DeviceBuffer<T>,
+        what: &'static str,
+    ) -> Result<()> {
+        same_runtime(self.id, buffer.runtime().id(), what)
+    }
+
+    // ---- kernels on the fake device ------------------------------------------------------
+
+    /// The fake device under this runtime, if it runs on one.
+    pub fn fake(&self) -> Option<&FakeDriver> {
+        self.driver.as_fake()
+    }
+
+    /// Registers `kernel` as the host function the fake device runs for the kernel called
+    /// `name` (in any module whose source defines it), replacing one registered before;
+    /// returns `true`. On the real driver nothing is registered (the CUDA source runs) and
+    /// the answer is `false`, so a program that runs on both can call it unconditionally.
+    ///
+    /// Only a program's own kernels need this: the library's kernels (the gradient
+    /// scaler's, the optimizers', the Philox generator's) are provided by the crates that
+    /// own them when they load their module on a fake device. A kernel looked up with no
+    /// host function is [`StreamError::KernelNotRegistered`], naming it.
+    pub fn register_fake_kernel<F>(&self, name: &str, kernel: F) -> bool
+    where
+        F: Fn(&mut KernelContext<'_>) -> std::result::Result<(), String> + Send + Sync + 'static,
+    {
+        match self.fake() {
+            Some(fake) => {
+                fake.register_kernel(name, kernel);
+                true
+            }
+            None => false,
+        }
+    }
+
     // ---- initialisation and devices ------------------------------------------------------
 
     /// Initialises CUDA for this runtime, once (`torch.cuda.init()`): the driver's `cuInit`
@@ -152,6 +209,7 @@ impl Runtime {
         self.devices.get_or_init(&*self.driver, |d| DeviceState {
             default_stream: Stream::wrap(
                 self.driver.clone(),
+                self.id,
                 StreamHandle::legacy(d),
                 0,
                 Ownership::Borrowed,
@@ -312,8 +370,10 @@ impl Runtime {
     }
 
     /// Makes `stream` this thread's current stream on its device, and that device the
-    /// current device (`torch.cuda.set_stream`, which sets the stream's device first).
+    /// current device (`torch.cuda.set_stream`, which sets the stream's device first). A
+    /// stream of another runtime is [`StreamError::OtherRuntime`].
     pub fn set_stream(&self, stream: &Stream) -> Result<()> {
+        self.check_stream(stream)?;
         let dev = self.check_device(stream.device())?;
         self.with_thread(|t| {
             t.device = dev;
@@ -326,8 +386,10 @@ impl Runtime {
     }
 
     /// Makes `stream` current, and its device current, until the guard drops
-    /// (`with torch.cuda.stream(s)`).
+    /// (`with torch.cuda.stream(s)`). A stream of another runtime is
+    /// [`StreamError::OtherRuntime`], and nothing changes.
     pub fn stream_guard(&self, stream: &Stream) -> Result<StreamGuard<'_>> {
+        self.check_stream(stream)?;
         let dev = stream.device();
         let previous_stream = self.current_stream(dev)?;
         let device = self.device_guard(dev)?;
@@ -365,6 +427,7 @@ impl Runtime {
         )?;
         Ok(Stream::wrap(
             self.driver.clone(),
+            self.id,
             handle,
             priority,
             Ownership::Owned,
@@ -397,6 +460,7 @@ impl Runtime {
                         let h = self.driver.stream_create(dev, flags)?;
                         Ok(Stream::wrap(
                             self.driver.clone(),
+                            self.id,
                             h,
                             priority,
                             Ownership::Owned,
@@ -433,6 +497,7 @@ impl Runtime {
         self.driver.stream_query(handle)?;
         Ok(Stream::wrap(
             self.driver.clone(),
+            self.id,
             handle,
             0,
             Ownership::Borrowed,
@@ -450,6 +515,7 @@ impl Runtime {
         let handle = self.driver.stream_adopt(&foreign)?;
         Ok(Stream::wrap(
             self.driver.clone(),
+            self.id,
             handle,
             0,
             Ownership::Adopted(foreign),
@@ -464,7 +530,21 @@ impl Runtime {
         if flags.interprocess && flags.timing {
             return Err(StreamError::InterprocessTiming);
         }
-        Ok(Event::new(self.driver.clone(), flags))
+        Ok(Event::new(self.driver.clone(), self.id, flags))
+    }
+}
+
+/// [`StreamError::OtherRuntime`] for `what`, made by runtime `found`, used with runtime
+/// `expected`, unless they are one.
+pub(crate) fn same_runtime(expected: u64, found: u64, what: &'static str) -> Result<()> {
+    if expected == found {
+        Ok(())
+    } else {
+        Err(StreamError::OtherRuntime {
+            what,
+            expected,
+            found,
+        })
     }
 }
 

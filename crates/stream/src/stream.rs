@@ -19,6 +19,8 @@ pub(crate) enum Ownership {
 #[derive(Debug)]
 struct StreamInner {
     driver: Arc<dyn Driver>,
+    /// [`Runtime::id`](crate::Runtime::id) of the runtime that made it.
+    runtime: u64,
     handle: StreamHandle,
     priority: i32,
     ownership: Ownership,
@@ -55,6 +57,7 @@ impl Eq for Stream {}
 impl Stream {
     pub(crate) fn wrap(
         driver: Arc<dyn Driver>,
+        runtime: u64,
         handle: StreamHandle,
         priority: i32,
         ownership: Ownership,
@@ -62,6 +65,7 @@ impl Stream {
         Stream {
             inner: Arc::new(StreamInner {
                 driver,
+                runtime,
                 handle,
                 priority,
                 ownership,
@@ -82,6 +86,19 @@ impl Stream {
     /// The driver handle.
     pub fn handle(&self) -> StreamHandle {
         self.inner.handle
+    }
+
+    /// [`Runtime::id`](crate::Runtime::id) of the runtime that made this stream: every
+    /// operation that takes a stream refuses one of another runtime
+    /// ([`StreamError::OtherRuntime`]).
+    pub fn runtime_id(&self) -> u64 {
+        self.inner.runtime
+    }
+
+    /// [`StreamError::OtherRuntime`] unless `found` (the runtime of `what`) is this
+    /// stream's runtime.
+    pub(crate) fn same_runtime(&self, found: u64, what: &'static str) -> Result<()> {
+        crate::runtime::same_runtime(self.inner.runtime, found, what)
     }
 
     /// The device the stream belongs to.
@@ -122,10 +139,15 @@ impl Stream {
     /// Makes later work on this stream wait for all work enqueued on `other` so far
     /// (`Stream.wait_stream`).
     pub fn wait_stream(&self, other: &Stream) -> Result<()> {
+        self.same_runtime(other.inner.runtime, "the stream to wait for")?;
         if other == self {
             return Ok(());
         }
-        let event = Event::new(self.inner.driver.clone(), EventFlags::default());
+        let event = Event::new(
+            self.inner.driver.clone(),
+            self.inner.runtime,
+            EventFlags::default(),
+        );
         event.record(other)?;
         event.wait(self)
     }
@@ -139,7 +161,11 @@ impl Stream {
                 Ok(e.clone())
             }
             None => {
-                let e = Event::new(self.inner.driver.clone(), EventFlags::default());
+                let e = Event::new(
+                    self.inner.driver.clone(),
+                    self.inner.runtime,
+                    EventFlags::default(),
+                );
                 e.record(self)?;
                 Ok(e)
             }
@@ -147,13 +173,16 @@ impl Stream {
     }
 
     /// Launches `function` on this stream. Every device-pointer argument and the function
-    /// must belong to this stream's device, else [`StreamError::DeviceMismatch`].
+    /// must belong to this stream's device, else [`StreamError::DeviceMismatch`]; the
+    /// function must have been loaded by this stream's runtime, else
+    /// [`StreamError::OtherRuntime`].
     pub fn launch(
         &self,
         function: &Function,
         config: &LaunchConfig,
         args: &[KernelArg<'_>],
     ) -> Result<()> {
+        self.same_runtime(function.runtime_id(), "the kernel")?;
         let dev = self.inner.handle.device;
         if function.device() != dev {
             return Err(StreamError::DeviceMismatch {

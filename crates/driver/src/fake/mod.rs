@@ -16,6 +16,7 @@
 mod addresses;
 mod host_register;
 mod interop;
+mod kernels;
 mod mem_pool;
 mod memory;
 mod nodes;
@@ -428,7 +429,9 @@ impl FakeDriver {
     }
 
     /// Registers a host function as the kernel called `name` in any module whose source
-    /// defines it.
+    /// defines it, replacing one registered before (functions already looked up keep the
+    /// one they found). Library kernels need no registration: the crate that owns them
+    /// provides them ([`FakeDriver::provide_kernel`]) when it loads their module.
     pub fn register_kernel<F>(&self, name: &str, kernel: F)
     where
         F: Fn(&mut KernelContext<'_>) -> Result<(), String> + Send + Sync + 'static,
@@ -963,6 +966,10 @@ fn fake_properties(capacity: u64) -> DeviceProperties {
 impl Driver for FakeDriver {
     fn backend(&self) -> &'static str {
         "fake"
+    }
+
+    fn as_fake(&self) -> Option<&FakeDriver> {
+        Some(self)
     }
 
     fn device_count(&self) -> Result<usize, DriverError> {
