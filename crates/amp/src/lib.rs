@@ -1,6 +1,40 @@
 //! Mixed precision (`torch.amp`): autocast policy tables and per-thread state, the gradient
 //! scaler with its device kernels, and the TF32 / reduced-precision flags.
 //!
+//! # Example
+//! One training step with the scaler and SGD, no host synchronization (capturable whole):
+//! ```
+//! use ferrocuda_amp::autocast::{self, Autocast, DeviceKind};
+//! use ferrocuda_amp::optim::{Param, Sgd, SgdConfig};
+//! use ferrocuda_amp::{GradScaler, GradScalerConfig, ScaledStep, TensorView};
+//! use ferrocuda_driver::FakeDriver;
+//! use ferrocuda_stream::{DeviceBuffer, Runtime};
+//! use ferrocuda_types::{DType, DeviceIndex};
+//! use std::sync::Arc;
+//!
+//! let rt = Runtime::new(Arc::new(FakeDriver::default()));
+//! let dev = DeviceIndex(0);
+//! let w = DeviceBuffer::from_slice(&rt, dev, &[1.0f32; 4])?;
+//! let g = DeviceBuffer::from_slice(&rt, dev, &[0.0f32; 4])?;
+//! let param = Param { param: TensorView::of(&w), grad: TensorView::of(&g) };
+//! let sgd = Sgd::new(&rt, &[param], SgdConfig { lr: 0.5, ..SgdConfig::default() })?;
+//! let scaler = GradScaler::new(&rt, dev, GradScalerConfig::default())?;
+//! let stream = rt.current_stream(dev)?;
+//! let mut step = ScaledStep::new(scaler, sgd, vec![TensorView::of(&g)], &stream)?;
+//! {
+//!     let _fp16 = Autocast::new(DeviceKind::Cuda).enter()?; // the forward pass's region
+//!     assert_eq!(autocast::dtype(DeviceKind::Cuda), DType::F16);
+//! }
+//! g.copy_from_host(&[65536.0; 4])?; // backward's gradients, scaled by 2^16
+//! step.run(&stream)?; // unscale and check, SGD, update the scale
+//! assert_eq!(w.to_host()?, [0.5; 4]);
+//! g.copy_from_host(&[f32::INFINITY; 4])?; // an overflow:
+//! step.run(&stream)?; // SGD skips itself on the device, the scale backs off
+//! assert_eq!(w.to_host()?, [0.5; 4]);
+//! assert_eq!(step.scaler().get_scale()?, 32768.0);
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+//!
 //! # Design choices
 //! - **Autocast is a library a tensor crate calls**, not a dispatcher: a tensor type tells
 //!   autocast what it needs to know about an argument, and autocast answers which dtype each

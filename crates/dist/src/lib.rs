@@ -8,6 +8,39 @@
 //! [`Reducer`] buckets gradients as DDP does and all-reduces each bucket as soon as it is
 //! full, overlapping the backward pass.
 //!
+//! # Example
+//! Two ranks on a fake device with two devices, one thread each:
+//! ```
+//! use ferrocuda_dist::{DistError, FakeGroup, ProcessGroup, ReduceOp};
+//! use ferrocuda_driver::FakeDriver;
+//! use ferrocuda_stream::{DeviceBuffer, Runtime};
+//! use ferrocuda_types::DeviceIndex;
+//! use std::sync::Arc;
+//!
+//! let fake = Arc::new(FakeDriver::builder().devices(2).build());
+//! let rt = Runtime::new(fake.clone());
+//! let ranks = FakeGroup::ranks(fake, &[DeviceIndex(0), DeviceIndex(1)])?;
+//! let sums = std::thread::scope(|s| {
+//!     let threads: Vec<_> = (ranks.into_iter().enumerate())
+//!         .map(|(r, rank)| {
+//!             let rt = rt.clone();
+//!             s.spawn(move || -> Result<Vec<f32>, DistError> {
+//!                 let group = ProcessGroup::new(rt.clone(), Box::new(rank))?;
+//!                 let x = DeviceBuffer::from_slice(&rt, group.device(), &[r as f32 + 1.0; 2])?;
+//!                 group.all_reduce(&x, ReduceOp::Sum)?.wait()?; // a stream wait, as NCCL's
+//!                 Ok(x.to_host()?)
+//!             })
+//!         })
+//!         .collect();
+//!     let panicked = || Err(DistError::Reducer("a rank panicked".into()));
+//!     (threads.into_iter())
+//!         .map(|t| t.join().unwrap_or_else(|_| panicked()))
+//!         .collect::<Result<Vec<_>, _>>()
+//! })?;
+//! assert_eq!(sums, [[3.0; 2], [3.0; 2]]);
+//! # Ok::<(), DistError>(())
+//! ```
+//!
 //! # Design choices
 //! - **One seam for collectives** ([`Collective`]): the process group's stream order,
 //!   `record_stream` and `Work` semantics, and the reducer's bucketing, are tested on the

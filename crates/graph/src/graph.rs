@@ -241,6 +241,7 @@ impl CudaGraph {
         pool: Option<PoolId>,
         mode: CaptureMode,
     ) -> Result<(), GraphError> {
+        self.runtime.check_stream(stream)?;
         if stream.is_default() {
             return Err(GraphError::DefaultStream);
         }
@@ -392,6 +393,7 @@ impl CudaGraph {
     /// registered generator the capture drew from first gets its `[seed, offset]` written
     /// to the device (one small copy) and its offset advanced.
     pub fn replay(&self, stream: &Stream) -> Result<(), GraphError> {
+        self.runtime.check_stream(stream)?;
         let st = self.state.lock();
         let exec = st.exec.ok_or(GraphError::NothingCaptured)?;
         for (generator, increment) in &st.generators {
@@ -563,6 +565,7 @@ impl CudaGraph {
 
     /// Stages the graph on the device so the first replay does not pay for it (`upload`).
     pub fn upload(&self, stream: &Stream) -> Result<(), GraphError> {
+        self.runtime.check_stream(stream)?;
         let exec = self.state.lock().exec.ok_or(GraphError::NothingCaptured)?;
         Ok(self.driver().graph_upload(exec, stream.handle())?)
     }
@@ -618,6 +621,9 @@ impl CudaGraph {
         pool: Option<PoolId>,
         mode: CaptureMode,
     ) -> Result<CaptureGuard<'a>, GraphError> {
+        if let Some(s) = stream {
+            self.runtime.check_stream(s)?;
+        }
         self.runtime.synchronize(self.device)?;
         self.memory.empty_cache(self.device)?;
         let stream = match stream {

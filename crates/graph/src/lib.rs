@@ -19,6 +19,34 @@
 //!   MRU cache entries, recompile limits, automatic dynamic shapes), generic over the
 //!   cached value.
 //!
+//! # Example
+//! ```
+//! use ferrocuda_alloc::DeviceAllocators;
+//! use ferrocuda_driver::FakeDriver;
+//! use ferrocuda_graph::{CaptureMode, CudaGraph, PhiloxGenerator};
+//! use ferrocuda_stream::{DeviceBuffer, Runtime};
+//! use ferrocuda_types::{AllocatorConfig, DeviceIndex};
+//! use std::sync::Arc;
+//!
+//! let fake = Arc::new(FakeDriver::default());
+//! let rt = Runtime::new(fake.clone());
+//! let allocators = DeviceAllocators::new(fake, AllocatorConfig::default(), true);
+//! allocators.install(&rt);
+//! let dev = DeviceIndex(0);
+//! let rng = PhiloxGenerator::new(&rt, dev, 42)?;
+//! let out = DeviceBuffer::<f32>::uninit(&rt, dev, 4)?;
+//! let graph = CudaGraph::new(rt.clone(), &allocators, dev)?;
+//! graph.register_generator(&rng)?; // each replay draws fresh numbers
+//! let capture = graph.capture(None, None, CaptureMode::ThreadLocal)?; // with torch.cuda.graph(g):
+//! rng.uniform(&out, capture.stream())?; // recorded, not run
+//! capture.end()?;
+//! graph.replay(&rt.current_stream(dev)?)?;
+//! let first = out.to_host()?;
+//! graph.replay(&rt.current_stream(dev)?)?;
+//! assert_ne!(out.to_host()?, first);
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+//!
 //! # Design choices
 //! - **Graph-memory policy lives here.** The allocator only offers "allocate in pool P",
 //!   "retain / release pool P", "blocks of pool P"; which pool, for whom, and when it is

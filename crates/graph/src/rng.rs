@@ -7,7 +7,7 @@
 //! So replays draw exactly what eager calls would have, and a replay costs one small copy
 //! per generator instead of PyTorch's two fill kernels (spec §10 item 9).
 use crate::GraphError;
-use ferrocuda_driver::FakeDriver;
+use ferrocuda_driver::{FakeDriver, KernelContext};
 use ferrocuda_stream::{DeviceBuffer, Function, Module, Runtime, Stream};
 use ferrocuda_types::{CaptureStatus, DeviceIndex, DevicePtr, KernelArg, LaunchConfig};
 use parking_lot::Mutex;
@@ -74,22 +74,27 @@ fn philox_first(counter_lo: u64, counter_hi: u64, key: u64) -> u32 {
     c[0]
 }
 
-/// Registers the host version of [`PHILOX_KERNELS`] on a fake driver.
+/// The host version of `philox_uniform_f32`, for the fake device.
+fn philox_uniform_f32(k: &mut KernelContext<'_>) -> Result<(), String> {
+    let (out, n) = (k.arg::<DevicePtr>(0)?, k.arg::<u32>(1)? as usize);
+    let (mut seed, mut offset) = (k.arg::<u64>(2)?, k.arg::<u64>(3)?);
+    let state = k.arg::<DevicePtr>(4)?;
+    if state.0 != 0 {
+        let s = k.read::<u64>(state, 2)?;
+        seed = s[0];
+        offset = s[1] + k.arg::<u64>(5)?;
+    }
+    let values: Vec<f32> = (0..n as u64)
+        .map(|i| (philox_first(i, offset / 4, seed) >> 8) as f32 * (1.0 / 16_777_216.0))
+        .collect();
+    k.write(out, &values)
+}
+
+/// Registers the host version of [`PHILOX_KERNELS`] on a fake driver, replacing one
+/// registered before. Not needed to use a [`PhiloxGenerator`]: making one on a fake device
+/// provides it ([`FakeDriver::provide_kernel`]).
 pub fn register_fake_philox(fake: &FakeDriver) {
-    fake.register_kernel("philox_uniform_f32", |k| {
-        let (out, n) = (k.arg::<DevicePtr>(0)?, k.arg::<u32>(1)? as usize);
-        let (mut seed, mut offset) = (k.arg::<u64>(2)?, k.arg::<u64>(3)?);
-        let state = k.arg::<DevicePtr>(4)?;
-        if state.0 != 0 {
-            let s = k.read::<u64>(state, 2)?;
-            seed = s[0];
-            offset = s[1] + k.arg::<u64>(5)?;
-        }
-        let values: Vec<f32> = (0..n as u64)
-            .map(|i| (philox_first(i, offset / 4, seed) >> 8) as f32 * (1.0 / 16_777_216.0))
-            .collect();
-        k.write(out, &values)
-    });
+    fake.register_kernel("philox_uniform_f32", philox_uniform_f32);
 }
 
 #[derive(Debug)]
@@ -128,6 +133,10 @@ impl PhiloxGenerator {
         device: DeviceIndex,
         seed: u64,
     ) -> Result<Arc<PhiloxGenerator>, GraphError> {
+        if let Some(fake) = runtime.fake() {
+            // The fake device runs the kernel's host version; one a test registered stays.
+            fake.provide_kernel("philox_uniform_f32", philox_uniform_f32);
+        }
         let module = Module::from_cuda_source(runtime, device, "philox", PHILOX_KERNELS)?;
         Ok(Arc::new(PhiloxGenerator {
             runtime: runtime.clone(),
@@ -173,6 +182,7 @@ impl PhiloxGenerator {
     /// Fills `out` with uniform numbers in [0, 1) on `stream`. Inside a capture the draw is
     /// recorded against the device state, so each replay draws fresh numbers.
     pub fn uniform(&self, out: &DeviceBuffer<f32>, stream: &Stream) -> Result<(), GraphError> {
+        self.runtime.check_stream(stream)?;
         let n = u32::try_from(out.len())
             .map_err(|_| GraphError::Rng("more than 2^32 elements in one draw".into()))?;
         if n == 0 {

@@ -487,12 +487,23 @@ fn masked_copy(k: &mut KernelContext<'_>) -> Result<(), String> {
     Ok(())
 }
 
-/// Registers the host versions of [`OPTIM_KERNELS`] on a fake driver.
+/// Registers the host versions of [`OPTIM_KERNELS`] on a fake driver, replacing ones
+/// registered before. Not needed to use the optimizers: loading their kernels on a fake
+/// device provides them.
 pub fn register_fake_optim_kernels(fake: &FakeDriver) {
     fake.register_kernel("optim_prologue", prologue);
     fake.register_kernel("sgd_multi_tensor", sgd);
     fake.register_kernel("adamw_multi_tensor", adamw);
     fake.register_kernel("masked_copy", masked_copy);
+}
+
+/// Provides the host versions on a fake driver, keeping any a test registered itself: what
+/// loading the optimizers' kernels on a fake device does.
+pub(crate) fn provide_fake_optim_kernels(fake: &FakeDriver) {
+    fake.provide_kernel("optim_prologue", prologue);
+    fake.provide_kernel("sgd_multi_tensor", sgd);
+    fake.provide_kernel("adamw_multi_tensor", adamw);
+    fake.provide_kernel("masked_copy", masked_copy);
 }
 
 #[cfg(test)]

@@ -176,6 +176,9 @@ fn optional_buffer(device: DeviceIndex, buf: Option<&DeviceBuffer<f32>>) -> Kern
 
 /// Loads one of [`OPTIM_KERNELS`] (through the runtime's kernel cache).
 fn load_kernel(rt: &Runtime, device: DeviceIndex, name: &str) -> Result<Function, StreamError> {
+    if let Some(fake) = rt.fake() {
+        kernels::provide_fake_optim_kernels(fake);
+    }
     Module::from_cuda_source(rt, device, "ferrocuda_amp_optim", OPTIM_KERNELS)?.function(name)
 }
 
@@ -268,6 +271,7 @@ impl StepScalars {
         found_inf: Option<DevicePtr>,
         betas: (f32, f32),
     ) -> Result<(), OptimError> {
+        self.rt.check_stream(stream)?;
         let args = [
             optional_ptr(self.buf.device(), found_inf),
             self.buf.arg(),
@@ -279,6 +283,7 @@ impl StepScalars {
 
     /// Writes the learning rate in `stream` order.
     fn set_lr(&self, stream: &Stream, lr: f32) -> Result<(), OptimError> {
+        self.rt.check_stream(stream)?;
         let at = self.buf.ptr().offset((LR * size_of::<f32>()) as u64);
         // Pageable source: the driver stages it before returning.
         self.rt
@@ -290,6 +295,7 @@ impl StepScalars {
 
     /// Reads the counters after `stream`'s work (a host sync: not for the hot path).
     fn counts(&self, stream: &Stream) -> Result<StepCounts, OptimError> {
+        self.rt.check_stream(stream)?;
         stream.synchronize()?;
         let s = self.buf.to_host()?;
         Ok(StepCounts {

@@ -8,10 +8,19 @@ use ferrocuda_driver::{FakeDriver, KernelContext};
 use ferrocuda_types::{DType, DevicePtr};
 use half::{bf16, f16};
 
-/// Registers the host twins of the scaler's kernels on a fake driver.
+/// Registers the host twins of the scaler's kernels on a fake driver, replacing ones
+/// registered before. Not needed to use a [`GradScaler`](crate::GradScaler): loading its
+/// kernels on a fake device provides them.
 pub fn register_fake_amp_kernels(fake: &FakeDriver) {
     fake.register_kernel("amp_check_unscale", check_unscale);
     fake.register_kernel("amp_update_scale", update_scale);
+}
+
+/// Provides the host twins on a fake driver, keeping any a test registered itself: what
+/// loading the scaler's kernels on a fake device does.
+pub(crate) fn provide(fake: &FakeDriver) {
+    fake.provide_kernel("amp_check_unscale", check_unscale);
+    fake.provide_kernel("amp_update_scale", update_scale);
 }
 
 fn check_unscale(k: &mut KernelContext<'_>) -> Result<(), String> {

@@ -377,6 +377,9 @@ impl ScalerKernels {
         runtime: &Runtime,
         device: DeviceIndex,
     ) -> Result<ScalerKernels, ScalerError> {
+        if let Some(fake) = runtime.fake() {
+            super::host_twins::provide(fake);
+        }
         let module = Module::from_cuda_source(runtime, device, "amp_scaler", SCALER_KERNELS)?;
         Ok(ScalerKernels {
             check_unscale: module.function("amp_check_unscale")?,

@@ -323,6 +323,7 @@ impl GradScaler {
         stream: &Stream,
         grads: &[TensorView],
     ) -> Result<(), ScalerError> {
+        self.runtime.check_stream(stream)?;
         if self.live()?.is_none() {
             return Ok(());
         }
@@ -349,6 +350,7 @@ impl GradScaler {
         stream: &Stream,
         grads: &[TensorView],
     ) -> Result<(), ScalerError> {
+        self.runtime.check_stream(stream)?;
         if !self.config.enabled {
             return Ok(());
         }
@@ -386,6 +388,7 @@ impl GradScaler {
         found_inf: DeviceScalar<f32>,
         inv_scale: DeviceScalar<f32>,
     ) -> Result<(), ScalerError> {
+        self.runtime.check_stream(stream)?;
         let kernels = match (&self.live, &self.bare_kernels) {
             (Some(l), _) => l.kernels.clone(),
             (None, Some(k)) => k.clone(),
@@ -409,6 +412,7 @@ impl GradScaler {
     /// the scale and growth tracker by PyTorch's rule, refreshes `inv_scale` and counts a
     /// skipped step. Reads nothing back. Disabled: a no-op.
     pub fn update_device(&mut self, stream: &Stream) -> Result<(), ScalerError> {
+        self.runtime.check_stream(stream)?;
         let params = self.update_params();
         let Some(live) = self.live()? else {
             return Ok(());
@@ -424,6 +428,7 @@ impl GradScaler {
     /// Enqueues, on `stream`, a copy of the skip counters to page-locked host memory, for
     /// [`GradScaler::poll_step_stats`] to read once it has landed. No host wait.
     pub fn request_step_stats(&mut self, stream: &Stream) -> Result<(), ScalerError> {
+        self.runtime.check_stream(stream)?;
         let runtime = self.runtime.clone();
         let Some(live) = self.live()? else {
             return Ok(());
