@@ -8,6 +8,28 @@
 //! (`roundup_power2_divisions`), the oversize rules of `max_split_size_mb`, the slow path's
 //! order, statistics and their keys, the OOM message.
 //!
+//! # Example
+//! ```
+//! use ferrocuda_alloc::DeviceAllocators;
+//! use ferrocuda_driver::FakeDriver;
+//! use ferrocuda_types::{AllocatorConfig, DeviceIndex, StreamHandle};
+//! use std::sync::Arc;
+//!
+//! let config = AllocatorConfig::parse("max_split_size_mb:64")?; // PYTORCH_CUDA_ALLOC_CONF
+//! let allocators = DeviceAllocators::new(Arc::new(FakeDriver::default()), config, true);
+//! // (`allocators.install(&runtime)` puts them behind a runtime's buffers.)
+//! let (dev, stream) = (DeviceIndex(0), StreamHandle::legacy(DeviceIndex(0)));
+//! let alloc = allocators.device(dev)?; // this device's caching allocator
+//! let block = alloc.allocate(1000, stream)?; // 1024 bytes of a new 2 MiB segment
+//! alloc.free(block.ptr)?;
+//! let again = alloc.allocate(1000, stream)?; // the cached block: no driver call
+//! assert_eq!(again.ptr, block.ptr);
+//! let stats = alloc.stats(); // torch.cuda.memory_stats()
+//! assert_eq!(stats.allocated_bytes.all.current, 1024);
+//! assert_eq!(stats.reserved_bytes.all.current, 2 << 20);
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+//!
 //! # Design choices
 //! - **Exact by default, better by choice**: with PyTorch's keys only, every pointer,
 //!   statistic, snapshot and out-of-memory outcome is PyTorch's; each improvement is a

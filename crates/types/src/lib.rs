@@ -8,6 +8,22 @@
 //! sits below the allocator). It has no behaviour beyond parsing and formatting, so every
 //! layer (and a user's own tools, through serde) can depend on it without pulling in CUDA.
 //!
+//! # Example
+//! ```
+//! use ferrocuda_types::{AllocatorConfig, Device, DeviceIndex, LaunchConfig, format_size};
+//!
+//! let dev: Device = "cuda:1".parse()?; // torch.device("cuda:1")
+//! assert_eq!(dev.index, Some(DeviceIndex(1)));
+//! // A PYTORCH_CUDA_ALLOC_CONF string, read with PyTorch's grammar.
+//! let config = AllocatorConfig::parse("expandable_segments:True,max_split_size_mb:64")?;
+//! assert!(config.expandable_segments);
+//! assert_eq!(config.max_split_size, Some(64 << 20));
+//! // A 1-D launch over 1000 elements: 4 blocks of 256 threads.
+//! assert_eq!(LaunchConfig::for_elements(1000, 256).grid, (4, 1, 1));
+//! assert_eq!(format_size(3 << 20), "3.00 MiB"); // as memory_summary prints sizes
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+//!
 //! # Design choices
 //! - Handles are `Copy` values that carry their device next to the backend's raw `u64`. The
 //!   real driver stores the CUDA pointer there, the fake driver a table index: no lookup
