@@ -56,12 +56,21 @@ pub enum Backend {
 }
 
 impl Backend {
-    /// From `FERROCUDA_BACKEND` (`cuda`, the default, or `fake`).
-    pub fn from_env() -> Backend {
-        match std::env::var("FERROCUDA_BACKEND").as_deref() {
-            Ok("fake") => Backend::Fake,
-            _ => Backend::Cuda,
-        }
+    /// From `FERROCUDA_BACKEND` (`cuda`, the default, or `fake`; any other value means
+    /// `cuda`). Set to a value that is not valid UTF-8, it is an error naming it, not a
+    /// variable taken for unset.
+    pub fn from_env() -> Result<Backend, types::EnvError> {
+        Backend::from_var(std::env::var("FERROCUDA_BACKEND"))
+    }
+
+    /// [`Backend::from_env`] over what `std::env::var("FERROCUDA_BACKEND")` gave.
+    pub fn from_var(got: Result<String, std::env::VarError>) -> Result<Backend, types::EnvError> {
+        Ok(
+            match types::env_value("FERROCUDA_BACKEND", got)?.as_deref() {
+                Some("fake") => Backend::Fake,
+                _ => Backend::Cuda,
+            },
+        )
     }
 
     /// A new runtime over this backend, without an allocator installed (buffers use the
@@ -74,15 +83,36 @@ impl Backend {
     }
 }
 
+/// `FERROCUDA_BACKEND`, read once per process.
+fn backend_choice() -> &'static Result<Backend, types::EnvError> {
+    static BACKEND: OnceLock<Result<Backend, types::EnvError>> = OnceLock::new();
+    BACKEND.get_or_init(Backend::from_env)
+}
+
 /// The process-wide runtime (see [`Backend::from_env`]), with the caching allocators of
-/// [`memory`] installed.
+/// [`memory`] installed. When `FERROCUDA_BACKEND` cannot be read (not valid UTF-8), the
+/// runtime is the real driver's and every allocation, and every [`memory`] function, fails
+/// with that error, which [`try_runtime`] returns.
 pub fn runtime() -> &'static Arc<stream::Runtime> {
     static RUNTIME: OnceLock<Arc<stream::Runtime>> = OnceLock::new();
-    RUNTIME.get_or_init(|| {
-        let rt = Backend::from_env().runtime();
-        memory::install(&rt);
-        rt
+    RUNTIME.get_or_init(|| match backend_choice() {
+        Ok(backend) => {
+            let rt = backend.runtime();
+            memory::install(&rt);
+            rt
+        }
+        Err(e) => {
+            let rt = Backend::Cuda.runtime();
+            memory::install_refusal(&rt, alloc::AllocError::Env(e.clone()));
+            rt
+        }
     })
+}
+
+/// [`runtime`], or why `FERROCUDA_BACKEND` cannot be read.
+pub fn try_runtime() -> Result<&'static Arc<stream::Runtime>, types::EnvError> {
+    let rt = runtime();
+    backend_choice().clone().map(|_| rt)
 }
 
 /// `torch.cuda.is_available()` for the global runtime (see [`stream::AvailabilityCheck`]).
