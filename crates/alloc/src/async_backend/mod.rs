@@ -38,8 +38,6 @@ use std::sync::{Arc, OnceLock};
 
 mod inspect;
 
-pub use inspect::ASYNC_IGNORES_WARNING;
-
 /// PyTorch refuses requests of 1 EB or more before anything else.
 const ONE_EXABYTE: u64 = 1 << 60;
 
@@ -136,13 +134,13 @@ impl AsyncAllocator {
         self.device_count.get().is_some()
     }
 
-    /// `assertValidDevice`: PyTorch's "Invalid device argument." past the last device.
+    /// `assertValidDevice`.
     fn check_device(&self, dev: DeviceIndex) -> Result<(), AllocError> {
         let count = self.init()?;
         if dev.as_usize() < count {
             Ok(())
         } else {
-            Err(AllocError::AsyncNoSuchDevice {
+            Err(AllocError::NoSuchDevice {
                 device: dev.0,
                 count,
             })
@@ -175,7 +173,7 @@ impl AsyncAllocator {
                 limit: u64::MAX,
             }));
         }
-        st.devices[i].as_mut().ok_or(AllocError::AsyncNoSuchDevice {
+        st.devices[i].as_mut().ok_or(AllocError::NoSuchDevice {
             device: dev.0,
             count: i,
         })
