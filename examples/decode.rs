@@ -370,8 +370,8 @@ fn runtime() -> Result<(Arc<Runtime>, Arc<DeviceAllocators>), CallableError> {
     register_fake(&fake);
     let fake = Arc::new(fake);
     let rt = Runtime::new(fake.clone());
-    let config = AllocatorConfig::from_env().map_err(|(name, e)| format!("{name}: {e}"))?;
-    let caching = !caching_disabled(|k| std::env::var(k).ok());
+    let config = AllocatorConfig::from_env().map_err(|e| e.to_string())?;
+    let caching = !caching_disabled(|k| std::env::var(k)).map_err(|e| e.to_string())?;
     let allocators = DeviceAllocators::new(fake, config, caching);
     allocators.install(&rt);
     Ok((rt, allocators))

@@ -22,9 +22,8 @@ extern "C" __global__ void saxpy(float* y, const float* x, float a, unsigned int
 /// The allocator configuration from the environment, as the global runtime reads it, and
 /// which variable gave it; a malformed one is an error with the parser's message.
 fn env_config() -> Result<(AllocatorConfig, String), String> {
-    let var = |k: &str| std::env::var(k).ok();
-    let config = AllocatorConfig::from_env().map_err(|(name, e)| format!("{name}: {e}"))?;
-    let source = match AllocatorConfig::source(var) {
+    let config = AllocatorConfig::from_env().map_err(|e| e.to_string())?;
+    let source = match AllocatorConfig::source(|k| std::env::var(k)).map_err(|e| e.to_string())? {
         Some((name, value)) => format!("{name}={value}"),
         None => "default (FERROCUDA_ALLOC_CONF and PYTORCH_CUDA_ALLOC_CONF unset)".into(),
     };
@@ -32,7 +31,7 @@ fn env_config() -> Result<(AllocatorConfig, String), String> {
 }
 
 /// The fake device runs kernels as host functions registered under the kernel's name.
-fn fake_runtime(config: AllocatorConfig) -> Arc<Runtime> {
+fn fake_runtime(config: AllocatorConfig) -> Result<Arc<Runtime>, String> {
     let fake = FakeDriver::default();
     fake.register_kernel("saxpy", |k| {
         let (y, x, a, n) = (
@@ -47,9 +46,9 @@ fn fake_runtime(config: AllocatorConfig) -> Arc<Runtime> {
     });
     let fake = Arc::new(fake);
     let rt = Runtime::new(fake.clone());
-    let caching = !caching_disabled(|k| std::env::var(k).ok());
+    let caching = !caching_disabled(|k| std::env::var(k)).map_err(|e| e.to_string())?;
     DeviceAllocators::new(fake, config, caching).install(&rt);
-    rt
+    Ok(rt)
 }
 
 fn main() -> ExitCode {
@@ -65,7 +64,7 @@ fn main() -> ExitCode {
 fn tour() -> Result<(), Box<dyn std::error::Error>> {
     let (config, source) = env_config()?;
     println!("allocator configuration: {source}");
-    let gpu = ferrocuda::runtime();
+    let gpu = ferrocuda::try_runtime()?;
     let rt = if gpu.is_available() && gpu.driver().backend() == "cuda" {
         gpu.clone()
     } else {
@@ -79,7 +78,7 @@ fn tour() -> Result<(), Box<dyn std::error::Error>> {
             )
         };
         println!("{why}: running on the fake device");
-        fake_runtime(config)
+        fake_runtime(config)?
     };
     let dev = DeviceIndex(0);
     let props = rt.device_properties(dev)?;

@@ -41,7 +41,7 @@ enum Configured {
 impl Configured {
     /// The allocators of the configuration in the environment, for `rt`'s driver.
     fn from_env(rt: &Runtime) -> Result<Configured, AllocError> {
-        let config = AllocatorConfig::from_env().map_err(|(_, e)| AllocError::Config(e))?;
+        let config = AllocatorConfig::from_env()?;
         Ok(match config.backend {
             AllocatorBackend::CudaMallocAsync => {
                 let host = HostAllocator::new(rt.driver().clone(), config.clone());
@@ -110,6 +110,13 @@ impl HostMemoryResource for Misconfigured {
 /// The allocators of this module, made from the environment for `rt`'s driver on first use.
 fn allocators_for(rt: &Runtime) -> &'static Result<Configured, AllocError> {
     ALLOCATORS.get_or_init(|| Configured::from_env(rt))
+}
+
+/// Makes `error` the answer of every allocation on `rt` and of every function of this
+/// module (the global runtime's, when the environment cannot be read).
+pub(crate) fn install_refusal(rt: &Arc<Runtime>, error: AllocError) {
+    let _ = ALLOCATORS.set(Err(error));
+    install(rt);
 }
 
 /// Installs the environment-configured allocators on `rt` (the global runtime does this
@@ -384,7 +391,10 @@ pub fn caching_allocator_delete(ptr: DevicePtr) -> Result<(), AllocError> {
 pub fn set_allocator_settings(settings: &str) -> Result<(), AllocError> {
     match configured()? {
         Configured::Native(a) => a.set_settings(settings),
-        Configured::Async(a, _) => a.update_config(settings),
+        Configured::Async(a, host) => {
+            a.update_config(settings)?;
+            host.update_config(settings)
+        }
     }
 }
 

@@ -28,12 +28,22 @@ const SCENARIOS: &[Scenario] = &[
         run: memory_functions,
     },
     Scenario {
-        name: "a_native_option_beside_the_async_backend_is_an_error",
+        name: "pytorchs_native_options_beside_the_async_backend_are_ignored_with_its_warning",
         env: &[(
             "FERROCUDA_ALLOC_CONF",
-            "backend:cudaMallocAsync,max_split_size_mb:100",
+            "backend:cudaMallocAsync,max_split_size_mb:100,garbage_collection_threshold:0.6,\
+             roundup_power2_divisions:4,release_lock_on_cudamalloc:True,\
+             pinned_num_register_threads:2",
         )],
-        run: native_option_refused,
+        run: native_option_ignored,
+    },
+    Scenario {
+        name: "a_ferrocuda_option_beside_the_async_backend_is_an_error",
+        env: &[(
+            "FERROCUDA_ALLOC_CONF",
+            "backend:cudaMallocAsync,expandable_segments_reclaim:True",
+        )],
+        run: ferrocuda_option_refused,
     },
     Scenario {
         name: "a_graph_captures_through_the_async_backend",
@@ -147,23 +157,67 @@ fn memory_functions() -> Outcome {
         ),
         "switching backends at run time",
     )?;
+    // A caching-allocator option at run time: accepted and ignored, with PyTorch's warning;
+    // a pinned option reaches the pinned host allocator.
+    let a = memory::async_allocator().ok_or("no async allocator")?;
+    a.take_warnings();
+    memory::set_allocator_settings("max_split_size_mb:100,pinned_max_cached_size_mb:8")?;
+    let warnings = a.take_warnings();
+    ensure(
+        warnings == [ferrocuda::alloc::ASYNC_IGNORES_WARNING],
+        format!("a native option at run time: {warnings:?}"),
+    )?;
+    ensure(
+        memory::host_allocator()?.config().pinned_max_cached_size == Some(8 * MIB),
+        "the pinned option reached the host allocator",
+    )?;
     ensure(
         matches!(
-            memory::set_allocator_settings("max_split_size_mb:100"),
-            Err(AllocError::AsyncIgnoredOptions)
+            memory::set_allocator_settings("thread_cache:False"),
+            Err(AllocError::AsyncFerrocudaOnly { .. })
         ),
-        "a native option at run time",
+        "a ferrocuda-only option at run time",
     )?;
     Ok(())
 }
 
-fn native_option_refused() -> Outcome {
+/// PyTorch accepts these beside the backend and warns (CUDAAllocatorConfig::parseArgs);
+/// the backend serves, the pinned key configures the host allocator.
+fn native_option_ignored() -> Outcome {
+    let buf = DeviceBuffer::<f32>::filled(ferrocuda::runtime(), D0, 10, 1.5)?;
+    ensure(buf.to_host()? == vec![1.5; 10], "the buffer's contents")?;
+    ensure(
+        memory::get_allocator_backend() == "cudaMallocAsync",
+        "get_allocator_backend",
+    )?;
+    let warnings = memory::async_allocator()
+        .ok_or("no async allocator")?
+        .take_warnings();
+    ensure(
+        warnings
+            == [
+                "backend:cudaMallocAsync ignores max_split_size_mb,roundup_power2_divisions, and garbage_collect_threshold.",
+            ],
+        format!("the warnings: {warnings:?}"),
+    )?;
+    ensure(
+        memory::host_allocator()?
+            .config()
+            .pinned_num_register_threads
+            == 2,
+        "the pinned option configures the host allocator",
+    )
+}
+
+/// A key PyTorch does not know does nothing with this backend: every allocation fails.
+fn ferrocuda_option_refused() -> Outcome {
     let e = DeviceBuffer::<f32>::uninit(ferrocuda::runtime(), D0, 10)
         .err()
         .ok_or("the allocation succeeded")?;
     ensure(
-        e.to_string()
-            == "backend:cudaMallocAsync ignores max_split_size_mb, roundup_power2_divisions, and garbage_collect_threshold.",
+        e.to_string().contains(
+            "backend:cudaMallocAsync has no use for expandable_segments_reclaim, an option of ferrocuda's caching allocator",
+        ),
         format!("the error: {e}"),
     )
 }

@@ -60,7 +60,7 @@ const SCENARIOS: &[Scenario] = &[
 /// The fixture's functions for the backend: host memory on the fake device (which only
 /// does arithmetic on these addresses), `cuMemAlloc` on the GPU.
 fn library() -> Result<PluggableLibrary, Box<dyn std::error::Error>> {
-    let (alloc, free) = match Backend::from_env() {
+    let (alloc, free) = match Backend::from_env()? {
         Backend::Cuda => ("fixture_cuda_alloc", "fixture_cuda_free"),
         Backend::Fake => ("fixture_host_alloc", "fixture_host_free"),
     };
@@ -69,7 +69,7 @@ fn library() -> Result<PluggableLibrary, Box<dyn std::error::Error>> {
 
 /// Buffer contents survive a round trip (only where the addresses are device memory).
 fn round_trip(buf: &DeviceBuffer<f32>) -> Outcome {
-    if Backend::from_env() == Backend::Cuda {
+    if Backend::from_env()? == Backend::Cuda {
         let values: Vec<f32> = (0..buf.len()).map(|i| i as f32).collect();
         buf.copy_from_host(&values)?;
         ensure(buf.to_host()? == values, "the buffer's contents came back")?;

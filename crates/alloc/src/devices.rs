@@ -3,20 +3,26 @@
 use crate::{AllocError, CachingAllocator, HostAllocator};
 use ferrocuda_driver::Driver;
 use ferrocuda_stream::{MemoryResource, PerDevice, Runtime, StreamError};
-use ferrocuda_types::{AllocatorConfig, DeviceIndex, DevicePtr, StreamHandle};
+use ferrocuda_types::{AllocatorConfig, DeviceIndex, DevicePtr, EnvError, StreamHandle, env_value};
 use parking_lot::RwLock;
 use std::sync::{Arc, OnceLock};
 
-/// Whether `FERROCUDA_NO_CUDA_MEMORY_CACHING` or `PYTORCH_NO_CUDA_MEMORY_CACHING` is `1`,
-/// through `var` (the environment in [`DeviceAllocators::from_env`]).
-pub fn caching_disabled(var: impl Fn(&str) -> Option<String>) -> bool {
-    [
+/// Whether `FERROCUDA_NO_CUDA_MEMORY_CACHING` or, when that one is unset,
+/// `PYTORCH_NO_CUDA_MEMORY_CACHING` is `1`, through `var` (`std::env::var` in
+/// [`DeviceAllocators::from_env`]). The first one set decides; one set to a value that is
+/// not valid UTF-8 is an error naming it.
+pub fn caching_disabled(
+    var: impl Fn(&str) -> Result<String, std::env::VarError>,
+) -> Result<bool, EnvError> {
+    for name in [
         "FERROCUDA_NO_CUDA_MEMORY_CACHING",
         "PYTORCH_NO_CUDA_MEMORY_CACHING",
-    ]
-    .into_iter()
-    .find_map(var)
-    .is_some_and(|v| v.trim() == "1")
+    ] {
+        if let Some(v) = env_value(name, var(name))? {
+            return Ok(v.trim() == "1");
+        }
+    }
+    Ok(false)
 }
 
 /// The allocators of every device of one driver, and its pinned host allocator. It holds
@@ -58,14 +64,12 @@ impl DeviceAllocators {
 
     /// Allocators configured from the environment: `FERROCUDA_ALLOC_CONF`, else
     /// `PYTORCH_CUDA_ALLOC_CONF`, else `PYTORCH_ALLOC_CONF`; caching off with
-    /// `FERROCUDA_NO_CUDA_MEMORY_CACHING=1` or `PYTORCH_NO_CUDA_MEMORY_CACHING=1`.
+    /// `FERROCUDA_NO_CUDA_MEMORY_CACHING=1` or `PYTORCH_NO_CUDA_MEMORY_CACHING=1`. A variable
+    /// that is set but not valid UTF-8 is [`AllocError::Env`], naming it.
     pub fn from_env(driver: Arc<dyn Driver>) -> Result<Arc<DeviceAllocators>, AllocError> {
-        let config = AllocatorConfig::from_env().map_err(|(_, e)| AllocError::Config(e))?;
-        Ok(DeviceAllocators::new(
-            driver,
-            config,
-            !caching_disabled(|k| std::env::var(k).ok()),
-        ))
+        let config = AllocatorConfig::from_env()?;
+        let caching = !caching_disabled(|k| std::env::var(k))?;
+        Ok(DeviceAllocators::new(driver, config, caching))
     }
 
     /// Makes these the memory resources of `runtime`'s device buffers and pinned buffers (a
@@ -210,5 +214,60 @@ impl MemoryResource for DeviceAllocators {
         dev_to_access: DeviceIndex,
     ) -> Result<(), StreamError> {
         Ok(self.device(dev_to_access)?.add_peer_access(dev)?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::env::VarError;
+
+    fn vars(
+        set: &'static [(&'static str, &'static str)],
+    ) -> impl Fn(&str) -> Result<String, VarError> {
+        move |k: &str| {
+            set.iter()
+                .find(|(n, _)| *n == k)
+                .map(|(_, v)| v.to_string())
+                .ok_or(VarError::NotPresent)
+        }
+    }
+
+    #[test]
+    fn the_first_caching_variable_set_decides() {
+        assert_eq!(caching_disabled(vars(&[])), Ok(false));
+        assert_eq!(
+            caching_disabled(vars(&[("PYTORCH_NO_CUDA_MEMORY_CACHING", " 1 ")])),
+            Ok(true)
+        );
+        assert_eq!(
+            caching_disabled(vars(&[
+                ("FERROCUDA_NO_CUDA_MEMORY_CACHING", "0"),
+                ("PYTORCH_NO_CUDA_MEMORY_CACHING", "1"),
+            ])),
+            Ok(false)
+        );
+    }
+
+    /// A caching variable that is not UTF-8 is an error naming it, not an unset one that
+    /// lets the next variable decide.
+    #[cfg(unix)]
+    #[test]
+    fn a_caching_variable_that_is_not_utf8_is_an_error() {
+        use std::os::unix::ffi::OsStringExt;
+        let var = |k: &str| match k {
+            "FERROCUDA_NO_CUDA_MEMORY_CACHING" => {
+                Err(VarError::NotUnicode(std::ffi::OsString::from_vec(vec![
+                    b'1', 0xff,
+                ])))
+            }
+            _ => Ok("1".to_owned()),
+        };
+        match caching_disabled(var) {
+            Err(EnvError::NotUnicode { name, .. }) => {
+                assert_eq!(name, "FERROCUDA_NO_CUDA_MEMORY_CACHING")
+            }
+            other => panic!("{other:?}"),
+        }
     }
 }

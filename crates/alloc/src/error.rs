@@ -2,7 +2,9 @@
 //! buffer's error below this layer can carry it too) and is re-exported here.
 use ferrocuda_driver::{DriverError, PluggableError};
 use ferrocuda_stream::{MemoryError, StreamError};
-use ferrocuda_types::{ConfigError, DevicePtr, PoolId, PoolOutOfMemory};
+use ferrocuda_types::{
+    ConfigError, ConfigSourceError, DevicePtr, EnvError, PoolId, PoolOutOfMemory,
+};
 
 pub use ferrocuda_types::OutOfMemory;
 
@@ -18,6 +20,19 @@ pub enum AllocError {
     /// `torch.cuda.memory_stats` and the other per-device calls reach.
     #[error("Invalid device argument {device}: did you call init?")]
     NoSuchDevice {
+        /// The index asked for.
+        device: u16,
+        /// Devices present.
+        count: usize,
+    },
+    /// A device index past the last device, for the `backend:cudaMallocAsync` allocator:
+    /// `CudaMallocAsyncAllocator::assertValidDevice`'s text
+    /// (`c10/cuda/CUDAMallocAsyncAllocator.cpp`), which names neither the index nor the
+    /// count (both are kept here). PyTorch's `mallocAsync` has an internal assertion of its
+    /// own instead, which its allocation on the current device never meets; ferrocuda's
+    /// allocation with a device argument gives this error too.
+    #[error("Invalid device argument.")]
+    AsyncNoSuchDevice {
         /// The index asked for.
         device: u16,
         /// Devices present.
@@ -43,6 +58,9 @@ pub enum AllocError {
     /// A bad configuration string.
     #[error(transparent)]
     Config(#[from] ConfigError),
+    /// A configuration variable of the environment is set but cannot be read (not UTF-8).
+    #[error(transparent)]
+    Env(#[from] EnvError),
     /// A stream-layer call made for an allocator function failed (the facade's
     /// `mem_get_info`, the current stream of `caching_allocator_alloc`).
     #[error(transparent)]
@@ -145,12 +163,18 @@ pub enum AllocError {
     /// round (PyTorch's assertion in `parseAllocatorConfig`).
     #[error("Allocator backend parsed at runtime != allocator backend parsed at load time")]
     WrongBackend,
-    /// An option of the caching allocator with `backend:cudaMallocAsync`, which has no use
-    /// for it: PyTorch's warning, as an error.
+    /// A key of ferrocuda's own with `backend:cudaMallocAsync`, which has no use for it.
+    /// PyTorch's keys are accepted and ignored there with PyTorch's warning (see
+    /// [`ferrocuda_types::AsyncBackendKeys`]); ferrocuda's own keys appear in no string
+    /// PyTorch accepts, so one there is a mistake worth stopping for.
     #[error(
-        "backend:cudaMallocAsync ignores max_split_size_mb, roundup_power2_divisions, and garbage_collect_threshold."
+        "backend:cudaMallocAsync has no use for {key}, an option of ferrocuda's caching \
+         allocator (backend:native): remove it, or use backend:native"
     )]
-    AsyncIgnoredOptions,
+    AsyncFerrocudaOnly {
+        /// The first such key.
+        key: String,
+    },
     /// A capture begun while another is under way (the backend allows one per process).
     #[error("Only one capture at a time is allowed in a process.")]
     CaptureUnderway,
@@ -159,6 +183,23 @@ pub enum AllocError {
         "CudaMallocAsync::notifyCaptureAboutToEnd called, but CudaMallocAsync::capture_underway is false."
     )]
     NoCaptureUnderway,
+}
+
+/// The environment's configuration: a variable that cannot be read, or the parse error of
+/// the one read (the variable's name is dropped, as the parse error names the token).
+impl From<ConfigSourceError> for AllocError {
+    fn from(e: ConfigSourceError) -> AllocError {
+        match e {
+            ConfigSourceError::Env(e) => AllocError::Env(e),
+            ConfigSourceError::Parse { source, .. } => AllocError::Config(source),
+            // A kind added later: its message, as a configuration error.
+            other => AllocError::Config(ConfigError {
+                position: 0,
+                token: String::new(),
+                message: other.to_string(),
+            }),
+        }
+    }
 }
 
 /// A driver error as the stream layer reads it (its one conversion decides, so a call in a
@@ -185,7 +226,8 @@ impl From<AllocError> for StreamError {
             AllocError::PoolOutOfMemory(report) => StreamError::Memory {
                 source: MemoryError::PoolOutOfMemory(report),
             },
-            AllocError::NoSuchDevice { device, count } => StreamError::InvalidDevice {
+            AllocError::NoSuchDevice { device, count }
+            | AllocError::AsyncNoSuchDevice { device, count } => StreamError::InvalidDevice {
                 index: device,
                 count,
             },

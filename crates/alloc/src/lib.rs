@@ -120,7 +120,7 @@ mod tally;
 mod thread_cache;
 
 pub use allocator::CachingAllocator;
-pub use async_backend::AsyncAllocator;
+pub use async_backend::{ASYNC_IGNORES_WARNING, AsyncAllocator};
 pub use block::{Allocation, BlockInfo};
 pub use devices::{DeviceAllocators, caching_disabled};
 pub use engine::OomObserver;

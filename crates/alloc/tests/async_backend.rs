@@ -241,7 +241,7 @@ fn a_capture_sets_up_an_unused_device_before_it_begins() -> TestResult {
     let s = new_stream(&fake)?;
     assert!(matches!(
         a.begin_allocate_to_pool(DeviceIndex(7)),
-        Err(AllocError::NoSuchDevice { device: 7, .. })
+        Err(AllocError::AsyncNoSuchDevice { device: 7, .. })
     ));
     assert_eq!(fake.calls(Call::MemPoolSetReleaseThreshold), 0);
     a.begin_allocate_to_pool(D0)?;
@@ -293,7 +293,7 @@ fn unsupported_functions_and_bad_input_are_pytorchs_errors() -> TestResult {
     ));
     assert!(matches!(
         a.stats(ferrocuda_types::DeviceIndex(3)),
-        Err(AllocError::NoSuchDevice {
+        Err(AllocError::AsyncNoSuchDevice {
             device: 3,
             count: 1
         })
@@ -327,18 +327,100 @@ fn the_backend_key_selects_and_the_native_allocator_refuses_it() -> TestResult {
     Ok(())
 }
 
+/// PyTorch's keys of the caching allocator beside `backend:cudaMallocAsync` are accepted
+/// and ignored, with PyTorch's warning once per string (CUDAAllocatorConfig::parseArgs);
+/// so are the pinned keys PyTorch's CUDA parser warns for, which still go to the host
+/// allocator; ferrocuda's own keys are refused.
 #[test]
-fn pinned_host_keys_go_with_the_backend_and_native_keys_do_not() -> TestResult {
+fn pytorchs_keys_beside_the_backend_are_ignored_with_pytorchs_warning() -> TestResult {
     let fake: Arc<dyn Driver> = Arc::new(FakeDriver::builder().build());
     let parse = |s: &str| ferrocuda_types::AllocatorConfig::parse(s);
-    let with_pinned =
-        parse("backend:cudaMallocAsync,pinned_num_register_threads:4,pinned_max_cached_size_mb:8")?;
-    assert!(AsyncAllocator::from_config(fake.clone(), &with_pinned).is_ok());
-    let with_native = parse("backend:cudaMallocAsync,max_split_size_mb:100")?;
+    let warning = "backend:cudaMallocAsync ignores max_split_size_mb,roundup_power2_divisions, and garbage_collect_threshold.";
+    assert_eq!(ferrocuda_alloc::ASYNC_IGNORES_WARNING, warning);
+    for s in [
+        "backend:cudaMallocAsync,max_split_size_mb:100",
+        "backend:cudaMallocAsync,garbage_collection_threshold:0.6,roundup_power2_divisions:[256:1,>:4]",
+        "release_lock_on_cudamalloc:True,backend:cudaMallocAsync",
+        "backend:cudaMallocAsync,expandable_segments:True,max_non_split_rounding_mb:64",
+        "backend:cudaMallocAsync,per_process_memory_fraction:0.5,throw_on_cudamalloc_oom:True",
+        "backend:cudaMallocAsync,graph_capture_record_stream_reuse:True",
+        "backend:cudaMallocAsync,pinned_num_register_threads:4,pinned_max_cached_size_mb:8",
+        "backend:cudaMallocAsync,pinned_use_cuda_host_register:False",
+    ] {
+        let a = AsyncAllocator::from_config(fake.clone(), &parse(s)?)
+            .unwrap_or_else(|e| panic!("{s}: {e}"));
+        assert_eq!(a.take_warnings(), [warning], "{s}");
+        a.allocate(D0, MIB, LEGACY)?;
+    }
+    // The backend alone, and the pinned keys PyTorch's generic parser reads: no warning.
+    for s in [
+        "backend:cudaMallocAsync",
+        "backend:cudaMallocAsync,pinned_use_background_threads:True,pinned_max_round_threshold_mb:4",
+    ] {
+        let a = AsyncAllocator::from_config(fake.clone(), &parse(s)?)?;
+        assert!(a.take_warnings().is_empty(), "{s}");
+    }
+    // At run time too, once per string.
+    let a = AsyncAllocator::from_config(fake.clone(), &parse("backend:cudaMallocAsync")?)?;
+    a.update_config("max_split_size_mb:100,garbage_collection_threshold:0.5")?;
+    a.update_config("backend:cudaMallocAsync")?;
+    assert_eq!(a.take_warnings(), [warning]);
+    // ferrocuda's own keys: refused, naming the key.
+    for (s, key) in [
+        ("backend:cudaMallocAsync,thread_cache:False", "thread_cache"),
+        (
+            "cross_stream_reuse:True,backend:cudaMallocAsync",
+            "cross_stream_reuse",
+        ),
+        (
+            "backend:cudaMallocAsync,ferrocuda_recommended:True",
+            "ferrocuda_recommended",
+        ),
+    ] {
+        match AsyncAllocator::from_config(fake.clone(), &parse(s)?) {
+            Err(e @ AllocError::AsyncFerrocudaOnly { .. }) => assert!(
+                e.to_string().starts_with(&format!(
+                    "backend:cudaMallocAsync has no use for {key}, an option of ferrocuda's"
+                )),
+                "{s}: {e}"
+            ),
+            other => panic!("{s}: {other:?}"),
+        }
+    }
     assert!(matches!(
-        AsyncAllocator::from_config(fake, &with_native),
-        Err(AllocError::AsyncIgnoredOptions)
+        a.update_config("oom_release_partial:True"),
+        Err(AllocError::AsyncFerrocudaOnly { .. })
     ));
+    Ok(())
+}
+
+/// Past the last device, PyTorch's `assertValidDevice` text of this backend.
+#[test]
+fn an_invalid_device_is_pytorchs_invalid_device_argument() -> TestResult {
+    let (_fake, a) = setup(80 * GIB, Completion::Eager);
+    let bad = DeviceIndex(3);
+    for e in [
+        a.stats(bad).err(),
+        a.reset_peak_stats(bad).err(),
+        a.reset_accumulated_stats(bad).err(),
+        a.set_memory_fraction(0.5, bad).err(),
+        a.allocate(bad, MIB, LEGACY).err(),
+        a.begin_allocate_to_pool(bad).err(),
+    ] {
+        assert_eq!(
+            e.map(|e| e.to_string()).as_deref(),
+            Some("Invalid device argument.")
+        );
+    }
+    // Serving buffers, it is the stream layer's invalid device, with its numbers.
+    let e = ferrocuda_stream::StreamError::from(AllocError::AsyncNoSuchDevice {
+        device: 3,
+        count: 1,
+    });
+    assert_eq!(
+        e,
+        ferrocuda_stream::StreamError::InvalidDevice { index: 3, count: 1 }
+    );
     Ok(())
 }
 

@@ -41,12 +41,14 @@ impl TorchBackend {
 
     /// The global runtime's allocators (`ferrocuda::memory`): the real driver unless
     /// `FERROCUDA_BACKEND=fake`, configured from `FERROCUDA_ALLOC_CONF` (else
-    /// `PYTORCH_CUDA_ALLOC_CONF`); a malformed configuration is this error.
+    /// `PYTORCH_CUDA_ALLOC_CONF`, else `PYTORCH_ALLOC_CONF`); a malformed configuration is
+    /// this error, and so is a variable set to a value that is not valid UTF-8
+    /// ([`PluginError::Env`], naming it).
     pub fn from_env() -> Result<TorchBackend, PluginError> {
-        let driver = ferrocuda::runtime().driver().clone();
+        let driver = ferrocuda::try_runtime()?.driver().clone();
         let allocators = ferrocuda::memory::allocators()?.clone();
         Ok(TorchBackend {
-            source: AllocatorConfig::source(|k| std::env::var(k).ok()),
+            source: AllocatorConfig::source(|k| std::env::var(k))?,
             ..TorchBackend::new(driver, allocators)
         })
     }

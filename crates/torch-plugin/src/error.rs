@@ -1,7 +1,7 @@
 //! What the backend can refuse.
 use ferrocuda::alloc::AllocError;
 use ferrocuda::driver::DriverError;
-use ferrocuda::types::DevicePtr;
+use ferrocuda::types::{DevicePtr, EnvError};
 
 /// Why a call of the PyTorch allocator library failed.
 #[derive(Debug, thiserror::Error)]
@@ -10,6 +10,10 @@ pub enum PluginError {
     /// The allocator refused (out of memory, a pointer it did not hand out, a bad pool...).
     #[error(transparent)]
     Alloc(#[from] AllocError),
+    /// A configuration variable of the environment is set but cannot be read (not UTF-8):
+    /// `FERROCUDA_BACKEND` or one of the allocator configuration's.
+    #[error(transparent)]
+    Env(#[from] EnvError),
     /// The driver refused (a stream of another device, a stream it does not know...).
     #[error("CUDA driver: {0}")]
     Driver(#[from] DriverError),

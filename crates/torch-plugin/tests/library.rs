@@ -1,6 +1,7 @@
 //! The built library, loaded as PyTorch loads it (Python's `ctypes.CDLL`, functions by
 //! name, `MempoolId_t` by value) on the fake device (`FERROCUDA_BACKEND=fake`): every
 //! exported name resolves, the hooks work, and errors come back as errors.
+use std::ffi::OsStr;
 use std::path::PathBuf;
 use std::process::Command;
 
@@ -23,6 +24,12 @@ fn library() -> Result<PathBuf, Box<dyn std::error::Error>> {
 
 /// Runs `script` with the library's path as its argument; its output if it succeeded.
 fn python(script: &str, env: &[(&str, &str)]) -> Result<String, Box<dyn std::error::Error>> {
+    let env: Vec<(&str, &OsStr)> = env.iter().map(|(k, v)| (*k, OsStr::new(*v))).collect();
+    python_os(script, &env)
+}
+
+/// [`python`] with values of any bytes.
+fn python_os(script: &str, env: &[(&str, &OsStr)]) -> Result<String, Box<dyn std::error::Error>> {
     let out = Command::new("python3")
         .arg("-c")
         .arg(script)
@@ -172,6 +179,41 @@ print(last_error())
     let out = python(&script, &[("FERROCUDA_ALLOC_CONF", "no_such_key:1")])?;
     assert!(
         out.contains("could not be made") && out.contains("no_such_key"),
+        "{out}"
+    );
+    Ok(())
+}
+
+/// A configuration variable set to bytes that are not UTF-8 is never taken for unset (the
+/// next variable winning): every call fails with an error naming it.
+#[cfg(unix)]
+#[test]
+fn a_configuration_variable_that_is_not_utf8_fails_every_call() -> TestResult {
+    use std::os::unix::ffi::OsStrExt;
+    let script = format!(
+        "{PRELUDE}{}",
+        r#"
+assert fails(lib.ferrocuda_malloc, 1 << 20, 0, None) is None
+print(last_error())
+"#
+    );
+    let out = python_os(
+        &script,
+        &[
+            (
+                "FERROCUDA_ALLOC_CONF",
+                OsStr::from_bytes(b"expandable_segments:\xff"),
+            ),
+            (
+                "PYTORCH_CUDA_ALLOC_CONF",
+                OsStr::new("expandable_segments:True"),
+            ),
+        ],
+    )?;
+    assert!(
+        out.contains(
+            "environment variable FERROCUDA_ALLOC_CONF is set but its value is not valid UTF-8"
+        ),
         "{out}"
     );
     Ok(())

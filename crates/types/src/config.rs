@@ -3,6 +3,7 @@
 //! values in brackets. Stricter than PyTorch where PyTorch is sloppy: a number must be all
 //! digits (`40MB` is an error, not 40), and every error names the offending token and its
 //! character position.
+use crate::env::{EnvError, env_value};
 use serde::{Deserialize, Serialize};
 use std::fmt;
 
@@ -329,23 +330,35 @@ fn mib_value(t: &Token) -> Result<u64, ConfigError> {
     Ok(uint_value(t)?.saturating_mul(MIB))
 }
 
-fn reserve_value(t: &Token) -> Result<ReserveSize, ConfigError> {
+/// A value of `expandable_segments_reserve` (or of an entry of
+/// `expandable_segments_reserve_by_class`, `key` naming which): a fraction of the device's
+/// memory, or whole GiB (`40G`), in either case > 0. PyTorch warns and keeps its default
+/// for a value that is not positive (`CUDAAllocatorConfig::parseReserveSpec`,
+/// c10/cuda/CUDAAllocatorConfig.cpp); here it is an error, `0G` included.
+fn reserve_value(key: &str, t: &Token) -> Result<ReserveSize, ConfigError> {
+    let not_positive = || ConfigError {
+        position: t.position,
+        token: t.text.clone(),
+        message: format!(
+            "{key} must be > 0: a positive fraction of the device's memory (0.5) or a \
+             positive whole number of GiB (40G)"
+        ),
+    };
     if let Some(g) = t.text.strip_suffix('G') {
         let n = uint_value(&Token {
             text: g.into(),
             position: t.position,
         })?;
+        if n == 0 {
+            return Err(not_positive());
+        }
         return Ok(ReserveSize::Bytes(n.saturating_mul(1 << 30)));
     }
     let f = float_value(t)?;
     if f > 0.0 {
         Ok(ReserveSize::Fraction(f))
     } else {
-        Err(ConfigError {
-            position: t.position,
-            token: t.text.clone(),
-            message: "reserve must be a positive fraction or NG".into(),
-        })
+        Err(not_positive())
     }
 }
 
@@ -412,6 +425,11 @@ impl AllocatorConfig {
         c.max_non_split_rounding = c.large_segment_size;
         for (key, value) in &pairs {
             c.apply(&p, key, value)?;
+        }
+        if c.backend == Backend::Native {
+            for (key, _) in &pairs {
+                c.check_supported(&p, key)?;
+            }
         }
         c.settings_text = SettingsText(s.to_owned());
         *self = c;
@@ -560,7 +578,8 @@ impl AllocatorConfig {
                 self.per_process_memory_fraction = f;
             }
             "expandable_segments_reserve" => {
-                self.expandable_segments_reserve = Some(reserve_value(single(p, key, value)?)?)
+                self.expandable_segments_reserve =
+                    Some(reserve_value(&key.text, single(p, key, value)?)?)
             }
             "expandable_segments_reserve_by_class" => {
                 let Value::List(items) = value else {
@@ -568,7 +587,7 @@ impl AllocatorConfig {
                 };
                 self.expandable_segments_reserve_by_class = items
                     .iter()
-                    .map(|(k, v)| Ok((k.text.clone(), reserve_value(v)?)))
+                    .map(|(k, v)| Ok((k.text.clone(), reserve_value(&key.text, v)?)))
                     .collect::<Result<_, ConfigError>>()?;
             }
             _ => {
@@ -578,11 +597,13 @@ impl AllocatorConfig {
                 ));
             }
         }
-        self.check_supported(p, key)
+        Ok(())
     }
 
     /// Options that parse but are not built yet: setting one is an error rather than a
-    /// silent no-op.
+    /// silent no-op. Checked once every key is applied, and only for `backend:native`: the
+    /// `backend:cudaMallocAsync` allocator ignores them (see
+    /// [`AllocatorConfig::async_backend_keys`]), as PyTorch's does.
     fn check_supported(&self, p: &Parser, key: &Token) -> Result<(), ConfigError> {
         let unsupported = match key.text.as_str() {
             "graph_capture_record_stream_reuse" => self.graph_capture_record_stream_reuse,
@@ -605,27 +626,266 @@ impl AllocatorConfig {
     /// recorded traces in `docs/measurements/traces_2026-11-23.md`.
     pub const RECOMMENDED: &'static str = "expandable_segments:True,expandable_segments_reclaim:True,expandable_segments_page_mb:2,oom_search_after_sync:True,oom_release_partial:True";
 
+    /// The variables the configuration is read from, the first one set winning.
+    pub const SOURCES: [&'static str; 3] = [
+        "FERROCUDA_ALLOC_CONF",
+        "PYTORCH_CUDA_ALLOC_CONF",
+        "PYTORCH_ALLOC_CONF",
+    ];
+
     /// The value of the first of `FERROCUDA_ALLOC_CONF`, `PYTORCH_CUDA_ALLOC_CONF`,
-    /// `PYTORCH_ALLOC_CONF` that is set, through `var` (the environment in
-    /// [`AllocatorConfig::from_env`]).
-    pub fn source(var: impl Fn(&str) -> Option<String>) -> Option<(&'static str, String)> {
-        [
-            "FERROCUDA_ALLOC_CONF",
-            "PYTORCH_CUDA_ALLOC_CONF",
-            "PYTORCH_ALLOC_CONF",
-        ]
-        .into_iter()
-        .find_map(|k| var(k).map(|v| (k, v)))
+    /// `PYTORCH_ALLOC_CONF` that is set, through `var` (`std::env::var` in
+    /// [`AllocatorConfig::from_env`]). A variable that is set with a value that is not
+    /// valid UTF-8 is an error naming it, not a variable to pass over: the ones after it
+    /// are not read.
+    pub fn source(
+        var: impl Fn(&str) -> Result<String, std::env::VarError>,
+    ) -> Result<Option<(&'static str, String)>, EnvError> {
+        for name in Self::SOURCES {
+            if let Some(value) = env_value(name, var(name))? {
+                return Ok(Some((name, value)));
+            }
+        }
+        Ok(None)
     }
 
     /// The configuration from the environment (see [`AllocatorConfig::source`]); the
     /// defaults when none is set. The error names the variable.
-    pub fn from_env() -> Result<AllocatorConfig, (String, ConfigError)> {
-        match AllocatorConfig::source(|k| std::env::var(k).ok()) {
+    pub fn from_env() -> Result<AllocatorConfig, ConfigSourceError> {
+        match AllocatorConfig::source(|k| std::env::var(k))? {
             None => Ok(AllocatorConfig::default()),
-            Some((name, value)) => AllocatorConfig::parse(&value).map_err(|e| (name.to_owned(), e)),
+            Some((var, value)) => AllocatorConfig::parse(&value)
+                .map_err(|source| ConfigSourceError::Parse { var, source }),
         }
     }
+
+    /// The keys this configuration sets: those named in the text it was parsed from, and
+    /// those whose value differs from the default (for a configuration built in code),
+    /// each once, aliases under their own name.
+    fn keys_set(&self) -> Vec<String> {
+        let mut keys: Vec<String> = Vec::new();
+        let mut p = Parser {
+            tokens: tokenize(self.settings_text.as_str()),
+            at: 0,
+            end: 0,
+        };
+        for (key, _) in parse_pairs(&mut p).unwrap_or_default() {
+            if !keys.contains(&key.text) {
+                keys.push(key.text);
+            }
+        }
+        let d = AllocatorConfig::default();
+        let changed = [
+            (
+                "large_segment_size_mb",
+                self.large_segment_size != d.large_segment_size,
+            ),
+            ("max_split_size_mb", self.max_split_size != d.max_split_size),
+            (
+                "max_non_split_rounding_mb",
+                self.max_non_split_rounding != self.large_segment_size,
+            ),
+            (
+                "garbage_collection_threshold",
+                self.garbage_collection_threshold != d.garbage_collection_threshold,
+            ),
+            (
+                "roundup_power2_divisions",
+                self.roundup_power2_divisions != d.roundup_power2_divisions,
+            ),
+            (
+                "expandable_segments",
+                self.expandable_segments != d.expandable_segments,
+            ),
+            (
+                "release_lock_on_cudamalloc",
+                self.release_lock_on_cudamalloc != d.release_lock_on_cudamalloc,
+            ),
+            (
+                "per_process_memory_fraction",
+                self.per_process_memory_fraction != d.per_process_memory_fraction,
+            ),
+            (
+                "graph_capture_record_stream_reuse",
+                self.graph_capture_record_stream_reuse != d.graph_capture_record_stream_reuse,
+            ),
+            (
+                "throw_on_cudamalloc_oom",
+                self.throw_on_cudamalloc_oom != d.throw_on_cudamalloc_oom,
+            ),
+            (
+                "pinned_use_cuda_host_register",
+                self.pinned_use_cuda_host_register != d.pinned_use_cuda_host_register,
+            ),
+            (
+                "pinned_num_register_threads",
+                self.pinned_num_register_threads != d.pinned_num_register_threads,
+            ),
+            (
+                "pinned_use_background_threads",
+                self.pinned_use_background_threads != d.pinned_use_background_threads,
+            ),
+            (
+                "pinned_reserve_segment_size_mb",
+                self.pinned_reserve_segment_size != d.pinned_reserve_segment_size,
+            ),
+            (
+                "pinned_max_round_threshold_mb",
+                self.pinned_max_round_threshold != d.pinned_max_round_threshold,
+            ),
+            (
+                "pinned_max_cached_size_mb",
+                self.pinned_max_cached_size != d.pinned_max_cached_size,
+            ),
+            (
+                "pinned_free_catch_all",
+                self.pinned_free_catch_all != d.pinned_free_catch_all,
+            ),
+            (
+                "expandable_segments_reserve",
+                self.expandable_segments_reserve != d.expandable_segments_reserve,
+            ),
+            (
+                "expandable_segments_reserve_by_class",
+                self.expandable_segments_reserve_by_class != d.expandable_segments_reserve_by_class,
+            ),
+            (
+                "cross_stream_reuse",
+                self.cross_stream_reuse != d.cross_stream_reuse,
+            ),
+            (
+                "expandable_segments_reclaim",
+                self.expandable_segments_reclaim != d.expandable_segments_reclaim,
+            ),
+            ("thread_cache", self.thread_cache != d.thread_cache),
+            (
+                "garbage_collection_without_fraction",
+                self.garbage_collection_without_fraction != d.garbage_collection_without_fraction,
+            ),
+            (
+                "oom_release_partial",
+                self.oom_release_partial != d.oom_release_partial,
+            ),
+            (
+                "oom_search_after_sync",
+                self.oom_search_after_sync != d.oom_search_after_sync,
+            ),
+            (
+                "expandable_segments_page_mb",
+                self.expandable_segments_page != d.expandable_segments_page,
+            ),
+            (
+                "ferrocuda_recommended",
+                self.ferrocuda_recommended != d.ferrocuda_recommended,
+            ),
+        ];
+        for (key, differs) in changed {
+            let named = keys.iter().any(|k| canonical_key(k) == key);
+            if differs && !named {
+                keys.push(key.to_owned());
+            }
+        }
+        keys
+    }
+
+    /// How the `backend:cudaMallocAsync` allocator reads the keys this configuration sets
+    /// (see [`AsyncBackendKeys`]).
+    pub fn async_backend_keys(&self) -> AsyncBackendKeys {
+        let mut out = AsyncBackendKeys::default();
+        for key in self.keys_set() {
+            match canonical_key(&key) {
+                // The backend itself, and the pinned host allocator's keys that PyTorch's
+                // generic parser (`AcceleratorAllocatorConfig::parseArgs`,
+                // c10/core/AllocatorConfig.cpp) reads without a warning.
+                "backend"
+                | "pinned_use_background_threads"
+                | "pinned_max_round_threshold_mb"
+                | "pinned_max_cached_size_mb" => {}
+                // The pinned host allocator's keys that PyTorch's CUDA parser
+                // (`CUDAAllocatorConfig::parseArgs`) counts as native-specific: they still
+                // configure the host allocator, which serves both backends.
+                "pinned_use_cuda_host_register"
+                | "pinned_num_register_threads"
+                | "pinned_reserve_segment_size_mb"
+                | "pinned_free_catch_all" => out.pinned_warned.push(key),
+                // The caching allocator's options: of PyTorch's CUDA parser (it warns) or of
+                // its generic parser (it says nothing; ferrocuda warns all the same).
+                "release_lock_on_cudamalloc"
+                | "graph_capture_record_stream_reuse"
+                | "per_process_memory_fraction"
+                | "throw_on_cudamalloc_oom"
+                | "expandable_segments_reserve"
+                | "expandable_segments_reserve_by_class"
+                | "large_segment_size_mb"
+                | "max_split_size_mb"
+                | "max_non_split_rounding_mb"
+                | "garbage_collection_threshold"
+                | "roundup_power2_divisions"
+                | "expandable_segments" => out.ignored.push(key),
+                // ferrocuda's own keys: PyTorch knows none of them.
+                _ => out.ferrocuda_only.push(key),
+            }
+        }
+        out
+    }
+}
+
+/// A key under its own name (`release_lock_on_hipmalloc` is `release_lock_on_cudamalloc`).
+fn canonical_key(key: &str) -> &str {
+    match key {
+        "release_lock_on_hipmalloc" => "release_lock_on_cudamalloc",
+        "pinned_use_hip_host_register" => "pinned_use_cuda_host_register",
+        k => k,
+    }
+}
+
+/// The keys of a configuration as the `backend:cudaMallocAsync` allocator reads them.
+/// PyTorch accepts every one of its keys beside that backend; the backend uses only
+/// `backend` and the pinned host allocator's keys (the host allocator serves both
+/// backends). PyTorch's CUDA parser (`CUDAAllocatorConfig::parseArgs`,
+/// c10/cuda/CUDAAllocatorConfig.cpp) warns once per string, `backend:cudaMallocAsync ignores
+/// max_split_size_mb,roundup_power2_divisions, and garbage_collect_threshold.`, when the
+/// string also names one of its own keys other than `backend` (`release_lock_on_cudamalloc`,
+/// `pinned_use_cuda_host_register`, `pinned_num_register_threads`,
+/// `pinned_reserve_segment_size_mb`, `graph_capture_record_stream_reuse`,
+/// `per_process_memory_fraction`, and in later versions `pinned_free_catch_all`,
+/// `throw_on_cudamalloc_oom`, `expandable_segments_reserve[_by_class]`); the keys of its
+/// generic parser (`max_split_size_mb` and the others of
+/// `AcceleratorAllocatorConfig::parseArgs`, c10/core/AllocatorConfig.cpp) it ignores without
+/// a word. ferrocuda gives the same warning for both, since the backend ignores both.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct AsyncBackendKeys {
+    /// Options of the caching allocator, which the backend ignores.
+    pub ignored: Vec<String>,
+    /// Keys of the pinned host allocator that apply, yet for which PyTorch warns.
+    pub pinned_warned: Vec<String>,
+    /// ferrocuda's own keys, which do nothing with this backend (PyTorch refuses them as
+    /// unrecognized whatever the backend).
+    pub ferrocuda_only: Vec<String>,
+}
+
+impl AsyncBackendKeys {
+    /// Whether PyTorch's warning is due.
+    pub fn warns(&self) -> bool {
+        !self.ignored.is_empty() || !self.pinned_warned.is_empty()
+    }
+}
+
+/// The allocator configuration from the environment cannot be used.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ConfigSourceError {
+    /// A variable is set but cannot be read.
+    #[error(transparent)]
+    Env(#[from] EnvError),
+    /// The variable's value does not parse.
+    #[error("{var}: {source}")]
+    Parse {
+        /// The variable.
+        var: &'static str,
+        /// Why.
+        source: ConfigError,
+    },
 }
 
 #[derive(Clone, Debug)]
@@ -914,31 +1174,234 @@ mod tests {
         assert_eq!(c, before, "a failed update changes nothing");
     }
 
+    fn vars(
+        set: &'static [(&'static str, &'static str)],
+    ) -> impl Fn(&str) -> Result<String, std::env::VarError> {
+        move |k: &str| {
+            set.iter()
+                .find(|(n, _)| *n == k)
+                .map(|(_, v)| v.to_string())
+                .ok_or(std::env::VarError::NotPresent)
+        }
+    }
+
     #[test]
     fn env_precedence() {
-        let vars = |set: &'static [(&'static str, &'static str)]| {
-            move |k: &str| {
-                set.iter()
-                    .find(|(n, _)| *n == k)
-                    .map(|(_, v)| v.to_string())
-            }
-        };
-        assert_eq!(AllocatorConfig::source(vars(&[])), None);
+        assert_eq!(AllocatorConfig::source(vars(&[])), Ok(None));
         static BOTH: [(&str, &str); 2] = [
             ("PYTORCH_CUDA_ALLOC_CONF", "a:1"),
             ("FERROCUDA_ALLOC_CONF", "b:2"),
         ];
         assert_eq!(
-            AllocatorConfig::source(vars(&BOTH)).map(|(k, _)| k),
-            Some("FERROCUDA_ALLOC_CONF")
+            AllocatorConfig::source(vars(&BOTH)).map(|s| s.map(|(k, _)| k)),
+            Ok(Some("FERROCUDA_ALLOC_CONF"))
         );
         static TORCH: [(&str, &str); 2] = [
             ("PYTORCH_ALLOC_CONF", "c:3"),
             ("PYTORCH_CUDA_ALLOC_CONF", "a:1"),
         ];
         assert_eq!(
-            AllocatorConfig::source(vars(&TORCH)).map(|(k, _)| k),
-            Some("PYTORCH_CUDA_ALLOC_CONF")
+            AllocatorConfig::source(vars(&TORCH)).map(|s| s.map(|(k, _)| k)),
+            Ok(Some("PYTORCH_CUDA_ALLOC_CONF"))
+        );
+    }
+
+    /// A variable set to bytes that are not UTF-8 is an error naming it; the variables
+    /// after it in the order are not read in its place (they used to win).
+    #[cfg(unix)]
+    #[test]
+    fn a_variable_that_is_not_utf8_is_an_error_naming_it() {
+        use std::os::unix::ffi::OsStringExt;
+        for bad in AllocatorConfig::SOURCES {
+            let var = move |k: &str| {
+                if k == bad {
+                    Err(std::env::VarError::NotUnicode(
+                        std::ffi::OsString::from_vec(b"expandable_segments:\xff".to_vec()),
+                    ))
+                } else {
+                    Ok("max_split_size_mb:100".to_owned())
+                }
+            };
+            let before: Vec<_> = AllocatorConfig::SOURCES
+                .into_iter()
+                .take_while(|k| *k != bad)
+                .collect();
+            let got = AllocatorConfig::source(var);
+            if let Some(first) = before.first() {
+                // A variable before it is set and valid: it wins, the bad one is not read.
+                assert_eq!(got.map(|s| s.map(|(k, _)| k)), Ok(Some(*first)), "{bad}");
+                continue;
+            }
+            match got {
+                Err(EnvError::NotUnicode { name, value }) => {
+                    assert_eq!(name, bad);
+                    assert!(value.contains(r"\xFF"), "{value}");
+                }
+                other => panic!("{bad}: {other:?}"),
+            }
+        }
+        // Unset before it: the bad one is the first set, so the error.
+        let var = |k: &str| match k {
+            "PYTORCH_CUDA_ALLOC_CONF" => Err(std::env::VarError::NotUnicode(
+                std::ffi::OsString::from_vec(vec![0xfe]),
+            )),
+            "PYTORCH_ALLOC_CONF" => Ok("max_split_size_mb:100".to_owned()),
+            _ => Err(std::env::VarError::NotPresent),
+        };
+        let e = AllocatorConfig::source(var).err().map(|e| e.to_string());
+        assert!(
+            e.as_deref().is_some_and(|e| e.starts_with(
+                "environment variable PYTORCH_CUDA_ALLOC_CONF is set but its value is not valid UTF-8"
+            )),
+            "{e:?}"
+        );
+    }
+
+    #[test]
+    fn a_reserve_of_zero_is_refused_in_every_form() {
+        for (input, token) in [
+            ("expandable_segments_reserve:0", "0"),
+            ("expandable_segments_reserve:0.0", "0.0"),
+            ("expandable_segments_reserve:0G", "0G"),
+            ("expandable_segments_reserve:-0.5", "-0.5"),
+            ("expandable_segments_reserve:1e-400", "1e-400"),
+            ("expandable_segments_reserve_by_class:[decode:0G]", "0G"),
+        ] {
+            let e = AllocatorConfig::parse(input).err();
+            let key = input.split(':').next().unwrap_or_default();
+            assert!(
+                e.as_ref().is_some_and(|e| e.token == token
+                    && e.message
+                        .starts_with(&format!("{key} must be > 0: a positive fraction"))),
+                "{input}: {e:?}"
+            );
+        }
+        for (input, want) in [
+            (
+                "expandable_segments_reserve:0.5",
+                ReserveSize::Fraction(0.5),
+            ),
+            (
+                "expandable_segments_reserve:1G",
+                ReserveSize::Bytes(1 << 30),
+            ),
+        ] {
+            let c = AllocatorConfig::parse(input).map(|c| c.expandable_segments_reserve);
+            assert_eq!(c, Ok(Some(want)), "{input}");
+        }
+    }
+
+    /// Under `backend:cudaMallocAsync` every key PyTorch accepts parses (what is not built
+    /// for the caching allocator yet included: the backend ignores it), and each is read as
+    /// PyTorch's backend reads it.
+    #[test]
+    fn keys_beside_the_async_backend() {
+        let keys = |s: &str| AllocatorConfig::parse(s).map(|c| c.async_backend_keys());
+        assert_eq!(
+            keys("backend:cudaMallocAsync"),
+            Ok(AsyncBackendKeys::default())
+        );
+        let all = "backend:cudaMallocAsync,max_split_size_mb:100,garbage_collection_threshold:0.5,\
+                   roundup_power2_divisions:4,release_lock_on_cudamalloc:True,\
+                   max_non_split_rounding_mb:64,expandable_segments:True,\
+                   large_segment_size_mb:32,per_process_memory_fraction:0.5,\
+                   graph_capture_record_stream_reuse:True,throw_on_cudamalloc_oom:True,\
+                   expandable_segments_reserve:0.5,expandable_segments_reserve_by_class:[a:1G],\
+                   pinned_use_cuda_host_register:True,pinned_num_register_threads:4,\
+                   pinned_reserve_segment_size_mb:8,pinned_free_catch_all:True,\
+                   pinned_use_background_threads:True,pinned_max_round_threshold_mb:16,\
+                   pinned_max_cached_size_mb:64";
+        let k = keys(all).unwrap_or_default();
+        assert_eq!(
+            k.ignored,
+            [
+                "max_split_size_mb",
+                "garbage_collection_threshold",
+                "roundup_power2_divisions",
+                "release_lock_on_cudamalloc",
+                "max_non_split_rounding_mb",
+                "expandable_segments",
+                "large_segment_size_mb",
+                "per_process_memory_fraction",
+                "graph_capture_record_stream_reuse",
+                "throw_on_cudamalloc_oom",
+                "expandable_segments_reserve",
+                "expandable_segments_reserve_by_class",
+            ]
+        );
+        assert_eq!(
+            k.pinned_warned,
+            [
+                "pinned_use_cuda_host_register",
+                "pinned_num_register_threads",
+                "pinned_reserve_segment_size_mb",
+                "pinned_free_catch_all",
+            ]
+        );
+        assert!(k.ferrocuda_only.is_empty() && k.warns());
+        // A key named with its default value counts (PyTorch's parser flags the key).
+        let k = keys("release_lock_on_hipmalloc:False,backend:cudaMallocAsync");
+        assert_eq!(
+            k.map(|k| k.ignored),
+            Ok(vec!["release_lock_on_hipmalloc".to_owned()])
+        );
+        // The pinned keys PyTorch's generic parser reads: no warning.
+        let k =
+            keys("backend:cudaMallocAsync,pinned_use_background_threads:True").unwrap_or_default();
+        assert!(!k.warns());
+        // ferrocuda's own keys.
+        let k = keys("backend:cudaMallocAsync,thread_cache:False,ferrocuda_recommended:True")
+            .unwrap_or_default();
+        assert_eq!(
+            k.ferrocuda_only,
+            [
+                "thread_cache",
+                "ferrocuda_recommended",
+                "expandable_segments_reclaim",
+                "oom_release_partial",
+                "oom_search_after_sync",
+                "expandable_segments_page_mb"
+            ]
+        );
+        // A configuration built in code: what differs from the defaults.
+        let c = AllocatorConfig {
+            backend: Backend::CudaMallocAsync,
+            max_split_size: Some(64 * MIB),
+            cross_stream_reuse: true,
+            ..AllocatorConfig::default()
+        };
+        let k = c.async_backend_keys();
+        assert_eq!(
+            (k.ignored, k.ferrocuda_only),
+            (
+                vec!["max_split_size_mb".to_owned()],
+                vec!["cross_stream_reuse".to_owned()]
+            )
+        );
+    }
+
+    /// What is not built yet is an error with the caching allocator only.
+    #[test]
+    fn unbuilt_options_are_errors_with_the_native_backend_only() {
+        for s in [
+            "graph_capture_record_stream_reuse:True",
+            "expandable_segments_reserve_by_class:[a:1G]",
+        ] {
+            let e = AllocatorConfig::parse(s).err();
+            assert!(
+                e.is_some_and(|e| e.message.contains("is not supported by ferrocuda yet")),
+                "{s}"
+            );
+            let native = format!("backend:native,{s}");
+            assert!(AllocatorConfig::parse(&native).is_err(), "{native}");
+            let with_async = format!("{s},backend:cudaMallocAsync");
+            assert!(AllocatorConfig::parse(&with_async).is_ok(), "{with_async}");
+        }
+        assert!(
+            AllocatorConfig::parse(
+                "graph_capture_record_stream_reuse:True,graph_capture_record_stream_reuse:False"
+            )
+            .is_ok()
         );
     }
 

@@ -40,6 +40,7 @@ mod checkpoint;
 mod config;
 mod device;
 mod dtype;
+mod env;
 mod graph_node;
 mod handles;
 mod host;
@@ -50,11 +51,12 @@ mod stats;
 
 pub use checkpoint::{BlockCheckpoint, PoolCheckpoint, RestoreResult, SegmentCheckpoint};
 pub use config::{
-    AllocatorConfig, Backend as AllocatorBackend, ConfigError, ROUNDUP_INTERVALS, ReserveSize,
-    SettingsText,
+    AllocatorConfig, AsyncBackendKeys, Backend as AllocatorBackend, ConfigError, ConfigSourceError,
+    ROUNDUP_INTERVALS, ReserveSize, SettingsText,
 };
 pub use device::{Device, DeviceKind, DeviceParseError, DeviceProperties};
 pub use dtype::{DType, Element};
+pub use env::{EnvError, env_value, env_var};
 pub use graph_node::{CopyEnd, GraphNode};
 pub use handles::{
     DeviceIndex, DevicePtr, EventHandle, FunctionHandle, GraphExecHandle, GraphHandle, HostPtr,

@@ -10,52 +10,56 @@ use ferrocuda_types::{
 };
 use std::sync::Arc;
 
+/// PyTorch's warning for options `backend:cudaMallocAsync` ignores, word for word (the
+/// missing space after the first comma is PyTorch's: two adjacent literals):
+/// `CUDAAllocatorConfig::parseArgs` in c10/cuda/CUDAAllocatorConfig.cpp (`TORCH_WARN`, once
+/// per string parsed).
+pub const ASYNC_IGNORES_WARNING: &str = "backend:cudaMallocAsync ignores max_split_size_mb,roundup_power2_divisions, and garbage_collect_threshold.";
+
 impl AsyncAllocator {
     /// The allocator for a configuration that selects it (`backend:cudaMallocAsync`):
-    /// another backend is PyTorch's backend assertion, and an option only the caching
-    /// allocator has is an error (PyTorch warns and ignores it; here an option must do
-    /// something).
+    /// another backend is PyTorch's backend assertion. PyTorch's keys of the caching
+    /// allocator are accepted and ignored with PyTorch's warning, kept for
+    /// [`AsyncAllocator::take_warnings`] (see [`ferrocuda_types::AsyncBackendKeys`] for which keys warn); a
+    /// key of ferrocuda's own is an error, as it does nothing here.
     pub fn from_config(
         driver: Arc<dyn Driver>,
         config: &AllocatorConfig,
     ) -> Result<Arc<AsyncAllocator>, AllocError> {
-        Self::check_config(config)?;
-        Ok(AsyncAllocator::new(driver))
+        let warns = Self::check_config(config)?;
+        let a = AsyncAllocator::new(driver);
+        if warns {
+            a.state.lock().warn(ASYNC_IGNORES_WARNING.into());
+        }
+        Ok(a)
     }
 
-    fn check_config(config: &AllocatorConfig) -> Result<(), AllocError> {
+    /// Whether PyTorch's warning is due for `config`, or why the backend refuses it.
+    fn check_config(config: &AllocatorConfig) -> Result<bool, AllocError> {
         if config.backend != AllocatorBackend::CudaMallocAsync {
             return Err(AllocError::WrongBackend);
         }
-        // The pinned host allocator's keys configure the host allocator, which serves both
-        // backends (PyTorch's `CachingHostAllocator` does not depend on the device backend).
-        let d = AllocatorConfig::default();
-        let native_part = AllocatorConfig {
-            backend: AllocatorBackend::Native,
-            pinned_use_cuda_host_register: d.pinned_use_cuda_host_register,
-            pinned_num_register_threads: d.pinned_num_register_threads,
-            pinned_use_background_threads: d.pinned_use_background_threads,
-            pinned_reserve_segment_size: d.pinned_reserve_segment_size,
-            pinned_max_round_threshold: d.pinned_max_round_threshold,
-            pinned_max_cached_size: d.pinned_max_cached_size,
-            pinned_free_catch_all: d.pinned_free_catch_all,
-            ..config.clone()
-        };
-        if native_part != AllocatorConfig::default() {
-            return Err(AllocError::AsyncIgnoredOptions);
+        let keys = config.async_backend_keys();
+        if let Some(key) = keys.ferrocuda_only.first() {
+            return Err(AllocError::AsyncFerrocudaOnly { key: key.clone() });
         }
-        Ok(())
+        Ok(keys.warns())
     }
 
-    /// `_set_allocator_settings` under this backend: the string must keep the backend and
-    /// set nothing else (nothing else has an effect here).
+    /// `_set_allocator_settings` under this backend: the string must keep the backend;
+    /// PyTorch's other keys are accepted and ignored, with PyTorch's warning (as
+    /// [`AsyncAllocator::from_config`]). The pinned host allocator's keys are for the host
+    /// allocator (the facade passes the string to it too).
     pub fn update_config(&self, s: &str) -> Result<(), AllocError> {
         let mut config = AllocatorConfig {
             backend: AllocatorBackend::CudaMallocAsync,
             ..AllocatorConfig::default()
         };
         config.update(s)?;
-        Self::check_config(&config)
+        if Self::check_config(&config)? {
+            self.state.lock().warn(ASYNC_IGNORES_WARNING.into());
+        }
+        Ok(())
     }
 
     /// `getDeviceStats`: the pool's used memory as `allocated_bytes` and `active_bytes`,

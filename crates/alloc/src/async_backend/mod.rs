@@ -38,6 +38,8 @@ use std::sync::{Arc, OnceLock};
 
 mod inspect;
 
+pub use inspect::ASYNC_IGNORES_WARNING;
+
 /// PyTorch refuses requests of 1 EB or more before anything else.
 const ONE_EXABYTE: u64 = 1 << 60;
 
@@ -134,13 +136,13 @@ impl AsyncAllocator {
         self.device_count.get().is_some()
     }
 
-    /// `assertValidDevice`.
+    /// `assertValidDevice`: PyTorch's "Invalid device argument." past the last device.
     fn check_device(&self, dev: DeviceIndex) -> Result<(), AllocError> {
         let count = self.init()?;
         if dev.as_usize() < count {
             Ok(())
         } else {
-            Err(AllocError::NoSuchDevice {
+            Err(AllocError::AsyncNoSuchDevice {
                 device: dev.0,
                 count,
             })
@@ -173,7 +175,7 @@ impl AsyncAllocator {
                 limit: u64::MAX,
             }));
         }
-        st.devices[i].as_mut().ok_or(AllocError::NoSuchDevice {
+        st.devices[i].as_mut().ok_or(AllocError::AsyncNoSuchDevice {
             device: dev.0,
             count: i,
         })
