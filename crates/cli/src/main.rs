@@ -8,6 +8,7 @@ use clap::{Parser, Subcommand, ValueEnum};
 use ferrocuda_cli::input::Limits;
 use ferrocuda_cli::options::{AddressChoice, choose_device, parse_max_bytes, resolve_confs};
 use ferrocuda_cli::pytorch;
+use ferrocuda_cli::recording::Recording;
 use ferrocuda_cli::replay::{Device, Figures};
 use ferrocuda_cli::report::{plot_html, summary};
 use ferrocuda_cli::trace::{events, read_recording_within, segment_addresses};
@@ -342,7 +343,7 @@ fn replay_command(trace: &std::path::Path, options: ReplayOptions) -> Result<(),
             .map(|(d, _, _)| {
                 let of_device: Vec<Figures> =
                     columns.iter().filter(|c| c.device == *d).cloned().collect();
-                table(*d, devices.len() > 1, &of_device)
+                table(*d, devices.len() > 1, &of_device) + &recorded_segments(&recording, *d)
             })
             .collect();
         emit(&text.join("\n"))?;
@@ -363,6 +364,26 @@ fn replay_command(trace: &std::path::Path, options: ReplayOptions) -> Result<(),
         note(&format!("PyTorch's figures from {}", r.source));
     }
     Ok(())
+}
+
+/// The recording's segments of `device` when the snapshot was taken, under the table.
+fn recorded_segments(recording: &Recording, device: u16) -> String {
+    let segments: Vec<_> = recording
+        .segments
+        .iter()
+        .filter(|s| s.device == device)
+        .collect();
+    if segments.is_empty() {
+        return String::new();
+    }
+    let reserved: u64 = segments.iter().map(|s| s.total_size).sum();
+    let private = segments.iter().filter(|s| s.pool != (0, 0)).count();
+    format!(
+        "recording: {} segments ({private} in private pools), {} reserved when the snapshot \
+         was taken\n",
+        segments.len(),
+        gib(reserved)
+    )
 }
 
 fn gib(b: u64) -> String {

@@ -1,7 +1,8 @@
 //! PyTorch's own figures for a recording, shown beside a replay's so that "equals PyTorch"
 //! can be read off the table: the recording's `memory_stats` (when the snapshot file stores
-//! `torch.cuda.memory_stats()` under that key), or a sidecar `pytorch-figures.json` beside
-//! the trace (rows of `model`, `conf` and the figures, as in the workspace's `tests/data`).
+//! `torch.cuda.memory_stats()` under that key), a sidecar `pytorch-figures.json` beside the
+//! trace (rows of `model`, `conf` and the figures, as in the workspace's `tests/data`), or
+//! else what the snapshot's own history and segments imply.
 use crate::recording::Recording;
 use ferrocuda_types::AllocatorConfig;
 use std::collections::BTreeMap;
@@ -121,5 +122,36 @@ pub fn find(
     }
     let beside = trace.with_file_name("pytorch-figures.json");
     // A malformed file that was not asked for is not fatal.
-    Ok(from_sidecar(&beside, model).ok().flatten())
+    Ok(from_sidecar(&beside, model)
+        .ok()
+        .flatten()
+        .or_else(|| from_snapshot(recording)))
+}
+
+/// What the snapshot itself says of device 0, when it carries no `memory_stats`: the peaks
+/// of requested and reserved bytes its history implies (lifted to its segments at the end,
+/// so a history that starts mid-run still gives a lower bound) and the device allocations
+/// and frees it recorded, under the configuration its `allocator_settings` names.
+pub fn from_snapshot(recording: &Recording) -> Option<Reference> {
+    if recording.traces.first().is_none_or(Vec::is_empty) {
+        return None;
+    }
+    let config = AllocatorConfig::parse(&recording.allocator_settings.conf).ok()?;
+    let stats = crate::report::stats_from_recording(recording, 0);
+    let count = |v: i64| u64::try_from(v).ok();
+    Some(Reference {
+        source: "the snapshot's own history and segments (it has no memory_stats): peaks \
+                 its history implies, allocated bytes unknown"
+            .into(),
+        rows: vec![(
+            config,
+            PytorchFigures {
+                peak_requested: count(stats.requested_bytes.all.peak),
+                peak_allocated: None,
+                peak_reserved: count(stats.reserved_bytes.all.peak),
+                num_device_alloc: count(stats.num_device_alloc),
+                num_device_free: count(stats.num_device_free),
+            },
+        )],
+    })
 }

@@ -124,16 +124,25 @@ impl<'a> Sites<'a> {
             .collect();
         let python = |f: &&&Frame| self.text(f).1.ends_with(".py");
         let user = |f: &&&Frame| python(f) && !self.text(f).1.contains("torch/");
+        // A C++-only stack (the autograd engine's thread): the autograd node that ran.
+        let autograd_node = |f: &&&Frame| {
+            let name = self.text(f).0;
+            name.contains("Backward") && name.contains("::apply")
+        };
         let outside_core = |f: &&&Frame| {
             let name = self.text(f).0;
-            !["c10::", "at::", "CachingAllocator", "torch::"]
+            !name.is_empty()
+                && ![
+                    "c10::", "at::", "std::", "torch::", "pthread", "__clone", "??",
+                ]
                 .iter()
-                .any(|core| name.contains(core))
+                .any(|core| name.starts_with(core))
         };
         let frame = frames
             .iter()
             .find(user)
             .or_else(|| frames.iter().find(python))
+            .or_else(|| frames.iter().find(autograd_node))
             .or_else(|| frames.iter().find(outside_core))
             .or_else(|| frames.first())
             .map(|f| **f);
@@ -153,10 +162,16 @@ impl<'a> Sites<'a> {
 
     fn frame_line(&self, f: &Frame) -> String {
         let (name, filename) = self.text(f);
-        if f.line > 0 {
-            format!("{}:{} {}", shorten(filename), f.line, shorten(name))
-        } else {
-            format!("{} ({})", shorten(name), shorten(filename))
+        if filename.ends_with(".py") {
+            return format!("{}:{} {}", shorten(filename), f.line, shorten(name));
+        }
+        // A C++ frame: the function without its argument list, which can run to kilobytes
+        // of template parameters.
+        let function = name.split_once('(').map_or(name, |(f, _)| f);
+        match (filename, f.line) {
+            ("" | "??", _) => shorten(function).to_owned(),
+            (file, 0) => format!("{} ({})", shorten(function), shorten(file)),
+            (file, line) => format!("{} ({}:{line})", shorten(function), shorten(file)),
         }
     }
 
