@@ -90,7 +90,15 @@ fn event(r: &mut Rng, addrs: &[u64]) -> Value {
         "stream": stream,
         "time_us": r.below(1 << 40),
         "compile_context": "N/A",
-        "frames": if r.chance(10) { json!([{"filename": "x.py", "line": 3, "name": "f"}]) } else { json!([]) },
+        "frames": match r.below(10) {
+            // A few stacks shared by many events (as PyTorch's are): the memo writer below
+            // writes each once and refers back to it.
+            0..=3 => json!([{"filename": "x.py", "line": 3, "name": "f"},
+                            {"filename": "??", "line": 0, "name": "torch::unwind::unwind()"}]),
+            4 => json!([{"filename": "y.py", "line": r.below(3), "name": "g"}]),
+            5 => json!([]),
+            _ => Value::Null,
+        },
     })
 }
 
@@ -262,6 +270,94 @@ fn capacity(r: &mut Rng) -> String {
     .to_string()
 }
 
+/// A pickle (protocol 4) of `v` as CPython's pickler writes objects that are shared: each
+/// equal string, list or dict is written once, memoized, and referred back to (`BINGET`,
+/// `LONG_BINGET`) wherever it occurs again, as PyTorch's snapshots share their stacks. A
+/// `null` field is left out of its dict.
+fn memo_pickle(v: &Value) -> Vec<u8> {
+    struct Writer {
+        out: Vec<u8>,
+        seen: std::collections::HashMap<String, u32>,
+    }
+    impl Writer {
+        fn shared(&mut self, key: String) -> bool {
+            match self.seen.get(&key) {
+                Some(&id) if id < 256 => self.out.extend([b'h', id as u8]),
+                Some(&id) => {
+                    self.out.push(b'j');
+                    self.out.extend(id.to_le_bytes());
+                }
+                None => return false,
+            }
+            true
+        }
+        fn memoize(&mut self, key: String) {
+            let id = self.seen.len() as u32;
+            self.seen.insert(key, id);
+            self.out.push(0x94);
+        }
+        fn write(&mut self, v: &Value) {
+            match v {
+                Value::Null => self.out.push(b'N'),
+                Value::Bool(b) => self.out.push(if *b { 0x88 } else { 0x89 }),
+                Value::Number(n) => match (n.as_i64(), n.as_u64(), n.as_f64()) {
+                    (Some(i), _, _) => {
+                        self.out.extend([0x8a, 8]);
+                        self.out.extend(i.to_le_bytes());
+                    }
+                    (None, Some(u), _) => {
+                        self.out.extend([0x8a, 9]);
+                        self.out.extend(u.to_le_bytes());
+                        self.out.push(0);
+                    }
+                    (_, _, f) => {
+                        self.out.push(b'G');
+                        self.out.extend(f.unwrap_or(0.0).to_be_bytes());
+                    }
+                },
+                Value::String(s) => {
+                    if !self.shared(format!("s{s}")) {
+                        self.out.push(b'X');
+                        self.out.extend((s.len() as u32).to_le_bytes());
+                        self.out.extend(s.as_bytes());
+                        self.memoize(format!("s{s}"));
+                    }
+                }
+                Value::Array(items) => {
+                    let key = format!("a{v}");
+                    if !self.shared(key.clone()) {
+                        self.out.push(b']');
+                        self.memoize(key);
+                        self.out.push(b'(');
+                        items.iter().for_each(|i| self.write(i));
+                        self.out.push(b'e');
+                    }
+                }
+                Value::Object(map) => {
+                    let key = format!("o{v}");
+                    if !self.shared(key.clone()) {
+                        self.out.push(b'}');
+                        self.memoize(key);
+                        self.out.push(b'(');
+                        for (k, v) in map.iter().filter(|(_, v)| !v.is_null()) {
+                            self.write(&Value::String(k.clone()));
+                            self.write(v);
+                        }
+                        self.out.push(b'u');
+                    }
+                }
+            }
+        }
+    }
+    let mut w = Writer {
+        out: vec![0x80, 4],
+        seen: Default::default(),
+    };
+    w.write(v);
+    w.out.push(b'.');
+    w.out
+}
+
 /// The bytes of one input file: a pickled snapshot, perhaps mutated or compressed, or
 /// something that is not one at all.
 fn input(r: &mut Rng, real: &[u8]) -> Result<Vec<u8>, String> {
@@ -281,6 +377,16 @@ fn input(r: &mut Rng, real: &[u8]) -> Result<Vec<u8>, String> {
         4 => {
             serde_pickle::to_vec(&json!({"a": 1}), Default::default()).map_err(|e| e.to_string())?
         }
+        5 => {
+            // A container that holds itself, under a key the reader walks.
+            let key = *r.pick(&["device_traces", "segments", "frames"]);
+            let mut b = vec![0x80, 4, b'}', 0x94, b'X'];
+            b.extend((key.len() as u32).to_le_bytes());
+            b.extend(key.as_bytes());
+            b.extend([b']', 0x94, b'h', *r.pick(&[0u8, 1]), b'a', b's', b'.']);
+            b
+        }
+        6..=11 => memo_pickle(&snapshot(r)),
         _ => serde_pickle::to_vec(&snapshot(r), serde_pickle::SerOptions::new())
             .map_err(|e| e.to_string())?,
     };
