@@ -14,6 +14,7 @@
 //! real driver gave PyTorch), so differential tests and replays break best-fit ties as the
 //! recording did. [`FakeDriverBuilder::capacity`] sets the device's total memory.
 mod addresses;
+mod busy;
 mod host_register;
 mod interop;
 mod kernels;
@@ -267,6 +268,7 @@ impl FakeDriverBuilder {
                 foreign: HashMap::new(),
                 pools: Vec::new(),
                 peers: peer::Peers::new(&self.no_peer),
+                busy: busy::Busy::default(),
             }),
         }
     }
@@ -381,6 +383,9 @@ struct State {
     /// Each device's default stream-ordered memory pool, made at its first use.
     pools: Vec<mem_pool::Pool>,
     peers: peer::Peers,
+    /// The streams with work queued and those capturing: what walks over a device's
+    /// streams visit.
+    busy: busy::Busy,
 }
 
 thread_local! {
@@ -496,7 +501,7 @@ impl FakeDriver {
         let mut st = self.state.lock();
         let mut total = 0;
         loop {
-            let keys: Vec<StreamKey> = st.streams.keys().copied().collect();
+            let keys = st.busy.queued_anywhere();
             let done: usize = keys
                 .into_iter()
                 .map(|k| st.run(k, None, usize::MAX, false))
@@ -681,6 +686,7 @@ impl State {
         }
         stream.queue.push_back(work);
         stream.enqueued += 1;
+        self.busy.set_queued(key, true);
         if self.completion == Completion::Eager {
             self.run(key, None, usize::MAX, false);
         }
@@ -700,9 +706,11 @@ impl State {
             return Ok(Vec::new());
         }
         if is_legacy {
-            let broken: Vec<u64> = self
-                .streams
-                .iter()
+            let capturing = self.busy.capturing_on(device.0);
+            self.busy.visited(capturing.len());
+            let broken: Vec<u64> = capturing
+                .into_iter()
+                .filter_map(|k| self.streams.get(&k).map(|s| (k, s)))
                 .filter(|(k, s)| k.0 == device.0 && !s.flags.non_blocking && k.1 != 0)
                 .filter_map(|(_, s)| s.capture.as_ref().map(|l| l.id))
                 .collect();
@@ -715,11 +723,19 @@ impl State {
                 return Err(DriverError::STREAM_CAPTURE_IMPLICIT);
             }
         }
-        Ok(self
-            .streams
-            .iter()
+        // Only a stream with work queued can be waited for: the legacy stream waits for the
+        // device's busy streams, a blocking stream for the legacy stream.
+        let candidates = if is_legacy {
+            self.busy.queued_on(device.0)
+        } else {
+            vec![legacy]
+        };
+        self.busy.visited(candidates.len());
+        Ok(candidates
+            .into_iter()
+            .filter_map(|k| self.streams.get(&k).map(|s| (k, s)))
             .filter(|(k, s)| {
-                **k != key
+                *k != key
                     && k.0 == device.0
                     && s.enqueued > s.completed
                     && if is_legacy {
@@ -729,7 +745,7 @@ impl State {
                     }
             })
             .map(|(k, s)| Work::Wait {
-                stream: *k,
+                stream: k,
                 seq: s.enqueued,
             })
             .collect())
@@ -743,6 +759,7 @@ impl State {
     /// `budget` items ran. A wait on incomplete work stops the run unless `force`, which
     /// first completes the awaited stream (as a GPU would, eventually).
     fn run(&mut self, key: StreamKey, until: Option<u64>, mut budget: usize, force: bool) -> usize {
+        self.busy.visited(1);
         let mut done = 0;
         while budget > 0 {
             let Some(stream) = self.streams.get_mut(&key) else {
@@ -773,6 +790,9 @@ impl State {
             };
             let device = stream.device;
             stream.completed += 1;
+            if stream.queue.is_empty() {
+                self.busy.set_queued(key, false);
+            }
             self.complete(&work, device);
             done += 1;
             budget -= 1;
@@ -813,13 +833,8 @@ impl State {
     }
 
     fn drain_device(&mut self, dev: DeviceIndex) -> Result<(), DriverError> {
-        let keys: Vec<StreamKey> = self
-            .streams
-            .keys()
-            .filter(|k| k.0 == dev.0)
-            .copied()
-            .collect();
-        for k in keys {
+        // A stream with nothing queued has nothing to run: visit only the busy ones.
+        for k in self.busy.queued_on(dev.0) {
             self.run(k, None, usize::MAX, true);
         }
         match self.sticky.get(dev.as_usize()).copied().flatten() {
@@ -905,6 +920,7 @@ impl State {
                     joined &= tail.iter().all(|n| reaches(&cap.nodes, &link.deps, *n));
                 }
                 s.capture = None;
+                self.busy.set_capturing(*member, false);
             }
         }
         // The real driver refuses an end from the wrong thread but ends the capture anyway.
@@ -1224,6 +1240,7 @@ impl Driver for FakeDriver {
         // Work already enqueued still runs (it completes now; nothing can observe it later).
         st.run(key, None, usize::MAX, true);
         st.streams.remove(&key);
+        st.busy.forget(key);
         Ok(())
     }
 
@@ -1279,6 +1296,7 @@ impl Driver for FakeDriver {
                     None => {
                         // The stream joins the capture: a fork.
                         s.capture = Some(CaptureLink { id: capture, deps });
+                        st.busy.set_capturing(key, true);
                         if let Some(c) = st.captures.get_mut(&capture) {
                             c.members.push(key);
                         }
@@ -1569,6 +1587,7 @@ impl Driver for FakeDriver {
                 id,
                 deps: Vec::new(),
             });
+            st.busy.set_capturing(key, true);
         }
         Ok(())
     }
