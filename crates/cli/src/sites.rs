@@ -4,8 +4,8 @@
 //! PyTorch records a stack per block (innermost frame first): its own C++ frames
 //! (the unwinder, the allocator, the dispatcher), then Python's. Frames PyTorch's viewer
 //! hides are hidden here too (`torch/cuda/_memory_viz.py`, `_frame_filter`). A block's site is
-//! its innermost Python frame outside `torch/` (the user's line), else its innermost Python
-//! frame, else its innermost C++ frame outside PyTorch's core (`c10::`, `at::`, the
+//! its innermost Python frame outside installed packages and the standard library (the
+//! user's line), else its innermost Python frame, else its innermost C++ frame outside PyTorch's core (`c10::`, `at::`, the
 //! allocator). A block without a stack of its own (history recorded without context for
 //! blocks) takes the stack of the last `alloc` event at its address.
 use crate::recording::{Frame, Recording, StackId, TraceAction};
@@ -35,6 +35,15 @@ const OMIT_FILENAMES: [&str; 10] = [
     "pycore_ceval.h",
     "ceval.c",
     "cpython/abstract.h",
+];
+
+/// Where installed Python code lives (PyTorch's own files among it): a frame elsewhere is
+/// the user's.
+const LIBRARY_PATHS: [&str; 4] = [
+    "/site-packages/",
+    "/dist-packages/",
+    "/lib/python3",
+    "<frozen ",
 ];
 
 /// Longest text of one frame in a report (a recording may hold megabyte-long names).
@@ -123,7 +132,10 @@ impl<'a> Sites<'a> {
             .filter(|f| self.shown(f))
             .collect();
         let python = |f: &&&Frame| self.text(f).1.ends_with(".py");
-        let user = |f: &&&Frame| python(f) && !self.text(f).1.contains("torch/");
+        let user = |f: &&&Frame| {
+            let file = self.text(f).1;
+            python(f) && !LIBRARY_PATHS.iter().any(|lib| file.contains(lib))
+        };
         // A C++-only stack (the autograd engine's thread): the autograd node that ran.
         let autograd_node = |f: &&&Frame| {
             let name = self.text(f).0;
