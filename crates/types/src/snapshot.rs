@@ -199,7 +199,10 @@ impl Snapshot {
         serde_pickle::to_vec(self, serde_pickle::SerOptions::new()).map_err(|e| e.to_string())
     }
 
-    /// Reads a pickled snapshot (ours or PyTorch's; fields PyTorch adds are ignored).
+    /// Reads a pickled snapshot as [`Snapshot::to_pickle`] writes it (fields PyTorch adds
+    /// are ignored). A snapshot PyTorch wrote shares its stack frames through the pickle's
+    /// memo, which this decoder refuses; the `ferrocuda` command's reader
+    /// (`ferrocuda_cli::trace::read_recording`) reads those.
     pub fn from_pickle(bytes: &[u8]) -> Result<Snapshot, String> {
         let options = serde_pickle::DeOptions::new().replace_unresolved_globals();
         serde_pickle::from_slice(bytes, options).map_err(|e| e.to_string())
