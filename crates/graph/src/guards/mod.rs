@@ -32,6 +32,12 @@
 //!   which dims are dynamic.
 //!
 //! # What the layer above must do
+//! - Refuse, before [`GuardedCache::call`], a call PyTorch refuses before Dynamo looks at
+//!   its cache (a wrong number of arguments: Python's `TypeError` at binding; an input
+//!   view past its storage): every call that reaches the cache counts, a miss being a
+//!   compile attempt (`_compile` in `torch/_dynamo/convert_frame.py`) that uses a
+//!   recompile slot and merges its inputs into the automatic-dynamic records. The graph
+//!   trees do so in `Wrapped::call`.
 //! - Read [`GlobalState::current`] once per call and describe the inputs.
 //! - Print or record the [`Recompile`] and [`LimitHit`] values it is given, and run the
 //!   function eagerly on [`Call::Eager`].

@@ -170,6 +170,11 @@ pub struct WrapOptions {
     /// of other sizes run eagerly ([`SkipReason::CaptureSize`](super::SkipReason)).
     /// `None`: every size is graphed.
     pub capture_sizes: Option<Vec<Vec<usize>>>,
+    /// The number of inputs every call passes (a Python function's arity); `None`: the
+    /// number of the first call that is not refused. A call with another number is
+    /// [`TreeError::InputCount`], refused before the guards as Python refuses a wrong
+    /// argument count before Dynamo sees the frame.
+    pub num_inputs: Option<usize>,
 }
 
 #[cfg(test)]

@@ -244,6 +244,19 @@ pub enum TreeError {
         /// Bytes the buffer has.
         bytes: u64,
     },
+    /// A call with another number of inputs than the wrapped function takes
+    /// ([`WrapOptions::num_inputs`](super::WrapOptions::num_inputs), else its first call's):
+    /// Python's `TypeError` for a wrong argument count, raised before Dynamo sees the call.
+    /// Refused before the guards: the call compiles nothing and uses no recompile slot.
+    #[error("{function}() takes {expected} inputs but {found} were given")]
+    InputCount {
+        /// The wrapped function's name.
+        function: String,
+        /// The number it takes.
+        expected: usize,
+        /// The number given.
+        found: usize,
+    },
     /// A shape with more dimensions than a tree tensor holds.
     #[error("shapes have at most {max} dimensions, got {found}")]
     Rank {

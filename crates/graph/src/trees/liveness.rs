@@ -54,6 +54,23 @@ pub(crate) fn live_path_ptrs(arena: &Arena, path: &[usize]) -> Vec<DevicePtr> {
         .collect()
 }
 
+/// Addresses of the live outputs of the path and of its warm-ups: the tensors PyTorch's
+/// mutation check counts as the tree's (`_is_cuda_graph_recorded_tensor` of the current
+/// node, a `CUDAGraphNode` or a `CUDAWarmupNode`), whose writes land in place.
+pub(crate) fn live_tree_ptrs(
+    arena: &Arena,
+    path: &[usize],
+    warmups: &[WarmupNode],
+) -> Vec<DevicePtr> {
+    let recorded = path_nodes(arena, path).flat_map(|n| n.outputs.iter());
+    let warm = warmups.iter().flat_map(|w| w.outputs.iter());
+    recorded
+        .chain(warm)
+        .filter(|s| s.is_live())
+        .map(OutputSlot::ptr)
+        .collect()
+}
+
 /// Whether `node` (a child of the path's last node, or a root on an empty path) can serve
 /// a call with `inputs`, in PyTorch's order of checks.
 pub(crate) fn check_invariants(

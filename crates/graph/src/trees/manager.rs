@@ -5,7 +5,7 @@
 use super::config::{FunctionMode, GenerationPolicy, TreeConfig, WrapOptions};
 use super::context::{Call, Served, TreeFn};
 use super::errors::{CheckStatus, SkipReason, TreeError, TreeEvent};
-use super::liveness::{all_dead, check_invariants, live_path_ptrs, mismatch_detail};
+use super::liveness::{all_dead, check_invariants, live_tree_ptrs, mismatch_detail};
 use super::nodes::{Arena, FunctionId, WarmupNode};
 use super::tensor::{Input, Shape};
 use super::wrapped::Wrapped;
@@ -310,6 +310,9 @@ impl Trees {
         shapes: &[Shape],
         f: &mut dyn TreeFn,
     ) -> Result<Call, TreeError> {
+        // The wrapped function refused stale inputs before its guards; the signature it
+        // picked may have evicted recordings since, making more outputs stale.
+        Trees::check_fresh(inputs)?;
         if let Some(reason) = self.static_skip(st, fid, inputs)? {
             return self.skip(st, fid, reason, inputs, shapes, f);
         }
@@ -317,6 +320,9 @@ impl Trees {
             if matches!(st.mode, PathMode::Recording | PathMode::Warmup) {
                 self.try_end_path(st, generation)?;
             }
+            // Ending the path (here, or at the end of the previous turn) freed its outputs
+            // and made them stale before anything reads the inputs.
+            Trees::check_fresh(inputs)?;
             if let Some(reason) = self.mutation_skip(st, fid, inputs, shapes) {
                 return self.skip(st, fid, reason, inputs, shapes, f);
             }
@@ -339,28 +345,33 @@ impl Trees {
         }
     }
 
+    /// [`TreeError::StaleOutput`] when an input is an output made stale: by a later run,
+    /// or by this call, which ended the path the output belonged to. PyTorch's order
+    /// (`_run` in `torch/_inductor/cudagraph_trees.py`): `try_end_curr_recording` and
+    /// `try_end_curr_warmup` free the old path's outputs and mark them stale
+    /// (`dealloc_current_path_weakrefs`) before the function reads its inputs, so reading
+    /// such an input raises "accessing tensor output of CUDAGraphs that has been
+    /// overwritten by a subsequent run". Checked after every place a call may end the
+    /// path, so that no warm-up, recording, replay or eager run reads a freed block; here a
+    /// replayed path ended by a new step is refused too (PyTorch replays on it silently).
+    pub(crate) fn check_fresh(inputs: &[Input<'_>]) -> Result<(), TreeError> {
+        for input in inputs {
+            if let Some(t) = input.tree {
+                t.ptr()?;
+            }
+        }
+        Ok(())
+    }
+
     /// Reasons known before looking at the tree: a sticky skip of the function, an input
-    /// on another device, an uncached allocator, or a stale input.
+    /// on another device, or an uncached allocator. (Inputs past their buffers and stale
+    /// ones were refused before the guards: [`Wrapped::call`].)
     fn static_skip(
         &self,
         st: &State,
         fid: FunctionId,
         inputs: &[Input<'_>],
     ) -> Result<Option<SkipReason>, TreeError> {
-        for (index, input) in inputs.iter().enumerate() {
-            if let Some(t) = input.tree {
-                t.ptr()?;
-            }
-            if input.used_bytes() > input.bytes {
-                return Err(TreeError::InputTooSmall {
-                    index,
-                    shape: input.shape.dims().to_vec(),
-                    dtype: input.dtype,
-                    needed: input.used_bytes(),
-                    bytes: input.bytes,
-                });
-            }
-        }
         if let Some(reason) = st
             .functions
             .get(fid.0 as usize)
@@ -384,7 +395,12 @@ impl Trees {
     }
 
     /// "mutated inputs": the function writes an input that is neither static nor a live
-    /// output of the path used in place (`check_for_mutation`).
+    /// output of the tree used in place (`check_for_mutation`). Outputs of warm-ups count
+    /// as recorded ones do: PyTorch asks the current node, a `CUDAGraphNode` or a
+    /// `CUDAWarmupNode`, whether the input is one of its path's live outputs
+    /// (`_get_cuda_graph_recorded_tensor_checker`, `_is_cuda_graph_recorded_tensor`); a
+    /// warm-up reads its inputs in place, so the write lands, and the function goes on to
+    /// warm up and record.
     fn mutation_skip(
         &self,
         st: &State,
@@ -396,7 +412,7 @@ impl Trees {
         if info.mutated.is_empty() {
             return None;
         }
-        let managed = live_path_ptrs(&st.arena, &st.path);
+        let managed = live_tree_ptrs(&st.arena, &st.path, &st.warmups);
         let lost: Vec<usize> = (info.mutated.iter().copied())
             .filter(|&i| {
                 inputs.get(i).is_some_and(|input| {
@@ -486,6 +502,7 @@ impl Trees {
         }
         if st.mode == PathMode::Execution {
             self.try_end_path(st, generation)?;
+            Trees::check_fresh(inputs)?;
         }
         self.warn_if_path_grows(st, fid);
         self.record(st, fid, generation, inputs, shapes, f)

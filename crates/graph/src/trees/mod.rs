@@ -30,12 +30,20 @@
 //!   reading it ([`TreeTensor::ptr`], [`TreeTensor::arg`], [`TreeTensor::to_host`],
 //!   [`TreeTensor::copy_out`]) after a later run overwrote (or may have overwritten) its
 //!   memory is [`TreeError::StaleOutput`], for one atomic load and compare. Keep an output
-//!   across steps by moving it out: [`TreeTensor::copy_out`].
+//!   across steps by moving it out: [`TreeTensor::copy_out`]. An output passed to the call
+//!   that ends its path (the first call of a new step) is stale before anything reads it,
+//!   as PyTorch's `dealloc_current_path_weakrefs` runs before the function reads its
+//!   inputs: that call is [`TreeError::StaleOutput`], never a read of a freed block.
+//! - **Refused calls** leave no trace: a wrong number of inputs
+//!   ([`TreeError::InputCount`], [`WrapOptions::num_inputs`]), an input shape past its
+//!   buffer, a stale input, a size above every bucket are refused before the guards, so
+//!   they compile nothing, use no recompile slot and make no dim dynamic.
 //! - **Skips**: a call that cannot be graphed runs eagerly, outside the pool, and says why
 //!   in [`Call::served`] ([`Served::Eager`] with a [`SkipReason`] whose `Display` is
 //!   PyTorch's "skipping cudagraphs due to …" line); with [`TreeConfig::cudagraph_or_error`]
-//!   it is [`TreeError::Skipped`] instead. Writing a non-static input that is not a tree
-//!   output ([`WrapOptions::mutated_inputs`]) is such a case.
+//!   it is [`TreeError::Skipped`] instead. Writing a non-static input that is not a live
+//!   tree output, of a recording or of a warm-up ([`WrapOptions::mutated_inputs`]), is
+//!   such a case.
 //! - **Static inputs** keep their recorded address; a new address records a sibling, up to
 //!   [`TreeConfig::rerecord_limit`] (128) per node and function, then the function runs
 //!   eagerly there ("exceeding max re-recording limit").

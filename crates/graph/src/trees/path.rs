@@ -72,8 +72,15 @@ impl Trees {
             st.stats.checkpoints += 1;
             st.events.push(TreeEvent::Checkpointed { node: node.id });
         }
+        // A dead output's block may have been freed already and taken by a later output
+        // of the path, live now: an address is freed only when no live output has it
+        // (PyTorch frees the outputs that died since the node ran, by storage).
+        let live: HashSet<DevicePtr> = Trees::path_slots(st)
+            .filter(|s| s.is_live())
+            .map(|s| s.ptr())
+            .collect();
         let dead: Vec<DevicePtr> = Trees::path_slots(st)
-            .filter(|s| !s.is_live())
+            .filter(|s| !s.is_live() && !live.contains(&s.ptr()))
             .map(|s| s.ptr())
             .collect();
         for ptr in dead {
@@ -110,9 +117,12 @@ impl Trees {
     }
 
     /// Removes every recording of `fid` and their descendants: the current path ends
-    /// first if it runs through them (its outputs become stale), their graphs are
-    /// destroyed (each gives back its use of the pool), their outputs become stale and
-    /// the blocks the tree holds for them go back to the pool, reusable by any recording.
+    /// first if it runs through them (its outputs become stale and every block the tree
+    /// holds goes back to the pool, reusable by any recording), their graphs are
+    /// destroyed (each gives back its use of the pool) and their outputs become stale.
+    /// Nothing else is freed: the tree holds blocks for the current path only, and an
+    /// address of a recording off it may be a live output's of the path now (siblings
+    /// share memory: PyTorch's trees use max(memory of each path), not the sum).
     pub(crate) fn evict(&self, fid: FunctionId) -> Result<(), TreeError> {
         let mut st = self.state.lock();
         let mut doomed: Vec<usize> = Vec::new();
@@ -130,7 +140,6 @@ impl Trees {
         if st.path.iter().any(|i| doomed.contains(i)) {
             self.end_path(&mut st, true)?;
         }
-        let allocator = self.allocator()?;
         for &i in &doomed {
             let Some(mut node) = st.arena.remove(i) else {
                 continue;
@@ -140,9 +149,6 @@ impl Trees {
             }
             for slot in &mut node.outputs {
                 slot.invalidate();
-                if st.held.remove(&slot.ptr()) {
-                    allocator.free(slot.ptr())?;
-                }
             }
             st.rerecords.retain(|(n, _), _| *n != Some(node.id));
         }

@@ -20,6 +20,7 @@ use ferrocuda_types::DType;
 use parking_lot::Mutex;
 use std::convert::Infallible;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// One input's part of a signature.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -65,12 +66,18 @@ struct Lookup {
     eager: Option<FunctionId>,
 }
 
+/// [`Wrapped::arity`] before the first call that is not refused.
+const UNSET: usize = usize::MAX;
+
 /// A function wrapped by [`Trees::wrap`]; see the [module docs](super).
 pub struct Wrapped {
     trees: Arc<Trees>,
     options: WrapOptions,
     f: Mutex<Box<dyn TreeFn>>,
     cache: Mutex<Lookup>,
+    /// The number of inputs it takes: [`WrapOptions::num_inputs`], else that of the first
+    /// call not refused ([`UNSET`] until then).
+    arity: AtomicUsize,
 }
 
 impl std::fmt::Debug for Wrapped {
@@ -106,6 +113,7 @@ impl Wrapped {
                 eager: None,
             }),
             f: Mutex::new(f),
+            arity: AtomicUsize::new(options.num_inputs.unwrap_or(UNSET)),
             options,
         }
     }
@@ -126,7 +134,9 @@ impl Wrapped {
         inputs: &[Input<'_>],
         library: LibraryState,
     ) -> Result<Call, TreeError> {
+        self.refuse(inputs)?;
         let shapes = self.shapes_of(inputs)?;
+        self.fix_arity(inputs.len())?;
         let fid = self.function_for(inputs, &shapes, library)?;
         let mut f = self.f.lock();
         self.trees.run(fid, inputs, &shapes, &mut **f)
@@ -143,6 +153,60 @@ impl Wrapped {
         let mut entries: Vec<&Entry> = cache.shapes.entries.iter().collect();
         entries.sort_by_key(|e| std::cmp::Reverse(e.used));
         entries.into_iter().map(|e| e.function).collect()
+    }
+
+    /// Refuses, before the guards see it, a call PyTorch refuses before Dynamo looks at
+    /// its cache: a wrong number of inputs (Python's `TypeError` when binding the
+    /// arguments, before the frame is evaluated), an input whose shape needs more bytes
+    /// than its buffer holds, whatever its rank (a view past its storage cannot be made:
+    /// `setStorage: sizes ... out of bounds for storage`), an output made stale by a later
+    /// run (its storage's access error, `dealloc_current_path_weakrefs` in
+    /// `torch/_inductor/cudagraph_trees.py`). So a refused call compiles no guard entry,
+    /// uses no recompile slot (`recompile_limit`) and makes no dim dynamic (the frame
+    /// state `automatic_dynamic_shapes` merges), as in `torch/_dynamo/convert_frame.py`,
+    /// whose `_compile` runs only for a frame that was entered. (A rank above
+    /// [`MAX_RANK`] is refused when the input is made: [`Input::shaped`].)
+    fn refuse(&self, inputs: &[Input<'_>]) -> Result<(), TreeError> {
+        let arity = self.arity.load(Ordering::Acquire);
+        if arity != UNSET && arity != inputs.len() {
+            return Err(self.input_count(arity, inputs.len()));
+        }
+        for (index, input) in inputs.iter().enumerate() {
+            if let Some(t) = input.tree {
+                t.ptr()?;
+            }
+            if input.used_bytes() > input.bytes {
+                return Err(TreeError::InputTooSmall {
+                    index,
+                    shape: input.shape.dims().to_vec(),
+                    dtype: input.dtype,
+                    needed: input.used_bytes(),
+                    bytes: input.bytes,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Takes `n` inputs as the function's number when none is fixed yet (the first call
+    /// not refused); [`TreeError::InputCount`] when another call fixed another.
+    fn fix_arity(&self, n: usize) -> Result<(), TreeError> {
+        if self.arity.load(Ordering::Acquire) == n {
+            return Ok(());
+        }
+        match (self.arity).compare_exchange(UNSET, n, Ordering::AcqRel, Ordering::Acquire) {
+            Ok(_) => Ok(()),
+            Err(fixed) if fixed == n => Ok(()),
+            Err(fixed) => Err(self.input_count(fixed, n)),
+        }
+    }
+
+    fn input_count(&self, expected: usize, found: usize) -> TreeError {
+        TreeError::InputCount {
+            function: self.options.name.clone(),
+            expected,
+            found,
+        }
     }
 
     /// The shapes the function sees: leading dimensions of non-static inputs padded to

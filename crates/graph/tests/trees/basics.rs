@@ -236,3 +236,103 @@ pub(crate) fn heuristic_generations_follow_pending_backwards(
     assert!(trees.stats().replays > replays);
     Ok(())
 }
+
+/// An output of one step passed to the first call of the next, under both generation
+/// policies (the step marked, or PyTorch's rule: each call a new generation). The call
+/// ends the old path first, as PyTorch's `dealloc_current_path_weakrefs` does before the
+/// function reads its inputs, so the output is stale when the call would read it: the
+/// call is `StaleOutput`, not a read of freed memory. `g` (`x + 0 x`, its temporary first)
+/// warms up in place: before the fix its temporary took the freed block and `g(y)` was
+/// `[0, 0, 0, 0]` for `[2, 4, 6, 8]`. Outputs of a warm-up, of a recording and of a replay
+/// whose path the call ends are all refused; after a replay, a call that continues the
+/// path (a warm-up of another function: PyTorch checkpoints, it does not end the path)
+/// reads the output in place, correctly.
+pub(crate) fn an_output_passed_into_the_next_step_is_stale(
+    h: &ferrocuda_stream::conformance::Harness,
+) -> TestResult {
+    let s = Setup::new(h)?;
+    for policy in [GenerationPolicy::Explicit, GenerationPolicy::Heuristic] {
+        let trees = s.trees(TreeConfig {
+            generations: policy,
+            ..TreeConfig::default()
+        })?;
+        let (kf, kg) = (s.k.clone(), s.k.clone());
+        let f = trees.wrap(
+            move |ctx: &mut Ctx<'_>, a: &[Arg]| Ok(vec![kf.scaled(ctx, &a[0], 2.0)?]),
+            named("f"),
+        );
+        // x + 0 x, the temporary allocated first: it lands on a freed input's block.
+        let wrap_g = |name: &str| {
+            let kg = kg.clone();
+            trees.wrap(
+                move |ctx: &mut Ctx<'_>, a: &[Arg]| {
+                    let zero = kg.scaled(ctx, &a[0], 0.0)?;
+                    Ok(vec![kg.sum(ctx, &a[0], &zero.as_arg())?])
+                },
+                named(name),
+            )
+        };
+        let x = s.buffer(&[1.0, 2.0, 3.0, 4.0])?;
+        let y_values = [2.0, 4.0, 6.0, 8.0];
+        let step = || {
+            if policy == GenerationPolicy::Explicit {
+                trees.mark_step_begin();
+            }
+        };
+        // f's calls: a warm-up, a recording, a replay; each output goes to the next step's
+        // first call: a function never called before (it warms up in place) after the
+        // warm-up and the recording, f itself after the replay (whose path it ends).
+        for (round, kind) in ["warmup", "recorded", "replayed"].into_iter().enumerate() {
+            step();
+            let y = f.call(&[Input::buffer(&x)])?;
+            assert_eq!(
+                served_kinds(std::slice::from_ref(&y.served)),
+                [kind],
+                "{policy:?}"
+            );
+            expect(&y.outputs[0], &y_values, "y")?;
+            step();
+            let g = wrap_g(&format!("g{round}"));
+            let next = if kind == "replayed" { &f } else { &g };
+            match next.call(&[Input::output(&y.outputs[0])]) {
+                Err(TreeError::StaleOutput { function, index: 0 }) if function == "f" => {}
+                Err(e) => return Err(format!("{policy:?}, {kind} output: {e}").into()),
+                Ok(call) => {
+                    let got = call.outputs[0].to_host::<f32>()?;
+                    return Err(format!(
+                        "{policy:?}, {kind} output of the last step read as {got:?} ({:?})",
+                        call.served
+                    )
+                    .into());
+                }
+            }
+            assert!(!y.outputs[0].is_valid(), "{policy:?}: the old path ended");
+            // The tree goes on: a call on a buffer is served correctly.
+            let fresh = g.call(&[Input::buffer(&x)])?;
+            expect(
+                &fresh.outputs[0],
+                &[1.0, 2.0, 3.0, 4.0],
+                "g(x) after the refusal",
+            )?;
+        }
+        if policy == GenerationPolicy::Explicit {
+            // A replayed output passed to a function that continues the path in the next
+            // step: the path does not end (PyTorch checkpoints and warms up after it), the
+            // output stays valid and is read in place.
+            step();
+            let y = f.call(&[Input::buffer(&x)])?;
+            assert_eq!(y.served, Served::Replayed);
+            step();
+            let g = wrap_g("g_after_replay");
+            let z = g.call(&[Input::output(&y.outputs[0])])?;
+            assert_eq!(z.served, Served::Warmup);
+            expect(
+                &z.outputs[0],
+                &y_values,
+                "g(y) continuing the replayed path",
+            )?;
+            assert!(y.outputs[0].is_valid());
+        }
+    }
+    Ok(())
+}

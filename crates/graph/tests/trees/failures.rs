@@ -270,3 +270,58 @@ pub(crate) fn a_shape_past_its_buffer_is_refused(h: &Harness) -> TestResult {
     )?;
     Ok(())
 }
+
+/// A function that writes an output of another function's warm-up (`g`: `y += 1`, then
+/// `z = 3 y`, after `y = f(x) = 2 x` in the same step). Warm-up outputs are tree-managed
+/// as recorded ones are (PyTorch's mutation check, `_get_cuda_graph_recorded_tensor_checker`,
+/// asks the current node whether it is a `CUDAGraphNode` or a `CUDAWarmupNode`), so `g`
+/// warms up, records and replays like `f`, writing `y` in place: no "mutated inputs" skip.
+pub(crate) fn mutating_a_warmup_output_is_graphed(h: &Harness) -> TestResult {
+    let s = Setup::new(h)?;
+    let trees = s.trees(TreeConfig::default())?;
+    let (kf, kg) = (s.k.clone(), s.k.clone());
+    let f = trees.wrap(
+        move |ctx: &mut Ctx<'_>, a: &[Arg]| Ok(vec![kf.scaled(ctx, &a[0], 2.0)?]),
+        named("f"),
+    );
+    let g = trees.wrap(
+        move |ctx: &mut Ctx<'_>, a: &[Arg]| {
+            kg.add_one(ctx.stream(), a[0].arg(), a[0].numel())?;
+            Ok(vec![kg.scaled(ctx, &a[0], 3.0)?])
+        },
+        WrapOptions {
+            mutated_inputs: vec![0],
+            ..named("g")
+        },
+    );
+    let mut served = Vec::new();
+    for step in 0..4 {
+        trees.mark_step_begin();
+        let xv = random(N, 30 + step);
+        let x = s.buffer(&xv)?;
+        let y = f.call(&[Input::buffer(&x)])?;
+        let z = g.call(&[Input::output(&y.outputs[0])])?;
+        let bumped: Vec<f32> = xv.iter().map(|v| 2.0 * v + 1.0).collect();
+        expect(&y.outputs[0], &bumped, "y, written by g")?;
+        expect(
+            &z.outputs[0],
+            &bumped.iter().map(|v| 3.0 * v).collect::<Vec<_>>(),
+            "z",
+        )?;
+        served.push(served_kinds(&[y.served, z.served]));
+    }
+    assert_eq!(
+        served,
+        [
+            ["warmup", "warmup"],
+            ["recorded", "recorded"],
+            ["replayed", "replayed"],
+            ["replayed", "replayed"],
+        ]
+    );
+    let skips: Vec<TreeEvent> = (trees.take_events().into_iter())
+        .filter(|e| matches!(e, TreeEvent::Skipped(_)))
+        .collect();
+    assert!(skips.is_empty(), "{skips:?}");
+    Ok(())
+}

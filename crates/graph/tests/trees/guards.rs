@@ -145,3 +145,82 @@ pub(crate) fn guards_recompile_limit_runs_eagerly(h: &Harness) -> TestResult {
         Ok(served) => Err(format!("served {served:?}").into()),
     }
 }
+
+/// Calls PyTorch refuses before Dynamo looks at its cache leave no trace in the guards: an
+/// input too small for its shape (of the function's rank or another; a view past its
+/// storage cannot be made), a wrong number of inputs (Python's `TypeError`), a stale
+/// output passed in. None compiles an entry, uses a recompile slot or makes a dim dynamic:
+/// the next good call replays the recording of the static specialisation, and with a
+/// recompile limit of 2 a second size still compiles (warms up, records), once.
+pub(crate) fn refused_calls_leave_no_trace(h: &Harness) -> TestResult {
+    let s = Setup::new(h)?;
+    let guards = CacheConfig {
+        recompile_limit: 2,
+        ..CacheConfig::default()
+    };
+    let f = wrap(
+        &s,
+        WrapOptions {
+            guards,
+            ..named("f")
+        },
+    )?;
+    let trees = f.trees().clone();
+    let n = 256;
+    let v = random(n, 1);
+    let x: DeviceBuffer<f32> = s.buffer(&v)?;
+    let three_x: Vec<f32> = v.iter().map(|a| 3.0 * a).collect();
+    let mut served = Vec::new();
+    let mut kept = None;
+    for _ in 0..2 {
+        trees.mark_step_begin();
+        let call = f.call(&[Input::buffer(&x)])?;
+        expect(&call.outputs[0], &three_x, "3x")?;
+        served.push(call.served);
+        kept = Some(call.outputs[0].clone());
+    }
+    let kept = kept.ok_or("no output")?;
+    for dims in [
+        vec![n + 1],
+        vec![usize::MAX, 2],
+        vec![1 << 40, 1 << 40, 1 << 40],
+    ] {
+        match f.call(&[Input::shaped(&x, &dims)?]) {
+            Err(TreeError::InputTooSmall { index: 0, .. }) => {}
+            other => return Err(format!("{dims:?}: {:?}", other.map(|c| c.served)).into()),
+        }
+    }
+    match f.call(&[Input::buffer(&x), Input::buffer(&x)]) {
+        Err(TreeError::InputCount {
+            expected: 1,
+            found: 2,
+            ..
+        }) => {}
+        other => return Err(format!("two inputs: {:?}", other.map(|c| c.served)).into()),
+    }
+    assert_eq!(trees.nodes().len(), 1, "the refusals recorded nothing");
+    trees.mark_step_begin();
+    let call = f.call(&[Input::buffer(&x)])?;
+    expect(&call.outputs[0], &three_x, "3x after the refusals")?;
+    served.push(call.served);
+    match f.call(&[Input::output(&kept)]) {
+        Err(TreeError::StaleOutput { .. }) => {}
+        other => return Err(format!("a stale input: {:?}", other.map(|c| c.served)).into()),
+    }
+    // A second size: the only recompile, within the limit of 2.
+    served.extend(calls(&s, &f, &[2 * n, 2 * n])?);
+    assert_eq!(
+        served_kinds(&served),
+        ["warmup", "recorded", "replayed", "warmup", "recorded"]
+    );
+    let events = trees.take_events();
+    let logs = recompiles(&events);
+    assert_eq!(logs.len(), 1, "{logs:?}");
+    assert!(
+        logs[0].contains("size mismatch at index 0. expected 256, actual 512"),
+        "{}",
+        logs[0]
+    );
+    assert_eq!(f.functions().len(), 2, "one signature per good size");
+    Ok(())
+}

@@ -17,6 +17,7 @@ use std::sync::Arc;
 mod basics;
 mod branches;
 mod failures;
+mod fuzz;
 mod guards;
 mod inputs;
 mod shapes;
@@ -231,25 +232,28 @@ fn served_kinds(calls: &[Served]) -> Vec<&'static str> {
 }
 
 use basics::{
-    forward_backward_share_one_tree, heuristic_generations_follow_pending_backwards,
-    stale_outputs_are_errors, warmup_record_replay_matches_eager,
+    an_output_passed_into_the_next_step_is_stale, forward_backward_share_one_tree,
+    heuristic_generations_follow_pending_backwards, stale_outputs_are_errors,
+    warmup_record_replay_matches_eager,
 };
 use branches::{branch_switching_restores_the_checkpoint, static_input_move_rerecords};
 use failures::{
     a_shape_past_its_buffer_is_refused, incompatible_op_and_uncached_allocator_skip,
-    mutating_a_copied_input_skips, panic_or_error_leaves_the_tree_usable,
+    mutating_a_copied_input_skips, mutating_a_warmup_output_is_graphed,
+    panic_or_error_leaves_the_tree_usable,
 };
+use fuzz::random_tree_programs_never_give_wrong_data;
 use guards::{
     guards_follow_the_autocast_state, guards_recompile_limit_runs_eagerly,
-    guards_recompile_once_then_go_dynamic,
+    guards_recompile_once_then_go_dynamic, refused_calls_leave_no_trace,
 };
 use inputs::{
     an_unpatchable_recording_copies_from_then_on, auto_feed_patches_large_and_reused_inputs,
     patched_inputs_match_copied_inputs_and_eager,
 };
 use shapes::{
-    buckets_pad_to_few_recordings, only_capture_sizes_are_graphed,
-    shapes_record_per_size_and_the_cap_evicts,
+    buckets_pad_to_few_recordings, evicting_a_sibling_keeps_the_live_branch,
+    only_capture_sizes_are_graphed, shapes_record_per_size_and_the_cap_evicts,
 };
 
 ferrocuda_stream::both_backends!(
@@ -272,4 +276,9 @@ ferrocuda_stream::both_backends!(
     patched_inputs_match_copied_inputs_and_eager,
     auto_feed_patches_large_and_reused_inputs,
     an_unpatchable_recording_copies_from_then_on,
+    an_output_passed_into_the_next_step_is_stale,
+    mutating_a_warmup_output_is_graphed,
+    refused_calls_leave_no_trace,
+    random_tree_programs_never_give_wrong_data,
+    evicting_a_sibling_keeps_the_live_branch,
 );

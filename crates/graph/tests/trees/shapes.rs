@@ -231,3 +231,69 @@ pub(crate) fn only_capture_sizes_are_graphed(h: &Harness) -> TestResult {
     );
     Ok(())
 }
+
+/// Evicting a recording off the current path frees nothing: siblings share memory, so the
+/// evicted `b`'s output had the address of its sibling `c`'s, held now. `a` then `b`
+/// (capped at one shape) are recorded; `a` then `c` record `c` as `b`'s sibling in `b`'s
+/// dead output's block; `b` at a new size evicts its recording while `c`'s output is held,
+/// and warms up next to it. `c`'s output keeps its values and the pool's live blocks are
+/// exactly the outputs held.
+pub(crate) fn evicting_a_sibling_keeps_the_live_branch(h: &Harness) -> TestResult {
+    let s = Setup::new(h)?;
+    let trees = s.trees(TreeConfig::default())?;
+    let scale = |a: f32, options: WrapOptions| {
+        let k = s.k.clone();
+        trees.wrap(
+            move |ctx: &mut Ctx<'_>, x: &[Arg]| Ok(vec![k.scaled(ctx, &x[0], a)?]),
+            options,
+        )
+    };
+    let fa = scale(2.0, named("a"));
+    let fb = scale(
+        3.0,
+        WrapOptions {
+            max_recorded_shapes: Some(1),
+            ..named("b")
+        },
+    );
+    let fc = scale(5.0, named("c"));
+    let n = 1024;
+    let xv = random(n, 1);
+    let x = s.buffer(&xv)?;
+    let times = |v: &[f32], a: f32| v.iter().map(|x| a * x).collect::<Vec<_>>();
+    for _ in 0..2 {
+        trees.mark_step_begin();
+        let p = fa.call(&[Input::buffer(&x)])?;
+        let q = fb.call(&[Input::output(&p.outputs[0])])?;
+        expect(&q.outputs[0], &times(&times(&xv, 2.0), 3.0), "b(a(x))")?;
+    }
+    let mut kept = None;
+    for _ in 0..2 {
+        trees.mark_step_begin();
+        let p = fa.call(&[Input::buffer(&x)])?;
+        let q = fc.call(&[Input::output(&p.outputs[0])])?;
+        kept = Some((p, q));
+    }
+    let (p, q) = kept.ok_or("no call")?;
+    assert_eq!(q.served, Served::Recorded, "c is recorded beside b");
+    let c_values = times(&times(&xv, 2.0), 5.0);
+    expect(&q.outputs[0], &c_values, "c(a(x))")?;
+    // b at half the size: its recording is evicted, the new size warms up.
+    let small = s.buffer(&random(n / 2, 2))?;
+    let r = fb.call(&[Input::buffer(&small)])?;
+    assert_eq!(r.served, Served::Warmup);
+    assert_eq!(trees.stats().evictions, 1);
+    expect(&q.outputs[0], &c_values, "c's output after b's eviction")?;
+    let mut held = vec![
+        p.outputs[0].ptr()?,
+        q.outputs[0].ptr()?,
+        r.outputs[0].ptr()?,
+    ];
+    held.sort_unstable_by_key(|p| p.0);
+    assert_eq!(
+        s.pool_state(trees.pool())?.1,
+        held,
+        "the pool's live blocks"
+    );
+    Ok(())
+}
