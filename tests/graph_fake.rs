@@ -37,10 +37,18 @@ struct Captured {
 
 impl Device {
     fn new(config: &str, capacity: u64) -> Result<Device, Box<dyn std::error::Error>> {
+        Device::with_completion(config, capacity, Completion::Eager)
+    }
+
+    fn with_completion(
+        config: &str,
+        capacity: u64,
+        completion: Completion,
+    ) -> Result<Device, Box<dyn std::error::Error>> {
         let fake = Arc::new(
             FakeDriver::builder()
                 .capacity(capacity)
-                .completion(Completion::Eager)
+                .completion(completion)
                 .build(),
         );
         register_fake_kernels(&fake);
@@ -177,11 +185,14 @@ fn cross_stream_reuse_keeps_a_live_graphs_segment() -> TestResult {
 /// A block used on the capture stream (`record_stream`) and freed by another thread at
 /// `moment`, a driver call made while the capture starts or ends. Its end-of-life event
 /// must not be recorded into the capture (it would never complete): after the capture the
-/// block is free again, and the next request of its size gets it back.
+/// block is free again, and the next request of its size gets it back. In manual completion
+/// nothing completes by itself: the event must have been recorded before the stream's work
+/// is waited for (by the capture's end, the first allocator call with no capture underway).
 fn free_racing_the_capture(
+    completion: Completion,
     moment: impl FnOnce(&Arc<FakeDriver>, Box<dyn FnOnce() + Send>),
 ) -> TestResult {
-    let d = Device::new("", 1 << 30)?;
+    let d = Device::with_completion("", 1 << 30, completion)?;
     let g = CudaGraph::new(d.rt.clone(), d.allocators.clone(), D0)?;
     let stream = d.rt.new_stream(D0, 0)?;
     let x = DeviceBuffer::filled(&d.rt, D0, N, 1.0f32)?;
@@ -222,13 +233,7 @@ fn free_racing_the_capture(
 /// `beginAllocateToPool` before `cudaStreamBeginCapture`).
 #[test]
 fn a_free_as_the_capture_begins_is_deferred() -> TestResult {
-    free_racing_the_capture(|fake, free| {
-        let after_begin = fake.clone();
-        fake.before_next(Call::BeginCapture, move || {
-            // The next capture-status query is the one made once the capture has begun.
-            after_begin.before_next(Call::CaptureStatus, free);
-        });
-    })
+    free_racing_the_capture(Completion::Eager, free_as_the_capture_begins)
 }
 
 /// Another thread frees the block as the stream capture ends: the allocator must still
@@ -236,7 +241,35 @@ fn a_free_as_the_capture_begins_is_deferred() -> TestResult {
 /// `cudaStreamEndCapture` before `endAllocateToPool`).
 #[test]
 fn a_free_as_the_capture_ends_is_deferred() -> TestResult {
-    free_racing_the_capture(|fake, free| fake.before_next(Call::EndCapture, free))
+    free_racing_the_capture(Completion::Eager, free_as_the_capture_ends)
+}
+
+/// As `a_free_as_the_capture_begins_is_deferred`, in manual completion: once the capture
+/// ended and the stream's work completed, the very next request gets the block back (the
+/// deferred event was recorded when the capture's route ended, not at that request).
+#[test]
+fn a_free_as_the_capture_begins_comes_back_once_the_stream_is_done() -> TestResult {
+    free_racing_the_capture(Completion::Manual, free_as_the_capture_begins)
+}
+
+/// As `a_free_as_the_capture_ends_is_deferred`, in manual completion.
+#[test]
+fn a_free_as_the_capture_ends_comes_back_once_the_stream_is_done() -> TestResult {
+    free_racing_the_capture(Completion::Manual, free_as_the_capture_ends)
+}
+
+/// Runs `free` just after `cuStreamBeginCapture`, at the capture's first status query.
+fn free_as_the_capture_begins(fake: &Arc<FakeDriver>, free: Box<dyn FnOnce() + Send>) {
+    let after_begin = fake.clone();
+    fake.before_next(Call::BeginCapture, move || {
+        // The next capture-status query is the one made once the capture has begun.
+        after_begin.before_next(Call::CaptureStatus, free);
+    });
+}
+
+/// Runs `free` just before `cuStreamEndCapture`.
+fn free_as_the_capture_ends(fake: &Arc<FakeDriver>, free: Box<dyn FnOnce() + Send>) {
+    fake.before_next(Call::EndCapture, free);
 }
 
 /// A capture whose temporary was tied to a side stream by `record_stream` defers its free

@@ -383,9 +383,20 @@ impl CachingAllocator {
     }
 
     /// Stops routing into `pool` (`endAllocateToPool`); the pool keeps its user.
+    ///
+    /// When no capture is routed any more, the blocks freed with other streams' uses while
+    /// one was get their end-of-life events now (`insert_events_deferred_until_no_capture`,
+    /// which PyTorch runs at the next allocator call with no capture underway; this is the
+    /// first): recorded right after the capture, they complete with the work that was on
+    /// those streams, and once it has the next request of their size on their stream gets
+    /// them back, even if no allocation came in between.
     pub fn end_allocate_to_pool(&self, pool: PoolId) -> Result<(), AllocError> {
-        self.engine.lock().private.end(pool)?;
+        let mut st = self.engine.lock();
+        st.private.end(pool)?;
         self.routing.fetch_sub(1, Ordering::Release);
+        if !st.capturing() {
+            self.engine.record_deferred(&mut st);
+        }
         Ok(())
     }
 }

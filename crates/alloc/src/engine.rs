@@ -7,7 +7,7 @@ use crate::error::{AllocError, OutOfMemory};
 use crate::state::{Released, State};
 use crate::thread_cache::{Registry, ThreadCache};
 use ferrocuda_driver::{Driver, DriverError};
-use ferrocuda_types::{DeviceIndex, DevicePtr, ProcessMemory, StreamHandle};
+use ferrocuda_types::{CaptureStatus, DeviceIndex, DevicePtr, ProcessMemory, StreamHandle};
 use parking_lot::{Mutex, MutexGuard};
 use rustc_hash::FxHashMap;
 use std::sync::Arc;
@@ -100,19 +100,24 @@ impl Engine {
     /// an event on each, recorded now, or after the capture underway. A stream that takes
     /// no event is waited for instead (outside the lock), so the block is never reused
     /// early and never drops out of the books.
+    ///
+    /// A capture is underway when a pool is routed to one (PyTorch's `captures_underway`,
+    /// c10/cuda/CUDACachingAllocator.cpp, `DeviceCachingAllocator::free`), and also when one
+    /// of `uses` is capturing in a capture the allocator has not been told of yet (a free
+    /// racing `cuStreamBeginCapture` ahead of `beginAllocateToPool`) or any more (racing
+    /// `cuStreamEndCapture` after `endAllocateToPool`). An event recorded there would be
+    /// recorded into the capture, never complete, and keep the block out of the pools for
+    /// good; deferred, it is recorded once no capture is underway, as PyTorch's
+    /// `insert_events_deferred_until_no_capture` does.
     pub(crate) fn hold_back(
         &self,
         mut st: Guard<'_>,
         id: usize,
         uses: Vec<StreamHandle>,
     ) -> Result<(), AllocError> {
-        let State {
-            order,
-            blocks,
-            private,
-            ..
-        } = &mut st.state;
-        if private.capturing() {
+        let routed = st.private.capturing();
+        let State { order, blocks, .. } = &mut st.state;
+        if routed || self.any_capturing(&uses) {
             // Recording or querying events is illegal during capture: decide after it.
             order.defer(blocks, id, uses);
             return Ok(());
@@ -247,11 +252,16 @@ impl Engine {
     }
 
     /// `insert_events_deferred_until_no_capture`: records the events of the blocks freed
-    /// during a capture (with no capture underway now).
+    /// during a capture (with no capture routed now). A block one of whose streams is still
+    /// capturing, in a capture the allocator was not told of, stays deferred until it ends.
     pub(crate) fn record_deferred(&self, st: &mut State) {
         let deferred = st.order.take_deferred(&mut st.blocks);
         for (id, uses) in deferred {
             let State { order, blocks, .. } = &mut *st;
+            if self.any_capturing(&uses) {
+                order.defer(blocks, id, uses);
+                continue;
+            }
             // A stream that cannot take an event now: wait for it here (rare).
             for stream in order.record(&*self.driver, blocks, id, uses) {
                 let _ = self.driver.stream_synchronize(stream);
@@ -260,6 +270,19 @@ impl Engine {
                 st.free_block(id);
             }
         }
+    }
+
+    /// Whether one of `streams` takes part in a stream capture now (active, or invalidated
+    /// and not yet ended), as the driver says: a non-blocking query
+    /// (`cudaStreamGetCaptureInfo`), legal during any capture. A stream the driver cannot
+    /// answer for counts as not capturing (recording its event fails and it is waited for).
+    fn any_capturing(&self, streams: &[StreamHandle]) -> bool {
+        streams.iter().any(|s| {
+            matches!(
+                self.driver.stream_capture_status(*s),
+                Ok(CaptureStatus::Active { .. } | CaptureStatus::Invalidated)
+            )
+        })
     }
 
     /// `synchronize_and_free_events`: waits (outside the lock) for every outstanding event
