@@ -1,10 +1,10 @@
 //! Graph scenarios only the fake device can stage: a small device, so that garbage
 //! collection, the oversize release and cross-stream reuse act while a graph holds a free
-//! private segment (issue 12 item 1), and another thread's free at the exact moment a
-//! capture starts or ends (issue 12 item 5).
+//! private segment (issue 12 item 1), another thread's free at the exact moment a capture
+//! starts or ends (issue 12 item 5), and re-capturing in a loop in manual completion.
 use ferrocuda::alloc::{CachingAllocator, DeviceAllocators};
 use ferrocuda::driver::{Call, FakeDriver, fake::Completion};
-use ferrocuda::graph::{CaptureMode, CudaGraph, PoolId};
+use ferrocuda::graph::{CaptureMode, CudaGraph, PhiloxGenerator, PoolId};
 use ferrocuda::stream::conformance::{KERNELS, register_fake_kernels};
 use ferrocuda::stream::{DeviceBuffer, Function, KernelCache, Module, Runtime, Stream};
 use ferrocuda::types::{AllocatorConfig, DeviceIndex, KernelArg, LaunchConfig};
@@ -303,5 +303,65 @@ fn empty_cache_after_a_capture_frees_its_deferred_blocks() -> TestResult {
         2 * MIB as i64,
         "the pool's segment went back"
     );
+    Ok(())
+}
+
+/// Re-capturing in a loop on the fake device in manual completion, where nothing completes
+/// until it is waited for and a kernel touching memory given back to the driver fails: each
+/// round makes a graph and a generator registered with it, captures a kernel writing a
+/// fresh 4 MiB output (a private segment) and a draw, ends the capture, replays,
+/// synchronizes, then drops the output, the graph and the generator. Every replay writes
+/// what it should, and the device's memory is flat: reserved bytes, the driver's live
+/// allocations and its free memory after round 100 are those after round 2.
+#[test]
+fn recapturing_in_a_loop_stays_flat_in_manual_completion() -> TestResult {
+    // (Reading 4 MiB back every round would make the loop slow on the fake device.)
+    let read_back = |round: u32| round < 3 || round % 10 == 9;
+    let d = Device::with_completion("", 1 << 30, Completion::Manual)?;
+    let fill =
+        Module::from_cuda_source(&d.rt, D0, "graph_fake_fill", KERNELS)?.function("fill_f32")?;
+    let current = d.rt.current_stream(D0)?;
+    let mut after_round_2 = None;
+    for round in 0..100u32 {
+        let g = CudaGraph::new(d.rt.clone(), d.allocators.clone(), D0)?;
+        let generator = PhiloxGenerator::new(&d.rt, D0, u64::from(round))?;
+        g.register_generator(&generator)?;
+        let capture = g.capture(None, None, CaptureMode::ThreadLocal)?;
+        let stream = capture.stream().clone();
+        let output = DeviceBuffer::<f32>::uninit(&d.rt, D0, FOUR_MIB)?;
+        let drawn = DeviceBuffer::<f32>::uninit(&d.rt, D0, N)?;
+        let (value, n) = (round as f32, FOUR_MIB as u32);
+        let args = [output.arg(), KernelArg::value(&value), KernelArg::value(&n)];
+        stream.launch(&fill, &LaunchConfig::for_elements(FOUR_MIB, 256), &args)?;
+        generator.uniform(&drawn, &stream)?;
+        capture.end()?;
+        g.replay(&current)?;
+        current.synchronize()?;
+        if read_back(round) {
+            let written = output.to_host()?;
+            assert!(
+                written.iter().all(|&v| v == value),
+                "round {round}: the replay's output"
+            );
+            assert!(drawn.to_host()?.iter().all(|v| (0.0..1.0).contains(v)));
+        }
+        drop((output, drawn));
+        drop(g);
+        drop(generator);
+        let now = (
+            d.alloc()?.stats().reserved_bytes.all.current,
+            d.fake.calls(Call::Malloc) - d.fake.calls(Call::Free),
+            d.rt.mem_get_info(D0)?.0,
+        );
+        match after_round_2 {
+            None if round == 1 => after_round_2 = Some(now),
+            None => {}
+            Some(expected) => assert_eq!(
+                now, expected,
+                "round {round}: (reserved bytes, live driver allocations, free bytes) as after round 2"
+            ),
+        }
+    }
+    d.alloc()?.check_invariants()?;
     Ok(())
 }

@@ -123,7 +123,10 @@ use capture::{
 };
 use mlp::mlp_step_whole_and_partial_capture;
 use nodes::graph_nodes_are_read_and_set;
-use pools::{capture_empties_the_cache_first, captures_sharing_a_pool_share_a_stream};
+use pools::{
+    capture_empties_the_cache_first, captures_sharing_a_pool_share_a_stream,
+    recapture_loop_keeps_memory_flat,
+};
 use rng::rng_replays_match_eager;
 use update_inputs::{
     update_input_ptrs_repoints_by_address, update_inputs_patches_pointers,
@@ -155,6 +158,7 @@ ferrocuda::stream::both_backends!(
     three_graphs_share_one_segment,
     capture_empties_the_cache_first,
     captures_sharing_a_pool_share_a_stream,
+    recapture_loop_keeps_memory_flat,
     async_capture_replays_into_graph_memory,
     async_capture_defers_uncaptured_frees_one_capture_at_a_time,
     async_capture_left_without_end_ends_the_allocators,
