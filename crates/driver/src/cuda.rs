@@ -1174,6 +1174,38 @@ impl Driver for CudaDriver {
         nodes::set(target, node)
     }
 
+    fn graph_update_nodes(
+        &self,
+        exec: GraphExecHandle,
+        graph: GraphHandle,
+        changes: &[(usize, GraphNode)],
+    ) -> Result<bool, DriverError> {
+        let (e, g) = (self.exec(exec)?, self.graph(graph)?);
+        let list = nodes::list(g)?;
+        let node = |index: usize| list.get(index).copied().ok_or(DriverError::INVALID_VALUE);
+        let mut kernels = Vec::with_capacity(changes.len());
+        for (index, to) in changes {
+            let n = node(*index)?;
+            kernels.push((n, nodes::set_keeping(n, to)?));
+        }
+        // Only the changed nodes differ: give the instance each changed kernel node's new
+        // parameters; for another kind of node, or a refusal half way, compare whole graphs
+        // (which sets every node). Once a node of the instance was set, a failure of that
+        // comparison asks for a new instance rather than leave this one half set.
+        for (done, (n, params)) in kernels.iter().enumerate() {
+            let set = params
+                .as_ref()
+                .is_some_and(|p| nodes::set_in_exec(e, *n, p));
+            if !set {
+                return match self.graph_exec_update(exec, graph) {
+                    Err(_) if done > 0 => Ok(false),
+                    updated => updated,
+                };
+            }
+        }
+        Ok(true)
+    }
+
     fn graph_exec_update(
         &self,
         exec: GraphExecHandle,

@@ -168,6 +168,10 @@ struct State {
     pool: Option<PoolId>,
     /// Registered generators, with the offset units one replay consumes from each.
     generators: Vec<(Arc<PhiloxGenerator>, u64)>,
+    /// The captured graph's nodes as `update_input_ptrs` last left them, read from the
+    /// driver at the first update (see `repoint::NodeMap`); `None` until then, and after a
+    /// failed update (read again at the next).
+    node_map: Option<repoint::NodeMap>,
 }
 
 /// A captured CUDA graph with its private memory pool (`torch.cuda.CUDAGraph`).
@@ -460,21 +464,42 @@ impl CudaGraph {
         }
         let mut st = self.state.lock();
         let (graph, exec) = st.graph.zip(st.exec).ok_or(GraphError::NothingCaptured)?;
-        let nodes = self.driver().graph_nodes(graph)?;
-        let plan = repoint::plan(&nodes, moves)?;
+        let mut map = match st.node_map.take() {
+            Some(map) => map,
+            None => repoint::NodeMap::new(self.driver().graph_nodes(graph)?),
+        };
+        let result = self.repoint(&mut st, graph, exec, &mut map, moves);
+        // After a driver failure the nodes were put back best effort: read them again.
+        if !matches!(result, Err(GraphError::Driver(_))) {
+            st.node_map = Some(map);
+        }
+        result
+    }
+
+    /// Applies `moves` to the graph whose nodes `map` holds, and to its instance.
+    fn repoint(
+        &self,
+        st: &mut State,
+        graph: GraphHandle,
+        exec: GraphExecHandle,
+        map: &mut repoint::NodeMap,
+        moves: &[InputMove],
+    ) -> Result<InputUpdate, GraphError> {
+        let plan = map.plan(moves)?;
         let pointers = plan.pointers;
         if plan.changes.is_empty() {
             return Ok(InputUpdate::InPlace { pointers });
         }
-        self.set_nodes(graph, &nodes, &plan.changes)?;
-        match self.apply_to_exec(&mut st, graph, exec) {
-            Ok(true) => Ok(InputUpdate::InPlace { pointers }),
-            Ok(false) => Ok(InputUpdate::Reinstantiated { pointers }),
+        let update = match self.apply(st, graph, exec, &plan.changes) {
+            Ok(true) => InputUpdate::InPlace { pointers },
+            Ok(false) => InputUpdate::Reinstantiated { pointers },
             Err(e) => {
-                self.restore_nodes(graph, &nodes, &plan.changes);
-                Err(e)
+                self.restore_nodes(graph, map.nodes(), &plan.changes);
+                return Err(e);
             }
-        }
+        };
+        map.apply(plan.changes);
+        Ok(update)
     }
 
     /// Checks one `(old, new)` pair of [`CudaGraph::update_inputs`].
@@ -507,22 +532,6 @@ impl CudaGraph {
         })
     }
 
-    /// Sets `changes` on the captured graph; on a failure, puts back those already set.
-    fn set_nodes(
-        &self,
-        graph: GraphHandle,
-        nodes: &[GraphNode],
-        changes: &[(usize, GraphNode)],
-    ) -> Result<(), GraphError> {
-        for (done, (index, node)) in changes.iter().enumerate() {
-            if let Err(e) = self.driver().graph_set_node(graph, *index, node) {
-                self.restore_nodes(graph, nodes, &changes[..done]);
-                return Err(e.into());
-            }
-        }
-        Ok(())
-    }
-
     /// Puts the nodes named in `changes` back as `nodes` describes them. Best effort: it
     /// runs after a failure, which is the error reported.
     fn restore_nodes(
@@ -538,15 +547,17 @@ impl CudaGraph {
         }
     }
 
-    /// Brings the instantiated graph up to the captured one: in place (`true`) or by
-    /// instantiating it again (`false`).
-    fn apply_to_exec(
+    /// Sets `changes` on the captured graph and brings its instance up to it: in place
+    /// (`true`) or by instantiating it again (`false`). On an error the instance is as it
+    /// was; nodes of the captured graph may be changed (the caller puts them back).
+    fn apply(
         &self,
         st: &mut State,
         graph: GraphHandle,
         exec: GraphExecHandle,
+        changes: &[(usize, GraphNode)],
     ) -> Result<bool, GraphError> {
-        if self.driver().graph_exec_update(exec, graph)? {
+        if self.driver().graph_update_nodes(exec, graph, changes)? {
             return Ok(true);
         }
         st.exec = Some(self.driver().graph_instantiate(graph)?);
@@ -591,6 +602,7 @@ impl CudaGraph {
             let _ = self.discard_capture();
             st = self.state.lock();
         }
+        st.node_map = None;
         if let Some(exec) = st.exec.take() {
             self.driver().graph_exec_destroy(exec)?;
         }

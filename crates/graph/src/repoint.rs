@@ -35,40 +35,126 @@ pub(crate) struct Plan {
     pub(crate) pointers: usize,
 }
 
-/// What repointing `moves` does to `nodes` (in the driver's order), or the first node that
-/// may hold an input's address and cannot be repointed.
-pub(crate) fn plan(nodes: &[GraphNode], moves: &[InputMove]) -> Result<Plan, GraphError> {
-    let mut plan = Plan::default();
-    for (index, node) in nodes.iter().enumerate() {
-        let mut repoint = Repoint {
-            moves,
-            index,
-            kind: node.kind(),
-            pointers: 0,
-        };
-        let changed = match node {
-            GraphNode::Kernel { args } => GraphNode::Kernel {
-                args: args.iter().map(|a| repoint.argument(a)).collect(),
-            },
-            GraphNode::Memset { dst, value, count } => GraphNode::Memset {
-                dst: repoint.range(*dst, value.width().saturating_mul(*count))?,
-                value: *value,
-                count: *count,
-            },
-            GraphNode::Memcpy { dst, src, bytes } => GraphNode::Memcpy {
-                dst: repoint.end(*dst, *bytes)?,
-                src: repoint.end(*src, *bytes)?,
-                bytes: *bytes,
-            },
-            GraphNode::Ordering { .. } => continue,
-            _ => return Err(repoint.refuse(OPAQUE.into())),
-        };
-        if repoint.pointers > 0 {
-            plan.pointers += repoint.pointers;
-            plan.changes.push((index, changed));
+/// A graph's nodes, read from the driver once (at the graph's first update) and kept equal
+/// to what the captured graph and its instance hold, with the nodes that may hold an input's
+/// address picked out: kernels with an 8-byte argument, memsets, copies with a device end.
+/// An update looks at those only, and builds new parameters only for the nodes it changes.
+#[derive(Debug)]
+pub(crate) struct NodeMap {
+    nodes: Vec<GraphNode>,
+    /// Indices of the nodes that may hold an address, in the driver's order.
+    holders: Vec<usize>,
+    /// The first node whose parameters the driver does not describe, with its kind.
+    opaque: Option<(usize, &'static str)>,
+}
+
+impl NodeMap {
+    /// The map of `nodes`, in the driver's order.
+    pub(crate) fn new(nodes: Vec<GraphNode>) -> NodeMap {
+        let mut holders = Vec::new();
+        let mut opaque = None;
+        for (index, node) in nodes.iter().enumerate() {
+            let holds = match node {
+                GraphNode::Kernel { args } => args.iter().any(|a| a.len() == 8),
+                GraphNode::Memset { .. } => true,
+                GraphNode::Memcpy { dst, src, .. } => {
+                    matches!(dst, CopyEnd::Device(_)) || matches!(src, CopyEnd::Device(_))
+                }
+                GraphNode::Ordering { .. } => false,
+                other => {
+                    opaque = opaque.or(Some((index, other.kind())));
+                    false
+                }
+            };
+            if holds {
+                holders.push(index);
+            }
+        }
+        NodeMap {
+            nodes,
+            holders,
+            opaque,
         }
     }
-    Ok(plan)
+
+    /// The nodes as the graph holds them.
+    pub(crate) fn nodes(&self) -> &[GraphNode] {
+        &self.nodes
+    }
+
+    /// Records `changes` as made (the graph and its instance hold them now).
+    pub(crate) fn apply(&mut self, changes: Vec<(usize, GraphNode)>) {
+        for (index, node) in changes {
+            if let Some(slot) = self.nodes.get_mut(index) {
+                *slot = node;
+            }
+        }
+    }
+
+    /// What repointing `moves` does to the nodes, or the first node (in the driver's order)
+    /// that may hold an input's address and cannot be repointed.
+    pub(crate) fn plan(&self, moves: &[InputMove]) -> Result<Plan, GraphError> {
+        let mut plan = Plan::default();
+        for &index in &self.holders {
+            if let Some((at, kind)) = self.opaque.filter(|(at, _)| *at < index) {
+                return Err(opaque(at, kind));
+            }
+            let Some(node) = self.nodes.get(index) else {
+                continue;
+            };
+            let mut repoint = Repoint {
+                moves,
+                index,
+                kind: node.kind(),
+                pointers: 0,
+            };
+            let changed = match node {
+                GraphNode::Kernel { args } => {
+                    if !args.iter().any(|a| repoint.holds(a)) {
+                        continue;
+                    }
+                    GraphNode::Kernel {
+                        args: args.iter().map(|a| repoint.argument(a)).collect(),
+                    }
+                }
+                GraphNode::Memset { dst, value, count } => GraphNode::Memset {
+                    dst: repoint.range(*dst, value.width().saturating_mul(*count))?,
+                    value: *value,
+                    count: *count,
+                },
+                GraphNode::Memcpy { dst, src, bytes } => GraphNode::Memcpy {
+                    dst: repoint.end(*dst, *bytes)?,
+                    src: repoint.end(*src, *bytes)?,
+                    bytes: *bytes,
+                },
+                _ => continue,
+            };
+            if repoint.pointers > 0 {
+                plan.pointers += repoint.pointers;
+                plan.changes.push((index, changed));
+            }
+        }
+        match self.opaque {
+            Some((at, kind)) => Err(opaque(at, kind)),
+            None => Ok(plan),
+        }
+    }
+}
+
+/// The refusal of an opaque node.
+fn opaque(node: usize, kind: &'static str) -> GraphError {
+    GraphError::CannotRepoint {
+        node,
+        kind,
+        reason: OPAQUE.into(),
+    }
+}
+
+/// What repointing `moves` does to `nodes` (in the driver's order), or the first node that
+/// may hold an input's address and cannot be repointed.
+#[cfg(test)]
+pub(crate) fn plan(nodes: &[GraphNode], moves: &[InputMove]) -> Result<Plan, GraphError> {
+    NodeMap::new(nodes.to_vec()).plan(moves)
 }
 
 /// Repoints the addresses of one node, counting them.
@@ -80,6 +166,14 @@ struct Repoint<'a> {
 }
 
 impl Repoint<'_> {
+    /// Whether a kernel argument is an 8-byte value inside an old buffer.
+    fn holds(&self, bytes: &[u8]) -> bool {
+        <[u8; 8]>::try_from(bytes).is_ok_and(|word| {
+            let p = DevicePtr(u64::from_le_bytes(word));
+            self.moves.iter().any(|m| m.map(p).is_some())
+        })
+    }
+
     /// A kernel argument: any 8-byte value inside an old buffer moves with it (a scalar
     /// argument that happens to hold such a value included: its type is not known).
     fn argument(&mut self, bytes: &[u8]) -> Vec<u8> {

@@ -75,7 +75,7 @@ pub(super) fn set(node: sys::CUgraphNode, to: &GraphNode) -> Result<(), DriverEr
     let kind = node_type(node)?;
     match to {
         GraphNode::Kernel { args } if kind == NodeType::CU_GRAPH_NODE_TYPE_KERNEL as u32 => {
-            set_kernel(node, args)
+            set_kernel(node, args).map(|_| ())
         }
         GraphNode::Memset { dst, value, count }
             if kind == NodeType::CU_GRAPH_NODE_TYPE_MEMSET as u32 =>
@@ -89,6 +89,39 @@ pub(super) fn set(node: sys::CUgraphNode, to: &GraphNode) -> Result<(), DriverEr
         }
         _ => Err(DriverError::INVALID_VALUE),
     }
+}
+
+/// Gives `node` the parameters `to` describes, as [`set`] does, and returns what the node
+/// holds now when it is a kernel node, so that an instance of its graph can be given the
+/// same ([`set_in_exec`]) without reading them back.
+pub(super) fn set_keeping(
+    node: sys::CUgraphNode,
+    to: &GraphNode,
+) -> Result<Option<KernelParams>, DriverError> {
+    match to {
+        GraphNode::Kernel { args }
+            if node_type(node)? == NodeType::CU_GRAPH_NODE_TYPE_KERNEL as u32 =>
+        {
+            set_kernel(node, args).map(Some)
+        }
+        _ => set(node, to).map(|()| None),
+    }
+}
+
+/// Gives `node` of the instance `exec` the kernel parameters `params`, which its graph's
+/// node holds (`cuGraphExecKernelNodeSetParams`). `false`: the driver refused; the caller
+/// updates the whole instance.
+pub(super) fn set_in_exec(
+    exec: sys::CUgraphExec,
+    node: sys::CUgraphNode,
+    params: &KernelParams,
+) -> bool {
+    // SAFETY: `exec` is a live instance of the graph `node` belongs to, with the same
+    // topology; `params` is what that node was just given (its function, launch shape and
+    // one pointer per parameter to as many bytes as the parameter takes, all owned by
+    // `params`), which the call copies.
+    let r = unsafe { sys::cuGraphExecKernelNodeSetParams_v2(exec, node, &params.params) };
+    r == sys::CUresult::CUDA_SUCCESS
 }
 
 fn opaque(what: &'static str) -> GraphNode {
@@ -141,7 +174,16 @@ fn read_kernel(node: sys::CUgraphNode) -> Result<Option<Kernel>, DriverError> {
     Ok(Some(Kernel { params, args }))
 }
 
-fn set_kernel(node: sys::CUgraphNode, args: &[Vec<u8>]) -> Result<(), DriverError> {
+/// A kernel node's parameters as set, with the argument bytes they point to.
+pub(super) struct KernelParams {
+    params: sys::CUDA_KERNEL_NODE_PARAMS,
+    /// What `params.kernelParams` points to: one pointer per argument, each to its bytes
+    /// (heap buffers, which stay where they are when this struct moves).
+    _pointers: Vec<*mut c_void>,
+    _values: Vec<Vec<u8>>,
+}
+
+fn set_kernel(node: sys::CUgraphNode, args: &[Vec<u8>]) -> Result<KernelParams, DriverError> {
     let current = read_kernel(node)?.ok_or(DriverError::INVALID_VALUE)?;
     let same_shape = current.args.len() == args.len()
         && current
@@ -159,7 +201,12 @@ fn set_kernel(node: sys::CUgraphNode, args: &[Vec<u8>]) -> Result<(), DriverErro
     // SAFETY: a kernel node of a live graph; one pointer per parameter, each to as many bytes
     // as the parameter takes (checked above); `pointers` and `values` outlive the call, which
     // copies them.
-    check(unsafe { sys::cuGraphKernelNodeSetParams_v2(node, &params) })
+    check(unsafe { sys::cuGraphKernelNodeSetParams_v2(node, &params) })?;
+    Ok(KernelParams {
+        params,
+        _pointers: pointers,
+        _values: values,
+    })
 }
 
 fn read_memset(node: sys::CUgraphNode) -> Result<sys::CUDA_MEMSET_NODE_PARAMS, DriverError> {
