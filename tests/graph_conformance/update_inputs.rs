@@ -170,6 +170,54 @@ fn update_inputs_reinstantiates_when_refused() -> TestResult {
     s.expect(&stream, &y, 8.0, "the new instance reads x2")
 }
 
+/// The graph's nodes are read from the driver once, at the first update: later updates,
+/// there and back, read none, an update that moves nothing makes no driver call, and each
+/// replay reads the buffers of the latest update (fake device: the driver's calls counted).
+#[test]
+fn update_inputs_reads_the_nodes_once() -> TestResult {
+    let h = ferrocuda::stream::conformance::fake_harness();
+    let fake = h.fake.clone().ok_or("the fake harness has a fake driver")?;
+    let s = Setup::new(&h)?;
+    let g = s.graph()?;
+    let (x, x2, other) = (s.buffer(1.0)?, s.buffer(4.0)?, s.buffer(9.0)?);
+    let capture = g.capture(None, None, CaptureMode::ThreadLocal)?;
+    let stream = capture.stream().clone();
+    let y = DeviceBuffer::<f32>::uninit(&s.h.rt, D0, N)?;
+    s.scale(&stream, &y, &x, 2.0)?;
+    capture.end()?;
+    s.h.rt.current_stream(D0)?.synchronize()?;
+    let reads = fake.calls(Call::GraphNodes);
+    for (i, (old, new)) in [(&x, &x2), (&x2, &x), (&x, &x2)].into_iter().enumerate() {
+        assert_eq!(
+            g.update_inputs(&[(old, new)])?,
+            InputUpdate::InPlace { pointers: 1 }
+        );
+        assert_eq!(fake.calls(Call::GraphNodes), reads + 1, "update {i}");
+        g.replay(&stream)?;
+        let expected = if i % 2 == 0 { 8.0 } else { 2.0 };
+        s.expect(&stream, &y, expected, &format!("update {i}"))?;
+    }
+    let (sets, updates) = (
+        fake.calls(Call::GraphSetNode),
+        fake.calls(Call::GraphExecUpdate),
+    );
+    assert_eq!(
+        g.update_inputs(&[(&other, &x)])?,
+        InputUpdate::InPlace { pointers: 0 },
+        "the graph does not hold `other`"
+    );
+    assert_eq!(
+        (
+            fake.calls(Call::GraphNodes),
+            fake.calls(Call::GraphSetNode),
+            fake.calls(Call::GraphExecUpdate)
+        ),
+        (reads + 1, sets, updates),
+        "nothing moved: no driver call"
+    );
+    Ok(())
+}
+
 /// Checks `buf` after `stream`'s work: each `(range, value)` holds `value` throughout.
 fn expect_parts(
     stream: &Stream,

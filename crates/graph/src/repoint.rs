@@ -348,6 +348,73 @@ mod tests {
     }
 
     #[test]
+    fn a_map_follows_its_updates_and_looks_only_at_nodes_that_may_hold_addresses() {
+        let empty = GraphNode::Ordering { what: "empty" };
+        let four = GraphNode::Kernel {
+            args: vec![0x1000u32.to_le_bytes().to_vec()],
+        };
+        let mut map = NodeMap::new(vec![empty, four.clone(), args(&[0x1000, 7])]);
+        assert_eq!(
+            map.holders,
+            vec![2],
+            "4-byte arguments and empty nodes hold none"
+        );
+        let there = [InputMove {
+            old: X,
+            bytes: 0x100,
+            new: Y,
+        }];
+        let plan = map.plan(&there).unwrap();
+        assert_eq!(plan.changes, vec![(2, args(&[0x2000, 7]))]);
+        map.apply(plan.changes);
+        assert_eq!(map.nodes()[2], args(&[0x2000, 7]));
+        assert_eq!(map.nodes()[1], four);
+        assert_eq!(map.plan(&there).unwrap().pointers, 0, "x is no longer held");
+        let back = map.plan(&[InputMove {
+            old: Y,
+            bytes: 0x100,
+            new: X,
+        }]);
+        assert_eq!(back.unwrap().changes, vec![(2, args(&[0x1000, 7]))]);
+    }
+
+    #[test]
+    fn the_first_refused_node_in_the_drivers_order_is_named() {
+        let across = GraphNode::Memset {
+            dst: DevicePtr(0xff0),
+            value: MemsetValue::U8(0),
+            count: 0x20,
+        };
+        let opaque = GraphNode::Opaque {
+            what: "child graph",
+        };
+        let before = plan(&[across.clone(), opaque.clone()], &swap());
+        assert!(
+            matches!(
+                before,
+                Err(GraphError::CannotRepoint {
+                    node: 0,
+                    kind: "memset",
+                    ..
+                })
+            ),
+            "{before:?}"
+        );
+        let after = plan(&[opaque, across], &swap());
+        assert!(
+            matches!(
+                after,
+                Err(GraphError::CannotRepoint {
+                    node: 0,
+                    kind: "child graph",
+                    ..
+                })
+            ),
+            "{after:?}"
+        );
+    }
+
+    #[test]
     fn an_opaque_node_is_refused() {
         let opaque = GraphNode::Opaque {
             what: "host function",
