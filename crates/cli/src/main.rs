@@ -21,7 +21,7 @@ use std::process::ExitCode;
 #[command(
     name = "ferrocuda",
     version,
-    about = "ferrocuda tools: replay PyTorch allocation traces"
+    about = "ferrocuda tools: replay, summarise and plot PyTorch memory snapshots"
 )]
 struct Cli {
     #[command(subcommand)]
@@ -148,7 +148,7 @@ fn main() -> ExitCode {
             return ExitCode::SUCCESS;
         }
         Err(e) => {
-            let _ = writeln!(std::io::stderr(), "ferrocuda: {}", one_line(&e.to_string()));
+            let _ = writeln!(std::io::stderr(), "ferrocuda: {}", one_line(&e));
             return ExitCode::FAILURE;
         }
     };
@@ -162,21 +162,37 @@ fn main() -> ExitCode {
     }
 }
 
-/// Clap's message in one line: its first line (`error: ...`) without the prefix, and where
+/// Clap's message in one line: its first line (`error: ...`) without the prefix, the
+/// indented lines under it (the arguments missing, the values possible), its tip, and where
 /// to look for the usage.
-fn one_line(text: &str) -> String {
-    let first = text
-        .lines()
-        .find(|l| !l.trim().is_empty())
-        .unwrap_or("bad arguments");
-    let first = first.trim().trim_start_matches("error: ");
+fn one_line(e: &clap::Error) -> String {
+    if e.kind() == clap::error::ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand {
+        return "a subcommand is needed: replay, summary or plot (see ferrocuda --help)".into();
+    }
+    let text = e.to_string();
+    let mut lines = text.lines().skip_while(|l| l.trim().is_empty());
+    let first = lines
+        .next()
+        .unwrap_or("bad arguments")
+        .trim()
+        .trim_start_matches("error: ")
+        .trim_end_matches(':');
+    let details: Vec<&str> = lines
+        .take_while(|l| l.starts_with(' ') && !l.trim().is_empty())
+        .map(str::trim)
+        .collect();
+    let details = if details.is_empty() {
+        String::new()
+    } else {
+        format!(": {}", details.join(", "))
+    };
     let tip = text
         .lines()
         .map(str::trim)
         .find(|l| l.starts_with("tip: "))
         .map(|t| format!(" ({t})"))
         .unwrap_or_default();
-    format!("{first}{tip} (see ferrocuda --help)")
+    format!("{first}{details}{tip} (see ferrocuda --help)")
 }
 
 /// Writes `text` to stdout; a write error is a failure, a closed pipe a quiet end.

@@ -52,6 +52,27 @@ const MAX_FRAME_TEXT: usize = 200;
 /// Most frames of one stack shown on hover.
 const MAX_FRAMES_SHOWN: usize = 40;
 
+/// A C++ function's name without its argument list: cut at the first `(` outside template
+/// brackets that does not open `(anonymous namespace)` (or `operator()`'s own parentheses).
+fn without_arguments(name: &str) -> &str {
+    let mut angle = 0usize;
+    for (i, c) in name.char_indices() {
+        match c {
+            '<' => angle += 1,
+            '>' => angle = angle.saturating_sub(1),
+            '(' if angle == 0 => {
+                let rest = &name[i..];
+                if rest.starts_with("(anonymous namespace)") || name[..i].ends_with("operator") {
+                    continue;
+                }
+                return &name[..i];
+            }
+            _ => {}
+        }
+    }
+    name
+}
+
 /// Where blocks were allocated: a frame, and one stack that has it (for the hover text).
 #[derive(Copy, Clone, Debug)]
 pub struct Site {
@@ -179,7 +200,7 @@ impl<'a> Sites<'a> {
         }
         // A C++ frame: the function without its argument list, which can run to kilobytes
         // of template parameters.
-        let function = name.split_once('(').map_or(name, |(f, _)| f);
+        let function = without_arguments(name);
         match (filename, f.line) {
             ("" | "??", _) => shorten(function).to_owned(),
             (file, 0) => format!("{} ({})", shorten(function), shorten(file)),
@@ -201,6 +222,32 @@ impl<'a> Sites<'a> {
             "no stack recorded".into()
         } else {
             lines.join("\n")
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::without_arguments;
+
+    #[test]
+    fn cpp_names_lose_only_their_argument_lists() {
+        for (name, shown) in [
+            (
+                "at::native::(anonymous namespace)::addmm_out_cuda_impl(at::Tensor&, at::Tensor const&)",
+                "at::native::(anonymous namespace)::addmm_out_cuda_impl",
+            ),
+            (
+                "c10::impl::wrap_kernel_functor_unboxed_<c10::CompileTimeFunctionPointer<at::Tensor (at::Tensor const&), &f>>::call(c10::OperatorKernel*)",
+                "c10::impl::wrap_kernel_functor_unboxed_<c10::CompileTimeFunctionPointer<at::Tensor (at::Tensor const&), &f>>::call",
+            ),
+            (
+                "torch::autograd::Node::operator()(std::vector<at::Tensor>&&)",
+                "torch::autograd::Node::operator()",
+            ),
+            ("__clone", "__clone"),
+        ] {
+            assert_eq!(without_arguments(name), shown);
         }
     }
 }

@@ -634,7 +634,11 @@ fn the_fake_devices_options_are_refused_with_device_cuda() -> TestResult {
         assert_one_line_failure(&out, &[named, "fake device only"]);
     }
     let out = ferrocuda(&["replay", missing, "--device", "gpu"])?;
-    assert_one_line_failure(&out, &["'gpu'", "--device"]);
+    assert_one_line_failure(&out, &["'gpu'", "--device", "possible values: fake, cuda"]);
+    // What is missing is named; no subcommand at all says which there are.
+    assert_one_line_failure(&ferrocuda(&["replay"])?, &["required", "<TRACE>"]);
+    assert_one_line_failure(&ferrocuda(&["plot", missing])?, &["required", "--output"]);
+    assert_one_line_failure(&ferrocuda(&[])?, &["replay, summary or plot"]);
     // The fake device is the default, and `--device fake` takes its options.
     let trace = data("resnet50_train.pickle.xz");
     let t = trace.to_string_lossy();
