@@ -202,39 +202,15 @@ fn stats_of(dev: DeviceIndex) -> Result<crate::types::DeviceStats, AllocError> {
     }
 }
 
-/// Before CUDA is initialised, where the statistics answer without asking an allocator: a
-/// device past the last is the allocator's `NoSuchDevice` ("Invalid device argument";
-/// `AsyncNoSuchDevice` under `backend:cudaMallocAsync`), as every per-device function gives
-/// once initialised (`set_per_process_memory_fraction` included). The devices are counted
-/// as [`crate::device_count`] counts them, which leaves CUDA uninitialised (NVML where it
-/// answers, else the driver's count, which runs `cuInit` as `torch.cuda.device_count()`
-/// does). With no device at all (no driver, no GPU) the statistics stay PyTorch's empty ones.
-fn check_stats_device(dev: DeviceIndex) -> Result<(), AllocError> {
-    let count = crate::device_count();
-    if count == 0 || dev.as_usize() < count {
-        return Ok(());
-    }
-    Err(match configured() {
-        Ok(Configured::Async(..)) => AllocError::AsyncNoSuchDevice {
-            device: dev.0,
-            count,
-        },
-        _ => AllocError::NoSuchDevice {
-            device: dev.0,
-            count,
-        },
-    })
-}
-
 /// One figure of the statistics, or 0 before CUDA is initialised: PyTorch reads these from
-/// `memory_stats`, which is empty then, without initialising anything. A device that does
-/// not exist is an error either way.
+/// `memory_stats`, which is empty then for any device index, without initialising anything
+/// (`torch/cuda/memory.py`, `memory_stats_as_nested_dict`). Once initialised, a device that
+/// does not exist is an error ("Invalid device argument").
 fn figure(
     dev: DeviceIndex,
     of: impl FnOnce(&crate::types::DeviceStats) -> i64,
 ) -> Result<u64, AllocError> {
     if !crate::is_initialized() {
-        check_stats_device(dev)?;
         return Ok(0);
     }
     Ok(of(&stats_of(dev)?) as u64)
@@ -261,11 +237,11 @@ pub fn max_memory_reserved(dev: DeviceIndex) -> Result<u64, AllocError> {
 }
 
 /// `torch.cuda.memory_stats`: the flat dictionary with PyTorch's keys; empty before CUDA is
-/// initialised (`memory_stats_as_nested_dict`), which it does not initialise. A device that
-/// does not exist is an error ([`AllocError::NoSuchDevice`]), before initialisation too.
+/// initialised for any device index (`memory_stats_as_nested_dict`), which it does not
+/// initialise; once initialised, a device that does not exist is an error
+/// ([`AllocError::NoSuchDevice`], PyTorch's "Invalid device argument").
 pub fn memory_stats(dev: DeviceIndex) -> Result<BTreeMap<String, i64>, AllocError> {
     if !crate::is_initialized() {
-        check_stats_device(dev)?;
         return Ok(BTreeMap::new());
     }
     Ok(stats_of(dev)?.to_map())
