@@ -301,7 +301,8 @@ impl<R: BufRead> Machine<R> {
         }
     }
 
-    /// Runs one opcode; `Ok(true)` at `STOP`.
+    /// Runs one opcode; `Ok(true)` at `STOP`. The stack, marks and memo are handled here;
+    /// the rest by kind: scalars, containers, and what Python would construct.
     fn step(&mut self) -> Result<bool, UnpickleError> {
         self.at = self.pos;
         let op = self.byte()?;
@@ -328,47 +329,70 @@ impl<R: BufRead> Machine<R> {
                 let v = self.top()?;
                 self.push(v)?;
             }
-            b'N' => self.push(Value::None)?,
-            0x88 => self.push(Value::Bool(true))?,
-            0x89 => self.push(Value::Bool(false))?,
-            b'I' | b'L' => {
-                let v = self.text_int(op)?;
-                self.push(v)?;
+            b'p' | b'q' | b'r' => {
+                let id = self.memo_index(op)?;
+                self.memo_put(id)?;
             }
-            b'J' => {
-                let v = i32::from_le_bytes(self.fixed::<4>()?);
-                self.push(Value::Int(i64::from(v)))?;
+            0x94 => self.memo_put(self.memo_len)?,
+            b'g' | b'h' | b'j' => {
+                let id = self.memo_index(op)?;
+                self.memo_get(id)?;
             }
-            b'K' => {
-                let v = self.byte()?;
-                self.push(Value::Int(i64::from(v)))?;
+            0x97 => {
+                return Err(self.bad(
+                    "the pickle refers to out-of-band buffers (protocol 5's NEXT_BUFFER), \
+                     which a snapshot does not use",
+                ));
             }
-            b'M' => {
-                let v = u16::from_le_bytes(self.fixed::<2>()?);
-                self.push(Value::Int(i64::from(v)))?;
+            0x98 => drop(self.top()?),
+            b'P' | b'Q' => {
+                return Err(self.bad(
+                    "a persistent id, which needs the writer's persistent_load (a snapshot has none)",
+                ));
             }
-            0x8a | 0x8b => {
-                let n = if op == 0x8a {
-                    u64::from(self.byte()?)
-                } else {
-                    let n = i32::from_le_bytes(self.fixed::<4>()?);
-                    u64::try_from(n).map_err(|_| self.bad("LONG4 with a negative length"))?
-                };
-                let v = self.long(n)?;
-                self.push(v)?;
+            0x82..=0x84 => {
+                return Err(self
+                    .bad("an extension-registry code (EXT1/2/4), which a snapshot does not use"));
+            }
+            _ => {
+                if let Some(v) = self.scalar(op)? {
+                    self.push(v)?;
+                } else if !self.container(op)? && !self.constructed(op)? {
+                    return Err(self.bad(format!("unknown opcode {op:#04x}")));
+                }
+            }
+        }
+        Ok(false)
+    }
+
+    /// A scalar opcode's value; `None` when `op` is not one.
+    fn scalar(&mut self, op: u8) -> Result<Option<Value>, UnpickleError> {
+        Ok(Some(match op {
+            b'N' => Value::None,
+            0x88 => Value::Bool(true),
+            0x89 => Value::Bool(false),
+            b'I' | b'L' => self.text_int(op)?,
+            b'J' => Value::Int(i64::from(i32::from_le_bytes(self.fixed::<4>()?))),
+            b'K' => Value::Int(i64::from(self.byte()?)),
+            b'M' => Value::Int(i64::from(u16::from_le_bytes(self.fixed::<2>()?))),
+            0x8a => {
+                let n = u64::from(self.byte()?);
+                self.long(n)?
+            }
+            0x8b => {
+                let n = i32::from_le_bytes(self.fixed::<4>()?);
+                let n = u64::try_from(n).map_err(|_| self.bad("LONG4 with a negative length"))?;
+                self.long(n)?
             }
             b'F' => {
                 let line = self.line()?;
-                let v = line
-                    .trim()
-                    .parse::<f64>()
-                    .map_err(|_| self.bad(format!("bad float {line:?}")))?;
-                self.push(Value::Float(v))?;
+                Value::Float(
+                    line.trim()
+                        .parse::<f64>()
+                        .map_err(|_| self.bad(format!("bad float {line:?}")))?,
+                )
             }
-            b'G' => {
-                let v = f64::from_be_bytes(self.fixed::<8>()?);
-                self.push(Value::Float(v))?;
-            }
+            b'G' => Value::Float(f64::from_be_bytes(self.fixed::<8>()?)),
             // Text strings: protocol 0's quoted STRING and raw-unicode UNICODE lines.
             b'S' | b'V' => {
                 let line = self.line_bytes()?;
@@ -383,8 +407,7 @@ impl<R: BufRead> Machine<R> {
                     raw_unicode_escape(&line)
                 };
                 self.heap.string_room(text.len() as u64)?;
-                let id = self.heap.string(text)?;
-                self.push(Value::Str(id))?;
+                Value::Str(self.heap.string(text)?)
             }
             // Length-prefixed strings and bytes.
             b'T' | b'U' | b'X' | 0x8c | 0x8d | b'B' | b'C' | 0x8e | 0x96 => {
@@ -397,17 +420,15 @@ impl<R: BufRead> Machine<R> {
                 if op == b'T' && n > i32::MAX as u64 {
                     return Err(self.bad("BINSTRING pickle has negative byte count"));
                 }
-                let bytes = matches!(op, b'B' | b'C' | 0x8e | 0x96);
-                let v = self.string(n, bytes)?;
-                self.push(v)?;
+                self.string(n, matches!(op, b'B' | b'C' | 0x8e | 0x96))?
             }
-            0x97 => {
-                return Err(self.bad(
-                    "the pickle refers to out-of-band buffers (protocol 5's NEXT_BUFFER), \
-                     which a snapshot does not use",
-                ));
-            }
-            0x98 => drop(self.top()?),
+            _ => return Ok(None),
+        }))
+    }
+
+    /// A container opcode (make one, or add to the one on top); `false` when `op` is not one.
+    fn container(&mut self, op: u8) -> Result<bool, UnpickleError> {
+        match op {
             b')' => self.new_obj(Obj::Tuple(Vec::new()))?,
             b']' => self.new_obj(Obj::List(Vec::new()))?,
             b'}' => self.new_obj(Obj::Dict(Vec::new()))?,
@@ -441,31 +462,25 @@ impl<R: BufRead> Machine<R> {
                 let items = self.pop_mark()?;
                 self.new_obj(Obj::Set(items))?;
             }
-            b'a' => {
-                let item = self.pop()?;
-                let list = self.top()?;
-                self.heap
-                    .extend_list(list, vec![item])
-                    .map_err(|w| self.bad(w))?;
-            }
-            b'e' => {
-                let items = self.pop_mark()?;
+            b'a' | b'e' => {
+                let items = if op == b'a' {
+                    vec![self.pop()?]
+                } else {
+                    self.pop_mark()?
+                };
                 let list = self.top()?;
                 self.heap
                     .extend_list(list, items)
                     .map_err(|w| self.bad(w))?;
             }
-            b's' => {
-                let value = self.pop()?;
-                let key = self.pop()?;
-                let dict = self.top()?;
-                self.heap
-                    .extend_dict(dict, vec![(key, value)])
-                    .map_err(|w| self.bad(w))?;
-            }
-            b'u' => {
-                let items = self.pop_mark()?;
-                let pairs = self.pairs(items)?;
+            b's' | b'u' => {
+                let pairs = if op == b's' {
+                    let value = self.pop()?;
+                    vec![(self.pop()?, value)]
+                } else {
+                    let items = self.pop_mark()?;
+                    self.pairs(items)?
+                };
                 let dict = self.top()?;
                 self.heap
                     .extend_dict(dict, pairs)
@@ -476,60 +491,39 @@ impl<R: BufRead> Machine<R> {
                 let set = self.top()?;
                 self.heap.extend_set(set, items).map_err(|w| self.bad(w))?;
             }
-            b'p' | b'q' | b'r' => {
-                let id = self.memo_index(op)?;
-                self.memo_put(id)?;
-            }
-            0x94 => self.memo_put(self.memo_len)?,
-            b'g' | b'h' | b'j' => {
-                let id = self.memo_index(op)?;
-                self.memo_get(id)?;
-            }
-            // What Python would construct: kept as an opaque value.
-            b'c' => {
-                self.line()?;
-                self.line()?;
-                self.push(Value::Opaque)?;
-            }
-            0x93 => {
-                self.pop()?;
-                self.pop()?;
-                self.push(Value::Opaque)?;
-            }
-            b'R' | 0x81 => {
-                self.pop()?;
-                self.pop()?;
-                self.push(Value::Opaque)?;
-            }
-            0x92 => {
-                for _ in 0..3 {
-                    self.pop()?;
-                }
-                self.push(Value::Opaque)?;
-            }
-            b'b' => drop(self.pop()?),
-            b'i' => {
-                self.line()?;
-                self.line()?;
-                self.pop_mark()?;
-                self.push(Value::Opaque)?;
-            }
-            b'o' => {
-                self.pop_mark()?;
-                self.push(Value::Opaque)?;
-            }
-            b'P' | b'Q' => {
-                return Err(self.bad(
-                    "a persistent id, which needs the writer's persistent_load (a snapshot has none)",
-                ));
-            }
-            0x82..=0x84 => {
-                return Err(self
-                    .bad("an extension-registry code (EXT1/2/4), which a snapshot does not use"));
-            }
-            _ => return Err(self.bad(format!("unknown opcode {op:#04x}"))),
+            _ => return Ok(false),
         }
-        Ok(false)
+        Ok(true)
+    }
+
+    /// What a Python unpickler would construct (`GLOBAL`, `REDUCE`, `BUILD`, ...): its
+    /// arguments are consumed and an opaque value stands for it; `false` when `op` is not
+    /// one of those.
+    fn constructed(&mut self, op: u8) -> Result<bool, UnpickleError> {
+        let (lines, popped, mark) = match op {
+            b'c' => (2, 0, false),
+            0x93 | b'R' | 0x81 => (0, 2, false),
+            0x92 => (0, 3, false),
+            b'i' => (2, 0, true),
+            b'o' => (0, 0, true),
+            b'b' => {
+                // BUILD sets the state of the object below: nothing to keep.
+                self.pop()?;
+                return Ok(true);
+            }
+            _ => return Ok(false),
+        };
+        for _ in 0..lines {
+            self.line()?;
+        }
+        for _ in 0..popped {
+            self.pop()?;
+        }
+        if mark {
+            self.pop_mark()?;
+        }
+        self.push(Value::Opaque)?;
+        Ok(true)
     }
 }
 
