@@ -273,22 +273,15 @@ struct Reader<'h> {
     frame_ids: FxHashMap<Frame, u32>,
     frames: Vec<Frame>,
     stacks: Vec<Vec<u32>>,
-    keys: FxHashMap<&'static str, Option<StrId>>,
     /// The containers the walk is inside: meeting one again is a recursive structure.
     inside: Vec<ObjId>,
 }
 
 impl<'h> Reader<'h> {
-    fn key(&mut self, name: &'static str) -> Option<StrId> {
-        let heap = self.heap;
-        *self
-            .keys
-            .entry(name)
-            .or_insert_with(|| heap.find_short(name))
-    }
-
-    fn field(&mut self, dict: ObjId, name: &'static str) -> Option<Value> {
-        let key = self.key(name)?;
+    /// A key of a dict (keys are short strings, shared by content: a key the pickle does
+    /// not have is in no dict of it).
+    fn field(&self, dict: ObjId, name: &'static str) -> Option<Value> {
+        let key = self.heap.find_short(name)?;
         self.heap.lookup(dict, key)
     }
 
@@ -318,24 +311,19 @@ impl<'h> Reader<'h> {
     fn list(&self, v: Value, at: &Place, field: &str) -> Result<&'h [Value], String> {
         self.not_inside(v, at)?;
         let heap = self.heap;
-        match v {
-            Value::Obj(id) => match heap.get(id) {
-                Some(Obj::List(items) | Obj::Tuple(items)) => Ok(items),
-                _ => Err(format!(
-                    "{at}{}: expected a list, found {}",
-                    field_suffix(field),
-                    kind(heap, v)
-                )),
-            },
-            other => Err(format!(
-                "{at}{}: expected a list, found {}",
-                field_suffix(field),
-                kind(heap, other)
-            )),
+        if let Value::Obj(id) = v
+            && let Some(Obj::List(items) | Obj::Tuple(items)) = heap.get(id)
+        {
+            return Ok(items);
         }
+        Err(format!(
+            "{at}{}: expected a list, found {}",
+            field_suffix(field),
+            kind(heap, v)
+        ))
     }
 
-    fn required(&mut self, dict: ObjId, name: &'static str, at: &Place) -> Result<Value, String> {
+    fn required(&self, dict: ObjId, name: &'static str, at: &Place) -> Result<Value, String> {
         self.field(dict, name)
             .ok_or_else(|| format!("{at}: missing field {name}"))
     }
@@ -654,7 +642,6 @@ pub fn from_heap(heap: Heap, top: Value) -> Result<Recording, String> {
         frame_ids: FxHashMap::default(),
         frames: Vec::new(),
         stacks: Vec::new(),
-        keys: FxHashMap::default(),
         inside: Vec::new(),
     };
     let root = match top {

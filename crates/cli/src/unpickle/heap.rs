@@ -227,48 +227,76 @@ impl Heap {
 
     /// Appends `items` to the list `target`; dicts shaped like trace events become records.
     pub fn extend_list(&mut self, target: Value, items: Vec<Value>) -> Result<(), String> {
-        let Value::Obj(id) = target else {
-            return Err("append to something that is not a list".into());
-        };
         for item in &items {
             if let Value::Obj(child) = *item {
                 self.compact(child);
             }
         }
         let n = items.len() as u64;
-        match self.get_mut(id) {
-            Some(Obj::List(list)) => list.extend(items),
-            _ => return Err("append to something that is not a list".into()),
-        }
-        self.values += n;
-        Ok(())
+        self.fill(
+            target,
+            n,
+            "append to something that is not a list",
+            |obj| match obj {
+                Obj::List(list) => {
+                    list.extend(items);
+                    true
+                }
+                _ => false,
+            },
+        )
     }
 
     /// Adds `pairs` to the dict `target`.
     pub fn extend_dict(&mut self, target: Value, pairs: Vec<(Value, Value)>) -> Result<(), String> {
-        let Value::Obj(id) = target else {
-            return Err("set an item of something that is not a dict".into());
-        };
         let n = 2 * pairs.len() as u64;
-        match self.get_mut(id) {
-            Some(Obj::Dict(dict)) => dict.extend(pairs),
-            _ => return Err("set an item of something that is not a dict".into()),
-        }
-        self.values += n;
-        Ok(())
+        self.fill(
+            target,
+            n,
+            "set an item of something that is not a dict",
+            |obj| match obj {
+                Obj::Dict(dict) => {
+                    dict.extend(pairs);
+                    true
+                }
+                _ => false,
+            },
+        )
     }
 
     /// Adds `items` to the set `target`.
     pub fn extend_set(&mut self, target: Value, items: Vec<Value>) -> Result<(), String> {
-        let Value::Obj(id) = target else {
-            return Err("add to something that is not a set".into());
-        };
         let n = items.len() as u64;
-        match self.get_mut(id) {
-            Some(Obj::Set(set)) => set.extend(items),
-            _ => return Err("add to something that is not a set".into()),
+        self.fill(
+            target,
+            n,
+            "add to something that is not a set",
+            |obj| match obj {
+                Obj::Set(set) => {
+                    set.extend(items);
+                    true
+                }
+                _ => false,
+            },
+        )
+    }
+
+    /// Adds `added` values to the container `target` with `add`, which says whether the
+    /// container is of its kind; `refusal` when it is not (or `target` is no container).
+    fn fill(
+        &mut self,
+        target: Value,
+        added: u64,
+        refusal: &str,
+        add: impl FnOnce(&mut Obj) -> bool,
+    ) -> Result<(), String> {
+        let Value::Obj(id) = target else {
+            return Err(refusal.into());
+        };
+        if !self.get_mut(id).is_some_and(add) {
+            return Err(refusal.into());
         }
-        self.values += n;
+        self.values += added;
         Ok(())
     }
 
