@@ -469,3 +469,95 @@ fn update_inputs_that_fails_midway_changes_nothing() -> TestResult {
     g.replay(&stream)?;
     s.expect(&stream, &x2, 1.0, "now x2 is written")
 }
+
+/// `keep_instances(k)` for k of 1 to 3: a random walk over four (input, output) buffer
+/// pairs, each step moving the graph to the pair it names. What each update reports follows
+/// an LRU of address sets of size k (the pair the graph reads now is the most recent): a
+/// pair an instance holds is `Kept` (on the fake device, no driver call), a new pair is
+/// `Added` while fewer than k instances exist, else the least recently launched instance is
+/// updated `InPlace`. Every replay writes `2 x` of its pair. Lowering k to 1 destroys the
+/// spares, and the next move updates in place.
+pub(crate) fn kept_instances_follow_an_lru_of_address_sets(h: &Harness) -> TestResult {
+    let s = Setup::new(h)?;
+    let calls = |c: Call| s.h.fake.as_ref().map_or(0, |f| f.calls(c));
+    for keep in 1..=3usize {
+        let g = s.graph()?;
+        g.keep_instances(keep);
+        let xs: Vec<DeviceBuffer<f32>> = (0..4)
+            .map(|i| s.buffer(i as f32 + 1.0))
+            .collect::<Result<_, _>>()?;
+        let ys: Vec<DeviceBuffer<f32>> = (0..4).map(|_| s.buffer(0.0)).collect::<Result<_, _>>()?;
+        let capture = g.capture(None, None, CaptureMode::ThreadLocal)?;
+        let stream = capture.stream().clone();
+        s.scale(&stream, &ys[0], &xs[0], 2.0)?;
+        capture.end()?;
+        // Most recently launched last.
+        let mut lru = vec![0usize];
+        let mut rng = 0x9e37_79b9_7f4a_7c15u64 ^ keep as u64;
+        for step in 0..40 {
+            rng = rng.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
+            let (from, to) = (lru[lru.len() - 1], (rng >> 33) as usize % 4);
+            if to == from {
+                continue;
+            }
+            let expected = if let Some(i) = lru.iter().position(|&p| p == to) {
+                lru.remove(i);
+                InputUpdate::Kept { pointers: 2 }
+            } else if lru.len() < keep {
+                InputUpdate::Added { pointers: 2 }
+            } else {
+                lru.remove(0);
+                InputUpdate::InPlace { pointers: 2 }
+            };
+            lru.push(to);
+            let driver_before = (calls(Call::GraphExecUpdate), calls(Call::GraphSetNode));
+            let pairs = [(&xs[from], &xs[to]), (&ys[from], &ys[to])];
+            assert_eq!(
+                g.update_inputs(&pairs)?,
+                expected,
+                "keep {keep}, step {step}"
+            );
+            if expected == (InputUpdate::Kept { pointers: 2 }) {
+                let driver_after = (calls(Call::GraphExecUpdate), calls(Call::GraphSetNode));
+                assert_eq!(
+                    driver_after, driver_before,
+                    "a kept instance costs no driver call"
+                );
+            }
+            ys[to].copy_from_host(&vec![0.0; N])?;
+            s.h.rt.current_stream(D0)?.synchronize()?;
+            g.replay(&stream)?;
+            let value = 2.0 * (to as f32 + 1.0);
+            s.expect(
+                &stream,
+                &ys[to],
+                value,
+                &format!("keep {keep}, step {step}"),
+            )?;
+        }
+        let destroyed = calls(Call::GraphExecDestroy);
+        g.keep_instances(1);
+        if s.h.fake.is_some() {
+            assert_eq!(
+                calls(Call::GraphExecDestroy) - destroyed,
+                lru.len() as u64 - 1
+            );
+        }
+        let (from, to) = (lru[lru.len() - 1], lru[0]);
+        if from != to {
+            let pairs = [(&xs[from], &xs[to]), (&ys[from], &ys[to])];
+            assert_eq!(
+                g.update_inputs(&pairs)?,
+                InputUpdate::InPlace { pointers: 2 }
+            );
+            g.replay(&stream)?;
+            s.expect(
+                &stream,
+                &ys[to],
+                2.0 * (to as f32 + 1.0),
+                "after keep_instances(1)",
+            )?;
+        }
+    }
+    Ok(())
+}

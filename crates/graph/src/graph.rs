@@ -1,13 +1,13 @@
 //! `CudaGraph` and its capture guard.
 use crate::CaptureMemory;
 use crate::PhiloxGenerator;
-use crate::repoint;
+use crate::instances::Instances;
 use ferrocuda_alloc::AllocError;
 use ferrocuda_driver::{Driver, DriverError};
 use ferrocuda_stream::{DeviceBuffer, Runtime, Stream, StreamError, StreamGuard};
 use ferrocuda_types::{
     CaptureMode, CaptureStatus, DeviceIndex, DevicePtr, Element, GraphExecHandle, GraphHandle,
-    GraphNode, PoolId,
+    PoolId,
 };
 use parking_lot::Mutex;
 use std::path::Path;
@@ -24,6 +24,20 @@ pub enum InputUpdate {
     },
     /// The driver refused the in-place update; the graph was instantiated again.
     Reinstantiated {
+        /// Addresses changed: kernel arguments, memset destinations, copy sources and
+        /// destinations.
+        pointers: usize,
+    },
+    /// An instance kept from an earlier update holds these addresses: replays launch it
+    /// from now on, and no driver call was made ([`CudaGraph::keep_instances`]).
+    Kept {
+        /// Addresses changed: kernel arguments, memset destinations, copy sources and
+        /// destinations.
+        pointers: usize,
+    },
+    /// Another instance was made for these addresses and is kept
+    /// ([`CudaGraph::keep_instances`]).
+    Added {
         /// Addresses changed: kernel arguments, memset destinations, copy sources and
         /// destinations.
         pointers: usize,
@@ -168,10 +182,11 @@ struct State {
     pool: Option<PoolId>,
     /// Registered generators, with the offset units one replay consumes from each.
     generators: Vec<(Arc<PhiloxGenerator>, u64)>,
-    /// The captured graph's nodes as `update_input_ptrs` last left them, read from the
-    /// driver at the first update (see `repoint::NodeMap`); `None` until then, and after a
-    /// failed update (read again at the next).
-    node_map: Option<repoint::NodeMap>,
+    /// The instances `update_input_ptrs` moves between, with their nodes, read from the
+    /// driver at the first update; `None` until then.
+    instances: Option<Instances>,
+    /// How many instances `update_input_ptrs` may keep (0 and 1: one).
+    keep_instances: usize,
 }
 
 /// A captured CUDA graph with its private memory pool (`torch.cuda.CUDAGraph`).
@@ -463,43 +478,32 @@ impl CudaGraph {
             });
         }
         let mut st = self.state.lock();
-        let (graph, exec) = st.graph.zip(st.exec).ok_or(GraphError::NothingCaptured)?;
-        let mut map = match st.node_map.take() {
-            Some(map) => map,
-            None => repoint::NodeMap::new(self.driver().graph_nodes(graph)?),
+        let (graph, mut exec) = st.graph.zip(st.exec).ok_or(GraphError::NothingCaptured)?;
+        let driver = &**self.driver();
+        let mut instances = match st.instances.take() {
+            Some(instances) => instances,
+            None => Instances::read(driver, graph)?,
         };
-        let result = self.repoint(&mut st, graph, exec, &mut map, moves);
-        // After a driver failure the nodes were put back best effort: read them again.
-        if !matches!(result, Err(GraphError::Driver(_))) {
-            st.node_map = Some(map);
-        }
+        let result = instances.update(driver, graph, &mut exec, st.keep_instances, moves);
+        st.exec = Some(exec);
+        st.instances = Some(instances);
         result
     }
 
-    /// Applies `moves` to the graph whose nodes `map` holds, and to its instance.
-    fn repoint(
-        &self,
-        st: &mut State,
-        graph: GraphHandle,
-        exec: GraphExecHandle,
-        map: &mut repoint::NodeMap,
-        moves: &[InputMove],
-    ) -> Result<InputUpdate, GraphError> {
-        let plan = map.plan(moves)?;
-        let pointers = plan.pointers;
-        if plan.changes.is_empty() {
-            return Ok(InputUpdate::InPlace { pointers });
+    /// Lets [`CudaGraph::update_inputs`] keep up to `n` instances of the captured graph,
+    /// each holding the input addresses it was last given (beyond PyTorch; default 1).
+    /// Moving back to addresses a kept instance holds then costs no driver call
+    /// ([`InputUpdate::Kept`]); moving to new ones makes another instance while fewer than
+    /// `n` exist ([`InputUpdate::Added`]), else updates the least recently launched one.
+    /// Each instance costs what `cuGraphInstantiate` costs, in time once and in driver
+    /// memory while kept. For a graph fed from a few buffers in turn (double buffering:
+    /// `n = 2`). Lowering `n` destroys the least recently launched instances.
+    pub fn keep_instances(&self, n: usize) {
+        let mut st = self.state.lock();
+        st.keep_instances = n;
+        if let Some(instances) = &mut st.instances {
+            instances.trim(&**self.runtime.driver(), n);
         }
-        let update = match self.apply(st, graph, exec, &plan.changes) {
-            Ok(true) => InputUpdate::InPlace { pointers },
-            Ok(false) => InputUpdate::Reinstantiated { pointers },
-            Err(e) => {
-                self.restore_nodes(graph, map.nodes(), &plan.changes);
-                return Err(e);
-            }
-        };
-        map.apply(plan.changes);
-        Ok(update)
     }
 
     /// Checks one `(old, new)` pair of [`CudaGraph::update_inputs`].
@@ -530,40 +534,6 @@ impl CudaGraph {
             bytes: old.bytes(),
             new: new.ptr(),
         })
-    }
-
-    /// Puts the nodes named in `changes` back as `nodes` describes them. Best effort: it
-    /// runs after a failure, which is the error reported.
-    fn restore_nodes(
-        &self,
-        graph: GraphHandle,
-        nodes: &[GraphNode],
-        changes: &[(usize, GraphNode)],
-    ) {
-        for (index, _) in changes {
-            if let Some(node) = nodes.get(*index) {
-                let _ = self.driver().graph_set_node(graph, *index, node);
-            }
-        }
-    }
-
-    /// Sets `changes` on the captured graph and brings its instance up to it: in place
-    /// (`true`) or by instantiating it again (`false`). On an error the instance is as it
-    /// was; nodes of the captured graph may be changed (the caller puts them back).
-    fn apply(
-        &self,
-        st: &mut State,
-        graph: GraphHandle,
-        exec: GraphExecHandle,
-        changes: &[(usize, GraphNode)],
-    ) -> Result<bool, GraphError> {
-        if self.driver().graph_update_nodes(exec, graph, changes)? {
-            return Ok(true);
-        }
-        st.exec = Some(self.driver().graph_instantiate(graph)?);
-        // The new instance is in place; the old one, if it cannot be destroyed, only leaks.
-        let _ = self.driver().graph_exec_destroy(exec);
-        Ok(false)
     }
 
     /// Ends a capture that could not start properly, or is discarded, dropping whatever it
@@ -602,7 +572,9 @@ impl CudaGraph {
             let _ = self.discard_capture();
             st = self.state.lock();
         }
-        st.node_map = None;
+        if let Some(mut instances) = st.instances.take() {
+            instances.trim(&**self.runtime.driver(), 1);
+        }
         if let Some(exec) = st.exec.take() {
             self.driver().graph_exec_destroy(exec)?;
         }

@@ -73,6 +73,7 @@ mod callables;
 mod capture_memory;
 mod graph;
 pub mod guards;
+mod instances;
 mod repoint;
 mod rng;
 pub mod trees;

@@ -82,6 +82,17 @@ impl NodeMap {
         &self.nodes
     }
 
+    /// The indices of the nodes that may hold an address, in the driver's order.
+    pub(crate) fn holders(&self) -> &[usize] {
+        &self.holders
+    }
+
+    /// Puts `nodes` (the same graph's, with other parameters) in place of the nodes held,
+    /// and returns those.
+    pub(crate) fn replace_nodes(&mut self, nodes: Vec<GraphNode>) -> Vec<GraphNode> {
+        std::mem::replace(&mut self.nodes, nodes)
+    }
+
     /// Records `changes` as made (the graph and its instance hold them now).
     pub(crate) fn apply(&mut self, changes: Vec<(usize, GraphNode)>) {
         for (index, node) in changes {

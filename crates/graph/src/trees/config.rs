@@ -101,6 +101,11 @@ pub struct TreeConfig {
     /// How replays feed non-static inputs: copied, or patched into the graph (beyond
     /// PyTorch, which copies); [`InputFeed::Auto`] by default.
     pub input_feed: InputFeed,
+    /// Instances of each recording's graph kept, each holding the input addresses last
+    /// patched into it ([`CudaGraph::keep_instances`](crate::CudaGraph::keep_instances)):
+    /// with 2, inputs patched from two buffers in turn cost no graph update once each was
+    /// seen. Beyond PyTorch; 2 by default (1: one instance, updated at every move).
+    pub kept_instances: usize,
 }
 
 impl Default for TreeConfig {
@@ -114,6 +119,7 @@ impl Default for TreeConfig {
             skip_dynamic_graphs: false,
             dynamic_shape_warn_limit: Some(8),
             input_feed: InputFeed::default(),
+            kept_instances: 2,
         }
     }
 }

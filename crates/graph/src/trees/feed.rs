@@ -30,7 +30,7 @@ use super::manager::Trees;
 use super::nodes::{InputSlot, RecordedNode};
 use super::run::fill;
 use super::tensor::Input;
-use crate::{GraphError, InputMove};
+use crate::{GraphError, InputMove, InputUpdate};
 use ferrocuda_stream::Stream;
 use ferrocuda_types::DevicePtr;
 
@@ -41,6 +41,8 @@ pub(crate) struct Fed {
     pub(crate) copies: u64,
     /// Graph updates made (patching, or pointing back at the copies).
     pub(crate) updates: u64,
+    /// Moves served by launching another kept instance of the graph.
+    pub(crate) kept: u64,
     /// Why the graph cannot be patched, when it was found out on this call.
     pub(crate) refused: Option<String>,
 }
@@ -117,14 +119,17 @@ impl Trees {
         let moves = self.moves(node, inputs);
         if !moves.is_empty() {
             match node.graph.update_input_ptrs(&moves) {
+                Ok(InputUpdate::Kept { .. }) => fed.kept += 1,
                 Ok(_) => fed.updates += 1,
                 Err(refused @ GraphError::CannotRepoint { .. }) => {
                     node.patchable = false;
                     fed.refused = Some(refused.to_string());
                     let back = self.moves(node, inputs);
                     if !back.is_empty() {
-                        node.graph.update_input_ptrs(&back)?;
-                        fed.updates += 1;
+                        match node.graph.update_input_ptrs(&back)? {
+                            InputUpdate::Kept { .. } => fed.kept += 1,
+                            _ => fed.updates += 1,
+                        }
                     }
                 }
                 Err(e) => return Err(e.into()),

@@ -53,8 +53,13 @@ pub struct TreeStats {
     pub input_copies: u64,
     /// Graph updates that patched recordings to read callers' buffers (or pointed them
     /// back at their static inputs) before replays; at most one per replay, plus one when
-    /// a recording turns out unpatchable.
+    /// a recording turns out unpatchable. A move to addresses a kept instance holds is
+    /// not one ([`TreeStats::kept_instance_launches`]).
     pub input_updates: u64,
+    /// Replays whose patched inputs moved to addresses that another kept instance of the
+    /// recording's graph held, launched with no graph update
+    /// ([`TreeConfig::kept_instances`]).
+    pub kept_instance_launches: u64,
 }
 
 /// One recorded node, as [`Trees::nodes`] describes it.

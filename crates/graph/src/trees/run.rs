@@ -245,6 +245,7 @@ impl Trees {
             self.stage_recording(&memory, inputs, shapes, &managed)?
         };
         let graph = CudaGraph::new(self.runtime.clone(), self.allocators.clone(), self.device)?;
+        graph.keep_instances(self.config.kept_instances);
         let outs = match self.capture(&graph, &memory, &name, &args, f)? {
             Ok(outs) => outs,
             Err(op) => {
@@ -346,6 +347,7 @@ impl Trees {
         st.stats.replays += 1;
         st.stats.input_copies += fed.copies;
         st.stats.input_updates += fed.updates;
+        st.stats.kept_instance_launches += fed.kept;
         if let Some(reason) = fed.refused {
             st.events
                 .push(TreeEvent::CopyingInputs { node: id, reason });

@@ -178,6 +178,7 @@ impl<'s> Program<'s> {
             warmup_runs: 1 + rng.below(2) as u32,
             generations: policy,
             input_feed,
+            kept_instances: 1 + rng.below(3),
             ..TreeConfig::default()
         };
         let made = |n: usize, i: u64| -> Result<(DeviceBuffer<f32>, Vec<f32>), crate::BoxError> {
@@ -530,9 +531,9 @@ fn b_of(src: Source) -> usize {
     }
 }
 
-/// One program: how its calls were served (warm-up, recording, replay, eager) and how
-/// many were refused as stale.
-fn program(h: &Harness, seed: u64) -> Result<([usize; 4], usize), crate::BoxError> {
+/// One program: how its calls were served (warm-up, recording, replay, eager), how many
+/// were refused as stale, and how many replays launched another kept instance.
+fn program(h: &Harness, seed: u64) -> Result<([usize; 4], usize, u64), crate::BoxError> {
     let s = Setup::new(h)?;
     let (mut p, config) = Program::new(&s, seed)?;
     let trees = s.trees(config.clone())?;
@@ -542,7 +543,7 @@ fn program(h: &Harness, seed: u64) -> Result<([usize; 4], usize), crate::BoxErro
         p.step(&trees)
             .map_err(|e| format!("seed {seed}, {config:?}: {e}"))?;
     }
-    let counts = (p.served, p.refusals);
+    let counts = (p.served, p.refusals, trees.stats().kept_instance_launches);
     drop(p);
     drop(trees);
     assert_eq!(
@@ -570,19 +571,20 @@ fn env_number(name: &str, default: u64) -> u64 {
 pub(crate) fn random_tree_programs_never_give_wrong_data(h: &Harness) -> TestResult {
     let programs = env_number("FERROCUDA_TREES_FUZZ_PROGRAMS", 40);
     let seed = env_number("FERROCUDA_TREES_FUZZ_SEED", 20_261_210);
-    let (mut served, mut refusals) = ([0; 4], 0);
+    let (mut served, mut refusals, mut kept) = ([0; 4], 0, 0);
     for i in 0..programs {
-        let (s, r) = program(h, seed.wrapping_add(i))?;
+        let (s, r, k) = program(h, seed.wrapping_add(i))?;
         served.iter_mut().zip(s).for_each(|(a, b)| *a += b);
         refusals += r;
+        kept += k;
     }
     let [warmups, recordings, replays, eager] = served;
     eprintln!(
-        "trees fuzz: {programs} programs from seed {seed}: calls checked: {warmups} warm-ups, {recordings} recordings, {replays} replays, {eager} eager; {refusals} refused as stale"
+        "trees fuzz: {programs} programs from seed {seed}: calls checked: {warmups} warm-ups, {recordings} recordings, {replays} replays, {eager} eager; {refusals} refused as stale; {kept} replays of another kept instance"
     );
     assert!(
-        recordings > 0 && replays > 0 && refusals > 0,
-        "the programs record, replay and pass outputs across steps"
+        recordings > 0 && replays > 0 && refusals > 0 && kept > 0,
+        "the programs record, replay, pass outputs across steps and move inputs back"
     );
     Ok(())
 }

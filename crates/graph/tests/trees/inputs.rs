@@ -13,9 +13,11 @@ use ferrocuda_stream::conformance::Harness;
 use ferrocuda_types::DType;
 use std::sync::Arc;
 
+/// One instance per recording: every move is a graph update (the costs these tests count).
 fn config(feed: InputFeed) -> TreeConfig {
     TreeConfig {
         input_feed: feed,
+        kept_instances: 1,
         ..TreeConfig::default()
     }
 }
@@ -158,6 +160,116 @@ pub(crate) fn patched_inputs_match_copied_inputs_and_eager(h: &Harness) -> TestR
         cost(a.updates + b.updates, a.copies + b.copies)
     });
     assert_eq!(cost(p.input_updates, p.input_copies), expected);
+    for (buf, v) in bufs.iter().zip(&values) {
+        assert_eq!(&buf.to_host()?, v, "the callers' buffers are only read");
+    }
+    Ok(())
+}
+
+/// What one replay of a tree keeping instances costs: graph updates (an instance updated or
+/// added), launches of another kept instance, input copies, and, on the fake device, the
+/// driver's instance updates and instantiations.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+struct KeptCost {
+    updates: u64,
+    kept: u64,
+    copies: u64,
+    driver_updates: u64,
+    driver_instances: u64,
+}
+
+const fn kept_cost(updates: u64, kept: u64, copies: u64, driver: (u64, u64)) -> KeptCost {
+    KeptCost {
+        updates,
+        kept,
+        copies,
+        driver_updates: driver.0,
+        driver_instances: driver.1,
+    }
+}
+
+/// `TreeConfig::kept_instances` (2, the default): a patched recording keeps two instances
+/// of its graph, each holding the addresses it was last given. Inputs moving back to
+/// addresses the other instance holds launch it with no driver call; new addresses add an
+/// instance while there is room, then update the least recently launched one (an LRU of
+/// address sets, written out below). Every output is read only at the end, so that on the
+/// fake device (manual completion) replays of both instances are queued together: each
+/// reads its own call's buffers, and the values equal the host's.
+pub(crate) fn kept_instances_serve_inputs_that_come_back(h: &Harness) -> TestResult {
+    assert_eq!(TreeConfig::default().kept_instances, 2);
+    let s = Setup::new(h)?;
+    let trees = s.trees(TreeConfig {
+        input_feed: InputFeed::Patch,
+        ..TreeConfig::default()
+    })?;
+    let f = wrap_affine(&s, &trees);
+    let wv = random(N, 7);
+    let w = s.buffer(&wv)?;
+    let values: Vec<Vec<f32>> = (0..3).map(|i| random(N, 80 + i)).collect();
+    let bufs: Vec<DeviceBuffer<f32>> =
+        (values.iter().map(|v| s.buffer(v))).collect::<Result<_, _>>()?;
+    // (x, y, cost); instances named by the buffers they read, C for the recording's copies.
+    let plan = [
+        (0, 1, None),                             // warm-up
+        (0, 1, None),                             // recording: A(C, C)
+        (0, 1, Some(kept_cost(1, 0, 0, (0, 1)))), // added: B(0, 1)
+        (1, 0, Some(kept_cost(1, 0, 0, (1, 0)))), // A updated: A(1, 0), B(0, 1)
+        (0, 1, Some(kept_cost(0, 1, 0, (0, 0)))), // B held (0, 1)
+        (1, 0, Some(kept_cost(0, 1, 0, (0, 0)))), // A held (1, 0)
+        (1, 0, Some(kept_cost(0, 0, 0, (0, 0)))), // nothing moves
+        (2, 1, Some(kept_cost(1, 0, 0, (1, 0)))), // B, least recent, updated: B(2, 1)
+        (1, 0, Some(kept_cost(0, 1, 0, (0, 0)))), // A held (1, 0)
+        (0, 0, Some(kept_cost(1, 0, 2, (1, 0)))), // one buffer for both: B(C, C), copied
+        (2, 1, Some(kept_cost(1, 0, 0, (1, 0)))), // A updated: A(2, 1)
+        (0, 0, Some(kept_cost(0, 1, 2, (0, 0)))), // B held (C, C), copied
+    ];
+    let driver = |kind| h.fake.as_ref().map(|f| f.calls(kind));
+    let mut kept = Vec::new();
+    for (i, &(xi, yi, expected)) in plan.iter().enumerate() {
+        trees.mark_step_begin();
+        let (before, updates, instances) = (
+            trees.stats(),
+            driver(DriverCall::GraphExecUpdate),
+            driver(DriverCall::GraphInstantiate),
+        );
+        let inputs = [
+            Input::buffer(&bufs[xi]),
+            Input::buffer(&bufs[yi]),
+            Input::buffer(&w).mark_static(),
+        ];
+        let call = f.call(&inputs)?;
+        let now = trees.stats();
+        let delta = |n: Option<u64>, b: Option<u64>| n.zip(b).map_or(0, |(n, b)| n - b);
+        let (driver_updates, driver_instances) = (
+            delta(driver(DriverCall::GraphExecUpdate), updates),
+            delta(driver(DriverCall::GraphInstantiate), instances),
+        );
+        if let Some(mut expected) = expected {
+            assert_eq!(call.served, Served::Replayed, "call {i}");
+            if h.fake.is_none() {
+                (expected.driver_updates, expected.driver_instances) = (0, 0);
+            }
+            let counted = KeptCost {
+                updates: now.input_updates - before.input_updates,
+                kept: now.kept_instance_launches - before.kept_instance_launches,
+                copies: now.input_copies - before.input_copies,
+                driver_updates,
+                driver_instances,
+            };
+            assert_eq!(counted, expected, "call {i}");
+        }
+        let u: Vec<f32> = (values[xi].iter().zip(&wv))
+            .map(|(x, w)| 3.0 * (x + w))
+            .collect();
+        let v: Vec<f32> = u.iter().zip(&values[yi]).map(|(u, y)| u + y).collect();
+        let outs: Vec<TreeTensor> =
+            (call.outputs.iter().map(TreeTensor::copy_out)).collect::<Result<_, _>>()?;
+        kept.push((outs, u, v));
+    }
+    for (i, (outs, u, v)) in kept.iter().enumerate() {
+        expect(&outs[0], u, &format!("call {i}, u"))?;
+        expect(&outs[1], v, &format!("call {i}, v"))?;
+    }
     for (buf, v) in bufs.iter().zip(&values) {
         assert_eq!(&buf.to_host()?, v, "the callers' buffers are only read");
     }
