@@ -129,7 +129,7 @@ use pools::{
 };
 use rng::rng_replays_match_eager;
 use update_inputs::{
-    kept_instances_follow_an_lru_of_address_sets, update_input_ptrs_repoints_by_address,
+    kept_instances_serve_the_addresses_they_hold, update_input_ptrs_repoints_by_address,
     update_inputs_patches_pointers, update_inputs_refuses_a_node_it_cannot_repoint,
     update_inputs_repoints_interior_pointers, update_inputs_repoints_memset_and_memcpy,
 };
@@ -154,7 +154,7 @@ ferrocuda::stream::both_backends!(
     update_inputs_repoints_interior_pointers,
     update_inputs_refuses_a_node_it_cannot_repoint,
     update_input_ptrs_repoints_by_address,
-    kept_instances_follow_an_lru_of_address_sets,
+    kept_instances_serve_the_addresses_they_hold,
     mlp_step_whole_and_partial_capture,
     three_graphs_share_one_segment,
     capture_empties_the_cache_first,

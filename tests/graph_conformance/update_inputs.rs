@@ -140,8 +140,9 @@ pub(crate) fn update_input_ptrs_repoints_by_address(h: &Harness) -> TestResult {
     Ok(())
 }
 
-/// When the driver refuses the in-place update, `update_inputs` instantiates the patched
-/// graph again (fake device: the refusal is injected).
+/// When the driver refuses to set a node in the instance, and then to update the instance
+/// whole from the captured graph, `update_inputs` instantiates the patched graph again
+/// (fake device: the refusals are injected).
 #[test]
 fn update_inputs_reinstantiates_when_refused() -> TestResult {
     let h = ferrocuda::stream::conformance::fake_harness();
@@ -155,11 +156,9 @@ fn update_inputs_reinstantiates_when_refused() -> TestResult {
     s.scale(&stream, &y, &x, 2.0)?;
     capture.end()?;
     let instantiated = fake.calls(Call::GraphInstantiate);
-    fake.fail_nth(
-        Call::GraphExecUpdate,
-        1,
-        DriverError::GRAPH_EXEC_UPDATE_FAILURE,
-    );
+    for call in [Call::GraphExecSetNodes, Call::GraphExecUpdate] {
+        fake.fail_nth(call, 1, DriverError::GRAPH_EXEC_UPDATE_FAILURE);
+    }
     s.h.rt.current_stream(D0)?.synchronize()?;
     assert_eq!(
         g.update_inputs(&[(&x, &x2)])?,
@@ -433,9 +432,10 @@ fn update_inputs_refuses_an_opaque_node() -> TestResult {
     s.expect(&stream, &x, 3.0, "both kernels still add to x")
 }
 
-/// An update that fails half way changes nothing: when the driver refuses the second node,
-/// or fails the update of the instance, the nodes already set are put back and replays
-/// still use the old buffer (fake device: the failures are injected).
+/// An update that fails half way changes nothing: when the driver fails the node sets in
+/// the instance, or refuses them and then fails to set the captured graph's second node or
+/// the whole update of the instance, the instance is put back and replays still use the old
+/// buffer (fake device: the failures are injected).
 #[test]
 fn update_inputs_that_fails_midway_changes_nothing() -> TestResult {
     let h = ferrocuda::stream::conformance::fake_harness();
@@ -450,7 +450,15 @@ fn update_inputs_that_fails_midway_changes_nothing() -> TestResult {
     capture.end()?;
     let x2 = s.buffer(5.0)?;
     s.h.rt.current_stream(D0)?.synchronize()?;
-    for (call, nth) in [(Call::GraphSetNode, 2), (Call::GraphExecUpdate, 1)] {
+    let failures = [
+        (None, Call::GraphExecSetNodes, 1),
+        (Some(Call::GraphExecSetNodes), Call::GraphSetNode, 2),
+        (Some(Call::GraphExecSetNodes), Call::GraphExecUpdate, 1),
+    ];
+    for (refused, call, nth) in failures {
+        if let Some(refused) = refused {
+            fake.fail_nth(refused, 1, DriverError::GRAPH_EXEC_UPDATE_FAILURE);
+        }
         fake.fail_nth(call, nth, DriverError::INVALID_VALUE);
         assert_eq!(
             g.update_inputs(&[(&x, &x2)]),
@@ -472,12 +480,12 @@ fn update_inputs_that_fails_midway_changes_nothing() -> TestResult {
 
 /// `keep_instances(k)` for k of 1 to 3: a random walk over four (input, output) buffer
 /// pairs, each step moving the graph to the pair it names. What each update reports follows
-/// an LRU of address sets of size k (the pair the graph reads now is the most recent): a
-/// pair an instance holds is `Kept` (on the fake device, no driver call), a new pair is
-/// `Added` while fewer than k instances exist, else the least recently launched instance is
-/// updated `InPlace`. Every replay writes `2 x` of its pair. Lowering k to 1 destroys the
-/// spares, and the next move updates in place.
-pub(crate) fn kept_instances_follow_an_lru_of_address_sets(h: &Harness) -> TestResult {
+/// a model of the instances (the pair each holds, the launched one last): a pair an
+/// instance holds is `Kept` (on the fake device, no driver call), a new pair is `Added`
+/// while fewer than k instances exist, else the launched instance is updated `InPlace` (the
+/// others keep their pairs). Every replay writes `2 x` of its pair. Lowering k to 1
+/// destroys the others, and the next move updates in place.
+pub(crate) fn kept_instances_serve_the_addresses_they_hold(h: &Harness) -> TestResult {
     let s = Setup::new(h)?;
     let calls = |c: Call| s.h.fake.as_ref().map_or(0, |f| f.calls(c));
     for keep in 1..=3usize {
@@ -491,26 +499,34 @@ pub(crate) fn kept_instances_follow_an_lru_of_address_sets(h: &Harness) -> TestR
         let stream = capture.stream().clone();
         s.scale(&stream, &ys[0], &xs[0], 2.0)?;
         capture.end()?;
-        // Most recently launched last.
-        let mut lru = vec![0usize];
+        // The pair each instance holds, the launched one last.
+        let mut held = vec![0usize];
         let mut rng = 0x9e37_79b9_7f4a_7c15u64 ^ keep as u64;
         for step in 0..40 {
             rng = rng.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
-            let (from, to) = (lru[lru.len() - 1], (rng >> 33) as usize % 4);
+            let (from, to) = (held[held.len() - 1], (rng >> 33) as usize % 4);
             if to == from {
                 continue;
             }
-            let expected = if let Some(i) = lru.iter().position(|&p| p == to) {
-                lru.remove(i);
+            let expected = if let Some(i) = held.iter().position(|&p| p == to) {
+                held.remove(i);
                 InputUpdate::Kept { pointers: 2 }
-            } else if lru.len() < keep {
+            } else if held.len() < keep {
                 InputUpdate::Added { pointers: 2 }
             } else {
-                lru.remove(0);
+                held.remove(0);
                 InputUpdate::InPlace { pointers: 2 }
             };
-            lru.push(to);
-            let driver_before = (calls(Call::GraphExecUpdate), calls(Call::GraphSetNode));
+            held.push(to);
+            let driver = || {
+                [
+                    Call::GraphExecSetNodes,
+                    Call::GraphExecUpdate,
+                    Call::GraphSetNode,
+                ]
+                .map(calls)
+            };
+            let driver_before = driver();
             let pairs = [(&xs[from], &xs[to]), (&ys[from], &ys[to])];
             assert_eq!(
                 g.update_inputs(&pairs)?,
@@ -518,9 +534,9 @@ pub(crate) fn kept_instances_follow_an_lru_of_address_sets(h: &Harness) -> TestR
                 "keep {keep}, step {step}"
             );
             if expected == (InputUpdate::Kept { pointers: 2 }) {
-                let driver_after = (calls(Call::GraphExecUpdate), calls(Call::GraphSetNode));
                 assert_eq!(
-                    driver_after, driver_before,
+                    driver(),
+                    driver_before,
                     "a kept instance costs no driver call"
                 );
             }
@@ -540,10 +556,10 @@ pub(crate) fn kept_instances_follow_an_lru_of_address_sets(h: &Harness) -> TestR
         if s.h.fake.is_some() {
             assert_eq!(
                 calls(Call::GraphExecDestroy) - destroyed,
-                lru.len() as u64 - 1
+                held.len() as u64 - 1
             );
         }
-        let (from, to) = (lru[lru.len() - 1], lru[0]);
+        let (from, to) = (held[held.len() - 1], held[0]);
         if from != to {
             let pairs = [(&xs[from], &xs[to]), (&ys[from], &ys[to])];
             assert_eq!(

@@ -1171,39 +1171,26 @@ impl Driver for CudaDriver {
         let target = *nodes::list(g)?
             .get(index)
             .ok_or(DriverError::INVALID_VALUE)?;
-        nodes::set(target, node)
+        nodes::Params::new(target, node)?.set(target)
     }
 
-    fn graph_update_nodes(
+    fn graph_exec_set_nodes(
         &self,
         exec: GraphExecHandle,
         graph: GraphHandle,
         changes: &[(usize, GraphNode)],
     ) -> Result<bool, DriverError> {
         let (e, g) = (self.exec(exec)?, self.graph(graph)?);
+        let ctx = self.primary_context(exec.device)?;
         let list = nodes::list(g)?;
-        let node = |index: usize| list.get(index).copied().ok_or(DriverError::INVALID_VALUE);
-        let mut kernels = Vec::with_capacity(changes.len());
-        for (index, to) in changes {
-            let n = node(*index)?;
-            kernels.push((n, nodes::set_keeping(n, to)?));
-        }
-        // Only the changed nodes differ: give the instance each changed kernel node's new
-        // parameters; for another kind of node, or a refusal half way, compare whole graphs
-        // (which sets every node). Once a node of the instance was set, a failure of that
-        // comparison asks for a new instance rather than leave this one half set.
-        for (done, (n, params)) in kernels.iter().enumerate() {
-            let set = params
-                .as_ref()
-                .is_some_and(|p| nodes::set_in_exec(e, *n, p));
-            if !set {
-                return match self.graph_exec_update(exec, graph) {
-                    Err(_) if done > 0 => Ok(false),
-                    updated => updated,
-                };
-            }
-        }
-        Ok(true)
+        // Every node's parameters are made before any is set, so that an error sets none.
+        let params = (changes.iter())
+            .map(|(index, to)| {
+                let node = *list.get(*index).ok_or(DriverError::INVALID_VALUE)?;
+                Ok((node, nodes::Params::new(node, to)?))
+            })
+            .collect::<Result<Vec<_>, DriverError>>()?;
+        Ok(params.iter().all(|(node, p)| p.set_in_exec(e, *node, ctx)))
     }
 
     fn graph_exec_update(

@@ -320,25 +320,20 @@ pub trait Driver: Send + Sync + std::fmt::Debug + 'static {
         exec: GraphExecHandle,
         graph: GraphHandle,
     ) -> Result<bool, DriverError>;
-    /// Sets the parameters of several nodes of `graph`, as [`Driver::graph_set_node`] does
-    /// for each in order, then brings `exec`, an instance of `graph` that differed from it
-    /// in no other node, up to it, as [`Driver::graph_exec_update`] does: `Ok(true)` in
-    /// place, `Ok(false)` when `exec` cannot be updated and must be instantiated again. On
-    /// an error some nodes of `graph` may be set (the caller puts them back) and `exec` is
-    /// as it was. The CUDA driver lists the graph's nodes once, and sets each changed
-    /// kernel node in the instance (`cuGraphExecKernelNodeSetParams`) instead of comparing
-    /// whole graphs (`cuGraphExecUpdate`, its fallback).
-    fn graph_update_nodes(
+    /// Gives the nodes of `exec`, an instance of `graph`, at the indices `changes` names
+    /// (in [`Driver::graph_nodes`]' order) the parameters each describes, `graph` left as
+    /// it is (`cuGraphExecKernelNodeSetParams`, `cuGraphExecMemsetNodeSetParams`,
+    /// `cuGraphExecMemcpyNodeSetParams`); what must match is as for
+    /// [`Driver::graph_set_node`], against `graph`'s node. An error sets nothing.
+    /// `Ok(false)`: the driver refused a node, and `exec` may hold some of the changes: the
+    /// caller brings it up otherwise ([`Driver::graph_exec_update`] from a graph holding
+    /// what it wants, or a new instance).
+    fn graph_exec_set_nodes(
         &self,
         exec: GraphExecHandle,
         graph: GraphHandle,
         changes: &[(usize, GraphNode)],
-    ) -> Result<bool, DriverError> {
-        for (index, node) in changes {
-            self.graph_set_node(graph, *index, node)?;
-        }
-        self.graph_exec_update(exec, graph)
-    }
+    ) -> Result<bool, DriverError>;
 
     // ---- virtual memory ------------------------------------------------------------------
     /// The granularity of physical chunks and mappings (`cuMemGetAllocationGranularity`).

@@ -2,6 +2,7 @@
 use crate::CaptureMemory;
 use crate::PhiloxGenerator;
 use crate::instances::Instances;
+use crate::repoint;
 use ferrocuda_alloc::AllocError;
 use ferrocuda_driver::{Driver, DriverError};
 use ferrocuda_stream::{DeviceBuffer, Runtime, Stream, StreamError, StreamGuard};
@@ -477,6 +478,26 @@ impl CudaGraph {
                 bytes: m.bytes,
             });
         }
+        self.update_instances(|instances| instances.plan(moves))
+    }
+
+    /// Points the copies this graph captured into device memory at `dst` (1-D, between
+    /// device addresses) at new sources, for each `(dst, src)`: what the trees do for an
+    /// input copied inside the recording's graph. As [`CudaGraph::update_input_ptrs`]
+    /// otherwise; no such copy is [`GraphError::CannotRepoint`].
+    pub(crate) fn retarget_copies(
+        &self,
+        sources: &[(DevicePtr, DevicePtr)],
+    ) -> Result<InputUpdate, GraphError> {
+        self.update_instances(|instances| instances.copy_plan(sources))
+    }
+
+    /// Makes the changes `plan` says in the instances, reading the captured graph's nodes
+    /// at the first update.
+    fn update_instances(
+        &self,
+        plan: impl FnOnce(&Instances) -> Result<repoint::Plan, GraphError>,
+    ) -> Result<InputUpdate, GraphError> {
         let mut st = self.state.lock();
         let (graph, mut exec) = st.graph.zip(st.exec).ok_or(GraphError::NothingCaptured)?;
         let driver = &**self.driver();
@@ -484,7 +505,8 @@ impl CudaGraph {
             Some(instances) => instances,
             None => Instances::read(driver, graph)?,
         };
-        let result = instances.update(driver, graph, &mut exec, st.keep_instances, moves);
+        let result = plan(&instances)
+            .and_then(|plan| instances.update(driver, graph, &mut exec, st.keep_instances, plan));
         st.exec = Some(exec);
         st.instances = Some(instances);
         result
@@ -494,7 +516,8 @@ impl CudaGraph {
     /// each holding the input addresses it was last given (beyond PyTorch; default 1).
     /// Moving back to addresses a kept instance holds then costs no driver call
     /// ([`InputUpdate::Kept`]); moving to new ones makes another instance while fewer than
-    /// `n` exist ([`InputUpdate::Added`]), else updates the least recently launched one.
+    /// `n` exist ([`InputUpdate::Added`]), else updates the one replays launch (as with one
+    /// instance: the others stay for the addresses they hold).
     /// Each instance costs what `cuGraphInstantiate` costs, in time once and in driver
     /// memory while kept. For a graph fed from a few buffers in turn (double buffering:
     /// `n = 2`). Lowering `n` destroys the least recently launched instances.

@@ -102,6 +102,44 @@ impl NodeMap {
         }
     }
 
+    /// What pointing the 1-D device-to-device copies into `dst` at `src` does, for each
+    /// `(dst, src)`; a `dst` no such copy writes is [`GraphError::CannotRepoint`] (naming
+    /// the node count).
+    pub(crate) fn copy_plan(&self, sources: &[(DevicePtr, DevicePtr)]) -> Result<Plan, GraphError> {
+        let mut plan = Plan::default();
+        for &(to, from) in sources {
+            let found = self
+                .holders
+                .iter()
+                .find_map(|&index| match self.nodes.get(index) {
+                    Some(&GraphNode::Memcpy {
+                        dst: CopyEnd::Device(dst),
+                        src: CopyEnd::Device(src),
+                        bytes,
+                    }) if dst == to => Some((index, src, bytes)),
+                    _ => None,
+                });
+            let Some((index, src, bytes)) = found else {
+                return Err(GraphError::CannotRepoint {
+                    node: self.nodes.len(),
+                    kind: "memcpy",
+                    reason: format!("the graph holds no device-to-device copy into {to}"),
+                });
+            };
+            if src != from {
+                plan.pointers += 1;
+                let node = GraphNode::Memcpy {
+                    dst: CopyEnd::Device(to),
+                    src: CopyEnd::Device(from),
+                    bytes,
+                };
+                plan.changes.push((index, node));
+            }
+        }
+        plan.changes.sort_by_key(|(index, _)| *index);
+        Ok(plan)
+    }
+
     /// What repointing `moves` does to the nodes, or the first node (in the driver's order)
     /// that may hold an input's address and cannot be repointed.
     pub(crate) fn plan(&self, moves: &[InputMove]) -> Result<Plan, GraphError> {

@@ -69,59 +69,79 @@ pub(super) fn describe(node: sys::CUgraphNode) -> Result<GraphNode, DriverError>
     })
 }
 
-/// Gives `node` the parameters `to` describes; see
-/// [`Driver::graph_set_node`](crate::Driver::graph_set_node) for what must match.
-pub(super) fn set(node: sys::CUgraphNode, to: &GraphNode) -> Result<(), DriverError> {
-    let kind = node_type(node)?;
-    match to {
-        GraphNode::Kernel { args } if kind == NodeType::CU_GRAPH_NODE_TYPE_KERNEL as u32 => {
-            set_kernel(node, args).map(|_| ())
-        }
-        GraphNode::Memset { dst, value, count }
-            if kind == NodeType::CU_GRAPH_NODE_TYPE_MEMSET as u32 =>
-        {
-            set_memset(node, *dst, *value, *count)
-        }
-        GraphNode::Memcpy { dst, src, bytes }
-            if kind == NodeType::CU_GRAPH_NODE_TYPE_MEMCPY as u32 =>
-        {
-            set_memcpy(node, *dst, *src, *bytes)
-        }
-        _ => Err(DriverError::INVALID_VALUE),
-    }
+/// The parameters `to` describes, for `node` or an instance's copy of it: a kernel's
+/// function and launch shape and a copy's or memset's layout are `node`'s, what `to` names
+/// is new. See [`Driver::graph_set_node`](crate::Driver::graph_set_node) for what must
+/// match; anything else is `CUDA_ERROR_INVALID_VALUE`.
+pub(super) enum Params {
+    Kernel(KernelParams),
+    Memset(sys::CUDA_MEMSET_NODE_PARAMS),
+    Memcpy(sys::CUDA_MEMCPY3D),
 }
 
-/// Gives `node` the parameters `to` describes, as [`set`] does, and returns what the node
-/// holds now when it is a kernel node, so that an instance of its graph can be given the
-/// same ([`set_in_exec`]) without reading them back.
-pub(super) fn set_keeping(
-    node: sys::CUgraphNode,
-    to: &GraphNode,
-) -> Result<Option<KernelParams>, DriverError> {
-    match to {
-        GraphNode::Kernel { args }
-            if node_type(node)? == NodeType::CU_GRAPH_NODE_TYPE_KERNEL as u32 =>
-        {
-            set_kernel(node, args).map(Some)
-        }
-        _ => set(node, to).map(|()| None),
+impl Params {
+    pub(super) fn new(node: sys::CUgraphNode, to: &GraphNode) -> Result<Params, DriverError> {
+        let kind = node_type(node)?;
+        Ok(match to {
+            GraphNode::Kernel { args } if kind == NodeType::CU_GRAPH_NODE_TYPE_KERNEL as u32 => {
+                Params::Kernel(kernel_params(node, args)?)
+            }
+            GraphNode::Memset { dst, value, count }
+                if kind == NodeType::CU_GRAPH_NODE_TYPE_MEMSET as u32 =>
+            {
+                Params::Memset(memset_params(node, *dst, *value, *count)?)
+            }
+            GraphNode::Memcpy { dst, src, bytes }
+                if kind == NodeType::CU_GRAPH_NODE_TYPE_MEMCPY as u32 =>
+            {
+                Params::Memcpy(memcpy_params(node, *dst, *src, *bytes)?)
+            }
+            _ => return Err(DriverError::INVALID_VALUE),
+        })
     }
-}
 
-/// Gives `node` of the instance `exec` the kernel parameters `params`, which its graph's
-/// node holds (`cuGraphExecKernelNodeSetParams`). `false`: the driver refused; the caller
-/// updates the whole instance.
-pub(super) fn set_in_exec(
-    exec: sys::CUgraphExec,
-    node: sys::CUgraphNode,
-    params: &KernelParams,
-) -> bool {
-    // SAFETY: `exec` is a live instance of the graph `node` belongs to, with the same
-    // topology; `params` is what that node was just given (its function, launch shape and
-    // one pointer per parameter to as many bytes as the parameter takes, all owned by
-    // `params`), which the call copies.
-    let r = unsafe { sys::cuGraphExecKernelNodeSetParams_v2(exec, node, &params.params) };
-    r == sys::CUresult::CUDA_SUCCESS
+    /// Gives `node` of its graph these parameters.
+    pub(super) fn set(&self, node: sys::CUgraphNode) -> Result<(), DriverError> {
+        check(match self {
+            // SAFETY: a kernel node of a live graph; one pointer per parameter, each to as
+            // many bytes as the parameter takes (checked when made), all owned by `p`, which
+            // the call copies.
+            Params::Kernel(p) => unsafe { sys::cuGraphKernelNodeSetParams_v2(node, &p.params) },
+            // SAFETY: a memset node of a live graph; a fully initialised struct; the driver
+            // checks the device range.
+            Params::Memset(p) => unsafe { sys::cuGraphMemsetNodeSetParams(node, p) },
+            // SAFETY: a memcpy node of a live graph; the host pointers are the ones the
+            // driver returned for this node (a host end may not change), and the driver
+            // checks device ranges.
+            Params::Memcpy(p) => unsafe { sys::cuGraphMemcpyNodeSetParams(node, p) },
+        })
+    }
+
+    /// Gives the copy of `node` in the instance `exec` of its graph these parameters, the
+    /// graph's node left as it is (`cuGraphExecKernelNodeSetParams`,
+    /// `cuGraphExecMemsetNodeSetParams`, `cuGraphExecMemcpyNodeSetParams`, in `ctx`).
+    /// `false`: the driver refused.
+    pub(super) fn set_in_exec(
+        &self,
+        exec: sys::CUgraphExec,
+        node: sys::CUgraphNode,
+        ctx: sys::CUcontext,
+    ) -> bool {
+        let r = match self {
+            // SAFETY: `exec` is a live instance of the graph `node` belongs to; `p` holds
+            // the node's function and launch shape and one pointer per parameter to as many
+            // bytes as the parameter takes, all owned by `p`, which the call copies.
+            Params::Kernel(p) => unsafe {
+                sys::cuGraphExecKernelNodeSetParams_v2(exec, node, &p.params)
+            },
+            // SAFETY: as above; a fully initialised struct, `ctx` the live context of the
+            // instance's device; the driver checks the device range.
+            Params::Memset(p) => unsafe { sys::cuGraphExecMemsetNodeSetParams(exec, node, p, ctx) },
+            // SAFETY: as above; host ends are the driver's own for this node.
+            Params::Memcpy(p) => unsafe { sys::cuGraphExecMemcpyNodeSetParams(exec, node, p, ctx) },
+        };
+        r == sys::CUresult::CUDA_SUCCESS
+    }
 }
 
 fn opaque(what: &'static str) -> GraphNode {
@@ -183,7 +203,8 @@ pub(super) struct KernelParams {
     _values: Vec<Vec<u8>>,
 }
 
-fn set_kernel(node: sys::CUgraphNode, args: &[Vec<u8>]) -> Result<KernelParams, DriverError> {
+/// `node`'s kernel parameters with the argument bytes `args` (as many, of the same sizes).
+fn kernel_params(node: sys::CUgraphNode, args: &[Vec<u8>]) -> Result<KernelParams, DriverError> {
     let current = read_kernel(node)?.ok_or(DriverError::INVALID_VALUE)?;
     let same_shape = current.args.len() == args.len()
         && current
@@ -198,10 +219,6 @@ fn set_kernel(node: sys::CUgraphNode, args: &[Vec<u8>]) -> Result<KernelParams, 
     let mut pointers: Vec<*mut c_void> = values.iter_mut().map(|v| v.as_mut_ptr().cast()).collect();
     let mut params = current.params;
     params.kernelParams = pointers.as_mut_ptr();
-    // SAFETY: a kernel node of a live graph; one pointer per parameter, each to as many bytes
-    // as the parameter takes (checked above); `pointers` and `values` outlive the call, which
-    // copies them.
-    check(unsafe { sys::cuGraphKernelNodeSetParams_v2(node, &params) })?;
     Ok(KernelParams {
         params,
         _pointers: pointers,
@@ -234,12 +251,13 @@ fn memset_node(p: &sys::CUDA_MEMSET_NODE_PARAMS) -> GraphNode {
     }
 }
 
-fn set_memset(
+/// `node`'s memset parameters writing `count` times `value` at `dst`.
+fn memset_params(
     node: sys::CUgraphNode,
     dst: DevicePtr,
     value: MemsetValue,
     count: u64,
-) -> Result<(), DriverError> {
+) -> Result<sys::CUDA_MEMSET_NODE_PARAMS, DriverError> {
     let mut p = read_memset(node)?;
     if p.height > 1 {
         return Err(DriverError::INVALID_VALUE);
@@ -253,9 +271,7 @@ fn set_memset(
     p.value = bits;
     p.elementSize = width;
     p.width = usize::try_from(count).map_err(|_| DriverError::INVALID_VALUE)?;
-    // SAFETY: a memset node of a live graph; a fully initialised struct; the driver checks
-    // the device range.
-    check(unsafe { sys::cuGraphMemsetNodeSetParams(node, &p) })
+    Ok(p)
 }
 
 /// The copy node's parameters, or `None` when a memory type is one these bindings do not
@@ -338,12 +354,14 @@ fn memcpy_node(p: &sys::CUDA_MEMCPY3D) -> GraphNode {
     }
 }
 
-fn set_memcpy(
+/// `node`'s copy parameters with the ends `dst` and `src` and the length `bytes` (a host
+/// end may not change, nor a length that touches one).
+fn memcpy_params(
     node: sys::CUgraphNode,
     dst: CopyEnd,
     src: CopyEnd,
     bytes: u64,
-) -> Result<(), DriverError> {
+) -> Result<sys::CUDA_MEMCPY3D, DriverError> {
     let mut p = read_memcpy(node)?.ok_or(DriverError::INVALID_VALUE)?;
     let (dst_now, src_now) = copy_ends(&p).ok_or(DriverError::INVALID_VALUE)?;
     let touches_host = [dst_now, src_now]
@@ -355,10 +373,7 @@ fn set_memcpy(
     retarget(dst_now, dst, p.dstXInBytes, &mut p.dstDevice)?;
     retarget(src_now, src, p.srcXInBytes, &mut p.srcDevice)?;
     p.WidthInBytes = usize::try_from(bytes).map_err(|_| DriverError::INVALID_VALUE)?;
-    // SAFETY: a memcpy node of a live graph; the host pointers are the ones the driver
-    // returned for this node (a host end may not change), and the driver checks device
-    // ranges.
-    check(unsafe { sys::cuGraphMemcpyNodeSetParams(node, &p) })
+    Ok(p)
 }
 
 /// Points a device end at `wanted` (keeping the copy's x offset); a host end must stay.

@@ -110,6 +110,7 @@ pub enum Call {
     GraphDebugDot,
     GraphNodes,
     GraphSetNode,
+    GraphExecSetNodes,
     GraphExecUpdate,
     VmGranularity,
     VmReserve,
@@ -1729,6 +1730,33 @@ impl Driver for FakeDriver {
             g.nodes = changed.into();
         }
         Ok(())
+    }
+
+    fn graph_exec_set_nodes(
+        &self,
+        exec: GraphExecHandle,
+        graph: GraphHandle,
+        changes: &[(usize, GraphNode)],
+    ) -> Result<bool, DriverError> {
+        let mut st = match self.enter(Call::GraphExecSetNodes) {
+            // An injected refusal reads as the real driver's refusing a node.
+            Err(e) if e == DriverError::GRAPH_EXEC_UPDATE_FAILURE => return Ok(false),
+            entered => entered?,
+        };
+        st.graph(graph)?;
+        let e = st.execs.get(&exec.raw).filter(|e| e.device == exec.device);
+        let mut changed = e.ok_or(DriverError::INVALID_HANDLE)?.nodes.to_vec();
+        for (index, node) in changes {
+            let slot = changed.get_mut(*index).ok_or(DriverError::INVALID_VALUE)?;
+            slot.work = nodes::apply(&slot.work, node)?;
+            for (ptr, bytes) in nodes::device_ranges(&slot.work) {
+                st.dev_ptr_check(ptr, bytes)?;
+            }
+        }
+        if let Some(e) = st.execs.get_mut(&exec.raw) {
+            e.nodes = changed.into();
+        }
+        Ok(true)
     }
 
     fn graph_exec_update(

@@ -83,6 +83,7 @@ impl Trees {
             bytes,
             reads,
             seen,
+            ..
         } = slot
         else {
             return None;
@@ -105,10 +106,49 @@ impl Trees {
             .collect()
     }
 
+    /// Points the copies `node`'s graph makes of its inputs at this call's buffers: one
+    /// graph update, or none when they read there already or a kept instance does.
+    fn retarget_copies(
+        node: &RecordedNode,
+        inputs: &[Input<'_>],
+        fed: &mut Fed,
+    ) -> Result<(), TreeError> {
+        let mut sources = Vec::new();
+        for (i, (slot, input)) in node.inputs.iter().zip(inputs).enumerate() {
+            let InputSlot::Copied {
+                ptr,
+                bytes,
+                seen,
+                in_graph: true,
+                ..
+            } = *slot
+            else {
+                continue;
+            };
+            if input.used_bytes() != bytes {
+                return Err(TreeError::Config(format!(
+                    "input {i}: {} bytes for a copy of {bytes} bytes captured in the graph",
+                    input.used_bytes()
+                )));
+            }
+            if input.ptr != seen {
+                sources.push((ptr, input.ptr));
+            }
+        }
+        if !sources.is_empty() {
+            match node.graph.retarget_copies(&sources)? {
+                InputUpdate::Kept { .. } => fed.kept += 1,
+                _ => fed.updates += 1,
+            }
+        }
+        Ok(())
+    }
+
     /// Feeds `inputs` to `node` before its replay on `stream`: one graph update for the
     /// slots that move (falling back to copies for good when the graph cannot be
-    /// repointed), then a copy into each slot that reads its pool copy. On an error the
-    /// slots still say where the graph reads.
+    /// repointed), one for the copies the graph makes itself, then a copy into each other
+    /// slot that reads its pool copy. On an error the slots still say where the graph
+    /// reads.
     pub(crate) fn feed(
         &self,
         node: &mut RecordedNode,
@@ -135,6 +175,7 @@ impl Trees {
                 Err(e) => return Err(e.into()),
             }
         }
+        Trees::retarget_copies(node, inputs, &mut fed)?;
         // Every slot now reads where it was moved to: record that for all of them before
         // any copy can fail, so the books always match the graph.
         for (i, input) in inputs.iter().enumerate() {
@@ -148,12 +189,18 @@ impl Trees {
         let driver = self.runtime.driver();
         for (slot, input) in node.inputs.iter().zip(inputs) {
             if let InputSlot::Copied {
-                ptr, bytes, reads, ..
+                ptr,
+                bytes,
+                reads,
+                in_graph,
+                ..
             } = *slot
                 && reads == ptr
                 && bytes > 0
             {
-                fill(&**driver, stream, ptr, input.ptr, input.used_bytes(), bytes)?;
+                if !in_graph {
+                    fill(&**driver, stream, ptr, input.ptr, input.used_bytes(), bytes)?;
+                }
                 fed.copies += 1;
             }
         }

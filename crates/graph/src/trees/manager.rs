@@ -86,6 +86,9 @@ pub(crate) struct FunctionInfo {
     /// Skip kinds already reported (PyTorch logs each once per function).
     pub(crate) reported: Vec<std::mem::Discriminant<SkipReason>>,
     pub(crate) warned_path: bool,
+    /// Its inputs may be padded to buckets (a recording may see inputs shorter than its
+    /// copies).
+    pub(crate) padded: bool,
 }
 
 #[derive(Debug)]
@@ -240,6 +243,7 @@ impl Trees {
             skip,
             reported: Vec::new(),
             warned_path: false,
+            padded: options.buckets.is_some(),
         });
         FunctionId(st.functions.len() as u32 - 1)
     }

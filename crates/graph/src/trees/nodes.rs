@@ -33,6 +33,11 @@ pub(crate) enum InputSlot {
         ///
         /// [`InputFeed::Auto`]: super::InputFeed::Auto
         seen: DevicePtr,
+        /// The copy is the graph's first node, reading `seen` (under [`InputFeed::Copy`],
+        /// unpadded): a replay points it at the caller's buffer instead of copying first.
+        ///
+        /// [`InputFeed::Copy`]: super::InputFeed::Copy
+        in_graph: bool,
     },
 }
 

@@ -1,6 +1,7 @@
 //! The four ways a call is served: a warm-up in the pool, a recording, a replay, an eager
 //! run outside the pool; and the input copies they need (`_allocate_and_copy_recording_
 //! inputs`, bucket padding). How a replay's inputs are fed is in `feed`.
+use super::config::InputFeed;
 use super::context::{Call, Ctx, RunKind, Served, TreeFn};
 use super::errors::{SkipReason, TreeError, TreeEvent};
 use super::liveness::{died_between, live_path_ptrs, path_liveness};
@@ -14,12 +15,14 @@ use ferrocuda_stream::{MemoryResource, Stream};
 use ferrocuda_types::{CaptureMode, DevicePtr, MemsetValue};
 use std::sync::Arc;
 
-/// A recording's inputs: how the node takes each, what the function sees, and the copies
-/// (freed once recorded).
+/// A recording's inputs: how the node takes each, what the function sees, the copies
+/// (freed once recorded), and the copies to capture as the graph's first nodes
+/// `(dst, src, bytes)`.
 struct Staged {
     slots: Vec<InputSlot>,
     args: Vec<Arg>,
     copies: Vec<Out>,
+    captured: Vec<(DevicePtr, DevicePtr, u64)>,
 }
 
 /// Calls the wrapped function, naming it in its error.
@@ -69,13 +72,15 @@ impl Trees {
             .map_or_else(|| Arc::from(""), |i| i.name.clone())
     }
 
-    /// A copy of `input` seen as `shape` (padded with zeros), allocated on `stream`.
+    /// A copy of `input` seen as `shape` (padded with zeros), allocated on `stream`, and
+    /// filled there unless `fill_later`.
     fn stage(
         &self,
         memory: &Arc<dyn MemoryResource>,
         stream: &Stream,
         input: &Input<'_>,
         shape: Shape,
+        fill_later: bool,
     ) -> Result<Out, TreeError> {
         let bytes = shape.bytes(input.dtype);
         let ptr = if bytes == 0 {
@@ -90,8 +95,10 @@ impl Trees {
             shape,
         };
         let copy = Out::new(memory.clone(), arg);
-        let driver = self.runtime.driver();
-        fill(&**driver, stream, ptr, input.ptr, input.used_bytes(), bytes)?;
+        if !fill_later {
+            let driver = self.runtime.driver();
+            fill(&**driver, stream, ptr, input.ptr, input.used_bytes(), bytes)?;
+        }
         Ok(copy)
     }
 
@@ -110,7 +117,7 @@ impl Trees {
             if shape == input.shape {
                 args.push(in_place(input));
             } else {
-                let copy = self.stage(memory, stream, input, shape)?;
+                let copy = self.stage(memory, stream, input, shape, false)?;
                 args.push(copy.as_arg());
                 copies.push(copy);
             }
@@ -120,17 +127,22 @@ impl Trees {
 
     /// The inputs of a recording: static inputs and live path outputs in place, the others
     /// copied into the pool (the copies are freed once recorded; replays copy into their
-    /// addresses, or patch the graph away from them).
+    /// addresses, or patch the graph away from them). Under [`InputFeed::Copy`], the copy
+    /// of an input that is never padded (`padded`: the function's inputs may be) is
+    /// captured as one of the graph's first nodes, so that a replay with the same buffer
+    /// copies without a call of its own.
     fn stage_recording(
         &self,
         memory: &Arc<dyn MemoryResource>,
         inputs: &[Input<'_>],
         shapes: &[Shape],
         managed: &[DevicePtr],
+        padded: bool,
     ) -> Result<Staged, TreeError> {
         let mut slots = Vec::with_capacity(inputs.len());
         let mut args = Vec::with_capacity(inputs.len());
         let mut copies = Vec::new();
+        let mut captured = Vec::new();
         for (input, &shape) in inputs.iter().zip(shapes) {
             let same = shape == input.shape;
             if same && input.is_static {
@@ -140,13 +152,20 @@ impl Trees {
                 slots.push(InputSlot::Managed(input.ptr));
                 args.push(in_place(input));
             } else {
-                let copy = self.stage(memory, &self.stream, input, shape)?;
+                let bytes = shape.bytes(input.dtype);
+                let in_graph =
+                    self.config.input_feed == InputFeed::Copy && !padded && same && bytes > 0;
+                let copy = self.stage(memory, &self.stream, input, shape, in_graph)?;
                 let arg = copy.as_arg();
+                if in_graph {
+                    captured.push((arg.ptr, input.ptr, bytes));
+                }
                 slots.push(InputSlot::Copied {
                     ptr: arg.ptr,
-                    bytes: shape.bytes(input.dtype),
+                    bytes,
                     reads: arg.ptr,
                     seen: input.ptr,
+                    in_graph,
                 });
                 args.push(arg);
                 copies.push(copy);
@@ -156,6 +175,7 @@ impl Trees {
             slots,
             args,
             copies,
+            captured,
         })
     }
 
@@ -236,17 +256,20 @@ impl Trees {
         let caller = self.runtime.current_stream(self.device)?;
         self.stream.wait_stream(&caller)?;
         let memory = self.memory();
+        let padded = st.functions.get(fid.0 as usize).is_some_and(|i| i.padded);
+        let staged = {
+            let _route = PoolRoute::begin(self.allocator()?, self.pool, &self.stream)?;
+            self.stage_recording(&memory, inputs, shapes, &managed, padded)?
+        };
+        let graph = CudaGraph::new(self.runtime.clone(), self.allocators.clone(), self.device)?;
+        graph.keep_instances(self.config.kept_instances);
         let Staged {
             slots,
             args,
             copies,
-        } = {
-            let _route = PoolRoute::begin(self.allocator()?, self.pool, &self.stream)?;
-            self.stage_recording(&memory, inputs, shapes, &managed)?
-        };
-        let graph = CudaGraph::new(self.runtime.clone(), self.allocators.clone(), self.device)?;
-        graph.keep_instances(self.config.kept_instances);
-        let outs = match self.capture(&graph, &memory, &name, &args, f)? {
+            captured,
+        } = staged;
+        let outs = match self.capture(&graph, &memory, &name, &args, &captured, f)? {
             Ok(outs) => outs,
             Err(op) => {
                 drop(copies);
@@ -293,14 +316,16 @@ impl Trees {
         })
     }
 
-    /// Captures the function into `graph` on the tree's stream and pool: its outputs, or
-    /// the incompatible operation it declared (the capture is then discarded).
+    /// Captures the input copies `(dst, src, bytes)` then the function into `graph` on the
+    /// tree's stream and pool: its outputs, or the incompatible operation it declared (the
+    /// capture is then discarded).
     fn capture(
         &self,
         graph: &CudaGraph,
         memory: &Arc<dyn MemoryResource>,
         name: &str,
         args: &[Arg],
+        copies: &[(DevicePtr, DevicePtr, u64)],
         f: &mut dyn TreeFn,
     ) -> Result<Result<Vec<Out>, String>, TreeError> {
         let capture = graph.capture(
@@ -308,6 +333,10 @@ impl Trees {
             Some(self.pool),
             CaptureMode::ThreadLocal,
         )?;
+        let driver = self.runtime.driver();
+        for &(dst, src, bytes) in copies {
+            driver.memcpy_dtod_async(dst, src, bytes, capture.stream().handle())?;
+        }
         let (outs, incompatible) = {
             let mut ctx = Ctx::new(capture.stream(), memory.clone(), RunKind::Record);
             let outs = call_fn(f, &mut ctx, args, name)?;
