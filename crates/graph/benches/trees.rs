@@ -2,14 +2,16 @@
 //! lookup, tree bookkeeping, invariant checks, output handles, `cuGraphLaunch`) against a
 //! bare replay of the same 10 kernels captured in a `CudaGraph` (`cuGraphLaunch` and one
 //! lock), same process, interleaved, median of 21 rounds. Target: at most 2 us over the
-//! bare launch (PyTorch's reduce-overhead: about 40 us). Four calls are measured: with a
-//! static input (no copy); with one non-static input copied (one 4-byte copy enqueued);
-//! patched, the same buffer each call (nothing to do); patched, alternating between two
-//! buffers (one graph update per call).
+//! bare launch (PyTorch's reduce-overhead: about 40 us). Four calls are measured, with the
+//! default two kept instances: with a static input (no copy); with one non-static input
+//! copied (`InputFeed::Copy`: by the graph's own copy node, nothing enqueued but the
+//! launch); patched, the same buffer each call (nothing to do); patched, alternating
+//! between two buffers (each held by a kept instance once both were seen).
 //!
 //! Then the sweep behind `InputFeed::Auto`'s size threshold: the same call with an input of
-//! 4 KiB to 4 MiB that moves on every call, copied vs patched, per-call CPU time (on the
-//! fake device the copy runs on the host at enqueue, so its size shows).
+//! 4 KiB to 4 MiB that moves on every call, one instance, copied before the replay vs by
+//! the graph's copy node vs patched, per-call CPU time (on the fake device the copy runs on
+//! the host at enqueue, so its size shows).
 //!
 //! On the GPU bundle it runs over the real driver (required there: `FERROCUDA_REQUIRE_GPU=1`);
 //! elsewhere over the fake device, where the launch itself costs what the fake's does.
@@ -115,9 +117,11 @@ impl Tree {
         allocators: &Arc<DeviceAllocators>,
         tiny: &Function,
         feed: InputFeed,
+        kept_instances: usize,
     ) -> Tree {
         let config = TreeConfig {
             input_feed: feed,
+            kept_instances,
             ..TreeConfig::default()
         };
         let trees = Trees::new(rt.clone(), allocators.clone(), DEV, config).expect("trees");
@@ -160,8 +164,9 @@ impl Setup {
             .expect("capture");
         ten_tiny(&stream, &tiny, x.arg());
         capture.end().expect("capture end");
-        let copying = Tree::new(&rt, &allocators, &tiny, InputFeed::Copy);
-        let patching = Tree::new(&rt, &allocators, &tiny, InputFeed::Patch);
+        let kept = TreeConfig::default().kept_instances;
+        let copying = Tree::new(&rt, &allocators, &tiny, InputFeed::Copy, kept);
+        let patching = Tree::new(&rt, &allocators, &tiny, InputFeed::Patch, kept);
         drop(_current);
         Setup {
             rt,
@@ -246,17 +251,23 @@ fn median_call(rt: &Runtime, mut f: impl FnMut()) -> f64 {
     rounds[rounds.len() / 2]
 }
 
-/// The sweep behind `InputFeed::Auto`'s threshold: an input moving on every call, copied
-/// vs patched, per size.
+/// The sweep behind `InputFeed::Auto`'s threshold: an input moving on every call, one
+/// instance per recording (so every move is an update), per size: copied before the replay
+/// (what `Auto` does below the threshold: `Auto` with no size large enough), copied by the
+/// graph's own copy node (`InputFeed::Copy`, the node pointed at each call's buffer), and
+/// patched.
 fn threshold_sweep(s: &Setup) {
     for kib in [4usize, 8, 16, 32, 64, 256, 1024, 4096] {
         let n = kib * 1024 / size_of::<f32>();
         let bufs =
             [0.0f32, 1.0].map(|v| DeviceBuffer::<f32>::filled(&s.rt, DEV, n, v).expect("buffer"));
-        let copying = Tree::new(&s.rt, &s.allocators, &s.tiny, InputFeed::Copy);
-        let patching = Tree::new(&s.rt, &s.allocators, &s.tiny, InputFeed::Patch);
-        let mut times = [0.0; 2];
-        for (t, tree) in times.iter_mut().zip([&copying, &patching]) {
+        let never = InputFeed::Auto {
+            min_bytes: u64::MAX,
+        };
+        let trees = [never, InputFeed::Copy, InputFeed::Patch]
+            .map(|feed| Tree::new(&s.rt, &s.allocators, &s.tiny, feed, 1));
+        let mut times = [0.0; 3];
+        for (t, tree) in times.iter_mut().zip(&trees) {
             let mut i = 0usize;
             let mut step = || {
                 i += 1;
@@ -267,12 +278,13 @@ fn threshold_sweep(s: &Setup) {
             }
             *t = median_call(&s.rt, step);
         }
-        let stats = patching.trees.stats();
+        let stats = trees[2].trees.stats();
         assert_eq!(stats.input_copies, 0, "{stats:?}");
         println!(
-            "trees: 10-kernel call, input of {kib} KiB moving every call: copied {:.2} us, patched {:.2} us (one graph update) per call",
+            "trees: 10-kernel call, input of {kib} KiB moving every call: copied {:.2} us, copied in the graph {:.2} us (one copy node update), patched {:.2} us (one graph update) per call",
             times[0] * 1e6,
-            times[1] * 1e6
+            times[1] * 1e6,
+            times[2] * 1e6
         );
     }
 }

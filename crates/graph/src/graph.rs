@@ -428,8 +428,10 @@ impl CudaGraph {
     /// (beyond PyTorch). For each `(old, new)` pair, every address inside `old` that the
     /// graph holds moves to the same offset inside `new`: kernel arguments, memset
     /// destinations, copy sources and destinations, whether they point at the start of
-    /// `old` or into it. The instantiated graph is then updated in place
-    /// (`cuGraphExecUpdate`), or instantiated again when the driver refuses that.
+    /// `old` or into it. The instantiated graph's changed nodes are then set in place
+    /// (falling back to `cuGraphExecUpdate`, then to instantiating it again, when the
+    /// driver refuses), or another kept instance is launched
+    /// ([`CudaGraph::keep_instances`]).
     ///
     /// Refused, with nothing changed: pairs of different lengths
     /// ([`StreamError::LengthMismatch`]), a buffer on another device than the graph's

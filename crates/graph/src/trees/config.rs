@@ -51,7 +51,10 @@ pub const PATCH_MIN_BYTES: u64 = 64 << 20;
 /// `docs/graphs.md`, "Trees".
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub enum InputFeed {
-    /// Copy it into the recording's static input before each replay (PyTorch's way).
+    /// Copy it into the recording's static input at each replay (PyTorch's way). Unless
+    /// the function's inputs are padded to buckets, the copy is the recording graph's own
+    /// first node, pointed at the caller's buffer when that moves: a replay with the same
+    /// buffer enqueues only the launch.
     Copy,
     /// Repoint the recording's graph at the caller's buffer
     /// ([`CudaGraph::update_input_ptrs`](crate::CudaGraph::update_input_ptrs)) whenever

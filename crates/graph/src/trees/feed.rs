@@ -4,6 +4,10 @@
 //! caller's buffer with [`CudaGraph::update_input_ptrs`](crate::CudaGraph::update_input_ptrs),
 //! where [`InputFeed`] says that is cheaper (beyond PyTorch).
 //!
+//! Under [`InputFeed::Copy`], an unpadded slot's copy is captured as one of the graph's
+//! first nodes (see `run`): a replay points that node at the caller's buffer when it moved
+//! (`CudaGraph::retarget_copies`), instead of enqueueing a copy.
+//!
 //! Each such input slot of a recording remembers where its graph reads it now: its pool
 //! copy, or the caller's buffer of an earlier call. Before each replay every slot is made
 //! to read either this call's buffer (patched) or its pool copy (then copied into), with

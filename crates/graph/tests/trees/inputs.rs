@@ -2,11 +2,11 @@
 //! patched (the graph repointed at the caller's buffer). The same outputs either way and as
 //! eager, no copy when patched, the size rule of `InputFeed::Auto`, and the fallback to
 //! copies when a graph cannot be repointed.
-use crate::{N, Setup, TestResult, expect, named, random, served_kinds};
+use crate::{D0, N, Setup, TestResult, expect, named, random, served_kinds};
 use ferrocuda_driver::Call as DriverCall;
 use ferrocuda_graph::trees::{
-    Arg, Ctx, Input, InputFeed, PATCH_MIN_BYTES, Served, TreeConfig, TreeEvent, TreeStats,
-    TreeTensor, Trees, Wrapped,
+    Arg, Buckets, Ctx, Input, InputFeed, PATCH_MIN_BYTES, Served, TreeConfig, TreeEvent, TreeStats,
+    TreeTensor, Trees, WrapOptions, Wrapped,
 };
 use ferrocuda_stream::DeviceBuffer;
 use ferrocuda_stream::conformance::Harness;
@@ -288,6 +288,91 @@ pub(crate) fn kept_instances_serve_inputs_that_come_back(h: &Harness) -> TestRes
     }
     for (buf, v) in bufs.iter().zip(&values) {
         assert_eq!(&buf.to_host()?, v, "the callers' buffers are only read");
+    }
+    Ok(())
+}
+
+/// `InputFeed::Copy` copies an unpadded input inside the recording's graph: a replay with
+/// the same buffer enqueues no copy of its own yet reads what the buffer holds at that
+/// replay (its contents change between calls, replays queued on the fake device); a moved
+/// buffer costs one update (here another instance, `Added`), and a buffer a kept instance
+/// reads costs none.
+/// A function padded to buckets copies before the replay, one copy per call.
+pub(crate) fn copied_inputs_are_copied_by_the_graph(h: &Harness) -> TestResult {
+    let s = Setup::new(h)?;
+    let copy = TreeConfig {
+        input_feed: InputFeed::Copy,
+        ..TreeConfig::default()
+    };
+    let (trees, bucketed) = (s.trees(copy.clone())?, s.trees(copy)?);
+    let wrap = |trees: &Arc<Trees>, options: WrapOptions| {
+        let k = s.k.clone();
+        trees.wrap(
+            move |ctx: &mut Ctx<'_>, a: &[Arg]| Ok(vec![k.scaled(ctx, &a[0], 2.0)?]),
+            options,
+        )
+    };
+    let f = wrap(&trees, named("in_graph"));
+    let g = wrap(
+        &bucketed,
+        WrapOptions {
+            buckets: Some(Buckets::new(&[N])?),
+            ..named("bucketed")
+        },
+    );
+    let (a, b) = (s.buffer(&random(N, 90))?, s.buffer(&random(N, 91))?);
+    let memcpys = || h.fake.as_ref().map(|f| f.calls(DriverCall::MemcpyDtoD));
+    let mut kept = Vec::new();
+    // (buffer, new contents, copy-node updates): warm-up, recording, then replays.
+    let plan = [
+        (0, 1, 0),
+        (0, 2, 0),
+        (0, 3, 0),
+        (0, 4, 0),
+        (1, 5, 1),
+        (1, 6, 0),
+        (0, 7, 0),
+    ];
+    for (i, &(which, seed, updates)) in plan.iter().enumerate() {
+        let buffer = [&a, &b][which];
+        let values = random(N, seed);
+        buffer.copy_from_host(&values)?;
+        trees.mark_step_begin();
+        bucketed.mark_step_begin();
+        let (before, copies) = (trees.stats(), memcpys());
+        let call = f.call(&[Input::buffer(buffer)])?;
+        let now = trees.stats();
+        if call.served == Served::Replayed {
+            assert_eq!(
+                (
+                    now.input_copies - before.input_copies,
+                    now.input_updates - before.input_updates
+                ),
+                (1, updates),
+                "call {i}: one copy, made by the graph"
+            );
+            assert_eq!(memcpys(), copies, "call {i}: no copy enqueued");
+        }
+        let copies = memcpys();
+        let padded = g.call(&[Input::buffer(buffer)])?;
+        if padded.served == Served::Replayed && h.fake.is_some() {
+            assert_eq!(
+                memcpys(),
+                copies.map(|c| c + 1),
+                "call {i}: the bucketed copy"
+            );
+        }
+        let twice: Vec<f32> = values.iter().map(|v| 2.0 * v).collect();
+        let outs = [&call, &padded].map(|c| c.outputs[0].copy_out());
+        kept.push((outs, twice));
+        // The next contents are written only once this call's replays read theirs.
+        s.h.rt.current_stream(D0)?.synchronize()?;
+    }
+    assert_eq!(trees.stats().kept_instance_launches, 1, "the last move");
+    for (i, (outs, twice)) in kept.into_iter().enumerate() {
+        for out in outs {
+            expect(&out?, &twice, &format!("call {i}"))?;
+        }
     }
     Ok(())
 }

@@ -249,7 +249,8 @@ use guards::{
 };
 use inputs::{
     an_unpatchable_recording_copies_from_then_on, auto_feed_patches_large_and_reused_inputs,
-    kept_instances_serve_inputs_that_come_back, patched_inputs_match_copied_inputs_and_eager,
+    copied_inputs_are_copied_by_the_graph, kept_instances_serve_inputs_that_come_back,
+    patched_inputs_match_copied_inputs_and_eager,
 };
 use shapes::{
     buckets_pad_to_few_recordings, evicting_a_sibling_keeps_the_live_branch,
@@ -277,6 +278,7 @@ ferrocuda_stream::both_backends!(
     auto_feed_patches_large_and_reused_inputs,
     an_unpatchable_recording_copies_from_then_on,
     kept_instances_serve_inputs_that_come_back,
+    copied_inputs_are_copied_by_the_graph,
     an_output_passed_into_the_next_step_is_stale,
     mutating_a_warmup_output_is_graphed,
     refused_calls_leave_no_trace,
