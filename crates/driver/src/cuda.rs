@@ -25,7 +25,7 @@ use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
 use std::collections::BTreeMap;
 use std::ffi::{CString, c_void};
 use std::path::Path;
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 
 #[cfg(feature = "c-export")]
 pub(crate) mod context_scope;
@@ -63,6 +63,8 @@ struct Registry {
     modules: HashMap<u64, u16>,
     functions: HashMap<u64, (u16, u64)>,
     graphs: HashMap<u64, u16>,
+    /// What updates of instances read of a graph, once (`graph_exec_set_nodes`).
+    graph_nodes: HashMap<u64, Arc<nodes::Cache>>,
     execs: HashMap<u64, u16>,
     hosts: BTreeMap<u64, u64>,
     /// Host memory from `host_malloc`: its length and whether it is registered now.
@@ -335,7 +337,7 @@ impl CudaDriver {
 /// allocation, as a hand-written cudarc program would. It owns its module and stream, so
 /// nothing it launches on can be destroyed under it.
 pub struct RawLaunch {
-    driver: std::sync::Arc<CudaDriver>,
+    driver: Arc<CudaDriver>,
     module: ModuleHandle,
     stream: StreamHandle,
     function: sys::CUfunction,
@@ -357,7 +359,7 @@ impl RawLaunch {
     /// Loads `image` on `dev`, looks up `kernel` (whose parameters must all be 8 bytes
     /// wide, e.g. pointers) and prepares its launch with `args` on a new stream.
     pub fn new(
-        driver: std::sync::Arc<CudaDriver>,
+        driver: Arc<CudaDriver>,
         dev: DeviceIndex,
         image: &[u8],
         kernel: &str,
@@ -1143,7 +1145,10 @@ impl Driver for CudaDriver {
 
     fn graph_destroy(&self, graph: GraphHandle) -> Result<(), DriverError> {
         let g = self.graph(graph)?;
-        self.loaded()?.registry.write().graphs.remove(&graph.raw);
+        let mut registry = self.loaded()?.registry.write();
+        registry.graphs.remove(&graph.raw);
+        registry.graph_nodes.remove(&graph.raw);
+        drop(registry);
         // SAFETY: live (registry) and destroyed once.
         check(unsafe { sys::cuGraphDestroy(g) })
     }
@@ -1182,13 +1187,23 @@ impl Driver for CudaDriver {
     ) -> Result<bool, DriverError> {
         let (e, g) = (self.exec(exec)?, self.graph(graph)?);
         let ctx = self.primary_context(exec.device)?;
-        let list = nodes::list(g)?;
+        let registry = &self.loaded()?.registry;
+        let known = registry.read().graph_nodes.get(&graph.raw).cloned();
+        let cache = match known {
+            Some(cache) => cache,
+            None => {
+                let cache = Arc::new(nodes::Cache::read(g)?);
+                let mut registry = registry.write();
+                // Destroyed meanwhile by another thread: not kept.
+                if registry.graphs.contains_key(&graph.raw) {
+                    registry.graph_nodes.insert(graph.raw, cache.clone());
+                }
+                cache
+            }
+        };
         // Every node's parameters are made before any is set, so that an error sets none.
         let params = (changes.iter())
-            .map(|(index, to)| {
-                let node = *list.get(*index).ok_or(DriverError::INVALID_VALUE)?;
-                Ok((node, nodes::Params::new(node, to)?))
-            })
+            .map(|(index, to)| cache.params(*index, to))
             .collect::<Result<Vec<_>, DriverError>>()?;
         Ok(params.iter().all(|(node, p)| p.set_in_exec(e, *node, ctx)))
     }

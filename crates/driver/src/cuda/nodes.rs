@@ -206,24 +206,97 @@ pub(super) struct KernelParams {
 /// `node`'s kernel parameters with the argument bytes `args` (as many, of the same sizes).
 fn kernel_params(node: sys::CUgraphNode, args: &[Vec<u8>]) -> Result<KernelParams, DriverError> {
     let current = read_kernel(node)?.ok_or(DriverError::INVALID_VALUE)?;
-    let same_shape = current.args.len() == args.len()
-        && current
-            .args
-            .iter()
-            .zip(args)
-            .all(|(a, b)| a.len() == b.len());
-    if !same_shape {
-        return Err(DriverError::INVALID_VALUE);
+    KernelBase::of(&current).with_args(args)
+}
+
+/// A kernel node's function, launch shape and parameter sizes: what its parameters are
+/// made from, whatever its arguments.
+struct KernelBase {
+    /// With no parameter array.
+    params: sys::CUDA_KERNEL_NODE_PARAMS,
+    sizes: Vec<usize>,
+}
+
+impl KernelBase {
+    fn of(kernel: &Kernel) -> KernelBase {
+        let mut params = kernel.params;
+        params.kernelParams = std::ptr::null_mut();
+        params.extra = std::ptr::null_mut();
+        KernelBase {
+            params,
+            sizes: kernel.args.iter().map(Vec::len).collect(),
+        }
     }
-    let mut values = args.to_vec();
-    let mut pointers: Vec<*mut c_void> = values.iter_mut().map(|v| v.as_mut_ptr().cast()).collect();
-    let mut params = current.params;
-    params.kernelParams = pointers.as_mut_ptr();
-    Ok(KernelParams {
-        params,
-        _pointers: pointers,
-        _values: values,
-    })
+
+    /// The parameters with the argument bytes `args` (as many, of the same sizes).
+    fn with_args(&self, args: &[Vec<u8>]) -> Result<KernelParams, DriverError> {
+        let same_shape = self.sizes.len() == args.len()
+            && self
+                .sizes
+                .iter()
+                .zip(args)
+                .all(|(size, a)| *size == a.len());
+        if !same_shape {
+            return Err(DriverError::INVALID_VALUE);
+        }
+        let mut values = args.to_vec();
+        let mut pointers: Vec<*mut c_void> =
+            values.iter_mut().map(|v| v.as_mut_ptr().cast()).collect();
+        let mut params = self.params;
+        params.kernelParams = pointers.as_mut_ptr();
+        Ok(KernelParams {
+            params,
+            _pointers: pointers,
+            _values: values,
+        })
+    }
+}
+
+/// What an update of an instance needs of a captured graph, read once (at its first such
+/// update): its nodes in the driver's order, and each kernel node's function, launch shape
+/// and parameter sizes, which no ferrocuda call changes (`graph_set_node` sets arguments
+/// only, and a captured graph gains no node). Dropped with the graph.
+pub(super) struct Cache {
+    list: Vec<sys::CUgraphNode>,
+    kernels: Vec<Option<KernelBase>>,
+}
+
+// SAFETY: the node handles and the function and context handles inside the kernel
+// parameters are opaque driver handles, only ever passed back to the driver (which is
+// thread-safe), never dereferenced here; the parameter array pointers are null.
+unsafe impl Send for Cache {}
+// SAFETY: as for `Send`; nothing here is mutated after `read`.
+unsafe impl Sync for Cache {}
+
+impl Cache {
+    /// Reads the nodes of the live `graph`.
+    pub(super) fn read(graph: sys::CUgraph) -> Result<Cache, DriverError> {
+        let list = list(graph)?;
+        let kernels = (list.iter())
+            .map(|&node| {
+                if node_type(node)? != NodeType::CU_GRAPH_NODE_TYPE_KERNEL as u32 {
+                    return Ok(None);
+                }
+                Ok(read_kernel(node)?.as_ref().map(KernelBase::of))
+            })
+            .collect::<Result<_, DriverError>>()?;
+        Ok(Cache { list, kernels })
+    }
+
+    /// Node `index` with the parameters `to` describes (see [`Params::new`]): a kernel's
+    /// made from what was read, another node's read from it now.
+    pub(super) fn params(
+        &self,
+        index: usize,
+        to: &GraphNode,
+    ) -> Result<(sys::CUgraphNode, Params), DriverError> {
+        let node = *self.list.get(index).ok_or(DriverError::INVALID_VALUE)?;
+        let params = match (to, self.kernels.get(index)) {
+            (GraphNode::Kernel { args }, Some(Some(base))) => Params::Kernel(base.with_args(args)?),
+            _ => Params::new(node, to)?,
+        };
+        Ok((node, params))
+    }
 }
 
 fn read_memset(node: sys::CUgraphNode) -> Result<sys::CUDA_MEMSET_NODE_PARAMS, DriverError> {
