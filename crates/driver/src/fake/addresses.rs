@@ -10,6 +10,21 @@
 use crate::DriverError;
 use ferrocuda_types::{DeviceIndex, DevicePtr};
 
+/// Address-space bits per device: device `d` owns `[(d+1) << 44, (d+2) << 44)`.
+pub(crate) const DEVICE_SPAN_BITS: u32 = 44;
+
+/// The first address of device `dev`'s span.
+pub(crate) fn span_start(dev: DeviceIndex) -> u64 {
+    (u64::from(dev.0) + 1) << DEVICE_SPAN_BITS
+}
+
+pub(crate) fn device_of(ptr: DevicePtr) -> Option<DeviceIndex> {
+    let slot = ptr.0 >> DEVICE_SPAN_BITS;
+    slot.checked_sub(1)
+        .and_then(|d| u16::try_from(d).ok())
+        .map(DeviceIndex)
+}
+
 /// Bytes at the start of a device's address span kept for planned addresses (8 TiB).
 pub const PLAN_REGION: u64 = 1 << 43;
 /// Every `cudaMalloc` address is a multiple of this.
@@ -104,7 +119,7 @@ impl AddressPlan {
     /// one of the plan's): moved by the plan's constant into the device's span.
     pub fn device_address(&self, dev: DeviceIndex, recorded: u64) -> DevicePtr {
         DevicePtr(
-            super::memory::span_start(dev)
+            span_start(dev)
                 .wrapping_add(recorded)
                 .wrapping_sub(self.low),
         )
@@ -142,7 +157,7 @@ impl PlanCursor {
                 .map(|&a| plan.device_address(dev, a).0)
                 .collect(),
             next: 0,
-            region_end: super::memory::span_start(dev) + PLAN_REGION,
+            region_end: span_start(dev) + PLAN_REGION,
             when_unusable: plan.when_unusable,
             used: PlanUse {
                 len: plan.recorded.len(),
@@ -223,7 +238,7 @@ mod tests {
             .iter()
             .map(|&a| plan.device_address(dev, a).0)
             .collect();
-        assert_eq!(moved[1], super::super::memory::span_start(dev) + 0x200);
+        assert_eq!(moved[1], super::span_start(dev) + 0x200);
         assert_eq!(moved[0] - moved[1], 0x7f9e_3e80_0000 - 0x7f9e_39e0_0200);
         assert!(moved[2] > moved[0]);
         Ok(())
@@ -234,7 +249,7 @@ mod tests {
         let plan = |when| AddressPlan::new(vec![0x4000_0000, 0x4020_0000], when);
         let dev = DeviceIndex(0);
         let mut strict = PlanCursor::new(&plan(WhenUnusable::Fail)?, dev);
-        let base = super::super::memory::span_start(dev);
+        let base = super::span_start(dev);
         assert_eq!(strict.take(2 << 20, |_, _| false), Ok(Some(base)));
         assert_eq!(
             strict.take(2 << 20, |_, _| true),
@@ -292,7 +307,7 @@ mod tests {
             Err(DriverError::ADDRESS_PLAN_EXHAUSTED)
         );
         let range = fake.vm_reserve(dev, 4 << 20)?;
-        assert!(range.base.0 >= super::super::memory::span_start(dev) + PLAN_REGION);
+        assert!(range.base.0 >= super::span_start(dev) + PLAN_REGION);
         assert_eq!(
             fake.address_plan_use(dev),
             Some(PlanUse {

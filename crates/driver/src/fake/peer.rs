@@ -4,6 +4,7 @@
 //! directly when the copying stream's device has access to the other device (which then
 //! needs the far side's virtual-memory mappings opened to it by `cuMemSetAccess`, or the copy
 //! is `CUDA_ERROR_ILLEGAL_ADDRESS` at once), staged through the host otherwise.
+use super::Call;
 use super::{FakeDriver, FakeDriverBuilder, State};
 use crate::DriverError;
 use ferrocuda_types::{DeviceIndex, DevicePtr};
@@ -132,4 +133,14 @@ impl State {
         }
         Ok(())
     }
+}
+
+pub(super) fn device_can_access_peer(
+    driver: &FakeDriver,
+    dev: DeviceIndex,
+    peer: DeviceIndex,
+) -> Result<bool, DriverError> {
+    driver
+        .enter(Call::DeviceCanAccessPeer)?
+        .can_access_peer(dev, peer)
 }

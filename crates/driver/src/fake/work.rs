@@ -1,6 +1,6 @@
 //! Work items of fake streams and graphs, and the kernels they run.
 use crate::DriverError;
-use crate::fake::memory::Memory;
+use crate::fake::device_memory::Memory;
 use ferrocuda_types::{DeviceIndex, DevicePtr, LaunchConfig, MemsetValue};
 use std::sync::Arc;
 
