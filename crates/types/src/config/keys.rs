@@ -1,0 +1,466 @@
+//! What each key of the configuration string sets, and the rules between keys (the
+//! umbrella `ferrocuda_recommended` first, `large_segment_size_mb` before the bounds that
+//! depend on it, PyTorch's re-parse resets, the keys the async backend ignores), all or
+//! nothing.
+use super::grammar::{
+    Parser, Token, Value, bool_value, canonical_key, float_value, is_pow2, mib_value, parse_pairs,
+    reserve_value, roundup_table, single, uint_value,
+};
+use super::{
+    AllocatorConfig, AsyncBackendKeys, Backend, ConfigError, ConfigSourceError, MAX_SEGMENT_MB,
+    MIB, ROUNDUP_INTERVALS, SettingsText,
+};
+use crate::env::{EnvError, env_value};
+impl AllocatorConfig {
+    /// Parses `s` over the defaults.
+    pub fn parse(s: &str) -> Result<AllocatorConfig, ConfigError> {
+        let mut c = AllocatorConfig::default();
+        c.update(s)?;
+        Ok(c)
+    }
+
+    /// Applies `s` as PyTorch's runtime re-parse does: `max_split_size_mb`,
+    /// `max_non_split_rounding_mb`, `roundup_power2_divisions` and
+    /// `garbage_collection_threshold` return to their defaults first; other options keep
+    /// their values unless named. All or nothing: on error nothing changes.
+    pub fn update(&mut self, s: &str) -> Result<(), ConfigError> {
+        let mut c = self.clone();
+        c.max_split_size = None;
+        c.roundup_power2_divisions = [0; ROUNDUP_INTERVALS];
+        c.garbage_collection_threshold = 0.0;
+        // Pass 1: `large_segment_size_mb` first, since other bounds depend on it.
+        let mut p = Parser::new(s);
+        let pairs = parse_pairs(&mut p)?;
+        // The umbrella key first: the keys named beside it override its set.
+        for (key, value) in &pairs {
+            if key.text == "ferrocuda_recommended" {
+                let on = bool_value(single(&p, key, value)?)?;
+                if on {
+                    c.update(Self::RECOMMENDED)?;
+                }
+                c.ferrocuda_recommended = on;
+            }
+        }
+        c.large_segment_size = 20 * MIB;
+        for (key, value) in &pairs {
+            if key.text == "large_segment_size_mb" {
+                let v = single(&p, key, value)?;
+                let mb = uint_value(v)?;
+                if mb > MAX_SEGMENT_MB {
+                    return Err(p.err(
+                        Some(v),
+                        format!("large_segment_size_mb must be at most {MAX_SEGMENT_MB} (1 EB)"),
+                    ));
+                }
+                if mb <= 10 {
+                    return Err(p.err(
+                        Some(v),
+                        "CachingAllocator option large_segment_size_mb must be > 10 MB",
+                    ));
+                }
+                c.large_segment_size = mb.saturating_mul(MIB);
+            }
+        }
+        c.max_non_split_rounding = c.large_segment_size;
+        for (key, value) in &pairs {
+            c.apply(&p, key, value)?;
+        }
+        if c.backend == Backend::Native {
+            for (key, _) in &pairs {
+                c.check_supported(&p, key)?;
+            }
+        }
+        c.settings_text = SettingsText(s.to_owned());
+        *self = c;
+        Ok(())
+    }
+
+    fn apply(&mut self, p: &Parser, key: &Token, value: &Value) -> Result<(), ConfigError> {
+        let min_mb = self.large_segment_size / MIB;
+        match key.text.as_str() {
+            "large_segment_size_mb" => {}
+            "max_split_size_mb" | "max_non_split_rounding_mb" => {
+                let v = single(p, key, value)?;
+                let bytes = mib_value(v)?;
+                if bytes < self.large_segment_size {
+                    return Err(p.err(
+                        Some(v),
+                        format!(
+                            "CachingAllocator option {} too small, must be >= {min_mb}",
+                            key.text
+                        ),
+                    ));
+                }
+                if key.text == "max_split_size_mb" {
+                    self.max_split_size = Some(bytes);
+                } else {
+                    self.max_non_split_rounding = bytes;
+                }
+            }
+            "garbage_collection_threshold" => {
+                let v = single(p, key, value)?;
+                let f = float_value(v)?;
+                if !(f > 0.0 && f < 1.0) {
+                    return Err(p.err(
+                        Some(v),
+                        "garbage_collect_threshold is invalid, set it in (0.0, 1.0)",
+                    ));
+                }
+                self.garbage_collection_threshold = f;
+            }
+            "roundup_power2_divisions" => self.roundup_power2_divisions = roundup_table(p, value)?,
+            "expandable_segments" => self.expandable_segments = bool_value(single(p, key, value)?)?,
+            "backend" => {
+                let v = single(p, key, value)?;
+                self.backend = match v.text.as_str() {
+                    "native" => Backend::Native,
+                    "cudaMallocAsync" => Backend::CudaMallocAsync,
+                    _ => {
+                        return Err(p.err(
+                            Some(v),
+                            "Unknown allocator backend, options are native and cudaMallocAsync",
+                        ));
+                    }
+                };
+            }
+            "release_lock_on_cudamalloc" | "release_lock_on_hipmalloc" => {
+                self.release_lock_on_cudamalloc = bool_value(single(p, key, value)?)?;
+            }
+            "pinned_use_cuda_host_register" | "pinned_use_hip_host_register" => {
+                self.pinned_use_cuda_host_register = bool_value(single(p, key, value)?)?;
+            }
+            "pinned_num_register_threads" => {
+                let v = single(p, key, value)?;
+                let n = uint_value(v)?;
+                if !is_pow2(n) {
+                    return Err(p.err(
+                        Some(v),
+                        format!("Number of register threads has to be power of 2, got {n}"),
+                    ));
+                }
+                if n > 128 {
+                    return Err(p.err(Some(v), format!("Number of register threads should be less than or equal to 128, got {n}")));
+                }
+                self.pinned_num_register_threads = n;
+            }
+            "pinned_reserve_segment_size_mb" => {
+                let v = single(p, key, value)?;
+                let bytes = mib_value(v)?;
+                if bytes == 0 {
+                    return Err(p.err(
+                        Some(v),
+                        "Pinned reserve segment size has to be greater than 0",
+                    ));
+                }
+                self.pinned_reserve_segment_size = bytes;
+            }
+            "pinned_use_background_threads" => {
+                self.pinned_use_background_threads = bool_value(single(p, key, value)?)?
+            }
+            "pinned_max_round_threshold_mb" => {
+                self.pinned_max_round_threshold = Some(mib_value(single(p, key, value)?)?)
+            }
+            "pinned_max_cached_size_mb" => {
+                self.pinned_max_cached_size = Some(mib_value(single(p, key, value)?)?)
+            }
+            "pinned_free_catch_all" => {
+                self.pinned_free_catch_all = bool_value(single(p, key, value)?)?
+            }
+            "graph_capture_record_stream_reuse" => {
+                self.graph_capture_record_stream_reuse = bool_value(single(p, key, value)?)?;
+            }
+            "expandable_segments_reclaim" => {
+                self.expandable_segments_reclaim = bool_value(single(p, key, value)?)?;
+            }
+            "cross_stream_reuse" => {
+                self.cross_stream_reuse = bool_value(single(p, key, value)?)?;
+            }
+            "thread_cache" => {
+                self.thread_cache = bool_value(single(p, key, value)?)?;
+            }
+            "garbage_collection_without_fraction" => {
+                self.garbage_collection_without_fraction = bool_value(single(p, key, value)?)?;
+            }
+            "oom_release_partial" => {
+                self.oom_release_partial = bool_value(single(p, key, value)?)?;
+            }
+            "oom_search_after_sync" => {
+                self.oom_search_after_sync = bool_value(single(p, key, value)?)?;
+            }
+            "expandable_segments_page_mb" => {
+                let v = single(p, key, value)?;
+                let mb = uint_value(v)?;
+                if mb == 0 || mb % 2 != 0 || mb > MAX_SEGMENT_MB {
+                    return Err(p.err(
+                        Some(v),
+                        format!(
+                            "expandable_segments_page_mb must be a multiple of 2 (the driver's 2 MiB granularity) from 2 to {MAX_SEGMENT_MB}"
+                        ),
+                    ));
+                }
+                self.expandable_segments_page = Some(mb * MIB);
+            }
+            // Applied in the first pass (see `update`).
+            "ferrocuda_recommended" => {}
+            "throw_on_cudamalloc_oom" => {
+                self.throw_on_cudamalloc_oom = bool_value(single(p, key, value)?)?
+            }
+            "per_process_memory_fraction" => {
+                let v = single(p, key, value)?;
+                let f = float_value(v)?;
+                if !(0.0..=1.0).contains(&f) {
+                    return Err(p.err(
+                        Some(v),
+                        "per_process_memory_fraction is invalid, set it in [0.0, 1.0]",
+                    ));
+                }
+                self.per_process_memory_fraction = f;
+            }
+            "expandable_segments_reserve" => {
+                self.expandable_segments_reserve =
+                    Some(reserve_value(&key.text, single(p, key, value)?)?)
+            }
+            "expandable_segments_reserve_by_class" => {
+                let Value::List(items) = value else {
+                    return Err(p.err(Some(key), "expected a bracketed list [class:value,...]"));
+                };
+                self.expandable_segments_reserve_by_class = items
+                    .iter()
+                    .map(|(k, v)| Ok((k.text.clone(), reserve_value(&key.text, v)?)))
+                    .collect::<Result<_, ConfigError>>()?;
+            }
+            _ => {
+                return Err(p.err(
+                    Some(key),
+                    format!("Unrecognized key '{}' in CUDA allocator config.", key.text),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Options that parse but are not built yet: setting one is an error rather than a
+    /// silent no-op. Checked once every key is applied, and only for `backend:native`: the
+    /// `backend:cudaMallocAsync` allocator ignores them (see
+    /// [`AllocatorConfig::async_backend_keys`]), as PyTorch's does.
+    fn check_supported(&self, p: &Parser, key: &Token) -> Result<(), ConfigError> {
+        let unsupported = match key.text.as_str() {
+            "graph_capture_record_stream_reuse" => self.graph_capture_record_stream_reuse,
+            "expandable_segments_reserve_by_class" => true,
+            _ => false,
+        };
+        if unsupported {
+            return Err(p.err(
+                Some(key),
+                format!("'{}' is not supported by ferrocuda yet", key.text),
+            ));
+        }
+        Ok(())
+    }
+
+    /// What `ferrocuda_recommended:True` turns on: expandable segments whose free pages
+    /// move to where memory grows (`expandable_segments_reclaim`) in 2 MiB large-pool pages,
+    /// and the out-of-memory path that searches again after waiting for events and frees
+    /// only what a request needs. Measured against PyTorch's expandable segments on eight
+    /// recorded traces in `docs/measurements/traces_2026-11-23.md`.
+    pub const RECOMMENDED: &'static str = "expandable_segments:True,expandable_segments_reclaim:True,expandable_segments_page_mb:2,oom_search_after_sync:True,oom_release_partial:True";
+
+    /// The variables the configuration is read from, the first one set winning.
+    pub const SOURCES: [&'static str; 3] = [
+        "FERROCUDA_ALLOC_CONF",
+        "PYTORCH_CUDA_ALLOC_CONF",
+        "PYTORCH_ALLOC_CONF",
+    ];
+
+    /// The value of the first of `FERROCUDA_ALLOC_CONF`, `PYTORCH_CUDA_ALLOC_CONF`,
+    /// `PYTORCH_ALLOC_CONF` that is set, through `var` (`std::env::var` in
+    /// [`AllocatorConfig::from_env`]). A variable that is set with a value that is not
+    /// valid UTF-8 is an error naming it, not a variable to pass over: the ones after it
+    /// are not read.
+    pub fn source(
+        var: impl Fn(&str) -> Result<String, std::env::VarError>,
+    ) -> Result<Option<(&'static str, String)>, EnvError> {
+        for name in Self::SOURCES {
+            if let Some(value) = env_value(name, var(name))? {
+                return Ok(Some((name, value)));
+            }
+        }
+        Ok(None)
+    }
+
+    /// The configuration from the environment (see [`AllocatorConfig::source`]); the
+    /// defaults when none is set. The error names the variable.
+    pub fn from_env() -> Result<AllocatorConfig, ConfigSourceError> {
+        match AllocatorConfig::source(|k| std::env::var(k))? {
+            None => Ok(AllocatorConfig::default()),
+            Some((var, value)) => AllocatorConfig::parse(&value)
+                .map_err(|source| ConfigSourceError::Parse { var, source }),
+        }
+    }
+
+    /// The keys this configuration sets: those named in the text it was parsed from, and
+    /// those whose value differs from the default (for a configuration built in code),
+    /// each once, aliases under their own name.
+    fn keys_set(&self) -> Vec<String> {
+        let mut keys: Vec<String> = Vec::new();
+        let mut p = Parser::new(self.settings_text.as_str());
+        for (key, _) in parse_pairs(&mut p).unwrap_or_default() {
+            if !keys.contains(&key.text) {
+                keys.push(key.text);
+            }
+        }
+        let d = AllocatorConfig::default();
+        let changed = [
+            (
+                "large_segment_size_mb",
+                self.large_segment_size != d.large_segment_size,
+            ),
+            ("max_split_size_mb", self.max_split_size != d.max_split_size),
+            (
+                "max_non_split_rounding_mb",
+                self.max_non_split_rounding != self.large_segment_size,
+            ),
+            (
+                "garbage_collection_threshold",
+                self.garbage_collection_threshold != d.garbage_collection_threshold,
+            ),
+            (
+                "roundup_power2_divisions",
+                self.roundup_power2_divisions != d.roundup_power2_divisions,
+            ),
+            (
+                "expandable_segments",
+                self.expandable_segments != d.expandable_segments,
+            ),
+            (
+                "release_lock_on_cudamalloc",
+                self.release_lock_on_cudamalloc != d.release_lock_on_cudamalloc,
+            ),
+            (
+                "per_process_memory_fraction",
+                self.per_process_memory_fraction != d.per_process_memory_fraction,
+            ),
+            (
+                "graph_capture_record_stream_reuse",
+                self.graph_capture_record_stream_reuse != d.graph_capture_record_stream_reuse,
+            ),
+            (
+                "throw_on_cudamalloc_oom",
+                self.throw_on_cudamalloc_oom != d.throw_on_cudamalloc_oom,
+            ),
+            (
+                "pinned_use_cuda_host_register",
+                self.pinned_use_cuda_host_register != d.pinned_use_cuda_host_register,
+            ),
+            (
+                "pinned_num_register_threads",
+                self.pinned_num_register_threads != d.pinned_num_register_threads,
+            ),
+            (
+                "pinned_use_background_threads",
+                self.pinned_use_background_threads != d.pinned_use_background_threads,
+            ),
+            (
+                "pinned_reserve_segment_size_mb",
+                self.pinned_reserve_segment_size != d.pinned_reserve_segment_size,
+            ),
+            (
+                "pinned_max_round_threshold_mb",
+                self.pinned_max_round_threshold != d.pinned_max_round_threshold,
+            ),
+            (
+                "pinned_max_cached_size_mb",
+                self.pinned_max_cached_size != d.pinned_max_cached_size,
+            ),
+            (
+                "pinned_free_catch_all",
+                self.pinned_free_catch_all != d.pinned_free_catch_all,
+            ),
+            (
+                "expandable_segments_reserve",
+                self.expandable_segments_reserve != d.expandable_segments_reserve,
+            ),
+            (
+                "expandable_segments_reserve_by_class",
+                self.expandable_segments_reserve_by_class != d.expandable_segments_reserve_by_class,
+            ),
+            (
+                "cross_stream_reuse",
+                self.cross_stream_reuse != d.cross_stream_reuse,
+            ),
+            (
+                "expandable_segments_reclaim",
+                self.expandable_segments_reclaim != d.expandable_segments_reclaim,
+            ),
+            ("thread_cache", self.thread_cache != d.thread_cache),
+            (
+                "garbage_collection_without_fraction",
+                self.garbage_collection_without_fraction != d.garbage_collection_without_fraction,
+            ),
+            (
+                "oom_release_partial",
+                self.oom_release_partial != d.oom_release_partial,
+            ),
+            (
+                "oom_search_after_sync",
+                self.oom_search_after_sync != d.oom_search_after_sync,
+            ),
+            (
+                "expandable_segments_page_mb",
+                self.expandable_segments_page != d.expandable_segments_page,
+            ),
+            (
+                "ferrocuda_recommended",
+                self.ferrocuda_recommended != d.ferrocuda_recommended,
+            ),
+        ];
+        for (key, differs) in changed {
+            let named = keys.iter().any(|k| canonical_key(k) == key);
+            if differs && !named {
+                keys.push(key.to_owned());
+            }
+        }
+        keys
+    }
+
+    /// How the `backend:cudaMallocAsync` allocator reads the keys this configuration sets
+    /// (see [`AsyncBackendKeys`]).
+    pub fn async_backend_keys(&self) -> AsyncBackendKeys {
+        let mut out = AsyncBackendKeys::default();
+        for key in self.keys_set() {
+            match canonical_key(&key) {
+                // The backend itself, and the pinned host allocator's keys that PyTorch's
+                // generic parser (`AcceleratorAllocatorConfig::parseArgs`,
+                // c10/core/AllocatorConfig.cpp) reads without a warning.
+                "backend"
+                | "pinned_use_background_threads"
+                | "pinned_max_round_threshold_mb"
+                | "pinned_max_cached_size_mb" => {}
+                // The pinned host allocator's keys that PyTorch's CUDA parser
+                // (`CUDAAllocatorConfig::parseArgs`) counts as native-specific: they still
+                // configure the host allocator, which serves both backends.
+                "pinned_use_cuda_host_register"
+                | "pinned_num_register_threads"
+                | "pinned_reserve_segment_size_mb"
+                | "pinned_free_catch_all" => out.pinned_warned.push(key),
+                // The caching allocator's options: of PyTorch's CUDA parser (it warns) or of
+                // its generic parser (it says nothing; ferrocuda warns all the same).
+                "release_lock_on_cudamalloc"
+                | "graph_capture_record_stream_reuse"
+                | "per_process_memory_fraction"
+                | "throw_on_cudamalloc_oom"
+                | "expandable_segments_reserve"
+                | "expandable_segments_reserve_by_class"
+                | "large_segment_size_mb"
+                | "max_split_size_mb"
+                | "max_non_split_rounding_mb"
+                | "garbage_collection_threshold"
+                | "roundup_power2_divisions"
+                | "expandable_segments" => out.ignored.push(key),
+                // ferrocuda's own keys: PyTorch knows none of them.
+                _ => out.ferrocuda_only.push(key),
+            }
+        }
+        out
+    }
+}
