@@ -1,0 +1,187 @@
+#!/usr/bin/env bash
+# Runs the bundled tests and benches against the real CUDA driver. A skipped (ignored) test,
+# a missing GPU, or a failed bench counts as a failure. Last line: "N passed, N failed".
+# ONLY=<regex> runs just the binaries whose names match (and skips the PyTorch checks);
+# ONLY=replay runs just the replay comparison (replay.sh: ferrocuda on the fake device and the
+# GPU, and PyTorch's allocator, on the same traces).
+# MULTI_GPU=1 also runs the multi_* tests and multibench_* benches, which need two GPUs (they
+# fail on fewer), and torch_dist.py, PyTorch's side of multibench_multi_gpu, with a ratio table.
+set -u -o pipefail
+cd "$(dirname "$0")"
+OUT=${OUT:-$PWD/out}
+mkdir -p "$OUT"
+export FERROCUDA_REQUIRE_GPU=1 CRITERION_HOME="$OUT/criterion"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || echo "nvidia-smi: not found"
+passed=0; failed=0
+want() { [ -z "${ONLY:-}" ] || [[ "$1" =~ $ONLY ]]; }
+# The tests of a binary to run, when not all of them (a test filtered out is no skip).
+tests_of() {
+  case "$1" in
+    # @TEST_ONLY@: gpu-bundle fills in the arms of GPU_TEST_ONLY (xtask/src/gpu_bundle.rs)
+  esac
+}
+for t in test_* ${MULTI_GPU:+multi_*}; do
+  want "$t" || continue
+  echo "=== $t"
+  # shellcheck disable=SC2046
+  ./"$t" $(tests_of "$t") --include-ignored --test-threads=1 2>&1 | tee "$OUT/$t.log"
+  rc=${PIPESTATUS[0]}
+  line=$(grep -E '^test result:' "$OUT/$t.log" | tail -n 1)
+  p=$(echo "$line" | sed -nE 's/.* ([0-9]+) passed.*/\1/p'); p=${p:-0}
+  f=$(echo "$line" | sed -nE 's/.* ([0-9]+) failed.*/\1/p'); f=${f:-0}
+  i=$(echo "$line" | sed -nE 's/.* ([0-9]+) ignored.*/\1/p'); i=${i:-0}
+  if [ "$i" != 0 ]; then echo "$t: $i test(s) skipped: a skip is a failure here"; f=$((f + i)); fi
+  if [ "$rc" != 0 ] && [ "$f" = 0 ]; then f=1; fi
+  passed=$((passed + p)); failed=$((failed + f))
+done
+for e in example_*; do
+  want "$e" || continue
+  echo "=== $e"
+  if ./"$e" 2>&1 | tee "$OUT/$e.log" && grep -q 'on the GPU' "$OUT/$e.log"; then
+    passed=$((passed + 1))
+  else
+    echo "$e failed (or did not run on the GPU)"; failed=$((failed + 1))
+  fi
+done
+for b in bench_* ${MULTI_GPU:+multibench_*}; do
+  want "$b" || continue
+  echo "=== $b"
+  if ./"$b" --bench 2>&1 | tee "$OUT/$b.log"; then passed=$((passed + 1)); else echo "$b failed"; failed=$((failed + 1)); fi
+done
+if want replay; then
+  echo "=== replay: ferrocuda on the fake device and on the GPU, PyTorch's allocator, same traces"
+  if ./replay.sh "$OUT/replay" 2>&1 | tee "$OUT/replay.log"; then
+    passed=$((passed + 1))
+  else
+    echo "replay comparison failed"; failed=$((failed + 1))
+  fi
+fi
+if [ -f snapshot.pickle ] && [ -z "${ONLY:-}" ]; then
+  echo "=== PyTorch's memory viewer on ferrocuda's snapshot"
+  if python3 - snapshot.pickle <<'PY' 2>&1 | tee "$OUT/memory_viz.log"; then passed=$((passed + 1)); else echo "memory_viz check failed"; failed=$((failed + 1)); fi
+import pickle, sys
+from torch.cuda import _memory_viz as viz
+s = pickle.load(open(sys.argv[1], 'rb'))
+assert viz.segment_plot(s) and viz.trace_plot(s)
+summary = viz.segsum(s)  # asserts allocated + free == reserved per segment
+listing = viz.trace(s)
+print(summary.splitlines()[-8])
+print('memory_viz accepted it: %d segments, %d trace entries, %d lines of trace listing'
+      % (len(s['segments']), len(s['device_traces'][0]), len(listing.splitlines())))
+PY
+  cp snapshot.pickle "$OUT/" 2>/dev/null
+fi
+# ferrocuda's allocator inside real PyTorch (libferrocuda_torch.so): the check with an empty
+# configuration (PyTorch's behaviour) and the recommended one, then the five-way benchmark.
+# ONLY=plugin runs just these; PLUGIN_BENCH_ARGS passes options to the benchmark.
+plugin() {
+  local name=$1; shift
+  want "$name" || return 0
+  echo "=== $name"
+  if OUT="$OUT" PYTHONUNBUFFERED=1 "$@" 2>&1 | tee "$OUT/$name.log"; then passed=$((passed + 1)); else echo "$name failed"; failed=$((failed + 1)); fi
+}
+if [ -f plugin_bench.py ] && [ -f libferrocuda_torch.so ]; then
+  plugin plugin_check env -u FERROCUDA_ALLOC_CONF -u PYTORCH_CUDA_ALLOC_CONF python3 plugin_bench.py check
+  plugin plugin_check_recommended env -u PYTORCH_CUDA_ALLOC_CONF FERROCUDA_ALLOC_CONF=ferrocuda_recommended:True python3 plugin_bench.py check
+  # shellcheck disable=SC2086
+  plugin plugin_bench python3 plugin_bench.py bench ${PLUGIN_BENCH_ARGS:-}
+fi
+if [ -f torch_anchor.py ] && [ -z "${ONLY:-}" ]; then
+  echo "=== torch_anchor.py (PyTorch, same machine, same run)"
+  if PYTHONUNBUFFERED=1 python3 torch_anchor.py 2>&1 | tee "$OUT/torch_anchor.log"; then
+    passed=$((passed + 1))
+  else
+    echo "torch_anchor.py failed"; failed=$((failed + 1))
+  fi
+fi
+grep -h 'ratio' "$OUT"/bench_*.log 2>/dev/null
+grep -h '^target ' "$OUT"/plugin_bench.log 2>/dev/null
+if [ -f "$OUT/torch_anchor.json" ]; then
+  python3 - "$OUT" <<'PY'
+import json, os, sys
+out = sys.argv[1]
+torch = json.load(open(os.path.join(out, "torch_anchor.json")))
+def ours(name):
+    p = os.path.join(out, "criterion", "alloc", name, "new", "estimates.json")
+    return json.load(open(p))["median"]["point_estimate"] if os.path.exists(p) else None
+rows = [("cached pair 512 B", "pair_512B", "torch_alloc_pair_ns_512", 60),
+        ("cached pair 1 MiB", "pair_1MiB", "torch_alloc_pair_ns_1048576", 60),
+        ("cached pair 100 MiB", "pair_100MiB", "torch_alloc_pair_ns_104857600", 60),
+        ("pair 1 MiB, 8 threads", "pair_1MiB_8threads", "torch_alloc_pair_ns_1MiB_8threads", 150),
+        ("churn, 1024 live", "churn_1024_live", "torch_alloc_mixed_ns", 60),
+        ("pair 1 MiB, no thread cache", "pair_1MiB_locked", "torch_alloc_pair_ns_1048576", None),
+        ("pair 1 MiB, expandable", "pair_1MiB_expandable", "torch_alloc_pair_ns_1048576", None),
+        ("recommended: pair 1 MiB", "pair_1MiB_recommended", "torch_alloc_pair_ns_1048576", None),
+        ("recommended: 8 threads", "pair_1MiB_8threads_recommended", "torch_alloc_pair_ns_1MiB_8threads", None),
+        ("recommended: churn", "churn_1024_live_recommended", "torch_alloc_mixed_ns", None)]
+print(f"{'allocator hot path':28} {'ferrocuda ns':>13} {'PyTorch ns':>11} {'ratio':>7} {'target ns':>10}")
+for label, mine, theirs, target in rows:
+    a, b = ours(mine), torch.get(theirs)
+    if a is None or b is None:
+        print(f"{label:28} missing"); continue
+    print(f"{label:28} {a:13.1f} {b:11.1f} {a / b:7.3f} {target or '-':>10}")
+PY
+fi
+if [ -f torch_pinned.py ] && [ -z "${ONLY:-}" ]; then
+  echo "=== torch_pinned.py (PyTorch's pinned host allocator, same machine, same run)"
+  if PYTHONUNBUFFERED=1 python3 torch_pinned.py 2>&1 | tee "$OUT/torch_pinned.log"; then
+    passed=$((passed + 1))
+  else
+    echo "torch_pinned.py failed"; failed=$((failed + 1))
+  fi
+fi
+if [ -f "$OUT/torch_pinned.json" ]; then
+  python3 - "$OUT" <<'PY'
+import json, os, sys
+out = sys.argv[1]
+torch = json.load(open(os.path.join(out, "torch_pinned.json")))
+def ours(group, name):
+    p = os.path.join(out, "criterion", group, name, "new", "estimates.json")
+    return json.load(open(p))["median"]["point_estimate"] if os.path.exists(p) else None
+print(f"{'pinned host memory':28} {'ferrocuda':>13} {'PyTorch':>11} {'ratio':>7}")
+for label, mine, theirs in [("alloc+free pair 4 KiB, ns", "pair_4KiB", "torch_pinned_pair_ns_4096"),
+                            ("alloc+free pair 1 MiB, ns", "pair_1MiB", "torch_pinned_pair_ns_1048576"),
+                            ("alloc+free pair 64 MiB, ns", "pair_64MiB", "torch_pinned_pair_ns_67108864"),
+                            ("pair 1 MiB, 8 threads, ns", "pair_1MiB_8threads", "torch_pinned_pair_ns_1MiB_8threads"),
+                            ("empty(pinned) 4 KiB, ns", "empty_pair_4KiB", "torch_pinned_empty_ns_4096"),
+                            ("empty(pinned) 1 MiB, ns", "empty_pair_1MiB", "torch_pinned_empty_ns_1048576"),
+                            ("empty(pinned) 64 MiB, ns", "empty_pair_64MiB", "torch_pinned_empty_ns_67108864")]:
+    a, b = ours("pinned", mine), torch.get(theirs)
+    print(f"{label:28} missing" if a is None or b is None else f"{label:28} {a:13.1f} {b:11.1f} {a / b:7.3f}")
+for label, mine, theirs in [("H2D 64 MiB pinned, GB/s", "pinned_64MiB", "torch_h2d_pinned_GBps"),
+                            ("H2D 64 MiB pageable, GB/s", "pageable_64MiB", "torch_h2d_pageable_GBps")]:
+    ns, b = ours("h2d", mine), torch.get(theirs)
+    if ns is None or b is None:
+        print(f"{label:28} missing"); continue
+    a = (64 << 20) / ns
+    print(f"{label:28} {a:13.2f} {b:11.2f} {a / b:7.3f}")
+PY
+fi
+if [ -n "${MULTI_GPU:-}" ] && [ -f torch_dist.py ] && want torch_dist; then
+  echo "=== torch_dist.py (PyTorch's dist.all_reduce, NCCL, and t.to(\"cuda:1\"), same run)"
+  if OUT="$OUT" PYTHONUNBUFFERED=1 python3 torch_dist.py 2>&1 | tee "$OUT/torch_dist.log"; then
+    passed=$((passed + 1))
+  else
+    echo "torch_dist.py failed"; failed=$((failed + 1))
+  fi
+fi
+if [ -n "${MULTI_GPU:-}" ] && [ -f "$OUT/torch_dist.json" ]; then
+  python3 - "$OUT" <<'PY'
+import json, os, re, sys
+out = sys.argv[1]
+torch = json.load(open(os.path.join(out, "torch_dist.json")))
+log = os.path.join(out, "multibench_multi_gpu.log")
+text = open(log).read() if os.path.exists(log) else ""
+def ours(key):
+    m = re.search(r"^" + key + r" ([0-9.]+)", text, re.M)
+    return float(m.group(1)) if m else None
+print(f"{'several GPUs, GB/s':28} {'ferrocuda':>10} {'PyTorch':>10} {'ratio':>7} {'target':>7}")
+for label, mine, theirs, target in [
+        ("all-reduce 256 MiB busbw", "ferrocuda_allreduce_busbw_GBps", "torch_allreduce_busbw_GBps", ">=0.98"),
+        ("peer copy 256 MiB 0->1", "ferrocuda_peer_copy_GBps", "torch_peer_copy_GBps", "-")]:
+    a, b = ours(mine), torch.get(theirs)
+    print(f"{label:28} missing" if a is None or b is None else f"{label:28} {a:10.2f} {b:10.2f} {a / b:7.3f} {target:>7}")
+PY
+fi
+echo "$passed passed, $failed failed"
+[ "$failed" = 0 ]

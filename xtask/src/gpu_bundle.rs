@@ -1,0 +1,361 @@
+//! `cargo xtask gpu-bundle`: builds release test and bench binaries, examples, the PyTorch
+//! allocator library, the `ferrocuda` command and four traces into `gpu-bundle/`
+//! (git-ignored), with `run.sh` (`xtask/gpu/run.sh`) that runs them against the real driver
+//! on a GPU machine and `replay.sh` (`xtask/gpu/replay.sh`), the replay comparison.
+
+use crate::{built_executables, built_library, root};
+use std::path::Path;
+use std::process::Command;
+
+/// Test binaries that go into the GPU bundle.
+const GPU_TESTS: &[&str] = &[
+    "ferrocuda_driver",
+    "conformance_cuda",
+    "alloc_conformance",
+    "graph_conformance",
+    "availability",
+    "graph_fuzz",
+    "optim_conformance",
+    "amp_conformance",
+    "trees",
+    "cudarc_interop",
+    "cudarc_launch",
+    "allocator_swap",
+    "pinned_conformance",
+    "allocator_async",
+    "conformance_async",
+    "nccl_gpu",
+    "peer_cuda",
+];
+/// Test binaries that need two GPUs: bundled as `multi_*`, run by run.sh only with
+/// `MULTI_GPU=1` (on fewer than two GPUs they fail, never skip).
+const GPU_TESTS_MULTI: &[&str] = &["two_gpus"];
+/// Shared libraries the bundled tests load from beside themselves (package, library name).
+const GPU_LIBRARIES: &[(&str, &str)] =
+    &[("ferrocuda-pluggable-fixture", "ferrocuda_pluggable_fixture")];
+/// Bundled test binaries that run only some of their tests on the GPU (`--exact` names):
+/// `graph_fuzz`'s fake-device run takes a minute and proves nothing about the GPU.
+const GPU_TEST_ONLY: &[(&str, &str)] = &[
+    (
+        "graph_fuzz",
+        "random_graph_programs_corrupt_nothing_on_the_gpu",
+    ),
+    (
+        "ferrocuda_driver",
+        "cuda::interop::tests::a_raw_stream_is_adopted_checked_and_never_destroyed",
+    ),
+];
+/// Bench binaries that go into the GPU bundle.
+const GPU_BENCHES: &[&str] = &[
+    "launch",
+    "alloc",
+    "expandable",
+    "graph",
+    "autocast",
+    "scaler",
+    "step",
+    "guards",
+    "trees",
+    "pinned",
+    "torch_plugin",
+];
+/// Bench binaries that need two GPUs: bundled as `multibench_*`, run by run.sh only with
+/// `MULTI_GPU=1` (on fewer than two GPUs they fail, never skip).
+const GPU_BENCHES_MULTI: &[&str] = &["multi_gpu"];
+/// Examples that go into the GPU bundle (each must succeed and say it ran on the GPU).
+const GPU_EXAMPLES: &[&str] = &["tour", "snapshot", "decode"];
+/// The PyTorch allocator library (crates/torch-plugin) and the script `run.sh` runs it with
+/// against real PyTorch.
+const TORCH_PLUGIN: &str = "ferrocuda-torch";
+const TORCH_PLUGIN_LIBRARY: &str = "ferrocuda_torch";
+const TORCH_PLUGIN_SCRIPT: &str = "xtask/torch/plugin_bench.py";
+/// Traces of `tests/data` the bundle replays on the GPU beside PyTorch's allocator
+/// (`replay.sh`): the four models of `shared/tools/torch_traces.py`, the shared recording
+/// script (training with random shapes: GPT-2, ResNet-50; serving: BERT, a Llama decoder).
+const REPLAY_TRACES: &[&str] = &["gpt2_train", "resnet50_train", "bert_serve", "llama_decode"];
+/// The replay comparison's scripts, written into the bundle.
+const REPLAY_SH: &str = include_str!("../gpu/replay.sh");
+const REPLAY_COMPARE_PY: &str = include_str!("../gpu/replay_compare.py");
+
+pub(crate) fn gpu_bundle() -> Result<(), String> {
+    let dir = root().join("gpu-bundle");
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+    let groups = [
+        (
+            vec!["test", "--release", "--no-run", "--workspace"],
+            GPU_TESTS,
+            "test_",
+        ),
+        (
+            vec!["test", "--release", "--no-run", "--workspace"],
+            GPU_TESTS_MULTI,
+            "multi_",
+        ),
+        (
+            vec!["bench", "--no-run", "--workspace"],
+            GPU_BENCHES,
+            "bench_",
+        ),
+        (
+            vec!["bench", "--no-run", "--workspace"],
+            GPU_BENCHES_MULTI,
+            "multibench_",
+        ),
+        (
+            vec!["build", "--release", "--examples"],
+            GPU_EXAMPLES,
+            "example_",
+        ),
+        (
+            vec![
+                "build",
+                "--release",
+                "-p",
+                "ferrocuda-cli",
+                "--bin",
+                "ferrocuda",
+            ],
+            &["ferrocuda"],
+            "",
+        ),
+    ];
+    for (args, names, prefix) in groups {
+        for (name, exe) in built_executables(&args, names)? {
+            copy_stripped(&exe, &dir.join(format!("{prefix}{name}")))?;
+        }
+    }
+    // Beside the tests, where they look for them (the pluggable-allocator fixture).
+    for (package, name) in GPU_LIBRARIES {
+        let lib = built_library(package, name)?;
+        let file = lib.file_name().ok_or("a library without a file name")?;
+        copy_stripped(&lib, &dir.join(file))?;
+    }
+    bundle_torch_plugin(&dir)?;
+    // PyTorch's figures come from the same run: take the anchor script along when the
+    // shared folder beside the checkout has it.
+    let anchor = root().join("../shared/tools/torch_anchor.py");
+    match std::fs::copy(&anchor, dir.join("torch_anchor.py")) {
+        Ok(_) => {}
+        Err(e) => eprintln!(
+            "note: {} not bundled ({e}); no PyTorch comparison",
+            anchor.display()
+        ),
+    }
+    // The pinned-memory anchor lives in this repository (PyTorch's side of benches/pinned.rs).
+    std::fs::write(dir.join("torch_pinned.py"), TORCH_PINNED_PY).map_err(|e| e.to_string())?;
+    // And the several-GPU one (PyTorch's side of crates/dist/benches/multi_gpu.rs).
+    std::fs::write(dir.join("torch_dist.py"), TORCH_DIST_PY).map_err(|e| e.to_string())?;
+    bundle_replay(&dir, &root().join("../shared/tools/torch_replay.py"))?;
+    let script = dir.join("run.sh");
+    std::fs::write(&script, run_sh()).map_err(|e| e.to_string())?;
+    make_executable(&script)?;
+    eprintln!(
+        "bundle ready in {}: run gpu-bundle/run.sh on the GPU machine",
+        dir.display()
+    );
+    pack_if_large(&dir)
+}
+
+/// The bundle's `run.sh`: [`RUN_SH`] with the tests of [`GPU_TEST_ONLY`] filled in.
+fn run_sh() -> String {
+    let only: String = GPU_TEST_ONLY
+        .iter()
+        .map(|(name, test)| format!("    test_{name}) echo \"--exact {test}\" ;;\n"))
+        .collect();
+    RUN_SH.replace(TEST_ONLY_LINE, &only)
+}
+
+/// Builds the PyTorch allocator library in release and copies it, stripped of line tables,
+/// with its script into the bundle.
+fn bundle_torch_plugin(dir: &Path) -> Result<(), String> {
+    let lib = built_library(TORCH_PLUGIN, TORCH_PLUGIN_LIBRARY)?;
+    let file = lib.file_name().ok_or("a library without a file name")?;
+    copy_stripped(&lib, &dir.join(file))?;
+    let script = root().join(TORCH_PLUGIN_SCRIPT);
+    let name = script.file_name().ok_or("the plugin script has no name")?;
+    std::fs::copy(&script, dir.join(name)).map_err(|e| format!("{}: {e}", script.display()))?;
+    Ok(())
+}
+
+/// Copies a built file into the bundle, without its line tables (they make the bundle too
+/// big to carry; symbols stay for backtraces).
+fn copy_stripped(from: &Path, to: &Path) -> Result<(), String> {
+    std::fs::copy(from, to).map_err(|e| format!("{}: {e}", from.display()))?;
+    let stripped = Command::new("strip").arg("--strip-debug").arg(to).status();
+    if !stripped.is_ok_and(|s| s.success()) {
+        eprintln!(
+            "note: could not strip {}; the bundle stays larger",
+            to.display()
+        );
+    }
+    Ok(())
+}
+
+fn make_executable(path: &Path) -> Result<(), String> {
+    let status = Command::new("chmod")
+        .arg("+x")
+        .arg(path)
+        .status()
+        .map_err(|e| e.to_string())?;
+    if status.success() {
+        Ok(())
+    } else {
+        Err(format!("chmod +x {} failed", path.display()))
+    }
+}
+
+/// What the replay comparison needs in the bundle: the traces of [`REPLAY_TRACES`] under
+/// `traces/`, `replay.sh`, `replay_compare.py`, and a copy of PyTorch's replay `torch`
+/// (`shared/tools/torch_replay.py`, beside the checkout: without it the bundle is not made).
+fn bundle_replay(dir: &Path, torch: &Path) -> Result<(), String> {
+    let traces = dir.join("traces");
+    std::fs::create_dir_all(&traces).map_err(|e| e.to_string())?;
+    for name in REPLAY_TRACES {
+        let file = format!("{name}.pickle.xz");
+        let from = root().join("tests/data").join(&file);
+        std::fs::copy(&from, traces.join(&file)).map_err(|e| format!("{}: {e}", from.display()))?;
+    }
+    std::fs::copy(torch, dir.join("torch_replay.py")).map_err(|e| {
+        format!(
+            "{}: {e} (the replay comparison runs PyTorch's allocator through it)",
+            torch.display()
+        )
+    })?;
+    std::fs::write(dir.join("replay_compare.py"), REPLAY_COMPARE_PY).map_err(|e| e.to_string())?;
+    let script = dir.join("replay.sh");
+    std::fs::write(&script, REPLAY_SH).map_err(|e| e.to_string())?;
+    make_executable(&script)
+}
+
+/// Past this size a bundle is also written as `gpu-bundle.tar.xz` (about 8x smaller), for
+/// transports that limit what they carry (the device tool takes 64 MiB of working tree).
+const PACK_ABOVE_BYTES: u64 = 48 << 20;
+
+/// Writes `gpu-bundle.tar.xz` beside `dir` when the bundle is larger than
+/// [`PACK_ABOVE_BYTES`] (removing a stale one otherwise).
+fn pack_if_large(dir: &Path) -> Result<(), String> {
+    let archive = root().join("gpu-bundle.tar.xz");
+    let _ = std::fs::remove_file(&archive);
+    let entries = std::fs::read_dir(dir).map_err(|e| e.to_string())?;
+    let bytes: u64 = entries
+        .filter_map(|e| e.ok()?.metadata().ok())
+        .map(|m| m.len())
+        .sum();
+    if bytes <= PACK_ABOVE_BYTES {
+        return Ok(());
+    }
+    let status = Command::new("tar")
+        .arg("cJf")
+        .arg(&archive)
+        .arg("-C")
+        .arg(root())
+        .arg("gpu-bundle")
+        .status()
+        .map_err(|e| format!("tar: {e}"))?;
+    if !status.success() {
+        return Err("tar cJf gpu-bundle.tar.xz failed".into());
+    }
+    eprintln!(
+        "the bundle is {} MiB: also packed as {} (unpack with `tar xJf gpu-bundle.tar.xz`)",
+        bytes >> 20,
+        archive.display()
+    );
+    Ok(())
+}
+
+/// PyTorch's pinned host allocator and host-to-device copies, measured beside
+/// `benches/pinned.rs` (run by `run.sh`, compared with the criterion figures).
+const TORCH_PINNED_PY: &str = include_str!("../anchors/torch_pinned.py");
+
+/// PyTorch's `dist.all_reduce` (NCCL) bus bandwidth and `t.to("cuda:1")` bandwidth, measured
+/// beside `crates/dist/benches/multi_gpu.rs` (run by `run.sh` with `MULTI_GPU=1`).
+const TORCH_DIST_PY: &str = include_str!("../anchors/torch_dist.py");
+
+/// The bundle's `run.sh` (`xtask/gpu/run.sh`), before [`run_sh`] fills in the tests of
+/// [`GPU_TEST_ONLY`] at [`TEST_ONLY_LINE`].
+const RUN_SH: &str = include_str!("../gpu/run.sh");
+/// The line of [`RUN_SH`] that [`run_sh`] replaces with a `case` arm for each test of
+/// [`GPU_TEST_ONLY`] (a comment, so that the file alone is valid bash).
+const TEST_ONLY_LINE: &str =
+    "    # @TEST_ONLY@: gpu-bundle fills in the arms of GPU_TEST_ONLY (xtask/src/gpu_bundle.rs)\n";
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `run.sh` is valid bash and runs the plugin's check and benchmark.
+    #[test]
+    fn run_sh_parses_and_runs_the_plugin_steps() {
+        let script = run_sh();
+        let path = std::env::temp_dir().join(format!("ferrocuda-run-sh-{}", std::process::id()));
+        std::fs::write(&path, &script).unwrap();
+        let parsed = Command::new("bash").arg("-n").arg(&path).status().unwrap();
+        let _ = std::fs::remove_file(&path);
+        assert!(parsed.success(), "bash -n refused run.sh");
+        for step in [
+            "plugin_bench.py check",
+            "plugin_bench.py bench",
+            "--exact cuda::interop::tests::",
+            "${MULTI_GPU:+multibench_*}",
+            "python3 torch_dist.py",
+            "torch_allreduce_busbw_GBps",
+        ] {
+            assert!(script.contains(step), "run.sh lacks {step}");
+        }
+        assert!(!script.contains("@TEST_ONLY@"));
+    }
+
+    /// `xtask/gpu/run.sh` holds the line [`run_sh`] fills in exactly once, and parses as it is
+    /// (so that it can be read and checked as a file).
+    #[test]
+    fn run_sh_file_has_one_test_only_line_and_parses_alone() {
+        assert_eq!(RUN_SH.matches(TEST_ONLY_LINE).count(), 1);
+        let dir = std::env::temp_dir().join(format!("xtask-run-sh-file-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        assert!(bash_accepts("run.sh", RUN_SH, &dir));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    fn bash_accepts(name: &str, script: &str, dir: &Path) -> bool {
+        let path = dir.join(name);
+        std::fs::write(&path, script).is_ok()
+            && Command::new("bash")
+                .arg("-n")
+                .arg(&path)
+                .status()
+                .is_ok_and(|s| s.success())
+    }
+
+    #[test]
+    fn the_bundle_carries_the_replay_comparison() -> Result<(), String> {
+        let dir = std::env::temp_dir().join(format!("xtask-bundle-replay-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+        let missing = bundle_replay(&dir, &dir.join("no/torch_replay.py"))
+            .err()
+            .unwrap_or_default();
+        assert!(
+            missing.contains("torch_replay.py") && missing.contains("PyTorch's allocator"),
+            "{missing}"
+        );
+        let torch = dir.join("stand-in.py");
+        std::fs::write(&torch, "print('torch')\n").map_err(|e| e.to_string())?;
+        bundle_replay(&dir, &torch)?;
+        for name in REPLAY_TRACES {
+            assert!(
+                dir.join(format!("traces/{name}.pickle.xz")).is_file(),
+                "{name}"
+            );
+        }
+        for file in ["torch_replay.py", "replay.sh", "replay_compare.py"] {
+            assert!(dir.join(file).is_file(), "{file}");
+        }
+        // run.sh runs the step (ONLY=replay runs just it), and both scripts parse.
+        assert!(RUN_SH.contains("if want replay; then") && RUN_SH.contains("./replay.sh"));
+        assert!(bash_accepts("run.sh", &run_sh(), &dir));
+        assert!(bash_accepts("replay.sh", REPLAY_SH, &dir));
+        let _ = std::fs::remove_dir_all(&dir);
+        Ok(())
+    }
+}
