@@ -18,8 +18,9 @@ use ferrocuda::driver::{CudaDriver, Driver, RawGraph, RawLaunch};
 use ferrocuda::graph::{
     Callable, CaptureMode, CudaGraph, GraphedCallables, GraphedOptions, make_graphed_callables,
 };
-use ferrocuda::stream::{DeviceBuffer, Function, Module, Runtime, Stream, conformance::KERNELS};
+use ferrocuda::stream::{DeviceBuffer, Function, Module, Runtime, Stream};
 use ferrocuda::types::{AllocatorConfig, DeviceIndex, KernelArg, LaunchConfig};
+use ferrocuda_testkit::KERNELS;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 

@@ -8,8 +8,9 @@
 
 use criterion::{Criterion, criterion_group};
 use ferrocuda::driver::{CudaDriver, Driver, RawLaunch};
-use ferrocuda::stream::{DeviceBuffer, Function, Module, Runtime, Stream, conformance::KERNELS};
+use ferrocuda::stream::{DeviceBuffer, Function, Module, Runtime, Stream};
 use ferrocuda::types::{DeviceIndex, LaunchConfig};
+use ferrocuda_testkit::KERNELS;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 

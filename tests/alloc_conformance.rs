@@ -5,11 +5,11 @@
 //! integrity (run through the `backend:cudaMallocAsync` allocator too).
 use ferrocuda::alloc::{AllocError, AsyncAllocator, CachingAllocator};
 use ferrocuda::stream::Module;
-use ferrocuda::stream::conformance::{Harness, KERNELS, SPIN_CYCLES_PER_MS};
 use ferrocuda::types::{
     AllocatorConfig, DeviceIndex, DevicePtr, KernelArg, LaunchConfig, MemsetValue, StreamHandle,
     format_size,
 };
+use ferrocuda_testkit::{Harness, KERNELS, SPIN_CYCLES_PER_MS};
 
 type TestResult = Result<(), Box<dyn std::error::Error>>;
 const D0: DeviceIndex = DeviceIndex(0);
@@ -361,7 +361,7 @@ fn expandable_reclaim(h: &Harness) -> TestResult {
     Ok(())
 }
 
-ferrocuda::stream::both_backends!(
+ferrocuda_testkit::both_backends!(
     exact_stats,
     out_of_memory_text_and_retry,
     memory_fraction,

@@ -3,9 +3,9 @@
 use ferrocuda::alloc::history::HistoryOptions;
 use ferrocuda::alloc::{DeviceAllocators, OutOfMemory};
 use ferrocuda::driver::{Call, FakeDriver, fake::Completion};
-use ferrocuda::stream::conformance::{KERNELS, register_fake_kernels};
 use ferrocuda::stream::{DeviceBuffer, KernelCache, MemoryError, Module, Runtime, StreamError};
 use ferrocuda::types::{AllocatorConfig, DeviceIndex, KernelArg, LaunchConfig};
+use ferrocuda_testkit::{KERNELS, register_fake_kernels};
 use std::sync::Arc;
 
 type TestResult = Result<(), Box<dyn std::error::Error>>;

@@ -3,7 +3,7 @@
 //! fake device in CI, on the real driver in the GPU bundle (ignored without a GPU; run with
 //! `--include-ignored --test-threads=1` there, as `conformance_cuda`).
 use ferrocuda::alloc::AsyncAllocator;
-use ferrocuda::stream::conformance::{Harness, cuda_harness, fake_harness};
+use ferrocuda_testkit::{Harness, cuda_harness, fake_harness};
 
 fn with_async(h: Harness) -> Harness {
     h.rt.set_memory(AsyncAllocator::new(h.rt.driver().clone()));
@@ -21,7 +21,7 @@ fn cuda_async() -> Harness {
 /// The tests whose buffers go through the runtime's memory.
 macro_rules! buffer_tests {
     ($harness:path $(, #[$attr:meta])*) => {
-        ferrocuda::stream::conformance_tests!(@each $harness, [$(#[$attr])*],
+        ferrocuda_testkit::conformance_tests!(@each $harness, [$(#[$attr])*],
             buffer_round_trips, buffer_kernel_launch, side_stream_fixed_with_wait_stream,
             cross_stream_wait_event, kernel_cache_hits_and_repairs, pinned_host_copies,
             capture_records_and_replays, capture_refuses_sync_and_captured_event_query,

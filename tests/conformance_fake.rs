@@ -1,2 +1,2 @@
 //! The conformance suite on the fake device (manual completion), as CI runs it.
-ferrocuda_stream::conformance_tests!(ferrocuda_stream::conformance::fake_harness);
+ferrocuda_testkit::conformance_tests!(ferrocuda_testkit::fake_harness);

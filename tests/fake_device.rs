@@ -2,12 +2,12 @@
 //! than the GPU machine has: multi-device rules, held events, injected failures, call counts,
 //! lazy backing, and what happens with no driver at all.
 use ferrocuda::driver::{Call, CudaDriver, Driver, DriverError, FakeDriver, fake::Completion};
-use ferrocuda::stream::conformance::{KERNELS, register_fake_kernels};
 use ferrocuda::stream::{DeviceBuffer, KernelCache, Module, Runtime, StreamError};
 use ferrocuda::types::{
     CaptureMode, Device, DeviceIndex, EventFlags, KernelArg, LaunchConfig, MemsetValue,
     StreamFlags, StreamHandle,
 };
+use ferrocuda_testkit::{KERNELS, register_fake_kernels};
 use std::sync::Arc;
 
 type TestResult = Result<(), Box<dyn std::error::Error>>;

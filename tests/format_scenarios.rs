@@ -4,12 +4,12 @@
 use ferrocuda::alloc::history::HistoryOptions;
 use ferrocuda::alloc::{AllocError, DeviceAllocators};
 use ferrocuda::driver::{FakeDriver, fake::Completion};
-use ferrocuda::stream::conformance::{KERNELS, register_fake_kernels};
 use ferrocuda::stream::{DeviceBuffer, KernelCache, Module, Runtime};
 use ferrocuda::types::{
     AllocatorConfig, DeviceIndex, DeviceStats, KernelArg, LaunchConfig, Snapshot, StreamHandle,
     TraceEntry,
 };
+use ferrocuda_testkit::{KERNELS, register_fake_kernels};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 

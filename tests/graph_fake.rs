@@ -5,9 +5,9 @@
 use ferrocuda::alloc::{CachingAllocator, DeviceAllocators};
 use ferrocuda::driver::{Call, FakeDriver, fake::Completion};
 use ferrocuda::graph::{CaptureMode, CudaGraph, PhiloxGenerator, PoolId};
-use ferrocuda::stream::conformance::{KERNELS, register_fake_kernels};
 use ferrocuda::stream::{DeviceBuffer, Function, KernelCache, Module, Runtime, Stream};
 use ferrocuda::types::{AllocatorConfig, DeviceIndex, KernelArg, LaunchConfig};
+use ferrocuda_testkit::{KERNELS, register_fake_kernels};
 use std::sync::Arc;
 
 type TestResult = Result<(), Box<dyn std::error::Error>>;

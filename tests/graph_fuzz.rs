@@ -25,11 +25,11 @@
 use ferrocuda::alloc::{CachingAllocator, DeviceAllocators};
 use ferrocuda::driver::{FakeDriver, fake::Completion};
 use ferrocuda::graph::{CaptureMode, CudaGraph, GraphError, PoolId};
-use ferrocuda::stream::conformance::{Harness, cuda_harness, register_fake_kernels};
 use ferrocuda::stream::{
     DeviceBuffer, Function, KernelCache, MemoryError, Runtime, Stream, StreamError,
 };
 use ferrocuda::types::{AllocatorConfig, DeviceIndex, KernelArg, LaunchConfig};
+use ferrocuda_testkit::{Harness, cuda_harness, register_fake_kernels};
 use std::rc::Rc;
 use std::sync::Arc;
 use std::time::Instant;

@@ -12,9 +12,9 @@ use ferrocuda::dist::{
     BucketCaps, DistError, FakeGroup, ProcessGroup, ReduceOp, Reducer, reduce_found_inf,
 };
 use ferrocuda::driver::{Call, Driver, DriverError, FakeDriver, fake::Completion};
-use ferrocuda::stream::conformance::{KERNELS, register_fake_kernels};
 use ferrocuda::stream::{DeviceBuffer, KernelCache, Module, Runtime, StreamError};
 use ferrocuda::types::{AllocatorConfig, DeviceIndex, KernelArg, LaunchConfig};
+use ferrocuda_testkit::{KERNELS, register_fake_kernels};
 use std::sync::Arc;
 use std::sync::mpsc;
 use std::time::Duration;

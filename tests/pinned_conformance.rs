@@ -8,9 +8,9 @@
 use ferrocuda::alloc::DeviceAllocators;
 use ferrocuda::driver::DriverError;
 use ferrocuda::graph::{CaptureMode, CudaGraph};
-use ferrocuda::stream::conformance::{Harness, SPIN_CYCLES_PER_MS};
 use ferrocuda::stream::{DeviceBuffer, PinnedBuffer};
 use ferrocuda::types::{AllocatorConfig, DeviceIndex, KernelArg, LaunchConfig};
+use ferrocuda_testkit::{Harness, SPIN_CYCLES_PER_MS};
 use std::sync::Arc;
 
 type TestResult = Result<(), Box<dyn std::error::Error>>;
@@ -269,7 +269,7 @@ fn capture_copies_from_a_private_pinned_pool(h: &Harness) -> TestResult {
     Ok(())
 }
 
-ferrocuda::stream::both_backends!(
+ferrocuda_testkit::both_backends!(
     driver_register_path,
     pinned_buffers_round_trip,
     pinned_block_waits_for_its_copy,

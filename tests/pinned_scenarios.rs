@@ -4,11 +4,11 @@
 
 use ferrocuda::alloc::{AllocError, HostAllocator, Route};
 use ferrocuda::driver::{Call, Driver, DriverError, FakeDriver};
-use ferrocuda::stream::conformance::{Harness, fake_harness};
 use ferrocuda::stream::{DeviceBuffer, PinnedBuffer, Stream};
 use ferrocuda::types::{
     AllocatorConfig, CaptureMode, CaptureStatus, DeviceIndex, MemsetValue, PoolId, StreamHandle,
 };
+use ferrocuda_testkit::{Harness, fake_harness};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 

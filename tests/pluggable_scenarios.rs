@@ -455,7 +455,7 @@ fn caching_allocator_pool_segment_source() {
     let probe = Probe::open().unwrap();
     let base_live = probe.live();
     let mut c = Checks::default();
-    let h = ferrocuda::stream::conformance::fake_harness();
+    let h = ferrocuda_testkit::fake_harness();
     let ca = CachingAllocator::new(h.rt.driver().clone(), DEV, AllocatorConfig::default(), true)
         .unwrap();
     let a = PluggableAllocator::new(host_lib());

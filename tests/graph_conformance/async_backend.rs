@@ -11,8 +11,8 @@ use ferrocuda::graph::{
     CaptureMemory, CaptureMode, CudaGraph, GraphError, GraphedOptions, make_graphed_callables,
 };
 use ferrocuda::stream::DeviceBuffer;
-use ferrocuda::stream::conformance::Harness;
 use ferrocuda::types::AllocatorConfig;
+use ferrocuda_testkit::Harness;
 use std::sync::Arc;
 
 /// The kernels of [`Setup`], with the runtime's memory served by a cudaMallocAsync

@@ -7,9 +7,9 @@ use crate::{BoxError, D0, N, TestResult};
 use ferrocuda::alloc::{AllocError, AsyncAllocator};
 use ferrocuda::driver::{Call, Driver, DriverError, FakeDriver};
 use ferrocuda::graph::{CaptureMemory, CaptureMode, CudaGraph, GraphError};
-use ferrocuda::stream::conformance::{Harness, fake_harness};
 use ferrocuda::stream::{DeviceBuffer, Stream};
 use ferrocuda::types::{CaptureStatus, DevicePtr};
+use ferrocuda_testkit::{Harness, fake_harness};
 use std::sync::Arc;
 
 type Res<T> = Result<T, BoxError>;

@@ -1,8 +1,8 @@
 //! Graphed callables (`make_graphed_callables`).
 use crate::{D0, N, Setup, TestResult};
 use ferrocuda::graph::{Callable, GraphError, GraphedOptions, make_graphed_callables};
-use ferrocuda::stream::conformance::Harness;
 use ferrocuda::stream::{DeviceBuffer, StreamError};
+use ferrocuda_testkit::Harness;
 use std::cell::Cell;
 
 /// `y = 2x` (counting its runs) and `z = 3y`, each into a buffer it allocates.

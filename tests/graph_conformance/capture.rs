@@ -2,9 +2,9 @@
 //! pool sharing, fork/join, THREAD_LOCAL captures, exact memory statistics.
 use crate::{D0, N, Setup, TestResult};
 use ferrocuda::graph::{CaptureMode, CudaGraph, GraphError, PoolId};
-use ferrocuda::stream::conformance::Harness;
 use ferrocuda::stream::{DeviceBuffer, Stream};
 use ferrocuda::types::{CaptureStatus, DeviceIndex};
+use ferrocuda_testkit::Harness;
 
 /// The `torch.cuda.graph` documentation example: fill the static input, replay, read the
 /// static output, which was allocated inside the capture from the graph's private pool.

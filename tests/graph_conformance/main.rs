@@ -7,9 +7,9 @@
 //! captures under `backend:cudaMallocAsync`.
 use ferrocuda::alloc::DeviceAllocators;
 use ferrocuda::graph::{CudaGraph, GraphError, PoolId, register_fake_philox};
-use ferrocuda::stream::conformance::{Harness, KERNELS};
 use ferrocuda::stream::{DeviceBuffer, Function, Module, Stream};
 use ferrocuda::types::{AllocatorConfig, DeviceIndex, KernelArg, LaunchConfig};
+use ferrocuda_testkit::{Harness, KERNELS};
 use std::sync::Arc;
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -134,7 +134,7 @@ use update_inputs::{
     update_inputs_repoints_interior_pointers, update_inputs_repoints_memset_and_memcpy,
 };
 
-ferrocuda::stream::both_backends!(
+ferrocuda_testkit::both_backends!(
     graph_replays_on_static_buffers,
     capture_memory_outlives_reset,
     capture_rules_are_typed_errors,

@@ -3,8 +3,8 @@
 //! in place and replayed.
 use crate::{D0, N, Setup, TestResult};
 use ferrocuda::driver::DriverError;
-use ferrocuda::stream::conformance::Harness;
 use ferrocuda::types::{CaptureMode, CopyEnd, DevicePtr, GraphNode, MemsetValue};
+use ferrocuda_testkit::Harness;
 
 /// The arguments of `add_one_f32(x, n)`, as the kernel node holds them.
 fn add_one_args(x: DevicePtr) -> Vec<Vec<u8>> {

@@ -4,8 +4,8 @@ use crate::{D0, N, Setup, TestResult};
 use ferrocuda::driver::Call;
 use ferrocuda::graph::CaptureMode;
 use ferrocuda::stream::DeviceBuffer;
-use ferrocuda::stream::conformance::Harness;
 use ferrocuda::types::{KernelArg, LaunchConfig};
+use ferrocuda_testkit::Harness;
 
 /// A 4 MiB buffer of `f32`: a large-pool request, served from a 20 MiB segment.
 const FOUR_MIB: usize = 1 << 20;

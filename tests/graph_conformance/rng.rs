@@ -1,8 +1,8 @@
 //! Graph-safe Philox random numbers.
 use crate::{BoxError, D0, N, Setup, TestResult};
 use ferrocuda::graph::{CaptureMode, GraphError, PhiloxGenerator};
-use ferrocuda::stream::conformance::Harness;
 use ferrocuda::stream::{DeviceBuffer, Stream};
+use ferrocuda_testkit::Harness;
 
 fn draw(s: &Setup, generator: &PhiloxGenerator, stream: &Stream) -> Result<Vec<f32>, BoxError> {
     let out = DeviceBuffer::<f32>::uninit(&s.h.rt, D0, N)?;

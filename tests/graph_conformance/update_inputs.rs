@@ -3,9 +3,9 @@
 use crate::{D0, N, Setup, TestResult};
 use ferrocuda::driver::{Call, DriverError, FakeDriver, fake::Completion};
 use ferrocuda::graph::{CaptureMode, GraphError, InputMove, InputUpdate};
-use ferrocuda::stream::conformance::{Harness, register_fake_kernels};
 use ferrocuda::stream::{DeviceBuffer, KernelCache, Runtime, Stream, StreamError};
 use ferrocuda::types::{DeviceIndex, DevicePtr, KernelArg, LaunchConfig, MemsetValue};
+use ferrocuda_testkit::{Harness, register_fake_kernels};
 use std::ops::Range;
 use std::sync::Arc;
 
@@ -145,7 +145,7 @@ pub(crate) fn update_input_ptrs_repoints_by_address(h: &Harness) -> TestResult {
 /// (fake device: the refusals are injected).
 #[test]
 fn update_inputs_reinstantiates_when_refused() -> TestResult {
-    let h = ferrocuda::stream::conformance::fake_harness();
+    let h = ferrocuda_testkit::fake_harness();
     let fake = h.fake.clone().ok_or("the fake harness has a fake driver")?;
     let s = Setup::new(&h)?;
     let g = s.graph()?;
@@ -174,7 +174,7 @@ fn update_inputs_reinstantiates_when_refused() -> TestResult {
 /// replay reads the buffers of the latest update (fake device: the driver's calls counted).
 #[test]
 fn update_inputs_reads_the_nodes_once() -> TestResult {
-    let h = ferrocuda::stream::conformance::fake_harness();
+    let h = ferrocuda_testkit::fake_harness();
     let fake = h.fake.clone().ok_or("the fake harness has a fake driver")?;
     let s = Setup::new(&h)?;
     let g = s.graph()?;
@@ -403,7 +403,7 @@ fn update_inputs_refuses_another_device() -> TestResult {
 /// launched graph as one node).
 #[test]
 fn update_inputs_refuses_an_opaque_node() -> TestResult {
-    let h = ferrocuda::stream::conformance::fake_harness();
+    let h = ferrocuda_testkit::fake_harness();
     let s = Setup::new(&h)?;
     let (inner, outer) = (s.graph()?, s.graph()?);
     let x = s.buffer(1.0)?;
@@ -438,7 +438,7 @@ fn update_inputs_refuses_an_opaque_node() -> TestResult {
 /// buffer (fake device: the failures are injected).
 #[test]
 fn update_inputs_that_fails_midway_changes_nothing() -> TestResult {
-    let h = ferrocuda::stream::conformance::fake_harness();
+    let h = ferrocuda_testkit::fake_harness();
     let fake = h.fake.clone().ok_or("the fake harness has a fake driver")?;
     let s = Setup::new(&h)?;
     let g = s.graph()?;

@@ -1,5 +1,5 @@
 //! The gradient scaler on both backends: written once, run on the fake device in CI and on a
-//! GPU in the bundle (`ferrocuda_stream::both_backends!`). PyTorch's scaler tests in spirit
+//! GPU in the bundle (`ferrocuda_testkit::both_backends!`). PyTorch's scaler tests in spirit
 //! (test_cuda.py: test_grad_scaling_unscale, _update_scale, _state_dict, _run_scaling_case).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, missing_docs)]
 
@@ -11,13 +11,13 @@ use ferrocuda_amp::scaler::{
 };
 use ferrocuda_amp::{GradScaler, GradScalerConfig, ScalerError, TensorView};
 use ferrocuda_stream::DeviceBuffer;
-use ferrocuda_stream::conformance::Harness;
+use ferrocuda_testkit::Harness;
 use ferrocuda_types::{CaptureMode, DType};
 use half::{bf16, f16};
 
 pub type TestResult = Result<(), Box<dyn std::error::Error>>;
 
-ferrocuda_stream::both_backends!(
+ferrocuda_testkit::both_backends!(
     kernels_match_the_reference_on_every_dtype,
     check_only_pass_and_found_inf_is_never_cleared,
     update_follows_pytorch_over_scripted_infs,

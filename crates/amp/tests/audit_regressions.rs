@@ -27,7 +27,7 @@ use ferrocuda_amp::optim::{Param, register_fake_optim_kernels};
 use ferrocuda_amp::scaler::register_fake_amp_kernels;
 use ferrocuda_amp::{GradScaler, GradScalerConfig, TensorView};
 use ferrocuda_stream::DeviceBuffer;
-use ferrocuda_stream::conformance::{Harness, fake_harness};
+use ferrocuda_testkit::{Harness, fake_harness};
 use ferrocuda_types::{DType, DeviceIndex, DevicePtr};
 
 pub type TestResult = Result<(), Box<dyn std::error::Error>>;

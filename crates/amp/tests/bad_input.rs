@@ -7,8 +7,8 @@ use ferrocuda_amp::optim::{
 };
 use ferrocuda_amp::scaler::register_fake_amp_kernels;
 use ferrocuda_amp::{GradScaler, GradScalerConfig, ScalerError, TensorView, ViewOutOfRange};
-use ferrocuda_stream::conformance::fake_harness;
 use ferrocuda_stream::{DeviceBuffer, StreamError};
+use ferrocuda_testkit::fake_harness;
 use ferrocuda_types::{DType, DeviceIndex, DevicePtr};
 
 type TestResult = Result<(), Box<dyn std::error::Error>>;

@@ -17,8 +17,8 @@ use ferrocuda_amp::optim::{
 use ferrocuda_amp::scaler::register_fake_amp_kernels;
 use ferrocuda_amp::{GradScaler, GradScalerConfig, ScaledStep, TensorView};
 use ferrocuda_graph::{CaptureMode, CudaGraph};
-use ferrocuda_stream::conformance::Harness;
 use ferrocuda_stream::{DeviceBuffer, Runtime};
+use ferrocuda_testkit::Harness;
 use ferrocuda_types::{AllocatorConfig, DeviceIndex};
 use half::{bf16, f16};
 use reference::{RefAdamW, RefSgd, Reference, Rng};
@@ -615,7 +615,7 @@ fn mlp_rounding_matches_half() {
     mlp::check_rounding_against_half();
 }
 
-ferrocuda_stream::both_backends!(
+ferrocuda_testkit::both_backends!(
     sgd_matches_reference_with_skips,
     adamw_matches_reference_with_skips,
     masked_fallback_matches_reference,

@@ -92,9 +92,6 @@ mod pinned_buffer;
 mod runtime;
 mod stream;
 
-#[cfg(feature = "conformance")]
-pub mod conformance;
-
 pub use availability::AvailabilityCheck;
 pub use buffer::DeviceBuffer;
 pub use error::{MemoryError, Result, StreamError};

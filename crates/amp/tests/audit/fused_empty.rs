@@ -8,7 +8,7 @@ use ferrocuda_amp::scaler::{OptimizerId, Stage};
 use ferrocuda_amp::{ScalerError, TensorView};
 
 fn read(
-    h: &ferrocuda_stream::conformance::Harness,
+    h: &ferrocuda_testkit::Harness,
     s: ferrocuda_amp::scaler::DeviceScalar<f32>,
 ) -> Result<f32, Box<dyn std::error::Error>> {
     let mut b = [0u8; 4];

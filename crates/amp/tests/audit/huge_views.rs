@@ -11,8 +11,8 @@ use ferrocuda_amp::optim::{
 use ferrocuda_amp::scaler::{ChunkTable, DeviceScalar, OptimizerId, register_fake_amp_kernels};
 use ferrocuda_amp::{GradScaler, GradScalerConfig, ScaledStep, ScalerError, StepError, TensorView};
 use ferrocuda_driver::{Completion, FakeDriver};
-use ferrocuda_stream::conformance::{Harness, temp_dir};
 use ferrocuda_stream::{KernelCache, Runtime, Stream};
+use ferrocuda_testkit::{Harness, temp_dir};
 use ferrocuda_types::{DType, DevicePtr};
 use std::sync::Arc;
 

@@ -152,7 +152,7 @@ fn adamw_cases() -> Vec<AdamWCase> {
 }
 
 fn params(
-    h: &ferrocuda_stream::conformance::Harness,
+    h: &ferrocuda_testkit::Harness,
 ) -> Result<(Owned, Vec<Param>), Box<dyn std::error::Error>> {
     let p = Owned::new(h, 3, 1.0, 0.5)?;
     let list = vec![p.param()];

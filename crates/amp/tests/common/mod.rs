@@ -7,7 +7,7 @@ use ferrocuda_amp::scaler::reference::{self, GradElement};
 use ferrocuda_amp::scaler::{DeviceScalar, register_fake_amp_kernels};
 use ferrocuda_amp::{GradScaler, GradScalerConfig, ScalerError, TensorView};
 use ferrocuda_stream::DeviceBuffer;
-use ferrocuda_stream::conformance::Harness;
+use ferrocuda_testkit::Harness;
 use ferrocuda_types::{DType, DeviceIndex};
 use half::{bf16, f16};
 

@@ -8,9 +8,7 @@ use ferrocuda_graph::trees::{
 
 /// `y = 3 (x + w)`, `z = y + 1` with a temporary, `w` static: warmed up once, recorded once,
 /// then replayed on new random inputs, always equal to the host computation.
-pub(crate) fn warmup_record_replay_matches_eager(
-    h: &ferrocuda_stream::conformance::Harness,
-) -> TestResult {
+pub(crate) fn warmup_record_replay_matches_eager(h: &ferrocuda_testkit::Harness) -> TestResult {
     let s = Setup::new(h)?;
     let trees = s.trees(TreeConfig::default())?;
     let k = s.k.clone();
@@ -56,9 +54,7 @@ pub(crate) fn warmup_record_replay_matches_eager(
 
 /// A forward saving an activation and its backward reading it: the backward is recorded
 /// as a child of the forward and takes the activation in place.
-pub(crate) fn forward_backward_share_one_tree(
-    h: &ferrocuda_stream::conformance::Harness,
-) -> TestResult {
+pub(crate) fn forward_backward_share_one_tree(h: &ferrocuda_testkit::Harness) -> TestResult {
     let s = Setup::new(h)?;
     let trees = s.trees(TreeConfig::default())?;
     let (k1, k2) = (s.k.clone(), s.k.clone());
@@ -126,7 +122,7 @@ pub(crate) fn forward_backward_share_one_tree(
 /// Outputs of earlier steps are stale once a later run may overwrite them, whether the
 /// later run records or replays (PyTorch raises only for warm-up and recording outputs);
 /// `copy_out` keeps one; within a step, a held output makes the next call record a child.
-pub(crate) fn stale_outputs_are_errors(h: &ferrocuda_stream::conformance::Harness) -> TestResult {
+pub(crate) fn stale_outputs_are_errors(h: &ferrocuda_testkit::Harness) -> TestResult {
     let s = Setup::new(h)?;
     let trees = s.trees(TreeConfig::default())?;
     let k = s.k.clone();
@@ -181,7 +177,7 @@ pub(crate) fn stale_outputs_are_errors(h: &ferrocuda_stream::conformance::Harnes
 /// backward; forwards without backwards keep the path open and warn; `mark_step_begin`
 /// overrides the pending backward.
 pub(crate) fn heuristic_generations_follow_pending_backwards(
-    h: &ferrocuda_stream::conformance::Harness,
+    h: &ferrocuda_testkit::Harness,
 ) -> TestResult {
     let s = Setup::new(h)?;
     let config = TreeConfig {
@@ -248,7 +244,7 @@ pub(crate) fn heuristic_generations_follow_pending_backwards(
 /// path (a warm-up of another function: PyTorch checkpoints, it does not end the path)
 /// reads the output in place, correctly.
 pub(crate) fn an_output_passed_into_the_next_step_is_stale(
-    h: &ferrocuda_stream::conformance::Harness,
+    h: &ferrocuda_testkit::Harness,
 ) -> TestResult {
     let s = Setup::new(h)?;
     for policy in [GenerationPolicy::Explicit, GenerationPolicy::Heuristic] {

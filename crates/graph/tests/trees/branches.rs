@@ -4,7 +4,7 @@ use crate::{N, Setup, TestResult, expect, named, random, served_kinds};
 use ferrocuda_graph::trees::{
     Arg, CheckStatus, Ctx, Input, Served, SkipReason, TreeConfig, TreeError, TreeEvent,
 };
-use ferrocuda_stream::conformance::Harness;
+use ferrocuda_testkit::Harness;
 
 /// `a` then `b`, later `a` then `c`: `c` is recorded as `b`'s sibling after a replay of
 /// `a`, once the pool is returned to `a`'s checkpoint. It reuses exactly the memory of

@@ -5,7 +5,7 @@ use ferrocuda_graph::trees::Trees;
 use ferrocuda_graph::trees::{
     Arg, Ctx, Input, InputFeed, Served, SkipReason, TreeConfig, TreeError, TreeEvent, WrapOptions,
 };
-use ferrocuda_stream::conformance::Harness;
+use ferrocuda_testkit::Harness;
 use ferrocuda_types::AllocatorConfig;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};

@@ -21,7 +21,7 @@ use ferrocuda_graph::trees::{
     TreeTensor, Trees, WrapOptions, Wrapped,
 };
 use ferrocuda_stream::DeviceBuffer;
-use ferrocuda_stream::conformance::Harness;
+use ferrocuda_testkit::Harness;
 use std::sync::Arc;
 
 /// Elements of the tensors: two sizes, so that signatures change, guards recompile and

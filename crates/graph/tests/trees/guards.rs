@@ -10,7 +10,7 @@ use ferrocuda_graph::trees::{
     Arg, Ctx, Input, Served, SkipReason, TreeConfig, TreeError, TreeEvent, WrapOptions, Wrapped,
 };
 use ferrocuda_stream::DeviceBuffer;
-use ferrocuda_stream::conformance::Harness;
+use ferrocuda_testkit::Harness;
 
 /// `y = 3 x` over each size in turn (a step each), checking every output.
 fn calls(s: &Setup<'_>, f: &Wrapped, sizes: &[usize]) -> Result<Vec<Served>, crate::BoxError> {

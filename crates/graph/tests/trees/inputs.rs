@@ -9,7 +9,7 @@ use ferrocuda_graph::trees::{
     TreeTensor, Trees, WrapOptions, Wrapped,
 };
 use ferrocuda_stream::DeviceBuffer;
-use ferrocuda_stream::conformance::Harness;
+use ferrocuda_testkit::Harness;
 use ferrocuda_types::DType;
 use std::sync::Arc;
 

@@ -7,8 +7,8 @@
 use ferrocuda_alloc::DeviceAllocators;
 use ferrocuda_graph::CallableError;
 use ferrocuda_graph::trees::{Arg, Ctx, Out, Served, TreeConfig, TreeTensor, Trees, WrapOptions};
-use ferrocuda_stream::conformance::Harness;
 use ferrocuda_stream::{DeviceBuffer, Function, Module, Stream};
+use ferrocuda_testkit::Harness;
 use ferrocuda_types::{
     AllocatorConfig, DType, DeviceIndex, DevicePtr, KernelArg, LaunchConfig, PoolId,
 };
@@ -257,7 +257,7 @@ use shapes::{
     only_capture_sizes_are_graphed, shapes_record_per_size_and_the_cap_evicts,
 };
 
-ferrocuda_stream::both_backends!(
+ferrocuda_testkit::both_backends!(
     warmup_record_replay_matches_eager,
     forward_backward_share_one_tree,
     stale_outputs_are_errors,

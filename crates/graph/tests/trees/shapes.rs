@@ -5,7 +5,7 @@ use ferrocuda_graph::guards::CacheConfig;
 use ferrocuda_graph::trees::{
     Arg, Buckets, Ctx, Input, Served, SkipReason, TreeConfig, TreeEvent, WrapOptions,
 };
-use ferrocuda_stream::conformance::Harness;
+use ferrocuda_testkit::Harness;
 
 /// Sizes 256, 512, 1024 with a cap of 2: each size warms up and records; the third
 /// evicts the least recently used (its graph gone from the pool's users, its held output

@@ -1,0 +1,183 @@
+//! Memory: device buffers and their copies, kernels over them, use after destroy, out of memory, pinned host copies, virtual memory.
+use super::*;
+
+pub fn buffer_round_trips(h: &Harness) -> TestResult {
+    let rt = &h.rt;
+    let values: Vec<f32> = (0..1000).map(|i| i as f32 * 0.5 - 100.0).collect();
+    let a = DeviceBuffer::from_slice(rt, DEV, &values)?;
+    assert_eq!(a.to_host()?, values);
+    let b = DeviceBuffer::<f32>::uninit(rt, DEV, values.len())?;
+    b.copy_from(&a)?;
+    assert_eq!(b.to_host()?, values);
+    assert!(
+        DeviceBuffer::<u8>::filled(rt, DEV, 333, 7)?
+            .to_host()?
+            .iter()
+            .all(|&v| v == 7)
+    );
+    let f16 = half::f16::from_f32(-1.5);
+    assert!(
+        DeviceBuffer::filled(rt, DEV, 77, f16)?
+            .to_host()?
+            .iter()
+            .all(|&v| v == f16)
+    );
+    let bf = half::bf16::from_f32(3.25);
+    assert!(
+        DeviceBuffer::filled(rt, DEV, 78, bf)?
+            .to_host()?
+            .iter()
+            .all(|&v| v == bf)
+    );
+    assert!(
+        DeviceBuffer::filled(rt, DEV, 79, -2.5f64)?
+            .to_host()?
+            .iter()
+            .all(|&v| v == -2.5)
+    );
+    let longs: Vec<i64> = (0..50).map(|i| i64::MAX - i).collect();
+    assert_eq!(DeviceBuffer::from_slice(rt, DEV, &longs)?.to_host()?, longs);
+    assert_eq!(
+        a.copy_from_host(&[1.0]),
+        Err(StreamError::LengthMismatch {
+            expected: 1000,
+            found: 1
+        })
+    );
+    let empty = DeviceBuffer::<f32>::uninit(rt, DEV, 0)?;
+    assert!(empty.is_empty() && empty.to_host()?.is_empty());
+    Ok(())
+}
+
+pub fn buffer_kernel_launch(h: &Harness) -> TestResult {
+    let rt = &h.rt;
+    let n = 1000u32;
+    let xs: Vec<f32> = (1..=n).map(|i| i as f32).collect();
+    let x = DeviceBuffer::from_slice(rt, DEV, &xs)?;
+    let y = DeviceBuffer::<f32>::uninit(rt, DEV, n as usize)?;
+    let scale = module(h)?.function("scale_f32")?;
+    rt.current_stream(DEV)?.launch(
+        &scale,
+        &elementwise(n as usize),
+        &[
+            y.arg(),
+            x.arg(),
+            KernelArg::value(&2.5f32),
+            KernelArg::value(&n),
+        ],
+    )?;
+    let want: Vec<f32> = xs.iter().map(|v| 2.5 * v).collect();
+    assert_eq!(y.to_host()?, want);
+    Ok(())
+}
+
+// ---- driver rules ----------------------------------------------------------------------
+
+pub fn use_after_destroy_is_an_error(h: &Harness) -> TestResult {
+    let d = h.rt.driver();
+    let s = d.stream_create(
+        DEV,
+        StreamFlags {
+            non_blocking: true,
+            priority: 0,
+        },
+    )?;
+    d.stream_destroy(s)?;
+    assert_eq!(
+        driver_err(d.stream_query(s)),
+        Some(DriverError::INVALID_HANDLE)
+    );
+    assert_eq!(
+        driver_err(d.stream_destroy(s)),
+        Some(DriverError::INVALID_HANDLE)
+    );
+    let e = d.event_create(DEV, EventFlags::default())?;
+    d.event_destroy(e)?;
+    assert_eq!(
+        driver_err(d.event_record(e, StreamHandle::legacy(DEV))),
+        Some(DriverError::INVALID_HANDLE)
+    );
+    let made_up = EventHandle {
+        device: DEV,
+        raw: 0x1234_5678,
+    };
+    assert_eq!(
+        driver_err(d.event_query(made_up)),
+        Some(DriverError::INVALID_HANDLE)
+    );
+    let h1 = d.host_alloc(64)?;
+    d.host_free(h1)?;
+    assert!(d.host_free(h1).is_err() && d.host_read(h1, 0, &mut [0u8; 4]).is_err());
+    Ok(())
+}
+
+pub fn out_of_memory_is_a_typed_error(h: &Harness) -> TestResult {
+    let d = h.rt.driver();
+    let (_, total) = d.mem_get_info(DEV)?;
+    let err = d
+        .malloc(DEV, total * 2)
+        .expect_err("twice the device's memory");
+    assert!(err.is_out_of_memory(), "{err}");
+    assert_eq!(err.to_string(), "CUDA_ERROR_OUT_OF_MEMORY (2)");
+    let p = d.malloc(DEV, 1 << 20)?;
+    d.free(DEV, p)?;
+    Ok(())
+}
+
+pub fn pinned_host_copies(h: &Harness) -> TestResult {
+    let (rt, d) = (&h.rt, h.rt.driver());
+    let pattern: Vec<u8> = (0..4096u32).map(|i| (i * 7 % 251) as u8).collect();
+    let (src, dst) = (d.host_alloc(4096)?, d.host_alloc(4096)?);
+    d.host_write(src, 0, &pattern)?;
+    let dev = DeviceBuffer::<u8>::uninit(rt, DEV, 4096)?;
+    let s = rt.new_stream(DEV, 0)?;
+    d.memcpy_htod_pinned_async(dev.ptr(), (src, 0), 4096, s.handle())?;
+    d.memcpy_dtoh_pinned_async((dst, 0), dev.ptr(), 4096, s.handle())?;
+    s.synchronize()?;
+    let mut back = vec![0u8; 4096];
+    d.host_read(dst, 0, &mut back)?;
+    assert_eq!(back, pattern);
+    assert_eq!(
+        driver_err(d.host_read(dst, 4000, &mut [0u8; 100])),
+        Some(DriverError::INVALID_VALUE)
+    );
+    d.host_free(src)?;
+    d.host_free(dst)?;
+    Ok(())
+}
+
+pub fn virtual_memory_map_and_access(h: &Harness) -> TestResult {
+    let (rt, d) = (&h.rt, h.rt.driver());
+    let g = d.vm_granularity(DEV)?;
+    assert_eq!(g, 2 << 20, "2 MiB granularity");
+    let va = d.vm_reserve(DEV, 4 * g)?;
+    let (c1, c2) = (d.vm_create(DEV, g)?, d.vm_create(DEV, 2 * g)?);
+    d.vm_map(va.base, c1)?;
+    d.vm_map(va.base.offset(g), c2)?;
+    d.vm_set_access(DEV, va.base, 3 * g)?;
+    let s = rt.new_stream(DEV, 0)?;
+    d.memset_async(
+        va.base,
+        MemsetValue::U32(0xdead_beef),
+        3 * g / 4,
+        s.handle(),
+    )?;
+    let mut across = vec![0u8; 64];
+    d.memcpy_dtoh(&mut across, va.base.offset(g - 32), s.handle())?;
+    assert!(
+        across.chunks(4).all(|w| w == 0xdead_beefu32.to_le_bytes()),
+        "a copy across two mappings"
+    );
+    d.vm_unmap(DEV, va.base, g)?;
+    d.vm_unmap(DEV, va.base.offset(g), 2 * g)?;
+    d.vm_destroy(c1)?;
+    d.vm_destroy(c2)?;
+    assert_eq!(
+        driver_err(d.vm_destroy(c1)),
+        Some(DriverError::INVALID_HANDLE)
+    );
+    d.vm_release(va)?;
+    Ok(())
+}
+
+// ---- capture ---------------------------------------------------------------------------
