@@ -56,6 +56,9 @@ use state::{Freed, State};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 
+/// Free-list buckets: one per `ceil(log2(size))` (PyTorch's `MAX_SIZE_INDEX`).
+pub(crate) const BUCKETS: usize = 64;
+
 /// The largest request: its bucket, `ceil(log2(size))`, must be below 64.
 const MAX_REQUEST: u64 = 1 << 63;
 

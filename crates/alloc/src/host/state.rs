@@ -2,15 +2,13 @@
 //! power-of-two buckets and the queue of pending events), the routes of private pools, and
 //! the statistics. Every method here is bookkeeping only: no driver call is made with this
 //! state borrowed (the callers in `mod.rs`, `events.rs` and `memory.rs` make them).
+use super::BUCKETS;
 use super::stats::Stats;
 use crate::AllocError;
 use crate::private_pools::{Route, Routes, begin_route, end_route};
 use ferrocuda_types::{EventHandle, HostRange, PoolId, StreamHandle};
 use rustc_hash::FxHashMap;
 use std::collections::VecDeque;
-
-/// Free-list buckets: one per `ceil(log2(size))` (PyTorch's `MAX_SIZE_INDEX`).
-pub(crate) const BUCKETS: usize = 64;
 
 /// The bucket of a block of `size` bytes: `ceil(log2(size))` (`Log2_64_Ceil`), for
 /// `1 <= size <= 2^63`.

@@ -2,7 +2,7 @@
 //! counted once, blocks handed out counted per bucket (PyTorch keeps those under the
 //! bucket locks), and `host_memory_stats` summing the buckets, peaks included, so the
 //! active peaks are the same approximation as PyTorch's.
-use super::state::BUCKETS;
+use super::BUCKETS;
 use ferrocuda_types::{DurationStat, HostStats, Stat};
 
 #[derive(Debug)]

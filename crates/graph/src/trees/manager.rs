@@ -8,7 +8,6 @@ use super::errors::{CheckStatus, SkipReason, TreeError, TreeEvent};
 use super::liveness::{all_dead, check_invariants, live_tree_ptrs, mismatch_detail};
 use super::nodes::{Arena, FunctionId, WarmupNode};
 use super::tensor::{Input, Shape};
-use super::wrapped::Wrapped;
 use ferrocuda_alloc::{CachingAllocator, DeviceAllocators};
 use ferrocuda_stream::{Runtime, Stream};
 use ferrocuda_types::{DeviceIndex, DevicePtr, PoolId};
@@ -173,13 +172,6 @@ impl Trees {
             calls: AtomicU64::new(0),
             state: Mutex::new(State::new()),
         }))
-    }
-
-    /// Wraps `f`: each call warms up, records or replays per input signature. Recompile
-    /// messages name the place of this call as the function's location.
-    #[track_caller]
-    pub fn wrap<F: TreeFn + 'static>(self: &Arc<Self>, f: F, options: WrapOptions) -> Wrapped {
-        Wrapped::new(self.clone(), Box::new(f), options)
     }
 
     /// Begins a new step (`torch.compiler.cudagraph_mark_step_begin`): the next call may
@@ -374,7 +366,7 @@ impl Trees {
 
     /// Reasons known before looking at the tree: a sticky skip of the function, an input
     /// on another device, or an uncached allocator. (Inputs past their buffers and stale
-    /// ones were refused before the guards: [`Wrapped::call`].)
+    /// ones were refused before the guards: [`Wrapped::call`](super::Wrapped::call).)
     fn static_skip(
         &self,
         st: &State,

@@ -22,6 +22,15 @@ use std::convert::Infallible;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
+impl Trees {
+    /// Wraps `f`: each call warms up, records or replays per input signature. Recompile
+    /// messages name the place of this call as the function's location.
+    #[track_caller]
+    pub fn wrap<F: TreeFn + 'static>(self: &Arc<Self>, f: F, options: WrapOptions) -> Wrapped {
+        Wrapped::new(self.clone(), Box::new(f), options)
+    }
+}
+
 /// One input's part of a signature.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 struct KeyPart {
