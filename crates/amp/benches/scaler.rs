@@ -107,7 +107,7 @@ fn unscale(c: &mut Criterion) {
         let dst = DeviceBuffer::<u8>::uninit(&rt, DEV, list.bytes as usize).expect("dst");
         let mut run = || {
             scaler
-                .foreach_non_finite_check_and_unscale_(&stream, &list.views, found_inf, inv_scale)
+                .foreach_non_finite_check_and_unscale(&stream, &list.views, found_inf, inv_scale)
                 .expect("unscale");
         };
         let copy = || dst.copy_from(&src).expect("copy");

@@ -103,7 +103,7 @@ fn step(c: &mut Criterion) {
     g.bench_function("pytorch_eager", |b| {
         b.iter(|| {
             use ferrocuda_amp::optim::DeviceOptimizer;
-            scaler.unscale_(id, &grads).expect("unscale_");
+            scaler.unscale(id, &grads).expect("unscale_");
             scaler
                 .step(id, &grads, || adamw.step(&stream, None).expect("adamw"))
                 .expect("step");

@@ -31,7 +31,7 @@
 //! g.copy_from_host(&[f32::INFINITY; 4])?; // an overflow:
 //! step.run(&stream)?; // SGD skips itself on the device, the scale backs off
 //! assert_eq!(w.to_host()?, [0.5; 4]);
-//! assert_eq!(step.scaler().get_scale()?, 32768.0);
+//! assert_eq!(step.scaler().scale()?, 32768.0);
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 //!

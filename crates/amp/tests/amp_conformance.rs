@@ -48,7 +48,7 @@ pub fn kernels_match_the_reference_on_every_dtype(h: &Harness) -> TestResult {
         let dev = grads.upload(h)?;
         let found = DeviceBuffer::<f32>::filled(&h.rt, DEV, 1, 0.0)?;
         let inv_buf = DeviceBuffer::<f32>::filled(&h.rt, DEV, 1, inv)?;
-        scaler.foreach_non_finite_check_and_unscale_(
+        scaler.foreach_non_finite_check_and_unscale(
             &stream,
             &dev.views,
             DeviceScalar::of(&found),
@@ -74,13 +74,13 @@ pub fn check_only_pass_and_found_inf_is_never_cleared(h: &Harness) -> TestResult
     let found = DeviceBuffer::<f32>::filled(&h.rt, DEV, 1, 0.0)?;
     let one = DeviceBuffer::<f32>::filled(&h.rt, DEV, 1, 1.0)?;
     let args = (DeviceScalar::of(&found), DeviceScalar::of(&one));
-    scaler.foreach_non_finite_check_and_unscale_(&stream, &dev.views, args.0, args.1)?;
+    scaler.foreach_non_finite_check_and_unscale(&stream, &dev.views, args.0, args.1)?;
     assert_eq!(found.to_host()?, [1.0]);
     dev.assert_bits_unchanged(&grads)?;
     found.fill(5.0)?;
     let clean = HostGrads::random(&mut rng, 10, false);
     let clean_dev = clean.upload(h)?;
-    scaler.foreach_non_finite_check_and_unscale_(&stream, &clean_dev.views, args.0, args.1)?;
+    scaler.foreach_non_finite_check_and_unscale(&stream, &clean_dev.views, args.0, args.1)?;
     assert_eq!(
         found.to_host()?,
         [5.0],
@@ -145,8 +145,8 @@ pub fn update_follows_pytorch_over_scripted_infs(h: &Harness) -> TestResult {
             scaler.update_device(&stream)?;
             (scale, tracker) = pytorch_update(scale, tracker, inf, g, b, interval);
             skipped += u32::from(inf);
-            assert_eq!(scaler.get_scale()?, f64::from(scale), "iteration {i}");
-            assert_eq!(scaler.get_growth_tracker()?, tracker, "iteration {i}");
+            assert_eq!(scaler.scale()?, f64::from(scale), "iteration {i}");
+            assert_eq!(scaler.growth_tracker()?, tracker, "iteration {i}");
             let state = scaler.device_state()?.expect("enabled");
             let inv = read_scalar(h, state.inv_scale())?;
             assert_eq!(inv, reference::inv_scale(scale), "inv_scale refreshed");
@@ -183,13 +183,13 @@ pub fn clamps_floor_backoff_and_cap_growth(h: &Harness) -> TestResult {
     for _ in 0..4 {
         s.unscale_device(&stream, &views)?;
         s.update_device(&stream)?;
-        seen.push(s.get_scale()?);
+        seen.push(s.scale()?);
     }
     grad.fill(1.0)?;
     for _ in 0..6 {
         s.unscale_device(&stream, &views)?;
         s.update_device(&stream)?;
-        seen.push(s.get_scale()?);
+        seen.push(s.scale()?);
     }
     assert_eq!(seen, [2.0, 1.0, 1.0, 1.0, 2.0, 4.0, 8.0, 16.0, 16.0, 16.0]);
     let bad = GradScalerConfig {
@@ -238,7 +238,7 @@ pub fn state_machine_and_its_errors(h: &Harness) -> TestResult {
     let opt = OptimizerId::fresh();
     let grad = DeviceBuffer::<f32>::from_slice(&h.rt, DEV, &[8.0, -16.0, 4.0])?;
     let grads = [TensorView::of(&grad)];
-    let err = s.unscale_(opt, &grads).expect_err("before any scale");
+    let err = s.unscale(opt, &grads).expect_err("before any scale");
     assert_eq!(err, ScalerError::NotInitialized { op: "unscale_" });
     assert!(
         err.to_string()
@@ -255,10 +255,10 @@ pub fn state_machine_and_its_errors(h: &Harness) -> TestResult {
         "No inf checks were recorded prior to update."
     );
 
-    s.unscale_(opt, &grads)?;
+    s.unscale(opt, &grads)?;
     assert_eq!(s.stage(opt), Stage::Unscaled);
     assert_eq!(grad.to_host()?, [1.0, -2.0, 0.5], "unscaled by 1/8");
-    let again = s.unscale_(opt, &grads).expect_err("twice");
+    let again = s.unscale(opt, &grads).expect_err("twice");
     assert_eq!(
         again.to_string(),
         "unscale_() has already been called on this optimizer since the last update()."
@@ -283,7 +283,7 @@ pub fn state_machine_and_its_errors(h: &Harness) -> TestResult {
         "step() has already been called since the last update()."
     );
     assert_eq!(
-        s.unscale_(opt, &grads).err(),
+        s.unscale(opt, &grads).err(),
         Some(ScalerError::UnscaleAfterStep)
     );
     assert_eq!(
@@ -300,7 +300,7 @@ pub fn state_machine_and_its_errors(h: &Harness) -> TestResult {
         None::<()>
     );
     s.update()?;
-    assert_eq!(s.get_scale()?, 4.0);
+    assert_eq!(s.scale()?, 4.0);
 
     step!("no gradients, fp16, integers");
     let frozen = OptimizerId::fresh();
@@ -312,7 +312,7 @@ pub fn state_machine_and_its_errors(h: &Harness) -> TestResult {
     let half_grad = DeviceBuffer::<f16>::filled(&h.rt, DEV, 4, f16::ONE)?;
     let fp16 = OptimizerId::fresh();
     let e = s
-        .unscale_(fp16, &[TensorView::of(&half_grad)])
+        .unscale(fp16, &[TensorView::of(&half_grad)])
         .expect_err("fp16");
     assert_eq!(e.to_string(), "Attempting to unscale FP16 gradients.");
     assert_eq!(
@@ -322,7 +322,7 @@ pub fn state_machine_and_its_errors(h: &Harness) -> TestResult {
     );
     let ints = DeviceBuffer::<i64>::filled(&h.rt, DEV, 4, 1)?;
     let e = s
-        .unscale_(fp16, &[TensorView::of(&ints)])
+        .unscale(fp16, &[TensorView::of(&ints)])
         .expect_err("int64");
     assert_eq!(e, ScalerError::UnsupportedDtype { dtype: DType::I64 });
     assert!(e.to_string().contains("not implemented for 'I64'"));
@@ -353,7 +353,7 @@ pub fn two_optimizers_skip_independently(h: &Harness) -> TestResult {
             gb.fill(bf16::from_f32(256.0))?;
         }
         ga.fill(128.0)?;
-        s.unscale_(a, &va)?;
+        s.unscale(a, &va)?;
         if s.step(a, &va, || ())?.is_some() {
             steps.push(('a', iteration));
         }
@@ -366,7 +366,7 @@ pub fn two_optimizers_skip_independently(h: &Harness) -> TestResult {
     assert!(b_skipped && steps.contains(&('a', 2)), "{steps:?}");
     assert_eq!(steps.len(), 7);
     // 128 · 2 · 2 · 0.5 · 2 (growth interval 1).
-    assert_eq!(s.get_scale()?, 128.0 * 2.0 * 2.0 * 0.5 * 2.0);
+    assert_eq!(s.scale()?, 128.0 * 2.0 * 2.0 * 0.5 * 2.0);
     Ok(())
 }
 
@@ -400,10 +400,10 @@ pub fn fused_step_checks_without_unscaling(h: &Harness) -> TestResult {
     let args = s.step_fused(opt, &views, |a| a.copied())?.expect("enabled");
     assert_eq!(read_scalar(h, args.found_inf)?, 1.0);
     s.update()?;
-    assert_eq!(s.get_scale()?, 512.0);
+    assert_eq!(s.scale()?, 512.0);
     let f32_grad = DeviceBuffer::<f32>::filled(&h.rt, DEV, 8, 512.0)?;
     let fviews = [TensorView::of(&f32_grad)];
-    s.unscale_(opt, &fviews)?;
+    s.unscale(opt, &fviews)?;
     let args = s
         .step_fused(opt, &fviews, |a| a.copied())?
         .expect("enabled");
@@ -444,24 +444,20 @@ pub fn checkpoint_round_trip(h: &Harness) -> TestResult {
         );
         b.load_state_dict(&serde_json::from_str(&json)?)?;
         assert_eq!(
-            (
-                b.get_scale()?,
-                b.get_growth_factor(),
-                b.get_backoff_factor()
-            ),
+            (b.scale()?, b.growth_factor(), b.backoff_factor()),
             (3.0, 4.0, 0.5)
         );
-        assert_eq!((b.get_growth_interval(), b.get_growth_tracker()?), (2, 0));
+        assert_eq!((b.growth_interval(), b.growth_tracker()?), (2, 0));
         // After one clean iteration the tracker is 1 and travels too.
         let grad = DeviceBuffer::<f32>::filled(&h.rt, DEV, 4, 1.0)?;
         let stream = h.rt.current_stream(DEV)?;
         a.unscale_device(&stream, &[TensorView::of(&grad)])?;
         a.update_device(&stream)?;
         b.load_state_dict(&a.state_dict()?)?;
-        assert_eq!((b.get_scale()?, b.get_growth_tracker()?), (3.0, 1));
+        assert_eq!((b.scale()?, b.growth_tracker()?), (3.0, 1));
         b.device_state()?;
         assert_eq!(
-            b.get_growth_tracker()?,
+            b.growth_tracker()?,
             1,
             "loaded before init: the state starts from it"
         );
@@ -482,11 +478,7 @@ pub fn checkpoint_round_trip(h: &Harness) -> TestResult {
             .starts_with("The source state dict is empty, possibly because")
     );
     disabled.load_state_dict(&enabled.state_dict()?)?;
-    assert_eq!(
-        disabled.get_scale()?,
-        1.0,
-        "a disabled scaler ignores a load"
-    );
+    assert_eq!(disabled.scale()?, 1.0, "a disabled scaler ignores a load");
     let partial: ScalerStateDict = serde_json::from_str(r#"{"scale":2.0}"#)?;
     assert_eq!(
         enabled.load_state_dict(&partial).err(),
@@ -510,8 +502,8 @@ pub fn disabled_scaler_is_a_pass_through(h: &Harness) -> TestResult {
     let views = [TensorView::of(&g)];
     let opt = OptimizerId::fresh();
     s.scale_in_place(&views[0])?;
-    s.unscale_(opt, &views)?;
-    s.unscale_(opt, &views)?;
+    s.unscale(opt, &views)?;
+    s.unscale(opt, &views)?;
     assert_eq!(s.step(opt, &views, || 7)?, Some(7));
     assert!(s.step_fused(opt, &views, |a| a.is_none())?);
     s.update()?;
@@ -520,7 +512,7 @@ pub fn disabled_scaler_is_a_pass_through(h: &Harness) -> TestResult {
     s.unscale_device(&stream, &views)?;
     s.update_device(&stream)?;
     assert_eq!(g.to_host()?, [3.0, f32::INFINITY]);
-    assert_eq!((s.get_scale()?, s.get_growth_tracker()?), (1.0, 0));
+    assert_eq!((s.scale()?, s.growth_tracker()?), (1.0, 0));
     assert!(s.device_state()?.is_none());
     Ok(())
 }
@@ -534,7 +526,7 @@ pub fn bf16_compute_dtype_scales_by_one_and_still_skips(h: &Harness) -> TestResu
         ..Default::default()
     };
     let mut s = scaler(h, config)?;
-    assert!(s.is_bf16_noop() && s.get_scale()? == 1.0);
+    assert!(s.is_bf16_noop() && s.scale()? == 1.0);
     let loss = DeviceBuffer::<bf16>::filled(&h.rt, DEV, 1, bf16::from_f32(0.75))?;
     s.scale_in_place(&TensorView::of(&loss))?;
     assert_eq!(loss.to_host()?, [bf16::from_f32(0.75)]);
@@ -552,7 +544,7 @@ pub fn bf16_compute_dtype_scales_by_one_and_still_skips(h: &Harness) -> TestResu
     g.copy_from_host(&bad)?;
     assert_eq!(s.step(opt, &views, || 1)?, None);
     s.update()?;
-    assert_eq!(s.get_scale()?, 1.0, "no backoff, no growth");
+    assert_eq!(s.scale()?, 1.0, "no backoff, no growth");
     assert_eq!(s.step_stats()?.skipped, 1);
     Ok(())
 }
@@ -632,7 +624,7 @@ pub fn sync_free_iteration_captures_and_replays(h: &Harness) -> TestResult {
         s.request_step_stats(&stream)?;
         stream.synchronize()?;
         assert_eq!(
-            (s.get_scale()?, s.get_growth_tracker()?),
+            (s.scale()?, s.growth_tracker()?),
             (f64::from(scale), tracker),
             "replay {i}"
         );

@@ -36,7 +36,7 @@ fn a_scaler_step_runs_on_a_bare_fake_device() -> TestResult {
     assert_eq!(stepped, Some("stepped"));
     assert_eq!(grad.to_host()?, vec![1.0, -2.0], "unscaled");
     scaler.update()?;
-    assert_eq!(scaler.get_growth_tracker()?, 1);
+    assert_eq!(scaler.growth_tracker()?, 1);
     assert!(fake.has_kernel("amp_check_unscale") && fake.has_kernel("amp_update_scale"));
     Ok(())
 }

@@ -580,7 +580,7 @@ fn mlp_trains_with_the_scaler_eager_and_captured(h: &Harness) -> TestResult {
             } else {
                 None
             };
-            let scale = step.scaler().get_scale()?;
+            let scale = step.scaler().scale()?;
             runs.push((losses, model.params_to_host()?, scale, stats));
         }
         let (losses, params, scale, stats) = &runs[0];

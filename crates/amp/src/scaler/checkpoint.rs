@@ -124,11 +124,11 @@ impl GradScaler {
             return Ok(ScalerStateDict::default());
         }
         Ok(ScalerStateDict {
-            scale: Some(self.get_scale()?),
+            scale: Some(self.scale()?),
             growth_factor: Some(self.config.growth_factor),
             backoff_factor: Some(self.config.backoff_factor),
             growth_interval: Some(i64::from(self.config.growth_interval)),
-            growth_tracker: Some(i64::from(self.get_growth_tracker()?)),
+            growth_tracker: Some(i64::from(self.growth_tracker()?)),
         })
     }
 

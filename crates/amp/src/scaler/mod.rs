@@ -261,7 +261,8 @@ impl GradScaler {
 
     /// `get_scale()`: 1.0 when disabled, the initial scale before the state exists, else the
     /// device value (a host sync).
-    pub fn get_scale(&self) -> Result<f64, ScalerError> {
+    #[doc(alias = "get_scale")]
+    pub fn scale(&self) -> Result<f64, ScalerError> {
         if !self.config.enabled {
             return Ok(1.0);
         }
@@ -277,7 +278,8 @@ impl GradScaler {
 
     /// `_get_growth_tracker()`: 0 when disabled, the initial value before the state exists,
     /// else the device value (a host sync).
-    pub fn get_growth_tracker(&self) -> Result<i32, ScalerError> {
+    #[doc(alias = "get_growth_tracker")]
+    pub fn growth_tracker(&self) -> Result<i32, ScalerError> {
         if !self.config.enabled {
             return Ok(0);
         }
@@ -291,7 +293,8 @@ impl GradScaler {
     }
 
     /// `get_growth_factor()`.
-    pub fn get_growth_factor(&self) -> f64 {
+    #[doc(alias = "get_growth_factor")]
+    pub fn growth_factor(&self) -> f64 {
         self.config.growth_factor
     }
     /// `set_growth_factor()`: not checked, as in PyTorch; used from the next update.
@@ -299,7 +302,8 @@ impl GradScaler {
         self.config.growth_factor = v;
     }
     /// `get_backoff_factor()`.
-    pub fn get_backoff_factor(&self) -> f64 {
+    #[doc(alias = "get_backoff_factor")]
+    pub fn backoff_factor(&self) -> f64 {
         self.config.backoff_factor
     }
     /// `set_backoff_factor()`: not checked, as in PyTorch; used from the next update.
@@ -307,7 +311,8 @@ impl GradScaler {
         self.config.backoff_factor = v;
     }
     /// `get_growth_interval()`.
-    pub fn get_growth_interval(&self) -> i32 {
+    #[doc(alias = "get_growth_interval")]
+    pub fn growth_interval(&self) -> i32 {
         self.config.growth_interval
     }
     /// `set_growth_interval()`: used from the next update.
@@ -381,7 +386,8 @@ impl GradScaler {
     /// fp64, mixed) that is inf/NaN sets `*found_inf` to 1.0 (never clears it); every element
     /// becomes `inv == 1.0 ? v : v * inv` in opmath. fp16 is accepted (the op's contract;
     /// `unscale_` refuses it). Works when disabled too: it is the bare kernel.
-    pub fn foreach_non_finite_check_and_unscale_(
+    #[doc(alias = "foreach_non_finite_check_and_unscale_")]
+    pub fn foreach_non_finite_check_and_unscale(
         &mut self,
         stream: &Stream,
         grads: &[TensorView],

@@ -110,7 +110,8 @@ impl GradScaler {
     /// `unscale_(optimizer)`: divides `grads` (the optimizer's gradients, in parameter order)
     /// by the scale in place and records whether any was inf/NaN; no host sync. Refuses fp16
     /// gradients, as PyTorch does. Disabled: a no-op.
-    pub fn unscale_(&mut self, opt: OptimizerId, grads: &[TensorView]) -> Result<(), ScalerError> {
+    #[doc(alias = "unscale_")]
+    pub fn unscale(&mut self, opt: OptimizerId, grads: &[TensorView]) -> Result<(), ScalerError> {
         if !self.config.enabled {
             return Ok(());
         }
@@ -185,7 +186,7 @@ impl GradScaler {
         live_for(&mut self.live, "step")?;
         match self.stage(opt) {
             Stage::Stepped => return Err(ScalerError::StepAlreadyCalled),
-            Stage::Ready => self.unscale_(opt, grads)?,
+            Stage::Ready => self.unscale(opt, grads)?,
             Stage::Unscaled => self.check_unscaled(opt, grads)?,
         }
         let st = self

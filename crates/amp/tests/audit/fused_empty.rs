@@ -41,7 +41,7 @@ fn fused_step_with_no_gradients_steps_with_nothing_found() -> TestResult {
         Some(ScalerError::NoInfChecksBeforeUpdate),
         "nothing was recorded"
     );
-    assert_eq!(s.get_scale()?, 64.0);
+    assert_eq!(s.scale()?, 64.0);
     Ok(())
 }
 
@@ -50,7 +50,7 @@ fn fused_step_with_no_gradients_after_unscale_gets_no_scale() -> TestResult {
     let h = harness();
     let mut s = live_scaler(&h, 64.0)?;
     let opt = OptimizerId::fresh();
-    s.unscale_(opt, &[])?;
+    s.unscale(opt, &[])?;
     let args = s.step_fused(opt, &[], |a| a.copied())?.expect("enabled");
     assert_eq!(args.grad_scale, None);
     assert_eq!(read(&h, args.found_inf)?, 0.0);
@@ -71,7 +71,7 @@ fn fused_step_with_no_gradients_beside_another_optimizer() -> TestResult {
     assert!(s.step_fused(empty, &[], |a| a.is_some())?);
     assert!(s.step_fused(full, &grads, |a| a.is_some())?);
     s.update()?;
-    assert_eq!(s.get_scale()?, 128.0, "a clean iteration grows the scale");
+    assert_eq!(s.scale()?, 128.0, "a clean iteration grows the scale");
     assert_eq!(
         (s.stage(empty), s.stage(full)),
         (Stage::Ready, Stage::Ready)

@@ -99,9 +99,9 @@ fn every_scaler_path_refuses_absurd_views() -> TestResult {
         assert_refused(
             "foreach_non_finite_check_and_unscale_",
             g,
-            s.foreach_non_finite_check_and_unscale_(&stream, g, found, one),
+            s.foreach_non_finite_check_and_unscale(&stream, g, found, one),
         );
-        assert_refused("unscale_", g, s.unscale_(OptimizerId::fresh(), g));
+        assert_refused("unscale_", g, s.unscale(OptimizerId::fresh(), g));
         assert_refused("step", g, s.step(OptimizerId::fresh(), g, || ()));
         assert_refused(
             "step_fused",

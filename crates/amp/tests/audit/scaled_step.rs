@@ -156,7 +156,7 @@ fn step_after_unscale_needs_the_same_gradients() -> TestResult {
     let (va, vb) = ([TensorView::of(&a.grad)], [TensorView::of(&b.grad)]);
     let mut s = live_scaler(&h, 8.0)?;
     let opt = OptimizerId::fresh();
-    s.unscale_(opt, &va)?;
+    s.unscale(opt, &va)?;
     let mut ran = false;
     assert_eq!(
         s.step(opt, &vb, || ran = true).err(),
@@ -176,7 +176,7 @@ fn step_after_unscale_needs_the_same_gradients() -> TestResult {
     assert_eq!(b.grad.to_host()?, [8.0; 4], "b was never unscaled");
     s.update()?;
     // An empty unscale_ then a step with gradients: those were not unscaled either.
-    s.unscale_(opt, &[])?;
+    s.unscale(opt, &[])?;
     assert_eq!(
         s.step_fused(opt, &va, |_| ran = true).err(),
         Some(ScalerError::GradsChanged)

@@ -107,8 +107,8 @@ fn an_infinite_scale_survives_a_checkpoint() -> TestResult {
     let json = serde_json::to_string(&a.state_dict()?)?;
     let mut b = GradScaler::new(&h.rt, D0, GradScalerConfig::default())?;
     b.load_state_dict(&serde_json::from_str(&json)?)?;
-    assert_eq!(b.get_scale()?, f64::INFINITY, "{json}");
+    assert_eq!(b.scale()?, f64::INFINITY, "{json}");
     b.device_state()?;
-    assert_eq!(b.get_scale()?, f64::INFINITY, "{json}");
+    assert_eq!(b.scale()?, f64::INFINITY, "{json}");
     Ok(())
 }
