@@ -16,7 +16,7 @@
 mod common;
 
 use criterion::{Criterion, criterion_group};
-use ferrocuda::alloc::CachingAllocator;
+use ferrocuda::alloc::{Caching, CachingAllocator};
 use ferrocuda::types::{AllocatorConfig, DeviceIndex, StreamHandle};
 use std::hint::black_box;
 use std::sync::Arc;
@@ -33,7 +33,7 @@ fn pair(a: &CachingAllocator, size: u64) {
 fn hot_path(c: &mut Criterion) {
     let driver = common::driver("alloc");
     let a = Arc::new(
-        CachingAllocator::new(driver.clone(), DEV, AllocatorConfig::default(), true)
+        CachingAllocator::new(driver.clone(), DEV, AllocatorConfig::default(), Caching::On)
             .expect("allocator"),
     );
     let mut g = c.benchmark_group("alloc");
@@ -52,7 +52,8 @@ fn hot_path(c: &mut Criterion) {
         ("pair_1MiB_expandable", "expandable_segments:True"),
     ] {
         let config = AllocatorConfig::parse(config).expect("config");
-        let other = CachingAllocator::new(driver.clone(), DEV, config, true).expect("allocator");
+        let other =
+            CachingAllocator::new(driver.clone(), DEV, config, Caching::On).expect("allocator");
         pair(&other, 1 << 20);
         g.bench_function(name, |b| b.iter(|| pair(&other, 1 << 20)));
         other.empty_cache();
@@ -63,7 +64,7 @@ fn hot_path(c: &mut Criterion) {
             driver.clone(),
             DEV,
             AllocatorConfig::parse("ferrocuda_recommended:True").expect("config"),
-            true,
+            Caching::On,
         )
         .expect("allocator"),
     );

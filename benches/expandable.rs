@@ -8,7 +8,7 @@
 // A benchmark has no caller to report to: setup failures abort it, loudly.
 #![allow(clippy::expect_used)]
 
-use ferrocuda::alloc::CachingAllocator;
+use ferrocuda::alloc::{Caching, CachingAllocator};
 use ferrocuda::driver::{CudaDriver, Driver};
 use ferrocuda::types::{AllocatorConfig, DeviceIndex, DevicePtr, StreamHandle};
 use std::sync::Arc;
@@ -45,7 +45,7 @@ fn raw_ns_per_chunk(d: &CudaDriver) -> f64 {
 /// The allocator growing its small-pool range by one 2 MiB page per two 1 MiB requests.
 fn ours_ns_per_chunk(d: Arc<CudaDriver>) -> f64 {
     let config = AllocatorConfig::parse("expandable_segments:True").expect("config");
-    let a = CachingAllocator::new(d, DEV, config, true).expect("allocator");
+    let a = CachingAllocator::new(d, DEV, config, Caching::On).expect("allocator");
     let stream = StreamHandle::legacy(DEV);
     let warm = a.allocate(MIB, stream).expect("warm-up"); // the reservation, out of the timing
     let t = Instant::now();

@@ -13,7 +13,7 @@
 #![allow(clippy::expect_used)]
 
 use criterion::{Criterion, criterion_group};
-use ferrocuda::alloc::DeviceAllocators;
+use ferrocuda::alloc::{Caching, DeviceAllocators};
 use ferrocuda::driver::{CudaDriver, Driver, RawGraph, RawLaunch};
 use ferrocuda::graph::{
     Callable, CaptureMode, CudaGraph, GraphedCallables, GraphedOptions, make_graphed_callables,
@@ -59,7 +59,8 @@ impl Setup {
             return None;
         }
         let rt = Runtime::new(driver.clone());
-        let allocators = DeviceAllocators::new(driver.clone(), AllocatorConfig::default(), true);
+        let allocators =
+            DeviceAllocators::new(driver.clone(), AllocatorConfig::default(), Caching::On);
         allocators.install(&rt);
         let module = Module::from_cuda_source(&rt, DEV, "bench", KERNELS).expect("compile");
         let tiny = module.function("tiny").expect("tiny kernel");

@@ -16,7 +16,7 @@
 mod common;
 
 use criterion::{Criterion, Throughput, criterion_group};
-use ferrocuda::alloc::{DeviceAllocators, HostAllocator};
+use ferrocuda::alloc::{Caching, DeviceAllocators, HostAllocator};
 use ferrocuda::stream::{DeviceBuffer, PinnedBuffer, Runtime};
 use ferrocuda::types::{AllocatorConfig, DeviceIndex, StreamHandle};
 use std::hint::black_box;
@@ -33,7 +33,8 @@ fn pair(a: &HostAllocator, size: u64) {
 
 fn pairs(c: &mut Criterion) {
     let rt = Runtime::new(common::driver("pinned"));
-    let allocators = DeviceAllocators::new(rt.driver().clone(), AllocatorConfig::default(), true);
+    let allocators =
+        DeviceAllocators::new(rt.driver().clone(), AllocatorConfig::default(), Caching::On);
     allocators.install(&rt);
     let a = allocators.host().clone();
     let mut g = c.benchmark_group("pinned");

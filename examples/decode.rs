@@ -11,7 +11,7 @@
 //!
 //! `cargo run --release --example decode -- [steps]` (default 400 on the GPU, 48 on the fake
 //! device; at least 12)
-use ferrocuda::alloc::{DeviceAllocators, caching_disabled};
+use ferrocuda::alloc::{DeviceAllocators, caching_from_env};
 use ferrocuda::driver::{FakeDriver, KernelContext};
 use ferrocuda::graph::CallableError;
 use ferrocuda::graph::trees::{
@@ -371,7 +371,7 @@ fn runtime() -> Result<(Arc<Runtime>, Arc<DeviceAllocators>), CallableError> {
     let fake = Arc::new(fake);
     let rt = Runtime::new(fake.clone());
     let config = AllocatorConfig::from_env().map_err(|e| e.to_string())?;
-    let caching = !caching_disabled(|k| std::env::var(k)).map_err(|e| e.to_string())?;
+    let caching = caching_from_env(|k| std::env::var(k)).map_err(|e| e.to_string())?;
     let allocators = DeviceAllocators::new(fake, config, caching);
     allocators.install(&rt);
     Ok((rt, allocators))

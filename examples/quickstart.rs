@@ -1,5 +1,5 @@
 use ferrocuda::Backend;
-use ferrocuda::alloc::DeviceAllocators;
+use ferrocuda::alloc::{Caching, DeviceAllocators};
 use ferrocuda::stream::DeviceBuffer;
 use ferrocuda::types::{AllocatorConfig, DeviceIndex, EventFlags};
 
@@ -8,7 +8,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let rt = Backend::Fake.runtime();
     // PyTorch's caching allocator, configured with a PYTORCH_CUDA_ALLOC_CONF string.
     let config = AllocatorConfig::parse("expandable_segments:True")?;
-    let allocators = DeviceAllocators::new(rt.driver().clone(), config, true);
+    let allocators = DeviceAllocators::new(rt.driver().clone(), config, Caching::On);
     allocators.install(&rt); // every DeviceBuffer of `rt` now allocates through it
     let dev = DeviceIndex(0);
 

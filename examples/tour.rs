@@ -5,7 +5,7 @@
 //! (`FERROCUDA_ALLOC_CONF`, else `PYTORCH_CUDA_ALLOC_CONF`) on both.
 //!
 //! `cargo run --release --example tour`
-use ferrocuda::alloc::{DeviceAllocators, caching_disabled};
+use ferrocuda::alloc::{DeviceAllocators, caching_from_env};
 use ferrocuda::driver::FakeDriver;
 use ferrocuda::stream::{DeviceBuffer, Module, Runtime};
 use ferrocuda::types::{AllocatorConfig, DeviceIndex, EventFlags, KernelArg, LaunchConfig};
@@ -46,7 +46,7 @@ fn fake_runtime(config: AllocatorConfig) -> Result<Arc<Runtime>, String> {
     });
     let fake = Arc::new(fake);
     let rt = Runtime::new(fake.clone());
-    let caching = !caching_disabled(|k| std::env::var(k)).map_err(|e| e.to_string())?;
+    let caching = caching_from_env(|k| std::env::var(k)).map_err(|e| e.to_string())?;
     DeviceAllocators::new(fake, config, caching).install(&rt);
     Ok(rt)
 }

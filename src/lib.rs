@@ -5,7 +5,7 @@
 //! gradient-scaler step.
 //!
 //! ```
-//! use ferrocuda::alloc::DeviceAllocators;
+//! use ferrocuda::alloc::{Caching, DeviceAllocators};
 //! use ferrocuda::amp::autocast::{self, Autocast, CastPolicy, DeviceKind};
 //! use ferrocuda::amp::{GradScaler, GradScalerConfig, TensorView, scaler::OptimizerId};
 //! use ferrocuda::graph::{CaptureMode, CudaGraph};
@@ -15,7 +15,7 @@
 //! // A runtime with PyTorch's caching allocator behind its buffers. With
 //! // FERROCUDA_BACKEND=fake, `ferrocuda::runtime()` is one, configured from the environment.
 //! let rt = ferrocuda::Backend::Fake.runtime();
-//! let allocators = DeviceAllocators::new(rt.driver().clone(), AllocatorConfig::default(), true);
+//! let allocators = DeviceAllocators::new(rt.driver().clone(), AllocatorConfig::default(), Caching::On);
 //! allocators.install(&rt);
 //! let dev = DeviceIndex(0);
 //!

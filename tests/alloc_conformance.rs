@@ -3,7 +3,7 @@
 //! GPU: skipped, with the reason). Exact statistics, OOM text and retry, memory fraction,
 //! `test_allocator_settings` sizes, record_stream reuse timing, a 10 000-op fuzz with data
 //! integrity (run through the `backend:cudaMallocAsync` allocator too).
-use ferrocuda::alloc::{AllocError, AsyncAllocator, CachingAllocator};
+use ferrocuda::alloc::{AllocError, AsyncAllocator, Caching, CachingAllocator};
 use ferrocuda::stream::Module;
 use ferrocuda::types::{
     AllocatorConfig, DeviceIndex, DevicePtr, KernelArg, LaunchConfig, MemsetValue, StreamHandle,
@@ -21,7 +21,7 @@ fn allocator(h: &Harness, config: &str) -> Result<CachingAllocator, AllocError> 
         h.rt.driver().clone(),
         D0,
         AllocatorConfig::parse(config)?,
-        true,
+        Caching::On,
     )
 }
 

@@ -1,7 +1,7 @@
 //! The caching allocator behind device buffers, on the fake device; and the global
 //! `ferrocuda::memory` functions on whatever this machine has.
 use ferrocuda::alloc::history::HistoryOptions;
-use ferrocuda::alloc::{DeviceAllocators, OutOfMemory};
+use ferrocuda::alloc::{Caching, DeviceAllocators, OutOfMemory};
 use ferrocuda::driver::{Call, FakeDriver, fake::Completion};
 use ferrocuda::stream::{DeviceBuffer, KernelCache, MemoryError, Module, Runtime, StreamError};
 use ferrocuda::types::{AllocatorConfig, DeviceIndex, KernelArg, LaunchConfig};
@@ -17,7 +17,7 @@ fn fake_with_allocators(
     let fake = Arc::new(FakeDriver::builder().completion(completion).build());
     register_fake_kernels(&fake);
     let rt = Runtime::with_kernel_cache(fake.clone(), KernelCache::at(None));
-    let allocators = DeviceAllocators::new(fake.clone(), AllocatorConfig::default(), true);
+    let allocators = DeviceAllocators::new(fake.clone(), AllocatorConfig::default(), Caching::On);
     allocators.install(&rt);
     (fake, rt, allocators)
 }
@@ -77,7 +77,7 @@ fn buffer_record_stream_protects_side_stream_work() -> TestResult {
 fn out_of_memory_reaches_buffers_as_a_typed_error() -> TestResult {
     let fake = Arc::new(FakeDriver::builder().capacity(64 << 20).build());
     let rt = Runtime::with_kernel_cache(fake.clone(), KernelCache::at(None));
-    DeviceAllocators::new(fake, AllocatorConfig::default(), true).install(&rt);
+    DeviceAllocators::new(fake, AllocatorConfig::default(), Caching::On).install(&rt);
     let _kept = DeviceBuffer::<u8>::uninit(&rt, D0, 1000)?;
     let err = match DeviceBuffer::<u8>::uninit(&rt, D0, 100 << 20) {
         Err(e) => e,
@@ -187,7 +187,7 @@ fn global_memory_functions() -> TestResult {
 #[test]
 fn stats_are_per_device() -> TestResult {
     let fake = Arc::new(FakeDriver::builder().devices(2).build());
-    let allocators = DeviceAllocators::new(fake, AllocatorConfig::default(), true);
+    let allocators = DeviceAllocators::new(fake, AllocatorConfig::default(), Caching::On);
     let (a0, a1) = (allocators.device(D0)?, allocators.device(DeviceIndex(1))?);
     let s1 = ferrocuda::types::StreamHandle::legacy(DeviceIndex(1));
     let mut held = Vec::new();

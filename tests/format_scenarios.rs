@@ -2,7 +2,7 @@
 //! out-of-memory message, snapshot values). Each test says what PyTorch does and where.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 use ferrocuda::alloc::history::HistoryOptions;
-use ferrocuda::alloc::{AllocError, DeviceAllocators};
+use ferrocuda::alloc::{AllocError, Caching, DeviceAllocators};
 use ferrocuda::driver::{FakeDriver, fake::Completion};
 use ferrocuda::stream::{DeviceBuffer, KernelCache, Module, Runtime};
 use ferrocuda::types::{
@@ -38,7 +38,7 @@ fn setup_with(capacity: u64, completion: Completion, conf: &str) -> Setup {
     register_fake_kernels(&fake);
     let rt = Runtime::with_kernel_cache(fake.clone(), KernelCache::at(None));
     let config = AllocatorConfig::parse(conf).unwrap();
-    let allocators = DeviceAllocators::new(fake.clone(), config, true);
+    let allocators = DeviceAllocators::new(fake.clone(), config, Caching::On);
     allocators.install(&rt);
     Setup {
         fake,

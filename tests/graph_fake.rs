@@ -2,7 +2,7 @@
 //! collection, the oversize release and cross-stream reuse act while a graph holds a free
 //! private segment (issue 12 item 1), another thread's free at the exact moment a capture
 //! starts or ends (issue 12 item 5), and re-capturing in a loop in manual completion.
-use ferrocuda::alloc::{CachingAllocator, DeviceAllocators};
+use ferrocuda::alloc::{Caching, CachingAllocator, DeviceAllocators};
 use ferrocuda::driver::{Call, FakeDriver, fake::Completion};
 use ferrocuda::graph::{CaptureMode, CudaGraph, PhiloxGenerator, PoolId};
 use ferrocuda::stream::{DeviceBuffer, Function, KernelCache, Module, Runtime, Stream};
@@ -53,7 +53,8 @@ impl Device {
         );
         register_fake_kernels(&fake);
         let rt = Runtime::with_kernel_cache(fake.clone(), KernelCache::at(None));
-        let allocators = DeviceAllocators::new(fake.clone(), AllocatorConfig::parse(config)?, true);
+        let allocators =
+            DeviceAllocators::new(fake.clone(), AllocatorConfig::parse(config)?, Caching::On);
         allocators.install(&rt);
         let module = Module::from_cuda_source(&rt, D0, "graph_fake", KERNELS)?;
         Ok(Device {

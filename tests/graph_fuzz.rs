@@ -22,7 +22,7 @@
 //!
 //! `FERROCUDA_GRAPH_FUZZ_SEED` sets the first seed; `cargo xtask graph-fuzz --programs N`
 //! runs the fake one in release.
-use ferrocuda::alloc::{CachingAllocator, DeviceAllocators};
+use ferrocuda::alloc::{Caching, CachingAllocator, DeviceAllocators};
 use ferrocuda::driver::{FakeDriver, fake::Completion};
 use ferrocuda::graph::{CaptureMode, CudaGraph, GraphError, PoolId};
 use ferrocuda::stream::{
@@ -220,7 +220,7 @@ impl Program {
         if total > CAPACITY {
             parsed.per_process_memory_fraction *= CAPACITY as f64 / total as f64;
         }
-        let allocators = DeviceAllocators::new(rt.driver().clone(), parsed, true);
+        let allocators = DeviceAllocators::new(rt.driver().clone(), parsed, Caching::On);
         allocators.install(&rt);
         let setup = || -> Result<_, StreamError> {
             let module = h.module()?;

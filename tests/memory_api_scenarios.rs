@@ -3,7 +3,7 @@
 //! fake driver; global-function tests re-run this binary as a child
 //! (`FERROCUDA_MEMORY_API_SCENARIO=<name>`, `FERROCUDA_BACKEND=fake`).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
-use ferrocuda::alloc::DeviceAllocators;
+use ferrocuda::alloc::{Caching, DeviceAllocators};
 use ferrocuda::driver::FakeDriver;
 use ferrocuda::types::{AllocatorConfig, DeviceIndex, DevicePtr, StreamHandle};
 use std::collections::BTreeMap;
@@ -18,7 +18,7 @@ fn fresh(capacity: Option<u64>) -> Arc<DeviceAllocators> {
     if let Some(c) = capacity {
         b = b.capacity(c);
     }
-    DeviceAllocators::new(Arc::new(b.build()), AllocatorConfig::default(), true)
+    DeviceAllocators::new(Arc::new(b.build()), AllocatorConfig::default(), Caching::On)
 }
 
 fn s0() -> StreamHandle {

@@ -7,7 +7,7 @@
     clippy::bool_assert_comparison
 )]
 
-use ferrocuda::alloc::{AllocError, DeviceAllocators};
+use ferrocuda::alloc::{AllocError, Caching, DeviceAllocators};
 use ferrocuda::dist::{
     BucketCaps, DistError, FakeGroup, ProcessGroup, ReduceOp, Reducer, reduce_found_inf,
 };
@@ -39,7 +39,7 @@ fn env(n: usize, completion: Completion, no_peer: &[(u16, u16)], conf: &str) -> 
     register_fake_kernels(&fake);
     let rt = Runtime::with_kernel_cache(fake.clone(), KernelCache::at(None));
     let config = AllocatorConfig::parse(conf).expect("config");
-    let alloc = DeviceAllocators::new(fake.clone(), config, true);
+    let alloc = DeviceAllocators::new(fake.clone(), config, Caching::On);
     alloc.install(&rt);
     Env { fake, rt, alloc }
 }

@@ -5,7 +5,7 @@
 //! while a copy from it is pending), `test_pinned_memory_with_cudaregister` (1 and 4
 //! threads), `test_pinned_memory_empty_cache`, and a CUDA graph capture that copies from a
 //! pinned buffer of the capture's private pool, replayed after the buffer changed.
-use ferrocuda::alloc::DeviceAllocators;
+use ferrocuda::alloc::{Caching, DeviceAllocators};
 use ferrocuda::driver::DriverError;
 use ferrocuda::graph::{CaptureMode, CudaGraph};
 use ferrocuda::stream::{DeviceBuffer, PinnedBuffer};
@@ -22,8 +22,11 @@ fn installed(
     h: &Harness,
     config: &str,
 ) -> Result<Arc<DeviceAllocators>, Box<dyn std::error::Error>> {
-    let allocators =
-        DeviceAllocators::new(h.rt.driver().clone(), AllocatorConfig::parse(config)?, true);
+    let allocators = DeviceAllocators::new(
+        h.rt.driver().clone(),
+        AllocatorConfig::parse(config)?,
+        Caching::On,
+    );
     allocators.install(&h.rt);
     Ok(allocators)
 }

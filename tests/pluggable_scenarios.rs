@@ -8,7 +8,7 @@
 //! `Probe`.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-use ferrocuda::alloc::{AllocError, CachingAllocator, PluggableAllocator, Route};
+use ferrocuda::alloc::{AllocError, Caching, CachingAllocator, PluggableAllocator, Route};
 use ferrocuda::driver::{Hook, PluggableError, PluggableLibrary};
 use ferrocuda::memory::{self, MemPool};
 use ferrocuda::stream::{DeviceBuffer, MemoryResource};
@@ -456,8 +456,13 @@ fn caching_allocator_pool_segment_source() {
     let base_live = probe.live();
     let mut c = Checks::default();
     let h = ferrocuda_testkit::fake_harness();
-    let ca = CachingAllocator::new(h.rt.driver().clone(), DEV, AllocatorConfig::default(), true)
-        .unwrap();
+    let ca = CachingAllocator::new(
+        h.rt.driver().clone(),
+        DEV,
+        AllocatorConfig::default(),
+        Caching::On,
+    )
+    .unwrap();
     let a = PluggableAllocator::new(host_lib());
     let pool = PoolId::handle();
     ca.create_pool_with_allocator(pool, a.clone()).unwrap();

@@ -5,7 +5,7 @@
 //! captures, graphed callables, exact memory statistics, graph-safe Philox RNG, the
 //! driver's view of graph nodes and `update_inputs` (typed and by raw address), and
 //! captures under `backend:cudaMallocAsync`.
-use ferrocuda::alloc::DeviceAllocators;
+use ferrocuda::alloc::{Caching, DeviceAllocators};
 use ferrocuda::graph::{CudaGraph, GraphError, PoolId, register_fake_philox};
 use ferrocuda::stream::{DeviceBuffer, Function, Module, Stream};
 use ferrocuda::types::{AllocatorConfig, DeviceIndex, KernelArg, LaunchConfig};
@@ -30,8 +30,11 @@ impl Setup<'_> {
         if let Some(fake) = &h.fake {
             register_fake_philox(fake);
         }
-        let allocators =
-            DeviceAllocators::new(h.rt.driver().clone(), AllocatorConfig::default(), true);
+        let allocators = DeviceAllocators::new(
+            h.rt.driver().clone(),
+            AllocatorConfig::default(),
+            Caching::On,
+        );
         allocators.install(&h.rt);
         let module = Module::from_cuda_source(&h.rt, D0, "graph_conformance", KERNELS)?;
         Ok(Setup {

@@ -28,6 +28,16 @@ use rustc_hash::FxHashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
 
+/// Whether an allocator keeps freed blocks for reuse.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum Caching {
+    /// Freed blocks are cached and reused (PyTorch's default).
+    On,
+    /// Every request goes to the driver and every free back to it
+    /// (`PYTORCH_NO_CUDA_MEMORY_CACHING=1`).
+    Off,
+}
+
 /// PyTorch's caching allocator for one device, over any [`Driver`].
 pub struct CachingAllocator {
     pub(crate) engine: Engine,
@@ -65,13 +75,13 @@ impl std::fmt::Debug for CachingAllocator {
 }
 
 impl CachingAllocator {
-    /// An allocator for `device`. `caching: false` passes every request to the driver
+    /// An allocator for `device`. [`Caching::Off`] passes every request to the driver
     /// (`FERROCUDA_NO_CUDA_MEMORY_CACHING=1`).
     pub fn new(
         driver: Arc<dyn Driver>,
         device: DeviceIndex,
         config: AllocatorConfig,
-        caching: bool,
+        caching: Caching,
     ) -> Result<CachingAllocator, AllocError> {
         if config.backend != Backend::Native {
             return Err(AllocError::WrongBackend);
@@ -98,7 +108,7 @@ impl CachingAllocator {
         };
         let allocator = CachingAllocator {
             engine: Engine::new(driver, device, device_total, state),
-            caching,
+            caching: caching == Caching::On,
             uncached: Mutex::new(FxHashMap::default()),
             context: AtomicU8::new(HistoryContext::Never as u8),
             routing: AtomicUsize::new(0),

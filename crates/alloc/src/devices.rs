@@ -1,28 +1,32 @@
 //! One caching allocator per device, created on first use, and the pinned host allocator,
 //! serving a runtime's buffers.
-use crate::{AllocError, CachingAllocator, HostAllocator};
+use crate::{AllocError, Caching, CachingAllocator, HostAllocator};
 use ferrocuda_driver::Driver;
 use ferrocuda_stream::{MemoryResource, PerDevice, Runtime, StreamError};
 use ferrocuda_types::{AllocatorConfig, DeviceIndex, DevicePtr, EnvError, StreamHandle, env_value};
 use parking_lot::RwLock;
 use std::sync::{Arc, OnceLock};
 
-/// Whether `FERROCUDA_NO_CUDA_MEMORY_CACHING` or, when that one is unset,
-/// `PYTORCH_NO_CUDA_MEMORY_CACHING` is `1`, through `var` (`std::env::var` in
-/// [`DeviceAllocators::from_env`]). The first one set decides; one set to a value that is
-/// not valid UTF-8 is an error naming it.
-pub fn caching_disabled(
+/// [`Caching::Off`] when `FERROCUDA_NO_CUDA_MEMORY_CACHING` or, when that one is unset,
+/// `PYTORCH_NO_CUDA_MEMORY_CACHING` is `1`, read through `var` (`std::env::var` in
+/// [`DeviceAllocators::from_env`]); else [`Caching::On`]. The first one set decides; one set
+/// to a value that is not valid UTF-8 is an error naming it.
+pub fn caching_from_env(
     var: impl Fn(&str) -> Result<String, std::env::VarError>,
-) -> Result<bool, EnvError> {
+) -> Result<Caching, EnvError> {
     for name in [
         "FERROCUDA_NO_CUDA_MEMORY_CACHING",
         "PYTORCH_NO_CUDA_MEMORY_CACHING",
     ] {
         if let Some(v) = env_value(name, var(name))? {
-            return Ok(v.trim() == "1");
+            return Ok(if v.trim() == "1" {
+                Caching::Off
+            } else {
+                Caching::On
+            });
         }
     }
-    Ok(false)
+    Ok(Caching::On)
 }
 
 /// The allocators of every device of one driver, and its pinned host allocator. It holds
@@ -33,7 +37,7 @@ pub fn caching_disabled(
 pub struct DeviceAllocators {
     driver: Arc<dyn Driver>,
     config: RwLock<AllocatorConfig>,
-    caching: bool,
+    caching: Caching,
     /// One slot per device, made at the first use.
     devices: PerDevice<OnceLock<CachingAllocator>>,
     /// Pinned host memory, for every device (its configuration follows `config`).
@@ -45,7 +49,7 @@ impl DeviceAllocators {
     pub fn new(
         driver: Arc<dyn Driver>,
         config: AllocatorConfig,
-        caching: bool,
+        caching: Caching,
     ) -> Arc<DeviceAllocators> {
         Arc::new(DeviceAllocators {
             host: HostAllocator::new(driver.clone(), config.clone()),
@@ -68,7 +72,7 @@ impl DeviceAllocators {
     /// that is set but not valid UTF-8 is [`AllocError::Env`], naming it.
     pub fn from_env(driver: Arc<dyn Driver>) -> Result<Arc<DeviceAllocators>, AllocError> {
         let config = AllocatorConfig::from_env()?;
-        let caching = !caching_disabled(|k| std::env::var(k))?;
+        let caching = caching_from_env(|k| std::env::var(k))?;
         Ok(DeviceAllocators::new(driver, config, caching))
     }
 
@@ -235,17 +239,17 @@ mod tests {
 
     #[test]
     fn the_first_caching_variable_set_decides() {
-        assert_eq!(caching_disabled(vars(&[])), Ok(false));
+        assert_eq!(caching_from_env(vars(&[])), Ok(Caching::On));
         assert_eq!(
-            caching_disabled(vars(&[("PYTORCH_NO_CUDA_MEMORY_CACHING", " 1 ")])),
-            Ok(true)
+            caching_from_env(vars(&[("PYTORCH_NO_CUDA_MEMORY_CACHING", " 1 ")])),
+            Ok(Caching::Off)
         );
         assert_eq!(
-            caching_disabled(vars(&[
+            caching_from_env(vars(&[
                 ("FERROCUDA_NO_CUDA_MEMORY_CACHING", "0"),
                 ("PYTORCH_NO_CUDA_MEMORY_CACHING", "1"),
             ])),
-            Ok(false)
+            Ok(Caching::On)
         );
     }
 
@@ -263,7 +267,7 @@ mod tests {
             }
             _ => Ok("1".to_owned()),
         };
-        match caching_disabled(var) {
+        match caching_from_env(var) {
             Err(EnvError::NotUnicode { name, .. }) => {
                 assert_eq!(name, "FERROCUDA_NO_CUDA_MEMORY_CACHING")
             }

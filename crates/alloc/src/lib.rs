@@ -10,13 +10,13 @@
 //!
 //! # Example
 //! ```
-//! use ferrocuda_alloc::DeviceAllocators;
+//! use ferrocuda_alloc::{Caching, DeviceAllocators};
 //! use ferrocuda_driver::FakeDriver;
 //! use ferrocuda_types::{AllocatorConfig, DeviceIndex, StreamHandle};
 //! use std::sync::Arc;
 //!
 //! let config = AllocatorConfig::parse("max_split_size_mb:64")?; // PYTORCH_CUDA_ALLOC_CONF
-//! let allocators = DeviceAllocators::new(Arc::new(FakeDriver::default()), config, true);
+//! let allocators = DeviceAllocators::new(Arc::new(FakeDriver::default()), config, Caching::On);
 //! // (`allocators.install(&runtime)` puts them behind a runtime's buffers.)
 //! let (dev, stream) = (DeviceIndex(0), StreamHandle::legacy(DeviceIndex(0)));
 //! let alloc = allocators.device(dev)?; // this device's caching allocator
@@ -119,10 +119,10 @@ mod stream_order;
 mod tally;
 mod thread_cache;
 
-pub use allocator::CachingAllocator;
+pub use allocator::{Caching, CachingAllocator};
 pub use async_backend::{ASYNC_IGNORES_WARNING, AsyncAllocator};
 pub use block::{Allocation, BlockInfo};
-pub use devices::{DeviceAllocators, caching_disabled};
+pub use devices::{DeviceAllocators, caching_from_env};
 pub use engine::OomObserver;
 pub use error::{AllocError, OutOfMemory};
 pub use host::HostAllocator;

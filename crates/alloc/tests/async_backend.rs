@@ -313,10 +313,21 @@ fn the_backend_key_selects_and_the_native_allocator_refuses_it() -> TestResult {
         ferrocuda_types::AllocatorBackend::CudaMallocAsync
     );
     let fake = Arc::new(FakeDriver::default());
-    let e = ferrocuda_alloc::CachingAllocator::new(fake.clone(), D0, config, true).unwrap_err();
+    let e = ferrocuda_alloc::CachingAllocator::new(
+        fake.clone(),
+        D0,
+        config,
+        ferrocuda_alloc::Caching::On,
+    )
+    .unwrap_err();
     let text = "Allocator backend parsed at runtime != allocator backend parsed at load time";
     assert_eq!(e.to_string(), text);
-    let native = ferrocuda_alloc::CachingAllocator::new(fake, D0, Default::default(), true)?;
+    let native = ferrocuda_alloc::CachingAllocator::new(
+        fake,
+        D0,
+        Default::default(),
+        ferrocuda_alloc::Caching::On,
+    )?;
     native.update_config("backend:native")?;
     let e = native.update_config("backend:cudaMallocAsync").unwrap_err();
     assert_eq!(e.to_string(), text);

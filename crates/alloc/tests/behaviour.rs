@@ -2,7 +2,7 @@
 //! spec §12 items 1–19) with exact figures.
 // Test code: a failed setup should stop the test loudly.
 #![allow(clippy::panic, clippy::unwrap_used, clippy::expect_used)]
-use ferrocuda_alloc::{AllocError, Allocation, CachingAllocator};
+use ferrocuda_alloc::{AllocError, Allocation, Caching, CachingAllocator};
 use ferrocuda_driver::{Call, Driver, FakeDriver, fake::Completion};
 use ferrocuda_types::{AllocatorConfig, DevicePtr, MemsetValue, StreamHandle};
 use std::sync::Arc;
@@ -172,7 +172,7 @@ fn out_of_memory_message_processes_private_pools_and_trace() -> TestResult {
             ])
             .build(),
     );
-    let a = CachingAllocator::new(fake.clone(), D0, AllocatorConfig::default(), true)?;
+    let a = CachingAllocator::new(fake.clone(), D0, AllocatorConfig::default(), Caching::On)?;
     a.record_memory_history(HistoryOptions::parse(Some("all"), None, 100)?);
     let pool = PoolId(0, 7);
     a.begin_allocate_to_pool(pool, Route::Thread(std::thread::current().id()))?;
@@ -421,7 +421,7 @@ fn config_update_takes_effect() -> TestResult {
 #[test]
 fn without_caching_every_request_goes_to_the_driver() -> TestResult {
     let fake = Arc::new(FakeDriver::default());
-    let a = CachingAllocator::new(fake.clone(), D0, AllocatorConfig::default(), false)?;
+    let a = CachingAllocator::new(fake.clone(), D0, AllocatorConfig::default(), Caching::Off)?;
     let x = a.allocate(1000, LEGACY)?;
     assert_eq!(x.size, 1000);
     a.free(x.ptr)?;
@@ -880,7 +880,7 @@ mod snapshots {
         use ferrocuda_stream::{DeviceBuffer, KernelCache, Runtime};
         let fake = Arc::new(FakeDriver::default());
         let rt = Runtime::with_kernel_cache(fake.clone(), KernelCache::at(None));
-        let allocators = DeviceAllocators::new(fake, AllocatorConfig::default(), true);
+        let allocators = DeviceAllocators::new(fake, AllocatorConfig::default(), Caching::On);
         allocators.install(&rt);
         allocators
             .device(D0)?
@@ -1559,7 +1559,7 @@ mod devices {
     #[test]
     fn a_device_past_the_last_is_no_such_device() -> TestResult {
         let fake = Arc::new(FakeDriver::builder().devices(2).build());
-        let allocators = DeviceAllocators::new(fake, AllocatorConfig::default(), true);
+        let allocators = DeviceAllocators::new(fake, AllocatorConfig::default(), Caching::On);
         let err = allocators.device(DeviceIndex(2)).err();
         assert_eq!(
             err,
@@ -1583,7 +1583,7 @@ mod devices {
     #[test]
     fn without_devices_the_driver_says_why() -> TestResult {
         let fake = Arc::new(FakeDriver::builder().devices(0).build());
-        let allocators = DeviceAllocators::new(fake, AllocatorConfig::default(), true);
+        let allocators = DeviceAllocators::new(fake, AllocatorConfig::default(), Caching::On);
         let reason = DriverError::NO_DEVICE;
         assert_eq!(
             allocators.device(D0).err(),

@@ -8,7 +8,7 @@ mod common;
 
 use common::{D0, GIB, LEGACY, MIB, TestResult, new_stream, setup};
 use ferrocuda_alloc::history::{HistoryContext, HistoryMode, HistoryOptions};
-use ferrocuda_alloc::{AllocError, BlockInfo, CachingAllocator, Route};
+use ferrocuda_alloc::{AllocError, BlockInfo, Caching, CachingAllocator, Route};
 use ferrocuda_driver::FakeDriver;
 use ferrocuda_driver::fake::{Call, Completion};
 use ferrocuda_types::{
@@ -688,8 +688,8 @@ fn run(ops: &[Op]) -> Result<(), TestCaseError> {
             .backing(false)
             .build(),
     );
-    let a =
-        CachingAllocator::new(fake.clone(), D0, AllocatorConfig::default(), true).map_err(fail)?;
+    let a = CachingAllocator::new(fake.clone(), D0, AllocatorConfig::default(), Caching::On)
+        .map_err(fail)?;
     let s = new_stream(&fake).map_err(fail)?;
     let pool = PoolId::handle();
     a.begin_allocate_to_pool(pool, Route::Stream(s))

@@ -12,7 +12,7 @@
 #![allow(clippy::panic, clippy::unwrap_used, clippy::expect_used)]
 mod common;
 use common::{D0, MIB, new_stream};
-use ferrocuda_alloc::{AllocError, CachingAllocator, Route};
+use ferrocuda_alloc::{AllocError, Caching, CachingAllocator, Route};
 use ferrocuda_driver::{Driver, FakeDriver, fake::Completion};
 use ferrocuda_types::{AllocatorConfig, PoolId, StreamHandle};
 use proptest::prelude::RngExt;
@@ -91,7 +91,7 @@ impl Program {
                 .build(),
         );
         let parsed = AllocatorConfig::parse(config)?;
-        let alloc = CachingAllocator::new(fake.clone(), D0, parsed, true)?;
+        let alloc = CachingAllocator::new(fake.clone(), D0, parsed, Caching::On)?;
         let streams = (0..3)
             .map(|_| new_stream(&fake))
             .collect::<Result<Vec<_>, _>>()?;

@@ -3,7 +3,7 @@
 //! before and after a peer is added are accessible to it, a direct copy from the peer's
 //! stream works through the whole stack (runtime, allocators, buffers), and without telling
 //! the allocator the same copy is an illegal address.
-use ferrocuda_alloc::{CachingAllocator, DeviceAllocators};
+use ferrocuda_alloc::{Caching, CachingAllocator, DeviceAllocators};
 use ferrocuda_driver::{Call, Driver, DriverError, FakeDriver, PeerCopies};
 use ferrocuda_stream::{DeviceBuffer, KernelCache, Runtime, StreamError};
 use ferrocuda_types::{AllocatorConfig, DeviceIndex, MemsetValue, StreamFlags, StreamHandle};
@@ -25,7 +25,7 @@ type Stack = (Arc<FakeDriver>, Arc<Runtime>, Arc<DeviceAllocators>);
 fn stack(devices: usize) -> Result<Stack, Box<dyn std::error::Error>> {
     let fake = Arc::new(FakeDriver::builder().devices(devices).build());
     let rt = Runtime::with_kernel_cache(fake.clone(), KernelCache::at(None));
-    let allocators = DeviceAllocators::new(fake.clone(), expandable()?, true);
+    let allocators = DeviceAllocators::new(fake.clone(), expandable()?, Caching::On);
     allocators.install(&rt);
     Ok((fake, rt, allocators))
 }
@@ -47,7 +47,7 @@ fn direct_write(
 #[test]
 fn pages_mapped_before_and_after_a_peer_is_added_are_open_to_it() -> TestResult {
     let fake = Arc::new(FakeDriver::builder().devices(3).build());
-    let a = CachingAllocator::new(fake.clone(), D1, expandable()?, true)?;
+    let a = CachingAllocator::new(fake.clone(), D1, expandable()?, Caching::On)?;
     let s1 = StreamHandle { device: D1, raw: 0 };
     let before = a.allocate(3 * MIB, s1)?;
     fake.enable_peer_access(D0, D1)?;
@@ -85,7 +85,7 @@ fn pages_mapped_before_and_after_a_peer_is_added_are_open_to_it() -> TestResult 
 #[test]
 fn pages_unmapped_and_mapped_again_are_opened_again() -> TestResult {
     let fake = Arc::new(FakeDriver::builder().devices(2).build());
-    let a = CachingAllocator::new(fake.clone(), D1, expandable()?, true)?;
+    let a = CachingAllocator::new(fake.clone(), D1, expandable()?, Caching::On)?;
     let s1 = StreamHandle { device: D1, raw: 0 };
     fake.enable_peer_access(D0, D1)?;
     a.add_peer_access(D0)?;
@@ -100,7 +100,7 @@ fn pages_unmapped_and_mapped_again_are_opened_again() -> TestResult {
 #[test]
 fn a_failed_set_access_leaves_the_peer_unrecorded_for_a_retry() -> TestResult {
     let fake = Arc::new(FakeDriver::builder().devices(2).build());
-    let a = CachingAllocator::new(fake.clone(), D1, expandable()?, true)?;
+    let a = CachingAllocator::new(fake.clone(), D1, expandable()?, Caching::On)?;
     let x = a.allocate(MIB, StreamHandle { device: D1, raw: 0 })?;
     fake.fail_nth(Call::VmSetAccess, 1, DriverError::OUT_OF_MEMORY);
     assert!(a.add_peer_access(D0).is_err());

@@ -4,7 +4,7 @@
 //! block is handed out again before the events of the streams that used it completed.
 #![allow(clippy::panic, clippy::unwrap_used, clippy::expect_used)]
 
-use ferrocuda_alloc::CachingAllocator;
+use ferrocuda_alloc::{Caching, CachingAllocator};
 use ferrocuda_driver::{Driver, FakeDriver, fake::Completion};
 use ferrocuda_types::{AllocatorConfig, DeviceIndex, MemsetValue, StreamFlags, StreamHandle};
 use proptest::prelude::*;
@@ -119,7 +119,7 @@ fn twin(thread_cache: bool) -> (Arc<FakeDriver>, CachingAllocator, Vec<StreamHan
         thread_cache,
         ..AllocatorConfig::default()
     };
-    let a = CachingAllocator::new(fake.clone(), D0, config, true).unwrap();
+    let a = CachingAllocator::new(fake.clone(), D0, config, Caching::On).unwrap();
     let streams = (0..2)
         .map(|_| {
             fake.stream_create(
@@ -144,7 +144,7 @@ proptest! {
     #[test]
     fn invariants_hold_for_random_programs(ops in proptest::collection::vec(op(), 1..160)) {
         let fake = Arc::new(FakeDriver::builder().completion(Completion::Manual).capacity(8 << 30).backing(false).build());
-        let a = CachingAllocator::new(fake.clone(), D0, AllocatorConfig::default(), true).unwrap();
+        let a = CachingAllocator::new(fake.clone(), D0, AllocatorConfig::default(), Caching::On).unwrap();
         let streams: Vec<StreamHandle> = (0..3)
             .map(|_| fake.stream_create(D0, StreamFlags { non_blocking: true, priority: 0 }).unwrap())
             .collect();

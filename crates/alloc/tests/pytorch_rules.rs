@@ -15,7 +15,7 @@ mod audit;
 use audit::{
     D0, GIB, LEGACY, MIB, TestResult, device_used, new_stream, setup, stat, stats, try_setup, want,
 };
-use ferrocuda_alloc::{AllocError, Allocation, CachingAllocator, HostAllocator, Route};
+use ferrocuda_alloc::{AllocError, Allocation, Caching, CachingAllocator, HostAllocator, Route};
 use ferrocuda_driver::{Call, DriverError, FakeDriver, fake::Completion};
 use ferrocuda_types::{AllocatorConfig, DevicePtr, PoolId, StreamHandle};
 use std::sync::Arc;
@@ -928,8 +928,8 @@ fn d9_huge_size_keys_are_refused_or_harmless() {
                 };
                 let r = no_panic(&config, || {
                     let fake = Arc::new(FakeDriver::builder().capacity(80 * GIB).build());
-                    let a =
-                        CachingAllocator::new(fake, D0, parsed, true).map_err(|e| e.to_string())?;
+                    let a = CachingAllocator::new(fake, D0, parsed, Caching::On)
+                        .map_err(|e| e.to_string())?;
                     size_workload(&a)
                 });
                 failures.extend(r.err());

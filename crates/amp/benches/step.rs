@@ -15,7 +15,7 @@
 #![allow(clippy::expect_used)]
 
 use criterion::{Criterion, criterion_group};
-use ferrocuda_alloc::DeviceAllocators;
+use ferrocuda_alloc::{Caching, DeviceAllocators};
 use ferrocuda_amp::optim::{AdamW, AdamWConfig, Param, register_fake_optim_kernels};
 use ferrocuda_amp::scaler::{OptimizerId, register_fake_amp_kernels};
 use ferrocuda_amp::{GradScaler, GradScalerConfig, ScaledStep, TensorView};
@@ -88,7 +88,8 @@ fn enqueue_time(stream: &Stream, iters: u64, mut f: impl FnMut()) -> Duration {
 
 fn step(c: &mut Criterion) {
     let rt = Runtime::new(driver());
-    let allocators = DeviceAllocators::new(rt.driver().clone(), AllocatorConfig::default(), true);
+    let allocators =
+        DeviceAllocators::new(rt.driver().clone(), AllocatorConfig::default(), Caching::On);
     allocators.install(&rt);
     let stream = rt.current_stream(DEV).expect("stream");
     let (_buffers, params) = model(&rt);

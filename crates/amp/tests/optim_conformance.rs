@@ -9,7 +9,7 @@ mod mlp;
 #[path = "support/reference.rs"]
 mod reference;
 
-use ferrocuda_alloc::DeviceAllocators;
+use ferrocuda_alloc::{Caching, DeviceAllocators};
 use ferrocuda_amp::optim::{
     AdamW, AdamWConfig, DeviceOptimizer, Masked, OptimError, Param, Sgd, SgdConfig,
     register_fake_optim_kernels,
@@ -340,7 +340,11 @@ fn skipped_steps_are_counted_on_the_device(h: &Harness) -> TestResult {
 /// bit what eager steps give, skipped steps included.
 fn captured_step_replays_like_eager(h: &Harness) -> TestResult {
     prepare(h);
-    let allocators = DeviceAllocators::new(h.rt.driver().clone(), AllocatorConfig::default(), true);
+    let allocators = DeviceAllocators::new(
+        h.rt.driver().clone(),
+        AllocatorConfig::default(),
+        Caching::On,
+    );
     allocators.install(&h.rt);
     let sgd = sgd_configs()[2];
     let adamw = adamw_configs()[1];
@@ -467,7 +471,11 @@ fn mlp_gradients_match_host(h: &Harness) -> TestResult {
 /// step skipped by `found_inf` leaving the next loss unchanged.
 fn mlp_trains_eager_and_captured(h: &Harness) -> TestResult {
     prepare(h);
-    let allocators = DeviceAllocators::new(h.rt.driver().clone(), AllocatorConfig::default(), true);
+    let allocators = DeviceAllocators::new(
+        h.rt.driver().clone(),
+        AllocatorConfig::default(),
+        Caching::On,
+    );
     allocators.install(&h.rt);
     let cfg = SgdConfig {
         lr: 0.05,
@@ -526,7 +534,11 @@ fn mlp_trains_eager_and_captured(h: &Harness) -> TestResult {
 /// the two; f16 skips at least one step and takes most; the loss goes down.
 fn mlp_trains_with_the_scaler_eager_and_captured(h: &Harness) -> TestResult {
     prepare(h);
-    let allocators = DeviceAllocators::new(h.rt.driver().clone(), AllocatorConfig::default(), true);
+    let allocators = DeviceAllocators::new(
+        h.rt.driver().clone(),
+        AllocatorConfig::default(),
+        Caching::On,
+    );
     allocators.install(&h.rt);
     const ITERS: usize = 60;
     for (lp, scaled) in [(mlp::Precision::F16, true), (mlp::Precision::Bf16, false)] {

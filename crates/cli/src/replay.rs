@@ -5,7 +5,7 @@ mod plan;
 use crate::options::{AddressChoice, DeviceChoice};
 use crate::pytorch::PytorchFigures;
 use crate::trace::Event;
-use ferrocuda_alloc::{AllocError, CachingAllocator};
+use ferrocuda_alloc::{AllocError, Caching, CachingAllocator};
 use ferrocuda_driver::fake::{AddressPlan, AddressPlanError, Completion, PlanUse, WhenUnusable};
 use ferrocuda_driver::{CudaDriver, Driver, DriverError, FakeDriver};
 use ferrocuda_types::{
@@ -406,7 +406,7 @@ fn replay_lagging(
     lag: Option<CatchUp<'_>>,
 ) -> Result<(Figures, CachingAllocator), ReplayError> {
     let plan = Plan::new(events);
-    let allocator = CachingAllocator::new(driver.clone(), DEV, config, true)
+    let allocator = CachingAllocator::new(driver.clone(), DEV, config, Caching::On)
         .map_err(|source| ReplayError::Allocator { index: 0, source })?;
     let streams = plan
         .streams

@@ -324,7 +324,7 @@ fn the_recommended_set_beats_pytorchs_expandable_segments_on_every_trace() -> Te
 /// `PYTORCH_CUDA_ALLOC_CONF` is the last settings string parsed.
 #[test]
 fn snapshot_allocator_settings_are_pytorchs() -> TestResult {
-    use ferrocuda_alloc::CachingAllocator;
+    use ferrocuda_alloc::{Caching, CachingAllocator};
     use ferrocuda_cli::replay::fake_device;
     use ferrocuda_types::DeviceIndex;
     let recorded = read_recording(&data("gpt2_train.pickle.xz"))?.allocator_settings;
@@ -332,7 +332,7 @@ fn snapshot_allocator_settings_are_pytorchs() -> TestResult {
         fake_device(1 << 30, None),
         DeviceIndex(0),
         AllocatorConfig::default(),
-        true,
+        Caching::On,
     )?;
     assert_eq!(a.allocator_settings(), recorded);
     a.update_config("expandable_segments:True, max_split_size_mb:64")?;
@@ -348,7 +348,7 @@ fn snapshot_allocator_settings_are_pytorchs() -> TestResult {
 /// CPython from both files: history recorded without context, as the recording was.
 #[test]
 fn snapshot_keys_are_pytorchs_in_order() -> TestResult {
-    use ferrocuda_alloc::CachingAllocator;
+    use ferrocuda_alloc::{Caching, CachingAllocator};
     use ferrocuda_alloc::history::HistoryOptions;
     use ferrocuda_cli::replay::fake_device;
     use ferrocuda_types::{DeviceIndex, Snapshot, StreamHandle};
@@ -357,7 +357,7 @@ fn snapshot_keys_are_pytorchs_in_order() -> TestResult {
         fake_device(1 << 30, None),
         dev,
         AllocatorConfig::default(),
-        true,
+        Caching::On,
     )?;
     a.record_memory_history(HistoryOptions::parse(Some("all"), None, 100)?);
     let x = a.allocate(1000, StreamHandle::legacy(dev))?;

@@ -10,7 +10,7 @@
 //!   a free, frees of addresses never allocated, out-of-memory errors on a small device) give
 //!   the figures of the loop as it was before, kept here as the reference.
 //! - The events timed are the events PyTorch's own replay (`torch_replay.py`) times.
-use ferrocuda_alloc::{AllocError, CachingAllocator};
+use ferrocuda_alloc::{AllocError, Caching, CachingAllocator};
 use ferrocuda_cli::options::parse_capacity;
 use ferrocuda_cli::replay::{Device, FakeAddresses, Figures, fake_device, replay_with};
 use ferrocuda_cli::trace::{Action, Event, events, read_recording, segment_addresses};
@@ -293,7 +293,7 @@ fn random_traces_replay_as_the_loop_before_did() -> TestResult {
         let capacity = [16u64 << 20, 64 << 20, 1 << 30][case % 3];
         let reference = {
             let fake = fake_device(capacity, None);
-            let allocator = CachingAllocator::new(fake.clone(), DEV, config(conf)?, true)?;
+            let allocator = CachingAllocator::new(fake.clone(), DEV, config(conf)?, Caching::On)?;
             replay_before(fake.as_ref(), &allocator, &events)?
         };
         let (f, _) = replay_with(

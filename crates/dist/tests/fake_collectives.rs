@@ -3,7 +3,7 @@
 //! protocol (the communication stream after the current one, `Work::wait` a stream wait,
 //! buffers in flight not reused), DDP's bucket assignment and launch order, overlap with
 //! the backward pass, and `found_inf` reduced without a host synchronisation.
-use ferrocuda_alloc::DeviceAllocators;
+use ferrocuda_alloc::{Caching, DeviceAllocators};
 use ferrocuda_dist::{
     BucketCaps, DistError, FakeGroup, FakeRank, ProcessGroup, ReduceOp, Reducer, assign_buckets,
     reduce_found_inf,
@@ -26,7 +26,7 @@ struct World {
 fn world(n: usize) -> Res<World> {
     let fake = Arc::new(FakeDriver::builder().devices(n).build());
     let rt = Runtime::with_kernel_cache(fake.clone(), KernelCache::at(None));
-    DeviceAllocators::new(fake.clone(), AllocatorConfig::default(), true).install(&rt);
+    DeviceAllocators::new(fake.clone(), AllocatorConfig::default(), Caching::On).install(&rt);
     let devices: Vec<DeviceIndex> = (0..n as u16).map(DeviceIndex).collect();
     let ranks = FakeGroup::ranks(fake.clone(), &devices)?;
     let groups = ranks

@@ -5,7 +5,7 @@
 //! queries, an allocation) do not invalidate it (in global mode the watchdog's allocation is
 //! refused with `CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED`, as CUDA does); every replay runs the
 //! collective again.
-use ferrocuda_alloc::DeviceAllocators;
+use ferrocuda_alloc::{Caching, DeviceAllocators};
 use ferrocuda_dist::{FakeGroup, ProcessGroup, ReduceOp};
 use ferrocuda_driver::{Driver, FakeDriver};
 use ferrocuda_graph::{CaptureMode, CudaGraph};
@@ -21,7 +21,7 @@ const D0: DeviceIndex = DeviceIndex(0);
 fn a_captured_all_reduce_replays_and_a_watchdog_thread_does_not_break_the_capture() -> TestResult {
     let fake = Arc::new(FakeDriver::builder().devices(2).build());
     let rt = Runtime::with_kernel_cache(fake.clone(), KernelCache::at(None));
-    let allocators = DeviceAllocators::new(fake.clone(), AllocatorConfig::default(), true);
+    let allocators = DeviceAllocators::new(fake.clone(), AllocatorConfig::default(), Caching::On);
     allocators.install(&rt);
     let rank = FakeGroup::ranks(fake.clone(), &[D0])?
         .pop()

@@ -19,7 +19,7 @@
 #![allow(clippy::expect_used)]
 
 use criterion::{Criterion, criterion_group};
-use ferrocuda_alloc::DeviceAllocators;
+use ferrocuda_alloc::{Caching, DeviceAllocators};
 use ferrocuda_driver::{CudaDriver, Driver, FakeDriver};
 use ferrocuda_graph::CudaGraph;
 use ferrocuda_graph::trees::{Arg, Ctx, Input, InputFeed, TreeConfig, Trees, WrapOptions, Wrapped};
@@ -150,7 +150,7 @@ impl Setup {
     fn new() -> Setup {
         let driver = driver();
         let rt = Runtime::new(driver.clone());
-        let allocators = DeviceAllocators::new(driver, AllocatorConfig::default(), true);
+        let allocators = DeviceAllocators::new(driver, AllocatorConfig::default(), Caching::On);
         allocators.install(&rt);
         let module = Module::from_cuda_source(&rt, DEV, "trees_bench", KERNELS).expect("compile");
         let tiny = module.function("tiny").expect("tiny kernel");

@@ -21,7 +21,7 @@
 //!
 //! # Example
 //! ```
-//! use ferrocuda_alloc::DeviceAllocators;
+//! use ferrocuda_alloc::{Caching, DeviceAllocators};
 //! use ferrocuda_driver::FakeDriver;
 //! use ferrocuda_graph::{CaptureMode, CudaGraph, PhiloxGenerator};
 //! use ferrocuda_stream::{DeviceBuffer, Runtime};
@@ -30,7 +30,7 @@
 //!
 //! let fake = Arc::new(FakeDriver::default());
 //! let rt = Runtime::new(fake.clone());
-//! let allocators = DeviceAllocators::new(fake, AllocatorConfig::default(), true);
+//! let allocators = DeviceAllocators::new(fake, AllocatorConfig::default(), Caching::On);
 //! allocators.install(&rt);
 //! let dev = DeviceIndex(0);
 //! let rng = PhiloxGenerator::new(&rt, dev, 42)?;

@@ -1,6 +1,6 @@
 //! The Philox generator on a fake device nobody registered anything on, and graphs refusing
 //! a stream of another runtime.
-use ferrocuda_alloc::DeviceAllocators;
+use ferrocuda_alloc::{Caching, DeviceAllocators};
 use ferrocuda_driver::FakeDriver;
 use ferrocuda_graph::{CaptureMode, CudaGraph, GraphError, PhiloxGenerator};
 use ferrocuda_stream::{DeviceBuffer, Runtime, StreamError};
@@ -15,7 +15,7 @@ const D0: DeviceIndex = DeviceIndex(0);
 fn bare() -> (Arc<FakeDriver>, Arc<Runtime>, Arc<DeviceAllocators>) {
     let fake = Arc::new(FakeDriver::default());
     let rt = Runtime::new(fake.clone());
-    let allocators = DeviceAllocators::new(fake.clone(), AllocatorConfig::default(), true);
+    let allocators = DeviceAllocators::new(fake.clone(), AllocatorConfig::default(), Caching::On);
     allocators.install(&rt);
     (fake, rt, allocators)
 }

@@ -10,7 +10,7 @@
 #![allow(clippy::expect_used)]
 
 use criterion::{Criterion, criterion_group, criterion_main};
-use ferrocuda::alloc::{CachingAllocator, DeviceAllocators};
+use ferrocuda::alloc::{Caching, CachingAllocator, DeviceAllocators};
 use ferrocuda::driver::interop::cudarc::driver::CudaContext;
 use ferrocuda::driver::{CudaDriver, Driver, FakeDriver, ForeignStream};
 use ferrocuda::types::{AllocatorConfig, DeviceIndex, StreamHandle};
@@ -58,7 +58,7 @@ fn shim_pair(b: &TorchBackend, stream: &ForeignStream) {
 
 fn shims(cr: &mut Criterion) {
     let (driver, foreign) = driver();
-    let allocators = DeviceAllocators::new(driver.clone(), AllocatorConfig::default(), true);
+    let allocators = DeviceAllocators::new(driver.clone(), AllocatorConfig::default(), Caching::On);
     let b = TorchBackend::new(driver.clone(), allocators.clone());
     let a = allocators.device(DEV).expect("allocator");
     let mut g = cr.benchmark_group("torch_plugin");

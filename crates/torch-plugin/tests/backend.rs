@@ -1,7 +1,7 @@
 //! The exported functions' safe halves (`ferrocuda_driver::c_export::*`, what each C shim
 //! calls after converting its arguments) over a [`TorchBackend`] on the fake device.
 #![allow(clippy::panic)]
-use ferrocuda::alloc::{CachingAllocator, DeviceAllocators};
+use ferrocuda::alloc::{Caching, CachingAllocator, DeviceAllocators};
 use ferrocuda::driver::fake::Completion;
 use ferrocuda::driver::{Call, Driver, FakeDriver, ForeignStream};
 use ferrocuda::types::{
@@ -19,7 +19,7 @@ const D0: DeviceIndex = DeviceIndex(0);
 fn setup_with(config: &str, fake: FakeDriver) -> (Arc<FakeDriver>, TorchBackend) {
     let fake = Arc::new(fake);
     let config = AllocatorConfig::parse(config).unwrap_or_else(|e| panic!("{e}"));
-    let allocators = DeviceAllocators::new(fake.clone(), config, true);
+    let allocators = DeviceAllocators::new(fake.clone(), config, Caching::On);
     (fake.clone(), TorchBackend::new(fake, allocators))
 }
 
@@ -424,7 +424,7 @@ mod differential {
             direct_fake.clone(),
             D0,
             AllocatorConfig::parse(config)?,
-            true,
+            Caching::On,
         )?;
         // The direct allocator exists from the start; so does the shims' (PyTorch makes
         // every device's at init: a first `empty_cache` counts a sync either way).

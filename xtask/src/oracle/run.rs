@@ -13,7 +13,7 @@
 //! which `recordStream` ignores), so ours skips it too; `oracle_batch.py`'s results say
 //! `"record_stream": "applied"`.
 use super::format::{Case, Op, Placement, Step, Token};
-use ferrocuda_alloc::{AllocError, CachingAllocator};
+use ferrocuda_alloc::{AllocError, Caching, CachingAllocator};
 use ferrocuda_driver::fake::{AddressPlan, WhenUnusable};
 use ferrocuda_driver::{Completion, Driver, FakeDriver};
 use ferrocuda_types::{AllocatorConfig, DeviceIndex, DevicePtr, StreamFlags, StreamHandle};
@@ -146,7 +146,7 @@ impl<'a> Sim<'a> {
             builder = builder.address_plan(DEV, plan);
         }
         let fake = Arc::new(builder.build());
-        let alloc = CachingAllocator::new(fake.clone(), DEV, config, true)
+        let alloc = CachingAllocator::new(fake.clone(), DEV, config, Caching::On)
             .map_err(|e| format!("cannot make an allocator: {e}"))?;
         if let Some(f) = case.program.fraction {
             alloc

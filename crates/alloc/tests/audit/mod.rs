@@ -3,7 +3,7 @@
 // Each test crate uses a different subset of these helpers.
 #![allow(dead_code)]
 
-use ferrocuda_alloc::CachingAllocator;
+use ferrocuda_alloc::{Caching, CachingAllocator};
 use ferrocuda_driver::{Driver, FakeDriver, fake::Completion};
 use ferrocuda_types::{AllocatorConfig, StreamFlags, StreamHandle};
 use std::sync::Arc;
@@ -36,7 +36,7 @@ pub(crate) fn try_setup(
             .build(),
     );
     let config = AllocatorConfig::parse(config)?;
-    let alloc = CachingAllocator::new(fake.clone(), D0, config, true)?;
+    let alloc = CachingAllocator::new(fake.clone(), D0, config, Caching::On)?;
     Ok((fake, alloc))
 }
 

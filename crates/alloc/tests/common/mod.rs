@@ -1,7 +1,7 @@
 //! What the allocator's test files share: an allocator on a fake device, a statistic by
 //! PyTorch's key, a stream.
 #![allow(dead_code, clippy::panic)]
-use ferrocuda_alloc::CachingAllocator;
+use ferrocuda_alloc::{Caching, CachingAllocator};
 use ferrocuda_driver::{Driver, FakeDriver, fake::Completion};
 use ferrocuda_types::{AllocatorConfig, DeviceIndex, StreamFlags, StreamHandle};
 use std::sync::Arc;
@@ -26,8 +26,8 @@ pub(crate) fn setup(
             .build(),
     );
     let config = AllocatorConfig::parse(config).unwrap_or_else(|e| panic!("{e}"));
-    let alloc =
-        CachingAllocator::new(fake.clone(), D0, config, true).unwrap_or_else(|e| panic!("{e}"));
+    let alloc = CachingAllocator::new(fake.clone(), D0, config, Caching::On)
+        .unwrap_or_else(|e| panic!("{e}"));
     (fake, alloc)
 }
 

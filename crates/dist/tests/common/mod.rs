@@ -1,7 +1,7 @@
 //! What the GPU tests of this crate share: a runtime with the caching allocators over the
 //! real driver, and one thread per rank.
 #![allow(dead_code)] // each test binary uses part of it
-use ferrocuda_alloc::DeviceAllocators;
+use ferrocuda_alloc::{Caching, DeviceAllocators};
 use ferrocuda_dist::{DistError, ProcessGroup};
 use ferrocuda_driver::CudaDriver;
 use ferrocuda_driver::nccl::{NcclComm, UniqueId};
@@ -29,7 +29,8 @@ pub(crate) fn gpus(n: usize, config: &str) -> Result<Gpus, Box<dyn std::error::E
     if rt.device_count() < n {
         return Err(format!("{} GPU(s) here: this test needs {n}", rt.device_count()).into());
     }
-    let allocators = DeviceAllocators::new(driver.clone(), AllocatorConfig::parse(config)?, true);
+    let allocators =
+        DeviceAllocators::new(driver.clone(), AllocatorConfig::parse(config)?, Caching::On);
     allocators.install(&rt);
     Ok(Gpus {
         driver,

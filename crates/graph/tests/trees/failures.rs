@@ -1,6 +1,6 @@
 //! Calls that cannot be graphed, and functions that fail.
 use crate::{D0, N, Setup, TestResult, expect, named, random, served_kinds};
-use ferrocuda_alloc::DeviceAllocators;
+use ferrocuda_alloc::{Caching, DeviceAllocators};
 use ferrocuda_graph::trees::Trees;
 use ferrocuda_graph::trees::{
     Arg, Ctx, Input, InputFeed, Served, SkipReason, TreeConfig, TreeError, TreeEvent, WrapOptions,
@@ -222,7 +222,11 @@ pub(crate) fn incompatible_op_and_uncached_allocator_skip(h: &Harness) -> TestRe
         "skipping cudagraphs due to incompatible op aten.nonzero.default"
     );
     assert!(trees.nodes().is_empty());
-    let uncached = DeviceAllocators::new(h.rt.driver().clone(), AllocatorConfig::default(), false);
+    let uncached = DeviceAllocators::new(
+        h.rt.driver().clone(),
+        AllocatorConfig::default(),
+        Caching::Off,
+    );
     let trees = Trees::new(h.rt.clone(), uncached, D0, TreeConfig::default())?;
     let k = s.k.clone();
     let g = trees.wrap(

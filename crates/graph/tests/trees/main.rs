@@ -4,7 +4,7 @@
 //! one tree, branch switching with checkpoint restore, stale outputs, steps, static input
 //! moves, mutation skips, shapes (cap, eviction, buckets), a panicking function, and
 //! non-static inputs copied or patched.
-use ferrocuda_alloc::DeviceAllocators;
+use ferrocuda_alloc::{Caching, DeviceAllocators};
 use ferrocuda_graph::CallableError;
 use ferrocuda_graph::trees::{Arg, Ctx, Out, Served, TreeConfig, TreeTensor, Trees, WrapOptions};
 use ferrocuda_stream::{DeviceBuffer, Function, Module, Stream};
@@ -138,8 +138,11 @@ struct Setup<'h> {
 impl Setup<'_> {
     fn new(h: &Harness) -> Result<Setup<'_>, BoxError> {
         register_fake(h);
-        let allocators =
-            DeviceAllocators::new(h.rt.driver().clone(), AllocatorConfig::default(), true);
+        let allocators = DeviceAllocators::new(
+            h.rt.driver().clone(),
+            AllocatorConfig::default(),
+            Caching::On,
+        );
         allocators.install(&h.rt);
         let module = Module::from_cuda_source(&h.rt, D0, "trees_tests", SOURCE)?;
         Ok(Setup {
