@@ -348,8 +348,8 @@ fn snapshot_allocator_settings_are_pytorchs() -> TestResult {
 /// CPython from both files: history recorded without context, as the recording was.
 #[test]
 fn snapshot_keys_are_pytorchs_in_order() -> TestResult {
-    use ferrocuda_alloc::{Caching, CachingAllocator};
     use ferrocuda_alloc::history::HistoryOptions;
+    use ferrocuda_alloc::{Caching, CachingAllocator};
     use ferrocuda_cli::replay::fake_device;
     use ferrocuda_types::{DeviceIndex, Snapshot, StreamHandle};
     let dev = DeviceIndex(0);
