@@ -3,7 +3,7 @@
 //! step, skips the step when a gradient overflowed, and grows or backs off the scale.
 //!
 //! Two ways to drive it:
-//! - **PyTorch's eager API**: [`GradScaler::scale_in_place`], [`GradScaler::unscale_`],
+//! - **PyTorch's eager API**: [`GradScaler::scale_in_place`], [`GradScaler::unscale`],
 //!   [`GradScaler::step`] (reads found_inf to the host, as PyTorch's `_maybe_opt_step`
 //!   does), [`GradScaler::step_fused`] (PyTorch's `_step_supports_amp_scaling` path: no host
 //!   read), [`GradScaler::update`], with PyTorch's per-optimizer state machine and errors.
