@@ -140,3 +140,21 @@ pub enum MemoryError {
 
 /// Result alias of this crate.
 pub type Result<T, E = StreamError> = std::result::Result<T, E>;
+
+/// [`StreamError::OtherRuntime`] for `what`, made by runtime `found`, used with runtime
+/// `expected`, unless they are one.
+pub(crate) fn same_runtime(
+    expected: u64,
+    found: u64,
+    what: &'static str,
+) -> Result<(), StreamError> {
+    if expected == found {
+        Ok(())
+    } else {
+        Err(StreamError::OtherRuntime {
+            what,
+            expected,
+            found,
+        })
+    }
+}

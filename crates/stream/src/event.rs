@@ -114,7 +114,7 @@ impl Event {
     /// Milliseconds from this event to `end` (`Event.elapsed_time`). Both must be timing
     /// events, recorded, completed, and on one device.
     pub fn elapsed_time(&self, end: &Event) -> Result<f32> {
-        crate::runtime::same_runtime(self.inner.runtime, end.inner.runtime, "the end event")?;
+        crate::error::same_runtime(self.inner.runtime, end.inner.runtime, "the end event")?;
         if !self.inner.flags.timing || !end.inner.flags.timing {
             return Err(StreamError::TimingDisabled);
         }

@@ -1,4 +1,5 @@
 //! The runtime: one driver, its devices, the per-thread current device and streams.
+use crate::error::same_runtime;
 use crate::stream::Ownership;
 use crate::{AvailabilityCheck, Event, PerDevice, Result, Stream, StreamError};
 use ferrocuda_driver::{Driver, FakeDriver, ForeignStream, KernelContext};
@@ -531,20 +532,6 @@ impl Runtime {
             return Err(StreamError::InterprocessTiming);
         }
         Ok(Event::new(self.driver.clone(), self.id, flags))
-    }
-}
-
-/// [`StreamError::OtherRuntime`] for `what`, made by runtime `found`, used with runtime
-/// `expected`, unless they are one.
-pub(crate) fn same_runtime(expected: u64, found: u64, what: &'static str) -> Result<()> {
-    if expected == found {
-        Ok(())
-    } else {
-        Err(StreamError::OtherRuntime {
-            what,
-            expected,
-            found,
-        })
     }
 }
 

@@ -98,7 +98,7 @@ impl Stream {
     /// [`StreamError::OtherRuntime`] unless `found` (the runtime of `what`) is this
     /// stream's runtime.
     pub(crate) fn same_runtime(&self, found: u64, what: &'static str) -> Result<()> {
-        crate::runtime::same_runtime(self.inner.runtime, found, what)
+        crate::error::same_runtime(self.inner.runtime, found, what)
     }
 
     /// The device the stream belongs to.

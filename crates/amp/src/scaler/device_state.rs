@@ -2,8 +2,9 @@
 //! their addresses for the scaler's life, so that optimizer kernels can read `found_inf`
 //! and `inv_scale` on the device and a CUDA graph can capture a whole iteration
 //! (PyTorch allocates `found_inf` and `inv_scale` afresh in every `unscale_`).
+use super::abi::word;
 use super::error::ScalerError;
-use super::kernels::{word, word_ptr};
+use super::kernels::word_ptr;
 use super::reference;
 use ferrocuda_stream::{DeviceBuffer, Event, Runtime, Stream};
 use ferrocuda_types::{

@@ -2,7 +2,7 @@
 //! device: the same chunk table, the same state words, the arithmetic of
 //! [`super::reference`], so that a test on the fake device checks everything but the CUDA
 //! C++ itself (the GPU bundle runs the same tests on it).
-use super::kernels::{code_dtype, word};
+use super::abi::{code_dtype, word};
 use super::reference::{self, GradElement, UpdateParams};
 use ferrocuda_driver::{FakeDriver, KernelContext};
 use ferrocuda_types::{DType, DevicePtr};

@@ -11,11 +11,12 @@
 //!   `inv_scale` (so no `unscale_` computes it again) and counts skipped steps.
 //!
 //! The fake device runs the host twins in [`super::host_twins`].
+use super::abi::dtype_code;
 use super::error::ScalerError;
 use super::reference::UpdateParams;
 use crate::TensorView;
 use ferrocuda_stream::{DeviceBuffer, Function, Module, Runtime, Stream};
-use ferrocuda_types::{DType, DeviceIndex, DevicePtr, KernelArg, LaunchConfig, StreamHandle};
+use ferrocuda_types::{DeviceIndex, DevicePtr, KernelArg, LaunchConfig, StreamHandle};
 use std::sync::Arc;
 
 /// The scaler's kernels, as CUDA C++.
@@ -163,57 +164,10 @@ extern "C" __global__ void amp_update_scale(float* state, const float* found_inf
 }
 "#;
 
-/// Word indices of the scaler's device state (32-bit words, one allocation).
-pub(crate) mod word {
-    /// The scale (f32).
-    pub(crate) const SCALE: u64 = 0;
-    /// `float(1 / double(scale))` (f32), refreshed by every update.
-    pub(crate) const INV_SCALE: u64 = 1;
-    /// The combined found_inf of the iteration (f32, 0.0 or 1.0).
-    pub(crate) const FOUND_INF: u64 = 2;
-    /// A constant 1.0f: the inverse scale of a check-only pass.
-    pub(crate) const ONE: u64 = 3;
-    /// The growth tracker (i32).
-    pub(crate) const GROWTH_TRACKER: u64 = 4;
-    /// Updates run by the update kernel (i32).
-    pub(crate) const UPDATES: u64 = 5;
-    /// Updates that saw a non-finite gradient (i32).
-    pub(crate) const SKIPPED: u64 = 6;
-    /// Such updates in a row, up to the last one (i32).
-    pub(crate) const CONSECUTIVE_SKIPPED: u64 = 7;
-    /// Whether the last update saw one (i32, 0 or 1).
-    pub(crate) const LAST_SKIPPED: u64 = 8;
-    /// A found_inf nobody reads (for scaling a loss through the unscale kernel).
-    pub(crate) const SCRATCH: u64 = 9;
-    /// Words in all.
-    pub(crate) const COUNT: usize = 10;
-}
-
 /// Bytes of gradient one chunk covers at most.
 pub(crate) const CHUNK_BYTES: u64 = 64 << 10;
 /// Threads per block of the check-and-unscale kernel.
 const THREADS: u32 = 256;
-
-/// The kernel's code for a gradient dtype.
-pub(crate) fn dtype_code(dtype: DType) -> Result<u32, ScalerError> {
-    match dtype {
-        DType::F32 => Ok(0),
-        DType::F16 => Ok(1),
-        DType::BF16 => Ok(2),
-        DType::F64 => Ok(3),
-        other => Err(ScalerError::UnsupportedDtype { dtype: other }),
-    }
-}
-
-/// The dtype of a kernel code (the inverse of [`dtype_code`]).
-pub(crate) fn code_dtype(code: u32) -> DType {
-    match code {
-        0 => DType::F32,
-        1 => DType::F16,
-        2 => DType::BF16,
-        _ => DType::F64,
-    }
-}
 
 /// The most bytes a gradient list on `device` may hold: the device's memory (no list of
 /// real views is larger), and no more than one chunk table addresses.
@@ -448,6 +402,8 @@ pub(crate) fn word_ptr(base: DevicePtr, index: u64) -> DevicePtr {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::scaler::abi::code_dtype;
+    use ferrocuda_types::DType;
 
     fn view(dtype: DType, len: u64, device: u16) -> TensorView {
         TensorView {

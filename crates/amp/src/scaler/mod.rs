@@ -15,6 +15,7 @@
 //! compute dtype makes the scale a constant 1.0 that still checks for infs, optional
 //! `min_scale` / `max_scale` clamps, no allocation per iteration, and skip counters that can
 //! be read without a sync on the hot path ([`GradScaler::request_step_stats`]).
+mod abi;
 mod checkpoint;
 mod device_state;
 mod error;
@@ -271,7 +272,7 @@ impl GradScaler {
             None => Ok(self.config.init_scale),
             Some(l) => {
                 let w = l.state.read(&self.current_stream()?)?;
-                Ok(f64::from(f32::from_bits(w[kernels::word::SCALE as usize])))
+                Ok(f64::from(f32::from_bits(w[abi::word::SCALE as usize])))
             }
         }
     }
@@ -287,7 +288,7 @@ impl GradScaler {
             None => Ok(self.init_growth_tracker),
             Some(l) => {
                 let w = l.state.read(&self.current_stream()?)?;
-                Ok(w[kernels::word::GROWTH_TRACKER as usize] as i32)
+                Ok(w[abi::word::GROWTH_TRACKER as usize] as i32)
             }
         }
     }
