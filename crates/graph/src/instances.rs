@@ -19,6 +19,7 @@ use crate::repoint::{NodeMap, Plan};
 use crate::{GraphError, InputMove, InputUpdate};
 use ferrocuda_driver::Driver;
 use ferrocuda_types::{DevicePtr, GraphExecHandle, GraphHandle, GraphNode};
+use std::borrow::Cow;
 
 /// An instance other than the one replays launch.
 #[derive(Debug)]
@@ -262,16 +263,18 @@ enum Target<'a> {
     Nodes(&'a [GraphNode]),
 }
 
-impl Target<'_> {
-    /// The changes that bring an instance holding `nodes` to the target, by index.
-    fn changes(self, holders: &[usize], nodes: &[GraphNode]) -> Vec<(usize, GraphNode)> {
+impl<'a> Target<'a> {
+    /// The changes that bring an instance holding `nodes` to the target, by index (borrowed
+    /// when the target is given as changes: no copy on the one-instance path).
+    fn changes(self, holders: &[usize], nodes: &[GraphNode]) -> Cow<'a, [(usize, GraphNode)]> {
         match self {
-            Target::Changes(changes) => changes.to_vec(),
+            Target::Changes(changes) => Cow::Borrowed(changes),
             Target::Nodes(target) => (holders.iter())
                 .filter_map(|&i| Some((i, target.get(i)?)))
                 .filter(|(i, node)| nodes.get(*i) != Some(*node))
                 .map(|(i, node)| (i, node.clone()))
-                .collect(),
+                .collect::<Vec<_>>()
+                .into(),
         }
     }
 
