@@ -10,8 +10,8 @@ use ferrocuda_types::DType;
 use super::cache::thread_cached_cast;
 use super::device::DeviceKind;
 use super::error::AutocastError;
+use super::guards::{DeviceView, device_view};
 use super::policy::{CastPolicy, OpId, policy};
-use super::state::{DeviceView, device_view};
 
 /// What autocast needs to know about a tensor argument. Implement it for your tensor type
 /// (or a reference to it); undefined optional tensors and non-tensor arguments are simply

@@ -1,11 +1,8 @@
 //! The device kinds autocast knows (one per PyTorch autocast dispatch key), their default
 //! lower-precision dtypes and the dtypes an autocast region may ask for.
 use std::fmt;
-use std::str::FromStr;
 
 use ferrocuda_types::DType;
-
-use super::error::AutocastError;
 
 /// A device type with an autocast dispatch key (`_AUTOCAST_SUPPORTED_DEVICES` in
 /// `torch/amp/autocast_mode.py`). A typed value where PyTorch passes strings.
@@ -32,11 +29,6 @@ pub enum DeviceKind {
     /// `privateuseone` (`AutocastPrivateUse1`).
     PrivateUse1,
 }
-
-/// Device types PyTorch parses but has no autocast key for.
-const NOT_AUTOCAST_DEVICES: &[&str] = &[
-    "mkldnn", "opengl", "opencl", "ideep", "hip", "ve", "fpga", "lazy", "vulkan", "meta",
-];
 
 impl DeviceKind {
     /// Every kind, in the order of the per-thread state arrays.
@@ -111,61 +103,9 @@ impl fmt::Display for DeviceKind {
     }
 }
 
-impl FromStr for DeviceKind {
-    type Err = AutocastError;
-
-    /// Parses a device string as `torch.amp.is_autocast_available` does: the type part of
-    /// `type[:index]`; a known type without an autocast key is
-    /// [`AutocastError::UnsupportedDevice`], anything else [`AutocastError::InvalidDevice`].
-    fn from_str(s: &str) -> Result<DeviceKind, AutocastError> {
-        let (kind, index) = match s.split_once(':') {
-            Some((kind, index)) => (kind, Some(index)),
-            None => (s, None),
-        };
-        let invalid = || AutocastError::InvalidDevice {
-            given: s.to_owned(),
-        };
-        if index.is_some_and(|i| i.is_empty() || !i.bytes().all(|b| b.is_ascii_digit())) {
-            return Err(invalid());
-        }
-        if let Some(found) = DeviceKind::ALL.iter().find(|d| d.name() == kind) {
-            return Ok(*found);
-        }
-        if NOT_AUTOCAST_DEVICES.contains(&kind) {
-            return Err(AutocastError::UnsupportedDevice {
-                device: kind.to_owned(),
-            });
-        }
-        Err(invalid())
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn names_round_trip_and_index_matches_all() -> Result<(), AutocastError> {
-        for (i, d) in DeviceKind::ALL.iter().enumerate() {
-            assert_eq!(d.index(), i);
-            assert_eq!(d.name().parse::<DeviceKind>()?, *d);
-            assert_eq!(format!("{d}:3").parse::<DeviceKind>()?, *d);
-        }
-        Ok(())
-    }
-
-    #[test]
-    fn parse_errors_follow_pytorch() {
-        let e = "not a real device".parse::<DeviceKind>();
-        assert!(
-            matches!(&e, Err(e) if e.to_string() == "Invalid device string: 'not a real device'")
-        );
-        let e = "meta".parse::<DeviceKind>();
-        assert!(matches!(&e, Err(e) if e.to_string()
-            == "User specified an unsupported autocast device_type 'meta'"));
-        assert!("cuda:".parse::<DeviceKind>().is_err());
-        assert!("cuda:x".parse::<DeviceKind>().is_err());
-    }
 
     #[test]
     fn default_dtypes_are_pytorch_2_15() {

@@ -9,10 +9,12 @@
 //! [`RedispatchGuard`]. Regions are scopes: [`Autocast::enter`] and [`AmpState::enter`]
 //! return guards that own what they restore.
 //!
-//! - [`tables`]: the one declarative source of every op's policy per device.
+//! - [`tables`]: the one declarative source of every op's policy per device ([`CastPolicy`]).
+//! - `device_string`: PyTorch device strings parsed into a [`DeviceKind`].
 //! - [`policy`](mod@policy): the compiled lookup ([`OpId`], [`CastPolicy`]).
 //! - [`cast`](mod@cast): eligibility and cast rules ([`cast_inputs`]).
-//! - [`state`](mod@state): per-thread state, region guards, [`AmpState`] snapshots.
+//! - [`state`](mod@state): the state as values ([`AmpState`] snapshots, [`Autocast`] regions).
+//! - [`guards`](mod@guards): the scopes that change a thread's state and the queries.
 //! - `thread_state`: where the state lives and how guards dropped in any order restore it.
 //! - [`cache`](mod@cache): the version-checked weight-cast cache.
 //! - [`docs_lists`] / [`docs_page`](mod@docs_page): PyTorch's doc lists, their drift, and the
@@ -20,9 +22,11 @@
 pub mod cache;
 pub mod cast;
 pub mod device;
+mod device_string;
 pub mod docs_lists;
 pub mod docs_page;
 pub mod error;
+pub mod guards;
 pub mod policy;
 pub mod state;
 pub mod tables;
@@ -34,10 +38,11 @@ pub use device::DeviceKind;
 pub use docs_lists::{DocsClass, DocsDrift, docs_drift};
 pub use docs_page::op_policy_page;
 pub use error::AutocastError;
-pub use policy::{CastPolicy, OpId, all_listed_ops, listed_ops, policy, policy_by_name};
-pub use state::{
-    AmpState, Autocast, AutocastGuard, InferenceModeGuard, RedispatchGuard, StateGuard, dtype,
-    is_cache_enabled, is_enabled, is_inference_mode, nesting,
+pub use guards::{
+    AutocastGuard, InferenceModeGuard, RedispatchGuard, StateGuard, dtype, is_cache_enabled,
+    is_enabled, is_inference_mode, nesting,
 };
+pub use policy::{CastPolicy, OpId, all_listed_ops, listed_ops, policy, policy_by_name};
+pub use state::{AmpState, Autocast};
 pub use tables::BINARY_CROSS_ENTROPY_BANNED;
 pub use thread_state::thread_state_version;

@@ -7,52 +7,8 @@ use std::sync::OnceLock;
 use rustc_hash::FxHashMap;
 
 use super::device::DeviceKind;
+pub use super::tables::CastPolicy;
 use super::tables::{DEVICES, Rule};
-
-/// How autocast treats one op on one device (`CastPolicy` in `aten/src/ATen/autocast_mode.h`,
-/// plus the banned kernel and the `_cudnn_rnn` wrapper of `cudnn/AutocastRNN.cpp`).
-#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
-#[non_exhaustive]
-pub enum CastPolicy {
-    /// Cast every eligible argument to the region's lower-precision dtype.
-    LowerPrecision,
-    /// Cast every eligible argument to fp32.
-    Fp32,
-    /// If the first argument is eligible, fill the op's optional `dtype` argument with fp32
-    /// when the caller left it unset; never cast inputs.
-    Fp32SetOptDtype,
-    /// Call the dtype-taking overload `redispatch` with fp32 appended if the first argument
-    /// is eligible, else with the first argument's dtype.
-    Fp32AppendDtype {
-        /// The overload to call instead.
-        redispatch: &'static str,
-    },
-    /// Cast every eligible argument to the widest floating type among them.
-    Promote,
-    /// Cast every eligible argument to fp16 whatever the region's dtype: PyTorch's
-    /// `_cudnn_rnn` wrapper hard-codes `kHalf`.
-    CudnnRnnFp16,
-    /// The op refuses to run under autocast, with this message.
-    Banned {
-        /// PyTorch's message.
-        message: &'static str,
-    },
-}
-
-impl CastPolicy {
-    /// A short name for docs and messages (`lower_precision_fp`, `fp32`, ...).
-    pub const fn name(&self) -> &'static str {
-        match self {
-            CastPolicy::LowerPrecision => "lower_precision_fp",
-            CastPolicy::Fp32 => "fp32",
-            CastPolicy::Fp32SetOptDtype => "fp32_set_opt_dtype",
-            CastPolicy::Fp32AppendDtype { .. } => "fp32_append_dtype",
-            CastPolicy::Promote => "promote",
-            CastPolicy::CudnnRnnFp16 => "cudnn_rnn_fp16",
-            CastPolicy::Banned { .. } => "banned",
-        }
-    }
-}
 
 /// An op name interned once (`OpId::resolve`) so that repeated policy lookups skip hashing.
 /// Ids are dense over the union of every device's ops and stable within a process.

@@ -11,14 +11,7 @@
 use std::cell::{Cell, RefCell};
 
 use super::cache;
-use super::state::{AmpState, Change};
-
-/// What a guard saves and a [`Change`] applies to.
-#[derive(Copy, Clone, Debug, PartialEq, Eq)]
-pub(super) struct Frame {
-    pub(super) amp: AmpState,
-    pub(super) inference_mode: bool,
-}
+use super::state::{AmpState, Change, Frame};
 
 /// The thread's state: the current frame and the number of live scopes.
 #[derive(Copy, Clone, Debug)]
