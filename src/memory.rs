@@ -44,7 +44,7 @@ impl Configured {
         let config = AllocatorConfig::from_env()?;
         Ok(match config.backend {
             AllocatorBackend::CudaMallocAsync => {
-                let host = HostAllocator::new(rt.driver().clone(), config.clone());
+                let host = HostAllocator::new(rt.driver().clone(), config.pinned.clone());
                 Configured::Async(
                     AsyncAllocator::from_config(rt.driver().clone(), &config)?,
                     host,

@@ -168,7 +168,7 @@ fn memory_functions() -> Outcome {
         format!("a native option at run time: {warnings:?}"),
     )?;
     ensure(
-        memory::host_allocator()?.config().pinned_max_cached_size == Some(8 * MIB),
+        memory::host_allocator()?.config().max_cached_size == Some(8 * MIB),
         "the pinned option reached the host allocator",
     )?;
     ensure(
@@ -201,10 +201,7 @@ fn native_option_ignored() -> Outcome {
         format!("the warnings: {warnings:?}"),
     )?;
     ensure(
-        memory::host_allocator()?
-            .config()
-            .pinned_num_register_threads
-            == 2,
+        memory::host_allocator()?.config().num_register_threads == 2,
         "the pinned option configures the host allocator",
     )
 }

@@ -218,7 +218,7 @@ impl Program {
         let mut parsed = AllocatorConfig::parse(config).map_err(|e| e.to_string())?;
         let (_, total) = rt.mem_get_info(D0).map_err(|e| e.to_string())?;
         if total > CAPACITY {
-            parsed.per_process_memory_fraction *= CAPACITY as f64 / total as f64;
+            parsed.release.per_process_memory_fraction *= CAPACITY as f64 / total as f64;
         }
         let allocators = DeviceAllocators::new(rt.driver().clone(), parsed, Caching::On);
         allocators.install(&rt);

@@ -255,7 +255,7 @@ fn settings_reparse_resets() -> R {
     a.set_settings("garbage_collection_threshold:0.5")?;
     assert_eq!(map(&a)["max_split_size"], -1);
     let c = a.device(D0)?.config();
-    assert!(c.expandable_segments, "kept");
+    assert!(c.expandable.enabled, "kept");
     Ok(())
 }
 

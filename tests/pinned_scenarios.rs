@@ -6,7 +6,8 @@ use ferrocuda::alloc::{AllocError, HostAllocator, Route};
 use ferrocuda::driver::{Call, Driver, DriverError, FakeDriver};
 use ferrocuda::stream::{DeviceBuffer, PinnedBuffer, Stream};
 use ferrocuda::types::{
-    AllocatorConfig, CaptureMode, CaptureStatus, DeviceIndex, MemsetValue, PoolId, StreamHandle,
+    AllocatorConfig, CaptureMode, CaptureStatus, DeviceIndex, MemsetValue, PinnedConfig, PoolId,
+    StreamHandle,
 };
 use ferrocuda_testkit::{Harness, fake_harness};
 use std::collections::BTreeMap;
@@ -33,7 +34,7 @@ fn env(conf: &str) -> Result<Env, Box<dyn std::error::Error>> {
     } else {
         AllocatorConfig::parse(conf)?
     };
-    let host = HostAllocator::new(drv.clone(), cfg);
+    let host = HostAllocator::new(drv.clone(), cfg.pinned);
     Ok(Env { h, fake, drv, host })
 }
 
@@ -884,7 +885,7 @@ fn env2() -> Result<Env, Box<dyn std::error::Error>> {
     let rt = ferrocuda::stream::Runtime::new(fake.clone());
     let h = Harness::new(rt, Some(fake.clone()));
     let drv = h.rt.driver().clone();
-    let host = HostAllocator::new(drv.clone(), AllocatorConfig::default());
+    let host = HostAllocator::new(drv.clone(), PinnedConfig::default());
     Ok(Env { h, fake, drv, host })
 }
 

@@ -11,7 +11,7 @@ use ferrocuda::graph::{
     CaptureMemory, CaptureMode, CudaGraph, GraphError, GraphedOptions, make_graphed_callables,
 };
 use ferrocuda::stream::DeviceBuffer;
-use ferrocuda::types::AllocatorConfig;
+use ferrocuda::types::PinnedConfig;
 use ferrocuda_testkit::Harness;
 use std::sync::Arc;
 
@@ -28,7 +28,7 @@ impl AsyncSetup<'_> {
         let s = Setup::new(h)?;
         let driver = h.rt.driver().clone();
         let allocator = AsyncAllocator::new(driver.clone());
-        let host = HostAllocator::new(driver, AllocatorConfig::default());
+        let host = HostAllocator::new(driver, PinnedConfig::default());
         h.rt.set_memory(allocator.clone());
         h.rt.set_host_memory(host.clone());
         let memory = CaptureMemory::Async {

@@ -41,6 +41,7 @@ mod ci;
 mod cli_fuzz;
 mod doc;
 mod gpu_bundle;
+mod house;
 mod long_run;
 mod loom;
 mod oracle;

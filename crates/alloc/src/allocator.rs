@@ -87,9 +87,9 @@ impl CachingAllocator {
             return Err(AllocError::WrongBackend);
         }
         let (_, device_total) = driver.mem_get_info(device)?;
-        let fraction = config.per_process_memory_fraction;
+        let fraction = config.release.per_process_memory_fraction;
         let stats = Tally {
-            max_split_size: config.max_split_size.map_or(-1, |m| m as i64),
+            max_split_size: config.sizes.max_split_size.map_or(-1, |m| m as i64),
             ..Tally::default()
         };
         let state = State {
@@ -153,7 +153,7 @@ impl CachingAllocator {
             return Err(AllocError::WrongBackend);
         }
         st.config = next;
-        st.stats.max_split_size = st.config.max_split_size.map_or(-1, |m| m as i64);
+        st.stats.max_split_size = st.config.sizes.max_split_size.map_or(-1, |m| m as i64);
         Ok(())
     }
 
@@ -166,7 +166,7 @@ impl CachingAllocator {
         let mut st = self.engine.lock();
         st.allowed_max =
             (fraction < 1.0).then_some((fraction * self.engine.device_total as f64) as u64);
-        st.config.per_process_memory_fraction = fraction;
+        st.config.release.per_process_memory_fraction = fraction;
         Ok(())
     }
 

@@ -52,7 +52,7 @@ impl DeviceAllocators {
         caching: Caching,
     ) -> Arc<DeviceAllocators> {
         Arc::new(DeviceAllocators {
-            host: HostAllocator::new(driver.clone(), config.clone()),
+            host: HostAllocator::new(driver.clone(), config.pinned.clone()),
             driver,
             config: RwLock::new(config),
             caching,

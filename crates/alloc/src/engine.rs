@@ -198,7 +198,7 @@ impl Engine {
             largest_free_block: largest,
             cached_per_stream,
             non_releasable: st.stats.inactive_split_bytes.current() as u64,
-            expandable_segments: st.config.expandable_segments,
+            expandable_segments: st.config.expandable.enabled,
             rejected_by_fraction: false,
         };
         drop(st);
@@ -227,7 +227,7 @@ impl Engine {
         mut st: Guard<'a>,
         bytes: u64,
     ) -> Result<(Guard<'a>, Option<usize>), AllocError> {
-        if !st.config.throw_on_cudamalloc_oom {
+        if !st.config.release.throw_on_cudamalloc_oom {
             return Ok((st, None));
         }
         st.stats.num_oom_rejections += 1;

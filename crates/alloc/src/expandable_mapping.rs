@@ -18,8 +18,9 @@ impl Engine {
             PoolKind::Small => crate::rounding::SMALL_BUFFER,
             PoolKind::Large => st
                 .config
-                .expandable_segments_page
-                .unwrap_or(st.config.large_segment_size),
+                .expandable
+                .page
+                .unwrap_or(st.config.sizes.large_segment_size),
         };
         let granularity = *self
             .granularity
@@ -40,7 +41,7 @@ impl Engine {
         page: u64,
     ) -> Result<Guard<'a>, AllocError> {
         let cap = self.device_total + self.device_total / 8;
-        let want = match st.config.expandable_segments_reserve {
+        let want = match st.config.expandable.reserve {
             Some(ferrocuda_types::ReserveSize::Fraction(f)) => {
                 (f * self.device_total as f64) as u64
             }
@@ -113,7 +114,7 @@ impl Engine {
         let pages = to_map / page;
         let spare_now = st.expandable.spare_count(kind, page);
         // While a capture is underway no event may be queried: only new pages then.
-        if st.config.expandable_segments_reclaim && pages > spare_now && !st.capturing() {
+        if st.config.expandable.reclaim && pages > spare_now && !st.capturing() {
             st = self.release_expandable(
                 st,
                 Unmap::Reclaim {
@@ -351,7 +352,7 @@ impl Engine {
             return;
         }
         if let Some(stream) = st.expandable.mark_due.take()
-            && st.config.expandable_segments_reclaim
+            && st.config.expandable.reclaim
         {
             self.record_mark(st, stream);
         }

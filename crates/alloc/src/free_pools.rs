@@ -23,9 +23,9 @@ pub(crate) struct FreeKey {
 /// `max_non_split_rounding` larger. Whether a free block of `found` bytes is refused to a
 /// request of rounded `size`.
 pub(crate) fn oversize_refuses(size: u64, found: u64, config: &AllocatorConfig) -> bool {
-    let max_split = config.max_split_size.unwrap_or(u64::MAX);
+    let max_split = config.sizes.max_split_size.unwrap_or(u64::MAX);
     (size < max_split && found >= max_split)
-        || (size >= max_split && found >= size.saturating_add(config.max_non_split_rounding))
+        || (size >= max_split && found >= size.saturating_add(config.sizes.max_non_split_rounding))
 }
 
 /// Free lists per stream, small and large pool. The last one used is looked at first; the
@@ -171,7 +171,7 @@ impl Pools {
         if count_search {
             self.gc_clock += 1;
         }
-        let best = self.best_fit(blocks, at, size, config.expandable_segments)?;
+        let best = self.best_fit(blocks, at, size, config.expandable.enabled)?;
         if oversize_refuses(size, key_size(best.key), config) {
             return None;
         }

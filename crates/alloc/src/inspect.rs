@@ -90,14 +90,15 @@ impl CachingAllocator {
         let c = self.engine.lock().config.clone();
         AllocatorSettings {
             conf: c.settings_text.as_str().to_owned(),
-            max_split_size: c.max_split_size.map_or(-1, |m| m as i64),
-            garbage_collection_threshold: c.garbage_collection_threshold,
-            expandable_segments: c.expandable_segments,
-            pinned_num_register_threads: c.pinned_num_register_threads,
+            max_split_size: c.sizes.max_split_size.map_or(-1, |m| m as i64),
+            garbage_collection_threshold: c.release.garbage_collection_threshold,
+            expandable_segments: c.expandable.enabled,
+            pinned_num_register_threads: c.pinned.num_register_threads,
             release_lock_on_cudamalloc: c.release_lock_on_cudamalloc,
-            pinned_use_cuda_host_register: c.pinned_use_cuda_host_register,
-            graph_capture_record_stream_reuse: c.graph_capture_record_stream_reuse,
+            pinned_use_cuda_host_register: c.pinned.use_cuda_host_register,
+            graph_capture_record_stream_reuse: c.reuse.graph_capture_record_stream_reuse,
             roundup_power2_divisions: c
+                .sizes
                 .roundup_power2_divisions
                 .iter()
                 .enumerate()

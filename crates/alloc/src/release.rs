@@ -59,7 +59,7 @@ impl Engine {
         kind: PoolKind,
         stream: StreamHandle,
     ) -> (Guard<'a>, bool) {
-        let Some(m) = st.config.max_split_size else {
+        let Some(m) = st.config.sizes.max_split_size else {
             return (st, false);
         };
         let wanted = size.max(m);
@@ -105,7 +105,7 @@ impl Engine {
     /// after round, until the excess is reclaimed or a round frees nothing. Expandable
     /// blocks count in the average but are never freed, as in PyTorch.
     pub(crate) fn garbage_collect<'a>(&'a self, mut st: Guard<'a>, limit: u64) -> Guard<'a> {
-        let threshold = (st.config.garbage_collection_threshold * limit as f64) as u64;
+        let threshold = (st.config.release.garbage_collection_threshold * limit as f64) as u64;
         if st.total_reserved <= threshold {
             return st;
         }

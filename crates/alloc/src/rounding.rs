@@ -20,7 +20,7 @@ pub fn round_size(n: u64, config: &AllocatorConfig) -> u64 {
         return MIN_BLOCK_SIZE;
     }
     let index = (n.ilog2().saturating_sub(20) as usize).min(ROUNDUP_INTERVALS - 1);
-    let divisions = config.roundup_power2_divisions[index];
+    let divisions = config.sizes.roundup_power2_divisions[index];
     if divisions > 1 && n > MIN_BLOCK_SIZE * divisions {
         return next_power2_division(n, divisions);
     }
@@ -53,7 +53,7 @@ pub fn allocation_size(rounded: u64, config: &AllocatorConfig) -> u64 {
     if rounded <= SMALL_SIZE {
         SMALL_BUFFER
     } else if rounded < MIN_LARGE_ALLOC {
-        config.large_segment_size
+        config.sizes.large_segment_size
     } else {
         rounded.div_ceil(ROUND_LARGE) * ROUND_LARGE
     }

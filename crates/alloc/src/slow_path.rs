@@ -39,7 +39,7 @@ impl Engine {
             let limit = st.allowed_max.unwrap_or(self.device_total);
             st = self.garbage_collect(st, limit);
         }
-        if st.config.cross_stream_reuse
+        if st.config.reuse.cross_stream_reuse
             && !capturing
             && let Some(id) = self.take_from_other_stream(&mut st, pool, kind, stream, size)?
         {
@@ -52,10 +52,10 @@ impl Engine {
         }
         // The oversize release touches the default pool only: PyTorch's also frees blocks
         // of a private pool being recorded to (pytorch#159594).
-        if st.config.max_split_size.is_some() && pool.is_default() && !capturing {
+        if st.config.sizes.max_split_size.is_some() && pool.is_default() && !capturing {
             let (s, enough) = self.release_oversize(st, size, kind, stream);
             st = s;
-            if enough || st.config.oom_release_partial {
+            if enough || st.config.release.oom_release_partial {
                 let (s, found) = self.grow(st, req, segment)?;
                 st = s;
                 if let Some(id) = found {
@@ -69,7 +69,7 @@ impl Engine {
             drop(st);
             return Err(self.oom_report(segment, size, false, stream));
         }
-        if st.config.oom_search_after_sync {
+        if st.config.release.oom_search_after_sync {
             // The block needed may be one that other streams' events held back (PyTorch
             // never looks again: pytorch#189504).
             st = self.synchronize_events(st);
@@ -77,7 +77,7 @@ impl Engine {
                 return Ok((st, id));
             }
         }
-        if st.config.oom_release_partial {
+        if st.config.release.oom_release_partial {
             // As much cached memory as the request needs, largest segments first.
             st = self.release_cached(st, Some(segment));
             let (s, found) = self.grow(st, req, segment)?;
@@ -113,7 +113,7 @@ impl Engine {
             return self.refuse_over_fraction(st, segment);
         }
         // Private (graph) pools use plain segments.
-        if st.config.expandable_segments && req.pool.is_default() {
+        if st.config.expandable.enabled && req.pool.is_default() {
             self.alloc_expandable(st, req.size, req.kind, req.stream)
         } else {
             self.alloc_segment(st, segment, req)
@@ -165,7 +165,7 @@ impl Engine {
                     Link::NONE,
                     pool,
                 ));
-                let oversize = st.config.max_split_size.is_some_and(|m| bytes >= m);
+                let oversize = st.config.sizes.max_split_size.is_some_and(|m| bytes >= m);
                 if oversize {
                     st.oversize_segments.insert(ptr.0);
                     st.stats.oversize_segments.increase(1);

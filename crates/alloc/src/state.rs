@@ -160,8 +160,8 @@ impl State {
         // computed and one picked without a branch: which pool a request hits is random.
         let by_minimum = expandable | (kind == PoolKind::Small);
         let minimum = remaining >= crate::rounding::MIN_BLOCK_SIZE;
-        let large =
-            (size < self.config.max_split_size.unwrap_or(u64::MAX)) & (remaining > SMALL_SIZE);
+        let large = (size < self.config.sizes.max_split_size.unwrap_or(u64::MAX))
+            & (remaining > SMALL_SIZE);
         (by_minimum & minimum) | (!by_minimum & large)
     }
 
@@ -209,7 +209,7 @@ impl State {
             }
             id
         };
-        let max_split = self.config.max_split_size;
+        let max_split = self.config.sizes.max_split_size;
         let b = &mut self.blocks[id];
         let (ptr, size, stream) = (b.ptr, b.size, b.stream);
         let oversize = max_split.is_some_and(|m| size >= m);
@@ -525,7 +525,8 @@ impl State {
 
     /// Whether garbage collection runs (PyTorch: a memory fraction and a threshold).
     pub(crate) fn gc_enabled(&self) -> bool {
-        self.config.garbage_collection_threshold > 0.0
-            && (self.allowed_max.is_some() || self.config.garbage_collection_without_fraction)
+        self.config.release.garbage_collection_threshold > 0.0
+            && (self.allowed_max.is_some()
+                || self.config.release.garbage_collection_without_fraction)
     }
 }

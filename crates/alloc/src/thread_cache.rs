@@ -479,8 +479,8 @@ fn settle(st: &mut State, slot: &Slot) {
 /// passed on the way (see `thread_cache`).
 fn credit(st: &State, id: usize, req: &Request) -> Option<Credit> {
     let c = &st.config;
-    if !c.thread_cache
-        || c.garbage_collection_threshold > 0.0
+    if !c.reuse.thread_cache
+        || c.release.garbage_collection_threshold > 0.0
         || st.history.options.mode != HistoryMode::Off
         || st.private.routing()
         || !st.order.is_quiet()
@@ -490,7 +490,7 @@ fn credit(st: &State, id: usize, req: &Request) -> Option<Credit> {
     let b = &st.blocks[id];
     let expandable = b.segment.is_some();
     // (With expandable segments switched off, the search skips expandable blocks.)
-    if (expandable && !c.expandable_segments)
+    if (expandable && !c.expandable.enabled)
         || b.size != req.size
         || st.blocks.mergeable(b.prev).is_some()
     {

@@ -409,7 +409,7 @@ fn config_update_takes_effect() -> TestResult {
     assert_eq!(a.allocate(9000, LEGACY)?.size, 10240);
     assert!(a.update_config("roundup_power2_divisions:3").is_err());
     assert_eq!(
-        a.config().roundup_power2_divisions,
+        a.config().sizes.roundup_power2_divisions,
         [4; 16],
         "a bad update changes nothing"
     );

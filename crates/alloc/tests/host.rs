@@ -22,7 +22,7 @@ const MIB: u64 = 1 << 20;
 fn setup(config: &str, completion: Completion) -> (Arc<FakeDriver>, Arc<HostAllocator>) {
     let fake = Arc::new(FakeDriver::builder().completion(completion).build());
     let config = AllocatorConfig::parse(config).unwrap_or_else(|e| panic!("{e}"));
-    (fake.clone(), HostAllocator::new(fake, config))
+    (fake.clone(), HostAllocator::new(fake, config.pinned))
 }
 
 fn stream(fake: &FakeDriver) -> Result<StreamHandle, DriverError> {

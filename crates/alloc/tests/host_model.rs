@@ -33,7 +33,7 @@ fn size_index(size: u64) -> usize {
 /// `PowerOf2Ceil` below both thresholds, else the exact size.
 fn round_size(size: u64, c: &AllocatorConfig) -> u64 {
     let below = |limit: Option<u64>| limit.is_none_or(|l| size <= l);
-    if below(c.pinned_max_round_threshold) && below(c.pinned_max_cached_size) {
+    if below(c.pinned.max_round_threshold) && below(c.pinned.max_cached_size) {
         1 << size_index(size)
     } else {
         size
@@ -103,7 +103,7 @@ struct Model {
 
 impl Model {
     fn max_cached(&self) -> u64 {
-        self.config.pinned_max_cached_size.unwrap_or(u64::MAX)
+        self.config.pinned.max_cached_size.unwrap_or(u64::MAX)
     }
 
     fn process(&mut self, pool: usize) {
@@ -237,7 +237,7 @@ impl Model {
 fn run(config: &str, ops: &[Op]) -> Result<(), TestCaseError> {
     let fake = Arc::new(FakeDriver::builder().completion(Completion::Manual).build());
     let config = AllocatorConfig::parse(config).unwrap();
-    let a = HostAllocator::new(fake.clone(), config.clone());
+    let a = HostAllocator::new(fake.clone(), config.pinned.clone());
     let mut streams = vec![StreamHandle::legacy(D0)];
     for _ in 1..STREAMS {
         let flags = StreamFlags {

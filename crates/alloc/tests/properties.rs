@@ -115,10 +115,8 @@ fn twin(thread_cache: bool) -> (Arc<FakeDriver>, CachingAllocator, Vec<StreamHan
             .backing(false)
             .build(),
     );
-    let config = AllocatorConfig {
-        thread_cache,
-        ..AllocatorConfig::default()
-    };
+    let mut config = AllocatorConfig::default();
+    config.reuse.thread_cache = thread_cache;
     let a = CachingAllocator::new(fake.clone(), D0, config, Caching::On).unwrap();
     let streams = (0..2)
         .map(|_| {

@@ -942,7 +942,7 @@ fn d9_huge_size_keys_are_refused_or_harmless() {
             };
             let r = no_panic(&config, || {
                 let fake = Arc::new(FakeDriver::builder().build());
-                host_size_workload(&HostAllocator::new(fake, parsed))
+                host_size_workload(&HostAllocator::new(fake, parsed.pinned))
             });
             failures.extend(r.err());
         }

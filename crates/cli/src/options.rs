@@ -377,7 +377,7 @@ mod tests {
         let r = resolve_confs(&[], env).ok();
         assert!(
             r.as_ref()
-                .is_some_and(|(c, _)| c[0].config.expandable_segments)
+                .is_some_and(|(c, _)| c[0].config.expandable.enabled)
         );
         let flags = vec!["default".to_owned(), String::new()];
         let r = resolve_confs(&flags, env).ok();

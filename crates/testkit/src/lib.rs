@@ -11,6 +11,7 @@
 //! CUDA does, and must not share the process with other tests.
 //!
 //! Use [`conformance_tests!`] to instantiate every test of the suite.
+#![forbid(unsafe_code)]
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, missing_docs)]
 
 use ferrocuda_driver::{CudaDriver, DriverError, FakeDriver, fake::Completion};

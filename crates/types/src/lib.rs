@@ -16,8 +16,8 @@
 //! assert_eq!(dev.index, Some(DeviceIndex(1)));
 //! // A PYTORCH_CUDA_ALLOC_CONF string, read with PyTorch's grammar.
 //! let config = AllocatorConfig::parse("expandable_segments:True,max_split_size_mb:64")?;
-//! assert!(config.expandable_segments);
-//! assert_eq!(config.max_split_size, Some(64 << 20));
+//! assert!(config.expandable.enabled);
+//! assert_eq!(config.sizes.max_split_size, Some(64 << 20));
 //! // A 1-D launch over 1000 elements: 4 blocks of 256 threads.
 //! assert_eq!(LaunchConfig::for_elements(1000, 256).grid, (4, 1, 1));
 //! assert_eq!(format_size(3 << 20), "3.00 MiB"); // as memory_summary prints sizes
@@ -52,7 +52,8 @@ mod stats;
 pub use checkpoint::{BlockCheckpoint, PoolCheckpoint, RestoreResult, SegmentCheckpoint};
 pub use config::{
     AllocatorConfig, AsyncBackendKeys, Backend as AllocatorBackend, ConfigError, ConfigSourceError,
-    ROUNDUP_INTERVALS, ReserveSize, SettingsText,
+    ExpandableConfig, PinnedConfig, ROUNDUP_INTERVALS, ReleaseConfig, ReserveSize, ReuseConfig,
+    SettingsText, SizeConfig,
 };
 pub use device::{Device, DeviceKind, DeviceParseError, DeviceProperties};
 pub use dtype::{DType, Element};

@@ -140,7 +140,7 @@ impl<'a> Sim<'a> {
             .capacity(case.outcome.device_bytes)
             .completion(Completion::Manual)
             .backing(false);
-        if !config.expandable_segments {
+        if !config.expandable.enabled {
             let plan = AddressPlan::new(case.outcome.segments.clone(), WhenUnusable::Fail)
                 .map_err(|e| format!("cannot use PyTorch's segment addresses: {e}"))?;
             builder = builder.address_plan(DEV, plan);

@@ -128,7 +128,7 @@ impl HostAllocator {
         if let Some(slab) = self.reserve.slab.get() {
             return Ok(slab.as_ref());
         }
-        let size = self.config.read().pinned_reserve_segment_size;
+        let size = self.config.read().reserve_segment_size;
         let slab = if size == 0 {
             None
         } else {
@@ -147,10 +147,7 @@ impl HostAllocator {
     fn driver_memory(&self, size: u64) -> Result<(HostPtr, Source), AllocError> {
         let (use_register, threads) = {
             let c = self.config.read();
-            (
-                c.pinned_use_cuda_host_register,
-                c.pinned_num_register_threads,
-            )
+            (c.use_cuda_host_register, c.num_register_threads)
         };
         let driver = &*self.driver;
         let start = Instant::now();

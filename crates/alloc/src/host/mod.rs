@@ -49,7 +49,7 @@ use crate::{AllocError, Route};
 use ferrocuda_driver::Driver;
 use ferrocuda_stream::{HostMemoryResource, StreamError};
 use ferrocuda_types::{
-    AllocatorConfig, CaptureStatus, HostPtr, HostRange, HostStats, PoolId, StreamHandle,
+    CaptureStatus, HostPtr, HostRange, HostStats, PinnedConfig, PoolId, StreamHandle,
 };
 use parking_lot::{Mutex, RwLock};
 use state::{Freed, State};
@@ -65,11 +65,9 @@ const MAX_REQUEST: u64 = 1 << 63;
 /// The rounded size of a request of `size` bytes (`1 <= size <= 2^63`): the next power of
 /// two, unless `size` exceeds `pinned_max_round_threshold_mb` or
 /// `pinned_max_cached_size_mb`, which keep it exact.
-pub fn round_size(size: u64, config: &AllocatorConfig) -> u64 {
+pub fn round_size(size: u64, config: &PinnedConfig) -> u64 {
     let limit = |v: Option<u64>| v.unwrap_or(u64::MAX);
-    if size <= limit(config.pinned_max_round_threshold)
-        && size <= limit(config.pinned_max_cached_size)
-    {
+    if size <= limit(config.max_round_threshold) && size <= limit(config.max_cached_size) {
         size.next_power_of_two()
     } else {
         size
@@ -89,7 +87,7 @@ const NULL: HostRange = HostRange {
 #[derive(Debug)]
 pub struct HostAllocator {
     driver: Arc<dyn Driver>,
-    config: RwLock<AllocatorConfig>,
+    config: RwLock<PinnedConfig>,
     state: Mutex<State>,
     /// Whether any pool is being allocated to (PyTorch's `captures_underway_empty_`,
     /// negated): read without the lock on every allocation.
@@ -102,8 +100,9 @@ pub struct HostAllocator {
 }
 
 impl HostAllocator {
-    /// A host allocator over `driver` reading the `pinned_*` options of `config`.
-    pub fn new(driver: Arc<dyn Driver>, config: AllocatorConfig) -> Arc<HostAllocator> {
+    /// A host allocator over `driver` with the `pinned_*` options of a configuration
+    /// ([`AllocatorConfig::pinned`](ferrocuda_types::AllocatorConfig::pinned)).
+    pub fn new(driver: Arc<dyn Driver>, config: PinnedConfig) -> Arc<HostAllocator> {
         Arc::new_cyclic(|me| HostAllocator {
             driver,
             config: RwLock::new(config),
@@ -118,10 +117,7 @@ impl HostAllocator {
     }
 
     fn max_cached(&self) -> u64 {
-        self.config
-            .read()
-            .pinned_max_cached_size
-            .unwrap_or(u64::MAX)
+        self.config.read().max_cached_size.unwrap_or(u64::MAX)
     }
 
     /// Page-locked memory for `bytes` (rounded: the range may be longer), asked for while
@@ -136,7 +132,7 @@ impl HostAllocator {
         let (pool, during_capture) = self.pool_for(stream)?;
         let (background, size) = {
             let c = self.config.read();
-            (c.pinned_use_background_threads, round_size(bytes, &c))
+            (c.use_background_threads, round_size(bytes, &c))
         };
         // The background thread processes the default pool's events; private pools are
         // processed inline (their allocations happen during captures, with none pending).
@@ -196,7 +192,7 @@ impl HostAllocator {
             Freed::Record(pool, streams) => self.record_events(pool, addr, &streams),
         };
         match done {
-            Err(_) if self.config.read().pinned_free_catch_all => {
+            Err(_) if self.config.read().free_catch_all => {
                 self.suppressed.fetch_add(1, Ordering::Relaxed);
                 Ok(())
             }
@@ -285,13 +281,14 @@ impl HostAllocator {
 
     /// Applies a configuration string as a re-parse does (`_set_allocator_settings`): the
     /// `pinned_*` options take effect from the next request (the reserve segment's size
-    /// only before the first slow-path allocation, as PyTorch's static).
+    /// only before the first slow-path allocation, as PyTorch's static). The string's other
+    /// keys must be valid but are the device allocator's ([`PinnedConfig::update`]).
     pub fn update_config(&self, s: &str) -> Result<(), AllocError> {
         Ok(self.config.write().update(s)?)
     }
 
     /// The configuration in force.
-    pub fn config(&self) -> AllocatorConfig {
+    pub fn config(&self) -> PinnedConfig {
         self.config.read().clone()
     }
 

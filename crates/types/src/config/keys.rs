@@ -8,7 +8,7 @@ use super::grammar::{
 };
 use super::{
     AllocatorConfig, AsyncBackendKeys, Backend, ConfigError, ConfigSourceError, MAX_SEGMENT_MB,
-    MIB, ROUNDUP_INTERVALS, SettingsText,
+    MIB, PinnedConfig, ROUNDUP_INTERVALS, SettingsText,
 };
 use crate::env::{EnvError, env_value};
 impl AllocatorConfig {
@@ -24,10 +24,16 @@ impl AllocatorConfig {
     /// `garbage_collection_threshold` return to their defaults first; other options keep
     /// their values unless named. All or nothing: on error nothing changes.
     pub fn update(&mut self, s: &str) -> Result<(), ConfigError> {
+        self.update_checked(s, true)
+    }
+
+    /// [`update`](Self::update); `check_native` refuses, under the native backend, the keys
+    /// the caching allocator does not build yet.
+    fn update_checked(&mut self, s: &str, check_native: bool) -> Result<(), ConfigError> {
         let mut c = self.clone();
-        c.max_split_size = None;
-        c.roundup_power2_divisions = [0; ROUNDUP_INTERVALS];
-        c.garbage_collection_threshold = 0.0;
+        c.sizes.max_split_size = None;
+        c.sizes.roundup_power2_divisions = [0; ROUNDUP_INTERVALS];
+        c.release.garbage_collection_threshold = 0.0;
         // Pass 1: `large_segment_size_mb` first, since other bounds depend on it.
         let mut p = Parser::new(s);
         let pairs = parse_pairs(&mut p)?;
@@ -41,7 +47,7 @@ impl AllocatorConfig {
                 c.ferrocuda_recommended = on;
             }
         }
-        c.large_segment_size = 20 * MIB;
+        c.sizes.large_segment_size = 20 * MIB;
         for (key, value) in &pairs {
             if key.text == "large_segment_size_mb" {
                 let v = single(&p, key, value)?;
@@ -58,14 +64,14 @@ impl AllocatorConfig {
                         "CachingAllocator option large_segment_size_mb must be > 10 MB",
                     ));
                 }
-                c.large_segment_size = mb.saturating_mul(MIB);
+                c.sizes.large_segment_size = mb.saturating_mul(MIB);
             }
         }
-        c.max_non_split_rounding = c.large_segment_size;
+        c.sizes.max_non_split_rounding = c.sizes.large_segment_size;
         for (key, value) in &pairs {
             c.apply(&p, key, value)?;
         }
-        if c.backend == Backend::Native {
+        if check_native && c.backend == Backend::Native {
             for (key, _) in &pairs {
                 c.check_supported(&p, key)?;
             }
@@ -76,13 +82,13 @@ impl AllocatorConfig {
     }
 
     fn apply(&mut self, p: &Parser, key: &Token, value: &Value) -> Result<(), ConfigError> {
-        let min_mb = self.large_segment_size / MIB;
+        let min_mb = self.sizes.large_segment_size / MIB;
         match key.text.as_str() {
             "large_segment_size_mb" => {}
             "max_split_size_mb" | "max_non_split_rounding_mb" => {
                 let v = single(p, key, value)?;
                 let bytes = mib_value(v)?;
-                if bytes < self.large_segment_size {
+                if bytes < self.sizes.large_segment_size {
                     return Err(p.err(
                         Some(v),
                         format!(
@@ -92,9 +98,9 @@ impl AllocatorConfig {
                     ));
                 }
                 if key.text == "max_split_size_mb" {
-                    self.max_split_size = Some(bytes);
+                    self.sizes.max_split_size = Some(bytes);
                 } else {
-                    self.max_non_split_rounding = bytes;
+                    self.sizes.max_non_split_rounding = bytes;
                 }
             }
             "garbage_collection_threshold" => {
@@ -106,10 +112,12 @@ impl AllocatorConfig {
                         "garbage_collect_threshold is invalid, set it in (0.0, 1.0)",
                     ));
                 }
-                self.garbage_collection_threshold = f;
+                self.release.garbage_collection_threshold = f;
             }
-            "roundup_power2_divisions" => self.roundup_power2_divisions = roundup_table(p, value)?,
-            "expandable_segments" => self.expandable_segments = bool_value(single(p, key, value)?)?,
+            "roundup_power2_divisions" => {
+                self.sizes.roundup_power2_divisions = roundup_table(p, value)?
+            }
+            "expandable_segments" => self.expandable.enabled = bool_value(single(p, key, value)?)?,
             "backend" => {
                 let v = single(p, key, value)?;
                 self.backend = match v.text.as_str() {
@@ -127,7 +135,7 @@ impl AllocatorConfig {
                 self.release_lock_on_cudamalloc = bool_value(single(p, key, value)?)?;
             }
             "pinned_use_cuda_host_register" | "pinned_use_hip_host_register" => {
-                self.pinned_use_cuda_host_register = bool_value(single(p, key, value)?)?;
+                self.pinned.use_cuda_host_register = bool_value(single(p, key, value)?)?;
             }
             "pinned_num_register_threads" => {
                 let v = single(p, key, value)?;
@@ -141,7 +149,7 @@ impl AllocatorConfig {
                 if n > 128 {
                     return Err(p.err(Some(v), format!("Number of register threads should be less than or equal to 128, got {n}")));
                 }
-                self.pinned_num_register_threads = n;
+                self.pinned.num_register_threads = n;
             }
             "pinned_reserve_segment_size_mb" => {
                 let v = single(p, key, value)?;
@@ -152,40 +160,41 @@ impl AllocatorConfig {
                         "Pinned reserve segment size has to be greater than 0",
                     ));
                 }
-                self.pinned_reserve_segment_size = bytes;
+                self.pinned.reserve_segment_size = bytes;
             }
             "pinned_use_background_threads" => {
-                self.pinned_use_background_threads = bool_value(single(p, key, value)?)?
+                self.pinned.use_background_threads = bool_value(single(p, key, value)?)?
             }
             "pinned_max_round_threshold_mb" => {
-                self.pinned_max_round_threshold = Some(mib_value(single(p, key, value)?)?)
+                self.pinned.max_round_threshold = Some(mib_value(single(p, key, value)?)?)
             }
             "pinned_max_cached_size_mb" => {
-                self.pinned_max_cached_size = Some(mib_value(single(p, key, value)?)?)
+                self.pinned.max_cached_size = Some(mib_value(single(p, key, value)?)?)
             }
             "pinned_free_catch_all" => {
-                self.pinned_free_catch_all = bool_value(single(p, key, value)?)?
+                self.pinned.free_catch_all = bool_value(single(p, key, value)?)?
             }
             "graph_capture_record_stream_reuse" => {
-                self.graph_capture_record_stream_reuse = bool_value(single(p, key, value)?)?;
+                self.reuse.graph_capture_record_stream_reuse = bool_value(single(p, key, value)?)?;
             }
             "expandable_segments_reclaim" => {
-                self.expandable_segments_reclaim = bool_value(single(p, key, value)?)?;
+                self.expandable.reclaim = bool_value(single(p, key, value)?)?;
             }
             "cross_stream_reuse" => {
-                self.cross_stream_reuse = bool_value(single(p, key, value)?)?;
+                self.reuse.cross_stream_reuse = bool_value(single(p, key, value)?)?;
             }
             "thread_cache" => {
-                self.thread_cache = bool_value(single(p, key, value)?)?;
+                self.reuse.thread_cache = bool_value(single(p, key, value)?)?;
             }
             "garbage_collection_without_fraction" => {
-                self.garbage_collection_without_fraction = bool_value(single(p, key, value)?)?;
+                self.release.garbage_collection_without_fraction =
+                    bool_value(single(p, key, value)?)?;
             }
             "oom_release_partial" => {
-                self.oom_release_partial = bool_value(single(p, key, value)?)?;
+                self.release.oom_release_partial = bool_value(single(p, key, value)?)?;
             }
             "oom_search_after_sync" => {
-                self.oom_search_after_sync = bool_value(single(p, key, value)?)?;
+                self.release.oom_search_after_sync = bool_value(single(p, key, value)?)?;
             }
             "expandable_segments_page_mb" => {
                 let v = single(p, key, value)?;
@@ -198,12 +207,12 @@ impl AllocatorConfig {
                         ),
                     ));
                 }
-                self.expandable_segments_page = Some(mb * MIB);
+                self.expandable.page = Some(mb * MIB);
             }
             // Applied in the first pass (see `update`).
             "ferrocuda_recommended" => {}
             "throw_on_cudamalloc_oom" => {
-                self.throw_on_cudamalloc_oom = bool_value(single(p, key, value)?)?
+                self.release.throw_on_cudamalloc_oom = bool_value(single(p, key, value)?)?
             }
             "per_process_memory_fraction" => {
                 let v = single(p, key, value)?;
@@ -214,17 +223,16 @@ impl AllocatorConfig {
                         "per_process_memory_fraction is invalid, set it in [0.0, 1.0]",
                     ));
                 }
-                self.per_process_memory_fraction = f;
+                self.release.per_process_memory_fraction = f;
             }
             "expandable_segments_reserve" => {
-                self.expandable_segments_reserve =
-                    Some(reserve_value(&key.text, single(p, key, value)?)?)
+                self.expandable.reserve = Some(reserve_value(&key.text, single(p, key, value)?)?)
             }
             "expandable_segments_reserve_by_class" => {
                 let Value::List(items) = value else {
                     return Err(p.err(Some(key), "expected a bracketed list [class:value,...]"));
                 };
-                self.expandable_segments_reserve_by_class = items
+                self.expandable.reserve_by_class = items
                     .iter()
                     .map(|(k, v)| Ok((k.text.clone(), reserve_value(&key.text, v)?)))
                     .collect::<Result<_, ConfigError>>()?;
@@ -245,7 +253,7 @@ impl AllocatorConfig {
     /// [`AllocatorConfig::async_backend_keys`]), as PyTorch's does.
     fn check_supported(&self, p: &Parser, key: &Token) -> Result<(), ConfigError> {
         let unsupported = match key.text.as_str() {
-            "graph_capture_record_stream_reuse" => self.graph_capture_record_stream_reuse,
+            "graph_capture_record_stream_reuse" => self.reuse.graph_capture_record_stream_reuse,
             "expandable_segments_reserve_by_class" => true,
             _ => false,
         };
@@ -313,24 +321,27 @@ impl AllocatorConfig {
         let changed = [
             (
                 "large_segment_size_mb",
-                self.large_segment_size != d.large_segment_size,
+                self.sizes.large_segment_size != d.sizes.large_segment_size,
             ),
-            ("max_split_size_mb", self.max_split_size != d.max_split_size),
+            (
+                "max_split_size_mb",
+                self.sizes.max_split_size != d.sizes.max_split_size,
+            ),
             (
                 "max_non_split_rounding_mb",
-                self.max_non_split_rounding != self.large_segment_size,
+                self.sizes.max_non_split_rounding != self.sizes.large_segment_size,
             ),
             (
                 "garbage_collection_threshold",
-                self.garbage_collection_threshold != d.garbage_collection_threshold,
+                self.release.garbage_collection_threshold != d.release.garbage_collection_threshold,
             ),
             (
                 "roundup_power2_divisions",
-                self.roundup_power2_divisions != d.roundup_power2_divisions,
+                self.sizes.roundup_power2_divisions != d.sizes.roundup_power2_divisions,
             ),
             (
                 "expandable_segments",
-                self.expandable_segments != d.expandable_segments,
+                self.expandable.enabled != d.expandable.enabled,
             ),
             (
                 "release_lock_on_cudamalloc",
@@ -338,76 +349,81 @@ impl AllocatorConfig {
             ),
             (
                 "per_process_memory_fraction",
-                self.per_process_memory_fraction != d.per_process_memory_fraction,
+                self.release.per_process_memory_fraction != d.release.per_process_memory_fraction,
             ),
             (
                 "graph_capture_record_stream_reuse",
-                self.graph_capture_record_stream_reuse != d.graph_capture_record_stream_reuse,
+                self.reuse.graph_capture_record_stream_reuse
+                    != d.reuse.graph_capture_record_stream_reuse,
             ),
             (
                 "throw_on_cudamalloc_oom",
-                self.throw_on_cudamalloc_oom != d.throw_on_cudamalloc_oom,
+                self.release.throw_on_cudamalloc_oom != d.release.throw_on_cudamalloc_oom,
             ),
             (
                 "pinned_use_cuda_host_register",
-                self.pinned_use_cuda_host_register != d.pinned_use_cuda_host_register,
+                self.pinned.use_cuda_host_register != d.pinned.use_cuda_host_register,
             ),
             (
                 "pinned_num_register_threads",
-                self.pinned_num_register_threads != d.pinned_num_register_threads,
+                self.pinned.num_register_threads != d.pinned.num_register_threads,
             ),
             (
                 "pinned_use_background_threads",
-                self.pinned_use_background_threads != d.pinned_use_background_threads,
+                self.pinned.use_background_threads != d.pinned.use_background_threads,
             ),
             (
                 "pinned_reserve_segment_size_mb",
-                self.pinned_reserve_segment_size != d.pinned_reserve_segment_size,
+                self.pinned.reserve_segment_size != d.pinned.reserve_segment_size,
             ),
             (
                 "pinned_max_round_threshold_mb",
-                self.pinned_max_round_threshold != d.pinned_max_round_threshold,
+                self.pinned.max_round_threshold != d.pinned.max_round_threshold,
             ),
             (
                 "pinned_max_cached_size_mb",
-                self.pinned_max_cached_size != d.pinned_max_cached_size,
+                self.pinned.max_cached_size != d.pinned.max_cached_size,
             ),
             (
                 "pinned_free_catch_all",
-                self.pinned_free_catch_all != d.pinned_free_catch_all,
+                self.pinned.free_catch_all != d.pinned.free_catch_all,
             ),
             (
                 "expandable_segments_reserve",
-                self.expandable_segments_reserve != d.expandable_segments_reserve,
+                self.expandable.reserve != d.expandable.reserve,
             ),
             (
                 "expandable_segments_reserve_by_class",
-                self.expandable_segments_reserve_by_class != d.expandable_segments_reserve_by_class,
+                self.expandable.reserve_by_class != d.expandable.reserve_by_class,
             ),
             (
                 "cross_stream_reuse",
-                self.cross_stream_reuse != d.cross_stream_reuse,
+                self.reuse.cross_stream_reuse != d.reuse.cross_stream_reuse,
             ),
             (
                 "expandable_segments_reclaim",
-                self.expandable_segments_reclaim != d.expandable_segments_reclaim,
+                self.expandable.reclaim != d.expandable.reclaim,
             ),
-            ("thread_cache", self.thread_cache != d.thread_cache),
+            (
+                "thread_cache",
+                self.reuse.thread_cache != d.reuse.thread_cache,
+            ),
             (
                 "garbage_collection_without_fraction",
-                self.garbage_collection_without_fraction != d.garbage_collection_without_fraction,
+                self.release.garbage_collection_without_fraction
+                    != d.release.garbage_collection_without_fraction,
             ),
             (
                 "oom_release_partial",
-                self.oom_release_partial != d.oom_release_partial,
+                self.release.oom_release_partial != d.release.oom_release_partial,
             ),
             (
                 "oom_search_after_sync",
-                self.oom_search_after_sync != d.oom_search_after_sync,
+                self.release.oom_search_after_sync != d.release.oom_search_after_sync,
             ),
             (
                 "expandable_segments_page_mb",
-                self.expandable_segments_page != d.expandable_segments_page,
+                self.expandable.page != d.expandable.page,
             ),
             (
                 "ferrocuda_recommended",
@@ -462,5 +478,21 @@ impl AllocatorConfig {
             }
         }
         out
+    }
+}
+
+impl PinnedConfig {
+    /// Applies a whole configuration string to the pinned host allocator's part: the string
+    /// must parse and every key in it must be valid, all or nothing, as for
+    /// [`AllocatorConfig::update`]; the `pinned_*` keys it names take effect, the others
+    /// are the device allocator's to apply (and to refuse when it does not build them).
+    pub fn update(&mut self, s: &str) -> Result<(), ConfigError> {
+        let mut c = AllocatorConfig {
+            pinned: self.clone(),
+            ..AllocatorConfig::default()
+        };
+        c.update_checked(s, false)?;
+        *self = c.pinned;
+        Ok(())
     }
 }

@@ -1,11 +1,14 @@
 //! The allocator configuration string (`FERROCUDA_ALLOC_CONF` / `PYTORCH_CUDA_ALLOC_CONF`)
-//! with PyTorch's grammar (allocator spec §5): `key:value` pairs separated by `,`, list
-//! values in brackets. Stricter than PyTorch where PyTorch is sloppy: a number must be all
-//! digits (`40MB` is an error, not 40), and every error names the offending token and its
+//! with PyTorch's grammar (`CUDAAllocatorConfig::parseArgs` in
+//! c10/cuda/CUDAAllocatorConfig.cpp): `key:value` pairs separated by `,`, list values in
+//! brackets. Stricter than PyTorch where PyTorch is sloppy: a number must be all digits
+//! (`40MB` is an error, not 40), and every error names the offending token and its
 //! character position.
 //!
-//! The values are here ([`AllocatorConfig`] and what its fields hold); the grammar in
-//! `grammar`, what each key sets in `keys`, the rendering back into the grammar in `render`.
+//! The values are here: [`AllocatorConfig`], grouped by the part of the allocator that reads
+//! them ([`SizeConfig`], [`ExpandableConfig`], [`ReleaseConfig`], [`ReuseConfig`],
+//! [`PinnedConfig`]). The grammar is in `grammar`, what each key sets in `keys`, the
+//! rendering back into the grammar in `render`.
 use crate::env::EnvError;
 use serde::{Deserialize, Serialize};
 
@@ -30,66 +33,93 @@ pub enum Backend {
     CudaMallocAsync,
 }
 
-/// Every option of the allocator configuration, with PyTorch's defaults.
+/// Every option of the allocator configuration, with PyTorch's defaults, grouped by the part
+/// of the allocator that reads it. Serialized flat, one field per key, as the string names
+/// them.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct AllocatorConfig {
+    /// Block sizes, rounding and splitting (see [`SizeConfig`]).
+    #[serde(flatten)]
+    pub sizes: SizeConfig,
+    /// Expandable segments (see [`ExpandableConfig`]).
+    #[serde(flatten)]
+    pub expandable: ExpandableConfig,
+    /// Memory limits, garbage collection and what happens when the device is full (see
+    /// [`ReleaseConfig`]).
+    #[serde(flatten)]
+    pub release: ReleaseConfig,
+    /// Which freed blocks may serve which requests beyond PyTorch's per-stream cache (see
+    /// [`ReuseConfig`]).
+    #[serde(flatten)]
+    pub reuse: ReuseConfig,
+    /// The pinned host allocator's keys (see [`PinnedConfig`]).
+    #[serde(flatten)]
+    pub pinned: PinnedConfig,
+    /// `backend`.
+    pub backend: Backend,
+    /// `release_lock_on_cudamalloc` (ferrocuda never holds its lock across driver calls).
+    pub release_lock_on_cudamalloc: bool,
+    /// `ferrocuda_recommended` (ferrocuda's own): turns on the recommended set of
+    /// ferrocuda-only improvements ([`AllocatorConfig::RECOMMENDED`]) before the other keys
+    /// of the string apply (so they can override any of it).
+    pub ferrocuda_recommended: bool,
+    /// The settings string this configuration was last parsed from (PyTorch's
+    /// `CUDAAllocatorConfig::last_allocator_settings()`, which a snapshot shows as
+    /// `PYTORCH_CUDA_ALLOC_CONF`): empty for the defaults.
+    #[serde(skip)]
+    pub settings_text: SettingsText,
+}
+
+/// Block sizes, rounding and splitting: read by the device allocator's rounding and its
+/// free pools when a request is sized and a cached block is chosen or split.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct SizeConfig {
     /// `large_segment_size_mb`, in bytes (default 20 MiB).
     pub large_segment_size: u64,
     /// `max_split_size_mb`, in bytes; `None` is unlimited (the default).
     pub max_split_size: Option<u64>,
     /// `max_non_split_rounding_mb`, in bytes (default: the large segment size).
     pub max_non_split_rounding: u64,
-    /// `garbage_collection_threshold` in (0, 1); 0 is off (the default).
-    pub garbage_collection_threshold: f64,
     /// `roundup_power2_divisions` per interval; 0 or 1 mean plain 512-byte rounding.
     pub roundup_power2_divisions: [u64; ROUNDUP_INTERVALS],
+}
+
+/// Expandable segments: read where a segment is created and where its pages are mapped,
+/// reclaimed and unmapped.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct ExpandableConfig {
     /// `expandable_segments`.
-    pub expandable_segments: bool,
-    /// `backend`.
-    pub backend: Backend,
-    /// `release_lock_on_cudamalloc` (ferrocuda never holds its lock across driver calls).
-    pub release_lock_on_cudamalloc: bool,
-    /// `per_process_memory_fraction` in [0, 1] (default 1: no limit).
-    pub per_process_memory_fraction: f64,
-    /// `graph_capture_record_stream_reuse`.
-    pub graph_capture_record_stream_reuse: bool,
-    /// `throw_on_cudamalloc_oom`.
-    pub throw_on_cudamalloc_oom: bool,
-    /// `pinned_use_cuda_host_register`.
-    pub pinned_use_cuda_host_register: bool,
-    /// `pinned_num_register_threads` (power of two, at most 128; default 1).
-    pub pinned_num_register_threads: u64,
-    /// `pinned_use_background_threads`.
-    pub pinned_use_background_threads: bool,
-    /// `pinned_reserve_segment_size_mb`, in bytes (0: off).
-    pub pinned_reserve_segment_size: u64,
-    /// `pinned_max_round_threshold_mb`, in bytes (`None`: unlimited).
-    pub pinned_max_round_threshold: Option<u64>,
-    /// `pinned_max_cached_size_mb`, in bytes (`None`: unlimited).
-    pub pinned_max_cached_size: Option<u64>,
-    /// `pinned_free_catch_all`.
-    pub pinned_free_catch_all: bool,
+    #[serde(rename = "expandable_segments")]
+    pub enabled: bool,
     /// `expandable_segments_reserve`: a fraction of device memory or a size in bytes.
-    pub expandable_segments_reserve: Option<ReserveSize>,
+    #[serde(rename = "expandable_segments_reserve")]
+    pub reserve: Option<ReserveSize>,
     /// `expandable_segments_reserve_by_class`: `(class, reserve)` pairs.
-    pub expandable_segments_reserve_by_class: Vec<(String, ReserveSize)>,
-    /// `cross_stream_reuse` (ferrocuda's own): before asking the driver for a new segment,
-    /// take a whole free segment cached by another stream, ordering the allocating stream
-    /// after that stream's work with an event wait (no host sync). Off by default, as
-    /// PyTorch never shares cached blocks across streams.
-    pub cross_stream_reuse: bool,
+    #[serde(rename = "expandable_segments_reserve_by_class")]
+    pub reserve_by_class: Vec<(String, ReserveSize)>,
     /// `expandable_segments_reclaim` (ferrocuda's own): before an expandable range maps
     /// new physical pages, whole free pages elsewhere in the same stream's ranges whose
     /// last use the device has run (an event mark shows it; no stream sync) are unmapped
     /// and mapped where they are needed. Physical memory then follows live bytes instead of
     /// the address layout, less so while the device lags behind the host. Off by default.
-    pub expandable_segments_reclaim: bool,
-    /// `thread_cache` (ferrocuda's own): a thread that frees the block it allocated last
-    /// keeps it parked, and gets it back without the allocator's lock when its next request
-    /// is the same (size, stream). A block is parked only where PyTorch's free-then-best-fit
-    /// would hand out the same block, and statistics account for every such reuse, so
-    /// single-threaded programs see exactly PyTorch's addresses and statistics. On by default.
-    pub thread_cache: bool,
+    #[serde(rename = "expandable_segments_reclaim")]
+    pub reclaim: bool,
+    /// `expandable_segments_page_mb` (ferrocuda's own), in bytes: the page of the large
+    /// pool's expandable segments (`None`: `large_segment_size_mb`, PyTorch's 20 MiB).
+    /// Smaller pages let `expandable_segments_reclaim` move memory in finer steps and
+    /// strand less of it at the ends of free ranges, at the price of more map calls.
+    #[serde(rename = "expandable_segments_page")]
+    pub page: Option<u64>,
+}
+
+/// Memory limits, garbage collection and what happens when the device is full: read by
+/// the allocator's release path and its out-of-memory path.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ReleaseConfig {
+    /// `per_process_memory_fraction` in [0, 1] (default 1: no limit).
+    pub per_process_memory_fraction: f64,
+    /// `garbage_collection_threshold` in (0, 1); 0 is off (the default).
+    pub garbage_collection_threshold: f64,
     /// `garbage_collection_without_fraction` (ferrocuda's own): garbage collection runs
     /// without a memory fraction too, against the device's memory. PyTorch runs it only
     /// with a fraction set. Off by default.
@@ -103,20 +133,54 @@ pub struct AllocatorConfig {
     /// searched again after waiting for other streams' events, before anything is freed
     /// (PyTorch never looks again). Off by default.
     pub oom_search_after_sync: bool,
-    /// `expandable_segments_page_mb` (ferrocuda's own), in bytes: the page of the large
-    /// pool's expandable segments (`None`: `large_segment_size_mb`, PyTorch's 20 MiB).
-    /// Smaller pages let `expandable_segments_reclaim` move memory in finer steps and
-    /// strand less of it at the ends of free ranges, at the price of more map calls.
-    pub expandable_segments_page: Option<u64>,
-    /// `ferrocuda_recommended` (ferrocuda's own): turns on the recommended set of
-    /// ferrocuda-only improvements ([`AllocatorConfig::RECOMMENDED`]) before the other keys
-    /// of the string apply (so they can override any of it).
-    pub ferrocuda_recommended: bool,
-    /// The settings string this configuration was last parsed from (PyTorch's
-    /// `CUDAAllocatorConfig::last_allocator_settings()`, which a snapshot shows as
-    /// `PYTORCH_CUDA_ALLOC_CONF`): empty for the defaults.
-    #[serde(skip)]
-    pub settings_text: SettingsText,
+    /// `throw_on_cudamalloc_oom`.
+    pub throw_on_cudamalloc_oom: bool,
+}
+
+/// Which freed blocks may serve which requests beyond PyTorch's per-stream cache: read by
+/// the allocator's thread cache, its slow path and graph captures.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ReuseConfig {
+    /// `thread_cache` (ferrocuda's own): a thread that frees the block it allocated last
+    /// keeps it parked, and gets it back without the allocator's lock when its next request
+    /// is the same (size, stream). A block is parked only where PyTorch's free-then-best-fit
+    /// would hand out the same block, and statistics account for every such reuse, so
+    /// single-threaded programs see exactly PyTorch's addresses and statistics. On by default.
+    pub thread_cache: bool,
+    /// `cross_stream_reuse` (ferrocuda's own): before asking the driver for a new segment,
+    /// take a whole free segment cached by another stream, ordering the allocating stream
+    /// after that stream's work with an event wait (no host sync). Off by default, as
+    /// PyTorch never shares cached blocks across streams.
+    pub cross_stream_reuse: bool,
+    /// `graph_capture_record_stream_reuse`.
+    pub graph_capture_record_stream_reuse: bool,
+}
+
+/// The pinned host allocator's keys: read only by the host allocator
+/// (`HostAllocator::new` takes this part).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PinnedConfig {
+    /// `pinned_use_cuda_host_register`.
+    #[serde(rename = "pinned_use_cuda_host_register")]
+    pub use_cuda_host_register: bool,
+    /// `pinned_num_register_threads` (power of two, at most 128; default 1).
+    #[serde(rename = "pinned_num_register_threads")]
+    pub num_register_threads: u64,
+    /// `pinned_use_background_threads`.
+    #[serde(rename = "pinned_use_background_threads")]
+    pub use_background_threads: bool,
+    /// `pinned_reserve_segment_size_mb`, in bytes (0: off).
+    #[serde(rename = "pinned_reserve_segment_size")]
+    pub reserve_segment_size: u64,
+    /// `pinned_max_round_threshold_mb`, in bytes (`None`: unlimited).
+    #[serde(rename = "pinned_max_round_threshold")]
+    pub max_round_threshold: Option<u64>,
+    /// `pinned_max_cached_size_mb`, in bytes (`None`: unlimited).
+    #[serde(rename = "pinned_max_cached_size")]
+    pub max_cached_size: Option<u64>,
+    /// `pinned_free_catch_all`.
+    #[serde(rename = "pinned_free_catch_all")]
+    pub free_catch_all: bool,
 }
 
 /// The text a configuration was last parsed from. It records where the configuration came
@@ -149,35 +213,63 @@ pub enum ReserveSize {
 impl Default for AllocatorConfig {
     fn default() -> Self {
         AllocatorConfig {
+            sizes: SizeConfig::default(),
+            expandable: ExpandableConfig::default(),
+            release: ReleaseConfig::default(),
+            reuse: ReuseConfig::default(),
+            pinned: PinnedConfig::default(),
+            backend: Backend::Native,
+            release_lock_on_cudamalloc: false,
+            ferrocuda_recommended: false,
+            settings_text: SettingsText::default(),
+        }
+    }
+}
+
+impl Default for SizeConfig {
+    fn default() -> Self {
+        SizeConfig {
             large_segment_size: 20 * MIB,
             max_split_size: None,
             max_non_split_rounding: 20 * MIB,
-            garbage_collection_threshold: 0.0,
             roundup_power2_divisions: [0; ROUNDUP_INTERVALS],
-            expandable_segments: false,
-            backend: Backend::Native,
-            release_lock_on_cudamalloc: false,
+        }
+    }
+}
+
+impl Default for ReleaseConfig {
+    fn default() -> Self {
+        ReleaseConfig {
             per_process_memory_fraction: 1.0,
-            graph_capture_record_stream_reuse: false,
-            throw_on_cudamalloc_oom: false,
-            pinned_use_cuda_host_register: false,
-            pinned_num_register_threads: 1,
-            pinned_use_background_threads: false,
-            pinned_reserve_segment_size: 0,
-            pinned_max_round_threshold: None,
-            pinned_max_cached_size: None,
-            pinned_free_catch_all: false,
-            expandable_segments_reserve: None,
-            expandable_segments_reserve_by_class: Vec::new(),
-            cross_stream_reuse: false,
-            expandable_segments_reclaim: false,
-            thread_cache: true,
+            garbage_collection_threshold: 0.0,
             garbage_collection_without_fraction: false,
             oom_release_partial: false,
             oom_search_after_sync: false,
-            expandable_segments_page: None,
-            ferrocuda_recommended: false,
-            settings_text: SettingsText::default(),
+            throw_on_cudamalloc_oom: false,
+        }
+    }
+}
+
+impl Default for ReuseConfig {
+    fn default() -> Self {
+        ReuseConfig {
+            thread_cache: true,
+            cross_stream_reuse: false,
+            graph_capture_record_stream_reuse: false,
+        }
+    }
+}
+
+impl Default for PinnedConfig {
+    fn default() -> Self {
+        PinnedConfig {
+            use_cuda_host_register: false,
+            num_register_threads: 1,
+            use_background_threads: false,
+            reserve_segment_size: 0,
+            max_round_threshold: None,
+            max_cached_size: None,
+            free_catch_all: false,
         }
     }
 }

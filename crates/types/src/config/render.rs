@@ -12,30 +12,31 @@ impl fmt::Display for AllocatorConfig {
                 Backend::Native => "native",
                 Backend::CudaMallocAsync => "cudaMallocAsync",
             },
-            if self.expandable_segments {
+            if self.expandable.enabled {
                 "True"
             } else {
                 "False"
             },
-            self.large_segment_size / MIB
+            self.sizes.large_segment_size / MIB
         )?;
-        if let Some(m) = self.max_split_size {
+        if let Some(m) = self.sizes.max_split_size {
             write!(f, ",max_split_size_mb:{}", m / MIB)?;
         }
         write!(
             f,
             ",max_non_split_rounding_mb:{}",
-            self.max_non_split_rounding / MIB
+            self.sizes.max_non_split_rounding / MIB
         )?;
-        if self.garbage_collection_threshold > 0.0 {
+        if self.release.garbage_collection_threshold > 0.0 {
             write!(
                 f,
                 ",garbage_collection_threshold:{}",
-                self.garbage_collection_threshold
+                self.release.garbage_collection_threshold
             )?;
         }
-        if self.roundup_power2_divisions.iter().any(|&d| d != 0) {
+        if self.sizes.roundup_power2_divisions.iter().any(|&d| d != 0) {
             let items: Vec<String> = self
+                .sizes
                 .roundup_power2_divisions
                 .iter()
                 .enumerate()
@@ -46,7 +47,7 @@ impl fmt::Display for AllocatorConfig {
         write!(
             f,
             ",per_process_memory_fraction:{}",
-            self.per_process_memory_fraction
+            self.release.per_process_memory_fraction
         )?;
         // ferrocuda's own keys, where they differ from their defaults (the recommended set
         // shows as the keys it set).
@@ -54,29 +55,33 @@ impl fmt::Display for AllocatorConfig {
         let flags = [
             (
                 "cross_stream_reuse",
-                self.cross_stream_reuse,
-                default.cross_stream_reuse,
+                self.reuse.cross_stream_reuse,
+                default.reuse.cross_stream_reuse,
             ),
             (
                 "expandable_segments_reclaim",
-                self.expandable_segments_reclaim,
-                default.expandable_segments_reclaim,
+                self.expandable.reclaim,
+                default.expandable.reclaim,
             ),
-            ("thread_cache", self.thread_cache, default.thread_cache),
+            (
+                "thread_cache",
+                self.reuse.thread_cache,
+                default.reuse.thread_cache,
+            ),
             (
                 "garbage_collection_without_fraction",
-                self.garbage_collection_without_fraction,
-                default.garbage_collection_without_fraction,
+                self.release.garbage_collection_without_fraction,
+                default.release.garbage_collection_without_fraction,
             ),
             (
                 "oom_release_partial",
-                self.oom_release_partial,
-                default.oom_release_partial,
+                self.release.oom_release_partial,
+                default.release.oom_release_partial,
             ),
             (
                 "oom_search_after_sync",
-                self.oom_search_after_sync,
-                default.oom_search_after_sync,
+                self.release.oom_search_after_sync,
+                default.release.oom_search_after_sync,
             ),
         ];
         for (key, on, by_default) in flags {
@@ -84,7 +89,7 @@ impl fmt::Display for AllocatorConfig {
                 write!(f, ",{key}:{}", if on { "True" } else { "False" })?;
             }
         }
-        if let Some(page) = self.expandable_segments_page {
+        if let Some(page) = self.expandable.page {
             write!(f, ",expandable_segments_page_mb:{}", page / MIB)?;
         }
         Ok(())

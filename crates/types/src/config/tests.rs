@@ -8,21 +8,21 @@ fn defaults_and_a_full_valid_string() {
              roundup_power2_divisions:[256:1,>:4],garbage_collection_threshold:0.8,\
              per_process_memory_fraction:0.9, release_lock_on_cudamalloc:True";
     let c = AllocatorConfig::parse(s).expect("a valid config");
-    assert!(c.expandable_segments && c.release_lock_on_cudamalloc);
-    assert_eq!(c.max_split_size, Some(512 * MIB));
-    assert_eq!(c.garbage_collection_threshold, 0.8);
-    assert_eq!(c.per_process_memory_fraction, 0.9);
+    assert!(c.expandable.enabled && c.release_lock_on_cudamalloc);
+    assert_eq!(c.sizes.max_split_size, Some(512 * MIB));
+    assert_eq!(c.release.garbage_collection_threshold, 0.8);
+    assert_eq!(c.release.per_process_memory_fraction, 0.9);
     // 256 MiB is index 8; the first entry fills below it; `>` fills after it.
     let mut want = [1u64; ROUNDUP_INTERVALS];
     want[9..].fill(4);
-    assert_eq!(c.roundup_power2_divisions, want);
+    assert_eq!(c.sizes.roundup_power2_divisions, want);
 }
 
 #[test]
 fn roundup_tables_follow_the_code_not_the_docs() {
     let c = AllocatorConfig::parse("roundup_power2_divisions:[64:8,128:2,256:2,512:2,1024:1,>:1]")
         .expect("a valid config");
-    let t = c.roundup_power2_divisions;
+    let t = c.sizes.roundup_power2_divisions;
     assert_eq!(
         &t[..7],
         &[8, 8, 8, 8, 8, 8, 8],
@@ -31,7 +31,8 @@ fn roundup_tables_follow_the_code_not_the_docs() {
     assert_eq!(&t[7..11], &[2, 2, 2, 1]);
     assert!(t[11..].iter().all(|&d| d == 1));
     assert_eq!(
-        AllocatorConfig::parse("roundup_power2_divisions:4").map(|c| c.roundup_power2_divisions),
+        AllocatorConfig::parse("roundup_power2_divisions:4")
+            .map(|c| c.sizes.roundup_power2_divisions),
         Ok([4; 16])
     );
 }
@@ -39,21 +40,23 @@ fn roundup_tables_follow_the_code_not_the_docs() {
 #[test]
 fn the_recommended_set_applies_first_and_named_keys_override_it() {
     let c = AllocatorConfig::parse("ferrocuda_recommended:True").unwrap_or_default();
-    assert!(c.ferrocuda_recommended && c.expandable_segments);
-    assert!(c.expandable_segments_reclaim && c.oom_search_after_sync && c.oom_release_partial);
-    assert_eq!(c.expandable_segments_page, Some(2 * MIB));
+    assert!(c.ferrocuda_recommended && c.expandable.enabled);
+    assert!(
+        c.expandable.reclaim && c.release.oom_search_after_sync && c.release.oom_release_partial
+    );
+    assert_eq!(c.expandable.page, Some(2 * MIB));
     // Named keys win wherever they stand.
     for s in [
         "expandable_segments_page_mb:4,ferrocuda_recommended:True",
         "ferrocuda_recommended:True,expandable_segments_page_mb:4",
     ] {
         let c = AllocatorConfig::parse(s).unwrap_or_default();
-        assert_eq!(c.expandable_segments_page, Some(4 * MIB), "{s}");
-        assert!(c.expandable_segments_reclaim, "{s}");
+        assert_eq!(c.expandable.page, Some(4 * MIB), "{s}");
+        assert!(c.expandable.reclaim, "{s}");
     }
     let c = AllocatorConfig::parse("ferrocuda_recommended:True,large_segment_size_mb:32")
         .unwrap_or_default();
-    assert_eq!(c.large_segment_size, 32 * MIB);
+    assert_eq!(c.sizes.large_segment_size, 32 * MIB);
     let off = AllocatorConfig::parse("ferrocuda_recommended:False").unwrap_or_default();
     assert_eq!(off, AllocatorConfig::default());
     assert!(AllocatorConfig::parse("ferrocuda_recommended:yes").is_err());
@@ -72,7 +75,7 @@ fn expandable_page_sizes_are_whole_2_mib_steps() {
         );
     }
     let c = AllocatorConfig::parse("expandable_segments_page_mb:6").unwrap_or_default();
-    assert_eq!(c.expandable_segments_page, Some(6 * MIB));
+    assert_eq!(c.expandable.page, Some(6 * MIB));
 }
 
 #[test]
@@ -81,9 +84,9 @@ fn large_segment_size_is_applied_first_and_bounds_the_others() {
         .expect("a valid config");
     assert_eq!(
         (
-            c.large_segment_size,
-            c.max_split_size,
-            c.max_non_split_rounding
+            c.sizes.large_segment_size,
+            c.sizes.max_split_size,
+            c.sizes.max_non_split_rounding
         ),
         (32 * MIB, Some(40 * MIB), 32 * MIB)
     );
@@ -98,9 +101,9 @@ fn update_resets_only_the_resettable_options_and_is_atomic() {
     )
     .expect("a valid config");
     assert!(c.update("garbage_collection_threshold:0.5").is_ok());
-    assert!(c.expandable_segments, "kept");
+    assert!(c.expandable.enabled, "kept");
     assert_eq!(
-        (c.max_split_size, c.roundup_power2_divisions),
+        (c.sizes.max_split_size, c.sizes.roundup_power2_divisions),
         (None, [0; 16]),
         "reset"
     );
@@ -221,7 +224,7 @@ fn a_reserve_of_zero_is_refused_in_every_form() {
             ReserveSize::Bytes(1 << 30),
         ),
     ] {
-        let c = AllocatorConfig::parse(input).map(|c| c.expandable_segments_reserve);
+        let c = AllocatorConfig::parse(input).map(|c| c.expandable.reserve);
         assert_eq!(c, Ok(Some(want)), "{input}");
     }
 }
@@ -298,12 +301,12 @@ fn keys_beside_the_async_backend() {
         ]
     );
     // A configuration built in code: what differs from the defaults.
-    let c = AllocatorConfig {
+    let mut c = AllocatorConfig {
         backend: Backend::CudaMallocAsync,
-        max_split_size: Some(64 * MIB),
-        cross_stream_reuse: true,
         ..AllocatorConfig::default()
     };
+    c.sizes.max_split_size = Some(64 * MIB);
+    c.reuse.cross_stream_reuse = true;
     let k = c.async_backend_keys();
     assert_eq!(
         (k.ignored, k.ferrocuda_only),
@@ -547,16 +550,74 @@ fn pinned_keys_parse_and_keep_their_values_across_reparses() {
          pinned_free_catch_all:True",
     )
     .expect("the pinned keys are supported");
-    assert!(c.pinned_use_cuda_host_register && c.pinned_use_background_threads);
-    assert!(c.pinned_free_catch_all);
-    assert_eq!(c.pinned_num_register_threads, 8);
-    assert_eq!(c.pinned_reserve_segment_size, 16 * MIB);
-    assert_eq!(c.pinned_max_round_threshold, Some(64 * MIB));
-    assert_eq!(c.pinned_max_cached_size, Some(128 * MIB));
+    assert!(c.pinned.use_cuda_host_register && c.pinned.use_background_threads);
+    assert!(c.pinned.free_catch_all);
+    assert_eq!(c.pinned.num_register_threads, 8);
+    assert_eq!(c.pinned.reserve_segment_size, 16 * MIB);
+    assert_eq!(c.pinned.max_round_threshold, Some(64 * MIB));
+    assert_eq!(c.pinned.max_cached_size, Some(128 * MIB));
     // A re-parse resets only the device rounding options (allocator spec §1.3).
     c.update("pinned_use_hip_host_register:False")
         .expect("the alias");
-    assert!(!c.pinned_use_cuda_host_register);
-    assert_eq!(c.pinned_num_register_threads, 8);
-    assert_eq!(c.pinned_max_cached_size, Some(128 * MIB));
+    assert!(!c.pinned.use_cuda_host_register);
+    assert_eq!(c.pinned.num_register_threads, 8);
+    assert_eq!(c.pinned.max_cached_size, Some(128 * MIB));
+}
+
+/// The groups are a Rust-side structure: serialized, a configuration stays one flat record
+/// with a field per key, named as before the grouping, and reads back equal.
+#[test]
+fn serialized_configuration_is_flat_and_round_trips() -> Result<(), Box<dyn std::error::Error>> {
+    let mut c = AllocatorConfig::parse(
+        "expandable_segments:True,pinned_num_register_threads:4,max_split_size_mb:64,\
+         oom_release_partial:True,thread_cache:False",
+    )?;
+    c.expandable.reserve = Some(ReserveSize::Bytes(12 << 30));
+    let value = serde_pickle::to_value(&c)?;
+    let serde_pickle::Value::Dict(fields) = &value else {
+        panic!("not a record: {value:?}");
+    };
+    let mut names: Vec<String> = fields
+        .keys()
+        .map(|k| match k {
+            serde_pickle::HashableValue::String(s) => s.clone(),
+            other => panic!("key {other:?}"),
+        })
+        .collect();
+    names.sort();
+    let mut expected = vec![
+        "backend",
+        "cross_stream_reuse",
+        "expandable_segments",
+        "expandable_segments_page",
+        "expandable_segments_reclaim",
+        "expandable_segments_reserve",
+        "expandable_segments_reserve_by_class",
+        "ferrocuda_recommended",
+        "garbage_collection_threshold",
+        "garbage_collection_without_fraction",
+        "graph_capture_record_stream_reuse",
+        "large_segment_size",
+        "max_non_split_rounding",
+        "max_split_size",
+        "oom_release_partial",
+        "oom_search_after_sync",
+        "per_process_memory_fraction",
+        "pinned_free_catch_all",
+        "pinned_max_cached_size",
+        "pinned_max_round_threshold",
+        "pinned_num_register_threads",
+        "pinned_reserve_segment_size",
+        "pinned_use_background_threads",
+        "pinned_use_cuda_host_register",
+        "release_lock_on_cudamalloc",
+        "roundup_power2_divisions",
+        "throw_on_cudamalloc_oom",
+        "thread_cache",
+    ];
+    expected.sort_unstable();
+    assert_eq!(names, expected);
+    let back: AllocatorConfig = serde_pickle::from_value(value)?;
+    assert_eq!(back, c);
+    Ok(())
 }
