@@ -98,15 +98,7 @@ pub(super) fn memcpy_htod_async(
     if driver.is_capturing(s)? {
         return Err(DriverError::STREAM_CAPTURE_UNSUPPORTED);
     }
-    let mut memory_type = 0u32;
-    // SAFETY: asks whether `src` is driver-known (pinned) memory; writes one u32.
-    let pinned = unsafe {
-        sys::cuPointerGetAttribute(
-            (&mut memory_type as *mut u32).cast(),
-            sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
-            src.as_ptr() as u64,
-        )
-    } == sys::CUresult::CUDA_SUCCESS;
+    let pinned = driver_known(src.as_ptr() as u64)?;
     // SAFETY: `src` is valid for reads of its length for this call; from pageable memory
     // the driver has staged it before returning.
     check(unsafe { sys::cuMemcpyHtoDAsync_v2(dst.0, src.as_ptr().cast(), src.len(), s) })?;
@@ -116,6 +108,21 @@ pub(super) fn memcpy_htod_async(
         check(unsafe { sys::cuStreamSynchronize(s) })?;
     }
     Ok(())
+}
+
+/// Whether host address `ptr` is memory the driver knows (page-locked by `cuMemHostAlloc` or
+/// `cuMemHostRegister`, or managed), so that a copy from it is truly asynchronous. Asked with
+/// `cuPointerGetAttributes`, which answers memory type 0 for pageable memory where
+/// `cuPointerGetAttribute` fails with `CUDA_ERROR_INVALID_VALUE`: no failing driver call on
+/// the copy path (compute-sanitizer reports every one).
+fn driver_known(ptr: u64) -> Result<bool, DriverError> {
+    let mut attribute = sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMORY_TYPE;
+    let mut memory_type = 0u32;
+    let mut data = [(&mut memory_type as *mut u32).cast::<std::ffi::c_void>()];
+    // SAFETY: one attribute, whose value (a u32 memory type) is written through the one
+    // data pointer, which points at `memory_type`.
+    check(unsafe { sys::cuPointerGetAttributes(1, &mut attribute, data.as_mut_ptr(), ptr) })?;
+    Ok(memory_type != 0)
 }
 
 pub(super) fn memcpy_dtoh(
