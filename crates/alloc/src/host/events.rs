@@ -103,7 +103,7 @@ impl HostAllocator {
     }
 
     fn process_queue(&self, pool: PoolId) -> Result<(), AllocError> {
-        let max_cached = self.max_cached();
+        let max_cached = self.state.lock().max_cached();
         loop {
             let oldest = self
                 .state

@@ -128,7 +128,7 @@ impl HostAllocator {
         if let Some(slab) = self.reserve.slab.get() {
             return Ok(slab.as_ref());
         }
-        let size = self.config.read().reserve_segment_size;
+        let size = self.state.lock().config.reserve_segment_size;
         let slab = if size == 0 {
             None
         } else {
@@ -146,7 +146,7 @@ impl HostAllocator {
     /// capture mode (a capture on this thread must not refuse it); timed.
     fn driver_memory(&self, size: u64) -> Result<(HostPtr, Source), AllocError> {
         let (use_register, threads) = {
-            let c = self.config.read();
+            let c = &self.state.lock().config;
             (c.use_cuda_host_register, c.num_register_threads)
         };
         let driver = &*self.driver;

@@ -51,7 +51,7 @@ use ferrocuda_stream::{HostMemoryResource, StreamError};
 use ferrocuda_types::{
     CaptureStatus, HostPtr, HostRange, HostStats, PinnedConfig, PoolId, StreamHandle,
 };
-use parking_lot::{Mutex, RwLock};
+use parking_lot::Mutex;
 use state::{Freed, State};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
@@ -87,7 +87,6 @@ const NULL: HostRange = HostRange {
 #[derive(Debug)]
 pub struct HostAllocator {
     driver: Arc<dyn Driver>,
-    config: RwLock<PinnedConfig>,
     state: Mutex<State>,
     /// Whether any pool is being allocated to (PyTorch's `captures_underway_empty_`,
     /// negated): read without the lock on every allocation.
@@ -105,8 +104,7 @@ impl HostAllocator {
     pub fn new(driver: Arc<dyn Driver>, config: PinnedConfig) -> Arc<HostAllocator> {
         Arc::new_cyclic(|me| HostAllocator {
             driver,
-            config: RwLock::new(config),
-            state: Mutex::new(State::default()),
+            state: Mutex::new(State::new(config)),
             routing: AtomicBool::new(false),
             events: events::EventPool::default(),
             reserve: memory::Reserve::default(),
@@ -114,10 +112,6 @@ impl HostAllocator {
             me: me.clone(),
             suppressed: AtomicU64::new(0),
         })
-    }
-
-    fn max_cached(&self) -> u64 {
-        self.config.read().max_cached_size.unwrap_or(u64::MAX)
     }
 
     /// Page-locked memory for `bytes` (rounded: the range may be longer), asked for while
@@ -130,21 +124,19 @@ impl HostAllocator {
             return Err(AllocError::HostRequestTooLarge(bytes));
         }
         let (pool, during_capture) = self.pool_for(stream)?;
-        let (background, size) = {
-            let c = self.config.read();
-            (c.use_background_threads, round_size(bytes, &c))
-        };
         // The background thread processes the default pool's events; private pools are
         // processed inline (their allocations happen during captures, with none pending).
         // With no event pending (the common case) one lock serves the whole hit.
-        let inline = !(background && pool.is_default());
-        let pending = {
+        let (background, size, pending) = {
             let mut st = self.state.lock();
+            let background = st.config.use_background_threads;
+            let size = round_size(bytes, &st.config);
+            let inline = !(background && pool.is_default());
             let pending = inline && st.pool_mut(pool).is_some_and(|p| !p.events.is_empty());
             if !pending && let Some(range) = st.take_free(pool, size, during_capture) {
                 return Ok(range);
             }
-            pending
+            (background, size, pending)
         };
         if pending {
             self.process_events(pool)?;
@@ -184,15 +176,18 @@ impl HostAllocator {
         if addr == 0 {
             return Ok(());
         }
-        let max_cached = self.max_cached();
-        let freed = self.state.lock().free(addr, max_cached)?;
+        let freed = {
+            let mut st = self.state.lock();
+            let max_cached = st.max_cached();
+            st.free(addr, max_cached)?
+        };
         let done = match freed {
             Freed::Done => Ok(()),
             Freed::Release(block) => self.release(block),
             Freed::Record(pool, streams) => self.record_events(pool, addr, &streams),
         };
         match done {
-            Err(_) if self.config.read().free_catch_all => {
+            Err(_) if self.state.lock().config.free_catch_all => {
                 self.suppressed.fetch_add(1, Ordering::Relaxed);
                 Ok(())
             }
@@ -284,12 +279,12 @@ impl HostAllocator {
     /// only before the first slow-path allocation, as PyTorch's static). The string's other
     /// keys must be valid but are the device allocator's ([`PinnedConfig::update`]).
     pub fn update_config(&self, s: &str) -> Result<(), AllocError> {
-        Ok(self.config.write().update(s)?)
+        Ok(self.state.lock().config.update(s)?)
     }
 
     /// The configuration in force.
     pub fn config(&self) -> PinnedConfig {
-        self.config.read().clone()
+        self.state.lock().config.clone()
     }
 
     /// Checks the books (each block in one place, pools' counts, statistics equal a

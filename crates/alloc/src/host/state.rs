@@ -6,7 +6,7 @@ use super::BUCKETS;
 use super::stats::Stats;
 use crate::AllocError;
 use crate::private_pools::{Route, Routes, begin_route, end_route};
-use ferrocuda_types::{EventHandle, HostRange, PoolId, StreamHandle};
+use ferrocuda_types::{EventHandle, HostRange, PinnedConfig, PoolId, StreamHandle};
 use rustc_hash::FxHashMap;
 use std::collections::VecDeque;
 
@@ -100,9 +100,25 @@ pub(crate) struct State {
     /// Pools being allocated to, newest last, with the thread that began each.
     routes: Routes,
     pub(crate) stats: Stats,
+    /// The `pinned_*` options, read under the lock every request takes anyway (a lock of
+    /// their own would be two more contended atomics per request on many threads).
+    pub(crate) config: PinnedConfig,
 }
 
 impl State {
+    /// Nothing allocated yet, under `config`.
+    pub(crate) fn new(config: PinnedConfig) -> State {
+        State {
+            config,
+            ..State::default()
+        }
+    }
+
+    /// `pinned_max_cached_size_mb` in bytes (unlimited when unset).
+    pub(crate) fn max_cached(&self) -> u64 {
+        self.config.max_cached_size.unwrap_or(u64::MAX)
+    }
+
     pub(crate) fn pool_mut(&mut self, pool: PoolId) -> Option<&mut BlockPool> {
         if pool.is_default() {
             Some(&mut self.default)
