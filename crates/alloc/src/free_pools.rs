@@ -3,9 +3,9 @@
 //! fit, and the oversize rule of `max_split_size_mb`, written once here).
 use crate::block::{Blocks, NO_LIST};
 use crate::free_list::{Found, FreeList, key, key_size};
+use bit_set::BitSet;
 use ferrocuda_types::{AllocatorConfig, PoolId, PoolKind, StreamHandle};
 use rustc_hash::FxHashMap;
-use std::collections::BTreeSet;
 
 /// A free block as the slow paths see it. The free lists order blocks per stream by
 /// (size, address), which with the stream is PyTorch's (stream, size, address) order.
@@ -37,8 +37,11 @@ pub(crate) fn oversize_refuses(size: u64, found: u64, config: &AllocatorConfig) 
 pub(crate) struct Pools {
     streams: Vec<((PoolId, u64), [FreeList; 2])>,
     positions: FxHashMap<(PoolId, u64), usize>,
-    /// Indices of the non-empty lists, per pool kind, in creation order.
-    occupied: [BTreeSet<u32>; 2],
+    /// Indices of the non-empty lists, per pool kind (iterated in creation order). A bit
+    /// set: a list of a stream that allocates its one block and frees it again turns empty
+    /// and back on every pair, where a tree set's insert and removal cost more than the
+    /// rest of the request.
+    occupied: [BitSet; 2],
     last: usize,
     /// PyTorch's `get_free_blocks_call_count` of the default large pool, the only pool
     /// whose blocks garbage collection frees: a block's age is this clock's advance since
@@ -89,7 +92,7 @@ impl Pools {
     #[inline(always)]
     fn removed(&mut self, index: u32, kind: PoolKind) {
         if self.at(index, kind).len() == 0 {
-            self.occupied[kind.index()].remove(&index);
+            self.occupied[kind.index()].remove(index as usize);
         }
     }
 
@@ -107,7 +110,7 @@ impl Pools {
         let list = self.at(index, kind);
         list.insert(key(b.size, b.ptr), id);
         if list.len() == 1 {
-            self.occupied[kind.index()].insert(index);
+            self.occupied[kind.index()].insert(index as usize);
         }
     }
 
@@ -187,7 +190,7 @@ impl Pools {
     pub(crate) fn keys_of(&self, kind: PoolKind) -> impl Iterator<Item = FreeKey> + '_ {
         self.occupied[kind.index()]
             .iter()
-            .map(|&i| &self.streams[i as usize])
+            .map(|i| &self.streams[i])
             .flat_map(move |((pool, stream), lists)| {
                 lists[kind.index()].iter().map(move |(k, id)| FreeKey {
                     pool: *pool,
