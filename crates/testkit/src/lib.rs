@@ -39,6 +39,10 @@ extern "C" __global__ void scale_f32(float* y, const float* x, float a, unsigned
     unsigned int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) y[i] = a * x[i];
 }
+extern "C" __global__ void add_f32(float* z, const float* x, const float* y, unsigned int n) {
+    unsigned int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) z[i] = x[i] + y[i];
+}
 extern "C" __global__ void add_one_f32(float* x, unsigned int n) {
     unsigned int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) x[i] += 1.0f;
@@ -70,6 +74,12 @@ pub fn register_fake_kernels(fake: &FakeDriver) {
         );
         let out: Vec<f32> = k.read::<f32>(x, n)?.iter().map(|v| a * v).collect();
         k.write(y, &out)
+    });
+    fake.register_kernel("add_f32", |k| {
+        let (z, x, y, n) = (k.arg(0)?, k.arg(1)?, k.arg(2)?, k.arg::<u32>(3)? as usize);
+        let (xs, ys) = (k.read::<f32>(x, n)?, k.read::<f32>(y, n)?);
+        let out: Vec<f32> = xs.iter().zip(&ys).map(|(a, b)| a + b).collect();
+        k.write(z, &out)
     });
     fake.register_kernel("add_one_f32", |k| {
         let (x, n) = (k.arg(0)?, k.arg::<u32>(1)? as usize);
@@ -175,6 +185,7 @@ macro_rules! both_backends {
     };
 }
 
+pub mod fresh_process;
 pub mod suite;
 
 /// Instantiates every conformance test as a `#[test]` over a harness constructor.

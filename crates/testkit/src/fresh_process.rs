@@ -4,16 +4,16 @@
 //! selected scenario (and backend) with the variable set, and prints libtest's lines
 //! (`test NAME ... ok`, `test result: ...`), which the GPU bundle parses.
 //!
-//! Included by each such test with `#[path = "common/fresh_process.rs"] mod fresh_process;`
-//! (`tests/common/` is not a test target itself).
+//! Such a test sets `harness = false` on its `[[test]]` entry and ends its `main` with
+//! [`Runner::main`].
 use std::fmt::Display;
 use std::process::{Command, ExitCode};
 
 /// What a scenario gives: its failure is a message.
-pub(crate) type Outcome = Result<(), Box<dyn std::error::Error>>;
+pub type Outcome = Result<(), Box<dyn std::error::Error>>;
 
 /// `Ok` if `ok`, else the failure `what`.
-pub(crate) fn ensure(ok: bool, what: impl Display) -> Outcome {
+pub fn ensure(ok: bool, what: impl Display) -> Outcome {
     if ok {
         Ok(())
     } else {
@@ -22,29 +22,31 @@ pub(crate) fn ensure(ok: bool, what: impl Display) -> Outcome {
 }
 
 /// One scenario: its name, the environment its process gets, and its body.
-pub(crate) struct Scenario {
-    pub(crate) name: &'static str,
+#[derive(Debug)]
+pub struct Scenario {
+    pub name: &'static str,
     /// Set in the scenario's process, after `Runner::cleared` is removed.
-    pub(crate) env: &'static [(&'static str, &'static str)],
-    pub(crate) run: fn() -> Outcome,
+    pub env: &'static [(&'static str, &'static str)],
+    pub run: fn() -> Outcome,
 }
 
 /// What the tests that use this differ in.
-pub(crate) struct Runner {
+#[derive(Debug)]
+pub struct Runner {
     /// The variable naming the scenario a process runs.
-    pub(crate) variable: &'static str,
+    pub variable: &'static str,
     /// Variables a scenario's process starts without, unless the scenario sets them.
-    pub(crate) cleared: &'static [&'static str],
+    pub cleared: &'static [&'static str],
     /// Run each scenario once per backend (`FERROCUDA_BACKEND` = `fake`, `cuda`; the names
     /// prefixed `fake::`, `cuda::`), the cuda one only when `FERROCUDA_REQUIRE_GPU=1` and
     /// reported as ignored otherwise. Without it, each scenario runs once, under its own name,
     /// in the environment it inherits, and the result line has no ignored count.
-    pub(crate) per_backend: bool,
+    pub per_backend: bool,
 }
 
 impl Runner {
     /// The test's `main`. Arguments that do not start with `-` select scenarios by substring.
-    pub(crate) fn main(&self, scenarios: &[Scenario]) -> ExitCode {
+    pub fn main(&self, scenarios: &[Scenario]) -> ExitCode {
         if let Ok(name) = std::env::var(self.variable) {
             return run_one(scenarios, &name);
         }

@@ -17,9 +17,7 @@ use ferrocuda::types::DeviceIndex;
 use std::process::ExitCode;
 use std::sync::Arc;
 
-#[path = "common/fresh_process.rs"]
-mod fresh_process;
-use fresh_process::{Outcome, Runner, Scenario, ensure};
+use ferrocuda_testkit::fresh_process::{Outcome, Runner, Scenario, ensure};
 
 const D0: DeviceIndex = DeviceIndex(0);
 const PYTORCH_TEXT: &str = "Cannot re-initialize CUDA in forked subprocess. To use CUDA with \

@@ -14,9 +14,7 @@ use ferrocuda::stream::DeviceBuffer;
 use ferrocuda::types::DeviceIndex;
 use std::process::ExitCode;
 
-#[path = "common/fresh_process.rs"]
-mod fresh_process;
-use fresh_process::{Outcome, Runner, Scenario, ensure};
+use ferrocuda_testkit::fresh_process::{Outcome, Runner, Scenario, ensure};
 
 const D0: DeviceIndex = DeviceIndex(0);
 const MIB: u64 = 1 << 20;

@@ -1,0 +1,5 @@
+//! The examples and the README's example, on the fake device (CI has no GPU): each example
+//! runs and says where it ran ([`examples`]), and the README shows the example that
+//! `cargo test` runs ([`readme`]).
+mod examples;
+mod readme;
