@@ -2,7 +2,7 @@
 //! `backend:cudaMallocAsync` allocator (`AsyncAllocator` as the runtime's memory): on the
 //! fake device in CI, on the real driver in the GPU bundle (ignored without a GPU; run with
 //! `--include-ignored --test-threads=1` there, as `conformance_cuda`).
-use ferrocuda::alloc::AsyncAllocator;
+use ferrocuda_alloc::AsyncAllocator;
 use ferrocuda_testkit::{Harness, cuda_harness, fake_harness};
 
 fn with_async(h: Harness) -> Harness {

@@ -7,7 +7,7 @@ use ferrocuda_driver::{Call, Driver, FakeDriver, fake::Completion};
 use ferrocuda_types::{AllocatorConfig, DevicePtr, MemsetValue, StreamHandle};
 use std::sync::Arc;
 
-mod common;
+use crate::common;
 use common::{D0, GIB, LEGACY, MIB, TestResult, new_stream, setup, stat};
 
 #[test]

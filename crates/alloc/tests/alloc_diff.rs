@@ -21,7 +21,8 @@
 // Test code: a failed setup should stop the test loudly.
 #![allow(clippy::panic, clippy::unwrap_used, clippy::expect_used)]
 
-mod audit;
+mod common;
+use common::audit;
 
 use audit::{MIB, Rng, new_stream, setup};
 use ferrocuda_alloc::{AllocError, CachingAllocator};

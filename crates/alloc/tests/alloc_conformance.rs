@@ -3,13 +3,13 @@
 //! GPU: skipped, with the reason). Exact statistics, OOM text and retry, memory fraction,
 //! `test_allocator_settings` sizes, record_stream reuse timing, a 10 000-op fuzz with data
 //! integrity (run through the `backend:cudaMallocAsync` allocator too).
-use ferrocuda::alloc::{AllocError, AsyncAllocator, Caching, CachingAllocator};
-use ferrocuda::stream::Module;
-use ferrocuda::types::{
+use ferrocuda_alloc::{AllocError, AsyncAllocator, Caching, CachingAllocator};
+use ferrocuda_stream::Module;
+use ferrocuda_testkit::{Harness, KERNELS, SPIN_CYCLES_PER_MS};
+use ferrocuda_types::{
     AllocatorConfig, DeviceIndex, DevicePtr, KernelArg, LaunchConfig, MemsetValue, StreamHandle,
     format_size,
 };
-use ferrocuda_testkit::{Harness, KERNELS, SPIN_CYCLES_PER_MS};
 
 type TestResult = Result<(), Box<dyn std::error::Error>>;
 const D0: DeviceIndex = DeviceIndex(0);

@@ -8,7 +8,7 @@ use ferrocuda_driver::{Call, Driver, DriverError, FakeDriver, fake::Completion};
 use ferrocuda_types::{CaptureMode, DeviceIndex, DevicePtr, MemsetValue};
 use std::sync::Arc;
 
-mod common;
+use crate::common;
 use common::{D0, GIB, LEGACY, MIB, TestResult, new_stream};
 
 fn setup(capacity: u64, completion: Completion) -> (Arc<FakeDriver>, Arc<AsyncAllocator>) {

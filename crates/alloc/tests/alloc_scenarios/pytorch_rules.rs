@@ -10,7 +10,7 @@
 // Test code: a failed setup should stop the test loudly.
 #![allow(clippy::panic, clippy::unwrap_used, clippy::expect_used)]
 
-mod audit;
+use crate::common::audit;
 
 use audit::{
     D0, GIB, LEGACY, MIB, TestResult, device_used, new_stream, setup, stat, stats, try_setup, want,

@@ -7,7 +7,7 @@
 //! that stream gets the block back. Recording the end-of-life event on the capturing stream
 //! instead would put it into the graph, where it never completes: the block would be lost
 //! for good.
-mod common;
+use crate::common;
 use common::*;
 use ferrocuda_alloc::{CachingAllocator, Route};
 use ferrocuda_driver::{Driver, FakeDriver, fake::Completion};

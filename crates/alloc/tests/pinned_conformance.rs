@@ -5,12 +5,12 @@
 //! while a copy from it is pending), `test_pinned_memory_with_cudaregister` (1 and 4
 //! threads), `test_pinned_memory_empty_cache`, and a CUDA graph capture that copies from a
 //! pinned buffer of the capture's private pool, replayed after the buffer changed.
-use ferrocuda::alloc::{Caching, DeviceAllocators};
-use ferrocuda::driver::DriverError;
-use ferrocuda::graph::{CaptureMode, CudaGraph};
-use ferrocuda::stream::{DeviceBuffer, PinnedBuffer};
-use ferrocuda::types::{AllocatorConfig, DeviceIndex, KernelArg, LaunchConfig};
+use ferrocuda_alloc::{Caching, DeviceAllocators};
+use ferrocuda_driver::DriverError;
+use ferrocuda_graph::{CaptureMode, CudaGraph};
+use ferrocuda_stream::{DeviceBuffer, PinnedBuffer};
 use ferrocuda_testkit::{Harness, SPIN_CYCLES_PER_MS};
+use ferrocuda_types::{AllocatorConfig, DeviceIndex, KernelArg, LaunchConfig};
 use std::sync::Arc;
 
 type TestResult = Result<(), Box<dyn std::error::Error>>;

@@ -1,7 +1,7 @@
 //! `Route::NextCapture`: a pool route begun before the capture that fills it, bound to a
 //! capture by the first allocation made in one (what PyTorch's pluggable-allocator hook
 //! `beginAllocateToPool` needs: its filter is a C++ closure a C function cannot call).
-mod common;
+use crate::common;
 use common::*;
 use ferrocuda_alloc::{CachingAllocator, Route};
 use ferrocuda_driver::{Call, Driver, FakeDriver, fake::Completion};

@@ -2,13 +2,13 @@
 //! `CachingHostAllocator` rules (and docs/pinned.md where ferrocuda deliberately differs).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-use ferrocuda::alloc::{AllocError, HostAllocator, Route};
-use ferrocuda::driver::{Call, Driver, DriverError, FakeDriver};
-use ferrocuda::stream::{DeviceBuffer, PinnedBuffer, Stream};
-use ferrocuda::types::{
+use ferrocuda_alloc::{AllocError, HostAllocator, Route};
+use ferrocuda_driver::{Call, Driver, DriverError, FakeDriver};
+use ferrocuda_stream::{DeviceBuffer, PinnedBuffer, Stream};
+use ferrocuda_testkit::{Harness, fake_harness};
+use ferrocuda_types::{
     AllocatorConfig, CaptureMode, CaptureStatus, DeviceIndex, MemsetValue, PoolId, StreamHandle,
 };
-use ferrocuda_testkit::{Harness, fake_harness};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
@@ -874,14 +874,14 @@ fn background_thread_processes_events() -> R {
 }
 
 fn env2() -> Result<Env, Box<dyn std::error::Error>> {
-    use ferrocuda::driver::Completion;
+    use ferrocuda_driver::Completion;
     let fake = Arc::new(
         FakeDriver::builder()
             .devices(2)
             .completion(Completion::Manual)
             .build(),
     );
-    let rt = ferrocuda::stream::Runtime::new(fake.clone());
+    let rt = ferrocuda_stream::Runtime::new(fake.clone());
     let h = Harness::new(rt, Some(fake.clone()));
     let drv = h.rt.driver().clone();
     let host = HostAllocator::new(drv.clone(), AllocatorConfig::default());

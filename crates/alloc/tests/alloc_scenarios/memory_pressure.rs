@@ -4,7 +4,7 @@
 //! touch; and the options that decide it.
 // Test code: a failed setup should stop the test loudly.
 #![allow(clippy::panic, clippy::unwrap_used, clippy::expect_used)]
-mod common;
+use crate::common;
 use common::{GIB, LEGACY, MIB, TestResult, new_stream, setup, stat};
 use ferrocuda_alloc::{AllocError, CachingAllocator, Route};
 use ferrocuda_driver::{Call, fake::Completion};

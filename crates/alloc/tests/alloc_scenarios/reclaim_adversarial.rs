@@ -2,7 +2,7 @@
 //! completion): no allocate or free synchronizes (out of memory aside), no work touches an
 //! unmapped page (sticky error), live blocks keep their last write, the books hold.
 #![allow(clippy::unwrap_used, clippy::panic)]
-mod common;
+use crate::common;
 use common::{D0, GIB, LEGACY, MIB, TestResult, new_stream, setup, stat};
 use ferrocuda_alloc::{Allocation, CachingAllocator, Route};
 use ferrocuda_driver::{Call, Driver, FakeDriver, fake::Completion};

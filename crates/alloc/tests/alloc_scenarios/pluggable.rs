@@ -5,7 +5,7 @@
 //! splitting and counting.
 // Test code: a failed setup should stop the test loudly.
 #![allow(clippy::panic, clippy::unwrap_used, clippy::expect_used)]
-mod common;
+use crate::common;
 use common::{LEGACY, MIB, TestResult, setup, stat};
 use ferrocuda_alloc::{AllocError, PluggableAllocator, Route};
 use ferrocuda_driver::{Call, Hook, PluggableLibrary, fake::Completion};

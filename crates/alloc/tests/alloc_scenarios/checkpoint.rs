@@ -4,7 +4,7 @@
 //! PyTorch's code path, every error (with nothing changed), and random programs.
 #![allow(clippy::panic, clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
+use crate::common;
 
 use common::{D0, GIB, LEGACY, MIB, TestResult, new_stream, setup};
 use ferrocuda_alloc::history::{HistoryContext, HistoryMode, HistoryOptions};

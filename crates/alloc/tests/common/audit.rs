@@ -1,17 +1,14 @@
-//! Helpers shared by the audit test files (written against the public API alone) (`pytorch_rules`, `cross_thread_diff`): an
-//! allocator on a fresh fake device, streams, statistics by key, a seeded RNG.
-// Each test crate uses a different subset of these helpers.
-#![allow(dead_code)]
+//! Helpers shared by the audit test files (written against the public API alone)
+//! (`alloc_scenarios/pytorch_rules.rs`, `alloc_diff.rs`): an allocator on a fresh fake
+//! device, streams, statistics by key, a seeded RNG.
 
 use ferrocuda_alloc::{Caching, CachingAllocator};
 use ferrocuda_driver::{Driver, FakeDriver, fake::Completion};
 use ferrocuda_types::{AllocatorConfig, StreamFlags, StreamHandle};
 use std::sync::Arc;
 
-#[path = "../common/mod.rs"]
-mod common;
 #[allow(unused_imports)] // each test file uses a different subset
-pub(crate) use common::{D0, GIB, LEGACY, MIB, TestResult};
+pub(crate) use super::{D0, GIB, LEGACY, MIB, TestResult};
 
 /// A fake device of `capacity` bytes (eager completion) and a caching allocator on it with
 /// `config` (PyTorch's grammar). Panics if either cannot be made.

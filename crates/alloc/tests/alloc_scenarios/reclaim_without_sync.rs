@@ -4,7 +4,7 @@
 //! fake device runs in manual completion, where an access to an unmapped address is a
 //! sticky error that the final synchronization reports.
 #![allow(clippy::unwrap_used)]
-mod common;
+use crate::common;
 use common::{D0, GIB, LEGACY, MIB, TestResult, new_stream, setup, stat};
 use ferrocuda_alloc::{Allocation, Route};
 use ferrocuda_driver::{Call, Driver, FakeDriver, fake::Completion};

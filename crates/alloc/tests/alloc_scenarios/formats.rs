@@ -1,15 +1,15 @@
 //! Output formats against PyTorch's (written by an independent audit): (memory_stats keys, memory_summary text, the
 //! out-of-memory message, snapshot values). Each test says what PyTorch does and where.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
-use ferrocuda::alloc::history::HistoryOptions;
-use ferrocuda::alloc::{AllocError, Caching, DeviceAllocators};
-use ferrocuda::driver::{FakeDriver, fake::Completion};
-use ferrocuda::stream::{DeviceBuffer, KernelCache, Module, Runtime};
-use ferrocuda::types::{
+use ferrocuda_alloc::history::HistoryOptions;
+use ferrocuda_alloc::{AllocError, Caching, DeviceAllocators};
+use ferrocuda_driver::{FakeDriver, fake::Completion};
+use ferrocuda_stream::{DeviceBuffer, KernelCache, Module, Runtime};
+use ferrocuda_testkit::{KERNELS, register_fake_kernels};
+use ferrocuda_types::{
     AllocatorConfig, DeviceIndex, DeviceStats, KernelArg, LaunchConfig, Snapshot, StreamHandle,
     TraceEntry,
 };
-use ferrocuda_testkit::{KERNELS, register_fake_kernels};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
@@ -55,15 +55,17 @@ fn default_stream(s: &Setup) -> StreamHandle {
     s.rt.current_stream(D0).unwrap().handle()
 }
 
-fn oom_text(r: Result<ferrocuda::alloc::Allocation, AllocError>) -> String {
+fn oom_text(r: Result<ferrocuda_alloc::Allocation, AllocError>) -> String {
     match r {
         Err(e @ AllocError::OutOfMemory(_)) => e.to_string(),
         other => panic!("expected an out-of-memory error, got {other:?}"),
     }
 }
 
+/// Runs `script` in the workspace root, where its relative paths (`tests/data/...`) are.
 fn python(script: &str, args: &[&str]) -> String {
     let out = std::process::Command::new("python3")
+        .current_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/../.."))
         .arg("-c")
         .arg(script)
         .args(args)
@@ -92,7 +94,10 @@ fn tmp(name: &str) -> std::path::PathBuf {
 /// must have the same keys in the same (sorted) order and the same values.
 #[test]
 fn stats_keys_and_values_equal_pytorch_2_11_recording() -> TestResult {
-    let text = std::fs::read_to_string("tests/data/oracle-min/min-merge-split.result.json")?;
+    let text = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../tests/data/oracle-min/min-merge-split.result.json"
+    ))?;
     let rec: serde_json::Value = serde_json::from_str(&text)?;
     let step = rec["steps"][3].as_object().expect("the stats step");
     // serde_json without preserve_order sorts keys; PyTorch's memory_stats sorts them too.
@@ -425,8 +430,8 @@ fn oom_message_alloc_size_and_allowed() -> TestResult {
 /// says "with X allocated in private pools (e.g., CUDA Graphs), ".
 #[test]
 fn oom_message_private_pool_piece() -> TestResult {
-    use ferrocuda::alloc::Route;
-    use ferrocuda::types::PoolId;
+    use ferrocuda_alloc::Route;
+    use ferrocuda_types::PoolId;
     let s = setup(64 * MIB);
     let a = s.allocators.device(D0)?;
     let st = default_stream(&s);
@@ -623,17 +628,17 @@ fn trace_time_us_units() -> TestResult {
 }
 
 #[inline(never)]
-fn frames_probe_alloc(a: &ferrocuda::alloc::CachingAllocator, bytes: u64, st: StreamHandle) -> u64 {
+fn frames_probe_alloc(a: &ferrocuda_alloc::CachingAllocator, bytes: u64, st: StreamHandle) -> u64 {
     std::hint::black_box(a.allocate(bytes, st).unwrap().ptr.0)
 }
 
 #[inline(never)]
-fn frames_probe_free(a: &ferrocuda::alloc::CachingAllocator, ptr: u64) {
-    a.free(std::hint::black_box(ferrocuda::types::DevicePtr(ptr)))
+fn frames_probe_free(a: &ferrocuda_alloc::CachingAllocator, ptr: u64) {
+    a.free(std::hint::black_box(ferrocuda_types::DevicePtr(ptr)))
         .unwrap();
 }
 
-fn has_frame(frames: &[ferrocuda::types::Frame], name: &str) -> bool {
+fn has_frame(frames: &[ferrocuda_types::Frame], name: &str) -> bool {
     frames.iter().any(|f| f.name.contains(name))
 }
 

@@ -1,0 +1,5 @@
+//! The pinned host caching allocator on the fake device: its behaviour with exact figures
+//! ([`host`]), and PyTorch's `CachingHostAllocator` rules as an independent audit wrote them
+//! ([`audit`]).
+mod audit;
+mod host;
