@@ -6,9 +6,9 @@
 //!
 //! The last test is the real driver's: ignored (skipped, with the reason) without a GPU, run
 //! by the GPU bundle with `--include-ignored`, where a missing GPU or NVML fails it.
-use ferrocuda::driver::{Call, CudaDriver, Driver, FakeDriver, NvmlError};
-use ferrocuda::stream::{AvailabilityCheck, DeviceBuffer, KernelCache, Runtime};
-use ferrocuda::types::DeviceIndex;
+use ferrocuda_driver::{Call, CudaDriver, Driver, FakeDriver, NvmlError};
+use ferrocuda_stream::{AvailabilityCheck, DeviceBuffer, KernelCache, Runtime};
+use ferrocuda_types::DeviceIndex;
 use std::sync::Arc;
 
 type TestResult = Result<(), Box<dyn std::error::Error>>;

@@ -1,8 +1,8 @@
 //! Streams and events against PyTorch's `torch.cuda` (written by an independent audit, on
 //! the fake device): error texts of c10/cuda/CUDAEvent.h, pools of c10/cuda/CUDAStream.cpp.
-use ferrocuda::driver::{FakeDriver, fake::Completion};
-use ferrocuda::stream::{KernelCache, Runtime, STREAMS_PER_POOL};
-use ferrocuda::types::{DeviceIndex, EventFlags};
+use ferrocuda_driver::{FakeDriver, fake::Completion};
+use ferrocuda_stream::{KernelCache, Runtime, STREAMS_PER_POOL};
+use ferrocuda_types::{DeviceIndex, EventFlags};
 use std::sync::Arc;
 
 const D0: DeviceIndex = DeviceIndex(0);
@@ -58,7 +58,7 @@ fn a03_elapsed_time_check_order() {
     let b = rt.new_event(EventFlags::default()).unwrap();
     let err = a.elapsed_time(&b).unwrap_err();
     assert!(
-        matches!(err, ferrocuda::stream::StreamError::TimingDisabled),
+        matches!(err, ferrocuda_stream::StreamError::TimingDisabled),
         "{err:?}"
     );
 }

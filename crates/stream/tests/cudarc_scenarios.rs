@@ -6,15 +6,15 @@
 //! ferrocuda's work (its launch builder, whose launch is `unsafe`, is tested in
 //! crates/driver/tests/cudarc_launch.rs). They are ignored (skipped, with the reason) without a
 //! GPU; the GPU bundle runs them with `--include-ignored`, where a missing GPU fails them.
-use ferrocuda::driver::interop::CudarcSlice;
-use ferrocuda::driver::interop::cudarc::driver::{
+use ferrocuda_driver::interop::CudarcSlice;
+use ferrocuda_driver::interop::cudarc::driver::{
     CudaContext, CudaStream, DevicePtr, DevicePtrMut, DeviceSlice, LaunchArgs, PushKernelArg,
 };
-use ferrocuda::driver::{
+use ferrocuda_driver::{
     Call, CudaDriver, Driver, DriverError, FakeDriver, ForeignStream, fake::Completion,
 };
-use ferrocuda::stream::{DeviceBuffer, KernelCache, Lent, Runtime, StreamError};
-use ferrocuda::types::{DeviceIndex, MemsetValue};
+use ferrocuda_stream::{DeviceBuffer, KernelCache, Lent, Runtime, StreamError};
+use ferrocuda_types::{DeviceIndex, MemsetValue};
 use std::sync::Arc;
 
 type TestResult = Result<(), Box<dyn std::error::Error>>;
@@ -57,7 +57,7 @@ fn an_adopted_stream_carries_ferrocudas_work_and_is_never_destroyed() -> TestRes
     drop((s, twice));
     assert_eq!(fake.adoptions(&foreign), Some(0), "forgotten, still alive");
     assert_eq!(fake.calls(Call::StreamDestroy), 0);
-    let raw = ferrocuda::types::StreamHandle {
+    let raw = ferrocuda_types::StreamHandle {
         device: D0,
         raw: foreign.raw(),
     };

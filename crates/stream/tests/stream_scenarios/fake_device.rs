@@ -1,13 +1,13 @@
 //! Behaviours only the fake device can show deterministically, or that need more devices
 //! than the GPU machine has: multi-device rules, held events, injected failures, call counts,
 //! lazy backing, and what happens with no driver at all.
-use ferrocuda::driver::{Call, CudaDriver, Driver, DriverError, FakeDriver, fake::Completion};
-use ferrocuda::stream::{DeviceBuffer, KernelCache, Module, Runtime, StreamError};
-use ferrocuda::types::{
+use ferrocuda_driver::{Call, CudaDriver, Driver, DriverError, FakeDriver, fake::Completion};
+use ferrocuda_stream::{DeviceBuffer, KernelCache, Module, Runtime, StreamError};
+use ferrocuda_testkit::{KERNELS, register_fake_kernels};
+use ferrocuda_types::{
     CaptureMode, Device, DeviceIndex, EventFlags, KernelArg, LaunchConfig, MemsetValue,
     StreamFlags, StreamHandle,
 };
-use ferrocuda_testkit::{KERNELS, register_fake_kernels};
 use std::sync::Arc;
 
 type TestResult = Result<(), Box<dyn std::error::Error>>;
@@ -418,7 +418,7 @@ fn a_buffer_length_whose_bytes_overflow_is_refused() -> TestResult {
     );
     let text = device.map(|e| e.to_string()).unwrap_or_default();
     assert!(text.contains("larger than memory"), "{text}");
-    let pinned = ferrocuda::stream::PinnedBuffer::<f32>::uninit(&rt, len).err();
+    let pinned = ferrocuda_stream::PinnedBuffer::<f32>::uninit(&rt, len).err();
     assert!(
         matches!(pinned, Some(StreamError::Memory { .. })),
         "{pinned:?}"
