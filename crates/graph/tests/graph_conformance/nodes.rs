@@ -2,9 +2,9 @@
 //! `update_inputs` is built on: read and set on both backends, then instantiated, updated
 //! in place and replayed.
 use crate::{D0, N, Setup, TestResult};
-use ferrocuda::driver::DriverError;
-use ferrocuda::types::{CaptureMode, CopyEnd, DevicePtr, GraphNode, MemsetValue};
+use ferrocuda_driver::DriverError;
 use ferrocuda_testkit::Harness;
+use ferrocuda_types::{CaptureMode, CopyEnd, DevicePtr, GraphNode, MemsetValue};
 
 /// The arguments of `add_one_f32(x, n)`, as the kernel node holds them.
 fn add_one_args(x: DevicePtr) -> Vec<Vec<u8>> {

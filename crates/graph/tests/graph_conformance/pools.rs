@@ -1,11 +1,11 @@
 //! What a capture does with the cache before it starts, and which stream captures share
 //! when none is given (issue 12 items 3 and 4); re-capturing in a loop keeps memory flat.
 use crate::{D0, N, Setup, TestResult};
-use ferrocuda::driver::Call;
-use ferrocuda::graph::CaptureMode;
-use ferrocuda::stream::DeviceBuffer;
-use ferrocuda::types::{KernelArg, LaunchConfig};
+use ferrocuda_driver::Call;
+use ferrocuda_graph::CaptureMode;
+use ferrocuda_stream::DeviceBuffer;
 use ferrocuda_testkit::Harness;
+use ferrocuda_types::{KernelArg, LaunchConfig};
 
 /// A 4 MiB buffer of `f32`: a large-pool request, served from a 20 MiB segment.
 const FOUR_MIB: usize = 1 << 20;

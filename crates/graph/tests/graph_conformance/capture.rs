@@ -1,10 +1,10 @@
 //! Capture and replay, private pools and their lifetime, the capture rules as typed errors,
 //! pool sharing, fork/join, THREAD_LOCAL captures, exact memory statistics.
 use crate::{D0, N, Setup, TestResult};
-use ferrocuda::graph::{CaptureMode, CudaGraph, GraphError, PoolId};
-use ferrocuda::stream::{DeviceBuffer, Stream};
-use ferrocuda::types::{CaptureStatus, DeviceIndex};
+use ferrocuda_graph::{CaptureMode, CudaGraph, GraphError, PoolId};
+use ferrocuda_stream::{DeviceBuffer, Stream};
 use ferrocuda_testkit::Harness;
+use ferrocuda_types::{CaptureStatus, DeviceIndex};
 
 /// The `torch.cuda.graph` documentation example: fill the static input, replay, read the
 /// static output, which was allocated inside the capture from the graph's private pool.

@@ -1,11 +1,11 @@
 //! `update_inputs` and `update_input_ptrs`: repointing a captured graph at new buffers,
 //! typed and by raw address.
 use crate::{D0, N, Setup, TestResult};
-use ferrocuda::driver::{Call, DriverError, FakeDriver, fake::Completion};
-use ferrocuda::graph::{CaptureMode, GraphError, InputMove, InputUpdate};
-use ferrocuda::stream::{DeviceBuffer, KernelCache, Runtime, Stream, StreamError};
-use ferrocuda::types::{DeviceIndex, DevicePtr, KernelArg, LaunchConfig, MemsetValue};
+use ferrocuda_driver::{Call, DriverError, FakeDriver, fake::Completion};
+use ferrocuda_graph::{CaptureMode, GraphError, InputMove, InputUpdate};
+use ferrocuda_stream::{DeviceBuffer, KernelCache, Runtime, Stream, StreamError};
 use ferrocuda_testkit::{Harness, register_fake_kernels};
+use ferrocuda_types::{DeviceIndex, DevicePtr, KernelArg, LaunchConfig, MemsetValue};
 use std::ops::Range;
 use std::sync::Arc;
 

@@ -1,7 +1,7 @@
 //! Graph-safe Philox random numbers.
 use crate::{BoxError, D0, N, Setup, TestResult};
-use ferrocuda::graph::{CaptureMode, GraphError, PhiloxGenerator};
-use ferrocuda::stream::{DeviceBuffer, Stream};
+use ferrocuda_graph::{CaptureMode, GraphError, PhiloxGenerator};
+use ferrocuda_stream::{DeviceBuffer, Stream};
 use ferrocuda_testkit::Harness;
 
 fn draw(s: &Setup, generator: &PhiloxGenerator, stream: &Stream) -> Result<Vec<f32>, BoxError> {

@@ -22,14 +22,14 @@
 //!
 //! `FERROCUDA_GRAPH_FUZZ_SEED` sets the first seed; `cargo xtask graph-fuzz --programs N`
 //! runs the fake one in release.
-use ferrocuda::alloc::{Caching, CachingAllocator, DeviceAllocators};
-use ferrocuda::driver::{FakeDriver, fake::Completion};
-use ferrocuda::graph::{CaptureMode, CudaGraph, GraphError, PoolId};
-use ferrocuda::stream::{
+use ferrocuda_alloc::{Caching, CachingAllocator, DeviceAllocators};
+use ferrocuda_driver::{FakeDriver, fake::Completion};
+use ferrocuda_graph::{CaptureMode, CudaGraph, GraphError, PoolId};
+use ferrocuda_stream::{
     DeviceBuffer, Function, KernelCache, MemoryError, Runtime, Stream, StreamError,
 };
-use ferrocuda::types::{AllocatorConfig, DeviceIndex, KernelArg, LaunchConfig};
 use ferrocuda_testkit::{Harness, cuda_harness, register_fake_kernels};
+use ferrocuda_types::{AllocatorConfig, DeviceIndex, KernelArg, LaunchConfig};
 use std::rc::Rc;
 use std::sync::Arc;
 use std::time::Instant;

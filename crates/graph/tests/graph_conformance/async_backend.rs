@@ -5,14 +5,14 @@
 //! callables.
 use crate::callables::double_and_triple;
 use crate::{D0, N, Setup, TestResult};
-use ferrocuda::alloc::{AllocError, AsyncAllocator, HostAllocator};
-use ferrocuda::driver::DriverError;
-use ferrocuda::graph::{
+use ferrocuda_alloc::{AllocError, AsyncAllocator, HostAllocator};
+use ferrocuda_driver::DriverError;
+use ferrocuda_graph::{
     CaptureMemory, CaptureMode, CudaGraph, GraphError, GraphedOptions, make_graphed_callables,
 };
-use ferrocuda::stream::DeviceBuffer;
-use ferrocuda::types::AllocatorConfig;
+use ferrocuda_stream::DeviceBuffer;
 use ferrocuda_testkit::Harness;
+use ferrocuda_types::AllocatorConfig;
 use std::sync::Arc;
 
 /// The kernels of [`Setup`], with the runtime's memory served by a cudaMallocAsync

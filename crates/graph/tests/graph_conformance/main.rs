@@ -5,11 +5,11 @@
 //! captures, graphed callables, exact memory statistics, graph-safe Philox RNG, the
 //! driver's view of graph nodes and `update_inputs` (typed and by raw address), and
 //! captures under `backend:cudaMallocAsync`.
-use ferrocuda::alloc::{Caching, DeviceAllocators};
-use ferrocuda::graph::{CudaGraph, GraphError, PoolId, register_fake_philox};
-use ferrocuda::stream::{DeviceBuffer, Function, Module, Stream};
-use ferrocuda::types::{AllocatorConfig, DeviceIndex, KernelArg, LaunchConfig};
+use ferrocuda_alloc::{Caching, DeviceAllocators};
+use ferrocuda_graph::{CudaGraph, GraphError, PoolId, register_fake_philox};
+use ferrocuda_stream::{DeviceBuffer, Function, Module, Stream};
 use ferrocuda_testkit::{Harness, KERNELS};
+use ferrocuda_types::{AllocatorConfig, DeviceIndex, KernelArg, LaunchConfig};
 use std::sync::Arc;
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;

@@ -2,12 +2,12 @@
 //! collection, the oversize release and cross-stream reuse act while a graph holds a free
 //! private segment (issue 12 item 1), another thread's free at the exact moment a capture
 //! starts or ends (issue 12 item 5), and re-capturing in a loop in manual completion.
-use ferrocuda::alloc::{Caching, CachingAllocator, DeviceAllocators};
-use ferrocuda::driver::{Call, FakeDriver, fake::Completion};
-use ferrocuda::graph::{CaptureMode, CudaGraph, PhiloxGenerator, PoolId};
-use ferrocuda::stream::{DeviceBuffer, Function, KernelCache, Module, Runtime, Stream};
-use ferrocuda::types::{AllocatorConfig, DeviceIndex, KernelArg, LaunchConfig};
+use ferrocuda_alloc::{Caching, CachingAllocator, DeviceAllocators};
+use ferrocuda_driver::{Call, FakeDriver, fake::Completion};
+use ferrocuda_graph::{CaptureMode, CudaGraph, PhiloxGenerator, PoolId};
+use ferrocuda_stream::{DeviceBuffer, Function, KernelCache, Module, Runtime, Stream};
 use ferrocuda_testkit::{KERNELS, register_fake_kernels};
+use ferrocuda_types::{AllocatorConfig, DeviceIndex, KernelArg, LaunchConfig};
 use std::sync::Arc;
 
 type TestResult = Result<(), Box<dyn std::error::Error>>;

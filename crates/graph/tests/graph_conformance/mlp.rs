@@ -1,9 +1,9 @@
 //! A two-layer MLP training step, captured whole and in part.
 use crate::{BoxError, D0, Setup, TestResult};
-use ferrocuda::graph::CaptureMode;
-use ferrocuda::stream::{DeviceBuffer, Function, Module, Stream};
-use ferrocuda::types::{KernelArg, LaunchConfig};
+use ferrocuda_graph::CaptureMode;
+use ferrocuda_stream::{DeviceBuffer, Function, Module, Stream};
 use ferrocuda_testkit::Harness;
+use ferrocuda_types::{KernelArg, LaunchConfig};
 
 /// A two-layer MLP step: `h = relu(W1 x + b1)`, `y = W2 h + b2`, then `b2 -= lr * y`.
 const MLP_KERNELS: &str = r#"

@@ -4,12 +4,12 @@
 //! fraction, out of memory during a capture, destroyed streams.
 use crate::async_backend::AsyncSetup;
 use crate::{BoxError, D0, N, TestResult};
-use ferrocuda::alloc::{AllocError, AsyncAllocator};
-use ferrocuda::driver::{Call, Driver, DriverError, FakeDriver};
-use ferrocuda::graph::{CaptureMemory, CaptureMode, CudaGraph, GraphError};
-use ferrocuda::stream::{DeviceBuffer, Stream};
-use ferrocuda::types::{CaptureStatus, DevicePtr};
+use ferrocuda_alloc::{AllocError, AsyncAllocator};
+use ferrocuda_driver::{Call, Driver, DriverError, FakeDriver};
+use ferrocuda_graph::{CaptureMemory, CaptureMode, CudaGraph, GraphError};
+use ferrocuda_stream::{DeviceBuffer, Stream};
 use ferrocuda_testkit::{Harness, fake_harness};
+use ferrocuda_types::{CaptureStatus, DevicePtr};
 use std::sync::Arc;
 
 type Res<T> = Result<T, BoxError>;

@@ -1,7 +1,7 @@
 //! Graphed callables (`make_graphed_callables`).
 use crate::{D0, N, Setup, TestResult};
-use ferrocuda::graph::{Callable, GraphError, GraphedOptions, make_graphed_callables};
-use ferrocuda::stream::{DeviceBuffer, StreamError};
+use ferrocuda_graph::{Callable, GraphError, GraphedOptions, make_graphed_callables};
+use ferrocuda_stream::{DeviceBuffer, StreamError};
 use ferrocuda_testkit::Harness;
 use std::cell::Cell;
 

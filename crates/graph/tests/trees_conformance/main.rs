@@ -7,7 +7,7 @@
 use ferrocuda_alloc::{Caching, DeviceAllocators};
 use ferrocuda_graph::CallableError;
 use ferrocuda_graph::trees::{Arg, Ctx, Out, Served, TreeConfig, TreeTensor, Trees, WrapOptions};
-use ferrocuda_stream::{DeviceBuffer, Function, Module, Stream};
+use ferrocuda_stream::{DeviceBuffer, Function, Stream};
 use ferrocuda_testkit::Harness;
 use ferrocuda_types::{
     AllocatorConfig, DType, DeviceIndex, DevicePtr, KernelArg, LaunchConfig, PoolId,
@@ -26,47 +26,6 @@ type BoxError = Box<dyn std::error::Error + Send + Sync>;
 type TestResult = Result<(), BoxError>;
 const D0: DeviceIndex = DeviceIndex(0);
 const N: usize = 1024;
-
-const SOURCE: &str = r#"
-extern "C" __global__ void tree_scale(float* y, const float* x, float a, unsigned int n) {
-    unsigned int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) y[i] = a * x[i];
-}
-extern "C" __global__ void tree_add(float* z, const float* x, const float* y, unsigned int n) {
-    unsigned int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) z[i] = x[i] + y[i];
-}
-extern "C" __global__ void tree_add_one(float* x, unsigned int n) {
-    unsigned int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) x[i] += 1.0f;
-}
-"#;
-
-/// Host twins of [`SOURCE`] for the fake device.
-fn register_fake(h: &Harness) {
-    let Some(fake) = &h.fake else { return };
-    fake.register_kernel("tree_scale", |k| {
-        let (y, x, a, n) = (
-            k.arg(0)?,
-            k.arg(1)?,
-            k.arg::<f32>(2)?,
-            k.arg::<u32>(3)? as usize,
-        );
-        let out: Vec<f32> = k.read::<f32>(x, n)?.iter().map(|v| a * v).collect();
-        k.write(y, &out)
-    });
-    fake.register_kernel("tree_add", |k| {
-        let (z, x, y, n) = (k.arg(0)?, k.arg(1)?, k.arg(2)?, k.arg::<u32>(3)? as usize);
-        let (xs, ys) = (k.read::<f32>(x, n)?, k.read::<f32>(y, n)?);
-        let out: Vec<f32> = xs.iter().zip(&ys).map(|(a, b)| a + b).collect();
-        k.write(z, &out)
-    });
-    fake.register_kernel("tree_add_one", |k| {
-        let (x, n) = (k.arg(0)?, k.arg::<u32>(1)? as usize);
-        let out: Vec<f32> = k.read::<f32>(x, n)?.iter().map(|v| v + 1.0).collect();
-        k.write(x, &out)
-    });
-}
 
 /// The test kernels, launchable from wrapped functions.
 #[derive(Clone, Debug)]
@@ -137,19 +96,20 @@ struct Setup<'h> {
 
 impl Setup<'_> {
     fn new(h: &Harness) -> Result<Setup<'_>, BoxError> {
-        register_fake(h);
         let allocators = DeviceAllocators::new(
             h.rt.driver().clone(),
             AllocatorConfig::default(),
             Caching::On,
         );
         allocators.install(&h.rt);
-        let module = Module::from_cuda_source(&h.rt, D0, "trees_tests", SOURCE)?;
+        // testkit's kernels: compiled by NVRTC on the real driver, their host twins
+        // registered by the fake harness.
+        let module = h.module()?;
         Ok(Setup {
             k: Kernels {
-                scale: module.function("tree_scale")?,
-                add: module.function("tree_add")?,
-                add_one: module.function("tree_add_one")?,
+                scale: module.function("scale_f32")?,
+                add: module.function("add_f32")?,
+                add_one: module.function("add_one_f32")?,
             },
             h,
             allocators,
