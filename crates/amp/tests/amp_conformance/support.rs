@@ -1,7 +1,7 @@
-//! Shared pieces of the scaler's conformance tests: a scaler on the harness's device (with
+//! The scaler's conformance tests' own pieces: a scaler on the harness's device (with
 //! the fake kernels registered on the fake backend), random gradient lists with inf/NaN at
 //! random places, and their comparison with the reference.
-#![allow(dead_code, unreachable_pub)]
+#![allow(unreachable_pub)]
 
 use ferrocuda_amp::scaler::reference::{self, GradElement};
 use ferrocuda_amp::scaler::{DeviceScalar, register_fake_amp_kernels};

@@ -10,17 +10,11 @@
 //!   order, with its messages (floats printed as Python's `repr`).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, missing_docs)]
 
-#[path = "audit/fused_empty.rs"]
 mod fused_empty;
-#[path = "audit/guards.rs"]
 mod guards;
-#[path = "audit/huge_views.rs"]
 mod huge_views;
-#[path = "audit/optim_checks.rs"]
 mod optim_checks;
-#[path = "audit/scaled_step.rs"]
 mod scaled_step;
-#[path = "audit/state_dict_json.rs"]
 mod state_dict_json;
 
 use ferrocuda_amp::optim::{Param, register_fake_optim_kernels};
@@ -30,11 +24,11 @@ use ferrocuda_stream::DeviceBuffer;
 use ferrocuda_testkit::{Harness, fake_harness};
 use ferrocuda_types::{DType, DeviceIndex, DevicePtr};
 
-pub type TestResult = Result<(), Box<dyn std::error::Error>>;
-pub const D0: DeviceIndex = DeviceIndex(0);
+pub(crate) type TestResult = Result<(), Box<dyn std::error::Error>>;
+pub(crate) const D0: DeviceIndex = DeviceIndex(0);
 
 /// A fake device with the scaler's and the optimizers' host kernels.
-pub fn harness() -> Harness {
+pub(crate) fn harness() -> Harness {
     let h = fake_harness();
     if let Some(fake) = &h.fake {
         register_fake_amp_kernels(fake);
@@ -44,7 +38,10 @@ pub fn harness() -> Harness {
 }
 
 /// An enabled scaler (PyTorch's defaults, `init_scale` as given) with its device state made.
-pub fn live_scaler(h: &Harness, init_scale: f64) -> Result<GradScaler, Box<dyn std::error::Error>> {
+pub(crate) fn live_scaler(
+    h: &Harness,
+    init_scale: f64,
+) -> Result<GradScaler, Box<dyn std::error::Error>> {
     let mut s = GradScaler::new(
         &h.rt,
         D0,
@@ -58,7 +55,7 @@ pub fn live_scaler(h: &Harness, init_scale: f64) -> Result<GradScaler, Box<dyn s
 }
 
 /// A view of `len` elements of `dtype` at `ptr` on device 0 (nothing need be there).
-pub fn view(ptr: u64, len: u64, dtype: DType) -> TensorView {
+pub(crate) fn view(ptr: u64, len: u64, dtype: DType) -> TensorView {
     TensorView {
         device: D0,
         ptr: DevicePtr(ptr),
@@ -69,13 +66,13 @@ pub fn view(ptr: u64, len: u64, dtype: DType) -> TensorView {
 
 /// A parameter and its gradient, f32, filled with `param` and `grad`.
 #[derive(Debug)]
-pub struct Owned {
-    pub param: DeviceBuffer<f32>,
-    pub grad: DeviceBuffer<f32>,
+pub(crate) struct Owned {
+    pub(crate) param: DeviceBuffer<f32>,
+    pub(crate) grad: DeviceBuffer<f32>,
 }
 
 impl Owned {
-    pub fn new(
+    pub(crate) fn new(
         h: &Harness,
         len: usize,
         param: f32,
@@ -87,7 +84,7 @@ impl Owned {
         })
     }
 
-    pub fn param(&self) -> Param {
+    pub(crate) fn param(&self) -> Param {
         Param {
             param: TensorView::of(&self.param),
             grad: TensorView::of(&self.grad),

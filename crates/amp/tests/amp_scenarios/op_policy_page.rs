@@ -1,6 +1,6 @@
 //! `docs/amp_op_policies.md` is generated from the policy tables; this test fails when the
 //! committed page is stale. Regenerate with
-//! `FERROCUDA_BLESS=1 cargo test -p ferrocuda-amp --test op_policy_page`.
+//! `FERROCUDA_BLESS=1 cargo test -p ferrocuda-amp --test amp_scenarios op_policy_page`.
 use std::error::Error;
 use std::path::PathBuf;
 
@@ -16,7 +16,7 @@ fn committed_op_policy_page_is_current() -> Result<(), Box<dyn Error>> {
     assert!(
         committed == page,
         "docs/amp_op_policies.md is stale: run \
-         `FERROCUDA_BLESS=1 cargo test -p ferrocuda-amp --test op_policy_page` and commit it"
+         `FERROCUDA_BLESS=1 cargo test -p ferrocuda-amp --test amp_scenarios op_policy_page` and commit it"
     );
     Ok(())
 }

@@ -4,9 +4,7 @@
 //! bit on both backends (the kernels round every operation once); a captured step replays
 //! as the eager one; the masked fallback; a small MLP trained eager and captured, and in
 //! mixed precision with the gradient scaler through `ScaledStep` (f16) and without (bf16).
-#[path = "support/mlp.rs"]
 mod mlp;
-#[path = "support/reference.rs"]
 mod reference;
 
 use ferrocuda_alloc::{Caching, DeviceAllocators};

@@ -3,9 +3,8 @@
 //! (test_cuda.py: test_grad_scaling_unscale, _update_scale, _state_dict, _run_scaling_case).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, missing_docs)]
 
-mod common;
+mod support;
 
-use common::*;
 use ferrocuda_amp::scaler::{
     DeviceScalar, OptimizerId, ScalerStateDict, Stage, StepStats, reference,
 };
@@ -14,6 +13,7 @@ use ferrocuda_stream::DeviceBuffer;
 use ferrocuda_testkit::Harness;
 use ferrocuda_types::{CaptureMode, DType};
 use half::{bf16, f16};
+use support::*;
 
 pub type TestResult = Result<(), Box<dyn std::error::Error>>;
 
