@@ -7,14 +7,14 @@
     clippy::bool_assert_comparison
 )]
 
-use ferrocuda::alloc::{AllocError, Caching, DeviceAllocators};
-use ferrocuda::dist::{
+use ferrocuda_alloc::{AllocError, Caching, DeviceAllocators};
+use ferrocuda_dist::{
     BucketCaps, DistError, FakeGroup, ProcessGroup, ReduceOp, Reducer, reduce_found_inf,
 };
-use ferrocuda::driver::{Call, Driver, DriverError, FakeDriver, fake::Completion};
-use ferrocuda::stream::{DeviceBuffer, KernelCache, Module, Runtime, StreamError};
-use ferrocuda::types::{AllocatorConfig, DeviceIndex, KernelArg, LaunchConfig};
+use ferrocuda_driver::{Call, Driver, DriverError, FakeDriver, fake::Completion};
+use ferrocuda_stream::{DeviceBuffer, KernelCache, Module, Runtime, StreamError};
 use ferrocuda_testkit::{KERNELS, register_fake_kernels};
+use ferrocuda_types::{AllocatorConfig, DeviceIndex, KernelArg, LaunchConfig};
 use std::sync::Arc;
 use std::sync::mpsc;
 use std::time::Duration;
@@ -968,7 +968,7 @@ fn a12_reducer_buckets_and_average() {
         bytes: 24,
     };
     assert_eq!(
-        ferrocuda::dist::assign_buckets(&lens, caps),
+        ferrocuda_dist::assign_buckets(&lens, caps),
         vec![vec![4], vec![3, 2], vec![1, 0]]
     );
     let out = run_ranks(&e, world, 60, move |rank, pg, rt| {
