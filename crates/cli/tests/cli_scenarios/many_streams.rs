@@ -6,7 +6,7 @@
 //! then all of them when the allocator is dropped). The bench `many_streams` times it.
 //!
 //! [`FakeDriver::stream_visits`]: ferrocuda_driver::FakeDriver::stream_visits
-mod synthetic;
+use crate::synthetic;
 
 use ferrocuda_cli::replay::{fake_device, replay_with};
 use ferrocuda_driver::Call;
