@@ -338,8 +338,8 @@ fn expandable_reclaim(h: &Harness) -> TestResult {
     }
     a.free(xs[1].ptr)?;
     // The hole's pages move once the work queued on them has run (the allocator does not
-    // wait for it: `crates/alloc/tests/reclaim_without_sync.rs` checks the early case on
-    // the fake device); after the program's own synchronization the stream is idle.
+    // wait for it: `crates/alloc/tests/alloc_scenarios/reclaim_without_sync.rs` checks the early
+    // case on the fake device); after the program's own synchronization the stream is idle.
     d.stream_synchronize(LEGACY)?;
     let big = a.allocate(60 * MIB, LEGACY)?;
     assert_eq!(stat(&a, "reserved_bytes.all.current"), 140 * MIB as i64);

@@ -1,4 +1,4 @@
-//! NCCL on one GPU (the GPU bundle's `nccl_gpu`): a one-rank communicator made both ways,
+//! NCCL on one GPU (the GPU bundle's `test_dist_gpu`): a one-rank communicator made both ways,
 //! every collective of one rank on ferrocuda buffers and streams, a collective captured
 //! into a CUDA graph and replayed, and the bucketed reducer. Ignored without a GPU; the
 //! bundle runs it with `--include-ignored`, where a missing GPU or libnccl fails it.

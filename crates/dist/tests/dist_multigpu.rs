@@ -1,5 +1,5 @@
-//! Two GPUs (the GPU bundle's `multi_two_gpus`, run only with `MULTI_GPU=1`): peer access and
-//! copies between devices with expandable segments on the real driver, every collective on
+//! Two GPUs (the GPU bundle's `multi_dist_multigpu`, run only with `MULTI_GPU=1`): peer access
+//! and copies between devices with expandable segments on the real driver, every collective on
 //! two ranks against a reference (send and receive included), collectives captured into a
 //! CUDA graph on each rank and replayed, and the bucketed all-reduce of an MLP's gradients
 //! equal to their sum. Ignored by default; with `--include-ignored` on a machine with fewer

@@ -1,7 +1,7 @@
 //! A ferrocuda buffer as a kernel argument of cudarc's launch builder, on the real driver:
 //! the kernel runs on cudarc's stream (not ferrocuda's current one) and ferrocuda reads its
 //! result without synchronising, the order kept by the lending. Here rather than beside the
-//! other cudarc tests (tests/cudarc_interop.rs at the root) because cudarc's launch is
+//! other cudarc tests (crates/stream/tests/cudarc_scenarios.rs) because cudarc's launch is
 //! `unsafe`, which only this crate may use. Ignored (skipped, with the reason) without a
 //! GPU; the GPU bundle runs it with `--include-ignored`, where a missing GPU fails it.
 use ferrocuda_driver::CudaDriver;

@@ -2,7 +2,7 @@
 //! fake device (CI has no NVML; the fake models one when built with `FakeDriverBuilder::nvml`).
 //! The NVML-based check must answer without initialising CUDA when NVML answers, and fall
 //! back to the driver, answering as it does, when NVML is missing or fails. Forks are in
-//! `tests/fork.rs`.
+//! `tests/fork_process.rs`.
 //!
 //! The last test is the real driver's: ignored (skipped, with the reason) without a GPU, run
 //! by the GPU bundle with `--include-ignored`, where a missing GPU or NVML fails it.

@@ -4,7 +4,7 @@
 //! cudarc stream is `FakeDriver::foreign_stream`); the `gpu_` tests use cudarc itself on the
 //! real driver: its copies and memset on a ferrocuda buffer, and its stream made current for
 //! ferrocuda's work (its launch builder, whose launch is `unsafe`, is tested in
-//! crates/driver/tests/cudarc_launch.rs). They are ignored (skipped, with the reason) without a
+//! crates/driver/tests/cudarc_gpu.rs). They are ignored (skipped, with the reason) without a
 //! GPU; the GPU bundle runs them with `--include-ignored`, where a missing GPU fails them.
 use ferrocuda_driver::interop::CudarcSlice;
 use ferrocuda_driver::interop::cudarc::driver::{

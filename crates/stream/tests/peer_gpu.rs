@@ -1,9 +1,9 @@
-//! Peer access on the real driver with one GPU (the GPU bundle's `peer_cuda`): a device and
-//! itself cannot "access a peer" but `get_p2p_access` answers `true` for it, bad indices are
+//! Peer access on the real driver with one GPU (the GPU bundle's `test_peer_gpu`): a device
+//! and itself cannot "access a peer" but `get_p2p_access` answers `true` for it, bad indices are
 //! typed errors, enabling access to itself is refused with a driver code, and a copy within
 //! one device through `copy_between_devices` is a plain copy. Ignored without a GPU; the
 //! bundle runs it with `--include-ignored`, where a missing GPU fails it. (Two devices:
-//! crates/dist/tests/two_gpus.rs.)
+//! crates/dist/tests/dist_multigpu.rs.)
 use ferrocuda_driver::{CudaDriver, Driver, DriverError};
 use ferrocuda_stream::{DeviceBuffer, Runtime, StreamError};
 use ferrocuda_types::DeviceIndex;

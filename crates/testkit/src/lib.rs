@@ -1,16 +1,20 @@
 //! ferrocuda's test harness, for tests and benches only: the backends under test (the fake
 //! device in manual completion, the real driver, which fails rather than skips where there
 //! is no GPU), the kernels tests launch with their host twins for the fake device,
-//! [`both_backends!`] to run one test function over both, and the conformance suite
-//! ([`suite`]): one set of behaviours every backend must show, written once.
+//! [`both_backends!`] to run one test function over both, the conformance suite
+//! ([`suite`]): one set of behaviours every backend must show, written once, and
+//! [`fresh_process`], the `main` of a test whose scenarios each need a process of their own.
 //!
-//! CI runs the suite on the fake device (`tests/conformance_fake.rs`, manual completion so that a
-//! missing synchronization shows up as wrong data); the GPU bundle runs the same functions on
-//! the real driver (`tests/conformance_cuda.rs`). Run the CUDA binary with
-//! `--test-threads=1`: a GLOBAL-mode capture test refuses other threads' allocations, as
-//! CUDA does, and must not share the process with other tests.
+//! CI runs the suite on the fake device (`fake::` in
+//! `crates/stream/tests/stream_conformance.rs`, manual completion so that a missing
+//! synchronization shows up as wrong data); the GPU bundle runs the same functions on the
+//! real driver (`cuda::` in the same binary). Run it with `--test-threads=1` there: a
+//! GLOBAL-mode capture test refuses other threads' allocations, as CUDA does, and must not
+//! share the process with other tests.
 //!
-//! Use [`conformance_tests!`] to instantiate every test of the suite.
+//! Use [`conformance_tests!`] to instantiate every test of the suite. Where tests live and
+//! how their binaries are named (`<area>_<kind>`): docs/architecture.md, "Tests".
+#![forbid(unsafe_code)]
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, missing_docs)]
 
 use ferrocuda_driver::{CudaDriver, DriverError, FakeDriver, fake::Completion};
