@@ -7,6 +7,7 @@
 //! scenario and backend with that variable set: on the fake device always, on the real
 //! driver too when `FERROCUDA_REQUIRE_GPU=1` (the GPU bundle; reported as ignored
 //! otherwise). Arguments that do not start with `-` select scenarios by substring.
+#![forbid(unsafe_code)]
 use ferrocuda::alloc::AllocError;
 use ferrocuda::graph::{CaptureMemory, CaptureMode, CudaGraph};
 use ferrocuda::memory::{self, MemPool};

@@ -4,6 +4,7 @@
 //!
 //! The runtime reads the environment once per process, so each case runs this test binary
 //! again (`--exact` its own name) with the variables set, and checks there.
+#![forbid(unsafe_code)]
 #![cfg(unix)]
 use ferrocuda::alloc::AllocError;
 use ferrocuda::stream::DeviceBuffer;

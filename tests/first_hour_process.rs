@@ -5,6 +5,7 @@
 //! facade, a stream of another runtime is refused, and every per-device memory query on a
 //! device that does not exist is PyTorch's "Invalid device argument" once CUDA is
 //! initialised (before, the statistics are PyTorch's empty ones for any index).
+#![forbid(unsafe_code)]
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 use ferrocuda::alloc::AllocError;
 use ferrocuda::amp::scaler::OptimizerId;

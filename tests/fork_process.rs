@@ -10,6 +10,7 @@
 //! harness: run without `FERROCUDA_FORK_SCENARIO`, it runs itself once per scenario with that
 //! variable (and the scenario's environment) set; with it, it runs the one scenario on its
 //! only thread. Arguments that do not start with `-` select scenarios by substring.
+#![forbid(unsafe_code)]
 use ferrocuda::driver::fork::{fork_and_wait, in_bad_fork};
 use ferrocuda::driver::{CudaDriver, Driver, DriverError, FakeDriver};
 use ferrocuda::stream::{AvailabilityCheck, DeviceBuffer, KernelCache, Runtime, StreamError};

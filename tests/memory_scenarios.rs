@@ -1,5 +1,6 @@
 //! The caching allocator behind device buffers, on the fake device; and the global
 //! `ferrocuda::memory` functions on whatever this machine has.
+#![forbid(unsafe_code)]
 use ferrocuda::alloc::history::HistoryOptions;
 use ferrocuda::alloc::{Caching, DeviceAllocators, OutOfMemory};
 use ferrocuda::driver::{Call, FakeDriver, fake::Completion};

@@ -8,6 +8,7 @@
 //! set: on the fake device always, on the real driver too when `FERROCUDA_REQUIRE_GPU=1`
 //! (the GPU bundle; reported as ignored otherwise). Arguments that do not start with `-`
 //! select scenarios by substring.
+#![forbid(unsafe_code)]
 use ferrocuda::Backend;
 use ferrocuda::alloc::{AllocError, PluggableAllocator};
 use ferrocuda::driver::{Hook, PluggableLibrary};

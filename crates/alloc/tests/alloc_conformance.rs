@@ -3,6 +3,7 @@
 //! GPU: skipped, with the reason). Exact statistics, OOM text and retry, memory fraction,
 //! `test_allocator_settings` sizes, record_stream reuse timing, a 10 000-op fuzz with data
 //! integrity (run through the `backend:cudaMallocAsync` allocator too).
+#![forbid(unsafe_code)]
 use ferrocuda_alloc::{AllocError, AsyncAllocator, Caching, CachingAllocator};
 use ferrocuda_stream::Module;
 use ferrocuda_testkit::{Harness, KERNELS, SPIN_CYCLES_PER_MS};

@@ -18,6 +18,7 @@
 //! Environment: `FERROCUDA_DIFF_CASES` (number of scripts, default 10 000),
 //! `FERROCUDA_DIFF_SEED` (base seed; script `i` uses `seed + i`), `FERROCUDA_DIFF_ONLY`
 //! (run one script by its seed, printing every step).
+#![forbid(unsafe_code)]
 // Test code: a failed setup should stop the test loudly.
 #![allow(clippy::panic, clippy::unwrap_used, clippy::expect_used)]
 

@@ -9,6 +9,7 @@
 //! `FERROCUDA_FUZZ_PROGRAMS` (default 600) and `FERROCUDA_FUZZ_SEED` set the run, and
 //! `FERROCUDA_FUZZ_TRAIL` how many of a failing program's last steps are shown (5);
 //! `cargo xtask alloc-fuzz --programs N` runs it in release.
+#![forbid(unsafe_code)]
 #![allow(clippy::panic, clippy::unwrap_used, clippy::expect_used)]
 mod common;
 use common::{D0, MIB, new_stream};

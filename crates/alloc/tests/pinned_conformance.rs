@@ -5,6 +5,7 @@
 //! while a copy from it is pending), `test_pinned_memory_with_cudaregister` (1 and 4
 //! threads), `test_pinned_memory_empty_cache`, and a CUDA graph capture that copies from a
 //! pinned buffer of the capture's private pool, replayed after the buffer changed.
+#![forbid(unsafe_code)]
 use ferrocuda_alloc::{Caching, DeviceAllocators};
 use ferrocuda_driver::DriverError;
 use ferrocuda_graph::{CaptureMode, CudaGraph};

@@ -2,6 +2,7 @@
 //!
 //! This test sits in its own binary: it writes the process-wide settings, which the other
 //! precision tests read, and tests of one binary run on parallel threads.
+#![forbid(unsafe_code)]
 use ferrocuda_amp::precision::{
     Backend, Fp32Precision, MatmulPrecision, PrecisionOp, global, global_version, update_global,
 };

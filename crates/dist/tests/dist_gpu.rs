@@ -2,6 +2,7 @@
 //! every collective of one rank on ferrocuda buffers and streams, a collective captured
 //! into a CUDA graph and replayed, and the bucketed reducer. Ignored without a GPU; the
 //! bundle runs it with `--include-ignored`, where a missing GPU or libnccl fails it.
+#![forbid(unsafe_code)]
 mod common;
 use common::{TestResult, each_rank, gpus, nccl_groups};
 use ferrocuda_dist::{BucketCaps, ProcessGroup, ReduceOp, Reducer, reduce_found_inf};

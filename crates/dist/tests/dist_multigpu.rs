@@ -4,6 +4,7 @@
 //! CUDA graph on each rank and replayed, and the bucketed all-reduce of an MLP's gradients
 //! equal to their sum. Ignored by default; with `--include-ignored` on a machine with fewer
 //! than two GPUs every test FAILS (never skips).
+#![forbid(unsafe_code)]
 mod common;
 use common::{Res, TestResult, each_rank, gpus, nccl_groups};
 use ferrocuda_dist::{BucketCaps, ReduceOp, Reducer, reduce_found_inf};

@@ -22,6 +22,7 @@
 //!
 //! `FERROCUDA_GRAPH_FUZZ_SEED` sets the first seed; `cargo xtask graph-fuzz --programs N`
 //! runs the fake one in release.
+#![forbid(unsafe_code)]
 use ferrocuda_alloc::{Caching, CachingAllocator, DeviceAllocators};
 use ferrocuda_driver::{FakeDriver, fake::Completion};
 use ferrocuda_graph::{CaptureMode, CudaGraph, GraphError, PoolId};

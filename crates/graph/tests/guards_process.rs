@@ -2,6 +2,7 @@
 //!
 //! This test sits in its own binary: it writes the process-wide settings, which every other
 //! guard test reads, and tests of one binary run on parallel threads.
+#![forbid(unsafe_code)]
 use ferrocuda_amp::precision::{self, MatmulPrecision};
 use ferrocuda_graph::guards::{GlobalState, LibraryState};
 

@@ -6,6 +6,7 @@
 //!
 //! The last test is the real driver's: ignored (skipped, with the reason) without a GPU, run
 //! by the GPU bundle with `--include-ignored`, where a missing GPU or NVML fails it.
+#![forbid(unsafe_code)]
 use ferrocuda_driver::{Call, CudaDriver, Driver, FakeDriver, NvmlError};
 use ferrocuda_stream::{AvailabilityCheck, DeviceBuffer, KernelCache, Runtime};
 use ferrocuda_types::DeviceIndex;

@@ -6,6 +6,7 @@
 //! ferrocuda's work (its launch builder, whose launch is `unsafe`, is tested in
 //! crates/driver/tests/cudarc_gpu.rs). They are ignored (skipped, with the reason) without a
 //! GPU; the GPU bundle runs them with `--include-ignored`, where a missing GPU fails them.
+#![forbid(unsafe_code)]
 use ferrocuda_driver::interop::CudarcSlice;
 use ferrocuda_driver::interop::cudarc::driver::{
     CudaContext, CudaStream, DevicePtr, DevicePtrMut, DeviceSlice, LaunchArgs, PushKernelArg,

@@ -4,6 +4,7 @@
 //! one device through `copy_between_devices` is a plain copy. Ignored without a GPU; the
 //! bundle runs it with `--include-ignored`, where a missing GPU fails it. (Two devices:
 //! crates/dist/tests/dist_multigpu.rs.)
+#![forbid(unsafe_code)]
 use ferrocuda_driver::{CudaDriver, Driver, DriverError};
 use ferrocuda_stream::{DeviceBuffer, Runtime, StreamError};
 use ferrocuda_types::DeviceIndex;

@@ -3,6 +3,7 @@
 //! the `cuda::` tests are reported as ignored (skipped, with the reason); the GPU bundle runs
 //! them with `--include-ignored`, where a missing GPU fails every one. Run with
 //! `--test-threads=1` there (capture modes are process-wide).
+#![forbid(unsafe_code)]
 mod fake {
     ferrocuda_testkit::conformance_tests!(ferrocuda_testkit::fake_harness);
 }

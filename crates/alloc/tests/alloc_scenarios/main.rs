@@ -6,6 +6,7 @@
 //! ([`async_backend`]), checkpoints of a private pool ([`checkpoint`]), page reclaim
 //! ([`reclaim_without_sync`], [`reclaim_adversarial`]), and the output formats against
 //! PyTorch's ([`formats`]).
+#![forbid(unsafe_code)]
 #[path = "../common/mod.rs"]
 mod common;
 

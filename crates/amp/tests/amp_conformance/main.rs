@@ -1,6 +1,7 @@
 //! The gradient scaler on both backends: written once, run on the fake device in CI and on a
 //! GPU in the bundle (`ferrocuda_testkit::both_backends!`). PyTorch's scaler tests in spirit
 //! (test_cuda.py: test_grad_scaling_unscale, _update_scale, _state_dict, _run_scaling_case).
+#![forbid(unsafe_code)]
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, missing_docs)]
 
 mod support;

@@ -4,6 +4,7 @@
 //! bad input to the scaler and the optimizers ([`bad_input`]), the library's kernels with
 //! nothing registered ([`library_kernels`]), the audit's regression tests ([`audit`]), and the
 //! generated op-policy page ([`op_policy_page`]).
+#![forbid(unsafe_code)]
 mod audit;
 mod autocast;
 mod autocast_state;

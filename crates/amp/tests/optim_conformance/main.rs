@@ -4,6 +4,7 @@
 //! bit on both backends (the kernels round every operation once); a captured step replays
 //! as the eager one; the masked fallback; a small MLP trained eager and captured, and in
 //! mixed precision with the gradient scaler through `ScaledStep` (f16) and without (bf16).
+#![forbid(unsafe_code)]
 mod mlp;
 mod reference;
 

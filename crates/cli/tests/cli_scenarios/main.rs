@@ -4,6 +4,7 @@
 //! with many streams ([`many_streams`], over [`synthetic`] traces), real snapshots through
 //! every command ([`snapshots`]), hostile input ([`hostile`]), and the GPU bundle's replay
 //! comparison run without a GPU ([`bundle_replay`]).
+#![forbid(unsafe_code)]
 mod bundle_replay;
 mod catch_up;
 mod hostile;

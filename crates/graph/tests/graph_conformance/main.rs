@@ -5,6 +5,7 @@
 //! captures, graphed callables, exact memory statistics, graph-safe Philox RNG, the
 //! driver's view of graph nodes and `update_inputs` (typed and by raw address), and
 //! captures under `backend:cudaMallocAsync`.
+#![forbid(unsafe_code)]
 use ferrocuda_alloc::{Caching, DeviceAllocators};
 use ferrocuda_graph::{CudaGraph, GraphError, PoolId, register_fake_philox};
 use ferrocuda_stream::{DeviceBuffer, Function, Module, Stream};

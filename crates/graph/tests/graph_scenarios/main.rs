@@ -3,6 +3,7 @@
 //! library's kernels with nothing registered ([`library_kernels`]), and the guarded cache in
 //! front of wrapped functions ([`guards`]; the one test that writes the process-wide precision
 //! flags is `guards_process.rs`, a binary of its own).
+#![forbid(unsafe_code)]
 mod fake_device;
 mod guards;
 mod library_kernels;

@@ -4,6 +4,7 @@
 //! one tree, branch switching with checkpoint restore, stale outputs, steps, static input
 //! moves, mutation skips, shapes (cap, eviction, buckets), a panicking function, and
 //! non-static inputs copied or patched.
+#![forbid(unsafe_code)]
 use ferrocuda_alloc::{Caching, DeviceAllocators};
 use ferrocuda_graph::CallableError;
 use ferrocuda_graph::trees::{Arg, Ctx, Out, Served, TreeConfig, TreeTensor, Trees, WrapOptions};

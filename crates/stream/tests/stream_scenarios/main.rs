@@ -3,6 +3,7 @@
 //! deterministically or needs more devices than a GPU machine has ([`fake_device`]), two
 //! runtimes in one process ([`runtimes`]), and peer access and copies between devices
 //! ([`peers`]).
+#![forbid(unsafe_code)]
 mod audit;
 mod fake_device;
 mod peers;
