@@ -10,7 +10,7 @@ use std::process::Command;
 /// Test binaries that go into the GPU bundle.
 const GPU_TESTS: &[&str] = &[
     "ferrocuda_driver",
-    "stream_conformance",
+    "cuda_conformance",
     "alloc_conformance",
     "graph_conformance",
     "availability_scenarios",

@@ -1,7 +1,7 @@
 //! The stream conformance tests that allocate buffers, with every buffer served by the
 //! `backend:cudaMallocAsync` allocator (`AsyncAllocator` as the runtime's memory): on the
 //! fake device in CI, on the real driver in the GPU bundle (ignored without a GPU; run with
-//! `--include-ignored --test-threads=1` there, as `stream_conformance`).
+//! `--include-ignored --test-threads=1` there, as `cuda_conformance`).
 #![forbid(unsafe_code)]
 use ferrocuda_alloc::AsyncAllocator;
 use ferrocuda_testkit::{Harness, cuda_harness, fake_harness};

@@ -5,12 +5,11 @@
 //! ([`suite`]): one set of behaviours every backend must show, written once, and
 //! [`fresh_process`], the `main` of a test whose scenarios each need a process of their own.
 //!
-//! CI runs the suite on the fake device (`fake::` in
-//! `crates/stream/tests/stream_conformance.rs`, manual completion so that a missing
-//! synchronization shows up as wrong data); the GPU bundle runs the same functions on the
-//! real driver (`cuda::` in the same binary). Run it with `--test-threads=1` there: a
-//! GLOBAL-mode capture test refuses other threads' allocations, as CUDA does, and must not
-//! share the process with other tests.
+//! CI runs the suite on the fake device (`crates/stream/tests/fake_conformance.rs`, manual
+//! completion so that a missing synchronization shows up as wrong data); the GPU bundle runs
+//! the same functions on the real driver (`crates/stream/tests/cuda_conformance.rs`). Run the
+//! CUDA binary with `--test-threads=1`: a GLOBAL-mode capture test refuses other threads'
+//! allocations, as CUDA does, and must not share the process with other tests.
 //!
 //! Use [`conformance_tests!`] to instantiate every test of the suite. Where tests live and
 //! how their binaries are named (`<area>_<kind>`): docs/architecture.md, "Tests".
@@ -195,7 +194,9 @@ pub mod suite;
 /// Instantiates every conformance test as a `#[test]` over a harness constructor.
 ///
 /// `conformance_tests!(path::to::harness_fn);` or, with attributes on every test,
-/// `conformance_tests!(path::to::harness_fn, #[ignore = "needs a GPU"]);`.
+/// `conformance_tests!(path::to::harness_fn, #[ignore = "needs a GPU"]);`. Invoke it at the
+/// root of a test binary: `launch_blocking` runs the binary again with
+/// `--exact launch_blocking`.
 #[macro_export]
 macro_rules! conformance_tests {
     ($harness:path $(, #[$attr:meta])*) => {
