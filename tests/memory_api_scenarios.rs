@@ -2,6 +2,7 @@
 //! torch/cuda/memory.py), written by an independent audit. Per-allocator tests on a private
 //! fake driver; global-function tests re-run this binary as a child
 //! (`FERROCUDA_MEMORY_API_SCENARIO=<name>`, `FERROCUDA_BACKEND=fake`).
+#![forbid(unsafe_code)]
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 use ferrocuda::alloc::{Caching, DeviceAllocators};
 use ferrocuda::driver::FakeDriver;

@@ -6,6 +6,7 @@
 //! test re-executes this binary with `--exact NAME` and `FERROCUDA_PLUGGABLE_SCENARIO=NAME` (fake
 //! backend). The others use the library-level API in-process, serialised by the fixture's
 //! `Probe`.
+#![forbid(unsafe_code)]
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use ferrocuda::alloc::{AllocError, Caching, CachingAllocator, PluggableAllocator, Route};

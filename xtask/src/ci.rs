@@ -9,9 +9,10 @@ use std::process::{Command, Stdio};
 const TOOLS: &[(&str, &str)] = &[(
     "python3",
     "ferrocuda-types' snapshot::tests::python_reads_it_as_pytorch_does reads ferrocuda's \
-     snapshot pickle with CPython's own unpickler (as do ferrocuda-cli's tests/replay.rs and \
-     the root crate's tests/format_scenarios.rs), and ferrocuda-torch's tests/library.rs \
-     loads the built PyTorch allocator library with ctypes",
+     snapshot pickle with CPython's own unpickler (as do ferrocuda-cli's cli_scenarios and \
+     ferrocuda-alloc's alloc_scenarios, in their replay and formats modules), and \
+     ferrocuda-torch's torch_plugin_scenarios (its library module) loads the built PyTorch \
+     allocator library with ctypes",
 )];
 
 /// Checks up front that every tool of [`TOOLS`] runs (`runs` tries one), so a missing one

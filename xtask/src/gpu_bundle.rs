@@ -10,26 +10,26 @@ use std::process::Command;
 /// Test binaries that go into the GPU bundle.
 const GPU_TESTS: &[&str] = &[
     "ferrocuda_driver",
-    "conformance_cuda",
+    "cuda_conformance",
     "alloc_conformance",
     "graph_conformance",
-    "availability",
+    "availability_scenarios",
     "graph_fuzz",
     "optim_conformance",
     "amp_conformance",
-    "trees",
-    "cudarc_interop",
-    "cudarc_launch",
-    "allocator_swap",
+    "trees_conformance",
+    "cudarc_scenarios",
+    "cudarc_gpu",
+    "pluggable_process",
     "pinned_conformance",
-    "allocator_async",
-    "conformance_async",
-    "nccl_gpu",
-    "peer_cuda",
+    "async_process",
+    "async_conformance",
+    "dist_gpu",
+    "peer_gpu",
 ];
 /// Test binaries that need two GPUs: bundled as `multi_*`, run by run.sh only with
 /// `MULTI_GPU=1` (on fewer than two GPUs they fail, never skip).
-const GPU_TESTS_MULTI: &[&str] = &["two_gpus"];
+const GPU_TESTS_MULTI: &[&str] = &["dist_multigpu"];
 /// Shared libraries the bundled tests load from beside themselves (package, library name).
 const GPU_LIBRARIES: &[(&str, &str)] =
     &[("ferrocuda-pluggable-fixture", "ferrocuda_pluggable_fixture")];
@@ -315,6 +315,29 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         assert!(bash_accepts("run.sh", RUN_SH, &dir));
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// Every binary the bundle names is a target of the workspace: a renamed test would
+    /// otherwise be found missing only when the bundle is built.
+    #[test]
+    fn the_bundle_names_targets_that_exist() -> Result<(), String> {
+        let targets = crate::workspace_targets()?;
+        let has = |kinds: &[&str], name: &str| {
+            targets
+                .iter()
+                .any(|t| t.name == name && kinds.contains(&t.kind.as_str()))
+        };
+        let tests = GPU_TESTS.iter().chain(GPU_TESTS_MULTI);
+        for name in tests.chain(GPU_TEST_ONLY.iter().map(|(name, _)| name)) {
+            assert!(has(&["test", "lib"], name), "no test binary {name}");
+        }
+        for name in GPU_BENCHES.iter().chain(GPU_BENCHES_MULTI) {
+            assert!(has(&["bench"], name), "no bench {name}");
+        }
+        for name in GPU_EXAMPLES {
+            assert!(has(&["example"], name), "no example {name}");
+        }
+        Ok(())
     }
 
     fn bash_accepts(name: &str, script: &str, dir: &Path) -> bool {

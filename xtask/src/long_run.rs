@@ -13,20 +13,20 @@ pub(crate) struct LongRun {
     options: &'static [(&'static str, &'static str, &'static str)],
 }
 
-/// `alloc-fuzz [--programs N] [--seed S]`: `crates/alloc/tests/fuzz.rs`.
+/// `alloc-fuzz [--programs N] [--seed S]`: `crates/alloc/tests/alloc_fuzz.rs`.
 pub(crate) const ALLOC_FUZZ: LongRun = LongRun {
     task: "alloc-fuzz",
-    select: &["-p", "ferrocuda-alloc", "--test", "fuzz"],
+    select: &["-p", "ferrocuda-alloc", "--test", "alloc_fuzz"],
     options: &[
         ("--programs", "FERROCUDA_FUZZ_PROGRAMS", "100000"),
         ("--seed", "FERROCUDA_FUZZ_SEED", "20261123"),
     ],
 };
 
-/// `thread-diff [--scripts N] [--seed S]`: `crates/alloc/tests/cross_thread_diff.rs`.
+/// `thread-diff [--scripts N] [--seed S]`: `crates/alloc/tests/alloc_diff.rs`.
 pub(crate) const THREAD_DIFF: LongRun = LongRun {
     task: "thread-diff",
-    select: &["-p", "ferrocuda-alloc", "--test", "cross_thread_diff"],
+    select: &["-p", "ferrocuda-alloc", "--test", "alloc_diff"],
     options: &[
         ("--scripts", "FERROCUDA_DIFF_CASES", "100000"),
         ("--seed", "FERROCUDA_DIFF_SEED", "1592590336"),
@@ -34,10 +34,10 @@ pub(crate) const THREAD_DIFF: LongRun = LongRun {
 };
 
 /// `graph-fuzz [--programs N] [--seed S]`: the graph data-integrity fuzz
-/// (`tests/graph_fuzz.rs`).
+/// (`crates/graph/tests/graph_fuzz.rs`).
 pub(crate) const GRAPH_FUZZ: LongRun = LongRun {
     task: "graph-fuzz",
-    select: &["-p", "ferrocuda", "--test", "graph_fuzz"],
+    select: &["-p", "ferrocuda-graph", "--test", "graph_fuzz"],
     options: &[
         ("--programs", "FERROCUDA_GRAPH_FUZZ_PROGRAMS", "10000"),
         ("--seed", "FERROCUDA_GRAPH_FUZZ_SEED", "20261205"),
@@ -77,5 +77,31 @@ impl LongRun {
         cmd.extend_from_slice(self.select);
         cmd.extend_from_slice(&["--", "--nocapture"]);
         cargo_with_env(&cmd, &env)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Each long run selects a test binary of the package it names.
+    #[test]
+    fn each_long_run_selects_a_test_that_exists() -> Result<(), String> {
+        let targets = crate::workspace_targets()?;
+        for run in [&ALLOC_FUZZ, &THREAD_DIFF, &GRAPH_FUZZ] {
+            let after = |flag: &str| {
+                let at = run.select.iter().position(|a| *a == flag);
+                at.and_then(|i| run.select.get(i + 1)).copied()
+            };
+            let (package, test) = (after("-p"), after("--test"));
+            assert!(
+                targets.iter().any(|t| Some(t.package.as_str()) == package
+                    && t.kind == "test"
+                    && Some(t.name.as_str()) == test),
+                "{}: no test {test:?} in {package:?}",
+                run.task
+            );
+        }
+        Ok(())
     }
 }

@@ -15,14 +15,14 @@
 //! - `cli-fuzz [--cases N] [--seed S] [--long] [--case N]`: the `ferrocuda` command against
 //!   generated and mutated traces (see [`cli_fuzz`]); `ci` runs it with a fixed seed;
 //! - `alloc-fuzz [--programs N] [--seed S]`: the allocator's structure-aware fuzz
-//!   (`crates/alloc/tests/fuzz.rs`) in release, 100 000 programs unless told (CI runs 600
-//!   in the ordinary test run);
+//!   (`crates/alloc/tests/alloc_fuzz.rs`) in release, 100 000 programs unless told (CI runs
+//!   600 in the ordinary test run);
 //! - `thread-diff [--scripts N] [--seed S]`: the cross-thread differential test
-//!   (`crates/alloc/tests/cross_thread_diff.rs`) in release, 100 000 scripts unless told
+//!   (`crates/alloc/tests/alloc_diff.rs`) in release, 100 000 scripts unless told
 //!   (CI runs 10 000);
 //! - `graph-fuzz [--programs N] [--seed S]`: the graph data-integrity fuzz
-//!   (`tests/graph_fuzz.rs`) in release, 10 000 programs unless told (CI runs 200 in the
-//!   ordinary test run);
+//!   (`crates/graph/tests/graph_fuzz.rs`) in release, 10 000 programs unless told (CI runs
+//!   200 in the ordinary test run);
 //! - `loom`: the thread cache's slot protocol under `loom` (`--cfg loom`, its own target
 //!   folder); `ci` runs it;
 //! - `alloc-oracle [DIR]`: PyTorch's allocator results against ours, step by
@@ -186,6 +186,47 @@ fn built_library(package: &str, name: &str) -> Result<PathBuf, String> {
         .find(|f| f.ends_with(suffix))
         .map(PathBuf::from)
         .ok_or_else(|| format!("no shared library was built for {name}"))
+}
+
+/// One target of a workspace package, as `cargo metadata` lists it.
+#[cfg(test)]
+struct Target {
+    package: String,
+    kind: String,
+    name: String,
+}
+
+/// Every target of the workspace's packages, one entry per kind (for the tests that check
+/// the names this tool gives cargo).
+#[cfg(test)]
+fn workspace_targets() -> Result<Vec<Target>, String> {
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let out = Command::new(cargo)
+        .args(["metadata", "--no-deps", "--format-version", "1"])
+        .current_dir(root())
+        .output()
+        .map_err(|e| e.to_string())?;
+    if !out.status.success() {
+        return Err(format!(
+            "cargo metadata failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        ));
+    }
+    let metadata: serde_json::Value =
+        serde_json::from_slice(&out.stdout).map_err(|e| e.to_string())?;
+    let mut targets = Vec::new();
+    for package in metadata["packages"].as_array().into_iter().flatten() {
+        for target in package["targets"].as_array().into_iter().flatten() {
+            for kind in target["kind"].as_array().into_iter().flatten() {
+                targets.push(Target {
+                    package: package["name"].as_str().unwrap_or_default().to_owned(),
+                    kind: kind.as_str().unwrap_or_default().to_owned(),
+                    name: target["name"].as_str().unwrap_or_default().to_owned(),
+                });
+            }
+        }
+    }
+    Ok(targets)
 }
 
 /// Builds `args` with JSON messages and returns the executables of the named targets.

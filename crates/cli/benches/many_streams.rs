@@ -1,10 +1,10 @@
 //! A replay through the command's library, on the fake device, of a trace whose events use
-//! many streams (`tests/synthetic`): each of 20 000, 40 000 or 100 000 side streams in turn
-//! allocates a small block and frees it, so every stream gets a 2 MiB segment of its own
-//! (PyTorch's pools are per stream). Past 80 GiB (40 960 segments) the allocator gives
-//! cached segments back to make room, and dropping the allocator gives back the rest: a
-//! driver free each, which drains the device. Timed: the replay (allocator, driver calls)
-//! and the drop.
+//! many streams (`tests/cli_scenarios/synthetic.rs`): each of 20 000, 40 000 or 100 000 side
+//! streams in turn allocates a small block and frees it, so every stream gets a 2 MiB segment
+//! of its own (PyTorch's pools are per stream). Past 80 GiB (40 960 segments) the allocator
+//! gives cached segments back to make room, and dropping the allocator gives back the rest: a
+//! driver free each, which drains the device. Timed: the replay (allocator, driver calls) and
+//! the drop.
 //!
 //! The fake device used to drain every stream it had at each free, so this was quadratic:
 //! one run each on an idle Xeon core, 20 000 streams 11.7 s, 40 000 55.8 s, 100 000 294 s.
@@ -13,7 +13,7 @@
 // A benchmark has no caller to report to: setup failures abort it, loudly.
 #![allow(clippy::expect_used)]
 
-#[path = "../tests/synthetic/mod.rs"]
+#[path = "../tests/cli_scenarios/synthetic.rs"]
 mod synthetic;
 
 use criterion::{BenchmarkId, Criterion, SamplingMode, criterion_group, criterion_main};

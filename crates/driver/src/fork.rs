@@ -109,7 +109,7 @@ mod tests {
 
     /// A test process has the harness's threads, and this test adds one of its own: the
     /// fork is refused and nothing runs in a child. (The forks that run are in
-    /// `tests/fork.rs`, a single-threaded program.)
+    /// `tests/fork_process.rs`, a single-threaded program.)
     #[test]
     fn a_multi_threaded_process_is_refused() {
         let (ready, wait) = std::sync::mpsc::channel();

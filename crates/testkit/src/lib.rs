@@ -1,16 +1,18 @@
 //! ferrocuda's test harness, for tests and benches only: the backends under test (the fake
 //! device in manual completion, the real driver, which fails rather than skips where there
 //! is no GPU), the kernels tests launch with their host twins for the fake device,
-//! [`both_backends!`] to run one test function over both, and the conformance suite
-//! ([`suite`]): one set of behaviours every backend must show, written once.
+//! [`both_backends!`] to run one test function over both, the conformance suite
+//! ([`suite`]): one set of behaviours every backend must show, written once, and
+//! [`fresh_process`], the `main` of a test whose scenarios each need a process of their own.
 //!
-//! CI runs the suite on the fake device (`tests/conformance_fake.rs`, manual completion so that a
-//! missing synchronization shows up as wrong data); the GPU bundle runs the same functions on
-//! the real driver (`tests/conformance_cuda.rs`). Run the CUDA binary with
-//! `--test-threads=1`: a GLOBAL-mode capture test refuses other threads' allocations, as
-//! CUDA does, and must not share the process with other tests.
+//! CI runs the suite on the fake device (`crates/stream/tests/fake_conformance.rs`, manual
+//! completion so that a missing synchronization shows up as wrong data); the GPU bundle runs
+//! the same functions on the real driver (`crates/stream/tests/cuda_conformance.rs`). Run the
+//! CUDA binary with `--test-threads=1`: a GLOBAL-mode capture test refuses other threads'
+//! allocations, as CUDA does, and must not share the process with other tests.
 //!
-//! Use [`conformance_tests!`] to instantiate every test of the suite.
+//! Use [`conformance_tests!`] to instantiate every test of the suite. Where tests live and
+//! how their binaries are named (`<area>_<kind>`): docs/architecture.md, "Tests".
 #![forbid(unsafe_code)]
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, missing_docs)]
 
@@ -39,6 +41,10 @@ extern "C" __global__ void fill_f32(float* x, float v, unsigned int n) {
 extern "C" __global__ void scale_f32(float* y, const float* x, float a, unsigned int n) {
     unsigned int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) y[i] = a * x[i];
+}
+extern "C" __global__ void add_f32(float* z, const float* x, const float* y, unsigned int n) {
+    unsigned int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) z[i] = x[i] + y[i];
 }
 extern "C" __global__ void add_one_f32(float* x, unsigned int n) {
     unsigned int i = blockIdx.x * blockDim.x + threadIdx.x;
@@ -71,6 +77,12 @@ pub fn register_fake_kernels(fake: &FakeDriver) {
         );
         let out: Vec<f32> = k.read::<f32>(x, n)?.iter().map(|v| a * v).collect();
         k.write(y, &out)
+    });
+    fake.register_kernel("add_f32", |k| {
+        let (z, x, y, n) = (k.arg(0)?, k.arg(1)?, k.arg(2)?, k.arg::<u32>(3)? as usize);
+        let (xs, ys) = (k.read::<f32>(x, n)?, k.read::<f32>(y, n)?);
+        let out: Vec<f32> = xs.iter().zip(&ys).map(|(a, b)| a + b).collect();
+        k.write(z, &out)
     });
     fake.register_kernel("add_one_f32", |k| {
         let (x, n) = (k.arg(0)?, k.arg::<u32>(1)? as usize);
@@ -176,12 +188,15 @@ macro_rules! both_backends {
     };
 }
 
+pub mod fresh_process;
 pub mod suite;
 
 /// Instantiates every conformance test as a `#[test]` over a harness constructor.
 ///
 /// `conformance_tests!(path::to::harness_fn);` or, with attributes on every test,
-/// `conformance_tests!(path::to::harness_fn, #[ignore = "needs a GPU"]);`.
+/// `conformance_tests!(path::to::harness_fn, #[ignore = "needs a GPU"]);`. Invoke it at the
+/// root of a test binary: `launch_blocking` runs the binary again with
+/// `--exact launch_blocking`.
 #[macro_export]
 macro_rules! conformance_tests {
     ($harness:path $(, #[$attr:meta])*) => {

@@ -19,8 +19,8 @@
 //!   `ferrocuda-driver` rlib. rustc exports the `#[no_mangle]` functions of every linked
 //!   crate from a `cdylib` (its exported-symbol list includes upstream crates', and it keeps
 //!   their object files in the link for them), so nothing is re-exported by hand: the test
-//!   `tests/library.rs` loads the built library and looks every name up, so a missing
-//!   export fails CI.
+//!   `tests/torch_plugin_scenarios/library.rs` loads the built library and looks every name up, so
+//!   a missing export fails CI.
 //! - **The process's allocators.** The backend is the facade's global runtime and its
 //!   allocators (`ferrocuda::memory`), so the driver is the real one unless
 //!   `FERROCUDA_BACKEND=fake`, and a malformed configuration makes every call fail with the

@@ -1,10 +1,13 @@
-//! What the allocator's test files share: an allocator on a fake device, a statistic by
-//! PyTorch's key, a stream.
+//! What the allocator's test binaries share: an allocator on a fake device, a statistic by
+//! PyTorch's key, a stream; and [`audit`], the audit tests' own helpers. Each binary uses a
+//! different subset.
 #![allow(dead_code, clippy::panic)]
 use ferrocuda_alloc::{Caching, CachingAllocator};
 use ferrocuda_driver::{Driver, FakeDriver, fake::Completion};
 use ferrocuda_types::{AllocatorConfig, DeviceIndex, StreamFlags, StreamHandle};
 use std::sync::Arc;
+
+pub(crate) mod audit;
 
 pub(crate) const MIB: u64 = 1 << 20;
 pub(crate) const GIB: u64 = 1 << 30;

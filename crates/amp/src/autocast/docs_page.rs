@@ -37,7 +37,7 @@ pub fn op_policy_page() -> String {
     page.push_str(
         "# Autocast op policies per device\n\n\
          <!-- Generated from crates/amp/src/autocast/tables.rs; do not edit. Regenerate with\n\
-         `FERROCUDA_BLESS=1 cargo test -p ferrocuda-amp --test op_policy_page`. -->\n\n\
+         `FERROCUDA_BLESS=1 cargo test -p ferrocuda-amp --test amp_scenarios op_policy_page`. -->\n\n\
          PyTorch 2.15's autocast registrations (`aten/src/ATen/autocast_mode.{h,cpp}`,\n\
          `aten/src/ATen/mps/MPSAutocast.cpp`, `aten/src/ATen/cudnn/AutocastRNN.cpp`) as\n\
          `ferrocuda::amp::autocast` applies them. HPU, XLA, IPU and PrivateUse1 register no ops\n\

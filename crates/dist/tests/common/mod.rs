@@ -1,5 +1,6 @@
-//! What the GPU tests of this crate share: a runtime with the caching allocators over the
-//! real driver, and one thread per rank.
+//! What the GPU tests of this crate share (`dist_gpu.rs`, `dist_multigpu.rs`, and the bench
+//! `benches/multi_gpu.rs`): a runtime with the caching allocators over the real driver, and
+//! one thread per rank.
 #![allow(dead_code)] // each test binary uses part of it
 use ferrocuda_alloc::{Caching, DeviceAllocators};
 use ferrocuda_dist::{DistError, ProcessGroup};

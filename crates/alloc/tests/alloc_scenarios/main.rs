@@ -1,0 +1,24 @@
+//! The caching allocator's scenarios on the fake device, with exact figures: its behaviour
+//! ([`behaviour`]), PyTorch's rules as an audit found them ([`pytorch_rules`]), a full device
+//! or memory fraction ([`memory_pressure`]), frees racing a capture ([`capture_race`]),
+//! `Route::NextCapture` ([`next_capture`]), peers ([`peer_access`]), a pluggable library as
+//! the segment source ([`pluggable`]), the `backend:cudaMallocAsync` allocator
+//! ([`async_backend`]), checkpoints of a private pool ([`checkpoint`]), page reclaim
+//! ([`reclaim_without_sync`], [`reclaim_adversarial`]), and the output formats against
+//! PyTorch's ([`formats`]).
+#![forbid(unsafe_code)]
+#[path = "../common/mod.rs"]
+mod common;
+
+mod async_backend;
+mod behaviour;
+mod capture_race;
+mod checkpoint;
+mod formats;
+mod memory_pressure;
+mod next_capture;
+mod peer_access;
+mod pluggable;
+mod pytorch_rules;
+mod reclaim_adversarial;
+mod reclaim_without_sync;

@@ -1,0 +1,278 @@
+//! `expandable_segments_reclaim` without a stream synchronization: a page moves only once
+//! the work queued before its last free has run (an event shows it), growth maps new pages
+//! for the rest, and no work queued on a freed block ever touches an unmapped page. The
+//! fake device runs in manual completion, where an access to an unmapped address is a
+//! sticky error that the final synchronization reports.
+#![allow(clippy::unwrap_used)]
+use crate::common;
+use common::{D0, GIB, LEGACY, MIB, TestResult, new_stream, setup, stat};
+use ferrocuda_alloc::{Allocation, Route};
+use ferrocuda_driver::{Call, Driver, FakeDriver, fake::Completion};
+use ferrocuda_types::{CaptureMode, DevicePtr, MemsetValue, PoolId, StreamHandle};
+use proptest::prelude::*;
+
+const RECLAIM: &str =
+    "expandable_segments:True,expandable_segments_reclaim:True,expandable_segments_page_mb:2";
+
+/// `n` allocations of `bytes` on the legacy stream.
+fn allocate_n(
+    a: &ferrocuda_alloc::CachingAllocator,
+    n: usize,
+    bytes: u64,
+) -> Result<Vec<Allocation>, ferrocuda_alloc::AllocError> {
+    (0..n).map(|_| a.allocate(bytes, LEGACY)).collect()
+}
+
+fn reserved(a: &ferrocuda_alloc::CachingAllocator) -> u64 {
+    stat(a, "reserved_bytes.all.current") as u64
+}
+
+/// The pages of a block freed with work still queued on it stay mapped; growth maps new
+/// ones, and moves them once the stream has run that work.
+#[test]
+fn a_free_with_queued_work_keeps_its_pages_until_that_work_has_run() -> TestResult {
+    let (fake, a) = setup(80 * GIB, RECLAIM, Completion::Manual);
+    let xs: Vec<_> = allocate_n(&a, 3, 40 * MIB)?;
+    fake.advance_all();
+    fake.memset_async(xs[1].ptr, MemsetValue::U8(7), xs[1].size, LEGACY)?;
+    a.free(xs[1].ptr)?;
+    let syncs = fake.calls(Call::StreamSynchronize) + fake.calls(Call::DeviceSynchronize);
+    let big = a.allocate(60 * MIB, LEGACY)?;
+    assert_eq!(
+        reserved(&a),
+        180 * MIB,
+        "the hole's memset has not run: all 60 MiB are new pages"
+    );
+    fake.advance_all();
+    a.free(big.ptr)?;
+    let bigger = a.allocate(100 * MIB, LEGACY)?;
+    assert_eq!(
+        reserved(&a),
+        180 * MIB,
+        "the stream ran the memset: the hole's and the freed block's pages moved"
+    );
+    assert_eq!(
+        fake.calls(Call::StreamSynchronize) + fake.calls(Call::DeviceSynchronize),
+        syncs,
+        "no synchronization"
+    );
+    fake.memset_async(bigger.ptr, MemsetValue::U8(9), bigger.size, LEGACY)?;
+    fake.device_synchronize(D0)?;
+    let (free, total) = fake.mem_get_info(D0)?;
+    assert_eq!(total - free, reserved(&a), "every physical page is counted");
+    a.check_invariants()?;
+    Ok(())
+}
+
+/// A free block merged from pieces freed at different times gives the pages whose last use
+/// has run, and keeps the others.
+#[test]
+fn only_the_pages_whose_last_use_ran_move() -> TestResult {
+    let (fake, a) = setup(80 * GIB, RECLAIM, Completion::Manual);
+    let xs: Vec<_> = allocate_n(&a, 4, 10 * MIB)?;
+    fake.advance_all();
+    for x in [&xs[0], &xs[2]] {
+        fake.memset_async(x.ptr, MemsetValue::U8(3), x.size, LEGACY)?;
+        a.free(x.ptr)?;
+    }
+    // Growth records a mark covering both frees; the device has not reached it yet.
+    let _grown_first = a.allocate(12 * MIB, LEGACY)?;
+    assert_eq!(reserved(&a), 52 * MIB, "nothing was known to be safe");
+    fake.advance_all();
+    // xs[1] is freed with work queued: it merges with the holes around it.
+    fake.memset_async(xs[1].ptr, MemsetValue::U8(1), xs[1].size, LEGACY)?;
+    a.free(xs[1].ptr)?;
+    let grown = a.allocate(34 * MIB, LEGACY)?;
+    assert_eq!(
+        reserved(&a),
+        66 * MIB,
+        "xs[0] and xs[2] gave 20 MiB; xs[1]'s 10 MiB still had queued work"
+    );
+    fake.memset_async(grown.ptr, MemsetValue::U8(2), grown.size, LEGACY)?;
+    fake.device_synchronize(D0)?;
+    a.check_invariants()?;
+    Ok(())
+}
+
+/// While a capture is underway no event is queried (the driver would invalidate a global
+/// capture): growth maps new pages and the capture stays valid.
+#[test]
+fn growth_during_a_capture_queries_no_event() -> TestResult {
+    let (fake, a) = setup(80 * GIB, RECLAIM, Completion::Eager);
+    let x = a.allocate(40 * MIB, LEGACY)?;
+    let _y = a.allocate(40 * MIB, LEGACY)?;
+    a.free(x.ptr)?;
+    let s = new_stream(&fake)?;
+    fake.stream_begin_capture(s, CaptureMode::Global)?;
+    let pool = PoolId::for_capture();
+    let id = match fake.stream_capture_status(s)? {
+        ferrocuda_types::CaptureStatus::Active { id } => id,
+        other => return Err(format!("not capturing: {other:?}").into()),
+    };
+    a.begin_allocate_to_pool(pool, Route::Capture(id))?;
+    let queries = fake.calls(Call::EventQuery);
+    let z = a.allocate(60 * MIB, LEGACY)?;
+    assert_eq!(fake.calls(Call::EventQuery), queries);
+    assert_eq!(reserved(&a), 140 * MIB, "new pages only");
+    a.end_allocate_to_pool(pool)?;
+    let graph = fake.stream_end_capture(s)?;
+    fake.graph_destroy(graph)?;
+    a.free(z.ptr)?;
+    a.check_invariants()?;
+    Ok(())
+}
+
+#[derive(Clone, Debug)]
+enum Step {
+    Alloc {
+        mib: u64,
+        stream: usize,
+    },
+    Free {
+        pick: usize,
+    },
+    Write {
+        pick: usize,
+    },
+    Advance {
+        stream: usize,
+        items: usize,
+    },
+    /// Runs everything queued on every stream (as a synchronization of the program would).
+    Drain,
+}
+
+fn step() -> impl Strategy<Value = Step> {
+    prop_oneof![
+        4 => (1..48u64, 0..2usize).prop_map(|(mib, stream)| Step::Alloc { mib, stream }),
+        3 => any::<usize>().prop_map(|pick| Step::Free { pick }),
+        3 => any::<usize>().prop_map(|pick| Step::Write { pick }),
+        2 => (0..2usize, 0..40usize).prop_map(|(stream, items)| Step::Advance { stream, items }),
+        1 => Just(Step::Drain),
+    ]
+}
+
+/// One byte in each 2 MiB page a block spans, and its last byte: every page it touches is
+/// used (writing whole blocks byte by byte would make the fake slow).
+fn probes(x: &Allocation) -> Vec<DevicePtr> {
+    (0..x.size.div_ceil(2 * MIB))
+        .map(|k| DevicePtr(x.ptr.0 + k * 2 * MIB))
+        .chain(std::iter::once(DevicePtr(x.ptr.0 + x.size - 1)))
+        .collect()
+}
+
+fn write(fake: &FakeDriver, x: &Allocation, tag: u8) {
+    for p in probes(x) {
+        fake.memset_async(p, MemsetValue::U8(tag), 1, x.stream)
+            .unwrap();
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig {
+        cases: std::env::var("PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(48),
+        ..ProptestConfig::default()
+    })]
+
+    /// Random programs of allocations, frees and writes on two streams whose work runs
+    /// late: no write ever lands on an unmapped page, every live block keeps what was last
+    /// written to it, the allocator never synchronizes, and the books hold.
+    #[test]
+    fn late_work_never_meets_a_moved_page(steps in proptest::collection::vec(step(), 1..120)) {
+        let (fake, a) = setup(4 * GIB, RECLAIM, Completion::Manual);
+        let streams: Vec<StreamHandle> = vec![LEGACY, new_stream(&fake).unwrap()];
+        let mut live: Vec<(Allocation, u8)> = Vec::new();
+        let syncs = fake.calls(Call::StreamSynchronize) + fake.calls(Call::DeviceSynchronize);
+        let mut tag = 0u8;
+        for s in steps {
+            match s {
+                Step::Alloc { mib, stream } => {
+                    let x = a.allocate(mib * MIB - 512, streams[stream]).unwrap();
+                    tag = tag.wrapping_add(1);
+                    write(&fake, &x, tag);
+                    live.push((x, tag));
+                }
+                Step::Free { pick } if !live.is_empty() => {
+                    let (x, _) = live.swap_remove(pick % live.len());
+                    a.free(x.ptr).unwrap();
+                }
+                Step::Write { pick } if !live.is_empty() => {
+                    let i = pick % live.len();
+                    tag = tag.wrapping_add(1);
+                    write(&fake, &live[i].0, tag);
+                    live[i].1 = tag;
+                }
+                Step::Advance { stream, items } => {
+                    fake.advance(streams[stream], Some(items)).unwrap();
+                }
+                Step::Drain => {
+                    fake.advance_all();
+                }
+                _ => {}
+            }
+            a.check_invariants().unwrap();
+        }
+        prop_assert_eq!(
+            fake.calls(Call::StreamSynchronize) + fake.calls(Call::DeviceSynchronize),
+            syncs
+        );
+        fake.device_synchronize(D0).unwrap();
+        for (x, tag) in &live {
+            for p in probes(x) {
+                let mut byte = [0u8];
+                fake.memcpy_dtoh(&mut byte, p, x.stream).unwrap();
+                prop_assert_eq!(byte[0], *tag);
+            }
+        }
+        let (free, total) = fake.mem_get_info(D0).unwrap();
+        prop_assert_eq!(total - free, reserved(&a));
+    }
+}
+
+/// Short of safe pages, a reclaim waits for an older mark (one with four newer marks after
+/// it), not for the stream: the work queued behind that mark is still queued afterwards,
+/// and the pages freed before it move.
+#[test]
+fn short_of_safe_pages_a_reclaim_waits_for_an_older_mark_not_the_stream() -> TestResult {
+    let (fake, a) = setup(80 * GIB, RECLAIM, Completion::Manual);
+    let big: Vec<_> = allocate_n(&a, 4, 10 * MIB)?;
+    let small: Vec<_> = allocate_n(&a, 96, MIB)?;
+    fake.advance_all();
+    // Two holes whose frees the device has not reached, then enough frees for several
+    // marks, each behind queued work.
+    a.free(big[0].ptr)?;
+    a.free(big[2].ptr)?;
+    for x in &small {
+        fake.memset_async(x.ptr, MemsetValue::U8(1), 64, LEGACY)?;
+        a.free(x.ptr)?;
+    }
+    let (syncs, waits) = (
+        fake.calls(Call::StreamSynchronize) + fake.calls(Call::DeviceSynchronize),
+        fake.calls(Call::EventSynchronize),
+    );
+    let before = reserved(&a);
+    let grown = a.allocate(120 * MIB, LEGACY)?;
+    assert_eq!(fake.calls(Call::EventSynchronize), waits + 1, "one wait");
+    assert_eq!(
+        fake.calls(Call::StreamSynchronize) + fake.calls(Call::DeviceSynchronize),
+        syncs,
+        "no synchronization of the stream"
+    );
+    assert!(
+        fake.pending(LEGACY)? > 0,
+        "work queued behind the mark waited for is still queued"
+    );
+    assert!(
+        reserved(&a) - before <= 100 * MIB,
+        "the holes' 20 MiB moved: {} MiB new",
+        (reserved(&a) - before) / MIB
+    );
+    fake.memset_async(grown.ptr, MemsetValue::U8(2), grown.size, LEGACY)?;
+    fake.device_synchronize(D0)?;
+    for x in [&big[1], &big[3]] {
+        a.free(x.ptr)?;
+    }
+    a.free(grown.ptr)?;
+    a.check_invariants()?;
+    Ok(())
+}

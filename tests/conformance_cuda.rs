@@ -1,7 +1,0 @@
-//! The conformance suite on the real CUDA driver. Without a GPU these tests are reported as
-//! ignored (skipped, with the reason); the GPU bundle runs them with `--include-ignored`, where
-//! a missing GPU fails every test. Run with `--test-threads=1` (capture modes are process-wide).
-ferrocuda_testkit::conformance_tests!(
-    ferrocuda_testkit::cuda_harness,
-    #[ignore = "needs a GPU: runs in the GPU bundle (cargo xtask gpu-bundle)"]
-);
