@@ -140,12 +140,20 @@ fn memory_fraction(h: &Harness) -> TestResult {
 fn allocator_settings_sizes(h: &Harness) -> TestResult {
     let a = allocator(h, "roundup_power2_divisions:4")?;
     let nbytes = 4 * 21 * MIB;
-    assert_eq!(a.allocate(nbytes, LEGACY)?.size, 96 * MIB);
+    // Every block stays live until the end (so each request gets a segment of its own) and
+    // is freed then, so that the allocator gives its memory back when it drops.
+    let mut live = Vec::new();
+    let mut size_of = |bytes| -> Result<u64, AllocError> {
+        let x = a.allocate(bytes, LEGACY)?;
+        live.push(x.ptr);
+        Ok(x.size)
+    };
+    assert_eq!(size_of(nbytes)?, 96 * MIB);
     a.update_config("roundup_power2_divisions:[64:8,128:2,256:2,512:2,1024:1,>:1]")?;
-    assert_eq!(a.allocate(nbytes, LEGACY)?.size, 88 * MIB);
-    assert_eq!(a.allocate(4 * 100 * MIB, LEGACY)?.size, 512 * MIB);
+    assert_eq!(size_of(nbytes)?, 88 * MIB);
+    assert_eq!(size_of(4 * 100 * MIB)?, 512 * MIB);
     a.update_config("")?;
-    assert_eq!(a.allocate(nbytes, LEGACY)?.size, nbytes);
+    assert_eq!(size_of(nbytes)?, nbytes);
     for bad in [
         "foo:1,bar:2",
         "garbage_collection_threshold:1.2",
@@ -157,6 +165,9 @@ fn allocator_settings_sizes(h: &Harness) -> TestResult {
             matches!(a.update_config(bad), Err(AllocError::Config(_))),
             "{bad}"
         );
+    }
+    for ptr in live {
+        a.free(ptr)?;
     }
     Ok(())
 }
@@ -182,6 +193,8 @@ fn record_stream_reuse_timing(h: &Harness) -> TestResult {
     let z = a.allocate(4096, s0.handle())?;
     assert_eq!(z.ptr, x.ptr, "reused once s1 is done");
     a.check_invariants()?;
+    a.free(y.ptr)?;
+    a.free(z.ptr)?;
     Ok(())
 }
 
