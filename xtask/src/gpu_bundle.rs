@@ -78,8 +78,19 @@ const REPLAY_SH: &str = include_str!("../gpu/replay.sh");
 const REPLAY_COMPARE_PY: &str = include_str!("../gpu/replay_compare.py");
 
 pub(crate) fn gpu_bundle() -> Result<(), String> {
+    // Checked before the long build: without PyTorch's replay script no bundle is made.
+    let torch_replay = root().join("../shared/tools/torch_replay.py");
+    if !torch_replay.is_file() {
+        return Err(format!(
+            "{} not found: the bundle's replay comparison runs PyTorch's allocator through \
+             it (the shared tools folder beside the checkout)",
+            torch_replay.display()
+        ));
+    }
     let dir = root().join("gpu-bundle");
     let _ = std::fs::remove_dir_all(&dir);
+    // A packed bundle of an earlier run must not pass for this one.
+    let _ = std::fs::remove_file(root().join("gpu-bundle.tar.xz"));
     std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
     let groups = [
         (
@@ -146,7 +157,7 @@ pub(crate) fn gpu_bundle() -> Result<(), String> {
     std::fs::write(dir.join("torch_pinned.py"), TORCH_PINNED_PY).map_err(|e| e.to_string())?;
     // And the several-GPU one (PyTorch's side of crates/dist/benches/multi_gpu.rs).
     std::fs::write(dir.join("torch_dist.py"), TORCH_DIST_PY).map_err(|e| e.to_string())?;
-    bundle_replay(&dir, &root().join("../shared/tools/torch_replay.py"))?;
+    bundle_replay(&dir, &torch_replay)?;
     let script = dir.join("run.sh");
     std::fs::write(&script, run_sh()).map_err(|e| e.to_string())?;
     make_executable(&script)?;

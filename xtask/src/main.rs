@@ -77,34 +77,49 @@ tasks:
   help            this text (also -h, --help)
 ";
 
+/// Whether `args` (what follows the task) asks for help: then no task runs.
+fn asks_for_help(args: &[String]) -> bool {
+    args.iter().any(|a| a == "-h" || a == "--help")
+}
+
+/// Runs a task that takes no arguments, refusing any (a stray argument must not start a
+/// long run the user did not mean).
+fn without_arguments(args: &[String], task: fn() -> Result<(), String>) -> Result<(), String> {
+    match args.first() {
+        Some(a) => Err(format!("takes no arguments (got `{a}`)\n{USAGE}")),
+        None => task(),
+    }
+}
+
 fn main() -> ExitCode {
     let task = std::env::args().nth(1).unwrap_or_default();
+    let rest: Vec<String> = std::env::args().skip(2).collect();
+    if asks_for_help(&rest) {
+        print!("{USAGE}");
+        return ExitCode::SUCCESS;
+    }
     let result = match task.as_str() {
         "help" | "-h" | "--help" => {
             print!("{USAGE}");
             Ok(())
         }
-        "ci" => ci::ci(),
-        "gpu-bundle" => gpu_bundle::gpu_bundle(),
-        "bench" => bench::bench(),
-        "doc" => doc::doc(),
-        "cli-fuzz" => {
-            let args: Vec<String> = std::env::args().skip(2).collect();
-            cli_fuzz::Options::parse(&args).and_then(|o| cli_fuzz::cli_fuzz(&o))
-        }
-        "loom" => loom::loom(),
+        "ci" => without_arguments(&rest, ci::ci),
+        "gpu-bundle" => without_arguments(&rest, gpu_bundle::gpu_bundle),
+        "bench" => without_arguments(&rest, bench::bench),
+        "doc" => without_arguments(&rest, doc::doc),
+        "cli-fuzz" => cli_fuzz::Options::parse(&rest).and_then(|o| cli_fuzz::cli_fuzz(&o)),
+        "loom" => without_arguments(&rest, loom::loom),
         "alloc-fuzz" | "thread-diff" | "graph-fuzz" => {
-            let args: Vec<String> = std::env::args().skip(2).collect();
             let long = match task.as_str() {
                 "alloc-fuzz" => &long_run::ALLOC_FUZZ,
                 "thread-diff" => &long_run::THREAD_DIFF,
                 _ => &long_run::GRAPH_FUZZ,
             };
-            long.run(&args)
+            long.run(&rest)
         }
         "alloc-oracle" => {
-            let dir = std::env::args().nth(2);
-            oracle::alloc_oracle(&dir.map_or_else(oracle_dir, PathBuf::from))
+            let dir = rest.first().map_or_else(oracle_dir, PathBuf::from);
+            oracle::alloc_oracle(&dir)
         }
         "" => {
             eprint!("xtask: no task given\n{USAGE}");
@@ -249,6 +264,20 @@ fn built_executables(args: &[&str], names: &[&str]) -> Result<Vec<(String, PathB
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `cargo xtask ci --help` prints help instead of running CI; a stray argument to a task
+    /// that takes none is refused before anything runs.
+    #[test]
+    fn help_after_a_task_and_stray_arguments_run_nothing() {
+        let args = |a: &[&str]| a.iter().map(|s| (*s).to_owned()).collect::<Vec<_>>();
+        assert!(asks_for_help(&args(&["--help"])));
+        assert!(asks_for_help(&args(&["--seed", "3", "-h"])));
+        assert!(!asks_for_help(&args(&["--seed", "3"])));
+        let never = || -> Result<(), String> { panic!("the task ran") };
+        let refused = without_arguments(&args(&["--verbose"]), never);
+        assert!(refused.is_err_and(|e| e.contains("takes no arguments (got `--verbose`)")));
+        assert_eq!(without_arguments(&[], || Ok(())), Ok(()));
+    }
 
     /// `cargo xtask --help` names every task `main` runs.
     #[test]
