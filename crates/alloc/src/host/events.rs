@@ -103,7 +103,6 @@ impl HostAllocator {
     }
 
     fn process_queue(&self, pool: PoolId) -> Result<(), AllocError> {
-        let max_cached = self.state.lock().max_cached();
         loop {
             let oldest = self
                 .state
@@ -126,7 +125,7 @@ impl HostAllocator {
                     return Err(e.into());
                 }
             }
-            let freed = self.state.lock().event_done(addr, max_cached);
+            let freed = self.state.lock().event_done(addr);
             self.events.put(event);
             if let Freed::Release(block) = freed {
                 self.release(block)?;

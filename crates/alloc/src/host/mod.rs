@@ -176,11 +176,7 @@ impl HostAllocator {
         if addr == 0 {
             return Ok(());
         }
-        let freed = {
-            let mut st = self.state.lock();
-            let max_cached = st.max_cached();
-            st.free(addr, max_cached)?
-        };
+        let freed = self.state.lock().free(addr)?;
         let done = match freed {
             Freed::Done => Ok(()),
             Freed::Release(block) => self.release(block),

@@ -275,9 +275,9 @@ impl State {
     }
 
     /// `free`: the block at `addr` is no longer handed out. Without streams it is cached
-    /// (or released when larger than `max_cached`); used during a capture it is retired;
-    /// otherwise each stream that used it gets an event, recorded by the caller.
-    pub(crate) fn free(&mut self, addr: u64, max_cached: u64) -> Result<Freed, AllocError> {
+    /// (or released when larger than `pinned_max_cached_size_mb`); used during a capture it is
+    /// retired; otherwise each stream that used it gets an event, recorded by the caller.
+    pub(crate) fn free(&mut self, addr: u64) -> Result<Freed, AllocError> {
         let block = self
             .blocks
             .get_mut(&addr)
@@ -286,7 +286,7 @@ impl State {
         block.allocated = false;
         let streams = std::mem::take(&mut block.streams);
         if streams.is_empty() {
-            return Ok(self.make_available(addr, max_cached));
+            return Ok(self.make_available(addr));
         }
         block.event_count += streams.len();
         if block.during_capture {
@@ -306,28 +306,28 @@ impl State {
     }
 
     /// One event of the block at `addr` completed; at its last the block is available.
-    pub(crate) fn event_done(&mut self, addr: u64, max_cached: u64) -> Freed {
+    pub(crate) fn event_done(&mut self, addr: u64) -> Freed {
         let Some(block) = self.blocks.get_mut(&addr) else {
             return Freed::Done;
         };
         block.event_count = block.event_count.saturating_sub(1);
         if block.event_count == 0 && !block.allocated {
-            self.make_available(addr, max_cached)
+            self.make_available(addr)
         } else {
             Freed::Done
         }
     }
 
     /// A block no stream holds any more: back on its pool's free list, or out of the books
-    /// to be released when it is larger than `max_cached`.
-    fn make_available(&mut self, addr: u64, max_cached: u64) -> Freed {
+    /// to be released when it is larger than `pinned_max_cached_size_mb`.
+    fn make_available(&mut self, addr: u64) -> Freed {
         let Some(block) = self.blocks.get(&addr) else {
             return Freed::Done;
         };
         let (size, pool) = (block.size(), block.pool);
         let index = size_index(size);
         self.stats.deactivate(index, size);
-        if size > max_cached {
+        if size > self.max_cached() {
             return self.remove(addr).map_or(Freed::Done, Freed::Release);
         }
         if let Some(p) = self.pool_mut(pool) {
