@@ -2,6 +2,7 @@
 # Runs the bundled tests and benches against the real CUDA driver. A skipped (ignored) test,
 # a missing GPU, or a failed bench counts as a failure. Last line: "N passed, N failed".
 # ONLY=<regex> runs just the binaries whose names match (and skips the PyTorch checks);
+# the step "sanitize" (compute-sanitizer on the conformance binaries) is one such name;
 # ONLY=replay runs just the replay comparison (replay.sh: ferrocuda on the fake device and the
 # GPU, and PyTorch's allocator, on the same traces).
 # MULTI_GPU=1 also runs the multi_* tests and multibench_* benches, which need two GPUs (they
@@ -34,6 +35,12 @@ for t in test_* ${MULTI_GPU:+multi_*}; do
   if [ "$rc" != 0 ] && [ "$f" = 0 ]; then f=1; fi
   passed=$((passed + p)); failed=$((failed + f))
 done
+# compute-sanitizer (memcheck with leak check, racecheck) over the conformance binaries:
+# sanitize.sh lists the tests that provoke driver errors on purpose. ONLY=sanitize runs it.
+if [ -f sanitize.sh ] && want sanitize; then
+  echo "=== sanitize"
+  if OUT="$OUT" ./sanitize.sh 2>&1 | tee "$OUT/sanitize.log"; then passed=$((passed + 1)); else failed=$((failed + 1)); fi
+fi
 for e in example_*; do
   want "$e" || continue
   echo "=== $e"
@@ -85,6 +92,9 @@ if [ -f plugin_bench.py ] && [ -f libferrocuda_torch.so ]; then
   plugin plugin_check_recommended env -u PYTORCH_CUDA_ALLOC_CONF FERROCUDA_ALLOC_CONF=ferrocuda_recommended:True python3 plugin_bench.py check
   # shellcheck disable=SC2086
   plugin plugin_bench python3 plugin_bench.py bench ${PLUGIN_BENCH_ARGS:-}
+  # The decisive one: the ways interleaved request by request, paired ratios with a 95% CI.
+  # shellcheck disable=SC2086
+  plugin plugin_paired python3 plugin_bench.py paired ${PLUGIN_PAIRED_ARGS:-}
 fi
 if [ -f torch_anchor.py ] && [ -z "${ONLY:-}" ]; then
   echo "=== torch_anchor.py (PyTorch, same machine, same run)"
@@ -95,7 +105,7 @@ if [ -f torch_anchor.py ] && [ -z "${ONLY:-}" ]; then
   fi
 fi
 grep -h 'ratio' "$OUT"/bench_*.log 2>/dev/null
-grep -h '^target ' "$OUT"/plugin_bench.log 2>/dev/null
+grep -h '^target ' "$OUT"/plugin_bench.log "$OUT"/plugin_paired.log 2>/dev/null
 if [ -f "$OUT/torch_anchor.json" ]; then
   python3 - "$OUT" <<'PY'
 import json, os, sys

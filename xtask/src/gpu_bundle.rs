@@ -161,6 +161,9 @@ pub(crate) fn gpu_bundle() -> Result<(), String> {
     let script = dir.join("run.sh");
     std::fs::write(&script, run_sh()).map_err(|e| e.to_string())?;
     make_executable(&script)?;
+    let sanitize = dir.join("sanitize.sh");
+    std::fs::write(&sanitize, SANITIZE_SH).map_err(|e| e.to_string())?;
+    make_executable(&sanitize)?;
     eprintln!(
         "bundle ready in {}: run gpu-bundle/run.sh on the GPU machine",
         dir.display()
@@ -286,6 +289,8 @@ const TORCH_DIST_PY: &str = include_str!("../anchors/torch_dist.py");
 /// The bundle's `run.sh` (`xtask/gpu/run.sh`), before [`run_sh`] fills in the tests of
 /// [`GPU_TEST_ONLY`] at [`TEST_ONLY_LINE`].
 const RUN_SH: &str = include_str!("../gpu/run.sh");
+/// compute-sanitizer over the conformance binaries (`xtask/gpu/sanitize.sh`), run by `run.sh`.
+const SANITIZE_SH: &str = include_str!("../gpu/sanitize.sh");
 /// The line of [`RUN_SH`] that [`run_sh`] replaces with a `case` arm for each test of
 /// [`GPU_TEST_ONLY`] (a comment, so that the file alone is valid bash).
 const TEST_ONLY_LINE: &str =
@@ -326,6 +331,27 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         assert!(bash_accepts("run.sh", RUN_SH, &dir));
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// `sanitize.sh` parses, and every binary it runs is one the bundle carries.
+    #[test]
+    fn the_sanitizer_step_runs_bundled_binaries() {
+        let dir = std::env::temp_dir().join(format!("xtask-sanitize-sh-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        assert!(bash_accepts("sanitize.sh", SANITIZE_SH, &dir));
+        let _ = std::fs::remove_dir_all(&dir);
+        let named: Vec<&str> = (SANITIZE_SH.split(|c: char| !c.is_alphanumeric() && c != '_'))
+            .filter(|w| w.starts_with("test_"))
+            .collect();
+        assert!(named.len() >= 8, "{named:?}");
+        for name in named {
+            let bundled = name.strip_prefix("test_").unwrap();
+            assert!(
+                GPU_TESTS.contains(&bundled),
+                "sanitize.sh runs {name}, not bundled"
+            );
+        }
+        assert!(RUN_SH.contains("./sanitize.sh"), "run.sh runs the step");
     }
 
     /// Every binary the bundle names is a target of the workspace: a renamed test would

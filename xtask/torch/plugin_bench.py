@@ -26,8 +26,21 @@
         (both native ways always among them: the targets are judged against them), so a
         round costs less and a fixed device time buys more rounds.
 
+    python3 plugin_bench.py paired [--only WORKLOAD] [--rounds R] [--ways WAY,WAY,...]
+        the decisive comparison: one long-lived process per way, each pinned to a CPU core of
+        its own, all warmed up; then request by request (or step by step) every way runs the
+        same request in turn, in a shuffled order, one process at a time, timed on the host and
+        on the GPU (CUDA events around it). Each way's time over native default's for the
+        same request is one paired ratio; prints their geometric mean with a 95% confidence
+        interval (over requests and rounds, on the log scale), host and GPU, and writes
+        plugin_bench_paired.json.
+
     python3 plugin_bench.py worker WORKLOAD WAY [--steps N] [--requests N]
         one run (what bench starts), printing one JSON line.
+
+    python3 plugin_bench.py serve WORKLOAD WAY
+        one way's process of `paired`: reads an index per line, runs that request, answers
+        with its host and GPU milliseconds as one JSON line; "end" answers with its statistics.
 
 The library is FERROCUDA_TORCH_LIB, else libferrocuda_torch.so beside this script. Results
 go to $OUT (else the current folder).
@@ -35,6 +48,7 @@ go to $OUT (else the current folder).
 import argparse
 import ctypes
 import json
+import math
 import os
 import random
 import statistics
@@ -502,6 +516,112 @@ def check_graphs(torch, ferro):
           "sharing it, make_graphed_callables: every replay equals eager")
 
 
+def serve(workload, way, steps, requests, seed=1234):
+    """One way's long-lived process of `paired` (see the module's text)."""
+    ferro = Ferrocuda() if way.startswith("ferrocuda") else None
+    import torch
+    n = steps if workload == "gpt2_train" else requests
+    warm, measured = WORKLOADS[workload](torch, n, seed)
+    for f in warm:
+        f()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    print(json.dumps({"ready": len(measured)}), flush=True)
+    for line in sys.stdin:
+        line = line.strip()
+        if line == "end":
+            break
+        f = measured[int(line)]
+        t = time.perf_counter()
+        start.record()
+        f()
+        end.record()
+        end.synchronize()
+        host = 1e3 * (time.perf_counter() - t)
+        print(json.dumps({"host_ms": host, "gpu_ms": start.elapsed_time(end)}), flush=True)
+    if ferro:
+        st = ferro.stats()
+        ferro.require_no_error(f"{workload} on ferrocuda (paired)")
+    else:
+        st = torch.cuda.memory_stats()
+    print(json.dumps({"peak_reserved": st["reserved_bytes.all.peak"]}), flush=True)
+
+
+def geomean_ci(ratios):
+    """Geometric mean of `ratios` with a 95% confidence interval (normal on the log scale)."""
+    logs = [math.log(r) for r in ratios]
+    m = statistics.fmean(logs)
+    half = 1.96 * statistics.stdev(logs) / math.sqrt(len(logs)) if len(logs) > 1 else float("inf")
+    return math.exp(m), math.exp(m - half), math.exp(m + half)
+
+
+def paired(args):
+    """Every way in its own pinned process, the same request through each in turn."""
+    workloads = [args.only] if args.only else list(WORKLOADS)
+    cores = sorted(os.sched_getaffinity(0))
+    results = {}
+    for workload in workloads:
+        procs = {}
+        for k, way in enumerate(args.ways):
+            env = dict(os.environ)
+            for key, v in WAYS[way].items():
+                env.pop(key, None)
+                if v is not None:
+                    env[key] = v
+            cmd = [sys.executable, os.path.abspath(__file__), "serve", workload, way,
+                   "--steps", str(args.steps), "--requests", str(args.requests)]
+            # Core 0 stays with this process; each way gets one of its own when there are enough.
+            core = cores[(1 + k) % len(cores)] if len(cores) > 1 else cores[0]
+            p = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                 text=True, bufsize=1,
+                                 preexec_fn=lambda c=core: os.sched_setaffinity(0, {c}))
+            procs[way] = p
+        def ask(way, text):
+            p = procs[way]
+            p.stdin.write(text + "\n")
+            p.stdin.flush()
+            line = p.stdout.readline()
+            if not line:
+                raise SystemExit(f"{workload} / {way}: the process ended (exit {p.wait()})")
+            return json.loads(line)
+        counts = set()
+        for way, p in procs.items():
+            line = p.stdout.readline()
+            if not line:
+                raise SystemExit(f"{workload} / {way}: failed to start (exit {p.wait()})")
+            counts.add(json.loads(line)["ready"])
+        n = counts.pop()
+        rng = random.Random(99)
+        times = {way: [] for way in args.ways}
+        for _ in range(args.rounds):
+            for i in range(n):
+                order = list(args.ways)
+                rng.shuffle(order)
+                for way in order:
+                    times[way].append(ask(way, str(i)))
+        peaks = {way: ask(way, "end")["peak_reserved"] for way in args.ways}
+        for p in procs.values():
+            p.wait()
+        results[workload] = {"times": times, "peak_reserved": peaks}
+        print(f"\n{workload}: {n} requests x {args.rounds} rounds, ways interleaved request by request")
+        print(f"{'way':20} {'host ms':>8} {'gpu ms':>8} {'host ratio [95% CI]':>26} {'gpu ratio [95% CI]':>26} {'peak MiB':>9}")
+        base = times["native_default"]
+        for way in args.ways:
+            row = f"{way:20} {statistics.median(t['host_ms'] for t in times[way]):8.2f} " \
+                  f"{statistics.median(t['gpu_ms'] for t in times[way]):8.2f}"
+            for key in ("host_ms", "gpu_ms"):
+                g, lo, hi = geomean_ci([t[key] / b[key] for t, b in zip(times[way], base)])
+                row += f" {g:9.4f} [{lo:.4f}, {hi:.4f}]"
+            print(row + f" {peaks[way] / MIB:9.0f}")
+        for way in (w for w in ("ferrocuda", "ferrocuda_noreclaim") if w in times):
+            g, lo, hi = geomean_ci([t["host_ms"] / b["host_ms"] for t, b in zip(times[way], base)])
+            verdict = "MET" if hi <= 1.02 else ("MISSED" if lo > 1.02 else "UNDECIDED")
+            print(f"target {workload} {way}: host time x{g:.4f} [{lo:.4f}, {hi:.4f}] vs native "
+                  f"default (within 2%: {verdict})")
+    with open(os.path.join(OUT, "plugin_bench_paired.json"), "w") as f:
+        json.dump(results, f)
+
+
 def ways_list(text):
     """--ways: known names, in WAYS' order, the two native ways the targets compare with always in."""
     asked = set(text.split(","))
@@ -524,16 +644,28 @@ def main():
     b.add_argument("--only", choices=list(WORKLOADS))
     b.add_argument("--ways", type=ways_list, default=list(WAYS),
                    help="comma-separated subset of " + ",".join(WAYS))
-    w = sub.add_parser("worker")
-    w.add_argument("workload", choices=list(WORKLOADS))
-    w.add_argument("way", choices=list(WAYS))
-    w.add_argument("--steps", type=int, default=60)
-    w.add_argument("--requests", type=int, default=150)
+    q = sub.add_parser("paired")
+    q.add_argument("--steps", type=int, default=60)
+    q.add_argument("--requests", type=int, default=150)
+    q.add_argument("--rounds", type=int, default=3)
+    q.add_argument("--only", choices=list(WORKLOADS))
+    q.add_argument("--ways", type=ways_list, default=["native_default", "native_expandable", "ferrocuda"],
+                   help="comma-separated subset of " + ",".join(WAYS))
+    for name in ("worker", "serve"):
+        w = sub.add_parser(name)
+        w.add_argument("workload", choices=list(WORKLOADS))
+        w.add_argument("way", choices=list(WAYS))
+        w.add_argument("--steps", type=int, default=60)
+        w.add_argument("--requests", type=int, default=150)
     a = p.parse_args()
     if a.cmd == "check":
         check()
     elif a.cmd == "bench":
         bench(a)
+    elif a.cmd == "paired":
+        paired(a)
+    elif a.cmd == "serve":
+        serve(a.workload, a.way, a.steps, a.requests)
     else:
         worker(a.workload, a.way, a.steps, a.requests)
 

@@ -174,7 +174,7 @@ pub(super) fn graph_set_node(
     let target = *nodes::list(g)?
         .get(index)
         .ok_or(DriverError::INVALID_VALUE)?;
-    nodes::Params::new(target, node)?.set(target)
+    nodes::Params::new(target, node, &param_counts(driver))?.set(target)
 }
 
 pub(super) fn graph_exec_set_nodes(
@@ -190,7 +190,7 @@ pub(super) fn graph_exec_set_nodes(
     let cache = match known {
         Some(cache) => cache,
         None => {
-            let cache = Arc::new(nodes::Cache::read(g)?);
+            let cache = Arc::new(nodes::Cache::read(g, &param_counts(driver))?);
             let mut registry = registry.write();
             // Destroyed meanwhile by another thread: not kept.
             if registry.graphs.contains_key(&graph.raw) {
@@ -201,7 +201,7 @@ pub(super) fn graph_exec_set_nodes(
     };
     // Every node's parameters are made before any is set, so that an error sets none.
     let params = (changes.iter())
-        .map(|(index, to)| cache.params(*index, to))
+        .map(|(index, to)| cache.params(*index, to, &param_counts(driver)))
         .collect::<Result<Vec<_>, DriverError>>()?;
     Ok(params.iter().all(|(node, p)| p.set_in_exec(e, *node, ctx)))
 }
@@ -238,5 +238,21 @@ pub(super) fn graph_nodes(
     graph: GraphHandle,
 ) -> Result<Vec<GraphNode>, DriverError> {
     let g = driver.graph(graph)?;
-    nodes::list(g)?.into_iter().map(nodes::describe).collect()
+    let counts = param_counts(driver);
+    (nodes::list(g)?.into_iter())
+        .map(|node| nodes::describe(node, &counts))
+        .collect()
+}
+
+/// The parameter counts of the functions of modules this driver loaded (see `ptx`).
+fn param_counts(driver: &CudaDriver) -> impl Fn(sys::CUfunction) -> Option<usize> + '_ {
+    move |f| {
+        let loaded = driver.loaded().ok()?;
+        loaded
+            .registry
+            .read()
+            .param_counts
+            .get(&(f as u64))
+            .copied()
+    }
 }

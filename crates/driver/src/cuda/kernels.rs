@@ -69,7 +69,11 @@ pub(super) fn module_load(
     // SAFETY: `image` is a NUL-terminated buffer that outlives the call; the driver
     // validates its contents.
     check(unsafe { sys::cuModuleLoadData(&mut m, image.as_ptr().cast()) })?;
-    l.registry.write().modules.insert(m as u64, dev.0);
+    let entries = super::ptx::entry_param_counts(image);
+    l.registry
+        .write()
+        .modules
+        .insert(m as u64, (dev.0, entries));
     Ok(ModuleHandle {
         device: dev,
         raw: m as u64,
@@ -82,7 +86,14 @@ pub(super) fn module_unload(driver: &CudaDriver, module: ModuleHandle) -> Result
     if reg.modules.remove(&module.raw).is_none() {
         return Err(DriverError::INVALID_HANDLE);
     }
-    reg.functions.retain(|_, (_, m)| *m != module.raw);
+    let gone: Vec<u64> = (reg.functions.iter())
+        .filter(|(_, (_, m))| *m == module.raw)
+        .map(|(f, _)| *f)
+        .collect();
+    for f in gone {
+        reg.functions.remove(&f);
+        reg.param_counts.remove(&f);
+    }
     drop(reg);
     // SAFETY: the module was live (registry) and is unloaded once.
     check(unsafe { sys::cuModuleUnload(module.raw as sys::CUmodule) })
@@ -94,19 +105,23 @@ pub(super) fn module_function(
     name: &str,
 ) -> Result<FunctionHandle, DriverError> {
     let l = driver.bind(module.device)?;
-    if l.registry.read().modules.get(&module.raw) != Some(&module.device.0) {
-        return Err(DriverError::INVALID_HANDLE);
-    }
+    let params = match l.registry.read().modules.get(&module.raw) {
+        Some((device, entries)) if *device == module.device.0 => entries.get(name).copied(),
+        _ => return Err(DriverError::INVALID_HANDLE),
+    };
     let cname = CString::new(name).map_err(|_| DriverError::INVALID_VALUE)?;
     let mut f = std::ptr::null_mut();
     // SAFETY: the module is live; `cname` is NUL-terminated.
     check(unsafe {
         sys::cuModuleGetFunction(&mut f, module.raw as sys::CUmodule, cname.as_ptr())
     })?;
-    l.registry
-        .write()
-        .functions
+    let mut reg = l.registry.write();
+    reg.functions
         .insert(f as u64, (module.device.0, module.raw));
+    match params {
+        Some(count) => reg.param_counts.insert(f as u64, count),
+        None => reg.param_counts.remove(&(f as u64)),
+    };
     Ok(FunctionHandle {
         device: module.device,
         raw: f as u64,

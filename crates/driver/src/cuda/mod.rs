@@ -39,6 +39,7 @@ mod memory;
 pub mod nccl;
 mod nodes;
 mod peer;
+mod ptx;
 mod raw;
 pub use raw::{RawGraph, RawLaunch};
 mod streams;
@@ -68,8 +69,12 @@ fn ready(r: sys::CUresult) -> Result<bool, DriverError> {
 struct Registry {
     streams: HashSet<(u16, u64)>,
     events: HashMap<u64, (u16, EventFlags)>,
-    modules: HashMap<u64, u16>,
+    /// Loaded modules: their device and, for PTX images, each entry's parameter count.
+    modules: HashMap<u64, (u16, HashMap<String, usize>)>,
     functions: HashMap<u64, (u16, u64)>,
+    /// The parameter count of each function looked up in a PTX module (read by
+    /// [`nodes`] so that it never asks the driver about a parameter past the last).
+    param_counts: HashMap<u64, usize>,
     graphs: HashMap<u64, u16>,
     /// What updates of instances read of a graph, once (`graph_exec_set_nodes`).
     graph_nodes: HashMap<u64, Arc<nodes::Cache>>,

@@ -28,11 +28,14 @@ pub(super) fn list(graph: sys::CUgraph) -> Result<Vec<sys::CUgraphNode>, DriverE
 }
 
 /// What `node` is, with the parameters of the kinds [`GraphNode`] describes.
-pub(super) fn describe(node: sys::CUgraphNode) -> Result<GraphNode, DriverError> {
+pub(super) fn describe(
+    node: sys::CUgraphNode,
+    counts: ParamCounts<'_>,
+) -> Result<GraphNode, DriverError> {
     let kind = node_type(node)?;
     let is = |t: NodeType| kind == t as u32;
     Ok(if is(NodeType::CU_GRAPH_NODE_TYPE_KERNEL) {
-        match read_kernel(node)? {
+        match read_kernel(node, counts)? {
             Some(kernel) => GraphNode::Kernel { args: kernel.args },
             None => opaque("kernel without a parameter array"),
         }
@@ -80,11 +83,15 @@ pub(super) enum Params {
 }
 
 impl Params {
-    pub(super) fn new(node: sys::CUgraphNode, to: &GraphNode) -> Result<Params, DriverError> {
+    pub(super) fn new(
+        node: sys::CUgraphNode,
+        to: &GraphNode,
+        counts: ParamCounts<'_>,
+    ) -> Result<Params, DriverError> {
         let kind = node_type(node)?;
         Ok(match to {
             GraphNode::Kernel { args } if kind == NodeType::CU_GRAPH_NODE_TYPE_KERNEL as u32 => {
-                Params::Kernel(kernel_params(node, args)?)
+                Params::Kernel(kernel_params(node, args, counts)?)
             }
             GraphNode::Memset { dst, value, count }
                 if kind == NodeType::CU_GRAPH_NODE_TYPE_MEMSET as u32 =>
@@ -163,9 +170,16 @@ struct Kernel {
     args: Vec<Vec<u8>>,
 }
 
+/// The parameter count of a function, where the module it came from said (PTX images; see
+/// `ptx`). `None`: a function ferrocuda did not load, whose parameters are probed.
+pub(super) type ParamCounts<'a> = &'a dyn Fn(sys::CUfunction) -> Option<usize>;
+
 /// The kernel node's parameters, or `None` when its arguments cannot be read (launched
 /// with `extra`, or through a library kernel handle).
-fn read_kernel(node: sys::CUgraphNode) -> Result<Option<Kernel>, DriverError> {
+fn read_kernel(
+    node: sys::CUgraphNode,
+    counts: ParamCounts<'_>,
+) -> Result<Option<Kernel>, DriverError> {
     // SAFETY: all-zero is a valid value of this plain C struct (null pointers, zeros).
     let mut params: sys::CUDA_KERNEL_NODE_PARAMS = unsafe { std::mem::zeroed() };
     // SAFETY: a kernel node of a live graph; writes through a valid pointer.
@@ -173,14 +187,18 @@ fn read_kernel(node: sys::CUgraphNode) -> Result<Option<Kernel>, DriverError> {
     if params.kernelParams.is_null() || params.func.is_null() {
         return Ok(None);
     }
+    // A function of a module ferrocuda loaded is asked about its parameters only; another
+    // one (cuFuncGetParamCount is not in CUDA 13.0's driver) is probed until the driver
+    // says there is no further parameter, which it reports as a failed call.
+    let known = counts(params.func);
     let mut args = Vec::new();
-    loop {
+    while known.is_none_or(|n| args.len() < n) {
         let (mut offset, mut size) = (0usize, 0usize);
         // SAFETY: `func` is the node's live function; writes through valid pointers.
         let r = unsafe { sys::cuFuncGetParamInfo(params.func, args.len(), &mut offset, &mut size) };
         match r {
             sys::CUresult::CUDA_SUCCESS => {}
-            sys::CUresult::CUDA_ERROR_INVALID_VALUE => break, // past the last parameter
+            sys::CUresult::CUDA_ERROR_INVALID_VALUE if known.is_none() => break,
             e => return Err(DriverError::from_code(e as i32)),
         }
         // SAFETY: the node's parameter array has one pointer per kernel parameter, each to
@@ -204,8 +222,12 @@ pub(super) struct KernelParams {
 }
 
 /// `node`'s kernel parameters with the argument bytes `args` (as many, of the same sizes).
-fn kernel_params(node: sys::CUgraphNode, args: &[Vec<u8>]) -> Result<KernelParams, DriverError> {
-    let current = read_kernel(node)?.ok_or(DriverError::INVALID_VALUE)?;
+fn kernel_params(
+    node: sys::CUgraphNode,
+    args: &[Vec<u8>],
+    counts: ParamCounts<'_>,
+) -> Result<KernelParams, DriverError> {
+    let current = read_kernel(node, counts)?.ok_or(DriverError::INVALID_VALUE)?;
     KernelBase::of(&current).with_args(args)
 }
 
@@ -270,14 +292,14 @@ unsafe impl Sync for Cache {}
 
 impl Cache {
     /// Reads the nodes of the live `graph`.
-    pub(super) fn read(graph: sys::CUgraph) -> Result<Cache, DriverError> {
+    pub(super) fn read(graph: sys::CUgraph, counts: ParamCounts<'_>) -> Result<Cache, DriverError> {
         let list = list(graph)?;
         let kernels = (list.iter())
             .map(|&node| {
                 if node_type(node)? != NodeType::CU_GRAPH_NODE_TYPE_KERNEL as u32 {
                     return Ok(None);
                 }
-                Ok(read_kernel(node)?.as_ref().map(KernelBase::of))
+                Ok(read_kernel(node, counts)?.as_ref().map(KernelBase::of))
             })
             .collect::<Result<_, DriverError>>()?;
         Ok(Cache { list, kernels })
@@ -289,11 +311,12 @@ impl Cache {
         &self,
         index: usize,
         to: &GraphNode,
+        counts: ParamCounts<'_>,
     ) -> Result<(sys::CUgraphNode, Params), DriverError> {
         let node = *self.list.get(index).ok_or(DriverError::INVALID_VALUE)?;
         let params = match (to, self.kernels.get(index)) {
             (GraphNode::Kernel { args }, Some(Some(base))) => Params::Kernel(base.with_args(args)?),
-            _ => Params::new(node, to)?,
+            _ => Params::new(node, to, counts)?,
         };
         Ok((node, params))
     }
