@@ -31,11 +31,6 @@ impl ExpandableSegment {
     }
 }
 
-/// Every this many frees in a segment a reclaim mark falls due on its stream: pages freed
-/// late in a step are then covered by a mark the device reaches soon after, not only by
-/// the next growth's (which it has not reached when that growth looks).
-const FREES_PER_MARK: u32 = 16;
-
 /// One step of growing an expandable range: a free mapped block to take as it is, or the
 /// first `bytes` of an unmapped range to map.
 #[derive(Copy, Clone, Debug)]
@@ -83,7 +78,7 @@ pub(crate) struct Expandable {
     pub(crate) spare_pages: [Vec<(PhysHandle, u64)>; 2],
     /// When free pages may be unmapped without a synchronization.
     pub(crate) clock: ReclaimClock,
-    /// A stream whose frees want a reclaim mark recorded (`FREES_PER_MARK`).
+    /// A stream whose frees want a reclaim mark recorded (see [`ReclaimClock::frees_per_mark`]).
     pub(crate) mark_due: Option<StreamHandle>,
 }
 
@@ -143,12 +138,12 @@ impl Expandable {
     /// and counts the free towards the segment's next mark.
     pub(crate) fn stamp_free(&mut self, blocks: &Blocks, id: usize) {
         let (ptr, end) = (blocks[id].ptr, blocks[id].ptr + blocks[id].size);
-        let stamp = self.clock.epoch();
+        let (stamp, frees_per_mark) = (self.clock.epoch(), self.clock.frees_per_mark());
         if let Some(segment) = self.segment_of_mut(blocks, id) {
             let (from, to) = (segment.page_index(ptr), segment.page_index(end - 1) + 1);
             segment.freed[from..to].fill(stamp);
             segment.frees_since_mark += 1;
-            if segment.frees_since_mark >= FREES_PER_MARK {
+            if segment.frees_since_mark >= frees_per_mark {
                 segment.frees_since_mark = 0;
                 self.mark_due = Some(segment.stream);
             }

@@ -6,6 +6,7 @@ use crate::block::{Block, Link};
 use crate::engine::{Engine, Guard};
 use crate::error::AllocError;
 use crate::expandable::{ExpandableSegment, Grow, Unmap, UnmapJob};
+use crate::reclaim_clock::MARKS_KEPT;
 use crate::state::State;
 use ferrocuda_driver::DriverError;
 use ferrocuda_types::{DeviceIndex, DevicePtr, PhysHandle, PoolId, PoolKind, StreamHandle};
@@ -331,12 +332,25 @@ impl Engine {
     }
 
     /// Records a reclaim mark on `stream`, if it takes one (an event that cannot be made or
-    /// recorded only means fewer pages known safe).
+    /// recorded only means fewer pages known safe). At [`MARKS_KEPT`] outstanding marks the
+    /// completed ones are settled first, and if as many are left, the oldest one's event
+    /// is recorded again (see `reclaim_clock`).
     fn record_mark(&self, st: &mut State, stream: StreamHandle) {
         if st.expandable.mark_due == Some(stream) {
             st.expandable.mark_due = None;
         }
-        if let Ok(event) = st.order.event(&*self.driver, self.device) {
+        if st.expandable.clock.outstanding(stream) >= MARKS_KEPT {
+            self.settle_marks(st, stream);
+        }
+        let event = match st.expandable.clock.outstanding(stream) >= MARKS_KEPT {
+            true => st
+                .expandable
+                .clock
+                .take_oldest(stream)
+                .ok_or(DriverError::INVALID_VALUE),
+            false => st.order.event(&*self.driver, self.device),
+        };
+        if let Ok(event) = event {
             match self.driver.event_record(event, stream) {
                 Ok(()) => st.expandable.clock.marked(stream, event),
                 Err(_) => st.order.give_back(event),
@@ -345,7 +359,8 @@ impl Engine {
     }
 
     /// Records the reclaim mark that frees made due (`expandable_segments_reclaim` only; it
-    /// stays due while a capture is underway, where the event would join the graph).
+    /// stays due while a capture is underway, where the event would join the graph). A
+    /// stream found idle needs none: every page stamped so far is safe.
     #[inline]
     pub(crate) fn record_due_mark(&self, st: &mut State) {
         if st.expandable.mark_due.is_none() || st.capturing() {
@@ -354,7 +369,14 @@ impl Engine {
         if let Some(stream) = st.expandable.mark_due.take()
             && st.config.expandable.reclaim
         {
-            self.record_mark(st, stream);
+            let idle = self.driver.stream_query(stream).unwrap_or(false);
+            st.expandable.clock.adapt(idle);
+            if idle {
+                let (done, _) = st.expandable.clock.idle(stream);
+                st.order.give_back_all(done);
+            } else {
+                self.record_mark(st, stream);
+            }
         }
     }
 

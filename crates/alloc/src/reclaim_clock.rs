@@ -15,6 +15,19 @@
 //! a wait: after the program's own synchronization, say) makes every page stamped so far
 //! safe. When too few pages are known safe, a reclaim may wait for an older mark, never for
 //! the newest ones.
+//!
+//! A mark falls due on a stream found idle records nothing: a query says every page
+//! stamped so far is safe, without an event (cheaper than recording one). And when marks
+//! keep falling due on an idle stream they fall due half as often, down to one per
+//! [`MAX_FREES_PER_MARK`] frees, back to every [`MIN_FREES_PER_MARK`] as soon as one finds
+//! the stream busy: a steady state that frees on an idle stream pays one query now and then.
+//!
+//! Marks are settled at reclaims, and a stream that frees on a busy stream without ever
+//! needing a reclaim would gather marks, and an event each, without end. So a stream keeps
+//! at most [`MARKS_KEPT`] outstanding: at that many, its completed ones are settled first,
+//! and if the device is still that far behind, the oldest mark's event is recorded again as
+//! the newest (the pages it covered wait for the next one instead, which the device
+//! reaches soon after: a reclaim waits behind the newest few, never the oldest).
 use ferrocuda_driver::Driver;
 use ferrocuda_types::{EventHandle, StreamHandle};
 use rustc_hash::FxHashMap;
@@ -23,6 +36,19 @@ use std::collections::VecDeque;
 /// How many newer marks a mark needs before a reclaim waits for it: a wait for the newest
 /// would drain the stream's queue, as the synchronization this design avoids does.
 const MARKS_BEHIND: usize = 4;
+
+/// At first, every this many frees in a segment a reclaim mark falls due on its stream:
+/// pages freed late in a step are then covered by a mark the device reaches soon after,
+/// not only by the next growth's (which it has not reached when that growth looks).
+const MIN_FREES_PER_MARK: u32 = 16;
+
+/// The fewest marks: one per this many frees, reached while the device keeps up.
+const MAX_FREES_PER_MARK: u32 = 16 << 6;
+
+/// The most outstanding marks a stream keeps: far more than a reclaim waits behind, and
+/// more than a lagging training step records (a GPT-2 step replayed with the device two
+/// steps behind keeps about 300).
+pub(crate) const MARKS_KEPT: usize = 1024;
 
 /// The first epoch: pages stamped before it (0, never freed since mapped) are always safe.
 const FIRST_EPOCH: u64 = 1;
@@ -50,6 +76,8 @@ impl Default for StreamMarks {
 pub(crate) struct ReclaimClock {
     epoch: u64,
     streams: FxHashMap<u64, StreamMarks>,
+    /// Frees of a segment between marks (see the module's text).
+    frees_per_mark: u32,
 }
 
 impl Default for ReclaimClock {
@@ -57,6 +85,7 @@ impl Default for ReclaimClock {
         ReclaimClock {
             epoch: FIRST_EPOCH,
             streams: FxHashMap::default(),
+            frees_per_mark: MIN_FREES_PER_MARK,
         }
     }
 }
@@ -65,6 +94,35 @@ impl ReclaimClock {
     /// The stamp a free's pages take now.
     pub(crate) fn epoch(&self) -> u64 {
         self.epoch
+    }
+
+    /// How many frees of a segment make a mark due now.
+    pub(crate) fn frees_per_mark(&self) -> u32 {
+        self.frees_per_mark
+    }
+
+    /// Outstanding marks of `stream`.
+    pub(crate) fn outstanding(&self, stream: StreamHandle) -> usize {
+        self.streams
+            .get(&stream.raw)
+            .map_or(0, |m| m.outstanding.len())
+    }
+
+    /// A due mark found its stream idle (marks may be rarer) or busy (as frequent as at
+    /// first).
+    pub(crate) fn adapt(&mut self, idle: bool) {
+        self.frees_per_mark = if idle {
+            (self.frees_per_mark * 2).min(MAX_FREES_PER_MARK)
+        } else {
+            MIN_FREES_PER_MARK
+        };
+    }
+
+    /// Takes `stream`'s oldest outstanding mark out, to record its event again (see
+    /// [`MARKS_KEPT`]).
+    pub(crate) fn take_oldest(&mut self, stream: StreamHandle) -> Option<EventHandle> {
+        let marks = self.streams.get_mut(&stream.raw)?;
+        marks.outstanding.pop_front().map(|(event, _)| event)
     }
 
     /// `event` was just recorded on `stream`: it starts a new epoch.

@@ -9,7 +9,7 @@ use ferrocuda_alloc::{AllocError, Caching, CachingAllocator};
 use ferrocuda_driver::fake::{AddressPlan, AddressPlanError, Completion, PlanUse, WhenUnusable};
 use ferrocuda_driver::{CudaDriver, Driver, DriverError, FakeDriver};
 use ferrocuda_types::{
-    AllocatorConfig, DeviceIndex, DevicePtr, StreamFlags, StreamHandle, format_size,
+    AllocatorConfig, DeviceIndex, DevicePtr, MemsetValue, StreamFlags, StreamHandle, format_size,
 };
 use plan::{Plan, Step};
 use std::sync::Arc;
@@ -388,7 +388,9 @@ pub fn replay_with(
 }
 
 /// A fake device in manual completion whose queued work is run before every `every`th
-/// step of the trace.
+/// step of the trace. Each free is preceded by a piece of work on the block's stream (an
+/// empty memset at its address: the last kernel that used it), so that the stream is busy
+/// between catch-ups as a real one is with the program's kernels.
 struct CatchUp<'a> {
     /// Steps between catch-ups (at least 1).
     every: u64,
@@ -427,7 +429,8 @@ fn replay_lagging(
                 })
         })
         .collect::<Result<Vec<StreamHandle>, ReplayError>>()?;
-    let mut live: Vec<Option<(DevicePtr, u64)>> = vec![None; plan.slots];
+    // Each live allocation's address, requested bytes and stream.
+    let mut live: Vec<Option<(DevicePtr, u64, StreamHandle)>> = vec![None; plan.slots];
     let (mut requested, mut peak_requested, mut ooms) = (0u64, 0u64, 0u64);
     let failed = |k: usize, source| ReplayError::Allocator {
         index: plan.origin[k],
@@ -447,7 +450,8 @@ fn replay_lagging(
                 Step::Alloc { slot, stream, size } => {
                     match allocator.allocate(size, streams[stream]) {
                         Ok(x) => {
-                            if let Some((old, old_size)) = live[slot].replace((x.ptr, size)) {
+                            let entry = (x.ptr, size, streams[stream]);
+                            if let Some((old, old_size, _)) = live[slot].replace(entry) {
                                 // The trace reused an address without freeing it: free ours.
                                 requested -= old_size;
                                 allocator.free(old).map_err(|e| failed(k, e))?;
@@ -460,7 +464,12 @@ fn replay_lagging(
                     }
                 }
                 Step::Free { slot } => {
-                    if let Some((ptr, size)) = live[slot].take() {
+                    if let Some((ptr, size, stream)) = live[slot].take() {
+                        if let Some(lag) = &lag {
+                            let last_use =
+                                lag.fake.memset_async(ptr, MemsetValue::U8(0), 0, stream);
+                            last_use.map_err(|d| failed(k, d.into()))?;
+                        }
                         requested -= size;
                         allocator.free(ptr).map_err(|e| failed(k, e))?;
                     }
@@ -504,7 +513,7 @@ fn replay_lagging(
         segment_addresses: Vec::new(),
     };
     // Like PyTorch's replay, blocks still live at the end are freed after the clock stops.
-    for (ptr, _) in live.into_iter().flatten() {
+    for (ptr, _, _) in live.into_iter().flatten() {
         allocator
             .free(ptr)
             .map_err(|source| ReplayError::Allocator {

@@ -276,3 +276,62 @@ fn short_of_safe_pages_a_reclaim_waits_for_an_older_mark_not_the_stream() -> Tes
     a.check_invariants()?;
     Ok(())
 }
+
+/// Frees that never lead to a reclaim (a steady state) keep a bounded number of marks and
+/// events: on an idle stream a due mark is a query, not an event; with the device far
+/// behind, a stream keeps at most 1 024 marks (an event each), and a reclaim afterwards
+/// still moves the pages whose last use has run.
+#[test]
+fn a_steady_state_keeps_few_marks_and_events() -> TestResult {
+    let config = format!("{RECLAIM},thread_cache:False");
+    // More frees than 1 024 marks take, one per 16 frees on a busy stream.
+    let frees = 20_000;
+    // Two sizes in turn: every free splits and merges in one expandable segment.
+    let churn = |a: &ferrocuda_alloc::CachingAllocator, fake: &FakeDriver, queue: bool| {
+        let mut kept = Vec::new();
+        for i in 0..frees {
+            let x = a.allocate(if i % 2 == 0 { MIB } else { 3 * MIB }, LEGACY)?;
+            if queue {
+                fake.memset_async(x.ptr, MemsetValue::U8(1), 64, LEGACY)?;
+            }
+            kept.push(x);
+            if kept.len() > 4 {
+                a.free(kept.remove(0).ptr)?;
+            }
+        }
+        for x in kept {
+            a.free(x.ptr)?;
+        }
+        Ok::<(), Box<dyn std::error::Error>>(())
+    };
+
+    let (fake, a) = setup(80 * GIB, &config, Completion::Eager);
+    churn(&a, &fake, false)?;
+    let (records, queries) = (fake.calls(Call::EventRecord), fake.calls(Call::StreamQuery));
+    assert_eq!(records, 0, "an idle stream takes no mark");
+    assert!(
+        (1..frees as u64 / 16 / 8).contains(&queries),
+        "due marks on an idle stream grow rare: {queries} queries for {frees} frees"
+    );
+    a.check_invariants()?;
+
+    let (fake, a) = setup(80 * GIB, &config, Completion::Manual);
+    churn(&a, &fake, true)?;
+    let (records, created) = (fake.calls(Call::EventRecord), fake.calls(Call::EventCreate));
+    assert!(
+        records >= frees as u64 / 16 - 1 && created == 1024,
+        "the device never ran: {records} marks recorded, {created} events made"
+    );
+    fake.advance_all();
+    let before = reserved(&a);
+    let grown = a.allocate(40 * MIB, LEGACY)?;
+    assert!(
+        reserved(&a) < before + 40 * MIB,
+        "the freed pages moved once the device ran: {} MiB new",
+        (reserved(&a) - before) / MIB
+    );
+    a.free(grown.ptr)?;
+    fake.device_synchronize(D0)?;
+    a.check_invariants()?;
+    Ok(())
+}
