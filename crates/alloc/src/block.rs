@@ -285,6 +285,35 @@ impl Blocks {
         new
     }
 
+    /// Cuts block `id` to its first `bytes`; the rest becomes a new block, which it returns.
+    /// Only the new block's address is added to the address map (the hot path's split: one
+    /// map insertion, where [`Blocks::split_front`] makes two).
+    pub(crate) fn split_back(&mut self, id: usize, bytes: u64) -> usize {
+        let b = &self.slab[id];
+        let back = Block {
+            prev: Link::from(Some(id)),
+            next: b.next,
+            list: b.list,
+            ..Block::new(
+                b.ptr + bytes,
+                b.size - bytes,
+                b.stream,
+                b.pool,
+                b.mapped,
+                b.segment,
+                b.pool_id,
+            )
+        };
+        let new = self.insert(back);
+        if let Some(n) = self.slab[new].next.get() {
+            self.slab[n].prev = Link::from(Some(new));
+        }
+        let b = &mut self.slab[id];
+        b.size = bytes;
+        b.next = Link::from(Some(new));
+        new
+    }
+
     /// Merges `next` (which must follow `id` directly) into `id`.
     pub(crate) fn absorb_next(&mut self, id: usize, next: usize) {
         let n = &self.slab[next];
@@ -306,6 +335,7 @@ impl Blocks {
 
     /// The bytes of the unmapped range `next` (a block's successor), if it is one: what an
     /// expandable block there could grow by.
+    #[inline]
     pub(crate) fn unmapped_after(&self, next: Link) -> u64 {
         next.get().map_or(0, |n| {
             if self.slab[n].mapped {

@@ -27,7 +27,15 @@ pub(crate) struct ExpandableSegment {
 impl ExpandableSegment {
     /// The index of the page that holds `addr` (an address inside this segment).
     fn page_index(&self, addr: u64) -> usize {
-        ((addr - self.va.base.0) / self.page) as usize
+        let offset = addr - self.va.base.0;
+        // Every free stamps its pages: a shift for the usual power-of-two page, not a
+        // division (tens of cycles on the hot path).
+        let index = if self.page.is_power_of_two() {
+            offset >> self.page.trailing_zeros()
+        } else {
+            offset / self.page
+        };
+        index as usize
     }
 }
 

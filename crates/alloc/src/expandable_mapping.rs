@@ -359,11 +359,20 @@ impl Engine {
     }
 
     /// Records the reclaim mark that frees made due (`expandable_segments_reclaim` only; it
-    /// stays due while a capture is underway, where the event would join the graph). A
-    /// stream found idle needs none: every page stamped so far is safe.
-    #[inline]
+    /// stays due while a capture is underway, where the event would join the graph). Every
+    /// locked operation asks; one in many frees of a segment makes one due.
+    #[inline(always)]
     pub(crate) fn record_due_mark(&self, st: &mut State) {
-        if st.expandable.mark_due.is_none() || st.capturing() {
+        if st.expandable.mark_due.is_some() {
+            self.record_due_mark_now(st);
+        }
+    }
+
+    /// [`Engine::record_due_mark`] with one due. A stream found idle needs none: every page
+    /// stamped so far is safe.
+    #[cold]
+    fn record_due_mark_now(&self, st: &mut State) {
+        if st.capturing() {
             return;
         }
         if let Some(stream) = st.expandable.mark_due.take()

@@ -195,6 +195,25 @@ impl FreeList {
         }
     }
 
+    /// Entries with a key above `found`'s (found by [`first_from`](Self::first_from), the
+    /// list unchanged since), in order: where the search stopped, without a second search.
+    #[inline]
+    pub(crate) fn after(&self, found: &Found) -> Entries<'_> {
+        let bin = &self.bins[found.bin];
+        match (found.index, &bin.large) {
+            (Some(i), None) => Entries {
+                list: self,
+                bin: found.bin,
+                inner: BinEntries::Small(bin.small[..i].iter().rev()),
+            },
+            _ => {
+                let mut entries = self.range_from(found.key);
+                entries.next();
+                entries
+            }
+        }
+    }
+
     pub(crate) fn iter(&self) -> Entries<'_> {
         self.range_from(0)
     }
@@ -339,6 +358,16 @@ mod tests {
                 let found = f.first_from(probe);
                 let want = model.range(probe..).next().map(|(k, v)| (*k, *v));
                 assert_eq!(found.map(|x| (x.key, x.id)), want);
+                if let Some(x) = &found {
+                    assert_eq!(
+                        f.after(x).take(3).collect::<Vec<_>>(),
+                        model
+                            .range(x.key + 1..)
+                            .take(3)
+                            .map(|(k, v)| (*k, *v))
+                            .collect::<Vec<_>>()
+                    );
+                }
                 if let Some(x) = found {
                     f.remove_found(x);
                     model.remove(&x.key);

@@ -140,10 +140,14 @@ impl Pools {
         let (pool, kind, stream) = at;
         let list = self.list(pool, stream.raw, kind)?;
         let first = list.first_from(key(size, 0))?;
-        if blocks[first.id].segment.is_none() {
+        // An ordinary block, or with expandable segments on an expandable one that cannot
+        // grow (a mapped block follows it): every later candidate is at least as large, so
+        // none can be preferred.
+        let b = &blocks[first.id];
+        if b.segment.is_none() || (expandable && blocks.unmapped_after(b.next) == 0) {
             return Some(first);
         }
-        let mut candidates = list.range_from(first.key).skip(1);
+        let mut candidates = list.after(&first);
         if !expandable {
             return candidates
                 .find(|(_, i)| blocks[*i].segment.is_none())

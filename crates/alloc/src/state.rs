@@ -187,10 +187,10 @@ impl State {
         let was_split = self.blocks[id].is_split();
         // Expandable blocks are never counted as inactive splits (PyTorch's rule).
         let counted = self.blocks[id].segment.is_none();
-        let id = if split {
+        if split {
             let remaining = self.blocks[id].size - size;
-            let new = self.blocks.split_front(id, size);
-            self.pool_insert(id);
+            let rest = self.blocks.split_back(id, size);
+            self.pool_insert(rest);
             if counted && was_split {
                 self.stats.inactive_split_bytes.decrease(kind, size as i64);
             } else if counted {
@@ -199,16 +199,12 @@ impl State {
                     .inactive_split_bytes
                     .increase(kind, remaining as i64);
             }
-            new
-        } else {
-            if counted && was_split {
-                self.stats.inactive_split.decrease(kind, 1);
-                self.stats
-                    .inactive_split_bytes
-                    .decrease(kind, self.blocks[id].size as i64);
-            }
-            id
-        };
+        } else if counted && was_split {
+            self.stats.inactive_split.decrease(kind, 1);
+            self.stats
+                .inactive_split_bytes
+                .decrease(kind, self.blocks[id].size as i64);
+        }
         let max_split = self.config.sizes.max_split_size;
         let b = &mut self.blocks[id];
         let (ptr, size, stream) = (b.ptr, b.size, b.stream);
