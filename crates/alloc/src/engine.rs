@@ -241,8 +241,17 @@ impl Engine {
 
     /// Frees blocks whose events completed, stream by stream, in order (after recording
     /// the events of blocks freed during a capture that has ended).
+    #[inline(always)]
     pub(crate) fn process_events(&self, st: &mut State) {
-        if st.order.is_quiet() || st.capturing() {
+        if !st.order.is_quiet() {
+            self.process_pending_events(st);
+        }
+    }
+
+    /// [`Engine::process_events`] with events outstanding or frees deferred.
+    #[cold]
+    fn process_pending_events(&self, st: &mut State) {
+        if st.capturing() {
             return;
         }
         self.record_deferred(st);

@@ -42,6 +42,8 @@ pub(crate) struct Pools {
     /// and back on every pair, where a tree set's insert and removal cost more than the
     /// rest of the request.
     occupied: [BitSet; 2],
+    /// The (pool, stream) used last and its index: most requests come from it.
+    last_key: (PoolId, u64),
     last: usize,
     /// PyTorch's `get_free_blocks_call_count` of the default large pool, the only pool
     /// whose blocks garbage collection frees: a block's age is this clock's advance since
@@ -50,19 +52,16 @@ pub(crate) struct Pools {
 }
 
 impl Pools {
-    #[inline]
+    #[inline(always)]
     fn position(&self, pool: PoolId, stream: u64) -> Option<usize> {
-        if self
-            .streams
-            .get(self.last)
-            .is_some_and(|(s, _)| *s == (pool, stream))
-        {
+        if self.last_key == (pool, stream) && self.last < self.streams.len() {
             return Some(self.last);
         }
         self.positions.get(&(pool, stream)).copied()
     }
 
     /// The free list of (`pool`, `stream`, `kind`), if one was ever made.
+    #[inline(always)]
     pub(crate) fn list(&self, pool: PoolId, stream: u64, kind: PoolKind) -> Option<&FreeList> {
         let i = self.position(pool, stream)?;
         Some(&self.streams[i].1[kind.index()])
@@ -80,6 +79,7 @@ impl Pools {
             }
         };
         self.last = i;
+        self.last_key = (pool, stream);
         // Few (pool, stream) pairs exist: far fewer than u32::MAX.
         i as u32
     }

@@ -75,10 +75,17 @@ impl PrivatePools {
     /// The pool an allocation on `stream` (in capture `capture`, if any) is served from:
     /// the newest route that takes it, else the default pool. An allocation in a capture no
     /// route names first binds a [`Route::NextCapture`] to it.
+    #[inline(always)]
     pub(crate) fn route(&mut self, stream: StreamHandle, capture: Option<u64>) -> PoolId {
         if self.routes.is_empty() {
             return PoolId::DEFAULT;
         }
+        self.route_routed(stream, capture)
+    }
+
+    /// [`PrivatePools::route`] with some pool routed to.
+    #[cold]
+    fn route_routed(&mut self, stream: StreamHandle, capture: Option<u64>) -> PoolId {
         let me = std::thread::current().id();
         if let Some(id) = capture {
             self.bind_next_capture(id, me);
