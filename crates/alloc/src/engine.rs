@@ -285,7 +285,7 @@ impl Engine {
     /// and not yet ended), as the driver says: a non-blocking query
     /// (`cudaStreamGetCaptureInfo`), legal during any capture. A stream the driver cannot
     /// answer for counts as not capturing (recording its event fails and it is waited for).
-    fn any_capturing(&self, streams: &[StreamHandle]) -> bool {
+    pub(crate) fn any_capturing(&self, streams: &[StreamHandle]) -> bool {
         streams.iter().any(|s| {
             matches!(
                 self.driver.stream_capture_status(*s),

@@ -369,7 +369,8 @@ impl Engine {
     }
 
     /// [`Engine::record_due_mark`] with one due. A stream found idle needs none: every page
-    /// stamped so far is safe.
+    /// stamped so far is safe. A stream in a capture the allocator was not told of keeps
+    /// its mark due: a query would invalidate the capture, an event would join its graph.
     #[cold]
     fn record_due_mark_now(&self, st: &mut State) {
         if st.capturing() {
@@ -378,6 +379,10 @@ impl Engine {
         if let Some(stream) = st.expandable.mark_due.take()
             && st.config.expandable.reclaim
         {
+            if self.any_capturing(&[stream]) {
+                st.expandable.mark_due = Some(stream);
+                return;
+            }
             let idle = self.driver.stream_query(stream).unwrap_or(false);
             st.expandable.clock.adapt(idle);
             if idle {

@@ -122,6 +122,44 @@ fn growth_during_a_capture_queries_no_event() -> TestResult {
     Ok(())
 }
 
+/// Frees during a capture the allocator was not told of (a block of the capturing stream,
+/// allocated before it began) make a reclaim mark due, which waits for the capture to end:
+/// no query would invalidate it, no event joins its graph.
+#[test]
+fn a_mark_due_during_an_unannounced_capture_waits_for_it() -> TestResult {
+    let config = format!("{RECLAIM},thread_cache:False");
+    let (fake, a) = setup(80 * GIB, &config, Completion::Eager);
+    let s = new_stream(&fake)?;
+    let xs: Vec<_> = (0..64)
+        .map(|_| a.allocate(MIB, s))
+        .collect::<Result<_, _>>()?;
+    fake.stream_begin_capture(s, CaptureMode::Global)?;
+    let (queries, records) = (fake.calls(Call::StreamQuery), fake.calls(Call::EventRecord));
+    for x in &xs {
+        a.free(x.ptr)?;
+    }
+    assert_eq!(
+        (fake.calls(Call::StreamQuery), fake.calls(Call::EventRecord)),
+        (queries, records),
+        "nothing asked of the capturing stream"
+    );
+    let graph = fake.stream_end_capture(s)?;
+    assert_eq!(
+        fake.graph_node_count(graph)?,
+        0,
+        "no event joined the graph"
+    );
+    fake.graph_destroy(graph)?;
+    let y = a.allocate(MIB, s)?;
+    assert!(
+        fake.calls(Call::StreamQuery) > queries,
+        "the due mark is taken once the capture ended"
+    );
+    a.free(y.ptr)?;
+    a.check_invariants()?;
+    Ok(())
+}
+
 #[derive(Clone, Debug)]
 enum Step {
     Alloc {
