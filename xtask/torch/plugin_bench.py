@@ -280,27 +280,52 @@ def bert_serve(torch, requests, seed):
 WORKLOADS = {"gpt2_train": gpt2_train, "bert_serve": bert_serve}
 
 
-def worker(workload, way, steps, requests, seed=1234):
-    """One run in this process; prints one JSON line."""
+def warmed_up(workload, way, steps, requests, seed):
+    """This process set up for `way` (ferrocuda installed or not), with `workload` made and
+    every shape of it run once: (ferrocuda or None, torch, the measured calls)."""
     ferro = Ferrocuda() if way.startswith("ferrocuda") else None
     import torch
     n = steps if workload == "gpt2_train" else requests
     warm, measured = WORKLOADS[workload](torch, n, seed)
     for f in warm:
         f()
+    return ferro, torch, measured
+
+
+def allocator_stats(ferro, torch, where):
+    """The statistics of the allocator in use; ferrocuda's after checking that no exported
+    call failed."""
+    if not ferro:
+        return torch.cuda.memory_stats()
+    st = ferro.stats()
+    ferro.require_no_error(where)
+    return st
+
+
+def way_env(way):
+    """This process's environment with `way`'s allocator variables set or removed."""
+    env = dict(os.environ)
+    for key, value in WAYS[way].items():
+        env.pop(key, None)
+        if value is not None:
+            env[key] = value
+    return env
+
+
+def worker(workload, way, steps, requests, seed=1234):
+    """One run in this process; prints one JSON line."""
+    ferro, torch, measured = warmed_up(workload, way, steps, requests, seed)
     times = []
     for f in measured:
         t = time.perf_counter()
         f()
         times.append(time.perf_counter() - t)
+    st = allocator_stats(ferro, torch, f"{workload} on ferrocuda")
     if ferro:
-        st = ferro.stats()
-        ferro.require_no_error(f"{workload} on ferrocuda")
         if st["allocation.all.allocated"] == 0:
             raise AssertionError("ferrocuda allocated nothing: PyTorch did not use it")
         conf = ferro.settings()
     else:
-        st = torch.cuda.memory_stats()
         conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
     free, total = torch.cuda.mem_get_info()
     res = {
@@ -317,22 +342,15 @@ def worker(workload, way, steps, requests, seed=1234):
 
 def bench(args):
     """Every workload five ways, `repeats` rounds, each run a fresh process."""
-    env0 = dict(os.environ)
     rows = []
     workloads = [args.only] if args.only else list(WORKLOADS)
     for r in range(args.repeats):
         for workload in workloads:
             for way in args.ways:
-                conf = WAYS[way]
-                env = dict(env0)
-                for k, v in conf.items():
-                    env.pop(k, None)
-                    if v is not None:
-                        env[k] = v
                 cmd = [sys.executable, os.path.abspath(__file__), "worker", workload, way,
                        "--steps", str(args.steps), "--requests", str(args.requests)]
                 print(f"--- round {r + 1}: {workload} / {way}", flush=True)
-                p = subprocess.run(cmd, env=env, capture_output=True, text=True)
+                p = subprocess.run(cmd, env=way_env(way), capture_output=True, text=True)
                 sys.stderr.write(p.stderr[-4000:])
                 line = [l for l in p.stdout.splitlines() if l.startswith("{")]
                 if p.returncode != 0 or not line:
@@ -518,12 +536,7 @@ def check_graphs(torch, ferro):
 
 def serve(workload, way, steps, requests, seed=1234):
     """One way's long-lived process of `paired` (see the module's text)."""
-    ferro = Ferrocuda() if way.startswith("ferrocuda") else None
-    import torch
-    n = steps if workload == "gpt2_train" else requests
-    warm, measured = WORKLOADS[workload](torch, n, seed)
-    for f in warm:
-        f()
+    ferro, torch, measured = warmed_up(workload, way, steps, requests, seed)
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     print(json.dumps({"ready": len(measured)}), flush=True)
@@ -539,11 +552,7 @@ def serve(workload, way, steps, requests, seed=1234):
         end.synchronize()
         host = 1e3 * (time.perf_counter() - t)
         print(json.dumps({"host_ms": host, "gpu_ms": start.elapsed_time(end)}), flush=True)
-    if ferro:
-        st = ferro.stats()
-        ferro.require_no_error(f"{workload} on ferrocuda (paired)")
-    else:
-        st = torch.cuda.memory_stats()
+    st = allocator_stats(ferro, torch, f"{workload} on ferrocuda (paired)")
     print(json.dumps({"peak_reserved": st["reserved_bytes.all.peak"]}), flush=True)
 
 
@@ -563,16 +572,11 @@ def paired(args):
     for workload in workloads:
         procs = {}
         for k, way in enumerate(args.ways):
-            env = dict(os.environ)
-            for key, v in WAYS[way].items():
-                env.pop(key, None)
-                if v is not None:
-                    env[key] = v
             cmd = [sys.executable, os.path.abspath(__file__), "serve", workload, way,
                    "--steps", str(args.steps), "--requests", str(args.requests)]
             # Core 0 stays with this process; each way gets one of its own when there are enough.
             core = cores[(1 + k) % len(cores)] if len(cores) > 1 else cores[0]
-            p = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            p = subprocess.Popen(cmd, env=way_env(way), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                  text=True, bufsize=1,
                                  preexec_fn=lambda c=core: os.sched_setaffinity(0, {c}))
             procs[way] = p
@@ -606,15 +610,17 @@ def paired(args):
         print(f"\n{workload}: {n} requests x {args.rounds} rounds, ways interleaved request by request")
         print(f"{'way':20} {'host ms':>8} {'gpu ms':>8} {'host ratio [95% CI]':>26} {'gpu ratio [95% CI]':>26} {'peak MiB':>9}")
         base = times["native_default"]
+        ratios = {(way, key): geomean_ci([t[key] / b[key] for t, b in zip(times[way], base)])
+                  for way in args.ways for key in ("host_ms", "gpu_ms")}
         for way in args.ways:
             row = f"{way:20} {statistics.median(t['host_ms'] for t in times[way]):8.2f} " \
                   f"{statistics.median(t['gpu_ms'] for t in times[way]):8.2f}"
             for key in ("host_ms", "gpu_ms"):
-                g, lo, hi = geomean_ci([t[key] / b[key] for t, b in zip(times[way], base)])
+                g, lo, hi = ratios[way, key]
                 row += f" {g:9.4f} [{lo:.4f}, {hi:.4f}]"
             print(row + f" {peaks[way] / MIB:9.0f}")
         for way in (w for w in ("ferrocuda", "ferrocuda_noreclaim") if w in times):
-            g, lo, hi = geomean_ci([t["host_ms"] / b["host_ms"] for t, b in zip(times[way], base)])
+            g, lo, hi = ratios[way, "host_ms"]
             verdict = "MET" if hi <= 1.02 else ("MISSED" if lo > 1.02 else "UNDECIDED")
             print(f"target {workload} {way}: host time x{g:.4f} [{lo:.4f}, {hi:.4f}] vs native "
                   f"default (within 2%: {verdict})")

@@ -313,14 +313,22 @@ impl Engine {
     /// without waiting: every page so far if the stream is idle; else what its completed
     /// marks show, after recording a new mark for the next reclaim.
     fn known_safe_epoch(&self, st: &mut State, stream: StreamHandle) -> u64 {
-        if self.driver.stream_query(stream).unwrap_or(false) {
-            let (done, safe_before) = st.expandable.clock.idle(stream);
-            st.order.give_back_all(done);
-            safe_before
-        } else {
+        self.settle_if_idle(st, stream).unwrap_or_else(|| {
             self.record_mark(st, stream);
             self.settle_marks(st, stream)
+        })
+    }
+
+    /// If `stream` has run everything queued on it (a query, not a wait): every page
+    /// stamped so far is safe, its marks' events go back to the pool, and the epoch before
+    /// which pages are safe is returned.
+    fn settle_if_idle(&self, st: &mut State, stream: StreamHandle) -> Option<u64> {
+        if !self.driver.stream_query(stream).unwrap_or(false) {
+            return None;
         }
+        let (done, safe_before) = st.expandable.clock.idle(stream);
+        st.order.give_back_all(done);
+        Some(safe_before)
     }
 
     /// Settles `stream`'s reclaim marks: returns the epoch before which its pages' last use
@@ -342,15 +350,12 @@ impl Engine {
         if st.expandable.clock.outstanding(stream) >= MARKS_KEPT {
             self.settle_marks(st, stream);
         }
-        let event = match st.expandable.clock.outstanding(stream) >= MARKS_KEPT {
-            true => st
-                .expandable
-                .clock
-                .take_oldest(stream)
-                .ok_or(DriverError::INVALID_VALUE),
-            false => st.order.event(&*self.driver, self.device),
+        let event = if st.expandable.clock.outstanding(stream) >= MARKS_KEPT {
+            st.expandable.clock.take_oldest(stream)
+        } else {
+            st.order.event(&*self.driver, self.device).ok()
         };
-        if let Ok(event) = event {
+        if let Some(event) = event {
             match self.driver.event_record(event, stream) {
                 Ok(()) => st.expandable.clock.marked(stream, event),
                 Err(_) => st.order.give_back(event),
@@ -383,12 +388,9 @@ impl Engine {
                 st.expandable.mark_due = Some(stream);
                 return;
             }
-            let idle = self.driver.stream_query(stream).unwrap_or(false);
+            let idle = self.settle_if_idle(st, stream).is_some();
             st.expandable.clock.adapt(idle);
-            if idle {
-                let (done, _) = st.expandable.clock.idle(stream);
-                st.order.give_back_all(done);
-            } else {
+            if !idle {
                 self.record_mark(st, stream);
             }
         }

@@ -186,11 +186,12 @@ pub(super) fn graph_exec_set_nodes(
     let (e, g) = (driver.exec(exec)?, driver.graph(graph)?);
     let ctx = driver.primary_context(exec.device)?;
     let registry = &driver.loaded()?.registry;
+    let counts = param_counts(driver);
     let known = registry.read().graph_nodes.get(&graph.raw).cloned();
     let cache = match known {
         Some(cache) => cache,
         None => {
-            let cache = Arc::new(nodes::Cache::read(g, &param_counts(driver))?);
+            let cache = Arc::new(nodes::Cache::read(g, &counts)?);
             let mut registry = registry.write();
             // Destroyed meanwhile by another thread: not kept.
             if registry.graphs.contains_key(&graph.raw) {
@@ -201,7 +202,7 @@ pub(super) fn graph_exec_set_nodes(
     };
     // Every node's parameters are made before any is set, so that an error sets none.
     let params = (changes.iter())
-        .map(|(index, to)| cache.params(*index, to, &param_counts(driver)))
+        .map(|(index, to)| cache.params(*index, to, &counts))
         .collect::<Result<Vec<_>, DriverError>>()?;
     Ok(params.iter().all(|(node, p)| p.set_in_exec(e, *node, ctx)))
 }
@@ -248,11 +249,7 @@ pub(super) fn graph_nodes(
 fn param_counts(driver: &CudaDriver) -> impl Fn(sys::CUfunction) -> Option<usize> + '_ {
     move |f| {
         let loaded = driver.loaded().ok()?;
-        loaded
-            .registry
-            .read()
-            .param_counts
-            .get(&(f as u64))
-            .copied()
+        let registry = loaded.registry.read();
+        registry.functions.get(&(f as u64))?.params
     }
 }

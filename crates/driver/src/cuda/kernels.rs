@@ -1,7 +1,7 @@
 //! Kernels on the real driver: CUDA C++ compiled with NVRTC for the device's architecture,
 //! modules loaded and unloaded, functions looked up and launched (`nvrtcCompileProgram`,
 //! `cuModuleLoadData`, `cuModuleGetFunction`, `cuLaunchKernel`).
-use super::{CudaDriver, MAX_KERNEL_ARGS, check};
+use super::{CudaDriver, Function, MAX_KERNEL_ARGS, check};
 use crate::{CompileError, DriverError};
 use cudarc::driver::sys;
 use ferrocuda_types::{
@@ -86,14 +86,7 @@ pub(super) fn module_unload(driver: &CudaDriver, module: ModuleHandle) -> Result
     if reg.modules.remove(&module.raw).is_none() {
         return Err(DriverError::INVALID_HANDLE);
     }
-    let gone: Vec<u64> = (reg.functions.iter())
-        .filter(|(_, (_, m))| *m == module.raw)
-        .map(|(f, _)| *f)
-        .collect();
-    for f in gone {
-        reg.functions.remove(&f);
-        reg.param_counts.remove(&f);
-    }
+    reg.functions.retain(|_, f| f.module != module.raw);
     drop(reg);
     // SAFETY: the module was live (registry) and is unloaded once.
     check(unsafe { sys::cuModuleUnload(module.raw as sys::CUmodule) })
@@ -115,13 +108,12 @@ pub(super) fn module_function(
     check(unsafe {
         sys::cuModuleGetFunction(&mut f, module.raw as sys::CUmodule, cname.as_ptr())
     })?;
-    let mut reg = l.registry.write();
-    reg.functions
-        .insert(f as u64, (module.device.0, module.raw));
-    match params {
-        Some(count) => reg.param_counts.insert(f as u64, count),
-        None => reg.param_counts.remove(&(f as u64)),
+    let function = Function {
+        device: module.device.0,
+        module: module.raw,
+        params,
     };
+    l.registry.write().functions.insert(f as u64, function);
     Ok(FunctionHandle {
         device: module.device,
         raw: f as u64,
@@ -141,7 +133,7 @@ pub(super) fn launch(
         let f_ok = reg
             .functions
             .get(&function.raw)
-            .is_some_and(|(d, _)| *d == function.device.0);
+            .is_some_and(|f| f.device == function.device.0);
         let s_ok = reg.knows_stream(stream.device.0, stream.raw);
         if !f_ok || !s_ok || function.device != stream.device {
             return Err(DriverError::INVALID_HANDLE);

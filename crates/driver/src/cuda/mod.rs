@@ -71,10 +71,10 @@ struct Registry {
     events: HashMap<u64, (u16, EventFlags)>,
     /// Loaded modules: their device and, for PTX images, each entry's parameter count.
     modules: HashMap<u64, (u16, HashMap<String, usize>)>,
-    functions: HashMap<u64, (u16, u64)>,
-    /// The parameter count of each function looked up in a PTX module (read by
-    /// [`nodes`] so that it never asks the driver about a parameter past the last).
-    param_counts: HashMap<u64, usize>,
+    /// Looked-up functions: their device, module and, when the module was PTX, parameter
+    /// count (read by [`nodes`] so that it never asks the driver about a parameter past the
+    /// last).
+    functions: HashMap<u64, Function>,
     graphs: HashMap<u64, u16>,
     /// What updates of instances read of a graph, once (`graph_exec_set_nodes`).
     graph_nodes: HashMap<u64, Arc<nodes::Cache>>,
@@ -85,6 +85,13 @@ struct Registry {
     phys: HashMap<u64, (u16, u64)>,
     /// Streams other libraries made, adopted (`stream_adopt`), with their adoption count.
     adopted: HashMap<(u16, u64), u32>,
+}
+
+/// A function looked up in a loaded module.
+struct Function {
+    device: u16,
+    module: u64,
+    params: Option<usize>,
 }
 
 impl Registry {
