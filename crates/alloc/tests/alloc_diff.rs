@@ -498,3 +498,119 @@ fn frees_by_another_thread_are_reused_in_pytorch_order() {
         }
     }
 }
+
+/// Eight threads at once, no order between them: each allocates and frees random sizes on
+/// one stream, keeping up to four blocks live, after a warm-up that leaves enough cached
+/// segments for every request (so no driver call, made outside the lock, can reorder
+/// segments). The history records every operation in the order the lock saw them (and
+/// with history on, no thread-cache credit is granted); replayed one by one on the
+/// single-lock reference, it gives the same pointer at every allocation, then the same
+/// statistics and segments. A scheme that lets threads skip or share the lock must keep
+/// this true.
+#[test]
+fn concurrent_threads_match_the_single_lock_reference_in_the_order_the_lock_saw() {
+    let (fake, ours) = setup(80 << 30, "");
+    let stream = new_stream(&fake);
+    ours.record_memory_history(
+        ferrocuda_alloc::history::HistoryOptions::parse(Some("all"), None, 1 << 20)
+            .unwrap_or_else(|e| panic!("{e}")),
+    );
+    let made = warm_up_and_hammer(&ours, stream);
+    let (segments, trace) = ours.snapshot();
+    let grown = trace.iter().filter(|e| e.action == "segment_alloc").count();
+    assert_eq!(grown, WARM_SEGMENTS, "a request missed the warmed-up cache");
+    let (ref_fake, reference) = setup(80 << 30, "thread_cache:False");
+    let ref_stream = new_stream(&ref_fake);
+    assert_eq!(
+        ref_stream.raw, stream.raw,
+        "the fake devices' streams differ"
+    );
+    let mut allocations = 0;
+    for (i, e) in trace.iter().enumerate() {
+        match e.action.as_str() {
+            "alloc" => {
+                let got = reference
+                    .allocate(e.size, ref_stream)
+                    .unwrap_or_else(|e| panic!("{e}"));
+                assert_eq!(got.ptr.0, e.addr, "allocation {i} of the trace: {e:?}");
+                allocations += 1;
+            }
+            "free_requested" => reference
+                .free(DevicePtr(e.addr))
+                .unwrap_or_else(|e| panic!("{e}")),
+            _ => {}
+        }
+    }
+    assert_eq!(allocations, made, "the trace lost operations");
+    assert_eq!(ours.stats(), reference.stats());
+    assert_eq!(segments, reference.snapshot().0);
+}
+
+/// The same without history, where the thread cache's credits are granted too: every
+/// operation is counted, and nothing is left allocated or lost.
+#[test]
+fn concurrent_threads_lose_no_operation_with_the_thread_cache_on() {
+    let (fake, ours) = setup(80 << 30, "");
+    let stream = new_stream(&fake);
+    let made = warm_up_and_hammer(&ours, stream) as i64;
+    let stats = ours.stats();
+    assert_eq!(stats.allocation.all.allocated, made);
+    assert_eq!(stats.allocation.all.freed, made);
+    assert_eq!(stats.allocated_bytes.all.current, 0);
+    assert_eq!(
+        stats.allocated_bytes.all.allocated,
+        stats.allocated_bytes.all.freed
+    );
+    assert_eq!(stats.segment.all.allocated, WARM_SEGMENTS as i64);
+    ours.empty_cache();
+    assert_eq!(ours.stats().reserved_bytes.all.current, 0);
+}
+
+/// Segments the warm-up of [`warm_up_and_hammer`] leaves: 48 small ones of 2 MiB and 40
+/// large ones of 20 MiB, enough for any four live blocks per thread.
+const WARM_SEGMENTS: usize = 48 + 40;
+
+/// Warms `a` up, then runs 8 threads of 3 000 random operations each on `stream`, every
+/// block freed at the end. Returns the allocations made, warm-up included.
+fn warm_up_and_hammer(a: &CachingAllocator, stream: StreamHandle) -> usize {
+    const SIZES: [u64; 7] = [512, 1000, 4096, 65_536, MIB, 2 * MIB, 6 * MIB];
+    let warm: Vec<_> = (0..96)
+        .map(|_| MIB)
+        .chain((0..40).map(|_| 20 * MIB))
+        .map(|bytes| a.allocate(bytes, stream).unwrap_or_else(|e| panic!("{e}")))
+        .collect();
+    let warmed = warm.len();
+    for x in warm {
+        a.free(x.ptr).unwrap_or_else(|e| panic!("{e}"));
+    }
+    let thread = |seed: u64| {
+        let mut rng = Rng::new(seed);
+        let mut live = Vec::new();
+        let mut made = 0;
+        for _ in 0..3000 {
+            if live.len() == 4 || (!live.is_empty() && rng.chance(50)) {
+                let x: DevicePtr = live.swap_remove(rng.below(live.len()));
+                a.free(x).unwrap_or_else(|e| panic!("{e}"));
+            } else {
+                let bytes = SIZES[rng.below(SIZES.len())];
+                let x = a.allocate(bytes, stream).unwrap_or_else(|e| panic!("{e}"));
+                live.push(x.ptr);
+                made += 1;
+            }
+        }
+        for x in live {
+            a.free(x).unwrap_or_else(|e| panic!("{e}"));
+        }
+        made
+    };
+    let made: usize = std::thread::scope(|s| {
+        let threads: Vec<_> = (0..8)
+            .map(|t| s.spawn(move || thread(0xC0B1_0000 + t)))
+            .collect();
+        threads
+            .into_iter()
+            .map(|t| t.join().unwrap_or_else(|_| panic!("a thread panicked")))
+            .sum()
+    });
+    warmed + made
+}
