@@ -5,9 +5,10 @@
 //! hierarchical `fp32_precision` table (backend × op → ieee / tf32 / bf16, `none` = inherit)
 //! and the legacy flags (`allow_tf32`, `set_float32_matmul_precision`, `cudnn.allow_tf32`),
 //! synchronised on write; its legacy *getters* raise when the two disagree. Here the legacy
-//! setters write into the table exactly as PyTorch's do, every getter answers from the table
-//! and never fails, and [`PrecisionSettings::legacy_conflicts`] reports, as data, the
-//! messages PyTorch's getters would raise.
+//! setters write into the table exactly as PyTorch 2.11's do, and the legacy getters return
+//! PyTorch's error where its getters raise (checked against programs recorded from
+//! PyTorch 2.11 by `xtask/torch/precision_oracle.py`). GEMM paths never call them: they
+//! read the resolved table, as PyTorch's kernels do.
 //!
 //! - [`settings`](mod@settings): the table, its resolution, the legacy setters and getters.
 //! - [`gemm`]: the cuBLAS math mode / cuBLASLt compute type a GEMM gets, and cuDNN's TF32 rule.
@@ -17,6 +18,7 @@ pub mod guard;
 pub mod settings;
 
 use parking_lot::RwLock;
+use std::sync::LazyLock;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 pub use gemm::{
@@ -29,7 +31,10 @@ pub use settings::{
     ReductionOption,
 };
 
-static GLOBAL: RwLock<PrecisionSettings> = RwLock::new(PrecisionSettings::PYTORCH_DEFAULT);
+/// PyTorch's defaults, or "high" when `TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1` (read once, as
+/// PyTorch reads it when its context is made).
+static GLOBAL: LazyLock<RwLock<PrecisionSettings>> =
+    LazyLock::new(|| RwLock::new(PrecisionSettings::from_env(|name| std::env::var(name).ok())));
 /// Bumped by every [`update_global`], after the change is in place.
 static VERSION: AtomicU64 = AtomicU64::new(0);
 

@@ -1,5 +1,5 @@
 //! The fp32-precision table (backend × op), its resolution, and the legacy flags written into
-//! it as `aten/src/ATen/Context.cpp` (2.15) does.
+//! it as `aten/src/ATen/Context.cpp` does (2.15; the legacy getters checked against 2.11).
 use std::fmt;
 use std::str::FromStr;
 
@@ -110,12 +110,24 @@ pub enum PrecisionError {
          requires the cuBLASLt backend"
     )]
     SplitKNeedsCublasLt(&'static str),
+    /// `torch.backends.cuda.matmul.allow_tf32` read while the legacy matmul precision and
+    /// the new CUDA matmul precision disagree (PyTorch's getter raises this).
+    #[error("{}", MIXED_MATMUL_TF32)]
+    MixedMatmulTf32,
+    /// `torch.get_float32_matmul_precision()` read while the legacy value and the new
+    /// CUDA or mkldnn matmul precision disagree.
+    #[error("{}", MIXED_MATMUL_PRECISION)]
+    MixedMatmulPrecision,
+    /// `torch.backends.cudnn.allow_tf32` read while cuDNN conv, cuDNN rnn and the legacy
+    /// cuDNN flag disagree.
+    #[error("{}", MIXED_CUDNN_TF32)]
+    MixedCudnnTf32,
     /// A GEMM of a dtype cuBLAS has no floating path for.
     #[error("no cuBLAS floating-point GEMM for {0:?}")]
     UnsupportedGemmDtype(ferrocuda_types::DType),
 }
 
-/// PyTorch's legacy getter messages (`Context.cpp`), reported instead of raised.
+/// PyTorch's legacy getter messages (`Context.cpp`).
 const MIXED_MATMUL_TF32: &str = "PyTorch is checking whether allow_tf32_new is enabled for cuBlas matmul,Current status indicate that you have used mix of the legacy and new APIs to set the TF32 status for cublas matmul. We suggest only using the new API to set the TF32 flag. See also: https://pytorch.org/docs/main/notes/cuda.html#tensorfloat-32-tf32-on-ampere-and-later-devices";
 const MIXED_MATMUL_PRECISION: &str = "PyTorch is checking the matmul precision without a specific backend name,Current status indicate that you have used mix of the legacy and new APIs to set the matmul precision. We suggest only using the new API for matmul precision. See also: https://pytorch.org/docs/main/notes/cuda.html#tensorfloat-32-tf32-on-ampere-and-later-devices";
 const MIXED_CUDNN_TF32: &str = "PyTorch is checking whether allow_tf32 is enabled for cuDNN without a specific operator name,but the current flag(s) indicate that cuDNN conv and cuDNN RNN have different TF32 flags.This combination indicates that you have used a mix of the legacy and new APIs to set the TF32 flags. We suggest only using the new API to set the TF32 flag(s). See also: https://pytorch.org/docs/main/notes/cuda.html#tensorfloat-32-tf32-on-ampere-and-later-devices";
@@ -132,6 +144,9 @@ pub struct PrecisionSettings {
     fp16_reduction: ReductionOption,
     bf16_reduction: ReductionOption,
     fp16_accumulation: bool,
+    /// The legacy `torch.backends.cudnn.allow_tf32` flag, kept beside the table as PyTorch
+    /// keeps it (`Context::allow_tf32_cudnn`): its getter answers with it.
+    legacy_cudnn_tf32: bool,
     /// Whether the cuBLASLt TF32 compute type honours the no-reduced-precision guard
     /// (PyTorch's does not: off by default).
     pub lt_tf32_honours_guard: bool,
@@ -155,15 +170,27 @@ impl PrecisionSettings {
             fp16_reduction: ReductionOption::AllowReducedPrecisionWithSplitK,
             bf16_reduction: ReductionOption::AllowReducedPrecisionWithSplitK,
             fp16_accumulation: false,
+            legacy_cudnn_tf32: true,
             lt_tf32_honours_guard: false,
         }
     };
 
-    /// The defaults when `TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1`: matmul precision "high".
+    /// The defaults when `TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1`: the legacy matmul precision
+    /// "high" and CUDA matmul tf32; mkldnn matmul stays unset (PyTorch 2.11).
     pub fn with_tf32_cublas_override() -> PrecisionSettings {
         let mut s = PrecisionSettings::PYTORCH_DEFAULT;
-        s.set_float32_matmul_precision(MatmulPrecision::High);
+        s.legacy_matmul = MatmulPrecision::High;
+        s.table[Backend::Cuda as usize][PrecisionOp::Matmul as usize] = Fp32Precision::Tf32;
         s
+    }
+
+    /// The defaults, or [`PrecisionSettings::with_tf32_cublas_override`] when `var` (a
+    /// reader of the environment) says `TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1`.
+    pub fn from_env(var: impl Fn(&str) -> Option<String>) -> PrecisionSettings {
+        match var("TORCH_ALLOW_TF32_CUBLAS_OVERRIDE").as_deref() {
+            Some("1") => PrecisionSettings::with_tf32_cublas_override(),
+            _ => PrecisionSettings::PYTORCH_DEFAULT,
+        }
     }
 
     /// The stored value of (backend, op), `Inherit` included.
@@ -192,21 +219,42 @@ impl PrecisionSettings {
         Ok(())
     }
 
-    /// The precision kernels use for (backend, op): the stored value, else (backend, all),
-    /// else (generic, all), else ieee; a bf16 that reaches CUDA counts as unset.
-    pub fn resolve(&self, backend: Backend, op: PrecisionOp) -> Fp32Precision {
-        let usable = |p: Fp32Precision| {
-            p != Fp32Precision::Inherit && !(backend == Backend::Cuda && p == Fp32Precision::Bf16)
-        };
+    /// `torch.backends.<backend>.<op>.fp32_precision` as PyTorch reads it
+    /// (`Context::float32Precision`): the stored value, else (backend, all), else
+    /// (generic, all); `Inherit` ("none") when none is set, and for a bf16 that reaches CUDA.
+    pub fn fp32_precision(
+        &self,
+        backend: Backend,
+        op: PrecisionOp,
+    ) -> Result<Fp32Precision, PrecisionError> {
+        check_pair(backend, op)?;
+        Ok(self.inherited(backend, op))
+    }
+
+    /// [`PrecisionSettings::fp32_precision`] of a valid pair.
+    fn inherited(&self, backend: Backend, op: PrecisionOp) -> Fp32Precision {
         let row = &self.table[backend as usize];
-        [
+        let set = [
             row[op as usize],
             row[PrecisionOp::All as usize],
             self.table[Backend::Generic as usize][PrecisionOp::All as usize],
         ]
         .into_iter()
-        .find(|p| usable(*p))
-        .unwrap_or(Fp32Precision::Ieee)
+        .find(|p| *p != Fp32Precision::Inherit)
+        .unwrap_or(Fp32Precision::Inherit);
+        if backend == Backend::Cuda && set == Fp32Precision::Bf16 {
+            return Fp32Precision::Inherit;
+        }
+        set
+    }
+
+    /// The precision kernels use for (backend, op): [`PrecisionSettings::fp32_precision`],
+    /// ieee when that is unset.
+    pub fn resolve(&self, backend: Backend, op: PrecisionOp) -> Fp32Precision {
+        match self.inherited(backend, op) {
+            Fp32Precision::Inherit => Fp32Precision::Ieee,
+            p => p,
+        }
     }
 
     /// `torch.set_float32_matmul_precision`: the legacy value, cuda matmul and mkldnn matmul.
@@ -222,16 +270,22 @@ impl PrecisionSettings {
         self.table[Backend::Mkldnn as usize][PrecisionOp::Matmul as usize] = mkldnn;
     }
 
-    /// `torch.get_float32_matmul_precision`, read from the table: "medium" when CUDA matmul
-    /// is tf32 and mkldnn matmul bf16, "high" when CUDA matmul is tf32, else "highest".
-    pub fn float32_matmul_precision(&self) -> MatmulPrecision {
-        let cuda = self.resolve(Backend::Cuda, PrecisionOp::Matmul);
-        let mkldnn = self.resolve(Backend::Mkldnn, PrecisionOp::Matmul);
-        match (cuda, mkldnn) {
-            (Fp32Precision::Tf32, Fp32Precision::Bf16) => MatmulPrecision::Medium,
-            (Fp32Precision::Tf32, _) => MatmulPrecision::High,
-            _ => MatmulPrecision::Highest,
+    /// `torch.get_float32_matmul_precision()`: the stored legacy value, not one derived
+    /// from the table (after "medium" and then CUDA matmul set to ieee, still "medium"). As
+    /// PyTorch's `Context::float32MatmulPrecision`, an error when the new API contradicts it:
+    /// CUDA matmul tf32 under "highest", mkldnn matmul bf16 other than under "medium",
+    /// mkldnn matmul tf32 other than under "high".
+    pub fn float32_matmul_precision(&self) -> Result<MatmulPrecision, PrecisionError> {
+        let legacy = self.legacy_matmul;
+        let cuda = self.inherited(Backend::Cuda, PrecisionOp::Matmul);
+        let mkldnn = self.inherited(Backend::Mkldnn, PrecisionOp::Matmul);
+        let mixed = (cuda == Fp32Precision::Tf32 && legacy == MatmulPrecision::Highest)
+            || (mkldnn == Fp32Precision::Bf16 && legacy != MatmulPrecision::Medium)
+            || (mkldnn == Fp32Precision::Tf32 && legacy != MatmulPrecision::High);
+        if mixed {
+            return Err(PrecisionError::MixedMatmulPrecision);
         }
+        Ok(legacy)
     }
 
     /// `torch.backends.cuda.matmul.allow_tf32 = b`: legacy high / highest, cuda matmul
@@ -249,13 +303,18 @@ impl PrecisionSettings {
         };
     }
 
-    /// `torch.backends.cuda.matmul.allow_tf32`: whether CUDA matmuls resolve to tf32.
-    pub fn allow_tf32_matmul(&self) -> bool {
-        self.resolve(Backend::Cuda, PrecisionOp::Matmul) == Fp32Precision::Tf32
+    /// `torch.backends.cuda.matmul.allow_tf32`: whether CUDA matmuls resolve to tf32; an
+    /// error when the legacy matmul precision says otherwise (`Context::allowTF32CuBLAS`).
+    pub fn allow_tf32_matmul(&self) -> Result<bool, PrecisionError> {
+        let new = self.resolve(Backend::Cuda, PrecisionOp::Matmul) == Fp32Precision::Tf32;
+        if new != (self.legacy_matmul != MatmulPrecision::Highest) {
+            return Err(PrecisionError::MixedMatmulTf32);
+        }
+        Ok(new)
     }
 
-    /// `torch.backends.cudnn.allow_tf32 = b`: cuDNN conv and rnn tf32, or inherit (PyTorch's
-    /// legacy cuDNN flag is only ever compared as conv against rnn, so it is not kept).
+    /// `torch.backends.cudnn.allow_tf32 = b`: cuDNN conv and rnn tf32, or inherit, and the
+    /// legacy flag.
     pub fn set_allow_tf32_cudnn(&mut self, allow: bool) {
         let p = if allow {
             Fp32Precision::Tf32
@@ -264,13 +323,18 @@ impl PrecisionSettings {
         };
         self.table[Backend::Cuda as usize][PrecisionOp::Conv as usize] = p;
         self.table[Backend::Cuda as usize][PrecisionOp::Rnn as usize] = p;
+        self.legacy_cudnn_tf32 = allow;
     }
 
-    /// `torch.backends.cudnn.allow_tf32`: whether both cuDNN conv and rnn resolve to tf32.
-    pub fn allow_tf32_cudnn(&self) -> bool {
-        [PrecisionOp::Conv, PrecisionOp::Rnn]
-            .iter()
-            .all(|op| self.resolve(Backend::Cuda, *op) == Fp32Precision::Tf32)
+    /// `torch.backends.cudnn.allow_tf32`: the legacy flag; an error unless cuDNN conv and
+    /// rnn both resolve to tf32 as it says, or both do not (`Context::allowTF32CuDNN`).
+    pub fn allow_tf32_cudnn(&self) -> Result<bool, PrecisionError> {
+        let tf32 = |op| self.resolve(Backend::Cuda, op) == Fp32Precision::Tf32;
+        let (conv, rnn) = (tf32(PrecisionOp::Conv), tf32(PrecisionOp::Rnn));
+        if conv != rnn || conv != self.legacy_cudnn_tf32 {
+            return Err(PrecisionError::MixedCudnnTf32);
+        }
+        Ok(self.legacy_cudnn_tf32)
     }
 
     /// `allow_fp16_reduced_precision_reduction = allow` or `= (allow, allow_splitk)`.
@@ -331,25 +395,6 @@ impl PrecisionSettings {
     /// `torch.backends.cuda.matmul.allow_fp16_accumulation`.
     pub fn allow_fp16_accumulation(&self) -> bool {
         self.fp16_accumulation
-    }
-
-    /// The messages PyTorch's legacy getters would raise now because the two APIs were
-    /// mixed (empty when they agree). Informational: the getters here answer from the table.
-    pub fn legacy_conflicts(&self) -> Vec<&'static str> {
-        let mut out = Vec::new();
-        let legacy_tf32 = self.legacy_matmul != MatmulPrecision::Highest;
-        if legacy_tf32 != self.allow_tf32_matmul() {
-            out.push(MIXED_MATMUL_TF32);
-        }
-        if self.legacy_matmul != self.float32_matmul_precision() {
-            out.push(MIXED_MATMUL_PRECISION);
-        }
-        let conv = self.resolve(Backend::Cuda, PrecisionOp::Conv);
-        let rnn = self.resolve(Backend::Cuda, PrecisionOp::Rnn);
-        if conv != rnn {
-            out.push(MIXED_CUDNN_TF32);
-        }
-        out
     }
 }
 

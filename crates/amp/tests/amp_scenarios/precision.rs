@@ -1,5 +1,6 @@
-//! Precision flags as data: PyTorch 2.15's defaults, how the legacy setters write into the
-//! table (`aten/src/ATen/Context.cpp`), getters that never fail, and the GEMM mapping.
+//! Precision flags as data: PyTorch's defaults, how the legacy setters write into the
+//! table (`aten/src/ATen/Context.cpp`), the legacy getters failing where PyTorch 2.11's raise
+//! (replayed from recorded programs), and the GEMM mapping.
 use std::error::Error;
 
 use ferrocuda_amp::precision::{
@@ -25,23 +26,40 @@ fn row(s: &PrecisionSettings, b: Backend) -> Result<Vec<Fp32Precision>, Precisio
 }
 
 #[test]
-fn defaults_are_pytorch_2_15() -> TestResult {
+fn defaults_are_pytorchs() -> TestResult {
     let s = PrecisionSettings::default();
     assert_eq!(row(&s, Backend::Cuda)?, [Inherit, Tf32, Tf32, Inherit]);
     assert_eq!(row(&s, Backend::Mkldnn)?, [Inherit; 4]);
     assert_eq!(row(&s, Backend::Generic)?, [Inherit]);
     assert_eq!(s.resolve(Backend::Cuda, Matmul), Ieee);
-    assert!(!s.allow_tf32_matmul());
-    assert!(s.allow_tf32_cudnn());
-    assert_eq!(s.float32_matmul_precision(), MatmulPrecision::Highest);
+    assert_eq!(s.fp32_precision(Backend::Cuda, Matmul)?, Inherit);
+    assert!(!s.allow_tf32_matmul()?);
+    assert!(s.allow_tf32_cudnn()?);
+    assert_eq!(s.float32_matmul_precision()?, MatmulPrecision::Highest);
     assert!(
         s.allow_fp16_reduced_precision_reduction() && s.allow_bf16_reduced_precision_reduction()
     );
     assert!(!s.allow_fp16_accumulation());
-    assert!(s.legacy_conflicts().is_empty());
-    let o = PrecisionSettings::with_tf32_cublas_override();
-    assert_eq!(o.float32_matmul_precision(), MatmulPrecision::High);
-    assert_eq!(global(), s);
+    assert_eq!(
+        global(),
+        s,
+        "no TORCH_ALLOW_TF32_CUBLAS_OVERRIDE in the test's environment"
+    );
+    assert_eq!(PrecisionSettings::from_env(|_| None), s);
+    assert_eq!(PrecisionSettings::from_env(|_| Some("0".into())), s);
+    let o = PrecisionSettings::from_env(|name| {
+        (name == "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE").then(|| "1".into())
+    });
+    assert_eq!(o, PrecisionSettings::with_tf32_cublas_override());
+    assert_eq!(o.float32_matmul_precision()?, MatmulPrecision::High);
+    assert_eq!(
+        (
+            o.get(Backend::Cuda, Matmul)?,
+            o.get(Backend::Mkldnn, Matmul)?
+        ),
+        (Tf32, Inherit),
+        "the override leaves mkldnn matmul unset"
+    );
     Ok(())
 }
 
@@ -57,8 +75,7 @@ fn legacy_setters_write_the_table_as_pytorch_does() -> TestResult {
         s.set_float32_matmul_precision(p);
         assert_eq!(s.get(Backend::Cuda, Matmul)?, cuda);
         assert_eq!(s.get(Backend::Mkldnn, Matmul)?, mkldnn);
-        assert_eq!(s.float32_matmul_precision(), p);
-        assert!(s.legacy_conflicts().is_empty(), "{p:?}");
+        assert_eq!(s.float32_matmul_precision()?, p);
     }
     let mut s = PrecisionSettings::default();
     s.set_allow_tf32_matmul(true);
@@ -69,7 +86,7 @@ fn legacy_setters_write_the_table_as_pytorch_does() -> TestResult {
         ),
         (Tf32, Inherit)
     );
-    assert_eq!(s.float32_matmul_precision(), MatmulPrecision::High);
+    assert_eq!(s.float32_matmul_precision()?, MatmulPrecision::High);
     s.set_allow_tf32_matmul(false);
     assert_eq!(s.get(Backend::Cuda, Matmul)?, Ieee);
     s.set_allow_tf32_cudnn(false);
@@ -77,40 +94,141 @@ fn legacy_setters_write_the_table_as_pytorch_does() -> TestResult {
         (s.get(Backend::Cuda, Conv)?, s.get(Backend::Cuda, Rnn)?),
         (Inherit, Inherit)
     );
-    assert!(!s.allow_tf32_cudnn());
+    assert!(!s.allow_tf32_cudnn()?);
     assert!(!cudnn_allows_tf32(&s, CudnnOp::Conv));
     s.set_allow_tf32_cudnn(true);
     assert!(cudnn_allows_tf32(&s, CudnnOp::Rnn));
-    assert!(s.legacy_conflicts().is_empty());
+    assert!(s.allow_tf32_cudnn()?);
     Ok(())
 }
 
 #[test]
-fn mixing_the_apis_is_reported_not_raised() -> TestResult {
+fn mixing_the_apis_makes_the_legacy_getters_fail_with_pytorchs_texts() -> TestResult {
     let mut s = PrecisionSettings::default();
     s.set(Backend::Cuda, Matmul, Tf32)?;
-    assert!(s.allow_tf32_matmul(), "getters answer from the table");
-    let c = s.legacy_conflicts();
-    assert_eq!(c.len(), 2);
+    let text = |e: Result<bool, PrecisionError>| e.err().map(|e| e.to_string()).unwrap_or_default();
     assert!(
-        c[0].starts_with(
+        text(s.allow_tf32_matmul()).starts_with(
             "PyTorch is checking whether allow_tf32_new is enabled for cuBlas matmul,"
         )
     );
     assert!(
-        c[1].starts_with(
+        text(s.float32_matmul_precision().map(|_| true)).starts_with(
             "PyTorch is checking the matmul precision without a specific backend name,"
         )
     );
+    assert!(
+        cudnn_allows_tf32(&s, CudnnOp::Conv),
+        "kernels read the table"
+    );
+    // "medium" stays "medium" when CUDA matmul is then set to ieee: stored, not derived.
+    let mut s = PrecisionSettings::default();
+    s.set_float32_matmul_precision(MatmulPrecision::Medium);
+    s.set(Backend::Cuda, Matmul, Ieee)?;
+    assert_eq!(s.float32_matmul_precision()?, MatmulPrecision::Medium);
+    assert_eq!(s.allow_tf32_matmul(), Err(PrecisionError::MixedMatmulTf32));
+    // The legacy cuDNN flag is kept: conv and rnn set to ieee through the new API
+    // contradict it.
     let mut s = PrecisionSettings::default();
     s.set(Backend::Cuda, Conv, Ieee)?;
-    assert!(!s.allow_tf32_cudnn());
-    assert!(cudnn_allows_tf32(&s, CudnnOp::Rnn));
-    assert_eq!(s.legacy_conflicts().len(), 1);
+    s.set(Backend::Cuda, Rnn, Ieee)?;
     assert!(
-        s.legacy_conflicts()[0].contains("cuDNN conv and cuDNN RNN have different TF32 flags.")
+        text(s.allow_tf32_cudnn()).contains("cuDNN conv and cuDNN RNN have different TF32 flags.")
     );
+    assert!(!cudnn_allows_tf32(&s, CudnnOp::Rnn));
     Ok(())
+}
+
+/// Every program of `tests/data/precision_oracle_2.11.json` (recorded from PyTorch 2.11 by
+/// `xtask/torch/precision_oracle.py`) replayed on the settings: each getter answers what
+/// PyTorch's answered, or fails with its message.
+#[test]
+fn recorded_pytorch_2_11_programs_give_the_same_answers() -> TestResult {
+    let text = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/data/precision_oracle_2.11.json"
+    ))?;
+    let oracle: serde_json::Value = serde_json::from_str(&text)?;
+    let programs = oracle["programs"].as_array().ok_or("no programs")?;
+    assert!(programs.len() >= 25, "{} programs", programs.len());
+    for program in programs {
+        let mut s = match program["env"]["TORCH_ALLOW_TF32_CUBLAS_OVERRIDE"].as_str() {
+            Some(v) => PrecisionSettings::from_env(|_| Some(v.to_owned())),
+            None => PrecisionSettings::default(),
+        };
+        for step in program["steps"].as_array().ok_or("no steps")? {
+            replay(&mut s, step)?;
+        }
+        let expected = program["state"].as_object().ok_or("no state")?;
+        for (getter, want) in expected {
+            let got = read(&s, getter)?;
+            assert_eq!(&got, want, "{getter} after {}", program["steps"]);
+        }
+    }
+    Ok(())
+}
+
+/// An entry of the table.
+type Entry = (Backend, PrecisionOp);
+
+/// The entries that the Python attribute `path`'s `fp32_precision` reads and writes in
+/// PyTorch 2.11 (`torch.backends.mkldnn.fp32_precision` writes the generic entry).
+fn attribute(path: &str) -> Result<(Entry, Entry), String> {
+    let (backend, op) = match path {
+        "generic" => (Backend::Generic, All),
+        "cuda.matmul" => (Backend::Cuda, Matmul),
+        "cudnn" => (Backend::Cuda, All),
+        "cudnn.conv" => (Backend::Cuda, Conv),
+        "cudnn.rnn" => (Backend::Cuda, Rnn),
+        "mkldnn" => return Ok(((Backend::Mkldnn, All), (Backend::Generic, All))),
+        "mkldnn.matmul" => (Backend::Mkldnn, Matmul),
+        "mkldnn.conv" => (Backend::Mkldnn, Conv),
+        "mkldnn.rnn" => (Backend::Mkldnn, Rnn),
+        other => return Err(format!("unknown attribute {other}")),
+    };
+    Ok(((backend, op), (backend, op)))
+}
+
+fn replay(s: &mut PrecisionSettings, step: &serde_json::Value) -> TestResult {
+    let arg = |i: usize| {
+        step.get(i)
+            .ok_or_else(|| format!("step {step}: no argument {i}"))
+    };
+    match arg(0)?.as_str() {
+        Some("matmul_precision") => {
+            let p = MatmulPrecision::parse_lenient(arg(1)?.as_str().ok_or("not a string")?)?;
+            s.set_float32_matmul_precision(p);
+        }
+        Some("allow_tf32_matmul") => {
+            s.set_allow_tf32_matmul(arg(1)?.as_bool().ok_or("not a bool")?)
+        }
+        Some("allow_tf32_cudnn") => s.set_allow_tf32_cudnn(arg(1)?.as_bool().ok_or("not a bool")?),
+        Some("fp32") => {
+            let (_, (backend, op)) = attribute(arg(1)?.as_str().ok_or("not a string")?)?;
+            let p: Fp32Precision = arg(2)?.as_str().ok_or("not a string")?.parse()?;
+            s.set(backend, op, p)?;
+        }
+        _ => return Err(format!("unknown step {step}").into()),
+    }
+    Ok(())
+}
+
+/// What getter `name` of the oracle answers on `s`, in the oracle's JSON form.
+fn read(s: &PrecisionSettings, name: &str) -> Result<serde_json::Value, Box<dyn Error>> {
+    use serde_json::json;
+    let answer = |r: Result<serde_json::Value, PrecisionError>| match r {
+        Ok(v) => v,
+        Err(e) => json!({ "error": e.to_string() }),
+    };
+    Ok(match name {
+        "matmul_precision" => answer(s.float32_matmul_precision().map(|p| json!(p.to_string()))),
+        "allow_tf32_matmul" => answer(s.allow_tf32_matmul().map(|b| json!(b))),
+        "allow_tf32_cudnn" => answer(s.allow_tf32_cudnn().map(|b| json!(b))),
+        path => {
+            let ((backend, op), _) = attribute(path)?;
+            answer(s.fp32_precision(backend, op).map(|p| json!(p.to_string())))
+        }
+    })
 }
 
 #[test]
