@@ -1,5 +1,6 @@
 //! Autocast as a library: which dtype each argument of an op call must have under the
-//! current thread's autocast state, decided by PyTorch 2.15's policy tables.
+//! current thread's autocast state, decided by PyTorch 2.15's policy tables (or 2.11's,
+//! selected with [`select_op_tables`]).
 //!
 //! PyTorch implements autocast as a dispatcher layer wrapped around every registered op
 //! (`aten/src/ATen/autocast_mode.{h,cpp}`). A Rust tensor crate has no such dispatcher, so
@@ -9,7 +10,8 @@
 //! [`RedispatchGuard`]. Regions are scopes: [`Autocast::enter`] and [`AmpState::enter`]
 //! return guards that own what they restore.
 //!
-//! - [`tables`]: the one declarative source of every op's policy per device ([`CastPolicy`]).
+//! - [`tables`]: the one declarative source of every op's policy per device ([`CastPolicy`]);
+//!   `tables_2_11`: PyTorch 2.11's lists as changes to them.
 //! - `device_string`: PyTorch device strings parsed into a [`DeviceKind`].
 //! - [`policy`](mod@policy): the compiled lookup ([`OpId`], [`CastPolicy`]).
 //! - [`cast`](mod@cast): eligibility and cast rules ([`cast_inputs`]).
@@ -30,6 +32,7 @@ pub mod guards;
 pub mod policy;
 pub mod state;
 pub mod tables;
+mod tables_2_11;
 mod thread_state;
 
 pub use cache::{WeightCastCache, clear_thread_caches, thread_cache_len};
@@ -42,7 +45,10 @@ pub use guards::{
     AutocastGuard, InferenceModeGuard, RedispatchGuard, StateGuard, dtype, is_cache_enabled,
     is_enabled, is_inference_mode, nesting,
 };
-pub use policy::{CastPolicy, OpId, all_listed_ops, listed_ops, policy, policy_by_name};
+pub use policy::{
+    CastPolicy, OpId, OpTables, all_listed_ops, listed_ops, listed_ops_in, op_tables, policy,
+    policy_by_name, policy_in, select_op_tables,
+};
 pub use state::{AmpState, Autocast};
 pub use tables::BINARY_CROSS_ENTROPY_BANNED;
 pub use thread_state::thread_state_version;

@@ -4,7 +4,8 @@
 //! `aten/src/ATen/mps/MPSAutocast.cpp` (MPS) register on top of them.
 //!
 //! Everything else (lookup, the docs page, the count and drift tests) is derived from the
-//! rules here; edit only this file to change a policy.
+//! rules here and, for PyTorch 2.11, from the changes to them in `tables_2_11`; edit only
+//! these two files to change a policy.
 use super::device::DeviceKind;
 
 /// How autocast treats one op on one device (`CastPolicy` in `aten/src/ATen/autocast_mode.h`,
@@ -244,13 +245,13 @@ const SHARED: &[Rule] = &[
 ];
 
 /// Shared lists plus the ban, the whole of XPU, MTIA and MAIA (117 each).
-const SHARED_WITH_BAN: &[Rule] = &[
+pub(crate) const SHARED_WITH_BAN: &[Rule] = &[
     Rule::Include(SHARED),
     Rule::Add(BANNED, &["binary_cross_entropy"]),
 ];
 
 /// `AutocastCUDA` (121).
-const CUDA: &[Rule] = &[
+pub(crate) const CUDA: &[Rule] = &[
     Rule::Include(SHARED_WITH_BAN),
     Rule::Add(LP, &["cudnn_convolution", "cudnn_convolution_transpose"]),
     // cudnn/AutocastRNN.cpp: `_cudnn_rnn` re-flattens its weights in fp16 (kHalf).
@@ -260,7 +261,7 @@ const CUDA: &[Rule] = &[
 ];
 
 /// `AutocastCPU` (126): its own lists in `autocast_mode.cpp`, shared by bf16 and fp16.
-const CPU: &[Rule] = &[
+pub(crate) const CPU: &[Rule] = &[
     Rule::Add(
         LP,
         &[
@@ -399,7 +400,7 @@ const CPU_FP32: &[&str] = &[
 
 /// `AutocastMPS` (95): the shared lists minus what `MPSAutocast.cpp` does not register, its
 /// own `_mps_convolution` and `batch_norm`, and the set-opt-dtype ops as plain fp32.
-const MPS: &[Rule] = &[
+pub(crate) const MPS: &[Rule] = &[
     Rule::Include(SHARED),
     Rule::Remove(&[
         "linalg_vecdot",
@@ -422,7 +423,7 @@ const MPS: &[Rule] = &[
 
 /// Every device kind with a table in the stock 2.15 build, in the order the docs list them.
 /// HPU, XLA, IPU and PrivateUse1 register their lists out of tree (0 ops in the stock build).
-pub(crate) const DEVICES: &[DeviceRules] = &[
+pub(crate) const DEVICES_2_15: &[DeviceRules] = &[
     DeviceRules {
         device: DeviceKind::Cuda,
         rules: CUDA,
