@@ -7,6 +7,7 @@
 //! mixed requests spent a tenth of its instructions in their calls (saving and restoring
 //! registers, passing results through memory), and inlining them cut its time by 3%.
 use crate::block::{Allocation, Blocks};
+use crate::combining::{Combined, Op};
 use crate::engine::{Engine, Locked, OomObserver};
 use crate::error::AllocError;
 use crate::expandable::Expandable;
@@ -14,7 +15,7 @@ use crate::free_pools::Pools;
 use crate::history::{History, HistoryContext, HistoryOptions, capture_frames};
 use crate::pluggable::PluggableAllocator;
 use crate::private_pools::{PrivatePools, Route};
-use crate::rounding::{ONE_EXABYTE, pool_kind, round_size};
+use crate::rounding::ONE_EXABYTE;
 use crate::state::{Request, State};
 use crate::stream_order::StreamOrder;
 use crate::tally::Tally;
@@ -152,6 +153,7 @@ impl CachingAllocator {
         if next.backend != Backend::Native {
             return Err(AllocError::WrongBackend);
         }
+        self.engine.cache.enable(next.reuse.thread_cache);
         st.config = next;
         st.stats.max_split_size = st.config.sizes.max_split_size.map_or(-1, |m| m as i64);
         Ok(())
@@ -224,7 +226,8 @@ impl CachingAllocator {
         let frames = (context >= HistoryContext::State as u8).then(capture_frames);
         // While a pool is being recorded to, ask the driver which capture this stream is in
         // (a cheap query, made before taking the lock).
-        let capture = if self.routing.load(Ordering::Acquire) > 0 {
+        let routed = self.routing.load(Ordering::Acquire) > 0;
+        let capture = if routed {
             match self.engine.driver.stream_capture_status(stream)? {
                 CaptureStatus::Active { id } => Some(id),
                 _ => None,
@@ -232,21 +235,30 @@ impl CachingAllocator {
         } else {
             None
         };
-        let mut st = self.engine.lock();
-        self.engine.process_events(&mut st);
-        let size = round_size(bytes, &st.config);
-        let pool = st.private.route(stream, capture);
-        let req = Request {
-            size,
-            requested: bytes,
-            kind: pool_kind(size),
-            stream,
-            pool,
-            frames,
-            capture,
+        // With the lock taken, the thread holding it may serve this request with its own.
+        // (A route may depend on the calling thread: routed requests are not published.)
+        let mut st = if frames.is_none() && !routed && self.engine.cache.enabled() {
+            match self.engine.lock_or_combine(Op::Alloc {
+                bytes,
+                stream: stream.raw,
+            }) {
+                Combined::Served { ptr, size } => {
+                    return Ok(Allocation {
+                        ptr: DevicePtr(ptr),
+                        size,
+                        requested: bytes,
+                        stream,
+                    });
+                }
+                Combined::Locked(g) => g,
+            }
+        } else {
+            self.engine.lock()
         };
-        if let Some(id) = st.take_free_block(req.pool, req.kind, stream, size) {
-            return Ok(self.hand_out(&mut st, id, &req));
+        let req = self.engine.request(&mut st, bytes, stream, frames, capture);
+        if let Some(id) = st.take_free_block(req.pool, req.kind, stream, req.size) {
+            let allocation = self.hand_out(&mut st, id, &req);
+            return Ok(allocation);
         }
         let (mut st, id) = self.engine.slow_path(st, &req)?;
         Ok(self.hand_out(&mut st, id, &req))
@@ -282,7 +294,15 @@ impl CachingAllocator {
         }
         let context = self.context.load(Ordering::Relaxed);
         let free_frames = (context >= HistoryContext::All as u8).then(capture_frames);
-        let mut st = self.engine.lock();
+        let combinable = self.routing.load(Ordering::Acquire) == 0 && self.engine.cache.enabled();
+        let mut st = if free_frames.is_none() && combinable {
+            match self.engine.lock_or_combine(Op::Free { ptr: ptr.0 }) {
+                Combined::Served { .. } => return Ok(()),
+                Combined::Locked(g) => g,
+            }
+        } else {
+            self.engine.lock()
+        };
         let Some(id) = st.blocks.allocated_at(ptr.0) else {
             return Err(AllocError::InvalidPointer(ptr));
         };

@@ -4,10 +4,12 @@
 //! shrink the cache are further `impl Engine` blocks, each in its own file, calling only
 //! downwards: `slow_path` → `release` → `expandable_mapping` → this file.
 use crate::error::{AllocError, OutOfMemory};
-use crate::state::{Released, State};
+
+use crate::rounding::{pool_kind, round_size};
+use crate::state::{Released, Request, State};
 use crate::thread_cache::{Registry, ThreadCache};
 use ferrocuda_driver::{Driver, DriverError};
-use ferrocuda_types::{CaptureStatus, DeviceIndex, DevicePtr, ProcessMemory, StreamHandle};
+use ferrocuda_types::{CaptureStatus, DeviceIndex, DevicePtr, Frame, ProcessMemory, StreamHandle};
 use parking_lot::{Mutex, MutexGuard};
 use rustc_hash::FxHashMap;
 use std::sync::Arc;
@@ -16,7 +18,10 @@ use std::sync::Arc;
 /// (`torch._C._cuda_attach_out_of_memory_observer`).
 pub type OomObserver = Arc<dyn Fn(&OutOfMemory) + Send + Sync>;
 
-/// What the lock guards: the state, and every thread's slot in this allocator.
+/// What the lock guards: the state, and every thread's slot in this allocator. Aligned so
+/// that no line of it holds the lock word: threads waiting for the lock read that word,
+/// and the holder reads and writes the state.
+#[repr(align(128))]
 pub(crate) struct Locked {
     pub(crate) state: State,
     pub(crate) slots: Registry,
@@ -71,7 +76,7 @@ impl Engine {
             device_total,
             oom_observers: Mutex::new(Vec::new()),
             granularity: std::sync::OnceLock::new(),
-            cache: ThreadCache::new(),
+            cache: ThreadCache::new(state.config.reuse.thread_cache),
             state: Mutex::new(Locked {
                 state,
                 slots: Registry::default(),
@@ -87,13 +92,50 @@ impl Engine {
     /// mutex. Also taken again after a driver call made outside the lock.
     #[inline(always)]
     pub(crate) fn lock(&self) -> Guard<'_> {
-        let mut g = self.state.lock();
+        self.settled(self.state.lock())
+    }
+
+    /// [`Engine::lock`] if the lock is free now.
+    #[inline(always)]
+    pub(crate) fn try_lock(&self) -> Option<Guard<'_>> {
+        self.state.try_lock().map(|g| self.settled(g))
+    }
+
+    /// The lock just taken, with every thread-cache slot settled and a due reclaim mark
+    /// recorded.
+    #[inline(always)]
+    fn settled<'a>(&'a self, mut g: Guard<'a>) -> Guard<'a> {
         if self.cache.needs_settling() {
             let Locked { state, slots } = &mut *g;
             self.cache.settle_all(state, slots);
         }
         self.record_due_mark(&mut g.state);
         g
+    }
+
+    /// Request `bytes` on `stream` as the lock holder sees it (PyTorch's `malloc` up to its
+    /// best fit): events that completed are processed first, then the size is rounded and
+    /// the pool routed (`capture`: the stream's capture, asked while a pool is routed to).
+    #[inline(always)]
+    pub(crate) fn request(
+        &self,
+        st: &mut State,
+        bytes: u64,
+        stream: StreamHandle,
+        frames: Option<Arc<[Frame]>>,
+        capture: Option<u64>,
+    ) -> Request {
+        self.process_events(st);
+        let size = round_size(bytes, &st.config);
+        Request {
+            size,
+            requested: bytes,
+            kind: pool_kind(size),
+            stream,
+            pool: st.private.route(stream, capture),
+            frames,
+            capture,
+        }
     }
 
     /// Holds freed block `id` back until the other streams that used it (`uses`) are done:

@@ -15,6 +15,7 @@
 //! single-lock path would do at that point. Another thread's operation that comes later
 //! (a hand-over, or just a race lost) sees every free parked before it.
 use crate::block::Allocation;
+use crate::combining::{CHUNK, Publication};
 use crate::free_list::key;
 use crate::free_pools::oversize_refuses;
 use crate::history::HistoryMode;
@@ -159,6 +160,8 @@ pub(crate) struct Slot {
     pub retired: AtomicBool,
     /// What the allocator shares with its slots.
     shared: Arc<Shared>,
+    /// The thread's request waiting for the lock holder (`combining`).
+    pub publication: Publication,
 }
 
 impl Credit {
@@ -198,6 +201,7 @@ impl Slot {
             orphaned: AtomicBool::new(false),
             retired: AtomicBool::new(false),
             shared: shared.clone(),
+            publication: Publication::default(),
         }
     }
 
@@ -353,6 +357,16 @@ pub(crate) fn next_allocator_id() -> u64 {
 pub(crate) struct Registry(Vec<Arc<Slot>>);
 
 impl Registry {
+    /// The slots, [`CHUNK`] at a time.
+    pub(crate) fn chunks(&self) -> std::slice::Chunks<'_, Arc<Slot>> {
+        self.0.chunks(CHUNK)
+    }
+
+    /// How many slots there are.
+    pub(crate) fn len(&self) -> usize {
+        self.0.len()
+    }
+
     /// The allocator is gone: each owner's table drops its slot.
     pub(crate) fn retire(&self) {
         for slot in &self.0 {
@@ -367,13 +381,43 @@ impl Registry {
 pub(crate) struct ThreadCache {
     id: u64,
     shared: Arc<Shared>,
+    /// The `thread_cache` key: with it off, credits are never granted (`credit` reads the
+    /// configuration) and no request is served by another thread (`combining`).
+    enabled: std::sync::atomic::AtomicBool,
 }
 
 impl ThreadCache {
-    pub(crate) fn new() -> ThreadCache {
+    pub(crate) fn new(enabled: bool) -> ThreadCache {
         ThreadCache {
             id: next_allocator_id(),
             shared: Arc::new(Shared::default()),
+            enabled: std::sync::atomic::AtomicBool::new(enabled),
+        }
+    }
+
+    /// Whether the `thread_cache` key is on.
+    #[inline(always)]
+    pub(crate) fn enabled(&self) -> bool {
+        self.enabled.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Follows a change of the `thread_cache` key (with the allocator's lock held).
+    pub(crate) fn enable(&self, on: bool) {
+        self.enabled.store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Runs `f` on the calling thread's slot, if it has one.
+    #[inline]
+    pub(crate) fn own_slot<R>(&self, f: impl FnOnce(&Slot) -> R) -> Option<R> {
+        with_slot(self.id, f)
+    }
+
+    /// Gives the calling thread a slot if it has none (with the allocator's lock held).
+    pub(crate) fn register_own(&self, registry: &mut Registry) {
+        if with_slot(self.id, |_| ()).is_none()
+            && let Some(slot) = register(self.id, &self.shared)
+        {
+            registry.0.push(slot);
         }
     }
 
