@@ -257,8 +257,7 @@ impl CachingAllocator {
         };
         let req = self.engine.request(&mut st, bytes, stream, frames, capture);
         if let Some(id) = st.take_free_block(req.pool, req.kind, stream, req.size) {
-            let allocation = self.hand_out(&mut st, id, &req);
-            return Ok(allocation);
+            return Ok(self.hand_out(&mut st, id, &req));
         }
         let (mut st, id) = self.engine.slow_path(st, &req)?;
         Ok(self.hand_out(&mut st, id, &req))

@@ -149,7 +149,7 @@ impl Engine {
         self.cache
             .own_slot(|slot| self.wait_served(&slot.publication, op))
             .unwrap_or_else(|| {
-                let mut g = self.lock();
+                let mut g = self.lock_serving();
                 self.cache.register_own(&mut g.slots);
                 Combined::Locked(g)
             })
@@ -160,7 +160,7 @@ impl Engine {
     fn wait_served(&self, mine: &Publication, op: Op) -> Combined<'_> {
         mine.publish(op);
         let mut spins = 0;
-        let held = loop {
+        let mut held = loop {
             if let Some(answer) = mine.take_answer() {
                 return self.answered(mine, answer, None);
             }
@@ -168,7 +168,6 @@ impl Engine {
                 break self.lock();
             }
             if spins % LOOK_EVERY == 0
-                && !self.state.is_locked()
                 && let Some(g) = self.try_lock()
             {
                 break g;
@@ -176,7 +175,6 @@ impl Engine {
             spins += 1;
             std::hint::spin_loop();
         };
-        let mut held = held;
         self.serve_published(&mut held);
         // (Its slot is in the registry, so a pass served it, unless another thread did.)
         self.serve(&mut held.state, mine);
@@ -197,7 +195,15 @@ impl Engine {
                 size: mine.size.load(Ordering::Relaxed),
             };
         }
-        Combined::Locked(held.unwrap_or_else(|| self.lock()))
+        Combined::Locked(held.unwrap_or_else(|| self.lock_serving()))
+    }
+
+    /// The lock, taken the blocking way, with what was published served (before the
+    /// caller's own request, as in [`Engine::lock_or_combine`]).
+    fn lock_serving(&self) -> Guard<'_> {
+        let mut g = self.lock();
+        self.serve_published(&mut g);
+        g
     }
 
     /// Serves every request published in a slot, in the slots' order, pass after pass

@@ -4,7 +4,6 @@
 //! shrink the cache are further `impl Engine` blocks, each in its own file, calling only
 //! downwards: `slow_path` → `release` → `expandable_mapping` → this file.
 use crate::error::{AllocError, OutOfMemory};
-
 use crate::rounding::{pool_kind, round_size};
 use crate::state::{Released, Request, State};
 use crate::thread_cache::{Registry, ThreadCache};
