@@ -1,7 +1,8 @@
 //! The caching allocator's hot path, measured like `shared/tools/torch_anchor.py` measures
 //! PyTorch's (same sizes, same churn generator, same "wall time / (iterations × threads)"):
-//! a cached alloc+free pair on 1 thread and on 8 threads, and a 1024-live mixed churn; and
-//! the 1 MiB pair with `thread_cache:False` (every request through the allocator's lock)
+//! a cached alloc+free pair on 1 thread and on 8 threads, and a 1024-live mixed churn
+//! carried from sample to sample as the anchor's single run is (`churn_refill_*` starts
+//! every sample from an empty live set instead); and the 1 MiB pair with `thread_cache:False` (every request through the allocator's lock)
 //! and with `expandable_segments:True`; and the 1 MiB pair, 8 threads and churn again with
 //! `ferrocuda_recommended:True` (`_recommended`). Beside them, the floor any exact path
 //! pays: one uncontended lock and unlock of the allocator's mutex type, and a lock-and-
@@ -125,31 +126,68 @@ fn headline(
             start.elapsed() / 8
         })
     });
+    // As the anchor runs it: one churn whose live set and generator carry over from sample
+    // to sample (the anchor's single run of a million operations fills its live set once).
+    let mut churn = Churn::new();
     g.bench_function(format!("churn_1024_live{suffix}"), |b| {
         b.iter_custom(|iters| {
-            let mut live: Vec<Option<u64>> = vec![None; 1024];
-            let mut s: u64 = 88172645463325252;
             let start = Instant::now();
-            for _ in 0..iters {
-                s ^= s << 13;
-                s ^= s >> 7;
-                s ^= s << 17;
-                let slot = (s % 1024) as usize;
-                match live[slot].take() {
-                    Some(p) => a.free(ferrocuda::types::DevicePtr(p)).expect("free"),
-                    None => {
-                        let size = 512u64 << ((s >> 40) % 15);
-                        live[slot] = Some(a.allocate(size, STREAM).expect("allocate").ptr.0);
-                    }
-                }
-            }
+            churn.run(a, iters);
+            start.elapsed()
+        })
+    });
+    churn.free_all(a);
+    // Every sample from an empty live set and the same seed, freed again after it (untimed):
+    // what a step that frees everything and allocates it again costs, page moves included.
+    g.bench_function(format!("churn_refill_1024_live{suffix}"), |b| {
+        b.iter_custom(|iters| {
+            let mut churn = Churn::new();
+            let start = Instant::now();
+            churn.run(a, iters);
             let elapsed = start.elapsed();
-            for p in live.into_iter().flatten() {
-                a.free(ferrocuda::types::DevicePtr(p)).expect("free");
-            }
+            churn.free_all(a);
             elapsed
         })
     });
+}
+
+/// The anchor's mixed churn: 1 024 slots, each step frees the slot's block or allocates one
+/// of 512 B to 8 MiB into it, slot and size from one xorshift generator.
+struct Churn {
+    live: Vec<Option<u64>>,
+    state: u64,
+}
+
+impl Churn {
+    fn new() -> Churn {
+        Churn {
+            live: vec![None; 1024],
+            state: 88172645463325252,
+        }
+    }
+
+    fn run(&mut self, a: &CachingAllocator, steps: u64) {
+        for _ in 0..steps {
+            let s = &mut self.state;
+            *s ^= *s << 13;
+            *s ^= *s >> 7;
+            *s ^= *s << 17;
+            let slot = (*s % 1024) as usize;
+            match self.live[slot].take() {
+                Some(p) => a.free(ferrocuda::types::DevicePtr(p)).expect("free"),
+                None => {
+                    let size = 512u64 << ((*s >> 40) % 15);
+                    self.live[slot] = Some(a.allocate(size, STREAM).expect("allocate").ptr.0);
+                }
+            }
+        }
+    }
+
+    fn free_all(&mut self, a: &CachingAllocator) {
+        for p in self.live.iter_mut().filter_map(Option::take) {
+            a.free(ferrocuda::types::DevicePtr(p)).expect("free");
+        }
+    }
 }
 
 criterion_group! {

@@ -119,11 +119,13 @@ rows = [("cached pair 512 B", "pair_512B", "torch_alloc_pair_ns_512", 60),
         ("cached pair 100 MiB", "pair_100MiB", "torch_alloc_pair_ns_104857600", 60),
         ("pair 1 MiB, 8 threads", "pair_1MiB_8threads", "torch_alloc_pair_ns_1MiB_8threads", 150),
         ("churn, 1024 live", "churn_1024_live", "torch_alloc_mixed_ns", 60),
+        ("churn refilled per sample", "churn_refill_1024_live", "torch_alloc_mixed_ns", None),
         ("pair 1 MiB, no thread cache", "pair_1MiB_locked", "torch_alloc_pair_ns_1048576", None),
         ("pair 1 MiB, expandable", "pair_1MiB_expandable", "torch_alloc_pair_ns_1048576", None),
         ("recommended: pair 1 MiB", "pair_1MiB_recommended", "torch_alloc_pair_ns_1048576", None),
         ("recommended: 8 threads", "pair_1MiB_8threads_recommended", "torch_alloc_pair_ns_1MiB_8threads", None),
-        ("recommended: churn", "churn_1024_live_recommended", "torch_alloc_mixed_ns", None)]
+        ("recommended: churn", "churn_1024_live_recommended", "torch_alloc_mixed_ns", None),
+        ("recommended: churn refilled", "churn_refill_1024_live_recommended", "torch_alloc_mixed_ns", None)]
 print(f"{'allocator hot path':28} {'ferrocuda ns':>13} {'PyTorch ns':>11} {'ratio':>7} {'target ns':>10}")
 for label, mine, theirs, target in rows:
     a, b = ours(mine), torch.get(theirs)
