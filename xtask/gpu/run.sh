@@ -13,6 +13,13 @@ OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
 export FERROCUDA_REQUIRE_GPU=1 CRITERION_HOME="$OUT/criterion"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || echo "nvidia-smi: not found"
+# cuBLAS and cuFFT come with PyTorch's wheels, outside the loader's path: name their folders
+# (docs/mathlib.md), as a user of PyTorch's libraries would.
+if [ -z "${FERROCUDA_CUDA_LIBRARY_PATH:-}" ]; then
+  FERROCUDA_CUDA_LIBRARY_PATH=$(python3 -c 'import glob, os, site; print(":".join(d for p in site.getsitepackages() for d in sorted(glob.glob(os.path.join(p, "nvidia", "*", "lib")))))' 2>/dev/null) || true
+  export FERROCUDA_CUDA_LIBRARY_PATH
+  echo "FERROCUDA_CUDA_LIBRARY_PATH=$FERROCUDA_CUDA_LIBRARY_PATH"
+fi
 passed=0; failed=0
 want() { [ -z "${ONLY:-}" ] || [[ "$1" =~ $ONLY ]]; }
 # The tests of a binary to run, when not all of them (a test filtered out is no skip).
@@ -167,6 +174,35 @@ for label, mine, theirs in [("H2D 64 MiB pinned, GB/s", "pinned_64MiB", "torch_h
         print(f"{label:28} missing"); continue
     a = (64 << 20) / ns
     print(f"{label:28} {a:13.2f} {b:11.2f} {a / b:7.3f}")
+PY
+fi
+if [ -f torch_gemm.py ] && want torch_gemm; then
+  echo "=== torch_gemm.py (PyTorch's torch.matmul, same machine, same run)"
+  if OUT="$OUT" PYTHONUNBUFFERED=1 python3 torch_gemm.py 2>&1 | tee "$OUT/torch_gemm.log"; then
+    passed=$((passed + 1))
+  else
+    echo "torch_gemm.py failed"; failed=$((failed + 1))
+  fi
+fi
+if [ -f "$OUT/torch_gemm.json" ]; then
+  python3 - "$OUT" <<'PY'
+import json, os, sys
+out = sys.argv[1]
+torch = json.load(open(os.path.join(out, "torch_gemm.json")))
+print(f"{'GEMM':24} {'ferrocuda':>11} {'PyTorch':>11} {'ratio':>7}  (TFLOP/s; host ns for the call)")
+for name, (m, n, k) in [("bf16_4096", (4096,) * 3), ("f16_4096", (4096,) * 3),
+                        ("bf16_8192x8192x1024", (8192, 8192, 1024)), ("f16_8192x8192x1024", (8192, 8192, 1024)),
+                        ("f32_tf32_4096", (4096,) * 3), ("f32_64_call", None)]:
+    p = os.path.join(out, "criterion", "gemm", name, "new", "estimates.json")
+    mine = json.load(open(p))["median"]["point_estimate"] if os.path.exists(p) else None
+    theirs = torch.get(f"torch_gemm_ns_{name}")
+    if mine is None or theirs is None:
+        print(f"{name:24} missing"); continue
+    if m is None:
+        print(f"{name:24} {mine:11.0f} {theirs:11.0f} {mine / theirs:7.3f}")
+    else:
+        f = 2 * m * n * k / 1e3
+        print(f"{name:24} {f / mine:11.1f} {f / theirs:11.1f} {theirs / mine:7.3f}")
 PY
 fi
 if [ -n "${MULTI_GPU:-}" ] && [ -f torch_dist.py ] && want torch_dist; then

@@ -26,6 +26,7 @@ const GPU_TESTS: &[&str] = &[
     "async_conformance",
     "dist_gpu",
     "peer_gpu",
+    "blas_conformance",
 ];
 /// Test binaries that need two GPUs: bundled as `multi_*`, run by run.sh only with
 /// `MULTI_GPU=1` (on fewer than two GPUs they fail, never skip).
@@ -58,6 +59,7 @@ const GPU_BENCHES: &[&str] = &[
     "trees",
     "pinned",
     "torch_plugin",
+    "gemm",
 ];
 /// Bench binaries that need two GPUs: bundled as `multibench_*`, run by run.sh only with
 /// `MULTI_GPU=1` (on fewer than two GPUs they fail, never skip).
@@ -155,6 +157,8 @@ pub(crate) fn gpu_bundle() -> Result<(), String> {
     }
     // The pinned-memory anchor lives in this repository (PyTorch's side of benches/pinned.rs).
     std::fs::write(dir.join("torch_pinned.py"), TORCH_PINNED_PY).map_err(|e| e.to_string())?;
+    // And cuBLAS's (PyTorch's side of crates/mathlib/benches/gemm.rs).
+    std::fs::write(dir.join("torch_gemm.py"), TORCH_GEMM_PY).map_err(|e| e.to_string())?;
     // And the several-GPU one (PyTorch's side of crates/dist/benches/multi_gpu.rs).
     std::fs::write(dir.join("torch_dist.py"), TORCH_DIST_PY).map_err(|e| e.to_string())?;
     bundle_replay(&dir, &torch_replay)?;
@@ -281,6 +285,7 @@ fn pack_if_large(dir: &Path) -> Result<(), String> {
 /// PyTorch's pinned host allocator and host-to-device copies, measured beside
 /// `benches/pinned.rs` (run by `run.sh`, compared with the criterion figures).
 const TORCH_PINNED_PY: &str = include_str!("../anchors/torch_pinned.py");
+const TORCH_GEMM_PY: &str = include_str!("../anchors/torch_gemm.py");
 
 /// PyTorch's `dist.all_reduce` (NCCL) bus bandwidth and `t.to("cuda:1")` bandwidth, measured
 /// beside `crates/dist/benches/multi_gpu.rs` (run by `run.sh` with `MULTI_GPU=1`).

@@ -76,7 +76,8 @@ mod malloc_log;
 pub mod nvml;
 pub mod pluggable;
 
-pub use cuda::{CudaDriver, RawGraph, RawLaunch, nccl};
+pub use cuda::libraries::LIBRARY_PATH_VAR;
+pub use cuda::{CudaDriver, RawGraph, RawLaunch, cublas, nccl};
 pub use error::{CompileError, DriverError};
 pub use fake::{Completion, FakeDriver, FakeDriverBuilder, KernelContext, PeerCopies};
 pub use interop::ForeignStream;

@@ -28,12 +28,14 @@ use std::sync::{Arc, OnceLock};
 
 #[cfg(feature = "c-export")]
 pub(crate) mod context_scope;
+pub mod cublas;
 mod devices;
 mod events;
 mod graphs;
 mod host_register;
 mod interop;
 mod kernels;
+pub(crate) mod libraries;
 mod mem_pool;
 mod memory;
 pub mod nccl;

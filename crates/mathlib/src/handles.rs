@@ -1,0 +1,326 @@
+//! [`Blas`]: cuBLAS handles and workspaces for one device, as PyTorch's
+//! `CublasHandlePool.cpp` keeps them.
+//!
+//! - **A handle per thread** (PyTorch's `DeviceThreadHandlePool`): a thread's first call
+//!   takes a handle (one a finished thread gave back, else a new one) and keeps it until the
+//!   thread ends; then it goes back to the pool and its workspaces to the allocator.
+//! - **Every acquisition sets** the stream, the workspace for that stream and the math mode
+//!   from the precision settings (`getCurrentCUDABlasHandle`).
+//! - **Workspaces come from the caching allocator**, one per (handle, stream), allocated on
+//!   that stream, so they show in its statistics as PyTorch's do. A workspace smaller than
+//!   the size now chosen is replaced. (PyTorch keeps the smaller allocation and hands cuBLAS
+//!   the larger size: `setCublasWorkspace`'s `emplace` does not replace an entry.)
+//! - [`Blas::clear_workspaces`] gives every workspace back (`torch._C._cuda_clearCublasWorkspaces`;
+//!   PyTorch's clears the calling thread's only, since its map is per thread).
+use crate::MathLibError;
+use crate::backend::{BlasBackend, HandleId};
+use crate::workspace_config::WorkspaceSizes;
+use ferrocuda_alloc::CachingAllocator;
+use ferrocuda_amp::precision::{self, CublasMathMode};
+use ferrocuda_driver::cublas::MathMode;
+use ferrocuda_types::{DeviceIndex, DevicePtr, StreamHandle};
+use parking_lot::Mutex;
+use rustc_hash::FxHashMap;
+use std::cell::RefCell;
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
+use std::sync::{Arc, Weak};
+
+/// A workspace held for one (handle, stream).
+#[derive(Copy, Clone, Debug)]
+struct Workspace {
+    ptr: DevicePtr,
+    bytes: u64,
+}
+
+#[derive(Debug, Default)]
+struct Pool {
+    /// Handles of finished threads, ready for the next thread.
+    free: Vec<HandleId>,
+    /// Every handle made (for [`Drop`]).
+    all: Vec<HandleId>,
+    workspaces: FxHashMap<(HandleId, u64), Workspace>,
+}
+
+#[derive(Debug)]
+struct Shared {
+    backend: Arc<dyn BlasBackend>,
+    allocator: Arc<CachingAllocator>,
+    device: DeviceIndex,
+    sm_major: u32,
+    sizes: WorkspaceSizes,
+    /// `setChosenWorkspaceSize` / `setCUDABlasLtWorkspaceSize`: -1 is none.
+    cublas_override: AtomicI64,
+    cublaslt_override: AtomicI64,
+    lt_limit_warned: AtomicBool,
+    pool: Mutex<Pool>,
+}
+
+/// A thread's handle from one [`Blas`], given back when the thread ends.
+struct Window {
+    shared: Weak<Shared>,
+    handle: HandleId,
+}
+
+impl Drop for Window {
+    fn drop(&mut self) {
+        if let Some(shared) = self.shared.upgrade() {
+            shared.give_back(self.handle);
+        }
+    }
+}
+
+thread_local! {
+    static WINDOWS: RefCell<Vec<Window>> = const { RefCell::new(Vec::new()) };
+}
+
+/// cuBLAS handles and workspaces for one device (see the module's text).
+#[derive(Debug, Clone)]
+pub struct Blas {
+    shared: Arc<Shared>,
+}
+
+impl Blas {
+    /// Handles on `allocator`'s device, workspaces from `allocator`, sizes from the
+    /// environment ([`WorkspaceSizes::from_env`]; PyTorch's warnings in [`Blas::warnings`]).
+    pub fn new(
+        backend: Arc<dyn BlasBackend>,
+        allocator: Arc<CachingAllocator>,
+    ) -> Result<Blas, MathLibError> {
+        let sm_major = backend.sm_major(allocator.device())?;
+        let sizes = WorkspaceSizes::from_env(|k| std::env::var(k).ok(), sm_major)?;
+        Blas::with_sizes(backend, allocator, sizes)
+    }
+
+    /// As [`Blas::new`], with the sizes given rather than read from the environment.
+    pub fn with_sizes(
+        backend: Arc<dyn BlasBackend>,
+        allocator: Arc<CachingAllocator>,
+        sizes: WorkspaceSizes,
+    ) -> Result<Blas, MathLibError> {
+        let device = allocator.device();
+        let sm_major = backend.sm_major(device)?;
+        Ok(Blas {
+            shared: Arc::new(Shared {
+                backend,
+                allocator,
+                device,
+                sm_major,
+                sizes,
+                cublas_override: AtomicI64::new(-1),
+                cublaslt_override: AtomicI64::new(-1),
+                lt_limit_warned: AtomicBool::new(false),
+                pool: Mutex::new(Pool::default()),
+            }),
+        })
+    }
+
+    /// The device.
+    pub fn device(&self) -> DeviceIndex {
+        self.shared.device
+    }
+
+    /// The compute capability's major version of the device.
+    pub fn sm_major(&self) -> u32 {
+        self.shared.sm_major
+    }
+
+    pub(crate) fn backend(&self) -> &dyn BlasBackend {
+        &*self.shared.backend
+    }
+
+    /// The warnings PyTorch gives for the workspace variables read (word for word).
+    pub fn warnings(&self) -> &[String] {
+        &self.shared.sizes.warnings
+    }
+
+    /// Bytes of each cuBLAS workspace now (`getChosenWorkspaceSize`): the override if set,
+    /// else what the environment chose.
+    pub fn cublas_workspace_size(&self) -> u64 {
+        u64::try_from(self.shared.cublas_override.load(Ordering::Relaxed))
+            .unwrap_or(self.shared.sizes.cublas)
+    }
+
+    /// Overrides the cuBLAS workspace size for later acquisitions
+    /// (`setChosenWorkspaceSize`); a workspace already held that is smaller is replaced at
+    /// its next use.
+    pub fn set_cublas_workspace_size(&self, bytes: u64) -> Result<(), MathLibError> {
+        let v = i64::try_from(bytes)
+            .map_err(|_| MathLibError::WorkspaceConfig(format!("{bytes} bytes is too large")))?;
+        self.shared.cublas_override.store(v, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Back to the environment's size (`resetChosenWorkspaceSize`).
+    pub fn reset_cublas_workspace_size(&self) {
+        self.shared.cublas_override.store(-1, Ordering::Relaxed);
+    }
+
+    /// Bytes of each cuBLASLt workspace now (`getCUDABlasLtWorkspaceSize`): unified, at most
+    /// the cuBLAS size (PyTorch's warning once, in the second value the first time).
+    pub fn cublaslt_workspace_size(&self) -> (u64, Option<String>) {
+        let lt = u64::try_from(self.shared.cublaslt_override.load(Ordering::Relaxed))
+            .unwrap_or(self.shared.sizes.cublaslt);
+        let (bytes, warning) = WorkspaceSizes::effective_lt(
+            self.shared.sizes.unified,
+            self.cublas_workspace_size(),
+            lt,
+        );
+        let first = warning.filter(|_| !self.shared.lt_limit_warned.swap(true, Ordering::Relaxed));
+        (bytes, first)
+    }
+
+    /// Overrides the cuBLASLt workspace size (`setCUDABlasLtWorkspaceSize`).
+    pub fn set_cublaslt_workspace_size(&self, bytes: u64) -> Result<(), MathLibError> {
+        let v = i64::try_from(bytes)
+            .map_err(|_| MathLibError::WorkspaceConfig(format!("{bytes} bytes is too large")))?;
+        self.shared.cublaslt_override.store(v, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Back to the environment's cuBLASLt size (`resetCUDABlasLtWorkspaceSize`).
+    pub fn reset_cublaslt_workspace_size(&self) {
+        self.shared.cublaslt_override.store(-1, Ordering::Relaxed);
+    }
+
+    /// Whether cuBLASLt shares the cuBLAS workspace of its stream.
+    pub fn unified_workspaces(&self) -> bool {
+        self.shared.sizes.unified
+    }
+
+    /// Bytes of workspace held now, over every handle and stream.
+    pub fn workspace_bytes(&self) -> u64 {
+        self.shared
+            .pool
+            .lock()
+            .workspaces
+            .values()
+            .map(|w| w.bytes)
+            .sum()
+    }
+
+    /// Gives every workspace back to the allocator (`_cuda_clearCublasWorkspaces`).
+    pub fn clear_workspaces(&self) -> Result<(), MathLibError> {
+        self.shared.clear(|_| true)
+    }
+
+    /// Gives back the workspaces of `stream` (`clearCublasWorkspacesForStream`): what a
+    /// stream's owner calls before destroying it.
+    pub fn clear_workspaces_for_stream(&self, stream: StreamHandle) -> Result<(), MathLibError> {
+        self.shared.clear(|(_, s)| s == stream.raw)
+    }
+
+    /// This thread's handle, set up for `stream` (`getCurrentCUDABlasHandle`): its stream,
+    /// its workspace for that stream, and the math mode the precision settings and this
+    /// thread's [`NoTf32Guard`](precision::NoTf32Guard) give.
+    pub fn acquire(&self, stream: StreamHandle) -> Result<HandleId, MathLibError> {
+        let handle = self.thread_handle()?;
+        let backend = &*self.shared.backend;
+        backend.set_stream(handle, stream)?;
+        self.set_workspace(handle, stream)?;
+        let mode = match precision::cublas_handle_math_mode(
+            &precision::global(),
+            precision::reduced_precision_disabled(),
+        ) {
+            CublasMathMode::CUBLAS_TF32_TENSOR_OP_MATH => MathMode::Tf32TensorOp,
+            CublasMathMode::CUBLAS_DEFAULT_MATH => MathMode::Default,
+        };
+        backend.set_math_mode(handle, mode)?;
+        Ok(handle)
+    }
+
+    /// The calling thread's handle: the one it holds, else one from the pool or a new one.
+    fn thread_handle(&self) -> Result<HandleId, MathLibError> {
+        let held = WINDOWS.with(|w| {
+            w.borrow()
+                .iter()
+                .find(|win| std::ptr::eq(win.shared.as_ptr(), Arc::as_ptr(&self.shared)))
+                .map(|win| win.handle)
+        });
+        if let Some(h) = held {
+            return Ok(h);
+        }
+        let reused = self.shared.pool.lock().free.pop();
+        let handle = match reused {
+            Some(h) => h,
+            None => {
+                let h = self.shared.backend.create_handle(self.shared.device)?;
+                self.shared.pool.lock().all.push(h);
+                h
+            }
+        };
+        WINDOWS.with(|w| {
+            let mut w = w.borrow_mut();
+            w.retain(|win| win.shared.strong_count() > 0);
+            w.push(Window {
+                shared: Arc::downgrade(&self.shared),
+                handle,
+            });
+        });
+        Ok(handle)
+    }
+
+    /// Sets `handle`'s workspace for `stream`: the one held if big enough, else a new one.
+    fn set_workspace(&self, handle: HandleId, stream: StreamHandle) -> Result<(), MathLibError> {
+        let bytes = self.cublas_workspace_size();
+        let mut pool = self.shared.pool.lock();
+        let key = (handle, stream.raw);
+        let ptr = match pool.workspaces.get(&key) {
+            Some(w) if w.bytes >= bytes => w.ptr,
+            held => {
+                if let Some(old) = held.copied() {
+                    pool.workspaces.remove(&key);
+                    self.shared.allocator.free(old.ptr)?;
+                }
+                let new = self.shared.allocator.allocate(bytes, stream)?;
+                pool.workspaces.insert(
+                    key,
+                    Workspace {
+                        ptr: new.ptr,
+                        bytes,
+                    },
+                );
+                new.ptr
+            }
+        };
+        drop(pool);
+        self.shared.backend.set_workspace(handle, ptr, bytes)
+    }
+}
+
+impl Shared {
+    fn give_back(&self, handle: HandleId) {
+        let _ = self.clear(|(h, _)| h == handle);
+        self.pool.lock().free.push(handle);
+    }
+
+    /// Frees the workspaces whose (handle, stream raw) `which` picks.
+    fn clear(&self, which: impl Fn((HandleId, u64)) -> bool) -> Result<(), MathLibError> {
+        let freed: Vec<Workspace> = {
+            let mut pool = self.pool.lock();
+            let keys: Vec<_> = pool
+                .workspaces
+                .keys()
+                .copied()
+                .filter(|&k| which(k))
+                .collect();
+            keys.iter()
+                .filter_map(|k| pool.workspaces.remove(k))
+                .collect()
+        };
+        freed
+            .iter()
+            .try_for_each(|w| self.allocator.free(w.ptr).map_err(MathLibError::from))
+    }
+}
+
+impl Drop for Shared {
+    fn drop(&mut self) {
+        let pool = std::mem::take(self.pool.get_mut());
+        for w in pool.workspaces.values() {
+            let _ = self.allocator.free(w.ptr);
+        }
+        for h in pool.all {
+            self.backend.destroy_handle(h);
+        }
+    }
+}

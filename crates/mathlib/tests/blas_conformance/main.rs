@@ -1,0 +1,526 @@
+//! cuBLAS handles, workspaces and GEMM, written once and run on both backends: `fake::*` on
+//! the fake device in CI, `cuda::*` on a GPU in the bundle (ignored elsewhere; there a
+//! missing GPU or libcublas fails). PyTorch's rules from `CublasHandlePool.cpp` and
+//! `CUDABlas.cpp`; results against a CPU reference.
+#![forbid(unsafe_code)]
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, missing_docs)]
+
+mod support;
+
+use ferrocuda_amp::precision::{self, MatmulPrecision, NoTf32Guard, PrecisionError};
+use ferrocuda_driver::cublas::{Batch, ComputeType, MathMode};
+use ferrocuda_mathlib::{Gemm, MathLibError};
+use ferrocuda_types::{DType, DevicePtr};
+use support::*;
+
+macro_rules! both_backends {
+    ($($name:ident),* $(,)?) => {
+        mod fake {
+            $(#[test] fn $name() -> super::TestResult { super::$name(&super::fake_setup()) })*
+        }
+        mod cuda {
+            $(
+                #[test]
+                #[ignore = "needs a GPU and libcublas: runs in the GPU bundle (cargo xtask gpu-bundle)"]
+                fn $name() -> super::TestResult { super::$name(&super::cuda_setup()) }
+            )*
+        }
+    };
+}
+
+both_backends!(
+    gemm_matches_a_cpu_reference,
+    one_handle_per_thread_given_back_when_the_thread_ends,
+    every_acquisition_sets_stream_workspace_and_math_mode,
+    workspaces_are_allocator_memory_per_stream,
+    precision_settings_pick_math_mode_and_compute_type,
+    bad_gemms_are_typed_errors,
+);
+
+/// `C = alpha op(A) op(B) + beta C` in f64, column-major, from the values as stored.
+#[allow(clippy::too_many_arguments)]
+fn reference(g: &Gemm, a: &[f64], b: &[f64], c: &[f64]) -> (Vec<f64>, Vec<f64>) {
+    let mut out = c.to_vec();
+    let mut scale = vec![0.0; c.len()];
+    for col in 0..g.n {
+        for row in 0..g.m {
+            let (mut dot, mut mag) = (0.0, 0.0);
+            for x in 0..g.k {
+                let av = if g.transa {
+                    a[row * g.lda + x]
+                } else {
+                    a[x * g.lda + row]
+                };
+                let bv = if g.transb {
+                    b[x * g.ldb + col]
+                } else {
+                    b[col * g.ldb + x]
+                };
+                dot += av * bv;
+                mag += (av * bv).abs();
+            }
+            let i = col * g.ldc + row;
+            let old = if g.beta == 0.0 { 0.0 } else { c[i] };
+            out[i] = g.alpha * dot + g.beta * old;
+            scale[i] = g.alpha.abs() * mag + (g.beta * old).abs();
+        }
+    }
+    (out, scale)
+}
+
+/// Relative error allowed per element of the reference's scale: the type's unit roundoff
+/// over a few accumulations (fp32 under "highest" is IEEE, not TF32).
+fn tolerance(dtype: DType) -> f64 {
+    match dtype {
+        DType::F64 => 1e-12,
+        DType::F32 => 1e-5,
+        DType::F16 => 4e-3,
+        _ => 2e-2,
+    }
+}
+
+/// Random shapes (ones and odd sizes among them), transposes, padded leading dimensions,
+/// alpha and beta, single and strided-batched, in every type with a GEMM: each element of
+/// C within the type's tolerance of the CPU reference, and the padding of C untouched.
+pub fn gemm_matches_a_cpu_reference(s: &Setup) -> TestResult {
+    let _p = PRECISION.lock();
+    let stream = s.stream()?;
+    let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+    for round in 0..48 {
+        let dtype = [DType::F32, DType::F64, DType::F16, DType::BF16][round % 4];
+        let (m, n, k) = (
+            1 + rng.below(37) as usize,
+            1 + rng.below(29) as usize,
+            1 + rng.below(45) as usize,
+        );
+        let (transa, transb) = (rng.below(2) == 1, rng.below(2) == 1);
+        let pad = |r: &mut Rng| r.below(3) as usize;
+        let (a_rows, a_cols) = if transa { (k, m) } else { (m, k) };
+        let (b_rows, b_cols) = if transb { (n, k) } else { (k, n) };
+        let (lda, ldb, ldc) = (
+            a_rows + pad(&mut rng),
+            b_rows + pad(&mut rng),
+            m + pad(&mut rng),
+        );
+        let count = if round % 3 == 0 {
+            1 + rng.below(3) as usize
+        } else {
+            1
+        };
+        let (sa, sb, sc) = (lda * a_cols + 3, ldb * b_cols + 1, ldc * n + 2);
+        let mut fill =
+            |len: usize| -> Vec<f64> { (0..len).map(|_| round_to(dtype, rng.unit())).collect() };
+        let (a, b, c) = (fill(sa * count), fill(sb * count), fill(sc * count));
+        let (alpha, beta) = if round % 2 == 0 {
+            (1.0, 0.0)
+        } else {
+            (0.5, -1.5)
+        };
+        let (pa, pb, pc) = (
+            s.upload(dtype, &a, stream)?,
+            s.upload(dtype, &b, stream)?,
+            s.upload(dtype, &c, stream)?,
+        );
+        let g = Gemm {
+            dtype,
+            transa,
+            transb,
+            m,
+            n,
+            k,
+            a: pa,
+            lda,
+            b: pb,
+            ldb,
+            c: pc,
+            ldc,
+            alpha,
+            beta,
+            batch: (count > 1).then_some(Batch {
+                count,
+                strides: [sa as i64, sb as i64, sc as i64],
+            }),
+        };
+        s.blas.gemm(stream, &g)?;
+        let got = s.download(dtype, pc, sc * count, stream)?;
+        for i in 0..count {
+            let one = Gemm { batch: None, ..g };
+            let (want, scale) =
+                reference(&one, &a[i * sa..], &b[i * sb..], &c[i * sc..(i + 1) * sc]);
+            for (j, ((&w, &sc_), &gv)) in want
+                .iter()
+                .zip(&scale)
+                .zip(&got[i * sc..(i + 1) * sc])
+                .enumerate()
+            {
+                let row = j % ldc;
+                let inside = row < m && j / ldc < n;
+                let err = (gv - w).abs();
+                let allowed = if inside {
+                    tolerance(dtype) * (sc_ + 1e-30) * (k as f64).sqrt().max(1.0)
+                        + round_err(dtype, w)
+                } else {
+                    0.0
+                };
+                assert!(
+                    err <= allowed,
+                    "round {round} {dtype:?} m{m} n{n} k{k} ta{transa} tb{transb} batch {i}: element {j} {gv} vs {w} (err {err}, allowed {allowed}, inside {inside})"
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
+fn round_to(dtype: DType, v: f64) -> f64 {
+    round(dtype, v)
+}
+
+/// Half an ulp of `w` in `dtype` (the final rounding of C).
+fn round_err(dtype: DType, w: f64) -> f64 {
+    let eps = match dtype {
+        DType::F64 => f64::EPSILON,
+        DType::F32 => f64::from(f32::EPSILON),
+        DType::F16 => 9.77e-4,
+        _ => 7.82e-3,
+    };
+    w.abs() * eps
+}
+
+fn gemm_on(
+    s: &Setup,
+    dtype: DType,
+    stream: ferrocuda_types::StreamHandle,
+) -> Result<Gemm, Box<dyn std::error::Error>> {
+    let a = s.upload(dtype, &[1.0; 64], stream)?;
+    let b = s.upload(dtype, &[1.0; 64], stream)?;
+    let c = s.upload(dtype, &[0.0; 64], stream)?;
+    Ok(Gemm::plain(dtype, 8, 8, 8, a, b, c))
+}
+
+/// PyTorch's `DeviceThreadHandlePool`: a thread keeps one handle; when it ends, the handle
+/// goes back to the pool and the next new thread takes it instead of making one.
+pub fn one_handle_per_thread_given_back_when_the_thread_ends(s: &Setup) -> TestResult {
+    let _p = PRECISION.lock();
+    let stream = s.stream()?;
+    let g = gemm_on(s, DType::F32, stream)?;
+    let creates = |acts: &[Act]| acts.iter().filter(|a| matches!(a, Act::Create(_))).count();
+    s.blas.gemm(stream, &g)?;
+    s.blas.gemm(stream, &g)?;
+    assert_eq!(creates(&s.rec.acts()), 1, "one handle for this thread");
+    let mine = s.blas.acquire(stream)?;
+    let other = std::thread::scope(|t| t.spawn(|| s.blas.acquire(stream)).join().expect("thread"))?;
+    assert_ne!(mine, other, "another thread, another handle");
+    assert_eq!(creates(&s.rec.acts()), 2);
+    let reused =
+        std::thread::scope(|t| t.spawn(|| s.blas.acquire(stream)).join().expect("thread"))?;
+    assert_eq!(reused, other, "the finished thread's handle is reused");
+    assert_eq!(creates(&s.rec.acts()), 2);
+    // Two threads alive at once: two handles (the pool's one, then a new one).
+    let both = std::sync::Barrier::new(2);
+    let handles = std::thread::scope(|t| {
+        let run = || {
+            let h = s.blas.acquire(stream);
+            both.wait();
+            h
+        };
+        let (a, b) = (t.spawn(run), t.spawn(run));
+        (a.join().expect("a"), b.join().expect("b"))
+    });
+    assert_ne!(handles.0?, handles.1?);
+    assert_eq!(creates(&s.rec.acts()), 3);
+    Ok(())
+}
+
+/// `getCurrentCUDABlasHandle`: each acquisition sets the stream, that stream's workspace
+/// and the math mode, in that order, whatever was set before.
+pub fn every_acquisition_sets_stream_workspace_and_math_mode(s: &Setup) -> TestResult {
+    let _p = PRECISION.lock();
+    let (s1, s2) = (s.stream()?, s.stream()?);
+    let h = s.blas.acquire(s1)?;
+    s.rec.take();
+    for stream in [s1, s2, s1] {
+        assert_eq!(s.blas.acquire(stream)?, h);
+        let acts = s.rec.take();
+        assert!(
+            matches!(acts[0], Act::Stream(x, st) if x == h && st == stream),
+            "{acts:?}"
+        );
+        assert!(
+            matches!(acts[1], Act::Workspace(x, _, 33_554_432) if x == h),
+            "{acts:?}"
+        );
+        assert!(
+            matches!(acts[2], Act::Mode(x, MathMode::Default) if x == h),
+            "{acts:?}"
+        );
+        assert_eq!(acts.len(), 3);
+    }
+    precision::update_global(|p| p.set_float32_matmul_precision(MatmulPrecision::High));
+    let acts = (s.blas.acquire(s1), s.rec.take());
+    let tf32 = acts.1.last().cloned();
+    let guarded = {
+        let _g = NoTf32Guard::new();
+        s.blas.acquire(s1)?;
+        s.rec.take().last().cloned()
+    };
+    precision::update_global(|p| p.set_float32_matmul_precision(MatmulPrecision::Highest));
+    acts.0?;
+    assert_eq!(
+        tf32,
+        Some(Act::Mode(h, MathMode::Tf32TensorOp)),
+        "high: TF32 math"
+    );
+    assert_eq!(
+        guarded,
+        Some(Act::Mode(h, MathMode::Default)),
+        "NoTF32Guard: default math"
+    );
+    Ok(())
+}
+
+/// Workspaces are allocations of the caching allocator: 32 MiB per (handle, stream) on a
+/// Hopper, on that stream, seen in its statistics; kept across calls; replaced when the
+/// chosen size grows; given back by the clear functions and when their thread ends.
+pub fn workspaces_are_allocator_memory_per_stream(s: &Setup) -> TestResult {
+    let _p = PRECISION.lock();
+    let (s1, s2) = (s.stream()?, s.stream()?);
+    let g1 = gemm_on(s, DType::F32, s1)?;
+    let g2 = gemm_on(s, DType::F32, s2)?;
+    let base = s.alloc.stats().allocated_bytes.all.current;
+    let ws = if s.gpu {
+        s.blas.cublas_workspace_size()
+    } else {
+        32 << 20
+    };
+    assert_eq!(
+        s.blas.cublas_workspace_size(),
+        32 << 20,
+        "the H200 and the fake's sm 9 default"
+    );
+    s.blas.gemm(s1, &g1)?;
+    assert_eq!(
+        s.alloc.stats().allocated_bytes.all.current - base,
+        ws as i64
+    );
+    s.blas.gemm(s1, &g1)?;
+    assert_eq!(
+        s.alloc.stats().allocated_bytes.all.current - base,
+        ws as i64,
+        "kept"
+    );
+    s.blas.gemm(s2, &g2)?;
+    assert_eq!(s.blas.workspace_bytes(), 2 * ws);
+    assert_eq!(
+        s.alloc.stats().allocated_bytes.all.current - base,
+        2 * ws as i64
+    );
+    // Smaller chosen size: the held one serves; larger: replaced.
+    s.blas.set_cublas_workspace_size(1 << 20)?;
+    s.blas.gemm(s1, &g1)?;
+    assert_eq!(s.blas.workspace_bytes(), 2 * ws);
+    assert!(s.rec.acts().contains(&Act::Workspace(
+        s.blas.acquire(s1)?,
+        workspace_ptr(s, s1),
+        1 << 20
+    )));
+    s.blas.set_cublas_workspace_size(64 << 20)?;
+    s.blas.gemm(s1, &g1)?;
+    assert_eq!(s.blas.workspace_bytes(), ws + (64 << 20));
+    assert_eq!(
+        s.alloc.stats().allocated_bytes.all.current - base,
+        (ws + (64 << 20)) as i64
+    );
+    s.blas.reset_cublas_workspace_size();
+    s.blas.clear_workspaces_for_stream(s2)?;
+    assert_eq!(s.blas.workspace_bytes(), 64 << 20);
+    s.blas.clear_workspaces()?;
+    assert_eq!(s.blas.workspace_bytes(), 0);
+    assert_eq!(
+        s.alloc.stats().allocated_bytes.all.current,
+        base,
+        "all given back"
+    );
+    // A thread's workspaces go back when it ends.
+    std::thread::scope(|t| t.spawn(|| s.blas.gemm(s2, &g2)).join().expect("thread"))?;
+    assert_eq!(s.blas.workspace_bytes(), 0);
+    assert_eq!(s.alloc.stats().allocated_bytes.all.current, base);
+    Ok(())
+}
+
+fn workspace_ptr(s: &Setup, stream: ferrocuda_types::StreamHandle) -> DevicePtr {
+    let h = s.blas.acquire(stream).expect("handle");
+    s.rec
+        .acts()
+        .iter()
+        .rev()
+        .find_map(|a| match a {
+            Act::Workspace(x, p, _) if *x == h => Some(*p),
+            _ => None,
+        })
+        .expect("a workspace was set")
+}
+
+/// Every combination of the settings that reach a GEMM, against PyTorch's rules
+/// (`CUDABlas.cpp`): fp32 under "highest" is IEEE (default math), under "high" TF32 tensor
+/// ops unless a `NoTF32Guard` is alive; fp16 and bf16 compute in fp32 and disallow reduced
+/// precision reductions unless allowed (the flag OR-ed into the math mode for the call, the
+/// default math put back after it); split-K disallowed is an error on this path.
+pub fn precision_settings_pick_math_mode_and_compute_type(s: &Setup) -> TestResult {
+    let _p = PRECISION.lock();
+    let stream = s.stream()?;
+    // `torch.backends.cuda.matmul.allow_{fp16,bf16}_reduced_precision_reduction = ...`
+    let options = [
+        (true, None),
+        (false, None),
+        (false, Some(true)),
+        (false, Some(false)),
+    ];
+    for dtype in [DType::F32, DType::F16, DType::BF16] {
+        let g = gemm_on(s, dtype, stream)?;
+        for high in [false, true] {
+            for guard in [false, true] {
+                for option in options {
+                    precision::update_global(|p| {
+                        p.set_float32_matmul_precision(if high {
+                            MatmulPrecision::High
+                        } else {
+                            MatmulPrecision::Highest
+                        });
+                        p.set_allow_fp16_reduced_precision_reduction(option.0, option.1)?;
+                        p.set_allow_bf16_reduced_precision_reduction(option.0, option.1)
+                    })?;
+                    let _g = guard.then(NoTf32Guard::new);
+                    s.rec.take();
+                    let result = s.blas.gemm(stream, &g);
+                    let acts = s.rec.take();
+                    let case = format!("{dtype:?} high {high} guard {guard} {option:?}");
+                    let half = dtype != DType::F32;
+                    let (allow, splitk) = option;
+                    if half && splitk == Some(false) {
+                        assert!(
+                            matches!(
+                                result,
+                                Err(MathLibError::Precision(
+                                    PrecisionError::SplitKNeedsCublasLt(_)
+                                ))
+                            ),
+                            "{case}: {result:?}"
+                        );
+                        continue;
+                    }
+                    result?;
+                    let (mode, call) = acts
+                        .iter()
+                        .find_map(|a| match a {
+                            Act::Gemm(_, m, c) => Some((*m, *c)),
+                            _ => None,
+                        })
+                        .expect("a GEMM");
+                    let want_mode = match (half, allow) {
+                        (true, true) => MathMode::Default,
+                        (true, false) => MathMode::DisallowReducedPrecisionReduction,
+                        (false, _) if high && !guard => MathMode::Tf32TensorOp,
+                        (false, _) => MathMode::Default,
+                    };
+                    assert_eq!(mode, want_mode, "{case}");
+                    assert_eq!(call.compute, ComputeType::F32, "{case}");
+                    if half {
+                        assert_eq!(
+                            acts.last(),
+                            Some(&Act::Mode(
+                                acts.iter()
+                                    .find_map(|a| match a {
+                                        Act::Gemm(h, ..) => Some(*h),
+                                        _ => None,
+                                    })
+                                    .expect("h"),
+                                MathMode::Default
+                            )),
+                            "{case}: default math after"
+                        );
+                    }
+                }
+            }
+        }
+    }
+    precision::update_global(|p| {
+        p.set_float32_matmul_precision(MatmulPrecision::Highest);
+        p.set_allow_fp16_reduced_precision_reduction(true, None)?;
+        p.set_allow_bf16_reduced_precision_reduction(true, None)
+    })?;
+    Ok(())
+}
+
+/// A GEMM that does not describe matrices, or has no GEMM for its type, is refused before
+/// reaching cuBLAS; a stream of another device is cuBLAS's `DeviceMismatch`.
+pub fn bad_gemms_are_typed_errors(s: &Setup) -> TestResult {
+    let _p = PRECISION.lock();
+    let stream = s.stream()?;
+    let g = gemm_on(s, DType::F32, stream)?;
+    for bad in [
+        Gemm { lda: 7, ..g },
+        Gemm { ldb: 0, ..g },
+        Gemm { ldc: 3, ..g },
+        Gemm {
+            transa: true,
+            k: 9,
+            lda: 8,
+            ..g
+        },
+    ] {
+        assert!(
+            matches!(s.blas.gemm(stream, &bad), Err(MathLibError::InvalidGemm(_))),
+            "{bad:?}"
+        );
+    }
+    assert!(matches!(
+        s.blas.gemm(
+            stream,
+            &Gemm {
+                dtype: DType::I32,
+                ..g
+            }
+        ),
+        Err(MathLibError::Precision(
+            PrecisionError::UnsupportedGemmDtype(DType::I32)
+        ))
+    ));
+    assert!(
+        s.rec.acts().iter().all(|a| !matches!(a, Act::Gemm(..))),
+        "nothing reached cuBLAS"
+    );
+    Ok(())
+}
+
+/// Without libcublas (CI, a machine without CUDA) `CudaBlas` is a typed "unavailable" that
+/// says what to set; the GPU bundle (`FERROCUDA_REQUIRE_GPU=1`) must find it. With the
+/// library but no GPU, making a handle is a typed error too.
+#[test]
+fn cublas_is_found_or_says_why() -> TestResult {
+    use ferrocuda_driver::cublas::BlasError;
+    use ferrocuda_driver::{CudaDriver, LIBRARY_PATH_VAR};
+    use ferrocuda_mathlib::{BlasBackend, CudaBlas};
+    let cuda = std::sync::Arc::new(CudaDriver::new());
+    let required = std::env::var("FERROCUDA_REQUIRE_GPU").is_ok_and(|v| v == "1");
+    match CudaBlas::new(cuda.clone()) {
+        Ok(blas) => match cuda.unavailable_reason() {
+            None => {
+                let h = blas.create_handle(DEV)?;
+                blas.destroy_handle(h);
+            }
+            Some(_) => assert!(matches!(
+                blas.create_handle(DEV),
+                Err(MathLibError::Blas(BlasError::Driver(_)))
+            )),
+        },
+        Err(MathLibError::Blas(BlasError::Unavailable(why))) if !required => {
+            assert!(
+                why.contains(LIBRARY_PATH_VAR) && why.contains("libcublas"),
+                "{why}"
+            );
+        }
+        Err(e) => return Err(format!("cuBLAS on the GPU bundle: {e}").into()),
+    }
+    Ok(())
+}
