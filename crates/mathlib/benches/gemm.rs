@@ -1,7 +1,9 @@
 //! GEMM through [`Blas`] on the GPU, measured as `xtask/anchors/torch_gemm.py` measures
 //! `torch.matmul` on the same machine: bf16 and fp16 at 4096³ and 8192×8192×1024, fp32 with
 //! TF32 at 4096³ (wall time of many GEMMs queued back to back, then a synchronize: the
-//! GPU's time per GEMM once the queue is full), and the host's cost of one 64³ fp32 GEMM
+//! GPU's time per GEMM once the queue is full; after two seconds of warm-up, as the anchor
+//! heats the GPU for two seconds: an H200 slows its clocks within a fraction of a second of
+//! full load, and both sides are measured in that steady state), and the host's cost of one 64³ fp32 GEMM
 //! call (100 calls queued, the synchronize after them not timed).
 //!
 //! The GPU bundle runs it over the real driver (required there, `FERROCUDA_REQUIRE_GPU=1`);
@@ -115,6 +117,7 @@ fn gemm(c: &mut Criterion) {
                 })
             });
         } else {
+            g.warm_up_time(Duration::from_secs(2));
             g.bench_function(name, |bch| {
                 bch.iter_custom(|iters| {
                     let t = Instant::now();

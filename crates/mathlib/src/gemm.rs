@@ -154,11 +154,11 @@ impl Blas {
             } else {
                 MathMode::Default
             };
-            backend.set_math_mode(handle, mode)?;
+            self.set_math_mode(handle, mode)?;
         }
         let result = backend.gemm(handle, &call);
         if half {
-            backend.set_math_mode(handle, MathMode::Default)?;
+            self.set_math_mode(handle, MathMode::Default)?;
         }
         result
     }

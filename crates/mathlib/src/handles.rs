@@ -5,7 +5,10 @@
 //!   takes a handle (one a finished thread gave back, else a new one) and keeps it until the
 //!   thread ends; then it goes back to the pool and its workspaces to the allocator.
 //! - **Every acquisition sets** the stream, the workspace for that stream and the math mode
-//!   from the precision settings (`getCurrentCUDABlasHandle`).
+//!   from the precision settings (`getCurrentCUDABlasHandle`), skipping what the handle
+//!   already has: PyTorch makes the three cuBLAS calls every time; the handle's state is the
+//!   same either way (its thread is the only user, and `cublasSetStream`, which resets the
+//!   workspace, is always followed by `cublasSetWorkspace`).
 //! - **Workspaces come from the caching allocator**, one per (handle, stream), allocated on
 //!   that stream, so they show in its statistics as PyTorch's do. A workspace smaller than
 //!   the size now chosen is replaced. (PyTorch keeps the smaller allocation and hands cuBLAS
@@ -55,10 +58,19 @@ struct Shared {
     pool: Mutex<Pool>,
 }
 
+/// What a handle was last set to (by the only thread that uses it).
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Default)]
+struct HandleState {
+    stream: Option<u64>,
+    workspace: Option<(DevicePtr, u64)>,
+    mode: Option<MathMode>,
+}
+
 /// A thread's handle from one [`Blas`], given back when the thread ends.
 struct Window {
     shared: Weak<Shared>,
     handle: HandleId,
+    state: HandleState,
 }
 
 impl Drop for Window {
@@ -213,10 +225,18 @@ impl Blas {
     /// its workspace for that stream, and the math mode the precision settings and this
     /// thread's [`NoTf32Guard`](precision::NoTf32Guard) give.
     pub fn acquire(&self, stream: StreamHandle) -> Result<HandleId, MathLibError> {
-        let handle = self.thread_handle()?;
+        let (handle, last) = self.thread_handle()?;
+        // Forgotten until every step succeeded: a failure leaves the state unknown.
+        self.remember(handle, HandleState::default());
         let backend = &*self.shared.backend;
-        backend.set_stream(handle, stream)?;
-        self.set_workspace(handle, stream)?;
+        let new_stream = last.stream != Some(stream.raw);
+        if new_stream {
+            backend.set_stream(handle, stream)?;
+        }
+        let workspace = self.workspace(handle, stream)?;
+        if new_stream || last.workspace != Some(workspace) {
+            backend.set_workspace(handle, workspace.0, workspace.1)?;
+        }
         let mode = match precision::cublas_handle_math_mode(
             &precision::global(),
             precision::reduced_precision_disabled(),
@@ -224,20 +244,63 @@ impl Blas {
             CublasMathMode::CUBLAS_TF32_TENSOR_OP_MATH => MathMode::Tf32TensorOp,
             CublasMathMode::CUBLAS_DEFAULT_MATH => MathMode::Default,
         };
-        backend.set_math_mode(handle, mode)?;
+        if last.mode != Some(mode) {
+            backend.set_math_mode(handle, mode)?;
+        }
+        self.remember(
+            handle,
+            HandleState {
+                stream: Some(stream.raw),
+                workspace: Some(workspace),
+                mode: Some(mode),
+            },
+        );
         Ok(handle)
     }
 
-    /// The calling thread's handle: the one it holds, else one from the pool or a new one.
-    fn thread_handle(&self) -> Result<HandleId, MathLibError> {
-        let held = WINDOWS.with(|w| {
-            w.borrow()
-                .iter()
-                .find(|win| std::ptr::eq(win.shared.as_ptr(), Arc::as_ptr(&self.shared)))
-                .map(|win| win.handle)
+    /// Sets `handle`'s math mode (this thread's handle, acquired), unless it has it.
+    pub(crate) fn set_math_mode(
+        &self,
+        handle: HandleId,
+        mode: MathMode,
+    ) -> Result<(), MathLibError> {
+        let mut state = self.state_of(handle);
+        if state.mode != Some(mode) {
+            state.mode = None;
+            self.remember(handle, state);
+            self.shared.backend.set_math_mode(handle, mode)?;
+            state.mode = Some(mode);
+            self.remember(handle, state);
+        }
+        Ok(())
+    }
+
+    fn window<R>(&self, f: impl FnOnce(Option<&mut Window>) -> R) -> R {
+        WINDOWS.with(|w| {
+            let mut w = w.borrow_mut();
+            f(w.iter_mut()
+                .find(|win| std::ptr::eq(win.shared.as_ptr(), Arc::as_ptr(&self.shared))))
+        })
+    }
+
+    fn state_of(&self, handle: HandleId) -> HandleState {
+        self.window(|w| w.filter(|w| w.handle == handle).map(|w| w.state))
+            .unwrap_or_default()
+    }
+
+    fn remember(&self, handle: HandleId, state: HandleState) {
+        self.window(|w| {
+            if let Some(w) = w.filter(|w| w.handle == handle) {
+                w.state = state;
+            }
         });
-        if let Some(h) = held {
-            return Ok(h);
+    }
+
+    /// The calling thread's handle and what it was last set to: the one it holds, else one
+    /// from the pool or a new one (nothing known of it).
+    fn thread_handle(&self) -> Result<(HandleId, HandleState), MathLibError> {
+        if let Some(held) = self.window(|w| w.map(|w| (w.handle, w.state))) {
+            return Ok(held);
         }
         let reused = self.shared.pool.lock().free.pop();
         let handle = match reused {
@@ -254,13 +317,19 @@ impl Blas {
             w.push(Window {
                 shared: Arc::downgrade(&self.shared),
                 handle,
+                state: HandleState::default(),
             });
         });
-        Ok(handle)
+        Ok((handle, HandleState::default()))
     }
 
-    /// Sets `handle`'s workspace for `stream`: the one held if big enough, else a new one.
-    fn set_workspace(&self, handle: HandleId, stream: StreamHandle) -> Result<(), MathLibError> {
+    /// `handle`'s workspace for `stream`, and its size now: the one held if big enough,
+    /// else a new one.
+    fn workspace(
+        &self,
+        handle: HandleId,
+        stream: StreamHandle,
+    ) -> Result<(DevicePtr, u64), MathLibError> {
         let bytes = self.cublas_workspace_size();
         let mut pool = self.shared.pool.lock();
         let key = (handle, stream.raw);
@@ -282,8 +351,7 @@ impl Blas {
                 new.ptr
             }
         };
-        drop(pool);
-        self.shared.backend.set_workspace(handle, ptr, bytes)
+        Ok((ptr, bytes))
     }
 }
 
