@@ -176,26 +176,27 @@ for label, mine, theirs in [("H2D 64 MiB pinned, GB/s", "pinned_64MiB", "torch_h
     print(f"{label:28} {a:13.2f} {b:11.2f} {a / b:7.3f}")
 PY
 fi
-if [ -f torch_gemm.py ] && want torch_gemm; then
-  echo "=== torch_gemm.py (PyTorch's torch.matmul, same machine, same run)"
-  if OUT="$OUT" PYTHONUNBUFFERED=1 python3 torch_gemm.py 2>&1 | tee "$OUT/torch_gemm.log"; then
+if [ -f torch_mathlib.py ] && want torch_mathlib; then
+  echo "=== torch_mathlib.py (PyTorch's torch.matmul and torch.fft.fft, same machine, same run)"
+  if OUT="$OUT" PYTHONUNBUFFERED=1 python3 torch_mathlib.py 2>&1 | tee "$OUT/torch_mathlib.log"; then
     passed=$((passed + 1))
   else
-    echo "torch_gemm.py failed"; failed=$((failed + 1))
+    echo "torch_mathlib.py failed"; failed=$((failed + 1))
   fi
 fi
-if [ -f "$OUT/torch_gemm.json" ]; then
+if [ -f "$OUT/torch_mathlib.json" ]; then
   python3 - "$OUT" <<'PY'
 import json, os, sys
 out = sys.argv[1]
-torch = json.load(open(os.path.join(out, "torch_gemm.json")))
-print(f"{'GEMM':24} {'ferrocuda':>11} {'PyTorch':>11} {'ratio':>7}  (TFLOP/s; host ns for the call)")
+torch = json.load(open(os.path.join(out, "torch_mathlib.json")))
+def ours(group, name):
+    p = os.path.join(out, "criterion", group, name, "new", "estimates.json")
+    return json.load(open(p))["median"]["point_estimate"] if os.path.exists(p) else None
+print(f"{'GEMM':24} {'ferrocuda':>11} {'PyTorch':>11} {'ratio':>7}  (TFLOP/s, ratio ours/theirs; host ns for the call, ratio ours/theirs)")
 for name, (m, n, k) in [("bf16_4096", (4096,) * 3), ("f16_4096", (4096,) * 3),
                         ("bf16_8192x8192x1024", (8192, 8192, 1024)), ("f16_8192x8192x1024", (8192, 8192, 1024)),
                         ("f32_tf32_4096", (4096,) * 3), ("f32_64_call", None)]:
-    p = os.path.join(out, "criterion", "gemm", name, "new", "estimates.json")
-    mine = json.load(open(p))["median"]["point_estimate"] if os.path.exists(p) else None
-    theirs = torch.get(f"torch_gemm_ns_{name}")
+    mine, theirs = ours("gemm", name), torch.get(f"torch_gemm_ns_{name}")
     if mine is None or theirs is None:
         print(f"{name:24} missing"); continue
     if m is None:
@@ -203,6 +204,10 @@ for name, (m, n, k) in [("bf16_4096", (4096,) * 3), ("f16_4096", (4096,) * 3),
     else:
         f = 2 * m * n * k / 1e3
         print(f"{name:24} {f / mine:11.1f} {f / theirs:11.1f} {theirs / mine:7.3f}")
+print(f"{'FFT':24} {'ferrocuda':>11} {'PyTorch':>11} {'ratio':>7}  (ns, ratio ours/theirs)")
+for name in ["c2c_2p20_batch16", "c2c_256_call"]:
+    mine, theirs = ours("fft", name), torch.get(f"torch_fft_ns_{name}")
+    print(f"{name:24} missing" if mine is None or theirs is None else f"{name:24} {mine:11.0f} {theirs:11.0f} {mine / theirs:7.3f}")
 PY
 fi
 if [ -n "${MULTI_GPU:-}" ] && [ -f torch_dist.py ] && want torch_dist; then

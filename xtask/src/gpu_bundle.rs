@@ -27,6 +27,7 @@ const GPU_TESTS: &[&str] = &[
     "dist_gpu",
     "peer_gpu",
     "blas_conformance",
+    "fft_conformance",
 ];
 /// Test binaries that need two GPUs: bundled as `multi_*`, run by run.sh only with
 /// `MULTI_GPU=1` (on fewer than two GPUs they fail, never skip).
@@ -60,6 +61,7 @@ const GPU_BENCHES: &[&str] = &[
     "pinned",
     "torch_plugin",
     "gemm",
+    "fft",
 ];
 /// Bench binaries that need two GPUs: bundled as `multibench_*`, run by run.sh only with
 /// `MULTI_GPU=1` (on fewer than two GPUs they fail, never skip).
@@ -157,8 +159,8 @@ pub(crate) fn gpu_bundle() -> Result<(), String> {
     }
     // The pinned-memory anchor lives in this repository (PyTorch's side of benches/pinned.rs).
     std::fs::write(dir.join("torch_pinned.py"), TORCH_PINNED_PY).map_err(|e| e.to_string())?;
-    // And cuBLAS's (PyTorch's side of crates/mathlib/benches/gemm.rs).
-    std::fs::write(dir.join("torch_gemm.py"), TORCH_GEMM_PY).map_err(|e| e.to_string())?;
+    // And cuBLAS's and cuFFT's (PyTorch's side of crates/mathlib/benches).
+    std::fs::write(dir.join("torch_mathlib.py"), TORCH_MATHLIB_PY).map_err(|e| e.to_string())?;
     // And the several-GPU one (PyTorch's side of crates/dist/benches/multi_gpu.rs).
     std::fs::write(dir.join("torch_dist.py"), TORCH_DIST_PY).map_err(|e| e.to_string())?;
     bundle_replay(&dir, &torch_replay)?;
@@ -285,7 +287,7 @@ fn pack_if_large(dir: &Path) -> Result<(), String> {
 /// PyTorch's pinned host allocator and host-to-device copies, measured beside
 /// `benches/pinned.rs` (run by `run.sh`, compared with the criterion figures).
 const TORCH_PINNED_PY: &str = include_str!("../anchors/torch_pinned.py");
-const TORCH_GEMM_PY: &str = include_str!("../anchors/torch_gemm.py");
+const TORCH_MATHLIB_PY: &str = include_str!("../anchors/torch_mathlib.py");
 
 /// PyTorch's `dist.all_reduce` (NCCL) bus bandwidth and `t.to("cuda:1")` bandwidth, measured
 /// beside `crates/dist/benches/multi_gpu.rs` (run by `run.sh` with `MULTI_GPU=1`).

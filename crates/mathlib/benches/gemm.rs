@@ -1,4 +1,4 @@
-//! GEMM through [`Blas`] on the GPU, measured as `xtask/anchors/torch_gemm.py` measures
+//! GEMM through [`Blas`] on the GPU, measured as `xtask/anchors/torch_mathlib.py` measures
 //! `torch.matmul` on the same machine: bf16 and fp16 at 4096³ and 8192×8192×1024, fp32 with
 //! TF32 at 4096³ (wall time of many GEMMs queued back to back, then a synchronize: the
 //! GPU's time per GEMM once the queue is full; after two seconds of warm-up, as the anchor

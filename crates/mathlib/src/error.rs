@@ -2,6 +2,7 @@
 use ferrocuda_alloc::AllocError;
 use ferrocuda_amp::precision::PrecisionError;
 use ferrocuda_driver::cublas::BlasError;
+use ferrocuda_driver::cufft::FftError;
 use ferrocuda_types::DType;
 
 /// An error of the math-library layer: the library's own, the allocator's (a workspace),
@@ -12,6 +13,9 @@ pub enum MathLibError {
     /// cuBLAS failed, or is not available (a typed "unavailable", never a panic).
     #[error(transparent)]
     Blas(#[from] BlasError),
+    /// cuFFT failed, or is not available.
+    #[error(transparent)]
+    Fft(#[from] FftError),
     /// A workspace could not be allocated.
     #[error(transparent)]
     Alloc(#[from] AllocError),

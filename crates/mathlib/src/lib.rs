@@ -1,5 +1,5 @@
 //! CUDA's math libraries for ferrocuda: cuBLAS handles and workspaces on the caching
-//! allocator, and GEMM under PyTorch's precision settings.
+//! allocator, GEMM under PyTorch's precision settings, and cuFFT through a plan cache.
 //!
 //! # Example
 //! A GEMM on the fake device (the same code runs on a GPU with [`CudaBlas`]):
@@ -42,19 +42,30 @@
 //! - **Workspaces are allocator memory**: they count in `memory_stats` and snapshots, and
 //!   go back with [`Blas::clear_workspaces`] or when their thread ends.
 //! - **Sizes as PyTorch 2.11 reads them** ([`WorkspaceSizes`]), its warnings as data.
+//! - **cuFFT plans are cached per device** ([`Fft`]), PyTorch's LRU with its 4 096 default,
+//!   plus a byte budget of ours; every execution's work area is allocator memory.
 #![forbid(unsafe_code)]
 
 mod backend;
 mod error;
 mod fake;
+mod fake_fft;
+mod fft;
+mod fft_backend;
 mod gemm;
 mod handles;
+mod plan_cache;
 pub mod workspace_config;
 
 pub use backend::{BlasBackend, CudaBlas, HandleId};
 pub use error::MathLibError;
 pub use fake::{FakeBlas, FakeGemm, FakeHandleState};
+pub use fake_fft::{FakeFft, FakeFftCounts, FakePlan};
 pub use ferrocuda_driver::cublas::{Batch, MathMode};
+pub use ferrocuda_driver::cufft::{FftDesc, FftKind, FftLayout};
+pub use fft::Fft;
+pub use fft_backend::{CudaFft, FftBackend};
 pub use gemm::Gemm;
 pub use handles::Blas;
+pub use plan_cache::DEFAULT_MAX_SIZE as DEFAULT_PLAN_CACHE_SIZE;
 pub use workspace_config::WorkspaceSizes;

@@ -1,11 +1,14 @@
-"""PyTorch's GEMM on the device machine, beside crates/mathlib/benches/gemm.rs in the same
-run: torch.matmul (out=) in bf16 and fp16 at 4096^3 and 8192x8192x1024, fp32 with TF32
+"""PyTorch's cuBLAS and cuFFT on the device machine, beside crates/mathlib/benches/gemm.rs
+and fft.rs in the same run. GEMM: torch.matmul (out=) in bf16 and fp16 at 4096^3 and 8192x8192x1024, fp32 with TF32
 ("high") at 4096^3 -- wall time of many GEMMs queued back to back, then a synchronize, per
 GEMM, after two seconds of the same GEMMs: the H200 slows its clocks within a fraction of a
 second of full load (a GEMM 11% faster in the first few milliseconds), and both sides are
 measured in that steady state -- and the host's cost of one 64^3 fp32 torch.matmul call (100 queued, the
 synchronize not timed). Column-major there, row-major here: the same FLOPs and shapes.
-Writes torch_gemm.json into $OUT (or the current folder)."""
+FFT: torch.fft.fft of 2^20 complex fp32 points, batch 16, its plan cached (the same
+two-second heating, then transforms back to back), and the host's cost of a 256-point
+torch.fft.fft(out=) call with its plan cached. Writes torch_mathlib.json into $OUT (or the
+current folder)."""
 import os, time, json
 import torch
 
@@ -60,4 +63,38 @@ for _ in range(200):
 samples.sort()
 out["torch_gemm_ns_f32_64_call"] = samples[len(samples) // 2]
 print(f"f32 64^3 call: {out['torch_gemm_ns_f32_64_call']:.0f} ns host time (median)", flush=True)
-json.dump(out, open(os.path.join(os.environ.get("OUT", "."), "torch_gemm.json"), "w"), indent=1)
+def steady_ns(f, reps=50):
+    heat = time.perf_counter()
+    while time.perf_counter() - heat < 2.0:
+        for _ in range(10):
+            f()
+        torch.cuda.synchronize()
+    samples = []
+    for _ in range(20):
+        t = time.perf_counter()
+        for _ in range(reps):
+            f()
+        torch.cuda.synchronize()
+        samples.append((time.perf_counter() - t) / reps * 1e9)
+    samples.sort()
+    return samples[len(samples) // 2]
+
+x = torch.zeros(16, 1 << 20, device=dev, dtype=torch.complex64)
+y = torch.empty_like(x)
+out["torch_fft_ns_c2c_2p20_batch16"] = steady_ns(lambda: torch.fft.fft(x, out=y))
+print(f"fft 2^20 x16: {out['torch_fft_ns_c2c_2p20_batch16'] / 1e3:.1f} us", flush=True)
+xs = torch.zeros(256, device=dev, dtype=torch.complex64)
+ys = torch.empty_like(xs)
+torch.fft.fft(xs, out=ys)
+torch.cuda.synchronize()
+samples = []
+for _ in range(200):
+    t = time.perf_counter()
+    for _ in range(100):
+        torch.fft.fft(xs, out=ys)
+    samples.append((time.perf_counter() - t) / 100 * 1e9)
+    torch.cuda.synchronize()
+samples.sort()
+out["torch_fft_ns_c2c_256_call"] = samples[len(samples) // 2]
+print(f"fft 256 call: {out['torch_fft_ns_c2c_256_call']:.0f} ns host time (median)", flush=True)
+json.dump(out, open(os.path.join(os.environ.get("OUT", "."), "torch_mathlib.json"), "w"), indent=1)

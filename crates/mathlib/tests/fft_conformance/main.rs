@@ -1,0 +1,567 @@
+//! cuFFT through the plan cache, written once and run on both backends: `fake::*` in CI,
+//! `cuda::*` on a GPU in the bundle (ignored elsewhere; there a missing GPU or libcufft
+//! fails). PyTorch's cache rules (`CuFFTPlanCache.h`) and results against a CPU DFT.
+#![forbid(unsafe_code)]
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, missing_docs)]
+
+use ferrocuda_alloc::{Caching, CachingAllocator};
+use ferrocuda_driver::{CudaDriver, Driver, FakeDriver};
+use ferrocuda_mathlib::{
+    CudaFft, FakeFft, Fft, FftBackend, FftDesc, FftKind, FftLayout, MathLibError,
+};
+use ferrocuda_types::{AllocatorConfig, DeviceIndex, DevicePtr, StreamFlags, StreamHandle};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+pub type TestResult = Result<(), Box<dyn std::error::Error>>;
+const DEV: DeviceIndex = DeviceIndex(0);
+
+/// Counts the plans a backend makes and destroys.
+#[derive(Debug)]
+pub struct Counting<B> {
+    inner: B,
+    made: AtomicU64,
+    destroyed: Arc<AtomicU64>,
+}
+
+#[derive(Debug)]
+pub struct CountedPlan<P> {
+    plan: P,
+    destroyed: Arc<AtomicU64>,
+}
+
+impl<P> Drop for CountedPlan<P> {
+    fn drop(&mut self) {
+        self.destroyed.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+impl<B: FftBackend> FftBackend for Counting<B> {
+    type Plan = CountedPlan<B::Plan>;
+    fn make_plan(
+        &self,
+        device: DeviceIndex,
+        desc: &FftDesc,
+    ) -> Result<(Self::Plan, u64), MathLibError> {
+        let (plan, work) = self.inner.make_plan(device, desc)?;
+        self.made.fetch_add(1, Ordering::Relaxed);
+        Ok((
+            CountedPlan {
+                plan,
+                destroyed: self.destroyed.clone(),
+            },
+            work,
+        ))
+    }
+    fn work_size(&self, plan: &Self::Plan) -> u64 {
+        self.inner.work_size(&plan.plan)
+    }
+    fn execute(
+        &self,
+        plan: &Self::Plan,
+        stream: StreamHandle,
+        work: DevicePtr,
+        io: (DevicePtr, DevicePtr),
+        inverse: bool,
+    ) -> Result<(), MathLibError> {
+        self.inner.execute(&plan.plan, stream, work, io, inverse)
+    }
+}
+
+#[derive(Debug)]
+pub struct Setup<B: FftBackend> {
+    driver: Arc<dyn Driver>,
+    alloc: Arc<CachingAllocator>,
+    fft: Fft<Counting<B>>,
+    stream: StreamHandle,
+}
+
+impl<B: FftBackend> Setup<B> {
+    fn new(driver: Arc<dyn Driver>, backend: B) -> Setup<B> {
+        let alloc = Arc::new(
+            CachingAllocator::new(driver.clone(), DEV, AllocatorConfig::default(), Caching::On)
+                .expect("allocator"),
+        );
+        let stream = driver
+            .stream_create(DEV, StreamFlags::default())
+            .expect("stream");
+        let counting = Counting {
+            inner: backend,
+            made: AtomicU64::new(0),
+            destroyed: Arc::default(),
+        };
+        Setup {
+            fft: Fft::new(counting, alloc.clone()),
+            driver,
+            alloc,
+            stream,
+        }
+    }
+    fn made(&self) -> u64 {
+        self.fft.backend().made.load(Ordering::Relaxed)
+    }
+    fn destroyed(&self) -> u64 {
+        self.fft.backend().destroyed.load(Ordering::Relaxed)
+    }
+    fn upload(&self, values: &[f64], f64s: bool) -> Result<DevicePtr, Box<dyn std::error::Error>> {
+        let bytes: Vec<u8> = values
+            .iter()
+            .flat_map(|&v| {
+                if f64s {
+                    v.to_le_bytes().to_vec()
+                } else {
+                    (v as f32).to_le_bytes().to_vec()
+                }
+            })
+            .collect();
+        let a = self
+            .alloc
+            .allocate(bytes.len().max(1) as u64, self.stream)?;
+        self.driver.memcpy_htod_async(a.ptr, &bytes, self.stream)?;
+        Ok(a.ptr)
+    }
+    fn download(
+        &self,
+        ptr: DevicePtr,
+        n: usize,
+        f64s: bool,
+    ) -> Result<Vec<f64>, Box<dyn std::error::Error>> {
+        let w = if f64s { 8 } else { 4 };
+        let mut bytes = vec![0u8; n * w];
+        self.driver.memcpy_dtoh(&mut bytes, ptr, self.stream)?;
+        Ok(bytes
+            .chunks_exact(w)
+            .map(|c| {
+                if f64s {
+                    f64::from_le_bytes(c.try_into().unwrap())
+                } else {
+                    f64::from(f32::from_le_bytes(c.try_into().unwrap()))
+                }
+            })
+            .collect())
+    }
+}
+
+fn fake_setup() -> Setup<FakeFft> {
+    let fake = Arc::new(FakeDriver::default());
+    Setup::new(fake.clone(), FakeFft::new(fake))
+}
+
+fn cuda_setup() -> Setup<CudaFft> {
+    let cuda = Arc::new(CudaDriver::new());
+    if let Some(reason) = cuda.unavailable_reason() {
+        panic!("no usable CUDA device ({reason}): this test needs a GPU");
+    }
+    let fft = CudaFft::new(cuda.clone()).unwrap_or_else(|e| panic!("{e}"));
+    Setup::new(cuda, fft)
+}
+
+macro_rules! both_backends {
+    ($($name:ident),* $(,)?) => {
+        mod fake {
+            $(#[test] fn $name() -> super::TestResult { super::$name(&super::fake_setup()) })*
+        }
+        mod cuda {
+            $(
+                #[test]
+                #[ignore = "needs a GPU and libcufft: runs in the GPU bundle (cargo xtask gpu-bundle)"]
+                fn $name() -> super::TestResult { super::$name(&super::cuda_setup()) }
+            )*
+        }
+    };
+}
+
+both_backends!(
+    transforms_match_a_cpu_dft,
+    plans_are_kept_least_recently_used_first_out,
+    work_areas_are_allocator_memory_for_the_call,
+    a_work_area_budget_bounds_the_kept_plans,
+);
+
+fn dense(shape: &[i64]) -> FftLayout {
+    FftLayout {
+        embed: shape.to_vec(),
+        stride: 1,
+        dist: shape.iter().product(),
+    }
+}
+
+/// The DFT of a dense row-major signal, one dimension at a time (separable), in f64.
+fn reference_dft(x: &[(f64, f64)], shape: &[i64], inverse: bool) -> Vec<(f64, f64)> {
+    let sign = if inverse { 1.0 } else { -1.0 };
+    let mut cur = x.to_vec();
+    for d in 0..shape.len() {
+        let n = shape[d] as usize;
+        let inner: usize = shape[d + 1..].iter().product::<i64>() as usize;
+        let outer = cur.len() / (n * inner);
+        let mut next = vec![(0.0, 0.0); cur.len()];
+        for o in 0..outer {
+            for i in 0..inner {
+                for k in 0..n {
+                    let mut acc = (0.0, 0.0);
+                    for j in 0..n {
+                        let (re, im) = cur[(o * n + j) * inner + i];
+                        let a = sign * 2.0 * std::f64::consts::PI * ((j * k) % n) as f64 / n as f64;
+                        acc = (
+                            acc.0 + re * a.cos() - im * a.sin(),
+                            acc.1 + re * a.sin() + im * a.cos(),
+                        );
+                    }
+                    next[(o * n + k) * inner + i] = acc;
+                }
+            }
+        }
+        cur = next;
+    }
+    cur
+}
+
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    fn unit(&mut self) -> f64 {
+        (self.next() % (1 << 20)) as f64 / (1 << 19) as f64 - 1.0
+    }
+}
+
+/// Every kind in both precisions, ranks 1 to 3, batches, forward and inverse, contiguous
+/// and strided layouts: each output element within the precision's tolerance of a CPU DFT.
+pub fn transforms_match_a_cpu_dft<B: FftBackend>(s: &Setup<B>) -> TestResult {
+    let mut rng = Rng(0x2545_f491_4f6c_dd1d);
+    let kinds = [
+        FftKind::C2C,
+        FftKind::R2C,
+        FftKind::C2R,
+        FftKind::Z2Z,
+        FftKind::D2Z,
+        FftKind::Z2D,
+    ];
+    for round in 0..36 {
+        let kind = kinds[round % 6];
+        let f64s = matches!(kind, FftKind::Z2Z | FftKind::D2Z | FftKind::Z2D);
+        let rank = 1 + round / 6 % 3;
+        let shape: Vec<i64> = (0..rank)
+            .map(|_| 2 + (rng.next() % if rank == 1 { 31 } else { 7 }) as i64)
+            .collect();
+        let batch = 1 + (rng.next() % 3) as i64;
+        let stride = if round % 4 == 3 { 2 } else { 1 };
+        let n: i64 = shape.iter().product();
+        let mut half = shape.clone();
+        half[rank - 1] = shape[rank - 1] / 2 + 1;
+        let (complex_in, complex_out) = match kind {
+            FftKind::C2C | FftKind::Z2Z => (true, true),
+            FftKind::R2C | FftKind::D2Z => (false, true),
+            _ => (true, false),
+        };
+        let in_shape = if complex_in && !complex_out {
+            &half
+        } else {
+            &shape
+        };
+        let out_shape = if complex_out && !complex_in {
+            &half
+        } else {
+            &shape
+        };
+        let (in_n, out_n) = (
+            in_shape.iter().product::<i64>(),
+            out_shape.iter().product::<i64>(),
+        );
+        let layout = |sh: &Vec<i64>, cnt: i64| FftLayout {
+            embed: sh.clone(),
+            stride,
+            dist: cnt * stride + 3,
+        };
+        let desc = FftDesc {
+            kind,
+            sizes: shape.clone(),
+            batch,
+            input: layout(in_shape, in_n),
+            output: layout(out_shape, out_n),
+        };
+        let inverse = round % 12 >= 6;
+        // The signals, dense; for C2R the half spectrum of a real signal (Hermitian).
+        let signals: Vec<Vec<(f64, f64)>> = (0..batch)
+            .map(|_| {
+                let x: Vec<(f64, f64)> = (0..n)
+                    .map(|_| {
+                        (
+                            rng.unit(),
+                            if complex_in && complex_out {
+                                rng.unit()
+                            } else {
+                                0.0
+                            },
+                        )
+                    })
+                    .collect();
+                if complex_in && !complex_out {
+                    let full = reference_dft(&x, &shape, false);
+                    full.chunks(shape[rank - 1] as usize)
+                        .flat_map(|r| r[..half[rank - 1] as usize].to_vec())
+                        .collect()
+                } else {
+                    x
+                }
+            })
+            .collect();
+        let elem_in = if complex_in { 2 } else { 1 };
+        let elem_out = if complex_out { 2 } else { 1 };
+        let in_len = ((batch - 1) * desc.input.dist + in_n * stride) as usize;
+        let mut host = vec![0.0; in_len * elem_in];
+        for (b, sig) in signals.iter().enumerate() {
+            for (i, &(re, im)) in sig.iter().enumerate() {
+                let at = (b as i64 * desc.input.dist + i as i64 * stride) as usize * elem_in;
+                host[at] = re;
+                if complex_in {
+                    host[at + 1] = im;
+                }
+            }
+        }
+        let out_len = ((batch - 1) * desc.output.dist + out_n * stride) as usize;
+        let input = s.upload(&host, f64s)?;
+        let output = s.upload(&vec![0.0; out_len * elem_out], f64s)?;
+        s.fft.execute(s.stream, &desc, input, output, inverse)?;
+        let got = s.download(output, out_len * elem_out, f64s)?;
+        for (b, sig) in signals.iter().enumerate() {
+            let want: Vec<(f64, f64)> = match (complex_in, complex_out) {
+                (true, true) => reference_dft(sig, &shape, inverse),
+                (false, true) => {
+                    let full = reference_dft(sig, &shape, false);
+                    full.chunks(shape[rank - 1] as usize)
+                        .flat_map(|r| r[..half[rank - 1] as usize].to_vec())
+                        .collect()
+                }
+                // The real signal the half spectrum came from, times n (unnormalised).
+                _ => hermitian_inverse(sig, &shape, &half),
+            };
+            let scale: f64 = sig
+                .iter()
+                .map(|(re, im)| re.abs() + im.abs())
+                .sum::<f64>()
+                .max(1.0);
+            let tol = if f64s { 1e-11 } else { 2e-5 } * scale;
+            for (i, &(re, im)) in want.iter().enumerate() {
+                let at = (b as i64 * desc.output.dist + i as i64 * stride) as usize * elem_out;
+                let (gr, gi) = (got[at], if complex_out { got[at + 1] } else { 0.0 });
+                assert!(
+                    (gr - re).abs() <= tol && (gi - im).abs() <= tol,
+                    "round {round} {kind:?} {shape:?} batch {b} element {i}: got ({gr}, {gi}), want ({re}, {im}), tol {tol}"
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The unnormalised inverse of a half spectrum: the full spectrum rebuilt by symmetry, then
+/// inverted; the real parts.
+fn hermitian_inverse(half_spec: &[(f64, f64)], shape: &[i64], half: &[i64]) -> Vec<(f64, f64)> {
+    let rank = shape.len();
+    let n: usize = shape.iter().product::<i64>() as usize;
+    let (nl, hl) = (shape[rank - 1] as usize, half[rank - 1] as usize);
+    let outer: Vec<usize> = shape[..rank - 1].iter().map(|&v| v as usize).collect();
+    let at =
+        |idx: &[usize], k: usize| idx.iter().zip(&outer).fold(0, |a, (&i, &m)| a * m + i) * hl + k;
+    let full: Vec<(f64, f64)> = (0..n)
+        .map(|i| {
+            let (k, mut rest) = (i % nl, i / nl);
+            let mut idx = vec![0; outer.len()];
+            for d in (0..outer.len()).rev() {
+                idx[d] = rest % outer[d];
+                rest /= outer[d];
+            }
+            if k < hl {
+                half_spec[at(&idx, k)]
+            } else {
+                let neg: Vec<usize> = idx.iter().zip(&outer).map(|(&i, &m)| (m - i) % m).collect();
+                let (re, im) = half_spec[at(&neg, nl - k)];
+                (re, -im)
+            }
+        })
+        .collect();
+    reference_dft(&full, shape, true)
+        .into_iter()
+        .map(|(re, _)| (re, 0.0))
+        .collect()
+}
+
+fn small(kind: FftKind, n: i64) -> FftDesc {
+    FftDesc {
+        kind,
+        sizes: vec![n],
+        batch: 1,
+        input: dense(&[n]),
+        output: dense(&[n]),
+    }
+}
+
+fn run<B: FftBackend>(s: &Setup<B>, desc: &FftDesc) -> TestResult {
+    let n: i64 = desc.sizes.iter().product::<i64>() * desc.batch;
+    let buf = s.upload(&vec![0.0; 2 * n as usize], false)?;
+    s.fft.execute(s.stream, desc, buf, buf, false)?;
+    Ok(())
+}
+
+/// PyTorch's `CuFFTParamsLRUCache`: a hit makes nothing, a miss beyond `max_size` destroys
+/// the least recently used; lowering `max_size` destroys the oldest; 0 keeps nothing (each
+/// call makes and destroys its plan); `clear` destroys all.
+pub fn plans_are_kept_least_recently_used_first_out<B: FftBackend>(s: &Setup<B>) -> TestResult {
+    assert_eq!(s.fft.plan_cache_max_size(), 4096);
+    let (a, b, c) = (
+        small(FftKind::C2C, 8),
+        small(FftKind::C2C, 16),
+        small(FftKind::C2C, 32),
+    );
+    s.fft.set_plan_cache_max_size(2);
+    for d in [&a, &b, &a, &a, &c] {
+        run(s, d)?;
+    }
+    assert_eq!(
+        (s.made(), s.destroyed()),
+        (3, 1),
+        "a hit twice; b evicted by c"
+    );
+    assert_eq!(s.fft.plan_cache_keys(), [c.clone(), a.clone()]);
+    run(s, &b)?;
+    assert_eq!(
+        s.fft.plan_cache_keys(),
+        [b.clone(), c.clone()],
+        "a was the oldest"
+    );
+    s.fft.set_plan_cache_max_size(1);
+    assert_eq!(s.fft.plan_cache_keys(), [b.clone()]);
+    assert_eq!(s.destroyed(), 3);
+    s.fft.set_plan_cache_max_size(0);
+    assert_eq!(s.fft.plan_cache_size(), 0);
+    let made = s.made();
+    run(s, &a)?;
+    run(s, &a)?;
+    assert_eq!(
+        (s.made() - made, s.fft.plan_cache_size()),
+        (2, 0),
+        "nothing kept at 0"
+    );
+    assert_eq!(s.made(), s.destroyed());
+    s.fft.set_plan_cache_max_size(4096);
+    run(s, &a)?;
+    run(s, &b)?;
+    s.fft.clear_plan_cache();
+    assert_eq!(s.fft.plan_cache_size(), 0);
+    assert_eq!(s.made(), s.destroyed(), "clear destroys every plan");
+    Ok(())
+}
+
+/// Each execution's work area is an allocation of the caching allocator on the call's
+/// stream, counted in its statistics and freed once the transform is queued.
+pub fn work_areas_are_allocator_memory_for_the_call<B: FftBackend>(s: &Setup<B>) -> TestResult {
+    let desc = FftDesc {
+        kind: FftKind::C2C,
+        sizes: vec![1 << 16],
+        batch: 4,
+        input: dense(&[1 << 16]),
+        output: dense(&[1 << 16]),
+    };
+    let buf = s.upload(&vec![0.0; 2 << 18], false)?;
+    let out = s.upload(&vec![0.0; 2 << 18], false)?;
+    s.fft.execute(s.stream, &desc, buf, out, false)?;
+    let work = s.fft.plan_cache_work_bytes();
+    let before = s.alloc.stats();
+    for _ in 0..3 {
+        s.fft.execute(s.stream, &desc, buf, out, false)?;
+    }
+    let after = s.alloc.stats();
+    let allocations = after.allocation.all.allocated - before.allocation.all.allocated;
+    assert_eq!(
+        allocations,
+        if work > 0 { 3 } else { 0 },
+        "one work area per execution (work {work})"
+    );
+    assert_eq!(
+        after.allocated_bytes.all.current, before.allocated_bytes.all.current,
+        "freed after each"
+    );
+    if work > 0 {
+        assert!(
+            after.allocated_bytes.all.allocated - before.allocated_bytes.all.allocated
+                >= 3 * work as i64
+        );
+    }
+    s.driver.stream_synchronize(s.stream)?;
+    Ok(())
+}
+
+/// ferrocuda's budget: kept plans' work sizes stay within it, least recently used out
+/// first; a plan over it alone is made for its call and destroyed after it.
+pub fn a_work_area_budget_bounds_the_kept_plans<B: FftBackend>(s: &Setup<B>) -> TestResult {
+    let descs: Vec<FftDesc> = [1 << 12, 1 << 13, 1 << 14]
+        .iter()
+        .map(|&n| FftDesc {
+            kind: FftKind::C2C,
+            sizes: vec![n],
+            batch: 8,
+            input: dense(&[n]),
+            output: dense(&[n]),
+        })
+        .collect();
+    let mut works = Vec::new();
+    for d in &descs {
+        run(s, d)?;
+        works.push(s.fft.plan_cache_work_bytes() - works.iter().sum::<u64>());
+    }
+    assert_eq!(s.fft.plan_cache_size(), 3);
+    let total: u64 = works.iter().sum();
+    // Room for the two newest only.
+    let budget = works[1] + works[2];
+    s.fft.set_plan_cache_max_work_bytes(Some(budget));
+    assert_eq!(s.fft.plan_cache_max_work_bytes(), Some(budget));
+    assert!(s.fft.plan_cache_work_bytes() <= budget);
+    if works[0] > 0 {
+        assert_eq!(
+            s.fft.plan_cache_keys(),
+            [descs[2].clone(), descs[1].clone()],
+            "works {works:?}"
+        );
+    }
+    let made = s.made();
+    s.fft
+        .set_plan_cache_max_work_bytes(Some(works[2].saturating_sub(1)));
+    if works[2] > 0 {
+        run(s, &descs[2])?;
+        run(s, &descs[2])?;
+        assert_eq!(
+            s.made() - made,
+            2,
+            "over the budget alone: made for each call"
+        );
+        assert!(!s.fft.plan_cache_keys().contains(&descs[2]));
+    }
+    s.fft.set_plan_cache_max_work_bytes(None);
+    assert!(total >= s.fft.plan_cache_work_bytes());
+    Ok(())
+}
+
+/// Without libcufft, `CudaFft` is a typed "unavailable" naming what to set; the GPU bundle
+/// must find it.
+#[test]
+fn cufft_is_found_or_says_why() -> TestResult {
+    use ferrocuda_driver::LIBRARY_PATH_VAR;
+    use ferrocuda_driver::cufft::FftError;
+    let required = std::env::var("FERROCUDA_REQUIRE_GPU").is_ok_and(|v| v == "1");
+    match CudaFft::new(Arc::new(CudaDriver::new())) {
+        Ok(_) => Ok(()),
+        Err(MathLibError::Fft(FftError::Unavailable(why))) if !required => {
+            assert!(
+                why.contains(LIBRARY_PATH_VAR) && why.contains("libcufft"),
+                "{why}"
+            );
+            Ok(())
+        }
+        Err(e) => Err(format!("cuFFT on the GPU bundle: {e}").into()),
+    }
+}
