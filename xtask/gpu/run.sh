@@ -193,15 +193,16 @@ def ours(group, name):
     p = os.path.join(out, "criterion", group, name, "new", "estimates.json")
     return json.load(open(p))["median"]["point_estimate"] if os.path.exists(p) else None
 print(f"{'GEMM':24} {'ferrocuda':>11} {'PyTorch':>11} {'ratio':>7}  (TFLOP/s, ratio ours/theirs; host ns for the call, ratio ours/theirs)")
-for name, (m, n, k) in [("bf16_4096", (4096,) * 3), ("f16_4096", (4096,) * 3),
-                        ("bf16_8192x8192x1024", (8192, 8192, 1024)), ("f16_8192x8192x1024", (8192, 8192, 1024)),
-                        ("f32_tf32_4096", (4096,) * 3), ("f32_64_call", None)]:
+for name, dims in [("bf16_4096", (4096,) * 3), ("f16_4096", (4096,) * 3),
+                   ("bf16_8192x8192x1024", (8192, 8192, 1024)), ("f16_8192x8192x1024", (8192, 8192, 1024)),
+                   ("f32_tf32_4096", (4096,) * 3), ("f32_64_call", None)]:
     mine, theirs = ours("gemm", name), torch.get(f"torch_gemm_ns_{name}")
     if mine is None or theirs is None:
         print(f"{name:24} missing"); continue
-    if m is None:
+    if dims is None:
         print(f"{name:24} {mine:11.0f} {theirs:11.0f} {mine / theirs:7.3f}")
     else:
+        m, n, k = dims
         f = 2 * m * n * k / 1e3
         print(f"{name:24} {f / mine:11.1f} {f / theirs:11.1f} {theirs / mine:7.3f}")
 print(f"{'FFT':24} {'ferrocuda':>11} {'PyTorch':>11} {'ratio':>7}  (ns, ratio ours/theirs)")
