@@ -205,6 +205,9 @@ for name, dims in [("bf16_4096", (4096,) * 3), ("f16_4096", (4096,) * 3),
         m, n, k = dims
         f = 2 * m * n * k / 1e3
         print(f"{name:24} {f / mine:11.1f} {f / theirs:11.1f} {theirs / mine:7.3f}")
+for name in ["bf16_1024", "f32_333x4096x77"]:
+    t, u = ours("gemm", f"tuned_{name}"), ours("gemm", f"untuned_{name}")
+    print(f"tuned {name:18} missing" if t is None or u is None else f"tuned {name:18} {t:11.0f} {u:11.0f} {t / u:7.3f}  (ns tuned, untuned; TunableOp, target <= 1)")
 print(f"{'FFT':24} {'ferrocuda':>11} {'PyTorch':>11} {'ratio':>7}  (ns, ratio ours/theirs)")
 for name in ["c2c_2p20_batch16", "c2c_256_call"]:
     mine, theirs = ours("fft", name), torch.get(f"torch_fft_ns_{name}")

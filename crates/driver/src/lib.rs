@@ -51,7 +51,7 @@
 //!   virtual-memory API maps physical chunks at 2 MiB granularity, out-of-memory comes from a
 //!   capacity or is injected at the N-th call, and every call is counted.
 //! - `unsafe` lives here only, each block with a `// SAFETY:` note.
-//! - **CUDA's math libraries are called here too** ([`cublas`], [`cufft`]), loaded at run
+//! - **CUDA's math libraries are called here too** ([`cublas`], [`cublaslt`], [`cufft`]), loaded at run
 //!   time: their usual names, then the folders of [`LIBRARY_PATH_VAR`]; a missing library is
 //!   a typed "unavailable", never cudarc's panic.
 //! - **Other libraries' code is called here too**: allocator functions of a shared library
@@ -80,7 +80,7 @@ pub mod nvml;
 pub mod pluggable;
 
 pub use cuda::libraries::LIBRARY_PATH_VAR;
-pub use cuda::{CudaDriver, RawGraph, RawLaunch, cublas, cufft, nccl};
+pub use cuda::{CudaDriver, RawGraph, RawLaunch, cublas, cublaslt, cufft, nccl};
 pub use error::{CompileError, DriverError};
 pub use fake::{Completion, FakeDriver, FakeDriverBuilder, KernelContext, PeerCopies};
 pub use interop::ForeignStream;

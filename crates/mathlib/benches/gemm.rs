@@ -134,7 +134,65 @@ fn gemm(c: &mut Criterion) {
         }
     }
     precision::update_global(|p| p.set_float32_matmul_precision(MatmulPrecision::Highest));
+    if gpu {
+        tuned_against_untuned(&mut g, &blas, &alloc, &driver, stream);
+    }
     g.finish();
+}
+
+/// TunableOp's promise: a tuned GEMM is never slower than the untuned call. Each shape
+/// untuned (the default call), then tuned once and measured with its result.
+fn tuned_against_untuned(
+    g: &mut criterion::BenchmarkGroup<'_, criterion::measurement::WallTime>,
+    blas: &Blas,
+    alloc: &CachingAllocator,
+    driver: &Arc<dyn Driver>,
+    stream: ferrocuda_types::StreamHandle,
+) {
+    for (name, dtype, m, n, k) in [
+        ("bf16_1024", DType::BF16, 1024, 1024, 1024),
+        ("f32_333x4096x77", DType::F32, 333, 4096, 77),
+    ] {
+        let bytes = |r: usize, c: usize| (r * c * dtype.size()) as u64;
+        let (a, b, out) = (
+            alloc.allocate(bytes(m, k), stream).expect("a"),
+            alloc.allocate(bytes(k, n), stream).expect("b"),
+            alloc.allocate(bytes(m, n), stream).expect("c"),
+        );
+        for (p, len) in [(a.ptr, bytes(m, k)), (b.ptr, bytes(k, n))] {
+            driver
+                .memset_async(p, ferrocuda_types::MemsetValue::U8(0), len, stream)
+                .expect("memset");
+        }
+        let call = Gemm::plain(dtype, m, n, k, a.ptr, b.ptr, out.ptr);
+        for tuned in [false, true] {
+            blas.update_tunable(|t| {
+                t.enabled = tuned;
+                t.tuning = true;
+                t.filename = std::env::temp_dir()
+                    .join("ferrocuda-bench-tunableop.csv")
+                    .to_string_lossy()
+                    .into_owned();
+            });
+            blas.gemm(stream, &call).expect("gemm (tuning)");
+            driver.stream_synchronize(stream).expect("sync");
+            let label = format!("{}_{name}", if tuned { "tuned" } else { "untuned" });
+            g.bench_function(label, |bch| {
+                bch.iter_custom(|iters| {
+                    let t = Instant::now();
+                    for _ in 0..iters {
+                        blas.gemm(stream, &call).expect("gemm");
+                    }
+                    driver.stream_synchronize(stream).expect("sync");
+                    t.elapsed()
+                })
+            });
+        }
+        blas.update_tunable(|t| t.enabled = false);
+        for x in [a, b, out] {
+            alloc.free(x.ptr).expect("free");
+        }
+    }
 }
 
 criterion_group! {

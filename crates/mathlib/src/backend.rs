@@ -4,6 +4,7 @@
 //! thread, the stream, math mode and workspace set at each acquisition) is tested in CI.
 use crate::MathLibError;
 use ferrocuda_driver::cublas::{CublasHandle, GemmCall, MathMode};
+use ferrocuda_driver::cublaslt::LtAlgo;
 use ferrocuda_driver::{CudaDriver, Driver};
 use ferrocuda_types::{DeviceIndex, DevicePtr, StreamHandle};
 use parking_lot::RwLock;
@@ -36,6 +37,50 @@ pub trait BlasBackend: Send + Sync + std::fmt::Debug {
     ) -> Result<(), MathLibError>;
     /// Enqueues a GEMM on the handle's stream (`cublasGemmEx` or its strided batch).
     fn gemm(&self, handle: HandleId, call: &GemmCall) -> Result<(), MathLibError>;
+    /// Up to `max` cuBLASLt algorithms for `call` within `workspace` bytes, best first.
+    fn lt_candidates(
+        &self,
+        handle: HandleId,
+        call: &GemmCall,
+        workspace: u64,
+        reduction_mask: Option<u32>,
+        max: usize,
+    ) -> Result<Vec<LtCandidate>, MathLibError>;
+    /// Enqueues `call` through cuBLASLt with `candidate` on `stream`.
+    fn lt_gemm(
+        &self,
+        handle: HandleId,
+        call: &LtCall<'_>,
+        stream: StreamHandle,
+    ) -> Result<(), MathLibError>;
+    /// Waits for `stream` (the tuner times candidates between two waits).
+    fn synchronize(&self, stream: StreamHandle) -> Result<(), MathLibError>;
+    /// The cuBLASLt version, as the TunableOp validator records it.
+    fn lt_version(&self) -> String;
+}
+
+/// One of cuBLASLt's algorithms for a GEMM, as the heuristic ranked it.
+#[derive(Copy, Clone, Debug, PartialEq)]
+pub struct LtCandidate {
+    /// Its rank in the heuristic's answer (0 is the best guess).
+    pub index: usize,
+    /// Bytes of workspace it needs.
+    pub workspace: u64,
+    /// The real algorithm (the fake backend has none).
+    pub algo: Option<LtAlgo>,
+}
+
+/// A GEMM through cuBLASLt: the call, the candidate, the workspace and reduction mask.
+#[derive(Copy, Clone, Debug)]
+pub struct LtCall<'a> {
+    /// The GEMM.
+    pub call: &'a GemmCall,
+    /// The algorithm.
+    pub candidate: &'a LtCandidate,
+    /// The workspace (address and bytes).
+    pub workspace: (DevicePtr, u64),
+    /// `CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK`, given.
+    pub reduction_mask: Option<u32>,
 }
 
 /// The real cuBLAS, on a [`CudaDriver`]'s devices.
@@ -111,5 +156,52 @@ impl BlasBackend for CudaBlas {
 
     fn gemm(&self, handle: HandleId, call: &GemmCall) -> Result<(), MathLibError> {
         self.with(handle, |h| h.gemm(call))
+    }
+
+    fn lt_candidates(
+        &self,
+        handle: HandleId,
+        call: &GemmCall,
+        workspace: u64,
+        reduction_mask: Option<u32>,
+        max: usize,
+    ) -> Result<Vec<LtCandidate>, MathLibError> {
+        let algos = self.with(handle, |h| {
+            h.lt_heuristics(call, workspace, reduction_mask, max)
+        })?;
+        Ok(algos
+            .into_iter()
+            .enumerate()
+            .map(|(index, a)| LtCandidate {
+                index,
+                workspace: a.workspace,
+                algo: Some(a),
+            })
+            .collect())
+    }
+
+    fn lt_gemm(
+        &self,
+        handle: HandleId,
+        lt: &LtCall<'_>,
+        stream: StreamHandle,
+    ) -> Result<(), MathLibError> {
+        let algo = lt.candidate.algo.ok_or_else(|| {
+            MathLibError::InvalidGemm("a cuBLASLt candidate without its algorithm".into())
+        })?;
+        self.with(handle, |h| {
+            h.lt_matmul(lt.call, &algo, lt.workspace, lt.reduction_mask, stream)
+        })
+    }
+
+    fn lt_version(&self) -> String {
+        ferrocuda_driver::cublaslt::version()
+            .map_or_else(|e| format!("unavailable ({e})"), |v| v.to_string())
+    }
+
+    fn synchronize(&self, stream: StreamHandle) -> Result<(), MathLibError> {
+        self.driver
+            .stream_synchronize(stream)
+            .map_err(|e| ferrocuda_driver::cublas::BlasError::from(e).into())
     }
 }

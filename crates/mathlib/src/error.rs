@@ -31,6 +31,10 @@ pub enum MathLibError {
     /// unlike A's, an element type with no GEMM).
     #[error("invalid GEMM: {0}")]
     InvalidGemm(String),
+    /// A TunableOp results file that cannot be used (a line that is neither a validator nor
+    /// a result; a validator that rejects it), or cannot be read or written.
+    #[error("TunableOp: {0}")]
+    TunableOp(String),
     /// A handle the backend does not hold (destroyed, or never made).
     #[error("no live cuBLAS handle {0}")]
     UnknownHandle(u64),

@@ -7,7 +7,7 @@
 //! writes C with an ordered copy, so on the fake it completes by the time the stream does;
 //! inside a stream capture it fails as any synchronous copy does.
 use crate::MathLibError;
-use crate::backend::{BlasBackend, HandleId};
+use crate::backend::{BlasBackend, HandleId, LtCall, LtCandidate};
 use ferrocuda_driver::cublas::{BlasError, DataType, GemmCall, MathMode};
 use ferrocuda_driver::{Driver, FakeDriver};
 use ferrocuda_types::{DeviceIndex, DevicePtr, StreamHandle};
@@ -46,7 +46,12 @@ struct Books {
     next: u64,
     gemms: Vec<FakeGemm>,
     created: u64,
+    /// cuBLASLt GEMMs run: the candidate's rank for each.
+    lt_runs: Vec<usize>,
 }
+
+/// How many algorithms the fake cuBLASLt's heuristic proposes, at most.
+pub const FAKE_LT_CANDIDATES: usize = 4;
 
 /// cuBLAS on a [`FakeDriver`].
 #[derive(Debug)]
@@ -83,6 +88,11 @@ impl FakeBlas {
     /// Handles created so far (destroyed ones included).
     pub fn handles_created(&self) -> u64 {
         self.books.lock().created
+    }
+
+    /// The cuBLASLt GEMMs run so far: the rank of the candidate each used.
+    pub fn lt_runs(&self) -> Vec<usize> {
+        self.books.lock().lt_runs.clone()
     }
 
     /// Every GEMM run so far, in order.
@@ -173,6 +183,57 @@ impl BlasBackend for FakeBlas {
             call: *call,
         });
         Ok(())
+    }
+
+    /// [`FAKE_LT_CANDIDATES`] candidates (fewer if `max` is smaller), each needing 1 MiB
+    /// more workspace than the one before, none over `workspace`.
+    fn lt_candidates(
+        &self,
+        handle: HandleId,
+        _call: &GemmCall,
+        workspace: u64,
+        _reduction_mask: Option<u32>,
+        max: usize,
+    ) -> Result<Vec<LtCandidate>, MathLibError> {
+        self.edit(handle, |_| {})?;
+        Ok((0..FAKE_LT_CANDIDATES.min(max))
+            .map(|index| LtCandidate {
+                index,
+                workspace: index as u64 * (1 << 20),
+                algo: None,
+            })
+            .filter(|c| c.workspace <= workspace)
+            .collect())
+    }
+
+    fn lt_gemm(
+        &self,
+        handle: HandleId,
+        lt: &LtCall<'_>,
+        stream: StreamHandle,
+    ) -> Result<(), MathLibError> {
+        self.edit(handle, |_| {})?;
+        if lt.workspace.1 < lt.candidate.workspace {
+            return Err(BlasError::Cublas {
+                code: 7,
+                name: "CUBLAS_STATUS_INVALID_VALUE",
+            }
+            .into());
+        }
+        host_gemm(&*self.fake, stream, lt.call).map_err(BlasError::from)?;
+        self.books.lock().lt_runs.push(lt.candidate.index);
+        Ok(())
+    }
+
+    fn synchronize(&self, stream: StreamHandle) -> Result<(), MathLibError> {
+        self.fake
+            .stream_synchronize(stream)
+            .map_err(BlasError::from)?;
+        Ok(())
+    }
+
+    fn lt_version(&self) -> String {
+        "fake".into()
     }
 }
 

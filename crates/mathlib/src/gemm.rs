@@ -3,8 +3,9 @@
 //! math mode come from [`ferrocuda_amp::precision::cublas_gemm`], which also raises
 //! PyTorch's errors.
 use crate::MathLibError;
+use crate::backend::{HandleId, LtCall};
 use crate::handles::Blas;
-use ferrocuda_amp::precision::{self, CublasComputeType, CudaDataType};
+use ferrocuda_amp::precision::{self, CublasComputeType, CublasLtReductionScheme, CudaDataType};
 use ferrocuda_driver::cublas::{Batch, ComputeType, DataType, GemmCall, MathMode};
 use ferrocuda_types::{DType, DevicePtr, StreamHandle};
 
@@ -111,55 +112,152 @@ fn compute_type(t: CublasComputeType) -> ComputeType {
     }
 }
 
+impl Gemm {
+    /// The driver's call for this GEMM with the given types, writing `c`.
+    pub(crate) fn call(
+        &self,
+        c: DevicePtr,
+        (ab, scale, compute): (CudaDataType, CudaDataType, CublasComputeType),
+    ) -> GemmCall {
+        GemmCall {
+            transa: self.transa,
+            transb: self.transb,
+            m: self.m,
+            n: self.n,
+            k: self.k,
+            a: self.a,
+            b: self.b,
+            c,
+            lds: [self.lda, self.ldb, self.ldc],
+            ab_type: data_type(ab),
+            c_type: data_type(ab),
+            scale_type: data_type(scale),
+            compute: compute_type(compute),
+            alpha: self.alpha,
+            beta: self.beta,
+            batch: self.batch,
+        }
+    }
+
+    /// Elements C spans (the last matrix of a batch included).
+    pub(crate) fn c_elements(&self) -> usize {
+        let one = self.ldc * self.n.saturating_sub(1) + self.m;
+        match self.batch {
+            Some(b) => (b.strides[2].max(0) as usize) * b.count.saturating_sub(1) + one,
+            None => one,
+        }
+    }
+}
+
+/// PyTorch's `torch.backends.cuda.preferred_blas_library()`: which library a GEMM goes
+/// through when no tuned solution says otherwise.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, Default)]
+pub enum BlasLibrary {
+    /// The classic API (`cublasGemmEx`), PyTorch 2.11's choice for `mm` on CUDA.
+    #[default]
+    Cublas,
+    /// cuBLASLt with its heuristic's first algorithm (the only path for split-K
+    /// disallowed).
+    CublasLt,
+}
+
+/// How one GEMM runs.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub(crate) enum Path {
+    Classic,
+    Lt(usize),
+}
+
 impl Blas {
-    /// Enqueues `gemm` on `stream` through this thread's handle. fp32 takes the handle's
-    /// math mode (TF32 tensor ops when CUDA matmul resolves to tf32 and no
-    /// [`NoTf32Guard`](precision::NoTf32Guard) is alive); fp16 and bf16 set
-    /// `CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION` for the call unless reduced
-    /// precision reductions are allowed, and put the default math back after it, as PyTorch
-    /// does; split-K disallowed is PyTorch's error on this path.
+    /// Enqueues `gemm` on `stream` through this thread's handle: the tuned solution when
+    /// TunableOp is on (tuning a new signature first if tuning is on), else the preferred
+    /// library.
+    ///
+    /// Classic path: fp32 takes the handle's math mode (TF32 tensor ops when CUDA matmul
+    /// resolves to tf32 and no [`NoTf32Guard`](precision::NoTf32Guard) is alive); fp16
+    /// and bf16 set `CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION` for the call unless
+    /// reduced precision reductions are allowed, and put the default math back after it,
+    /// as PyTorch does; split-K disallowed is PyTorch's error there. cuBLASLt path: the
+    /// compute type and reduction-scheme mask of [`precision::cublaslt_gemm`], the
+    /// handle's workspace (unified, as PyTorch's default).
     pub fn gemm(&self, stream: StreamHandle, gemm: &Gemm) -> Result<(), MathLibError> {
         gemm.check()?;
-        let plan = precision::cublas_gemm(
-            &precision::global(),
-            gemm.dtype,
-            self.sm_major(),
-            precision::reduced_precision_disabled(),
-        )?;
         let handle = self.acquire(stream)?;
-        let ab_type = data_type(plan.ab_type);
-        let call = GemmCall {
-            transa: gemm.transa,
-            transb: gemm.transb,
-            m: gemm.m,
-            n: gemm.n,
-            k: gemm.k,
-            a: gemm.a,
-            b: gemm.b,
-            c: gemm.c,
-            lds: [gemm.lda, gemm.ldb, gemm.ldc],
-            ab_type,
-            c_type: ab_type,
-            scale_type: data_type(plan.scale_type),
-            compute: compute_type(plan.compute_type),
-            alpha: gemm.alpha,
-            beta: gemm.beta,
-            batch: gemm.batch,
+        let path = match self.tuned_path(handle, stream, gemm)? {
+            Some(p) => p,
+            None => match self.preferred_blas_library() {
+                BlasLibrary::Cublas => Path::Classic,
+                BlasLibrary::CublasLt => Path::Lt(0),
+            },
         };
-        let backend = self.backend();
-        let half = matches!(gemm.dtype, DType::F16 | DType::BF16);
-        if half {
-            let mode = if plan.disallow_reduced_precision_reduction {
-                MathMode::DisallowReducedPrecisionReduction
-            } else {
-                MathMode::Default
-            };
-            self.set_math_mode(handle, mode)?;
-        }
-        let result = backend.gemm(handle, &call);
-        if half {
-            self.set_math_mode(handle, MathMode::Default)?;
-        }
-        result
+        self.run_path(handle, stream, gemm, gemm.c, path)
     }
+
+    /// Runs `gemm` (writing `c`) the way `path` says.
+    pub(crate) fn run_path(
+        &self,
+        handle: HandleId,
+        stream: StreamHandle,
+        gemm: &Gemm,
+        c: DevicePtr,
+        path: Path,
+    ) -> Result<(), MathLibError> {
+        let settings = precision::global();
+        let no_tf32 = precision::reduced_precision_disabled();
+        match path {
+            Path::Classic => {
+                let plan = precision::cublas_gemm(&settings, gemm.dtype, self.sm_major(), no_tf32)?;
+                let call = gemm.call(c, (plan.ab_type, plan.scale_type, plan.compute_type));
+                let half = matches!(gemm.dtype, DType::F16 | DType::BF16);
+                if half {
+                    let mode = if plan.disallow_reduced_precision_reduction {
+                        MathMode::DisallowReducedPrecisionReduction
+                    } else {
+                        MathMode::Default
+                    };
+                    self.set_math_mode(handle, mode)?;
+                }
+                let result = self.backend().gemm(handle, &call);
+                if half {
+                    self.set_math_mode(handle, MathMode::Default)?;
+                }
+                result
+            }
+            Path::Lt(rank) => {
+                let plan =
+                    precision::cublaslt_gemm(&settings, gemm.dtype, self.sm_major(), no_tf32)?;
+                let call = gemm.call(c, (plan.ab_type, plan.scale_type, plan.compute_type));
+                let mask = plan.reduction_scheme_mask.map(reduction_mask);
+                let workspace = self.handle_workspace(handle, stream)?;
+                let candidates =
+                    self.backend()
+                        .lt_candidates(handle, &call, workspace.1, mask, rank + 1)?;
+                let candidate = candidates.get(rank).ok_or_else(|| {
+                    MathLibError::InvalidGemm(format!(
+                        "cuBLASLt proposes {} algorithms for this GEMM, none of rank {rank}",
+                        candidates.len()
+                    ))
+                })?;
+                let lt = LtCall {
+                    call: &call,
+                    candidate,
+                    workspace,
+                    reduction_mask: mask,
+                };
+                self.backend().lt_gemm(handle, &lt, stream)
+            }
+        }
+    }
+}
+
+/// `CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK`: the schemes OR-ed
+/// (`cublasLtReductionScheme_t`: none 0, compute type 2).
+fn reduction_mask(schemes: &[CublasLtReductionScheme]) -> u32 {
+    schemes
+        .iter()
+        .map(|s| match s {
+            CublasLtReductionScheme::CUBLASLT_REDUCTION_SCHEME_NONE => 0,
+            CublasLtReductionScheme::CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE => 2,
+        })
+        .fold(0, |a, b| a | b)
 }

@@ -17,6 +17,8 @@
 //!   PyTorch's clears the calling thread's only, since its map is per thread).
 use crate::MathLibError;
 use crate::backend::{BlasBackend, HandleId};
+use crate::gemm::BlasLibrary;
+use crate::tunable::TunableState;
 use crate::workspace_config::WorkspaceSizes;
 use ferrocuda_alloc::CachingAllocator;
 use ferrocuda_amp::precision::{self, CublasMathMode};
@@ -56,6 +58,9 @@ struct Shared {
     cublaslt_override: AtomicI64,
     lt_limit_warned: AtomicBool,
     pool: Mutex<Pool>,
+    /// TunableOp's settings and results (`tuning.rs`).
+    pub(crate) tunable: Mutex<TunableState>,
+    pub(crate) preferred: Mutex<BlasLibrary>,
 }
 
 /// What a handle was last set to (by the only thread that uses it).
@@ -122,6 +127,8 @@ impl Blas {
                 cublaslt_override: AtomicI64::new(-1),
                 lt_limit_warned: AtomicBool::new(false),
                 pool: Mutex::new(Pool::default()),
+                tunable: Mutex::new(TunableState::from_env(|k| std::env::var(k).ok())),
+                preferred: Mutex::new(BlasLibrary::default()),
             }),
         })
     }
@@ -138,6 +145,27 @@ impl Blas {
 
     pub(crate) fn backend(&self) -> &dyn BlasBackend {
         &*self.shared.backend
+    }
+
+    pub(crate) fn shared_tunable(&self) -> &Mutex<TunableState> {
+        &self.shared.tunable
+    }
+
+    pub(crate) fn shared_preferred(&self) -> &Mutex<BlasLibrary> {
+        &self.shared.preferred
+    }
+
+    pub(crate) fn allocator(&self) -> &CachingAllocator {
+        &self.shared.allocator
+    }
+
+    /// `handle`'s workspace for `stream` (address, bytes), made if it has none.
+    pub(crate) fn handle_workspace(
+        &self,
+        handle: HandleId,
+        stream: StreamHandle,
+    ) -> Result<(DevicePtr, u64), MathLibError> {
+        self.workspace(handle, stream)
     }
 
     /// The warnings PyTorch gives for the workspace variables read (word for word).

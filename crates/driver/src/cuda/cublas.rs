@@ -245,7 +245,7 @@ pub struct GemmCall {
 
 /// alpha or beta as `scale_type`, in the bytes cuBLAS reads through its pointer.
 #[derive(Copy, Clone)]
-enum Scalar {
+pub(crate) enum Scalar {
     F16(f16),
     F32(f32),
     F64(f64),
@@ -261,12 +261,22 @@ impl Scalar {
         })
     }
 
-    fn ptr(&self) -> *const c_void {
+    pub(crate) fn ptr(&self) -> *const c_void {
         match self {
             Scalar::F16(v) => (v as *const f16).cast(),
             Scalar::F32(v) => (v as *const f32).cast(),
             Scalar::F64(v) => (v as *const f64).cast(),
         }
+    }
+}
+
+impl GemmCall {
+    pub(crate) fn alpha_scalar(&self) -> Result<Scalar, BlasError> {
+        Scalar::new(self.alpha, self.scale_type)
+    }
+
+    pub(crate) fn beta_scalar(&self) -> Result<Scalar, BlasError> {
+        Scalar::new(self.beta, self.scale_type)
     }
 }
 
@@ -325,21 +335,38 @@ impl CublasHandle {
         self.handle as sys::cublasHandle_t
     }
 
+    /// The handle's address (cuBLASLt takes it as its own handle type).
+    pub(crate) fn raw_address(&self) -> usize {
+        self.handle
+    }
+
     /// Binds the handle's context (cuBLAS runs on the current one).
     fn bind(&self) -> Result<(), BlasError> {
         self.driver.bind(self.device)?;
         Ok(())
     }
 
-    /// Work is enqueued on `stream` from now on (`cublasSetStream`).
-    pub fn set_stream(&self, stream: StreamHandle) -> Result<(), BlasError> {
+    pub(crate) fn bind_context(&self) -> Result<(), BlasError> {
+        self.bind()
+    }
+
+    /// `stream` as the driver knows it, if it is a live stream of the handle's device.
+    pub(crate) fn checked_stream(
+        &self,
+        stream: StreamHandle,
+    ) -> Result<cudarc::driver::sys::CUstream, BlasError> {
         if stream.device != self.device {
             return Err(BlasError::DeviceMismatch {
                 expected: self.device,
                 found: stream.device,
             });
         }
-        let s = self.driver.stream(stream)?;
+        Ok(self.driver.stream(stream)?)
+    }
+
+    /// Work is enqueued on `stream` from now on (`cublasSetStream`).
+    pub fn set_stream(&self, stream: StreamHandle) -> Result<(), BlasError> {
+        let s = self.checked_stream(stream)?;
         // SAFETY: a live handle and a registered stream of its device.
         check(unsafe { sys::cublasSetStream_v2(self.raw(), s as sys::cudaStream_t) })
     }
@@ -381,10 +408,7 @@ impl CublasHandle {
         );
         let [lda, ldb, ldc] = call.lds;
         let (lda, ldb, ldc) = (c_int(lda, "lda")?, c_int(ldb, "ldb")?, c_int(ldc, "ldc")?);
-        let (alpha, beta) = (
-            Scalar::new(call.alpha, call.scale_type)?,
-            Scalar::new(call.beta, call.scale_type)?,
-        );
+        let (alpha, beta) = (call.alpha_scalar()?, call.beta_scalar()?);
         let (a, b, c) = (
             call.a.0 as *const c_void,
             call.b.0 as *const c_void,

@@ -29,6 +29,7 @@ use std::sync::{Arc, OnceLock};
 #[cfg(feature = "c-export")]
 pub(crate) mod context_scope;
 pub mod cublas;
+pub mod cublaslt;
 pub mod cufft;
 mod devices;
 mod events;

@@ -9,7 +9,8 @@ mod support;
 
 use ferrocuda_amp::precision::{self, MatmulPrecision, NoTf32Guard, PrecisionError};
 use ferrocuda_driver::cublas::{Batch, ComputeType, MathMode};
-use ferrocuda_mathlib::{Gemm, MathLibError};
+use ferrocuda_mathlib::tunable::{ResultsFile, Solution};
+use ferrocuda_mathlib::{BlasLibrary, Gemm, MathLibError};
 use ferrocuda_types::{DType, DevicePtr};
 use support::*;
 
@@ -35,6 +36,8 @@ both_backends!(
     workspaces_are_allocator_memory_per_stream,
     precision_settings_pick_math_mode_and_compute_type,
     bad_gemms_are_typed_errors,
+    cublaslt_path_matches_the_reference_and_takes_split_k_disallowed,
+    tunableop_tunes_once_writes_pytorchs_file_and_reads_it_back,
 );
 
 /// `C = alpha op(A) op(B) + beta C` in f64, column-major, from the values as stored.
@@ -543,5 +546,173 @@ fn cublas_is_found_or_says_why() -> TestResult {
         }
         Err(e) => return Err(format!("cuBLAS on the GPU bundle: {e}").into()),
     }
+    Ok(())
+}
+
+/// A GEMM of random values (C too, for beta), checked against the reference after `run`.
+fn checked_gemm(
+    s: &Setup,
+    dtype: DType,
+    (m, n, k): (usize, usize, usize),
+    beta: f64,
+    run: impl FnOnce(ferrocuda_types::StreamHandle, &Gemm) -> Result<(), MathLibError>,
+) -> TestResult {
+    let stream = s.stream()?;
+    let mut rng = Rng(0x1234_5678_9abc_def1 ^ (m * 31 + n * 7 + k) as u64);
+    let mut fill =
+        |len: usize| -> Vec<f64> { (0..len).map(|_| round(dtype, rng.unit())).collect() };
+    let (a, b, c) = (fill(m * k), fill(k * n), fill(m * n));
+    let (pa, pb, pc) = (
+        s.upload(dtype, &a, stream)?,
+        s.upload(dtype, &b, stream)?,
+        s.upload(dtype, &c, stream)?,
+    );
+    let g = Gemm {
+        beta,
+        alpha: 1.0,
+        ..Gemm::plain(dtype, m, n, k, pa, pb, pc)
+    };
+    run(stream, &g)?;
+    let got = s.download(dtype, pc, m * n, stream)?;
+    let (want, scale) = reference(&g, &a, &b, &c);
+    for (i, ((w, sc), g)) in want.iter().zip(&scale).zip(&got).enumerate() {
+        let allowed = tolerance(dtype) * (sc + 1e-30) * (k as f64).sqrt() + round_err(dtype, *w);
+        assert!(
+            (g - w).abs() <= allowed,
+            "{dtype:?} {m}x{n}x{k} beta {beta}: element {i} {g} vs {w}"
+        );
+    }
+    Ok(())
+}
+
+/// With cuBLASLt preferred: the heuristic's first algorithm, results as the classic
+/// path's; split-K disallowed (PyTorch's error on the classic path) runs with the
+/// reduction mask that allows no split.
+pub fn cublaslt_path_matches_the_reference_and_takes_split_k_disallowed(s: &Setup) -> TestResult {
+    let _p = PRECISION.lock();
+    s.blas.set_preferred_blas_library(BlasLibrary::CublasLt);
+    for (dtype, shape) in [
+        (DType::F32, (33, 17, 45)),
+        (DType::F16, (64, 48, 80)),
+        (DType::BF16, (16, 96, 24)),
+        (DType::F64, (9, 9, 9)),
+    ] {
+        checked_gemm(s, dtype, shape, 0.5, |st, g| s.blas.gemm(st, g))?;
+    }
+    let lt = |acts: &[Act]| {
+        acts.iter()
+            .filter_map(|a| match a {
+                Act::LtGemm(_, rank, mask) => Some((*rank, *mask)),
+                _ => None,
+            })
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(
+        lt(&s.rec.take()),
+        [(0, None); 4],
+        "cuBLASLt's first candidate, no mask by default"
+    );
+    precision::update_global(|p| p.set_allow_fp16_reduced_precision_reduction(false, Some(false)))?;
+    let split = checked_gemm(s, DType::F16, (32, 32, 512), 0.0, |st, g| {
+        s.blas.gemm(st, g)
+    });
+    precision::update_global(|p| p.set_allow_fp16_reduced_precision_reduction(true, None))?;
+    s.blas.set_preferred_blas_library(BlasLibrary::Cublas);
+    split?;
+    assert_eq!(
+        lt(&s.rec.take()),
+        [(0, Some(0))],
+        "split-K disallowed: only CUBLASLT_REDUCTION_SCHEME_NONE"
+    );
+    Ok(())
+}
+
+/// PyTorch's TunableOp switch: a new signature is tuned once (the default call and
+/// cuBLASLt's candidates timed on scratch memory, the caller's C written once by the
+/// winner, so beta's C is read once), later calls use the result; the file is PyTorch's
+/// format with its validator and ours; a fresh `Blas` reads it back and tunes nothing; a
+/// file of another PyTorch version is rejected whole.
+pub fn tunableop_tunes_once_writes_pytorchs_file_and_reads_it_back(s: &Setup) -> TestResult {
+    let _p = PRECISION.lock();
+    let dir = std::env::temp_dir().join(format!(
+        "ferrocuda-tunableop-{}-{}",
+        std::process::id(),
+        s.gpu
+    ));
+    std::fs::create_dir_all(&dir)?;
+    let file = dir.join("tunableop_results.csv");
+    s.blas.update_tunable(|t| {
+        t.enabled = true;
+        t.tuning = true;
+        t.filename = file.to_string_lossy().into_owned();
+        t.max_candidates = 3;
+    });
+    let runs = |acts: &[Act]| {
+        acts.iter()
+            .filter(|a| matches!(a, Act::Gemm(..) | Act::LtGemm(..)))
+            .count()
+    };
+    checked_gemm(s, DType::F32, (48, 40, 56), 1.0, |st, g| s.blas.gemm(st, g))?;
+    let tuning = runs(&s.rec.take());
+    assert!(
+        tuning > 4,
+        "the default call and cuBLASLt's candidates were timed ({tuning} runs)"
+    );
+    let results = s.blas.tunable().results();
+    assert_eq!(results.len(), 1);
+    assert_eq!(
+        (results[0].op_sig.as_str(), results[0].param_sig.as_str()),
+        ("GemmTunableOp_float_NN", "nn_48_40_56_ld_48_56_48")
+    );
+    assert!(results[0].ms > 0.0);
+    checked_gemm(s, DType::F32, (48, 40, 56), 1.0, |st, g| s.blas.gemm(st, g))?;
+    assert_eq!(runs(&s.rec.take()), 1, "tuned once: one run");
+    let path = s.blas.tunable().filename_for(0);
+    s.blas.write_tunable_file(&path)?;
+    let written = ResultsFile::parse(&std::fs::read_to_string(&path)?)?;
+    assert_eq!(
+        written.validators[0],
+        ("PT_VERSION".to_string(), "2.11.0".to_string())
+    );
+    assert_eq!(written.validators[1].0, "FERROCUDA_CUBLASLT_VERSION");
+    assert_eq!(written.rows.len(), 1);
+    let (w, r) = (&written.rows[0], &results[0]);
+    assert_eq!(
+        (&w.op_sig, &w.param_sig, w.solution),
+        (&r.op_sig, &r.param_sig, r.solution)
+    );
+    assert!(
+        (w.ms - r.ms).abs() <= r.ms * 1e-5,
+        "six significant digits: {} vs {}",
+        w.ms,
+        r.ms
+    );
+    // A fresh Blas on the same device reads the device's file at its first tuned GEMM.
+    let fresh = ferrocuda_mathlib::Blas::new(s.rec.clone(), s.alloc.clone())?;
+    fresh.update_tunable(|t| {
+        t.enabled = true;
+        t.filename = file.to_string_lossy().into_owned();
+    });
+    checked_gemm(s, DType::F32, (48, 40, 56), 1.0, |st, g| fresh.gemm(st, g))?;
+    let acts = s.rec.take();
+    assert_eq!(runs(&acts), 1, "the file's result: no tuning");
+    let ran_lt = acts.iter().any(|a| matches!(a, Act::LtGemm(..)));
+    assert_eq!(
+        ran_lt,
+        matches!(results[0].solution, Solution::CublasLt(_)),
+        "the file's solution ran"
+    );
+    // Another PyTorch version's file is rejected whole.
+    let old = dir.join("old.csv");
+    std::fs::write(
+        &old,
+        std::fs::read_to_string(&path)?.replace("2.11.0", "2.10.0"),
+    )?;
+    assert!(matches!(
+        fresh.read_tunable_file(&old.to_string_lossy()),
+        Err(MathLibError::TunableOp(_))
+    ));
+    s.blas.update_tunable(|t| t.enabled = false);
+    let _ = std::fs::remove_dir_all(&dir);
     Ok(())
 }

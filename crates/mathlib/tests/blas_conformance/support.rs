@@ -4,7 +4,9 @@
 use ferrocuda_alloc::{Caching, CachingAllocator};
 use ferrocuda_driver::cublas::{GemmCall, MathMode};
 use ferrocuda_driver::{CudaDriver, Driver, FakeDriver};
-use ferrocuda_mathlib::{Blas, BlasBackend, CudaBlas, FakeBlas, HandleId, MathLibError};
+use ferrocuda_mathlib::{
+    Blas, BlasBackend, CudaBlas, FakeBlas, HandleId, LtCall, LtCandidate, MathLibError,
+};
 use ferrocuda_types::{AllocatorConfig, DType, DeviceIndex, DevicePtr, StreamFlags, StreamHandle};
 use half::{bf16, f16};
 use parking_lot::Mutex;
@@ -25,6 +27,8 @@ pub enum Act {
     Workspace(HandleId, DevicePtr, u64),
     /// A GEMM with the math mode in force on its handle at the call.
     Gemm(HandleId, MathMode, GemmCall),
+    /// A cuBLASLt GEMM: the candidate's rank and the reduction mask.
+    LtGemm(HandleId, usize, Option<u32>),
 }
 
 /// Records every act, then passes it on.
@@ -92,6 +96,35 @@ impl BlasBackend for Recording {
         let mode = self.mode(handle);
         self.acts.lock().push(Act::Gemm(handle, mode, *call));
         Ok(())
+    }
+    fn lt_candidates(
+        &self,
+        handle: HandleId,
+        call: &GemmCall,
+        workspace: u64,
+        reduction_mask: Option<u32>,
+        max: usize,
+    ) -> Result<Vec<LtCandidate>, MathLibError> {
+        self.inner
+            .lt_candidates(handle, call, workspace, reduction_mask, max)
+    }
+    fn lt_gemm(
+        &self,
+        handle: HandleId,
+        lt: &LtCall<'_>,
+        stream: StreamHandle,
+    ) -> Result<(), MathLibError> {
+        self.inner.lt_gemm(handle, lt, stream)?;
+        self.acts
+            .lock()
+            .push(Act::LtGemm(handle, lt.candidate.index, lt.reduction_mask));
+        Ok(())
+    }
+    fn synchronize(&self, stream: StreamHandle) -> Result<(), MathLibError> {
+        self.inner.synchronize(stream)
+    }
+    fn lt_version(&self) -> String {
+        self.inner.lt_version()
     }
 }
 

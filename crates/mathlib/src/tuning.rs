@@ -1,0 +1,206 @@
+//! TunableOp on [`Blas`]: which path a GEMM takes when tuning is on, the tuning itself, the
+//! results file, and the preferred library (see [`crate::tunable`] for the rules).
+//!
+//! A tuning times the default call and up to `max_candidates` of cuBLASLt's heuristic
+//! candidates on the call's stream, each on a scratch copy of C's extent (the caller's C
+//! is written once, by the winner), a few milliseconds each, and keeps the fastest. The
+//! default call wins unless a candidate is faster by more than 1%: a tuned GEMM is never
+//! slower than the untuned one by more than the timing's noise.
+use crate::MathLibError;
+use crate::backend::HandleId;
+use crate::gemm::{BlasLibrary, Gemm, Path};
+use crate::handles::Blas;
+use crate::tunable::{self, ResultsFile, Solution, TunableState};
+use ferrocuda_types::{DevicePtr, StreamHandle};
+use std::time::Instant;
+
+/// How long a tuning times each candidate, at most.
+const BUDGET_PER_CANDIDATE_MS: f64 = 5.0;
+/// Most timed calls of one candidate.
+const MAX_REPS: u32 = 100;
+
+impl Blas {
+    /// `torch.backends.cuda.preferred_blas_library()`.
+    pub fn preferred_blas_library(&self) -> BlasLibrary {
+        *self.shared_preferred().lock()
+    }
+
+    /// `torch.backends.cuda.preferred_blas_library(backend)`.
+    pub fn set_preferred_blas_library(&self, library: BlasLibrary) {
+        *self.shared_preferred().lock() = library;
+    }
+
+    /// TunableOp's settings and results now.
+    pub fn tunable(&self) -> TunableState {
+        self.shared_tunable().lock().clone()
+    }
+
+    /// Changes TunableOp's settings (`torch.cuda.tunable.enable`, `tuning_enable`,
+    /// `set_filename`, ...).
+    pub fn update_tunable<R>(&self, f: impl FnOnce(&mut TunableState) -> R) -> R {
+        f(&mut self.shared_tunable().lock())
+    }
+
+    /// The validators this process writes and checks: `PT_VERSION` and the cuBLASLt
+    /// version.
+    pub fn tunable_validators(&self) -> Vec<(String, String)> {
+        vec![
+            ("PT_VERSION".into(), tunable::PT_VERSION.into()),
+            (
+                tunable::CUBLASLT_VALIDATOR.into(),
+                self.backend().lt_version(),
+            ),
+        ]
+    }
+
+    /// `torch.cuda.tunable.read_file`: loads the usable rows of `path` (a rejected file
+    /// loads nothing and is the error); returns how many were loaded.
+    pub fn read_tunable_file(&self, path: &str) -> Result<usize, MathLibError> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| MathLibError::TunableOp(format!("{path}: {e}")))?;
+        let rows = ResultsFile::parse(&text)?.usable_rows(&self.backend().lt_version())?;
+        let n = rows.len();
+        let mut t = self.shared_tunable().lock();
+        for r in rows {
+            t.insert((r.op_sig, r.param_sig), r.solution, r.ms);
+        }
+        Ok(n)
+    }
+
+    /// Writes the results, with this process's validators, to `path` (PyTorch's format).
+    pub fn write_tunable_file(&self, path: &str) -> Result<(), MathLibError> {
+        let file = ResultsFile {
+            validators: self.tunable_validators(),
+            rows: self.shared_tunable().lock().results(),
+        };
+        std::fs::write(path, file.render())
+            .map_err(|e| MathLibError::TunableOp(format!("{path}: {e}")))
+    }
+
+    /// The path TunableOp gives `gemm`, if it is on: the result found (the device's file is
+    /// read at the first look), else a new tuning's when tuning is on.
+    pub(crate) fn tuned_path(
+        &self,
+        handle: HandleId,
+        stream: StreamHandle,
+        gemm: &Gemm,
+    ) -> Result<Option<Path>, MathLibError> {
+        let key = {
+            let mut t = self.shared_tunable().lock();
+            if !t.enabled {
+                return Ok(None);
+            }
+            if !t.file_read {
+                t.file_read = true;
+                let file = t.filename_for(self.device().0);
+                drop(t);
+                if std::path::Path::new(&file).exists()
+                    && let Err(e) = self.read_tunable_file(&file)
+                {
+                    self.shared_tunable().lock().warnings.push(e.to_string());
+                }
+                t = self.shared_tunable().lock();
+            }
+            let batch = gemm.batch.map(|b| b.count);
+            let key = tunable::signatures(
+                gemm.dtype,
+                (gemm.transa, gemm.transb),
+                (gemm.m, gemm.n, gemm.k),
+                [gemm.lda, gemm.ldb, gemm.ldc],
+                batch,
+            )?;
+            if let Some(&(solution, _)) = t.results.get(&key) {
+                return Ok(Some(path_of(solution)));
+            }
+            if !t.tuning {
+                return Ok(None);
+            }
+            key
+        };
+        let (solution, ms) = self.tune(handle, stream, gemm)?;
+        self.shared_tunable().lock().insert(key, solution, ms);
+        Ok(Some(path_of(solution)))
+    }
+
+    /// Times the default call and the cuBLASLt candidates on a scratch C; the fastest.
+    fn tune(
+        &self,
+        handle: HandleId,
+        stream: StreamHandle,
+        gemm: &Gemm,
+    ) -> Result<(Solution, f64), MathLibError> {
+        let bytes = (gemm.c_elements() * gemm.dtype.size()) as u64;
+        let scratch = self.allocator().allocate(bytes, stream)?;
+        let result = self.time_candidates(handle, stream, gemm, scratch.ptr);
+        self.allocator().free(scratch.ptr)?;
+        let timed = result?;
+        let default = timed
+            .iter()
+            .find(|(s, _)| *s == Solution::Default)
+            .map(|&(_, ms)| ms);
+        let best = timed
+            .iter()
+            .copied()
+            .min_by(|a, b| a.1.total_cmp(&b.1))
+            .ok_or_else(|| MathLibError::TunableOp("no solution ran for this GEMM".into()))?;
+        Ok(match default {
+            Some(d) if best.1 >= d * 0.99 => (Solution::Default, d),
+            _ => best,
+        })
+    }
+
+    fn time_candidates(
+        &self,
+        handle: HandleId,
+        stream: StreamHandle,
+        gemm: &Gemm,
+        scratch: DevicePtr,
+    ) -> Result<Vec<(Solution, f64)>, MathLibError> {
+        let max = self.shared_tunable().lock().max_candidates;
+        let mut timed = Vec::new();
+        // The default call may be refused (split-K disallowed): then only cuBLASLt's.
+        if let Ok(ms) = self.time_one(handle, stream, gemm, scratch, Path::Classic) {
+            timed.push((Solution::Default, ms));
+        }
+        for rank in 0..max {
+            match self.time_one(handle, stream, gemm, scratch, Path::Lt(rank)) {
+                Ok(ms) => timed.push((Solution::CublasLt(rank), ms)),
+                Err(MathLibError::InvalidGemm(_)) => break,
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(timed)
+    }
+
+    /// Milliseconds per call of `path`: one call to warm up and size the repetitions, then
+    /// as many as fit in the budget (at most [`MAX_REPS`]), between two waits.
+    fn time_one(
+        &self,
+        handle: HandleId,
+        stream: StreamHandle,
+        gemm: &Gemm,
+        scratch: DevicePtr,
+        path: Path,
+    ) -> Result<f64, MathLibError> {
+        let backend = self.backend();
+        backend.synchronize(stream)?;
+        let t = Instant::now();
+        self.run_path(handle, stream, gemm, scratch, path)?;
+        backend.synchronize(stream)?;
+        let first = t.elapsed().as_secs_f64() * 1e3;
+        let reps = ((BUDGET_PER_CANDIDATE_MS / first.max(1e-6)) as u32).clamp(1, MAX_REPS);
+        let t = Instant::now();
+        for _ in 0..reps {
+            self.run_path(handle, stream, gemm, scratch, path)?;
+        }
+        backend.synchronize(stream)?;
+        Ok(t.elapsed().as_secs_f64() * 1e3 / f64::from(reps))
+    }
+}
+
+fn path_of(solution: Solution) -> Path {
+    match solution {
+        Solution::Default => Path::Classic,
+        Solution::CublasLt(rank) => Path::Lt(rank),
+    }
+}
