@@ -119,6 +119,7 @@ pub use ferrocuda_amp as amp;
 pub use ferrocuda_dist as dist;
 pub use ferrocuda_driver as driver;
 pub use ferrocuda_graph as graph;
+pub use ferrocuda_mathlib as mathlib;
 pub use ferrocuda_stream as stream;
 pub use ferrocuda_types as types;
 

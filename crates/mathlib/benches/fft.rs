@@ -9,13 +9,15 @@
 //! says nothing of a GPU).
 #![allow(clippy::expect_used, missing_docs)]
 
+mod common;
+
 use criterion::{Criterion, criterion_group};
 use ferrocuda_alloc::{Caching, CachingAllocator};
 use ferrocuda_driver::{CudaDriver, Driver, FakeDriver};
 use ferrocuda_mathlib::{CudaFft, FakeFft, Fft, FftBackend, FftDesc, FftKind, FftLayout};
 use ferrocuda_types::{AllocatorConfig, DeviceIndex, StreamFlags, StreamHandle};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 const DEV: DeviceIndex = DeviceIndex(0);
 
@@ -63,32 +65,28 @@ fn measure<B: FftBackend>(c: &mut Criterion, driver: Arc<dyn Driver>, backend: B
         if name.ends_with("_call") {
             g.bench_function(name, |b| {
                 b.iter_custom(|iters| {
-                    let (mut host, mut left) = (Duration::ZERO, iters);
-                    while left > 0 {
-                        let batch = left.min(100);
-                        let t = Instant::now();
-                        for _ in 0..batch {
+                    common::host_time(
+                        iters,
+                        || {
                             fft.execute(stream, &desc, x.ptr, y.ptr, false)
-                                .expect("fft");
-                        }
-                        host += t.elapsed();
-                        driver.stream_synchronize(stream).expect("sync");
-                        left -= batch;
-                    }
-                    host
+                                .expect("fft")
+                        },
+                        || driver.stream_synchronize(stream).expect("sync"),
+                    )
                 })
             });
         } else {
             g.warm_up_time(Duration::from_secs(2));
             g.bench_function(name, |b| {
                 b.iter_custom(|iters| {
-                    let t = Instant::now();
-                    for _ in 0..iters {
-                        fft.execute(stream, &desc, x.ptr, y.ptr, false)
-                            .expect("fft");
-                    }
-                    driver.stream_synchronize(stream).expect("sync");
-                    t.elapsed()
+                    common::back_to_back(
+                        iters,
+                        || {
+                            fft.execute(stream, &desc, x.ptr, y.ptr, false)
+                                .expect("fft");
+                        },
+                        || driver.stream_synchronize(stream).expect("sync"),
+                    )
                 })
             });
         }

@@ -11,6 +11,8 @@
 //! loop: the figure says nothing of a GPU).
 #![allow(clippy::expect_used, missing_docs)]
 
+mod common;
+
 use criterion::{Criterion, criterion_group};
 use ferrocuda_alloc::{Caching, CachingAllocator};
 use ferrocuda_amp::precision::{self, MatmulPrecision};
@@ -18,7 +20,7 @@ use ferrocuda_driver::{CudaDriver, Driver, FakeDriver};
 use ferrocuda_mathlib::{Blas, BlasBackend, CudaBlas, FakeBlas, Gemm};
 use ferrocuda_types::{AllocatorConfig, DType, DeviceIndex, StreamFlags};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 const DEV: DeviceIndex = DeviceIndex(0);
 
@@ -101,31 +103,24 @@ fn gemm(c: &mut Criterion) {
             // The host's cost of a call: 100 queued, the wait for them not timed.
             g.bench_function(name, |bch| {
                 bch.iter_custom(|iters| {
-                    let mut host = Duration::ZERO;
-                    let mut left = iters;
-                    while left > 0 {
-                        let batch = left.min(100);
-                        let t = Instant::now();
-                        for _ in 0..batch {
-                            blas.gemm(stream, &call).expect("gemm");
-                        }
-                        host += t.elapsed();
-                        driver.stream_synchronize(stream).expect("sync");
-                        left -= batch;
-                    }
-                    host
+                    common::host_time(
+                        iters,
+                        || blas.gemm(stream, &call).expect("gemm"),
+                        || driver.stream_synchronize(stream).expect("sync"),
+                    )
                 })
             });
         } else {
             g.warm_up_time(Duration::from_secs(2));
             g.bench_function(name, |bch| {
                 bch.iter_custom(|iters| {
-                    let t = Instant::now();
-                    for _ in 0..iters {
-                        blas.gemm(stream, &call).expect("gemm");
-                    }
-                    driver.stream_synchronize(stream).expect("sync");
-                    t.elapsed()
+                    common::back_to_back(
+                        iters,
+                        || {
+                            blas.gemm(stream, &call).expect("gemm");
+                        },
+                        || driver.stream_synchronize(stream).expect("sync"),
+                    )
                 })
             });
         }
@@ -179,12 +174,13 @@ fn tuned_against_untuned(
             let label = format!("{}_{name}", if tuned { "tuned" } else { "untuned" });
             g.bench_function(label, |bch| {
                 bch.iter_custom(|iters| {
-                    let t = Instant::now();
-                    for _ in 0..iters {
-                        blas.gemm(stream, &call).expect("gemm");
-                    }
-                    driver.stream_synchronize(stream).expect("sync");
-                    t.elapsed()
+                    common::back_to_back(
+                        iters,
+                        || {
+                            blas.gemm(stream, &call).expect("gemm");
+                        },
+                        || driver.stream_synchronize(stream).expect("sync"),
+                    )
                 })
             });
         }

@@ -3,7 +3,7 @@
 //! math mode come from [`ferrocuda_amp::precision::cublas_gemm`], which also raises
 //! PyTorch's errors.
 use crate::MathLibError;
-use crate::backend::{HandleId, LtCall};
+use crate::backend::{HandleId, LtCall, LtCandidate};
 use crate::handles::Blas;
 use ferrocuda_amp::precision::{self, CublasComputeType, CublasLtReductionScheme, CudaDataType};
 use ferrocuda_driver::cublas::{Batch, ComputeType, DataType, GemmCall, MathMode};
@@ -229,9 +229,7 @@ impl Blas {
                 let call = gemm.call(c, (plan.ab_type, plan.scale_type, plan.compute_type));
                 let mask = plan.reduction_scheme_mask.map(reduction_mask);
                 let workspace = self.handle_workspace(handle, stream)?;
-                let candidates =
-                    self.backend()
-                        .lt_candidates(handle, &call, workspace.1, mask, rank + 1)?;
+                let candidates = self.lt_candidates(handle, &call, workspace.1, mask)?;
                 let candidate = candidates.get(rank).ok_or_else(|| {
                     MathLibError::InvalidGemm(format!(
                         "cuBLASLt proposes {} algorithms for this GEMM, none of rank {rank}",
@@ -247,6 +245,64 @@ impl Blas {
                 self.backend().lt_gemm(handle, &lt, stream)
             }
         }
+    }
+}
+
+/// How many candidates a cuBLASLt heuristic query asks for (the tuner tries at most this
+/// many).
+pub(crate) const LT_QUERY: usize = 16;
+
+/// What cuBLASLt's heuristic answer depends on: the GEMM without its addresses and
+/// scalars, the addresses' alignment, the workspace and the reduction mask.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
+pub(crate) struct LtKey {
+    trans: (bool, bool),
+    mnk: (usize, usize, usize),
+    lds: [usize; 3],
+    types: [DataType; 3],
+    compute: ComputeType,
+    batch: Option<(usize, [i64; 3])>,
+    alignment: [u32; 3],
+    workspace: u64,
+    mask: Option<u32>,
+}
+
+impl LtKey {
+    fn of(call: &GemmCall, workspace: u64, mask: Option<u32>) -> LtKey {
+        let align = |p: DevicePtr| p.0.trailing_zeros().min(8);
+        LtKey {
+            trans: (call.transa, call.transb),
+            mnk: (call.m, call.n, call.k),
+            lds: call.lds,
+            types: [call.ab_type, call.c_type, call.scale_type],
+            compute: call.compute,
+            batch: call.batch.map(|b| (b.count, b.strides)),
+            alignment: [align(call.a), align(call.b), align(call.c)],
+            workspace,
+            mask,
+        }
+    }
+}
+
+impl Blas {
+    /// cuBLASLt's candidates for `call`, asked once per [`LtKey`] (PyTorch asks the
+    /// heuristic at every call; the answer depends only on the key).
+    fn lt_candidates(
+        &self,
+        handle: HandleId,
+        call: &GemmCall,
+        workspace: u64,
+        mask: Option<u32>,
+    ) -> Result<Vec<LtCandidate>, MathLibError> {
+        let key = LtKey::of(call, workspace, mask);
+        if let Some(found) = self.lt_cache().lock().get(&key) {
+            return Ok(found.clone());
+        }
+        let found = self
+            .backend()
+            .lt_candidates(handle, call, workspace, mask, LT_QUERY)?;
+        self.lt_cache().lock().insert(key, found.clone());
+        Ok(found)
     }
 }
 

@@ -16,8 +16,9 @@
 //! - [`Blas::clear_workspaces`] gives every workspace back (`torch._C._cuda_clearCublasWorkspaces`;
 //!   PyTorch's clears the calling thread's only, since its map is per thread).
 use crate::MathLibError;
+use crate::backend::LtCandidate;
 use crate::backend::{BlasBackend, HandleId};
-use crate::gemm::BlasLibrary;
+use crate::gemm::{BlasLibrary, LtKey};
 use crate::tunable::TunableState;
 use crate::workspace_config::WorkspaceSizes;
 use ferrocuda_alloc::CachingAllocator;
@@ -61,6 +62,8 @@ struct Shared {
     /// TunableOp's settings and results (`tuning.rs`).
     pub(crate) tunable: Mutex<TunableState>,
     pub(crate) preferred: Mutex<BlasLibrary>,
+    /// cuBLASLt's heuristic answers (`gemm.rs`).
+    lt_cache: Mutex<FxHashMap<LtKey, Vec<LtCandidate>>>,
 }
 
 /// What a handle was last set to (by the only thread that uses it).
@@ -129,6 +132,7 @@ impl Blas {
                 pool: Mutex::new(Pool::default()),
                 tunable: Mutex::new(TunableState::from_env(|k| std::env::var(k).ok())),
                 preferred: Mutex::new(BlasLibrary::default()),
+                lt_cache: Mutex::new(FxHashMap::default()),
             }),
         })
     }
@@ -153,6 +157,10 @@ impl Blas {
 
     pub(crate) fn shared_preferred(&self) -> &Mutex<BlasLibrary> {
         &self.shared.preferred
+    }
+
+    pub(crate) fn lt_cache(&self) -> &Mutex<FxHashMap<LtKey, Vec<LtCandidate>>> {
+        &self.shared.lt_cache
     }
 
     pub(crate) fn allocator(&self) -> &CachingAllocator {

@@ -72,6 +72,22 @@ pub struct TunedGemm {
     pub ms: f64,
 }
 
+/// What a GEMM's TunableOp signature says of it, as plain data (a hash-map key).
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
+pub(crate) struct GemmShape {
+    pub(crate) dtype: DType,
+    pub(crate) trans: (bool, bool),
+    pub(crate) mnk: (usize, usize, usize),
+    pub(crate) lds: [usize; 3],
+    pub(crate) batch: Option<usize>,
+}
+
+impl GemmShape {
+    pub(crate) fn signatures(&self) -> Result<(String, String), MathLibError> {
+        signatures(self.dtype, self.trans, self.mnk, self.lds, self.batch)
+    }
+}
+
 /// The signatures PyTorch's TunableOp gives a GEMM.
 pub fn signatures(
     dtype: DType,
@@ -234,6 +250,8 @@ pub struct TunableState {
     pub max_candidates: usize,
     pub(crate) results: FxHashMap<(String, String), (Solution, f64)>,
     pub(crate) order: Vec<(String, String)>,
+    /// Solutions by the GEMM's shape, filled at lookups: a hit formats no signature.
+    pub(crate) by_shape: FxHashMap<GemmShape, Solution>,
     pub(crate) file_read: bool,
     /// Messages a PyTorch user would see as warnings (a rejected file).
     pub warnings: Vec<String>,
@@ -255,6 +273,7 @@ impl TunableState {
             max_candidates: 8,
             results: FxHashMap::default(),
             order: Vec::new(),
+            by_shape: FxHashMap::default(),
             file_read: false,
             warnings: Vec::new(),
         }
@@ -271,6 +290,7 @@ impl TunableState {
     }
 
     pub(crate) fn insert(&mut self, key: (String, String), solution: Solution, ms: f64) {
+        self.by_shape.clear();
         if self.results.insert(key.clone(), (solution, ms)).is_none() {
             self.order.push(key);
         }

@@ -10,7 +10,7 @@ use crate::MathLibError;
 use crate::backend::HandleId;
 use crate::gemm::{BlasLibrary, Gemm, Path};
 use crate::handles::Blas;
-use crate::tunable::{self, ResultsFile, Solution, TunableState};
+use crate::tunable::{self, GemmShape, ResultsFile, Solution, TunableState};
 use ferrocuda_types::{DevicePtr, StreamHandle};
 use std::time::Instant;
 
@@ -85,10 +85,20 @@ impl Blas {
         stream: StreamHandle,
         gemm: &Gemm,
     ) -> Result<Option<Path>, MathLibError> {
+        let shape = GemmShape {
+            dtype: gemm.dtype,
+            trans: (gemm.transa, gemm.transb),
+            mnk: (gemm.m, gemm.n, gemm.k),
+            lds: [gemm.lda, gemm.ldb, gemm.ldc],
+            batch: gemm.batch.map(|b| b.count),
+        };
         let key = {
             let mut t = self.shared_tunable().lock();
             if !t.enabled {
                 return Ok(None);
+            }
+            if let Some(&solution) = t.by_shape.get(&shape) {
+                return Ok(Some(path_of(solution)));
             }
             if !t.file_read {
                 t.file_read = true;
@@ -101,15 +111,9 @@ impl Blas {
                 }
                 t = self.shared_tunable().lock();
             }
-            let batch = gemm.batch.map(|b| b.count);
-            let key = tunable::signatures(
-                gemm.dtype,
-                (gemm.transa, gemm.transb),
-                (gemm.m, gemm.n, gemm.k),
-                [gemm.lda, gemm.ldb, gemm.ldc],
-                batch,
-            )?;
+            let key = shape.signatures()?;
             if let Some(&(solution, _)) = t.results.get(&key) {
+                t.by_shape.insert(shape, solution);
                 return Ok(Some(path_of(solution)));
             }
             if !t.tuning {
@@ -156,7 +160,11 @@ impl Blas {
         gemm: &Gemm,
         scratch: DevicePtr,
     ) -> Result<Vec<(Solution, f64)>, MathLibError> {
-        let max = self.shared_tunable().lock().max_candidates;
+        let max = self
+            .shared_tunable()
+            .lock()
+            .max_candidates
+            .min(crate::gemm::LT_QUERY);
         let mut timed = Vec::new();
         // The default call may be refused (split-K disallowed): then only cuBLASLt's.
         if let Ok(ms) = self.time_one(handle, stream, gemm, scratch, Path::Classic) {

@@ -71,21 +71,16 @@ pub fn available() -> Result<(), BlasError> {
     static FOUND: OnceLock<Result<(), BlasError>> = OnceLock::new();
     FOUND
         .get_or_init(|| {
-            // SAFETY: only tries to open the library by its usual names.
-            libraries::make_present("cublas", &["cublasLt"], || unsafe {
-                sys::is_culib_present()
-            })
-            .map_err(BlasError::Unavailable)?;
-            // SAFETY: the library was just found, so cudarc's loader opens it (no panic).
-            let lib = unsafe { sys::culib() };
-            for name in SYMBOLS {
-                // SAFETY: looks a symbol up without calling it.
-                let found = unsafe { lib.get::<*const c_void>(name.as_bytes()) };
-                if found.is_err() {
-                    return Err(BlasError::Unavailable(format!("libcublas has no {name}")));
-                }
-            }
-            Ok(())
+            libraries::find(
+                "cublas",
+                &["cublasLt"],
+                // SAFETY: only tries to open the library by its usual names.
+                || unsafe { sys::is_culib_present() },
+                // SAFETY: called once the library was found, so cudarc's loader opens it.
+                || unsafe { sys::culib() },
+                SYMBOLS,
+            )
+            .map_err(BlasError::Unavailable)
         })
         .clone()
 }

@@ -31,18 +31,16 @@ pub fn available() -> Result<(), BlasError> {
     static FOUND: OnceLock<Result<(), BlasError>> = OnceLock::new();
     FOUND
         .get_or_init(|| {
-            // SAFETY: only tries to open the library by its usual names.
-            libraries::make_present("cublasLt", &[], || unsafe { lt::is_culib_present() })
-                .map_err(BlasError::Unavailable)?;
-            // SAFETY: the library was just found, so cudarc's loader opens it (no panic).
-            let lib = unsafe { lt::culib() };
-            for name in SYMBOLS {
-                // SAFETY: looks a symbol up without calling it.
-                if unsafe { lib.get::<*const c_void>(name.as_bytes()) }.is_err() {
-                    return Err(BlasError::Unavailable(format!("libcublasLt has no {name}")));
-                }
-            }
-            Ok(())
+            libraries::find(
+                "cublasLt",
+                &[],
+                // SAFETY: only tries to open the library by its usual names.
+                || unsafe { lt::is_culib_present() },
+                // SAFETY: called once the library was found, so cudarc's loader opens it.
+                || unsafe { lt::culib() },
+                SYMBOLS,
+            )
+            .map_err(BlasError::Unavailable)
         })
         .clone()
 }

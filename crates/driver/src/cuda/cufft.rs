@@ -69,18 +69,16 @@ pub fn available() -> Result<(), FftError> {
     static FOUND: OnceLock<Result<(), FftError>> = OnceLock::new();
     FOUND
         .get_or_init(|| {
-            // SAFETY: only tries to open the library by its usual names.
-            libraries::make_present("cufft", &[], || unsafe { sys::is_culib_present() })
-                .map_err(FftError::Unavailable)?;
-            // SAFETY: the library was just found, so cudarc's loader opens it (no panic).
-            let lib = unsafe { sys::culib() };
-            for name in SYMBOLS {
-                // SAFETY: looks a symbol up without calling it.
-                if unsafe { lib.get::<*const c_void>(name.as_bytes()) }.is_err() {
-                    return Err(FftError::Unavailable(format!("libcufft has no {name}")));
-                }
-            }
-            Ok(())
+            libraries::find(
+                "cufft",
+                &[],
+                // SAFETY: only tries to open the library by its usual names.
+                || unsafe { sys::is_culib_present() },
+                // SAFETY: called once the library was found, so cudarc's loader opens it.
+                || unsafe { sys::culib() },
+                SYMBOLS,
+            )
+            .map_err(FftError::Unavailable)
         })
         .clone()
 }

@@ -58,6 +58,27 @@ fn make_present_from(
     ))
 }
 
+/// [`make_present`], then every one of `symbols` looked up (without being called) in the
+/// library `lib` opens: cudarc's loader panics on a missing library or symbol, so each
+/// library is checked this way once, before any call reaches cudarc.
+pub(crate) fn find(
+    stem: &str,
+    dependencies: &[&str],
+    present: fn() -> bool,
+    lib: fn() -> &'static libloading::Library,
+    symbols: &[&str],
+) -> Result<(), String> {
+    make_present(stem, dependencies, present)?;
+    let lib = lib();
+    for name in symbols {
+        // SAFETY: looks a symbol up without calling it.
+        if unsafe { lib.get::<*const std::ffi::c_void>(name.as_bytes()) }.is_err() {
+            return Err(format!("lib{stem} has no {name}"));
+        }
+    }
+    Ok(())
+}
+
 /// Opens the first file of `folder` named `lib<stem>.so` or `lib<stem>.so.*` that loads,
 /// and keeps it loaded for the life of the process.
 fn load_from(folder: &Path, stem: &str) -> bool {

@@ -3,8 +3,9 @@
 //! on this driver's streams and device memory.
 //!
 //! - **A missing library is data.** cudarc's loader panics when libnccl or one of its
-//!   symbols is missing; [`available`] looks for the library and every symbol used here
-//!   once, before any call reaches cudarc, so every function here returns
+//!   symbols is missing; [`available`] looks for the library (its usual names, then the
+//!   folders of [`LIBRARY_PATH_VAR`](super::libraries::LIBRARY_PATH_VAR)) and every symbol
+//!   used here once, before any call reaches cudarc, so every function here returns
 //!   [`NcclError::Unavailable`] instead.
 //! - **Streams are checked** against the driver's registry (a stream of another device than
 //!   the communicator's is [`NcclError::DeviceMismatch`]); device addresses are not
@@ -13,6 +14,7 @@
 //! - **One call at a time per communicator**: NCCL communicators are not thread-safe, so a
 //!   [`NcclComm`] serialises its calls with a lock.
 use super::CudaDriver;
+use super::libraries;
 use crate::DriverError;
 use cudarc::nccl::sys;
 use ferrocuda_types::{DType, DeviceIndex, DevicePtr, StreamHandle};
@@ -76,20 +78,16 @@ pub fn available() -> Result<(), NcclError> {
     static FOUND: OnceLock<Result<(), NcclError>> = OnceLock::new();
     FOUND
         .get_or_init(|| {
-            // SAFETY: only tries to open the library by its usual names.
-            if !unsafe { sys::is_culib_present() } {
-                return Err(NcclError::Unavailable("libnccl was not found".into()));
-            }
-            // SAFETY: the library was just found, so cudarc's loader opens it (no panic).
-            let lib = unsafe { sys::culib() };
-            for name in SYMBOLS {
-                // SAFETY: looks a symbol up without calling it.
-                let found = unsafe { lib.get::<*const c_void>(name.as_bytes()) };
-                if found.is_err() {
-                    return Err(NcclError::Unavailable(format!("libnccl has no {name}")));
-                }
-            }
-            Ok(())
+            libraries::find(
+                "nccl",
+                &[],
+                // SAFETY: only tries to open the library by its usual names.
+                || unsafe { sys::is_culib_present() },
+                // SAFETY: called once the library was found, so cudarc's loader opens it.
+                || unsafe { sys::culib() },
+                SYMBOLS,
+            )
+            .map_err(NcclError::Unavailable)
         })
         .clone()
 }

@@ -5,6 +5,10 @@
 #![forbid(unsafe_code)]
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, missing_docs)]
 
+#[macro_use]
+#[path = "../common/both_backends.rs"]
+mod both_backends;
+
 mod support;
 
 use ferrocuda_amp::precision::{self, MatmulPrecision, NoTf32Guard, PrecisionError};
@@ -14,22 +18,8 @@ use ferrocuda_mathlib::{BlasLibrary, Gemm, MathLibError};
 use ferrocuda_types::{DType, DevicePtr};
 use support::*;
 
-macro_rules! both_backends {
-    ($($name:ident),* $(,)?) => {
-        mod fake {
-            $(#[test] fn $name() -> super::TestResult { super::$name(&super::fake_setup()) })*
-        }
-        mod cuda {
-            $(
-                #[test]
-                #[ignore = "needs a GPU and libcublas: runs in the GPU bundle (cargo xtask gpu-bundle)"]
-                fn $name() -> super::TestResult { super::$name(&super::cuda_setup()) }
-            )*
-        }
-    };
-}
-
 both_backends!(
+    "needs a GPU and libcublas: runs in the GPU bundle (cargo xtask gpu-bundle)",
     gemm_matches_a_cpu_reference,
     one_handle_per_thread_given_back_when_the_thread_ends,
     every_acquisition_sets_stream_workspace_and_math_mode,

@@ -4,6 +4,10 @@
 #![forbid(unsafe_code)]
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, missing_docs)]
 
+#[macro_use]
+#[path = "../common/both_backends.rs"]
+mod both_backends;
+
 use ferrocuda_alloc::{Caching, CachingAllocator};
 use ferrocuda_driver::{CudaDriver, Driver, FakeDriver};
 use ferrocuda_mathlib::{
@@ -156,27 +160,16 @@ fn cuda_setup() -> Setup<CudaFft> {
     Setup::new(cuda, fft)
 }
 
-macro_rules! both_backends {
-    ($($name:ident),* $(,)?) => {
-        mod fake {
-            $(#[test] fn $name() -> super::TestResult { super::$name(&super::fake_setup()) })*
-        }
-        mod cuda {
-            $(
-                #[test]
-                #[ignore = "needs a GPU and libcufft: runs in the GPU bundle (cargo xtask gpu-bundle)"]
-                fn $name() -> super::TestResult { super::$name(&super::cuda_setup()) }
-            )*
-        }
-    };
-}
-
 both_backends!(
+    "needs a GPU and libcufft: runs in the GPU bundle (cargo xtask gpu-bundle)",
     transforms_match_a_cpu_dft,
     plans_are_kept_least_recently_used_first_out,
     work_areas_are_allocator_memory_for_the_call,
     a_work_area_budget_bounds_the_kept_plans,
 );
+
+/// Complex values, dense.
+type Signal = Vec<(f64, f64)>;
 
 fn dense(shape: &[i64]) -> FftLayout {
     FftLayout {
@@ -285,8 +278,10 @@ pub fn transforms_match_a_cpu_dft<B: FftBackend>(s: &Setup<B>) -> TestResult {
             output: layout(out_shape, out_n),
         };
         let inverse = round % 12 >= 6;
-        // The signals, dense; for C2R the half spectrum of a real signal (Hermitian).
-        let signals: Vec<Vec<(f64, f64)>> = (0..batch)
+        // The signals, dense, each with the real signal it came from: for C2R the input is
+        // the half spectrum of a real signal (Hermitian), whose inverse is that signal
+        // times n.
+        let signals: Vec<(Signal, Signal)> = (0..batch)
             .map(|_| {
                 let x: Vec<(f64, f64)> = (0..n)
                     .map(|_| {
@@ -302,11 +297,13 @@ pub fn transforms_match_a_cpu_dft<B: FftBackend>(s: &Setup<B>) -> TestResult {
                     .collect();
                 if complex_in && !complex_out {
                     let full = reference_dft(&x, &shape, false);
-                    full.chunks(shape[rank - 1] as usize)
+                    let half_spec = full
+                        .chunks(shape[rank - 1] as usize)
                         .flat_map(|r| r[..half[rank - 1] as usize].to_vec())
-                        .collect()
+                        .collect();
+                    (half_spec, x)
                 } else {
-                    x
+                    (x.clone(), x)
                 }
             })
             .collect();
@@ -314,7 +311,7 @@ pub fn transforms_match_a_cpu_dft<B: FftBackend>(s: &Setup<B>) -> TestResult {
         let elem_out = if complex_out { 2 } else { 1 };
         let in_len = ((batch - 1) * desc.input.dist + in_n * stride) as usize;
         let mut host = vec![0.0; in_len * elem_in];
-        for (b, sig) in signals.iter().enumerate() {
+        for (b, (sig, _)) in signals.iter().enumerate() {
             for (i, &(re, im)) in sig.iter().enumerate() {
                 let at = (b as i64 * desc.input.dist + i as i64 * stride) as usize * elem_in;
                 host[at] = re;
@@ -328,7 +325,7 @@ pub fn transforms_match_a_cpu_dft<B: FftBackend>(s: &Setup<B>) -> TestResult {
         let output = s.upload(&vec![0.0; out_len * elem_out], f64s)?;
         s.fft.execute(s.stream, &desc, input, output, inverse)?;
         let got = s.download(output, out_len * elem_out, f64s)?;
-        for (b, sig) in signals.iter().enumerate() {
+        for (b, (sig, origin)) in signals.iter().enumerate() {
             let want: Vec<(f64, f64)> = match (complex_in, complex_out) {
                 (true, true) => reference_dft(sig, &shape, inverse),
                 (false, true) => {
@@ -338,7 +335,7 @@ pub fn transforms_match_a_cpu_dft<B: FftBackend>(s: &Setup<B>) -> TestResult {
                         .collect()
                 }
                 // The real signal the half spectrum came from, times n (unnormalised).
-                _ => hermitian_inverse(sig, &shape, &half),
+                _ => origin.iter().map(|&(re, _)| (re * n as f64, 0.0)).collect(),
             };
             let scale: f64 = sig
                 .iter()
@@ -357,38 +354,6 @@ pub fn transforms_match_a_cpu_dft<B: FftBackend>(s: &Setup<B>) -> TestResult {
         }
     }
     Ok(())
-}
-
-/// The unnormalised inverse of a half spectrum: the full spectrum rebuilt by symmetry, then
-/// inverted; the real parts.
-fn hermitian_inverse(half_spec: &[(f64, f64)], shape: &[i64], half: &[i64]) -> Vec<(f64, f64)> {
-    let rank = shape.len();
-    let n: usize = shape.iter().product::<i64>() as usize;
-    let (nl, hl) = (shape[rank - 1] as usize, half[rank - 1] as usize);
-    let outer: Vec<usize> = shape[..rank - 1].iter().map(|&v| v as usize).collect();
-    let at =
-        |idx: &[usize], k: usize| idx.iter().zip(&outer).fold(0, |a, (&i, &m)| a * m + i) * hl + k;
-    let full: Vec<(f64, f64)> = (0..n)
-        .map(|i| {
-            let (k, mut rest) = (i % nl, i / nl);
-            let mut idx = vec![0; outer.len()];
-            for d in (0..outer.len()).rev() {
-                idx[d] = rest % outer[d];
-                rest /= outer[d];
-            }
-            if k < hl {
-                half_spec[at(&idx, k)]
-            } else {
-                let neg: Vec<usize> = idx.iter().zip(&outer).map(|(&i, &m)| (m - i) % m).collect();
-                let (re, im) = half_spec[at(&neg, nl - k)];
-                (re, -im)
-            }
-        })
-        .collect();
-    reference_dft(&full, shape, true)
-        .into_iter()
-        .map(|(re, _)| (re, 0.0))
-        .collect()
 }
 
 fn small(kind: FftKind, n: i64) -> FftDesc {
