@@ -61,8 +61,11 @@ impl FakeFft {
 /// The fake's work size: 16 bytes per element of the batch's signals (cuFFT's own sizes
 /// vary by transform; tests need only that it is not zero).
 fn fake_work_size(desc: &FftDesc) -> u64 {
-    let n: i64 = desc.sizes.iter().product();
-    (n.max(1) * desc.batch.max(1)) as u64 * 16
+    let n = desc
+        .sizes
+        .iter()
+        .fold(desc.batch.max(1), |a, &s| a.saturating_mul(s.max(1)));
+    (n as u64).saturating_mul(16)
 }
 
 impl FftBackend for FakeFft {

@@ -18,7 +18,7 @@ use crate::MathLibError;
 use crate::fft_backend::FftBackend;
 use crate::plan_cache::{Lookup, PlanCache};
 use ferrocuda_alloc::CachingAllocator;
-use ferrocuda_driver::cufft::FftDesc;
+use ferrocuda_driver::cufft::{FftDesc, FftError};
 use ferrocuda_types::{DeviceIndex, DevicePtr, StreamHandle};
 use parking_lot::Mutex;
 use std::sync::Arc;
@@ -59,6 +59,7 @@ impl<B: FftBackend> Fft<B> {
         output: DevicePtr,
         inverse: bool,
     ) -> Result<(), MathLibError> {
+        check_desc(desc)?;
         let mut evicted = Vec::new();
         let result = {
             let mut cache = self.cache.lock();
@@ -148,4 +149,44 @@ impl<B: FftBackend> Fft<B> {
     pub fn plan_cache_keys(&self) -> Vec<FftDesc> {
         self.cache.lock().keys()
     }
+}
+
+/// Refuses, before any library call, a transform cuFFT cannot describe: 1 to 3 dimensions
+/// with layouts of the same rank, sizes, batch, embeds, strides and distances of at least 1,
+/// and element counts that fit in 64 bits.
+fn check_desc(desc: &FftDesc) -> Result<(), MathLibError> {
+    let bad = |what: &'static str| -> Result<(), MathLibError> {
+        Err(FftError::InvalidArgument(what).into())
+    };
+    let rank = desc.sizes.len();
+    if !(1..=3).contains(&rank) || desc.input.embed.len() != rank || desc.output.embed.len() != rank
+    {
+        return bad("a transform has 1 to 3 dimensions, and its layouts as many");
+    }
+    let positive = |v: &[i64]| v.iter().all(|&x| x >= 1);
+    if !positive(&desc.sizes) || desc.batch < 1 {
+        return bad("sizes and batch must be at least 1");
+    }
+    for l in [&desc.input, &desc.output] {
+        if !positive(&l.embed) || l.stride < 1 || l.dist < 1 {
+            return bad("embeds, strides and distances must be at least 1");
+        }
+        let span = l
+            .embed
+            .iter()
+            .try_fold(l.stride, |a, &e| a.checked_mul(e))
+            .and_then(|s| s.checked_add(l.dist.checked_mul(desc.batch)?));
+        if span.is_none() {
+            return bad("a layout's extent does not fit in 64 bits");
+        }
+    }
+    if desc
+        .sizes
+        .iter()
+        .try_fold(desc.batch, |a, &n| a.checked_mul(n))
+        .is_none()
+    {
+        return bad("the transform's element count does not fit in 64 bits");
+    }
+    Ok(())
 }

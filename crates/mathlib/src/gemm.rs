@@ -5,6 +5,7 @@
 use crate::MathLibError;
 use crate::backend::{HandleId, LtCall, LtCandidate};
 use crate::handles::Blas;
+use crate::library_choice::{BlasLibrary, LT_QUERY, LtKey};
 use ferrocuda_amp::precision::{self, CublasComputeType, CublasLtReductionScheme, CudaDataType};
 use ferrocuda_driver::cublas::{Batch, ComputeType, DataType, GemmCall, MathMode};
 use ferrocuda_types::{DType, DevicePtr, StreamHandle};
@@ -76,6 +77,7 @@ impl Gemm {
     }
 
     fn check(&self) -> Result<(), MathLibError> {
+        let invalid = |why: String| Err(MathLibError::InvalidGemm(why));
         let a_rows = if self.transa { self.k } else { self.m };
         let b_rows = if self.transb { self.n } else { self.k };
         for (name, ld, rows) in [
@@ -84,9 +86,37 @@ impl Gemm {
             ("ldc", self.ldc, self.m),
         ] {
             if ld < rows.max(1) {
-                return Err(MathLibError::InvalidGemm(format!(
-                    "{name} = {ld} is below the matrix's {rows} rows"
-                )));
+                return invalid(format!("{name} = {ld} is below the matrix's {rows} rows"));
+            }
+        }
+        // cuBLAS takes dimensions, leading dimensions and the batch count as `int`.
+        let count = self.batch.map_or(1, |b| b.count);
+        let dims = [self.m, self.n, self.k, self.lda, self.ldb, self.ldc, count];
+        if dims.iter().any(|&d| i32::try_from(d).is_err()) {
+            return invalid(format!("{dims:?}: cuBLAS takes each as a 32-bit int"));
+        }
+        let a_cols = if self.transa { self.m } else { self.k };
+        let b_cols = if self.transb { self.k } else { self.n };
+        let strides = self.batch.map_or([0; 3], |b| b.strides);
+        let elem = self.dtype.size() as u64;
+        for (name, ld, cols, stride) in [
+            ("A", self.lda, a_cols, strides[0]),
+            ("B", self.ldb, b_cols, strides[1]),
+            ("C", self.ldc, self.n, strides[2]),
+        ] {
+            let Ok(stride) = u64::try_from(stride) else {
+                return invalid(format!("{name}'s batch stride {stride} is negative"));
+            };
+            let extent = (ld as u64)
+                .checked_mul(cols as u64)
+                .and_then(|one| {
+                    stride
+                        .checked_mul(count.saturating_sub(1) as u64)?
+                        .checked_add(one)
+                })
+                .and_then(|elements| elements.checked_mul(elem));
+            if extent.is_none_or(|bytes| bytes > i64::MAX as u64) {
+                return invalid(format!("{name}'s extent does not fit in 64 bits"));
             }
         }
         Ok(())
@@ -147,18 +177,6 @@ impl Gemm {
             None => one,
         }
     }
-}
-
-/// PyTorch's `torch.backends.cuda.preferred_blas_library()`: which library a GEMM goes
-/// through when no tuned solution says otherwise.
-#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, Default)]
-pub enum BlasLibrary {
-    /// The classic API (`cublasGemmEx`), PyTorch 2.11's choice for `mm` on CUDA.
-    #[default]
-    Cublas,
-    /// cuBLASLt with its heuristic's first algorithm (the only path for split-K
-    /// disallowed).
-    CublasLt,
 }
 
 /// How one GEMM runs.
@@ -244,42 +262,6 @@ impl Blas {
                 };
                 self.backend().lt_gemm(handle, &lt, stream)
             }
-        }
-    }
-}
-
-/// How many candidates a cuBLASLt heuristic query asks for (the tuner tries at most this
-/// many).
-pub(crate) const LT_QUERY: usize = 16;
-
-/// What cuBLASLt's heuristic answer depends on: the GEMM without its addresses and
-/// scalars, the addresses' alignment, the workspace and the reduction mask.
-#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
-pub(crate) struct LtKey {
-    trans: (bool, bool),
-    mnk: (usize, usize, usize),
-    lds: [usize; 3],
-    types: [DataType; 3],
-    compute: ComputeType,
-    batch: Option<(usize, [i64; 3])>,
-    alignment: [u32; 3],
-    workspace: u64,
-    mask: Option<u32>,
-}
-
-impl LtKey {
-    fn of(call: &GemmCall, workspace: u64, mask: Option<u32>) -> LtKey {
-        let align = |p: DevicePtr| p.0.trailing_zeros().min(8);
-        LtKey {
-            trans: (call.transa, call.transb),
-            mnk: (call.m, call.n, call.k),
-            lds: call.lds,
-            types: [call.ab_type, call.c_type, call.scale_type],
-            compute: call.compute,
-            batch: call.batch.map(|b| (b.count, b.strides)),
-            alignment: [align(call.a), align(call.b), align(call.c)],
-            workspace,
-            mask,
         }
     }
 }

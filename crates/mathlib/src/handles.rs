@@ -18,7 +18,7 @@
 use crate::MathLibError;
 use crate::backend::LtCandidate;
 use crate::backend::{BlasBackend, HandleId};
-use crate::gemm::{BlasLibrary, LtKey};
+use crate::library_choice::{BlasLibrary, LtKey};
 use crate::tunable::TunableState;
 use crate::workspace_config::WorkspaceSizes;
 use ferrocuda_alloc::CachingAllocator;

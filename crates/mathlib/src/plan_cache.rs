@@ -100,7 +100,7 @@ impl<K: Hash + Eq + Clone, P> PlanCache<K, P> {
             self.max_work_bytes.map(|b| b - work),
             evicted,
         );
-        self.work_bytes += work;
+        self.work_bytes = self.work_bytes.saturating_add(work);
         self.order.insert(self.clock, key.clone());
         self.entries.insert(
             key.clone(),
@@ -138,7 +138,7 @@ impl<K: Hash + Eq + Clone, P> PlanCache<K, P> {
                 break;
             };
             if let Some(e) = self.entries.remove(&key) {
-                self.work_bytes -= e.work;
+                self.work_bytes = self.work_bytes.saturating_sub(e.work);
                 evicted.push(e.plan);
             }
         }

@@ -220,21 +220,24 @@ fn six_digits(ms: f64) -> String {
     if ms == 0.0 || !ms.is_finite() {
         return format!("{ms}");
     }
-    let exp = ms.abs().log10().floor() as i32;
+    // Rounded to six significant digits first: the exponent of the rounded value picks the
+    // style (999999.5 prints 1e+06, 9.999995e-05 prints 0.0001).
+    let rounded = format!("{ms:.5e}");
+    let (mant, e) = rounded.split_once('e').unwrap_or((&rounded, "0"));
+    let exp: i32 = e.parse().unwrap_or(0);
+    let trim = |s: &str| -> String {
+        if s.contains('.') {
+            s.trim_end_matches('0').trim_end_matches('.').to_string()
+        } else {
+            s.to_string()
+        }
+    };
     if !(-4..6).contains(&exp) {
-        let s = format!("{ms:.5e}");
-        let (mant, e) = s.split_once('e').unwrap_or((&s, "0"));
-        let mant = mant.trim_end_matches('0').trim_end_matches('.');
-        let e: i32 = e.parse().unwrap_or(0);
-        return format!("{mant}e{}{:02}", if e < 0 { '-' } else { '+' }, e.abs());
+        let sign = if exp < 0 { '-' } else { '+' };
+        return format!("{}e{sign}{:02}", trim(mant), exp.abs());
     }
     let decimals = (5 - exp).max(0) as usize;
-    let s = format!("{ms:.decimals$}");
-    if s.contains('.') {
-        s.trim_end_matches('0').trim_end_matches('.').to_string()
-    } else {
-        s
-    }
+    trim(&format!("{ms:.decimals$}"))
 }
 
 /// The TunableOp settings and results of one device.

@@ -8,8 +8,9 @@
 //! slower than the untuned one by more than the timing's noise.
 use crate::MathLibError;
 use crate::backend::HandleId;
-use crate::gemm::{BlasLibrary, Gemm, Path};
+use crate::gemm::{Gemm, Path};
 use crate::handles::Blas;
+use crate::library_choice::BlasLibrary;
 use crate::tunable::{self, GemmShape, ResultsFile, Solution, TunableState};
 use ferrocuda_types::{DevicePtr, StreamHandle};
 use std::time::Instant;
@@ -164,7 +165,7 @@ impl Blas {
             .shared_tunable()
             .lock()
             .max_candidates
-            .min(crate::gemm::LT_QUERY);
+            .min(crate::library_choice::LT_QUERY);
         let mut timed = Vec::new();
         // The default call may be refused (split-K disallowed): then only cuBLASLt's.
         if let Ok(ms) = self.time_one(handle, stream, gemm, scratch, Path::Classic) {
