@@ -246,7 +246,7 @@ impl Blas {
                     precision::cublaslt_gemm(&settings, gemm.dtype, self.sm_major(), no_tf32)?;
                 let call = gemm.call(c, (plan.ab_type, plan.scale_type, plan.compute_type));
                 let mask = plan.reduction_scheme_mask.map(reduction_mask);
-                let workspace = self.handle_workspace(handle, stream)?;
+                let workspace = self.workspace(handle, stream)?;
                 let candidates = self.lt_candidates(handle, &call, workspace.1, mask)?;
                 let candidate = candidates.get(rank).ok_or_else(|| {
                     MathLibError::InvalidGemm(format!(

@@ -167,15 +167,6 @@ impl Blas {
         &self.shared.allocator
     }
 
-    /// `handle`'s workspace for `stream` (address, bytes), made if it has none.
-    pub(crate) fn handle_workspace(
-        &self,
-        handle: HandleId,
-        stream: StreamHandle,
-    ) -> Result<(DevicePtr, u64), MathLibError> {
-        self.workspace(handle, stream)
-    }
-
     /// The warnings PyTorch gives for the workspace variables read (word for word).
     pub fn warnings(&self) -> &[String] {
         &self.shared.sizes.warnings
@@ -361,7 +352,7 @@ impl Blas {
 
     /// `handle`'s workspace for `stream`, and its size now: the one held if big enough,
     /// else a new one.
-    fn workspace(
+    pub(crate) fn workspace(
         &self,
         handle: HandleId,
         stream: StreamHandle,

@@ -336,13 +336,9 @@ impl CublasHandle {
     }
 
     /// Binds the handle's context (cuBLAS runs on the current one).
-    fn bind(&self) -> Result<(), BlasError> {
+    pub(crate) fn bind(&self) -> Result<(), BlasError> {
         self.driver.bind(self.device)?;
         Ok(())
-    }
-
-    pub(crate) fn bind_context(&self) -> Result<(), BlasError> {
-        self.bind()
     }
 
     /// `stream` as the driver knows it, if it is a live stream of the handle's device.

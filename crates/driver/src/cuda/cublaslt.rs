@@ -260,7 +260,7 @@ impl CublasHandle {
         max: usize,
     ) -> Result<Vec<LtAlgo>, BlasError> {
         available()?;
-        self.bind_context()?;
+        self.bind()?;
         let d = describe(call, workspace, reduction_mask)?;
         let want = i32::try_from(max.max(1)).map_err(|_| BlasError::InvalidArgument("max"))?;
         // SAFETY: plain data, every field valid when zeroed; cuBLASLt overwrites the first
