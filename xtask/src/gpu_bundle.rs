@@ -27,6 +27,7 @@ const GPU_TESTS: &[&str] = &[
     "dist_gpu",
     "peer_gpu",
     "blas_conformance",
+    "blas_graphs",
     "fft_conformance",
 ];
 /// Test binaries that need two GPUs: bundled as `multi_*`, run by run.sh only with

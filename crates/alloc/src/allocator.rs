@@ -227,14 +227,7 @@ impl CachingAllocator {
         // While a pool is being recorded to, ask the driver which capture this stream is in
         // (a cheap query, made before taking the lock).
         let routed = self.routing.load(Ordering::Acquire) > 0;
-        let capture = if routed {
-            match self.engine.driver.stream_capture_status(stream)? {
-                CaptureStatus::Active { id } => Some(id),
-                _ => None,
-            }
-        } else {
-            None
-        };
+        let capture = self.routed_capture(stream)?;
         // With the lock taken, the thread holding it may serve this request with its own.
         // (A route may depend on the calling thread: routed requests are not published.)
         let mut st = if frames.is_none() && !routed && self.engine.cache.enabled() {
@@ -409,6 +402,20 @@ impl CachingAllocator {
         self.engine.lock().private.begin(pool, route)?;
         self.routing.fetch_add(1, Ordering::Release);
         Ok(())
+    }
+
+    /// The capture `stream` is recording into, asked of the driver only while some pool is
+    /// being recorded to (else `None` with no driver call): where an allocation on `stream`
+    /// may be routed, and what a library holding memory per stream (cuBLAS's workspaces)
+    /// must not keep across captures.
+    pub fn routed_capture(&self, stream: StreamHandle) -> Result<Option<u64>, AllocError> {
+        if self.routing.load(Ordering::Acquire) == 0 {
+            return Ok(None);
+        }
+        Ok(match self.engine.driver.stream_capture_status(stream)? {
+            CaptureStatus::Active { id } => Some(id),
+            _ => None,
+        })
     }
 
     /// Stops routing into `pool` (`endAllocateToPool`); the pool keeps its user.

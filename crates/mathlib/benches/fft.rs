@@ -41,7 +41,7 @@ fn measure<B: FftBackend>(c: &mut Criterion, driver: Arc<dyn Driver>, backend: B
         CachingAllocator::new(driver.clone(), DEV, AllocatorConfig::default(), Caching::On)
             .expect("allocator"),
     );
-    let fft = Fft::new(backend, alloc.clone());
+    let fft = Fft::new(backend, alloc.clone()).expect("fft");
     let stream: StreamHandle = driver
         .stream_create(DEV, StreamFlags::default())
         .expect("stream");

@@ -3,15 +3,16 @@
 //! the state it ran under, and its arithmetic is done on the host, in f64 from the operands'
 //! values and rounded once to C's type: a reference, not a model of the GPU's rounding.
 //!
-//! A GEMM reads its operands in stream order (`memcpy_dtoh` waits for the stream) and
-//! writes C with an ordered copy, so on the fake it completes by the time the stream does;
-//! inside a stream capture it fails as any synchronous copy does.
+//! A GEMM is a kernel of the fake device (`fake_kernel.rs`), launched on the handle's
+//! stream (cuBLASLt's: on the call's): it runs in stream order, and a stream capture
+//! records it for the graph's replays. The first handle made on a device loads it, as
+//! cuBLAS's handle creation loads its kernels (so, as there, not inside a capture).
 use crate::MathLibError;
 use crate::backend::{BlasBackend, HandleId, LtCall, LtCandidate};
-use ferrocuda_driver::cublas::{BlasError, DataType, GemmCall, MathMode};
+use crate::fake_kernel;
+use ferrocuda_driver::cublas::{BlasError, GemmCall, MathMode};
 use ferrocuda_driver::{Driver, FakeDriver};
-use ferrocuda_types::{DeviceIndex, DevicePtr, StreamHandle};
-use half::{bf16, f16};
+use ferrocuda_types::{DeviceIndex, DevicePtr, FunctionHandle, StreamHandle};
 use parking_lot::Mutex;
 use rustc_hash::FxHashMap;
 use std::sync::Arc;
@@ -48,6 +49,8 @@ struct Books {
     created: u64,
     /// cuBLASLt GEMMs run: the candidate's rank for each.
     lt_runs: Vec<usize>,
+    /// The GEMM kernel, per device it was loaded on.
+    kernels: FxHashMap<DeviceIndex, FunctionHandle>,
 }
 
 /// How many algorithms the fake cuBLASLt's heuristic proposes, at most.
@@ -100,6 +103,21 @@ impl FakeBlas {
         self.books.lock().gemms.clone()
     }
 
+    /// Launches the GEMM kernel of `device` (loaded with the device's first handle).
+    fn launch(
+        &self,
+        device: DeviceIndex,
+        stream: StreamHandle,
+        call: &GemmCall,
+        workspace: Option<(DevicePtr, u64)>,
+    ) -> Result<(), MathLibError> {
+        let kernel = self.books.lock().kernels.get(&device).copied();
+        let kernel = kernel.ok_or(MathLibError::UnknownHandle(0))?;
+        fake_kernel::launch(&self.fake, kernel, stream, call, workspace)
+            .map_err(BlasError::from)?;
+        Ok(())
+    }
+
     fn edit(
         &self,
         handle: HandleId,
@@ -127,6 +145,11 @@ impl BlasBackend for FakeBlas {
         self.fake
             .device_properties(device)
             .map_err(BlasError::from)?;
+        let loaded = self.books.lock().kernels.get(&device).copied();
+        if loaded.is_none() {
+            let kernel = fake_kernel::load(&self.fake, device).map_err(BlasError::from)?;
+            self.books.lock().kernels.insert(device, kernel);
+        }
         let mut books = self.books.lock();
         books.next += 1;
         books.created += 1;
@@ -176,7 +199,7 @@ impl BlasBackend for FakeBlas {
 
     fn gemm(&self, handle: HandleId, call: &GemmCall) -> Result<(), MathLibError> {
         let state = self.edit(handle, |_| {})?;
-        host_gemm(&*self.fake, state.stream, call).map_err(BlasError::from)?;
+        self.launch(state.device, state.stream, call, state.workspace)?;
         self.books.lock().gemms.push(FakeGemm {
             handle,
             state,
@@ -212,7 +235,7 @@ impl BlasBackend for FakeBlas {
         lt: &LtCall<'_>,
         stream: StreamHandle,
     ) -> Result<(), MathLibError> {
-        self.edit(handle, |_| {})?;
+        let device = self.edit(handle, |_| {})?.device;
         if lt.workspace.1 < lt.candidate.workspace {
             return Err(BlasError::Cublas {
                 code: 7,
@@ -220,7 +243,7 @@ impl BlasBackend for FakeBlas {
             }
             .into());
         }
-        host_gemm(&*self.fake, stream, lt.call).map_err(BlasError::from)?;
+        self.launch(device, stream, lt.call, Some(lt.workspace))?;
         self.books.lock().lt_runs.push(lt.candidate.index);
         Ok(())
     }
@@ -235,118 +258,4 @@ impl BlasBackend for FakeBlas {
     fn lt_version(&self) -> String {
         "fake".into()
     }
-}
-
-/// Elements of `t`, read from and written to bytes.
-fn read_elems(t: DataType, bytes: &[u8]) -> Vec<f64> {
-    match t {
-        DataType::F16 => bytes
-            .chunks_exact(2)
-            .map(|c| f16::from_le_bytes([c[0], c[1]]).to_f64())
-            .collect(),
-        DataType::BF16 => bytes
-            .chunks_exact(2)
-            .map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f64())
-            .collect(),
-        DataType::F32 => bytes
-            .chunks_exact(4)
-            .map(|c| f64::from(f32::from_le_bytes([c[0], c[1], c[2], c[3]])))
-            .collect(),
-        DataType::F64 => bytes
-            .chunks_exact(8)
-            .map(|c| f64::from_le_bytes(c.try_into().unwrap_or([0; 8])))
-            .collect(),
-    }
-}
-
-fn write_elems(t: DataType, values: &[f64]) -> Vec<u8> {
-    values
-        .iter()
-        .flat_map(|&v| match t {
-            DataType::F16 => f16::from_f64(v).to_le_bytes().to_vec(),
-            DataType::BF16 => bf16::from_f64(v).to_le_bytes().to_vec(),
-            DataType::F32 => (v as f32).to_le_bytes().to_vec(),
-            DataType::F64 => v.to_le_bytes().to_vec(),
-        })
-        .collect()
-}
-
-fn size_of(t: DataType) -> usize {
-    match t {
-        DataType::F16 | DataType::BF16 => 2,
-        DataType::F32 => 4,
-        DataType::F64 => 8,
-    }
-}
-
-/// Reads the column-major matrix at `ptr` (leading dimension `ld`, `cols` columns of
-/// `rows` used rows).
-fn read_matrix(
-    d: &dyn Driver,
-    stream: StreamHandle,
-    t: DataType,
-    ptr: DevicePtr,
-    ld: usize,
-    rows: usize,
-    cols: usize,
-) -> Result<Vec<f64>, ferrocuda_driver::DriverError> {
-    if cols == 0 {
-        return Ok(Vec::new());
-    }
-    let mut bytes = vec![0u8; (ld * (cols - 1) + rows) * size_of(t)];
-    d.memcpy_dtoh(&mut bytes, ptr, stream)?;
-    Ok(read_elems(t, &bytes))
-}
-
-/// The GEMM (or each GEMM of a batch) on the host: `C = alpha op(A) op(B) + beta C`.
-fn host_gemm(
-    d: &dyn Driver,
-    stream: StreamHandle,
-    call: &GemmCall,
-) -> Result<(), ferrocuda_driver::DriverError> {
-    let (m, n, k) = (call.m, call.n, call.k);
-    let [lda, ldb, ldc] = call.lds;
-    let (a_rows, a_cols) = if call.transa { (k, m) } else { (m, k) };
-    let (b_rows, b_cols) = if call.transb { (n, k) } else { (k, n) };
-    let (count, strides) = call.batch.map_or((1, [0; 3]), |b| (b.count, b.strides));
-    let at = |p: DevicePtr, i: usize, stride: i64, t: DataType| {
-        DevicePtr(p.0.wrapping_add((i as i64 * stride) as u64 * size_of(t) as u64))
-    };
-    for i in 0..count {
-        let a_ptr = at(call.a, i, strides[0], call.ab_type);
-        let b_ptr = at(call.b, i, strides[1], call.ab_type);
-        let c_ptr = at(call.c, i, strides[2], call.c_type);
-        let a = read_matrix(d, stream, call.ab_type, a_ptr, lda, a_rows, a_cols)?;
-        let b = read_matrix(d, stream, call.ab_type, b_ptr, ldb, b_rows, b_cols)?;
-        let mut c = read_matrix(d, stream, call.c_type, c_ptr, ldc, m, n)?;
-        let a_at = |r: usize, col: usize| {
-            if call.transa {
-                a[r * lda + col]
-            } else {
-                a[col * lda + r]
-            }
-        };
-        let b_at = |r: usize, col: usize| {
-            if call.transb {
-                b[r * ldb + col]
-            } else {
-                b[col * ldb + r]
-            }
-        };
-        for col in 0..n {
-            for r in 0..m {
-                let dot: f64 = (0..k).map(|x| a_at(r, x) * b_at(x, col)).sum();
-                let old = if call.beta == 0.0 {
-                    0.0
-                } else {
-                    c[col * ldc + r]
-                };
-                c[col * ldc + r] = call.alpha * dot + call.beta * old;
-            }
-        }
-        if !c.is_empty() {
-            d.memcpy_htod_async(c_ptr, &write_elems(call.c_type, &c), stream)?;
-        }
-    }
-    Ok(())
 }

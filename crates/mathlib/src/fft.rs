@@ -15,32 +15,33 @@
 //!   plan's work size is what cuFFT reports, the best measure it gives of what a plan
 //!   holds), and [`Fft::clear_plan_cache`] destroys every plan, returning what cuFFT held.
 use crate::MathLibError;
+use crate::device_memory::DeviceMemory;
 use crate::fft_backend::FftBackend;
 use crate::plan_cache::{Lookup, PlanCache};
-use ferrocuda_alloc::CachingAllocator;
 use ferrocuda_driver::cufft::{FftDesc, FftError};
 use ferrocuda_types::{DeviceIndex, DevicePtr, StreamHandle};
 use parking_lot::Mutex;
-use std::sync::Arc;
 
 /// cuFFT on one device, with its plan cache (see the module's text).
 #[derive(Debug)]
 pub struct Fft<B: FftBackend> {
     backend: B,
-    allocator: Arc<CachingAllocator>,
+    memory: DeviceMemory,
     device: DeviceIndex,
     cache: Mutex<PlanCache<FftDesc, B::Plan>>,
 }
 
 impl<B: FftBackend> Fft<B> {
-    /// Transforms on `allocator`'s device, work areas from `allocator`.
-    pub fn new(backend: B, allocator: Arc<CachingAllocator>) -> Fft<B> {
-        Fft {
+    /// Transforms on the device of `memory`'s allocator, work areas from that allocator (an
+    /// `Arc<CachingAllocator>`, or `(Arc<DeviceAllocators>, device)`).
+    pub fn new(backend: B, memory: impl Into<DeviceMemory>) -> Result<Fft<B>, MathLibError> {
+        let memory = memory.into();
+        Ok(Fft {
             backend,
-            device: allocator.device(),
-            allocator,
+            device: memory.allocator()?.device(),
+            memory,
             cache: Mutex::new(PlanCache::new()),
-        }
+        })
     }
 
     /// The backend (for its own counters).
@@ -91,8 +92,9 @@ impl<B: FftBackend> Fft<B> {
         inverse: bool,
     ) -> Result<(), MathLibError> {
         let work = self.backend.work_size(plan);
+        let allocator = self.memory.allocator()?;
         let area = if work > 0 {
-            Some(self.allocator.allocate(work, stream)?)
+            Some(allocator.allocate(work, stream)?)
         } else {
             None
         };
@@ -101,7 +103,7 @@ impl<B: FftBackend> Fft<B> {
             .backend
             .execute(plan, stream, at, (input, output), inverse);
         if let Some(a) = area {
-            self.allocator.free(a.ptr)?;
+            allocator.free(a.ptr)?;
         }
         result
     }

@@ -4,7 +4,7 @@
 //! PyTorch's errors.
 use crate::MathLibError;
 use crate::backend::{HandleId, LtCall, LtCandidate};
-use crate::handles::Blas;
+use crate::handles::{Blas, Bound};
 use crate::library_choice::{BlasLibrary, LT_QUERY, LtKey};
 use ferrocuda_amp::precision::{self, CublasComputeType, CublasLtReductionScheme, CudaDataType};
 use ferrocuda_driver::cublas::{Batch, ComputeType, DataType, GemmCall, MathMode};
@@ -200,26 +200,60 @@ impl Blas {
     /// handle's workspace (unified, as PyTorch's default).
     pub fn gemm(&self, stream: StreamHandle, gemm: &Gemm) -> Result<(), MathLibError> {
         gemm.check()?;
-        let handle = self.acquire(stream)?;
-        let path = match self.tuned_path(handle, stream, gemm)? {
+        if self.allocator()?.routed_capture(stream)?.is_some() {
+            return self.gemm_in_capture(stream, gemm);
+        }
+        let bound = self.acquire_with(stream, |handle| self.workspace(handle, stream))?;
+        let path = match self.tuned_path(&bound, gemm, true)? {
             Some(p) => p,
-            None => match self.preferred_blas_library() {
-                BlasLibrary::Cublas => Path::Classic,
-                BlasLibrary::CublasLt => Path::Lt(0),
-            },
+            None => self.untuned_path(),
         };
-        self.run_path(handle, stream, gemm, gemm.c, path)
+        self.run_path(&bound, gemm, gemm.c, path)
     }
 
-    /// Runs `gemm` (writing `c`) the way `path` says.
+    fn untuned_path(&self) -> Path {
+        match self.preferred_blas_library() {
+            BlasLibrary::Cublas => Path::Classic,
+            BlasLibrary::CublasLt => Path::Lt(0),
+        }
+    }
+
+    /// A GEMM recorded into a CUDA graph capture gets a workspace of its own, allocated on
+    /// the capture stream (so from the graph's private pool) and freed right after the
+    /// call is recorded, as a temporary tensor of the capture would be: the pool keeps it
+    /// for the graph's replays and a later allocation of the same capture reuses it in
+    /// stream order. Graphs with pools of their own therefore never share a workspace
+    /// (PyTorch binds the stream's one to every capture on that stream, PyTorch issue
+    /// 193402), and the workspace goes with the graph's pool. TunableOp does not tune
+    /// here (timing synchronizes, which a capture forbids): a signature with a result
+    /// takes it, a new one the untuned path.
+    fn gemm_in_capture(&self, stream: StreamHandle, gemm: &Gemm) -> Result<(), MathLibError> {
+        let allocator = self.allocator()?;
+        let bytes = self.cublas_workspace_size();
+        let workspace = allocator.allocate(bytes, stream)?;
+        let result = self
+            .acquire_with(stream, |_| Ok((workspace.ptr, bytes)))
+            .and_then(|bound| {
+                let path = match self.tuned_path(&bound, gemm, false)? {
+                    Some(p) => p,
+                    None => self.untuned_path(),
+                };
+                self.run_path(&bound, gemm, gemm.c, path)
+            });
+        let freed = allocator.free(workspace.ptr);
+        result?;
+        Ok(freed?)
+    }
+
+    /// Runs `gemm` (writing `c`) the way `path` says, on the handle `bound` set up.
     pub(crate) fn run_path(
         &self,
-        handle: HandleId,
-        stream: StreamHandle,
+        bound: &Bound,
         gemm: &Gemm,
         c: DevicePtr,
         path: Path,
     ) -> Result<(), MathLibError> {
+        let handle = bound.handle;
         let settings = precision::global();
         let no_tf32 = precision::reduced_precision_disabled();
         match path {
@@ -246,7 +280,7 @@ impl Blas {
                     precision::cublaslt_gemm(&settings, gemm.dtype, self.sm_major(), no_tf32)?;
                 let call = gemm.call(c, (plan.ab_type, plan.scale_type, plan.compute_type));
                 let mask = plan.reduction_scheme_mask.map(reduction_mask);
-                let workspace = self.workspace(handle, stream)?;
+                let workspace = bound.workspace;
                 let candidates = self.lt_candidates(handle, &call, workspace.1, mask)?;
                 let candidate = candidates.get(rank).ok_or_else(|| {
                     MathLibError::InvalidGemm(format!(
@@ -260,7 +294,7 @@ impl Blas {
                     workspace,
                     reduction_mask: mask,
                 };
-                self.backend().lt_gemm(handle, &lt, stream)
+                self.backend().lt_gemm(handle, &lt, bound.stream)
             }
         }
     }

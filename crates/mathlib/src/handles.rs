@@ -13,11 +13,15 @@
 //!   that stream, so they show in its statistics as PyTorch's do. A workspace smaller than
 //!   the size now chosen is replaced. (PyTorch keeps the smaller allocation and hands cuBLAS
 //!   the larger size: `setCublasWorkspace`'s `emplace` does not replace an entry.)
+//! - **Inside a CUDA graph capture** [`Blas::gemm`] binds a workspace of the capture's own,
+//!   from the graph's private pool (`gemm.rs`), never the stream's: see
+//!   [`Blas::acquire_with`].
 //! - [`Blas::clear_workspaces`] gives every workspace back (`torch._C._cuda_clearCublasWorkspaces`;
 //!   PyTorch's clears the calling thread's only, since its map is per thread).
 use crate::MathLibError;
 use crate::backend::LtCandidate;
 use crate::backend::{BlasBackend, HandleId};
+use crate::device_memory::DeviceMemory;
 use crate::library_choice::{BlasLibrary, LtKey};
 use crate::tunable::TunableState;
 use crate::workspace_config::WorkspaceSizes;
@@ -50,7 +54,7 @@ struct Pool {
 #[derive(Debug)]
 struct Shared {
     backend: Arc<dyn BlasBackend>,
-    allocator: Arc<CachingAllocator>,
+    memory: DeviceMemory,
     device: DeviceIndex,
     sm_major: u32,
     sizes: WorkspaceSizes,
@@ -64,6 +68,15 @@ struct Shared {
     pub(crate) preferred: Mutex<BlasLibrary>,
     /// cuBLASLt's heuristic answers (`gemm.rs`).
     lt_cache: Mutex<FxHashMap<LtKey, Vec<LtCandidate>>>,
+}
+
+/// A handle set up for one call: its stream and the workspace bound to it.
+#[derive(Copy, Clone, Debug)]
+pub(crate) struct Bound {
+    pub(crate) handle: HandleId,
+    pub(crate) stream: StreamHandle,
+    /// Address and bytes.
+    pub(crate) workspace: (DevicePtr, u64),
 }
 
 /// What a handle was last set to (by the only thread that uses it).
@@ -100,29 +113,33 @@ pub struct Blas {
 }
 
 impl Blas {
-    /// Handles on `allocator`'s device, workspaces from `allocator`, sizes from the
-    /// environment ([`WorkspaceSizes::from_env`]; PyTorch's warnings in [`Blas::warnings`]).
+    /// Handles on the device of `memory`'s allocator, workspaces from that allocator
+    /// (an `Arc<CachingAllocator>`, or `(Arc<DeviceAllocators>, device)` for the allocators
+    /// CUDA graphs capture through), sizes from the environment
+    /// ([`WorkspaceSizes::from_env`]; PyTorch's warnings in [`Blas::warnings`]).
     pub fn new(
         backend: Arc<dyn BlasBackend>,
-        allocator: Arc<CachingAllocator>,
+        memory: impl Into<DeviceMemory>,
     ) -> Result<Blas, MathLibError> {
-        let sm_major = backend.sm_major(allocator.device())?;
+        let memory = memory.into();
+        let sm_major = backend.sm_major(memory.allocator()?.device())?;
         let sizes = WorkspaceSizes::from_env(|k| std::env::var(k).ok(), sm_major)?;
-        Blas::with_sizes(backend, allocator, sizes)
+        Blas::with_sizes(backend, memory, sizes)
     }
 
     /// As [`Blas::new`], with the sizes given rather than read from the environment.
     pub fn with_sizes(
         backend: Arc<dyn BlasBackend>,
-        allocator: Arc<CachingAllocator>,
+        memory: impl Into<DeviceMemory>,
         sizes: WorkspaceSizes,
     ) -> Result<Blas, MathLibError> {
-        let device = allocator.device();
+        let memory = memory.into();
+        let device = memory.allocator()?.device();
         let sm_major = backend.sm_major(device)?;
         Ok(Blas {
             shared: Arc::new(Shared {
                 backend,
-                allocator,
+                memory,
                 device,
                 sm_major,
                 sizes,
@@ -163,8 +180,8 @@ impl Blas {
         &self.shared.lt_cache
     }
 
-    pub(crate) fn allocator(&self) -> &CachingAllocator {
-        &self.shared.allocator
+    pub(crate) fn allocator(&self) -> Result<&CachingAllocator, MathLibError> {
+        self.shared.allocator()
     }
 
     /// The warnings PyTorch gives for the workspace variables read (word for word).
@@ -251,7 +268,22 @@ impl Blas {
     /// This thread's handle, set up for `stream` (`getCurrentCUDABlasHandle`): its stream,
     /// its workspace for that stream, and the math mode the precision settings and this
     /// thread's [`NoTf32Guard`](precision::NoTf32Guard) give.
+    ///
+    /// For cuBLAS calls of your own. Inside a CUDA graph capture it binds the stream's
+    /// workspace as PyTorch does (one made there stays in the graph's pool until
+    /// [`Blas::clear_workspaces_for_stream`]); [`Blas::gemm`] gives each capture a
+    /// workspace of its own instead.
     pub fn acquire(&self, stream: StreamHandle) -> Result<HandleId, MathLibError> {
+        self.acquire_with(stream, |handle| self.workspace(handle, stream))
+            .map(|bound| bound.handle)
+    }
+
+    /// [`Blas::acquire`] with the workspace `workspace` gives for the handle.
+    pub(crate) fn acquire_with(
+        &self,
+        stream: StreamHandle,
+        workspace: impl FnOnce(HandleId) -> Result<(DevicePtr, u64), MathLibError>,
+    ) -> Result<Bound, MathLibError> {
         let (handle, last) = self.thread_handle()?;
         // Forgotten until every step succeeded: a failure leaves the state unknown.
         self.remember(handle, HandleState::default());
@@ -260,7 +292,7 @@ impl Blas {
         if new_stream {
             backend.set_stream(handle, stream)?;
         }
-        let workspace = self.workspace(handle, stream)?;
+        let workspace = workspace(handle)?;
         if new_stream || last.workspace != Some(workspace) {
             backend.set_workspace(handle, workspace.0, workspace.1)?;
         }
@@ -282,7 +314,11 @@ impl Blas {
                 mode: Some(mode),
             },
         );
-        Ok(handle)
+        Ok(Bound {
+            handle,
+            stream,
+            workspace,
+        })
     }
 
     /// Sets `handle`'s math mode (this thread's handle, acquired), unless it has it.
@@ -358,6 +394,7 @@ impl Blas {
         stream: StreamHandle,
     ) -> Result<(DevicePtr, u64), MathLibError> {
         let bytes = self.cublas_workspace_size();
+        let allocator = self.allocator()?;
         let mut pool = self.shared.pool.lock();
         let key = (handle, stream.raw);
         let ptr = match pool.workspaces.get(&key) {
@@ -365,9 +402,9 @@ impl Blas {
             held => {
                 if let Some(old) = held.copied() {
                     pool.workspaces.remove(&key);
-                    self.shared.allocator.free(old.ptr)?;
+                    allocator.free(old.ptr)?;
                 }
-                let new = self.shared.allocator.allocate(bytes, stream)?;
+                let new = allocator.allocate(bytes, stream)?;
                 pool.workspaces.insert(
                     key,
                     Workspace {
@@ -383,6 +420,10 @@ impl Blas {
 }
 
 impl Shared {
+    fn allocator(&self) -> Result<&CachingAllocator, MathLibError> {
+        Ok(self.memory.allocator()?)
+    }
+
     fn give_back(&self, handle: HandleId) {
         let _ = self.clear(|(h, _)| h == handle);
         self.pool.lock().free.push(handle);
@@ -402,17 +443,23 @@ impl Shared {
                 .filter_map(|k| pool.workspaces.remove(k))
                 .collect()
         };
+        if freed.is_empty() {
+            return Ok(());
+        }
+        let allocator = self.allocator()?;
         freed
             .iter()
-            .try_for_each(|w| self.allocator.free(w.ptr).map_err(MathLibError::from))
+            .try_for_each(|w| allocator.free(w.ptr).map_err(MathLibError::from))
     }
 }
 
 impl Drop for Shared {
     fn drop(&mut self) {
         let pool = std::mem::take(self.pool.get_mut());
-        for w in pool.workspaces.values() {
-            let _ = self.allocator.free(w.ptr);
+        if let Ok(allocator) = self.memory.allocator() {
+            for w in pool.workspaces.values() {
+                let _ = allocator.free(w.ptr);
+            }
         }
         for h in pool.all {
             self.backend.destroy_handle(h);

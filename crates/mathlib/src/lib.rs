@@ -40,16 +40,21 @@
 //!   `ferrocuda_amp::precision`). [`FakeBlas`] plays cuBLAS on the fake device, so all of
 //!   it is tested without a GPU.
 //! - **Workspaces are allocator memory**: they count in `memory_stats` and snapshots, and
-//!   go back with [`Blas::clear_workspaces`] or when their thread ends.
+//!   go back with [`Blas::clear_workspaces`] or when their thread ends. Given the
+//!   allocators CUDA graphs capture through ([`DeviceMemory`]), a GEMM recorded into a
+//!   capture takes a workspace of its own from the graph's private pool, so no two graphs
+//!   share one (PyTorch binds the stream's).
 //! - **Sizes as PyTorch 2.11 reads them** ([`WorkspaceSizes`]), its warnings as data.
 //! - **cuFFT plans are cached per device** ([`Fft`]), PyTorch's LRU with its 4 096 default,
 //!   plus a byte budget of ours; every execution's work area is allocator memory.
 #![forbid(unsafe_code)]
 
 mod backend;
+mod device_memory;
 mod error;
 mod fake;
 mod fake_fft;
+mod fake_kernel;
 mod fft;
 mod fft_backend;
 mod gemm;
@@ -61,6 +66,7 @@ mod tuning;
 pub mod workspace_config;
 
 pub use backend::{BlasBackend, CudaBlas, HandleId, LtCall, LtCandidate};
+pub use device_memory::DeviceMemory;
 pub use error::MathLibError;
 pub use fake::{FAKE_LT_CANDIDATES, FakeBlas, FakeGemm, FakeHandleState};
 pub use fake_fft::{FakeFft, FakeFftCounts, FakePlan};

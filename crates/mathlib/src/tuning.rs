@@ -7,12 +7,11 @@
 //! default call wins unless a candidate is faster by more than 1%: a tuned GEMM is never
 //! slower than the untuned one by more than the timing's noise.
 use crate::MathLibError;
-use crate::backend::HandleId;
 use crate::gemm::{Gemm, Path};
-use crate::handles::Blas;
+use crate::handles::{Blas, Bound};
 use crate::library_choice::BlasLibrary;
 use crate::tunable::{self, GemmShape, ResultsFile, Solution, TunableState};
-use ferrocuda_types::{DevicePtr, StreamHandle};
+use ferrocuda_types::DevicePtr;
 use std::time::Instant;
 
 /// How long a tuning times each candidate, at most.
@@ -79,12 +78,12 @@ impl Blas {
     }
 
     /// The path TunableOp gives `gemm`, if it is on: the result found (the device's file is
-    /// read at the first look), else a new tuning's when tuning is on.
+    /// read at the first look), else a new tuning's when tuning is on and `may_tune`.
     pub(crate) fn tuned_path(
         &self,
-        handle: HandleId,
-        stream: StreamHandle,
+        bound: &Bound,
         gemm: &Gemm,
+        may_tune: bool,
     ) -> Result<Option<Path>, MathLibError> {
         let shape = GemmShape {
             dtype: gemm.dtype,
@@ -117,27 +116,23 @@ impl Blas {
                 t.by_shape.insert(shape, solution);
                 return Ok(Some(path_of(solution)));
             }
-            if !t.tuning {
+            if !t.tuning || !may_tune {
                 return Ok(None);
             }
             key
         };
-        let (solution, ms) = self.tune(handle, stream, gemm)?;
+        let (solution, ms) = self.tune(bound, gemm)?;
         self.shared_tunable().lock().insert(key, solution, ms);
         Ok(Some(path_of(solution)))
     }
 
     /// Times the default call and the cuBLASLt candidates on a scratch C; the fastest.
-    fn tune(
-        &self,
-        handle: HandleId,
-        stream: StreamHandle,
-        gemm: &Gemm,
-    ) -> Result<(Solution, f64), MathLibError> {
+    fn tune(&self, bound: &Bound, gemm: &Gemm) -> Result<(Solution, f64), MathLibError> {
         let bytes = (gemm.c_elements() * gemm.dtype.size()) as u64;
-        let scratch = self.allocator().allocate(bytes, stream)?;
-        let result = self.time_candidates(handle, stream, gemm, scratch.ptr);
-        self.allocator().free(scratch.ptr)?;
+        let allocator = self.allocator()?;
+        let scratch = allocator.allocate(bytes, bound.stream)?;
+        let result = self.time_candidates(bound, gemm, scratch.ptr);
+        allocator.free(scratch.ptr)?;
         let timed = result?;
         let default = timed
             .iter()
@@ -156,8 +151,7 @@ impl Blas {
 
     fn time_candidates(
         &self,
-        handle: HandleId,
-        stream: StreamHandle,
+        bound: &Bound,
         gemm: &Gemm,
         scratch: DevicePtr,
     ) -> Result<Vec<(Solution, f64)>, MathLibError> {
@@ -168,11 +162,11 @@ impl Blas {
             .min(crate::library_choice::LT_QUERY);
         let mut timed = Vec::new();
         // The default call may be refused (split-K disallowed): then only cuBLASLt's.
-        if let Ok(ms) = self.time_one(handle, stream, gemm, scratch, Path::Classic) {
+        if let Ok(ms) = self.time_one(bound, gemm, scratch, Path::Classic) {
             timed.push((Solution::Default, ms));
         }
         for rank in 0..max {
-            match self.time_one(handle, stream, gemm, scratch, Path::Lt(rank)) {
+            match self.time_one(bound, gemm, scratch, Path::Lt(rank)) {
                 Ok(ms) => timed.push((Solution::CublasLt(rank), ms)),
                 Err(MathLibError::InvalidGemm(_)) => break,
                 Err(e) => return Err(e),
@@ -185,22 +179,22 @@ impl Blas {
     /// as many as fit in the budget (at most [`MAX_REPS`]), between two waits.
     fn time_one(
         &self,
-        handle: HandleId,
-        stream: StreamHandle,
+        bound: &Bound,
         gemm: &Gemm,
         scratch: DevicePtr,
         path: Path,
     ) -> Result<f64, MathLibError> {
         let backend = self.backend();
+        let stream = bound.stream;
         backend.synchronize(stream)?;
         let t = Instant::now();
-        self.run_path(handle, stream, gemm, scratch, path)?;
+        self.run_path(bound, gemm, scratch, path)?;
         backend.synchronize(stream)?;
         let first = t.elapsed().as_secs_f64() * 1e3;
         let reps = ((BUDGET_PER_CANDIDATE_MS / first.max(1e-6)) as u32).clamp(1, MAX_REPS);
         let t = Instant::now();
         for _ in 0..reps {
-            self.run_path(handle, stream, gemm, scratch, path)?;
+            self.run_path(bound, gemm, scratch, path)?;
         }
         backend.synchronize(stream)?;
         Ok(t.elapsed().as_secs_f64() * 1e3 / f64::from(reps))

@@ -21,7 +21,7 @@ impl FftRig {
         );
         let stream = fake.stream_create(DEV, StreamFlags::default()).unwrap();
         FftRig {
-            fft: Fft::new(FakeFft::new(fake.clone()), alloc.clone()),
+            fft: Fft::new(FakeFft::new(fake.clone()), alloc.clone()).expect("fft"),
             fake,
             alloc,
             stream,

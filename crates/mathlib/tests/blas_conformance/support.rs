@@ -40,6 +40,14 @@ pub struct Recording {
 }
 
 impl Recording {
+    pub fn new(inner: Arc<dyn BlasBackend>) -> Recording {
+        Recording {
+            inner,
+            acts: Mutex::new(Vec::new()),
+            modes: Mutex::new(Vec::new()),
+        }
+    }
+
     pub fn acts(&self) -> Vec<Act> {
         self.acts.lock().clone()
     }
@@ -144,11 +152,7 @@ impl Setup {
             CachingAllocator::new(driver.clone(), DEV, AllocatorConfig::default(), Caching::On)
                 .expect("allocator"),
         );
-        let rec = Arc::new(Recording {
-            inner: backend,
-            acts: Mutex::new(Vec::new()),
-            modes: Mutex::new(Vec::new()),
-        });
+        let rec = Arc::new(Recording::new(backend));
         let blas = Blas::new(rec.clone(), alloc.clone()).expect("blas");
         Setup {
             driver,

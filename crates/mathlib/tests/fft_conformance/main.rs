@@ -95,7 +95,7 @@ impl<B: FftBackend> Setup<B> {
             destroyed: Arc::default(),
         };
         Setup {
-            fft: Fft::new(counting, alloc.clone()),
+            fft: Fft::new(counting, alloc.clone()).expect("fft"),
             driver,
             alloc,
             stream,
