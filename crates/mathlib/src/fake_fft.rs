@@ -8,6 +8,7 @@ use crate::fft_backend::FftBackend;
 use ferrocuda_driver::cufft::{FftDesc, FftError, FftKind, FftLayout};
 use ferrocuda_driver::{Driver, DriverError, FakeDriver};
 use ferrocuda_types::{DeviceIndex, DevicePtr, StreamHandle};
+use half::f16;
 use parking_lot::Mutex;
 use std::sync::Arc;
 
@@ -96,6 +97,13 @@ impl FftBackend for FakeFft {
             }
             .into());
         }
+        if desc.kind.real_bytes() == 2 && desc.sizes.iter().any(|&n| n.count_ones() != 1) {
+            return Err(FftError::Cufft {
+                code: 16,
+                name: "CUFFT_NOT_SUPPORTED",
+            }
+            .into());
+        }
         self.counts.lock().made += 1;
         let work = fake_work_size(desc);
         Ok((
@@ -135,14 +143,8 @@ impl FftBackend for FakeFft {
 
 /// Whether the kind's input (and output) is complex, and its precision in bytes per real.
 fn sides(kind: FftKind) -> (bool, bool, usize) {
-    match kind {
-        FftKind::C2C => (true, true, 4),
-        FftKind::R2C => (false, true, 4),
-        FftKind::C2R => (true, false, 4),
-        FftKind::Z2Z => (true, true, 8),
-        FftKind::D2Z => (false, true, 8),
-        FftKind::Z2D => (true, false, 8),
-    }
+    let (cin, cout) = kind.complex_sides();
+    (cin, cout, kind.real_bytes())
 }
 
 /// The storage offsets (in elements) of every element of a signal of `shape`, batch `b`.
@@ -171,12 +173,12 @@ fn read(
     let mut raw = vec![0u8; span];
     d.memcpy_dtoh(&mut raw, at, stream)?;
     let num = |i: usize| -> f64 {
-        if real == 4 {
-            f64::from(f32::from_le_bytes(
+        match real {
+            2 => f16::from_le_bytes([raw[i], raw[i + 1]]).to_f64(),
+            4 => f64::from(f32::from_le_bytes(
                 raw[i..i + 4].try_into().unwrap_or([0; 4]),
-            ))
-        } else {
-            f64::from_le_bytes(raw[i..i + 8].try_into().unwrap_or([0; 8]))
+            )),
+            _ => f64::from_le_bytes(raw[i..i + 8].try_into().unwrap_or([0; 8])),
         }
     };
     Ok(offs
@@ -206,10 +208,10 @@ fn write(
         let parts: &[f64] = if complex { &[re, im] } else { &[re] };
         for (j, &v) in parts.iter().enumerate() {
             let at = i + j * real;
-            if real == 4 {
-                raw[at..at + 4].copy_from_slice(&(v as f32).to_le_bytes());
-            } else {
-                raw[at..at + 8].copy_from_slice(&v.to_le_bytes());
+            match real {
+                2 => raw[at..at + 2].copy_from_slice(&f16::from_f64(v).to_le_bytes()),
+                4 => raw[at..at + 4].copy_from_slice(&(v as f32).to_le_bytes()),
+                _ => raw[at..at + 8].copy_from_slice(&v.to_le_bytes()),
             }
         }
     }

@@ -190,5 +190,10 @@ fn check_desc(desc: &FftDesc) -> Result<(), MathLibError> {
     {
         return bad("the transform's element count does not fit in 64 bits");
     }
+    // PyTorch's check before a half-precision plan (`CuFFTPlanCache.h`). Its other one,
+    // compute capability 5.3 or more, every device CUDA 13 supports has.
+    if desc.kind.real_bytes() == 2 && desc.sizes.iter().any(|&n| n.count_ones() != 1) {
+        return Err(FftError::HalfSizeNotPowerOfTwo(desc.sizes.clone()).into());
+    }
     Ok(())
 }

@@ -7,6 +7,9 @@
 //!   the folders of [`LIBRARY_PATH_VAR`](super::libraries::LIBRARY_PATH_VAR)) and every
 //!   symbol used here once; every function returns [`FftError::Unavailable`] instead of
 //!   cudarc's panic.
+//! - **Half precision through `cufftXt`**: cudarc binds no `cufftXt*` function, so
+//!   `cufftXtMakePlanMany` and `cufftXtExec` are looked up by name in the library cudarc
+//!   loaded (PyTorch's `CuFFTConfig` makes every plan with `cufftXtMakePlanMany`).
 //! - **Policy is above**: which plans are kept (the plan cache), and the work area's memory,
 //!   are the math-library crate's.
 use super::CudaDriver;
@@ -46,6 +49,12 @@ pub enum FftError {
     /// A transform cuFFT cannot describe (no sizes, more than three dimensions).
     #[error("invalid transform: {0}")]
     InvalidArgument(&'static str),
+    /// A half-precision transform with a signal size that is not a power of two, which
+    /// cuFFT does not compute (PyTorch's message, `CuFFTPlanCache.h`).
+    #[error(
+        "cuFFT only supports dimensions whose sizes are powers of two when computing in half precision, but got a signal size of{0:?}"
+    )]
+    HalfSizeNotPowerOfTwo(Vec<i64>),
 }
 
 const SYMBOLS: &[&str] = &[
@@ -62,7 +71,54 @@ const SYMBOLS: &[&str] = &[
     "cufftExecD2Z",
     "cufftExecZ2D",
     "cufftGetVersion",
+    "cufftXtMakePlanMany",
+    "cufftXtExec",
 ];
+
+/// `cudaDataType_t` values of the half-precision layouts.
+const CUDA_R_16F: c_int = 2;
+const CUDA_C_16F: c_int = 6;
+
+/// `cufftXtMakePlanMany` (`cufftXt.h`).
+type XtMakePlanMany = unsafe extern "C" fn(
+    sys::cufftHandle,
+    c_int,
+    *mut c_longlong,
+    *mut c_longlong,
+    c_longlong,
+    c_longlong,
+    c_int,
+    *mut c_longlong,
+    c_longlong,
+    c_longlong,
+    c_int,
+    c_longlong,
+    *mut usize,
+    c_int,
+) -> sys::cufftResult;
+/// `cufftXtExec`.
+type XtExec =
+    unsafe extern "C" fn(sys::cufftHandle, *mut c_void, *mut c_void, c_int) -> sys::cufftResult;
+
+/// The `cufftXt` functions, from the library cudarc loaded.
+fn xt() -> Result<(XtMakePlanMany, XtExec), FftError> {
+    available()?;
+    static FNS: OnceLock<Result<(XtMakePlanMany, XtExec), FftError>> = OnceLock::new();
+    FNS.get_or_init(|| {
+        // SAFETY: the library is present (`available`); cudarc's loader opens it once.
+        let lib = unsafe { sys::culib() };
+        let missing = |e: libloading::Error| FftError::Unavailable(e.to_string());
+        // SAFETY: the symbols are cuFFT's functions of these signatures (`cufftXt.h`).
+        unsafe {
+            let make = *lib
+                .get::<XtMakePlanMany>(b"cufftXtMakePlanMany\0")
+                .map_err(missing)?;
+            let exec = *lib.get::<XtExec>(b"cufftXtExec\0").map_err(missing)?;
+            Ok((make, exec))
+        }
+    })
+    .clone()
+}
 
 /// Whether libcufft and every function used here can be loaded (looked for once).
 pub fn available() -> Result<(), FftError> {
@@ -135,19 +191,54 @@ pub enum FftKind {
     D2Z,
     /// Complex to real, fp64 (`CUFFT_Z2D`).
     Z2D,
+    /// Complex to complex, fp16 (`cufftXt`, `CUDA_C_16F`): power-of-two sizes only.
+    C2CHalf,
+    /// Real to complex, fp16 (`CUDA_R_16F` to `CUDA_C_16F`): power-of-two sizes only.
+    R2CHalf,
+    /// Complex to real, fp16 (`CUDA_C_16F` to `CUDA_R_16F`): power-of-two sizes only.
+    C2RHalf,
 }
 
 impl FftKind {
-    fn raw(self) -> sys::cufftType {
-        use sys::cufftType as T;
+    /// Whether the input and the output are complex.
+    pub fn complex_sides(self) -> (bool, bool) {
+        use FftKind as K;
         match self {
+            K::C2C | K::Z2Z | K::C2CHalf => (true, true),
+            K::R2C | K::D2Z | K::R2CHalf => (false, true),
+            K::C2R | K::Z2D | K::C2RHalf => (true, false),
+        }
+    }
+
+    /// Bytes of one real number (of a complex one's halves).
+    pub fn real_bytes(self) -> usize {
+        use FftKind as K;
+        match self {
+            K::C2CHalf | K::R2CHalf | K::C2RHalf => 2,
+            K::C2C | K::R2C | K::C2R => 4,
+            K::Z2Z | K::D2Z | K::Z2D => 8,
+        }
+    }
+
+    /// The classic API's type, or `None` for a half-precision kind (`cufftXt` only).
+    fn raw(self) -> Option<sys::cufftType> {
+        use sys::cufftType as T;
+        Some(match self {
             FftKind::C2C => T::CUFFT_C2C,
             FftKind::R2C => T::CUFFT_R2C,
             FftKind::C2R => T::CUFFT_C2R,
             FftKind::Z2Z => T::CUFFT_Z2Z,
             FftKind::D2Z => T::CUFFT_D2Z,
             FftKind::Z2D => T::CUFFT_Z2D,
-        }
+            FftKind::C2CHalf | FftKind::R2CHalf | FftKind::C2RHalf => return None,
+        })
+    }
+
+    /// `cufftXtMakePlanMany`'s input, output and execution types of a half kind.
+    fn xt_types(self) -> (c_int, c_int, c_int) {
+        let (cin, cout) = self.complex_sides();
+        let t = |complex: bool| if complex { CUDA_C_16F } else { CUDA_R_16F };
+        (t(cin), t(cout), CUDA_C_16F)
     }
 }
 
@@ -240,24 +331,51 @@ impl FftPlan {
             desc.output.embed.clone(),
         );
         let mut work: usize = 0;
-        // SAFETY: the arrays hold `rank` elements each and live through the call; cuFFT
-        // only reads them; writes the work size through a valid pointer.
-        check(unsafe {
-            sys::cufftMakePlanMany64(
-                plan,
-                rank as c_int,
-                n.as_mut_ptr() as *mut c_longlong,
-                inembed.as_mut_ptr() as *mut c_longlong,
-                desc.input.stride,
-                desc.input.dist,
-                onembed.as_mut_ptr() as *mut c_longlong,
-                desc.output.stride,
-                desc.output.dist,
-                desc.kind.raw(),
-                desc.batch,
-                &mut work,
-            )
-        })?;
+        let (n, inembed, onembed) = (n.as_mut_ptr(), inembed.as_mut_ptr(), onembed.as_mut_ptr());
+        let (i, o) = (&desc.input, &desc.output);
+        match desc.kind.raw() {
+            // SAFETY: the arrays hold `rank` elements each and live through the call; cuFFT
+            // only reads them; writes the work size through a valid pointer.
+            Some(kind) => check(unsafe {
+                sys::cufftMakePlanMany64(
+                    plan,
+                    rank as c_int,
+                    n,
+                    inembed,
+                    i.stride,
+                    i.dist,
+                    onembed,
+                    o.stride,
+                    o.dist,
+                    kind,
+                    desc.batch,
+                    &mut work,
+                )
+            })?,
+            None => {
+                let (make, _) = xt()?;
+                let (itype, otype, exec) = desc.kind.xt_types();
+                // SAFETY: as above; `make` is cuFFT's `cufftXtMakePlanMany`.
+                check(unsafe {
+                    make(
+                        plan,
+                        rank as c_int,
+                        n,
+                        inembed,
+                        i.stride,
+                        i.dist,
+                        itype,
+                        onembed,
+                        o.stride,
+                        o.dist,
+                        otype,
+                        desc.batch,
+                        &mut work,
+                        exec,
+                    )
+                })?
+            }
+        }
         made.work_size = work as u64;
         Ok(made)
     }
@@ -298,6 +416,18 @@ impl FftPlan {
         check(unsafe { sys::cufftSetWorkArea(p, work.0 as *mut c_void) })?;
         let (i, o) = (input.0 as *mut c_void, output.0 as *mut c_void);
         let dir = if inverse { 1 } else { -1 };
+        if self.kind.raw().is_none() {
+            let (_, exec) = xt()?;
+            // Real to complex is forward and complex to real inverse, as cuFFT requires.
+            let dir = match self.kind.complex_sides() {
+                (true, true) => dir,
+                (false, true) => -1,
+                _ => 1,
+            };
+            // SAFETY: a live plan of this kind; device addresses are only used on the
+            // device; `exec` is cuFFT's `cufftXtExec`.
+            return check(unsafe { exec(p, i, o, dir) });
+        }
         // SAFETY: a live plan of this kind; device addresses are only used on the device.
         check(unsafe {
             match self.kind {
@@ -307,6 +437,10 @@ impl FftPlan {
                 FftKind::Z2Z => sys::cufftExecZ2Z(p, i.cast(), o.cast(), dir),
                 FftKind::D2Z => sys::cufftExecD2Z(p, i.cast(), o.cast()),
                 FftKind::Z2D => sys::cufftExecZ2D(p, i.cast(), o.cast()),
+                // Executed through `cufftXt` above.
+                FftKind::C2CHalf | FftKind::R2CHalf | FftKind::C2RHalf => {
+                    sys::cufftResult::CUFFT_INVALID_TYPE
+                }
             }
         })
     }
