@@ -10,14 +10,19 @@
 //!   `GemmStridedBatchedTunableOp_...`; parameters `nt_<m>_<n>_<k>_ld_<lda>_<ldb>_<ldc>`,
 //!   with `_B_<batch>` before `_ld` for a batch (recorded from PyTorch 2.11:
 //!   `tests/data/tunableop_results0_pytorch_2.11.csv`).
-//! - **The file**: `Validator,<key>,<value>` lines, then `OpSig,ParamSig,Solution,ms` rows.
-//!   `PT_VERSION` must be 2.11.0, the version whose format this is; a mismatch rejects the
-//!   whole file, as PyTorch does. Solutions: `Default` (the classic cuBLAS call, the only
-//!   one PyTorch 2.11 has on CUDA) and ours, `Gemm_Cublaslt_<rank>` (the heuristic's
-//!   candidate of that rank), which are valid only with the cuBLASLt they were tuned with:
-//!   the file records it (`Validator,FERROCUDA_CUBLASLT_VERSION,<version>`, a line PyTorch
-//!   ignores), and rows of ours read under another version, or from a file without it,
-//!   are dropped.
+//! - **The file**: `Validator,<key>,<value>` lines, then `OpSig,ParamSig,Solution,ms` rows,
+//!   read by PyTorch's rules (`TuningResultsValidator::ValidateAll` in `Tunable.cpp`): the
+//!   validators must be exactly PyTorch 2.11's on CUDA (`PT_VERSION`, 2.11.0, the version
+//!   whose format this is); a mismatch, or a validator PyTorch does not know, rejects the
+//!   whole file. Its solutions are `Default` (the classic cuBLAS call, the only one PyTorch
+//!   2.11 has on CUDA).
+//! - **Our choices beside it**: ours, `Gemm_Cublaslt_<rank>` (the heuristic's candidate of
+//!   that rank), are valid only with the cuBLASLt they were tuned with, and PyTorch can use
+//!   neither them nor a line saying which cuBLASLt (measured on the H200 with 2.11: an extra
+//!   validator rejects the file with "Unmatched validator", and a row naming a solution it
+//!   does not have fails the matmul). So they go to a file of their own,
+//!   [`ferrocuda_file`]`(path)`, with `Validator,FERROCUDA_CUBLASLT_VERSION,<version>`;
+//!   it is read after the main file, and dropped under another cuBLASLt.
 use crate::MathLibError;
 use ferrocuda_types::DType;
 use rustc_hash::FxHashMap;
@@ -185,33 +190,57 @@ impl ResultsFile {
         out
     }
 
-    /// The rows usable here: PyTorch's rule first (`PT_VERSION` must match, else the whole
-    /// file is rejected with that error), then ours (rows of cuBLASLt solutions need the
-    /// file's cuBLASLt version to be `cublaslt_version`).
-    pub fn usable_rows(&self, cublaslt_version: &str) -> Result<Vec<TunedGemm>, MathLibError> {
-        let get = |key: &str| {
-            self.validators
-                .iter()
-                .find(|(k, _)| k == key)
-                .map(|(_, v)| v.as_str())
-        };
-        match get("PT_VERSION") {
-            Some(PT_VERSION) => {}
-            found => {
-                return Err(MathLibError::TunableOp(format!(
-                    "the results file's PT_VERSION is {}, not {PT_VERSION}: the file is rejected",
-                    found.unwrap_or("missing")
-                )));
-            }
+    fn validator(&self, key: &str) -> Option<&str> {
+        self.validators
+            .iter()
+            .find(|(k, _)| k == key)
+            .map(|(_, v)| v.as_str())
+    }
+
+    fn check_pt_version(&self) -> Result<(), MathLibError> {
+        match self.validator("PT_VERSION") {
+            Some(PT_VERSION) => Ok(()),
+            found => Err(MathLibError::TunableOp(format!(
+                "the results file's PT_VERSION is {}, not {PT_VERSION}: the file is rejected",
+                found.unwrap_or("missing")
+            ))),
         }
-        let lt_ok = get(CUBLASLT_VALIDATOR) == Some(cublaslt_version);
+    }
+
+    /// The rows of PyTorch's file usable here, by PyTorch's rules: `PT_VERSION` must match
+    /// and no other validator may be present (else the whole file is rejected, with
+    /// PyTorch's warning for an unknown one); rows of our solutions are dropped (a PyTorch
+    /// file cannot say which cuBLASLt they were tuned with).
+    pub fn pytorch_rows(&self) -> Result<Vec<TunedGemm>, MathLibError> {
+        self.check_pt_version()?;
+        if let Some((key, _)) = self.validators.iter().find(|(k, _)| k != "PT_VERSION") {
+            return Err(MathLibError::TunableOp(format!(
+                "Unmatched validator: \"{key}\" is provided, but pytorch is unable to consume it: the file is rejected"
+            )));
+        }
         Ok(self
             .rows
             .iter()
-            .filter(|r| lt_ok || r.solution == Solution::Default)
+            .filter(|r| r.solution == Solution::Default)
             .cloned()
             .collect())
     }
+
+    /// The rows of our file ([`ferrocuda_file`]) usable under `cublaslt_version`: its
+    /// `PT_VERSION` must match (else it is rejected, as PyTorch's would be), and its
+    /// cuBLASLt version too (else none: they were tuned with another cuBLASLt).
+    pub fn ferrocuda_rows(&self, cublaslt_version: &str) -> Result<Vec<TunedGemm>, MathLibError> {
+        self.check_pt_version()?;
+        if self.validator(CUBLASLT_VALIDATOR) != Some(cublaslt_version) {
+            return Ok(Vec::new());
+        }
+        Ok(self.rows.clone())
+    }
+}
+
+/// The file beside PyTorch's results file `path` that holds our solutions: `<path>.ferrocuda`.
+pub fn ferrocuda_file(path: &str) -> String {
+    format!("{path}.ferrocuda")
 }
 
 /// `ms` as `std::ostream << double` prints it (`%g`: six significant digits, no trailing
@@ -330,11 +359,7 @@ mod tests {
         );
         assert_eq!(f.rows.len(), 18);
         assert_eq!(f.render(), RECORDED);
-        assert_eq!(
-            f.usable_rows("130100").map(|r| r.len()).ok(),
-            Some(18),
-            "Default rows need no cuBLASLt validator"
-        );
+        assert_eq!(f.pytorch_rows().map(|r| r.len()).ok(), Some(18));
     }
 
     #[test]
@@ -396,17 +421,35 @@ mod tests {
     fn validators_reject_or_drop() {
         let other = RECORDED.replace("2.11.0", "2.10.0");
         let err = ResultsFile::parse(&other)
-            .and_then(|f| f.usable_rows("1"))
+            .and_then(|f| f.pytorch_rows())
             .err();
         assert!(matches!(err, Some(MathLibError::TunableOp(m)) if m.contains("2.10.0")));
         let ours = "Validator,PT_VERSION,2.11.0\nValidator,FERROCUDA_CUBLASLT_VERSION,130100\nGemmTunableOp_float_NN,nn_8_8_8_ld_8_8_8,Gemm_Cublaslt_2,0.01\nGemmTunableOp_float_NT,nt_8_8_8_ld_8_8_8,Default,0.02\n";
         let f = ResultsFile::parse(ours).unwrap_or_default();
         assert_eq!(f.rows[0].solution, Solution::CublasLt(2));
-        assert_eq!(f.usable_rows("130100").map(|r| r.len()).ok(), Some(2));
+        assert_eq!(f.ferrocuda_rows("130100").map(|r| r.len()).ok(), Some(2));
         assert_eq!(
-            f.usable_rows("130200").map(|r| r.len()).ok(),
-            Some(1),
+            f.ferrocuda_rows("130200").map(|r| r.len()).ok(),
+            Some(0),
             "another cuBLASLt: its rows dropped"
+        );
+        let err = f
+            .pytorch_rows()
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(
+            err.contains("Unmatched validator: \"FERROCUDA_CUBLASLT_VERSION\""),
+            "PyTorch rejects a file with our validator: {err}"
+        );
+        let mixed = ResultsFile {
+            validators: vec![("PT_VERSION".into(), PT_VERSION.into())],
+            rows: f.rows.clone(),
+        };
+        assert_eq!(
+            mixed.pytorch_rows().map(|r| r.len()).ok(),
+            Some(1),
+            "our solutions in PyTorch's file are dropped"
         );
         assert!(ResultsFile::parse("GemmTunableOp_float_NN,nn,NoSuchSolution,1\n").is_err());
         assert!(ResultsFile::parse("a,b\n").is_err());

@@ -41,8 +41,8 @@ impl Blas {
         f(&mut self.shared_tunable().lock())
     }
 
-    /// The validators this process writes and checks: `PT_VERSION` and the cuBLASLt
-    /// version.
+    /// The validators of our file ([`tunable::ferrocuda_file`]): `PT_VERSION` and the
+    /// cuBLASLt version. PyTorch's file has `PT_VERSION` only.
     pub fn tunable_validators(&self) -> Vec<(String, String)> {
         vec![
             ("PT_VERSION".into(), tunable::PT_VERSION.into()),
@@ -53,12 +53,25 @@ impl Blas {
         ]
     }
 
-    /// `torch.cuda.tunable.read_file`: loads the usable rows of `path` (a rejected file
-    /// loads nothing and is the error); returns how many were loaded.
+    /// `torch.cuda.tunable.read_file`: loads the usable rows of PyTorch's file `path` (by
+    /// PyTorch's rules: a rejected file loads nothing and is the error), then of our file
+    /// beside it, if there is one (its rows only under the cuBLASLt they were tuned with;
+    /// a rejected one is a warning in [`TunableState::warnings`]); returns how many rows
+    /// were loaded.
     pub fn read_tunable_file(&self, path: &str) -> Result<usize, MathLibError> {
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| MathLibError::TunableOp(format!("{path}: {e}")))?;
-        let rows = ResultsFile::parse(&text)?.usable_rows(&self.backend().lt_version())?;
+        let read = |path: &str| {
+            std::fs::read_to_string(path)
+                .map_err(|e| MathLibError::TunableOp(format!("{path}: {e}")))
+        };
+        let mut rows = ResultsFile::parse(&read(path)?)?.pytorch_rows()?;
+        let ours = tunable::ferrocuda_file(path);
+        if std::path::Path::new(&ours).exists() {
+            let lt = self.backend().lt_version();
+            match read(&ours).and_then(|t| ResultsFile::parse(&t)?.ferrocuda_rows(&lt)) {
+                Ok(more) => rows.extend(more),
+                Err(e) => self.shared_tunable().lock().warnings.push(e.to_string()),
+            }
+        }
         let n = rows.len();
         let mut t = self.shared_tunable().lock();
         for r in rows {
@@ -67,14 +80,42 @@ impl Blas {
         Ok(n)
     }
 
-    /// Writes the results, with this process's validators, to `path` (PyTorch's format).
+    /// Writes the results: PyTorch's file at `path` (its validator and the `Default` rows,
+    /// which PyTorch reads), and our cuBLASLt choices, with the cuBLASLt version, to
+    /// [`tunable::ferrocuda_file`]`(path)` (removed when there are none).
     pub fn write_tunable_file(&self, path: &str) -> Result<(), MathLibError> {
-        let file = ResultsFile {
-            validators: self.tunable_validators(),
-            rows: self.shared_tunable().lock().results(),
+        let (default, lt): (Vec<_>, Vec<_>) = self
+            .shared_tunable()
+            .lock()
+            .results()
+            .into_iter()
+            .partition(|r| r.solution == Solution::Default);
+        let write = |path: &str, file: ResultsFile| {
+            std::fs::write(path, file.render())
+                .map_err(|e| MathLibError::TunableOp(format!("{path}: {e}")))
         };
-        std::fs::write(path, file.render())
-            .map_err(|e| MathLibError::TunableOp(format!("{path}: {e}")))
+        let pytorch = ResultsFile {
+            validators: vec![("PT_VERSION".into(), tunable::PT_VERSION.into())],
+            rows: default,
+        };
+        write(path, pytorch)?;
+        let ours = tunable::ferrocuda_file(path);
+        if lt.is_empty() {
+            return match std::fs::remove_file(&ours) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                    Err(MathLibError::TunableOp(format!("{ours}: {e}")))
+                }
+                _ => Ok(()),
+            };
+        }
+        let validators = self.tunable_validators();
+        write(
+            &ours,
+            ResultsFile {
+                validators,
+                rows: lt,
+            },
+        )
     }
 
     /// The path TunableOp gives `gemm`, if it is on: the result found (the device's file is

@@ -13,7 +13,6 @@
 mod support;
 
 use ferrocuda_alloc::{Caching, DeviceAllocators};
-use ferrocuda_driver::CudaDriver;
 use ferrocuda_graph::{CudaGraph, PoolId};
 use ferrocuda_mathlib::{Blas, BlasBackend, BlasLibrary, CudaBlas, FakeBlas, Gemm};
 use ferrocuda_stream::{DeviceBuffer, Stream};
@@ -74,9 +73,11 @@ impl<'h> Setup<'h> {
             Caching::On,
         );
         allocators.install(&h.rt);
-        let backend: Arc<dyn BlasBackend> = match &h.fake {
-            Some(fake) => Arc::new(FakeBlas::new(fake.clone(), 9)),
-            None => Arc::new(CudaBlas::new(Arc::new(CudaDriver::new()))?),
+        // cuBLAS calls CUDA through the runtime's driver, which knows its streams.
+        let backend: Arc<dyn BlasBackend> = match (&h.fake, &h.cuda) {
+            (Some(fake), _) => Arc::new(FakeBlas::new(fake.clone(), 9)),
+            (None, Some(cuda)) => Arc::new(CudaBlas::new(cuda.clone())?),
+            (None, None) => return Err("a harness with neither driver".into()),
         };
         let rec = Arc::new(Recording::new(backend));
         let blas = Blas::new(rec.clone(), (allocators.clone(), D0))?;

@@ -108,6 +108,9 @@ pub struct Harness {
     pub rt: Arc<Runtime>,
     /// The fake driver, when the backend is the fake one (for fake-only extra checks).
     pub fake: Option<Arc<FakeDriver>>,
+    /// The real driver, when the backend is the real one (for libraries that call CUDA
+    /// through it: cuBLAS, cuFFT, on the streams the runtime made).
+    pub cuda: Option<Arc<CudaDriver>>,
     /// [`KERNELS`], loaded once: dropping the last handle unloads a module, and
     /// `cuModuleUnload` waits for its running kernels, which would hide asynchrony.
     module: std::sync::OnceLock<Module>,
@@ -119,6 +122,7 @@ impl Harness {
         Harness {
             rt,
             fake,
+            cuda: None,
             module: std::sync::OnceLock::new(),
         }
     }
@@ -157,8 +161,11 @@ pub fn cuda_harness() -> Harness {
     if let Some(reason) = driver.unavailable_reason() {
         panic!("no usable CUDA device ({reason}): this test needs a GPU");
     }
-    let rt = Runtime::with_kernel_cache(driver, KernelCache::at(Some(temp_dir("kernels"))));
-    Harness::new(rt, None)
+    let rt = Runtime::with_kernel_cache(driver.clone(), KernelCache::at(Some(temp_dir("kernels"))));
+    Harness {
+        cuda: Some(driver),
+        ..Harness::new(rt, None)
+    }
 }
 
 /// Declares, for each named `fn(&Harness) -> TestResult` of the calling test file, a

@@ -17,7 +17,7 @@ fn pytorchs_results_file_round_trips_byte_for_byte() {
     assert_eq!(parsed.rows.len(), 18);
     assert!(parsed.rows.iter().all(|r| r.solution == Solution::Default));
     assert_eq!(parsed.render(), PYTORCH_FILE);
-    assert_eq!(parsed.usable_rows("any cuBLASLt").unwrap(), parsed.rows);
+    assert_eq!(parsed.pytorch_rows().unwrap(), parsed.rows);
     // Blank lines are skipped.
     let spaced = PYTORCH_FILE.replace('\n', "\n\n");
     assert_eq!(ResultsFile::parse(&spaced).unwrap(), parsed);
@@ -106,7 +106,7 @@ fn windows_line_endings_are_read_as_unix_or_refused() {
                 ResultsFile::parse(PYTORCH_FILE).unwrap(),
                 "CRLF accepted: it must mean what the LF file means (no '\\r' kept)"
             );
-            assert!(f.usable_rows("x").is_ok());
+            assert!(f.pytorch_rows().is_ok());
         }
         Err(e) => eprintln!("CRLF refused: {e}"),
     }
@@ -225,15 +225,25 @@ fn times_render_as_cpp_streams_print_doubles() {
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
+/// PyTorch's file by PyTorch 2.11's rules (measured on the H200: any validator but
+/// `PT_VERSION` 2.11.0 rejects the file), our solutions dropped from it; our file beside it
+/// needs `PT_VERSION` and gives its rows only under the cuBLASLt they were tuned with.
 #[test]
-fn usable_rows_need_pytorch_2_11_and_our_cublaslt_version() {
+fn pytorch_rows_follow_pytorch_and_ours_need_our_cublaslt_version() {
     let rows = "GemmTunableOp_float_NN,nn_8_8_8_ld_8_8_8,Default,0.5\n\
                 GemmTunableOp_float_NT,nt_8_8_8_ld_8_8_8,Gemm_Cublaslt_1,0.25\n";
-    let usable = |validators: &str, lt: &str| {
+    let solutions = |r: Vec<TunedGemm>| r.into_iter().map(|t| t.solution).collect::<Vec<_>>();
+    let pytorch = |validators: &str| {
         ResultsFile::parse(&format!("{validators}{rows}"))
             .unwrap()
-            .usable_rows(lt)
-            .map(|r| r.into_iter().map(|t| t.solution).collect::<Vec<_>>())
+            .pytorch_rows()
+            .map(solutions)
+    };
+    let ours = |validators: &str, lt: &str| {
+        ResultsFile::parse(&format!("{validators}{rows}"))
+            .unwrap()
+            .ferrocuda_rows(lt)
+            .map(solutions)
     };
     for (v, what) in [
         ("Validator,PT_VERSION,2.10.0\n", "another version"),
@@ -247,30 +257,47 @@ fn usable_rows_need_pytorch_2_11_and_our_cublaslt_version() {
             "only our validator",
         ),
     ] {
-        let got = no_panic(what, || usable(v, "13.0.0"));
+        let got = no_panic(what, || pytorch(v));
         assert!(
             matches!(got, Err(MathLibError::TunableOp(_))),
             "{what}: {got:?}"
         );
+        let got = no_panic(what, || ours(v, "13.0.0"));
+        assert!(
+            matches!(got, Err(MathLibError::TunableOp(_))),
+            "ours, {what}: {got:?}"
+        );
     }
-    let ours = "Validator,PT_VERSION,2.11.0\nValidator,FERROCUDA_CUBLASLT_VERSION,13.0.0\n";
+    let with_lt = "Validator,PT_VERSION,2.11.0\nValidator,FERROCUDA_CUBLASLT_VERSION,13.0.0\n";
+    assert!(
+        matches!(pytorch(with_lt), Err(MathLibError::TunableOp(m)) if m.contains("Unmatched validator")),
+        "PyTorch's file with our validator is rejected, as PyTorch rejects it"
+    );
     assert_eq!(
-        usable(ours, "13.0.0").unwrap(),
+        pytorch("Validator,PT_VERSION,2.11.0\n").unwrap(),
+        [Solution::Default],
+        "our solution in PyTorch's file is dropped"
+    );
+    assert_eq!(
+        ours(with_lt, "13.0.0").unwrap(),
         [Solution::Default, Solution::CublasLt(1)]
     );
-    assert_eq!(usable(ours, "12.9.1").unwrap(), [Solution::Default]);
+    assert_eq!(ours(with_lt, "12.9.1").unwrap(), [], "another cuBLASLt");
     assert_eq!(
-        usable("Validator,PT_VERSION,2.11.0\n", "13.0.0").unwrap(),
-        [Solution::Default],
-        "no cuBLASLt line: our rows dropped"
+        ours("Validator,PT_VERSION,2.11.0\n", "13.0.0").unwrap(),
+        [],
+        "no cuBLASLt line: none"
     );
-    // Validators after rows and unknown validators (PyTorch reads all, checks its own).
-    let late = format!("{rows}Validator,PT_VERSION,2.11.0\nValidator,SOMETHING_ELSE,1\n");
-    let got = ResultsFile::parse(&late).and_then(|f| f.usable_rows("13.0.0"));
+    // Validators after rows count; an unknown one rejects PyTorch's file.
+    let late = format!("{rows}Validator,PT_VERSION,2.11.0\n");
+    let got = ResultsFile::parse(&late).and_then(|f| f.pytorch_rows());
     assert!(
         matches!(&got, Ok(r) if r.len() == 1),
-        "late and unknown validators: {got:?}"
+        "late validator: {got:?}"
     );
+    let unknown = format!("{late}Validator,SOMETHING_ELSE,1\n");
+    let got = ResultsFile::parse(&unknown).and_then(|f| f.pytorch_rows());
+    assert!(got.is_err(), "unknown validator: {got:?}");
 }
 
 #[test]

@@ -13,7 +13,7 @@ mod support;
 
 use ferrocuda_amp::precision::{self, MatmulPrecision, NoTf32Guard, PrecisionError};
 use ferrocuda_driver::cublas::{Batch, ComputeType, MathMode};
-use ferrocuda_mathlib::tunable::{ResultsFile, Solution};
+use ferrocuda_mathlib::tunable::{ResultsFile, Solution, ferrocuda_file};
 use ferrocuda_mathlib::{BlasLibrary, Gemm, MathLibError};
 use ferrocuda_types::{DType, DevicePtr};
 use support::*;
@@ -661,12 +661,31 @@ pub fn tunableop_tunes_once_writes_pytorchs_file_and_reads_it_back(s: &Setup) ->
     s.blas.write_tunable_file(&path)?;
     let written = ResultsFile::parse(&std::fs::read_to_string(&path)?)?;
     assert_eq!(
-        written.validators[0],
-        ("PT_VERSION".to_string(), "2.11.0".to_string())
+        written.validators,
+        [("PT_VERSION".to_string(), "2.11.0".to_string())],
+        "PyTorch's file has PyTorch's validator only"
     );
-    assert_eq!(written.validators[1].0, "FERROCUDA_CUBLASLT_VERSION");
-    assert_eq!(written.rows.len(), 1);
-    let (w, r) = (&written.rows[0], &results[0]);
+    let ours_path = ferrocuda_file(&path);
+    let row = match results[0].solution {
+        Solution::Default => {
+            assert!(
+                !std::path::Path::new(&ours_path).exists(),
+                "no file of ours"
+            );
+            written.rows.clone()
+        }
+        Solution::CublasLt(_) => {
+            assert!(
+                written.rows.is_empty(),
+                "our solution is not in PyTorch's file"
+            );
+            let ours = ResultsFile::parse(&std::fs::read_to_string(&ours_path)?)?;
+            assert_eq!(ours.validators[1].0, "FERROCUDA_CUBLASLT_VERSION");
+            ours.rows
+        }
+    };
+    assert_eq!(row.len(), 1);
+    let (w, r) = (&row[0], &results[0]);
     assert_eq!(
         (&w.op_sig, &w.param_sig, w.solution),
         (&r.op_sig, &r.param_sig, r.solution)
