@@ -171,6 +171,18 @@ fn tuned_against_untuned(
             });
             blas.gemm(stream, &call).expect("gemm (tuning)");
             driver.stream_synchronize(stream).expect("sync");
+            if tuned {
+                // What the tuning chose, for the log.
+                for r in blas.tunable().results() {
+                    eprintln!(
+                        "tuned {name}: {} {} -> {} ({} ms)",
+                        r.op_sig,
+                        r.param_sig,
+                        r.solution.name(),
+                        r.ms
+                    );
+                }
+            }
             let label = format!("{}_{name}", if tuned { "tuned" } else { "untuned" });
             g.bench_function(label, |bch| {
                 bch.iter_custom(|iters| {

@@ -3,7 +3,8 @@
 //!
 //! A tuning times the default call and up to `max_candidates` of cuBLASLt's heuristic
 //! candidates on the call's stream, each on a scratch copy of C's extent (the caller's C
-//! is written once, by the winner), a few milliseconds each, and keeps the fastest. The
+//! is written once, by the winner), in interleaved rounds of a burst of about a
+//! millisecond each, and keeps the fastest. The
 //! default call wins unless a candidate is faster by more than 1%: a tuned GEMM is never
 //! slower than the untuned one by more than the timing's noise.
 use crate::MathLibError;
@@ -14,9 +15,11 @@ use crate::tunable::{self, GemmShape, ResultsFile, Solution, TunableState};
 use ferrocuda_types::DevicePtr;
 use std::time::Instant;
 
-/// How long a tuning times each candidate, at most.
-const BUDGET_PER_CANDIDATE_MS: f64 = 5.0;
-/// Most timed calls of one candidate.
+/// Rounds of timing: each times one burst of every candidate.
+const ROUNDS: usize = 5;
+/// How long one burst of a candidate lasts, about.
+const BURST_MS: f64 = 1.0;
+/// Most calls in one burst.
 const MAX_REPS: u32 = 100;
 
 impl Blas {
@@ -190,6 +193,11 @@ impl Blas {
         })
     }
 
+    /// Per-call milliseconds of the default call and of cuBLASLt's candidates: a first
+    /// call of each (which warms it up and sizes its bursts), then [`ROUNDS`] rounds that
+    /// time a burst of each in turn, keeping each one's best. Interleaved so that a GPU
+    /// whose clocks move during the tuning (an idle H200 takes a while to reach its
+    /// steady clocks, then throttles) favours none of them.
     fn time_candidates(
         &self,
         bound: &Bound,
@@ -201,43 +209,44 @@ impl Blas {
             .lock()
             .max_candidates
             .min(crate::library_choice::LT_QUERY);
-        let mut timed = Vec::new();
+        let reps = |first_ms: f64| ((BURST_MS / first_ms.max(1e-6)) as u32).clamp(1, MAX_REPS);
+        let mut paths = Vec::new();
         // The default call may be refused (split-K disallowed): then only cuBLASLt's.
-        if let Ok(ms) = self.time_one(bound, gemm, scratch, Path::Classic) {
-            timed.push((Solution::Default, ms));
+        if let Ok(ms) = self.time_burst(bound, gemm, scratch, Path::Classic, 1) {
+            paths.push((Solution::Default, Path::Classic, reps(ms)));
         }
         for rank in 0..max {
-            match self.time_one(bound, gemm, scratch, Path::Lt(rank)) {
-                Ok(ms) => timed.push((Solution::CublasLt(rank), ms)),
+            match self.time_burst(bound, gemm, scratch, Path::Lt(rank), 1) {
+                Ok(ms) => paths.push((Solution::CublasLt(rank), Path::Lt(rank), reps(ms))),
                 Err(MathLibError::InvalidGemm(_)) => break,
                 Err(e) => return Err(e),
             }
         }
-        Ok(timed)
+        let mut best = vec![f64::INFINITY; paths.len()];
+        for _ in 0..ROUNDS {
+            for (ms, &(_, path, n)) in best.iter_mut().zip(&paths) {
+                *ms = ms.min(self.time_burst(bound, gemm, scratch, path, n)?);
+            }
+        }
+        Ok(paths.iter().map(|&(s, _, _)| s).zip(best).collect())
     }
 
-    /// Milliseconds per call of `path`: one call to warm up and size the repetitions, then
-    /// as many as fit in the budget (at most [`MAX_REPS`]), between two waits.
-    fn time_one(
+    /// Milliseconds per call of `reps` back-to-back calls of `path`, between two waits.
+    fn time_burst(
         &self,
         bound: &Bound,
         gemm: &Gemm,
         scratch: DevicePtr,
         path: Path,
+        reps: u32,
     ) -> Result<f64, MathLibError> {
         let backend = self.backend();
-        let stream = bound.stream;
-        backend.synchronize(stream)?;
-        let t = Instant::now();
-        self.run_path(bound, gemm, scratch, path)?;
-        backend.synchronize(stream)?;
-        let first = t.elapsed().as_secs_f64() * 1e3;
-        let reps = ((BUDGET_PER_CANDIDATE_MS / first.max(1e-6)) as u32).clamp(1, MAX_REPS);
+        backend.synchronize(bound.stream)?;
         let t = Instant::now();
         for _ in 0..reps {
             self.run_path(bound, gemm, scratch, path)?;
         }
-        backend.synchronize(stream)?;
+        backend.synchronize(bound.stream)?;
         Ok(t.elapsed().as_secs_f64() * 1e3 / f64::from(reps))
     }
 }
