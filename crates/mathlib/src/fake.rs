@@ -179,7 +179,11 @@ impl BlasBackend for FakeBlas {
             }
             .into());
         }
-        self.fake.stream_query(stream).map_err(BlasError::from)?;
+        // The stream must exist; a capturing one is fine (`cublasSetStream` makes no stream
+        // call, and PyTorch sets the stream at every acquisition, captures included).
+        self.fake
+            .stream_capture_status(stream)
+            .map_err(BlasError::from)?;
         self.edit(handle, |s| s.stream = stream).map(drop)
     }
 

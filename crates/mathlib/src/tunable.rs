@@ -190,9 +190,11 @@ impl ResultsFile {
         out
     }
 
+    /// A validator's value: its last line, as PyTorch keeps the last value of a key.
     fn validator(&self, key: &str) -> Option<&str> {
         self.validators
             .iter()
+            .rev()
             .find(|(k, _)| k == key)
             .map(|(_, v)| v.as_str())
     }
@@ -227,14 +229,17 @@ impl ResultsFile {
     }
 
     /// The rows of our file ([`ferrocuda_file`]) usable under `cublaslt_version`: its
-    /// `PT_VERSION` must match (else it is rejected, as PyTorch's would be), and its
-    /// cuBLASLt version too (else none: they were tuned with another cuBLASLt).
+    /// `PT_VERSION` must match, and its cuBLASLt version too (else it is rejected: its rows
+    /// were tuned with another cuBLASLt).
     pub fn ferrocuda_rows(&self, cublaslt_version: &str) -> Result<Vec<TunedGemm>, MathLibError> {
         self.check_pt_version()?;
-        if self.validator(CUBLASLT_VALIDATOR) != Some(cublaslt_version) {
-            return Ok(Vec::new());
+        match self.validator(CUBLASLT_VALIDATOR) {
+            Some(v) if v == cublaslt_version => Ok(self.rows.clone()),
+            found => Err(MathLibError::TunableOp(format!(
+                "the results were tuned with cuBLASLt {}, not {cublaslt_version}: they are not used",
+                found.unwrap_or("(not said)")
+            ))),
         }
-        Ok(self.rows.clone())
     }
 }
 
@@ -428,10 +433,9 @@ mod tests {
         let f = ResultsFile::parse(ours).unwrap_or_default();
         assert_eq!(f.rows[0].solution, Solution::CublasLt(2));
         assert_eq!(f.ferrocuda_rows("130100").map(|r| r.len()).ok(), Some(2));
-        assert_eq!(
-            f.ferrocuda_rows("130200").map(|r| r.len()).ok(),
-            Some(0),
-            "another cuBLASLt: its rows dropped"
+        assert!(
+            f.ferrocuda_rows("130200").is_err(),
+            "another cuBLASLt: its rows are refused"
         );
         let err = f
             .pytorch_rows()

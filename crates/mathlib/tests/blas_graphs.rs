@@ -31,6 +31,7 @@ both_backends!(
     a_hundred_captures_do_not_grow_memory,
     two_graphs_on_one_stream_never_share_a_workspace,
     tunableop_does_not_tune_inside_a_capture,
+    a_capture_on_a_stream_the_handle_has_not_used,
 );
 
 /// The installed allocators, a recording [`Blas`] over them and a capture stream.
@@ -123,10 +124,19 @@ impl<'h> Setup<'h> {
     /// A graph of `p`'s GEMM captured on the setup's stream, and the workspace the capture
     /// bound.
     fn capture(&self, p: &Product) -> Result<(CudaGraph, DevicePtr), Box<dyn std::error::Error>> {
+        self.capture_on(&self.stream, p)
+    }
+
+    /// As [`Setup::capture`], on `stream`.
+    fn capture_on(
+        &self,
+        stream: &Stream,
+        p: &Product,
+    ) -> Result<(CudaGraph, DevicePtr), Box<dyn std::error::Error>> {
         let graph = CudaGraph::new(self.h.rt.clone(), self.allocators.clone(), D0)?;
         self.rec.take();
-        graph.capture_begin(&self.stream, None, CaptureMode::Global)?;
-        let gemm = self.blas.gemm(self.stream.handle(), &p.gemm());
+        graph.capture_begin(stream, None, CaptureMode::Global)?;
+        let gemm = self.blas.gemm(stream.handle(), &p.gemm());
         graph.capture_end()?;
         gemm?;
         let bound: Vec<DevicePtr> = self
@@ -236,6 +246,22 @@ fn a_captured_gemm_takes_its_workspace_from_the_graphs_pool(h: &Harness) -> Test
             "{library:?}: the pool's memory went back"
         );
     }
+    Ok(())
+}
+
+/// A capture on a stream the handle has not used (the `torch.cuda.graph` idiom: warm up on
+/// one stream, capture on another): the handle is set to the capturing stream
+/// (`cublasSetStream` inside the capture, as PyTorch does at every acquisition), and the
+/// replay, on the first stream after the second's work, gives the eager result.
+fn a_capture_on_a_stream_the_handle_has_not_used(h: &Harness) -> TestResult {
+    let s = Setup::new(h)?;
+    let p = s.product(6)?;
+    s.warm_up(&p)?;
+    let other = h.rt.new_stream(D0, 0)?;
+    let (graph, ws) = s.capture_on(&other, &p)?;
+    let size = s.blas.cublas_workspace_size();
+    assert!(s.free_in_pool(graph.pool().expect("pool"), ws, size)?);
+    s.replay(&graph, &p, "the replay on the warm-up stream")?;
     Ok(())
 }
 

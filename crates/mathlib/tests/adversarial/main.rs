@@ -73,7 +73,10 @@ fn catch<T>(f: impl FnOnce() -> T) -> Result<T, String> {
     })
 }
 
+mod captures;
 mod fft;
 mod gemm;
+mod half_fft;
 mod tunable;
+mod tunable_files;
 mod workspace;
