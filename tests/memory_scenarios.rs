@@ -109,6 +109,7 @@ fn out_of_memory_reaches_buffers_as_a_typed_error() -> TestResult {
             non_releasable: split_rest,
             expandable_segments: false,
             rejected_by_fraction: false,
+            forensics: None,
         }
     );
     let message = err.to_string();

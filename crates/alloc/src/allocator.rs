@@ -183,8 +183,20 @@ impl CachingAllocator {
 
     // ---- allocate ------------------------------------------------------------------------
 
-    /// Allocates `bytes` for use on `stream`. Zero bytes give a null pointer.
+    /// Allocates `bytes` for use on `stream`. Zero bytes give a null pointer. Out of memory
+    /// is [`AllocError::OutOfMemory`] with PyTorch's figures (and, with `oom_forensics`,
+    /// ours).
     pub fn allocate(&self, bytes: u64, stream: StreamHandle) -> Result<Allocation, AllocError> {
+        self.allocate_or_report(bytes, stream)
+            .map_err(|e| self.with_forensics(e, stream))
+    }
+
+    #[inline(always)]
+    fn allocate_or_report(
+        &self,
+        bytes: u64,
+        stream: StreamHandle,
+    ) -> Result<Allocation, AllocError> {
         if bytes >= ONE_EXABYTE {
             // PyTorch refuses these before its device allocator (`NativeCachingAllocator::
             // malloc`): no statistic, no history entry, no observer.

@@ -241,6 +241,7 @@ impl Engine {
             non_releasable: st.stats.inactive_split_bytes.current() as u64,
             expandable_segments: st.config.expandable.enabled,
             rejected_by_fraction: false,
+            forensics: None,
         };
         drop(st);
         if !beyond_one_exabyte {

@@ -116,6 +116,7 @@ mod free_pools;
 pub mod history;
 pub mod host;
 mod inspect;
+mod oom_forensics;
 mod peer_access;
 mod pluggable;
 mod private_pools;

@@ -67,7 +67,7 @@ pub use host::{DurationStat, HostRange, HostStats};
 pub use launch::{
     CaptureMode, CaptureStatus, EventFlags, KernelArg, LaunchConfig, MemsetValue, StreamFlags,
 };
-pub use oom::{OutOfMemory, PoolOutOfMemory, ProcessMemory};
+pub use oom::{FreeCache, LiveBlock, OomForensics, OutOfMemory, PoolOutOfMemory, ProcessMemory};
 pub use snapshot::{
     AllocatorSettings, ExternalAnnotation, Frame, IntervalMib, Snapshot, SnapshotBlock,
     SnapshotSegment, TraceEntry,

@@ -2,7 +2,7 @@
 //!
 //! It lives here, below the stream layer, so that a buffer's allocation error carries it
 //! intact (`ferrocuda_stream::MemoryError::OutOfMemory`); the caching allocator fills it in.
-use crate::{StreamHandle, format_size};
+use crate::{Frame, StreamHandle, format_size};
 use std::fmt;
 
 /// The figures of an out-of-memory error. Its `Display` is PyTorch's message
@@ -44,6 +44,117 @@ pub struct OutOfMemory {
     pub expandable_segments: bool,
     /// Refused up front for passing the memory fraction (`throw_on_cudamalloc_oom`).
     pub rejected_by_fraction: bool,
+    /// With `oom_forensics:<path>` (ferrocuda's own key): what the cache looked like, printed
+    /// after PyTorch's message. `None` by default: the message is PyTorch's alone.
+    pub forensics: Option<Box<OomForensics>>,
+}
+
+/// The figures `oom_forensics` adds to an out-of-memory error.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct OomForensics {
+    /// Cached free memory per (pool, small or large, stream), largest first.
+    pub free: Vec<FreeCache>,
+    /// Bytes `empty_cache()` would give back to the device now.
+    pub releasable: u64,
+    /// The largest request on the failed request's stream that would succeed after
+    /// `empty_cache()`: the larger of the device's free memory plus what it gives back
+    /// (within the memory fraction) and the largest cached block it would keep.
+    pub largest_after_release: u64,
+    /// The largest live blocks, largest first (at most five), with their allocation sites
+    /// when history records stacks.
+    pub largest_live: Vec<LiveBlock>,
+    /// Where the snapshot was written, or why it was not.
+    pub snapshot: Result<String, String>,
+}
+
+/// Cached free memory of one (pool, small or large, stream).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FreeCache {
+    /// The memory pool: `(0, 0)` is the default pool, others private pools.
+    pub pool: (u64, u64),
+    /// Whether it is the small-block pool.
+    pub small: bool,
+    /// The stream.
+    pub stream: StreamHandle,
+    /// Free bytes cached.
+    pub bytes: u64,
+    /// Free blocks cached.
+    pub blocks: usize,
+    /// The largest of them, in bytes.
+    pub largest: u64,
+}
+
+/// A live block, for the forensics.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LiveBlock {
+    /// Address.
+    pub ptr: u64,
+    /// Size in bytes.
+    pub size: u64,
+    /// Its stream.
+    pub stream: StreamHandle,
+    /// Where it was allocated, innermost first (empty without stacks in the history).
+    pub frames: Vec<Frame>,
+}
+
+impl fmt::Display for OomForensics {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("\n\nferrocuda OOM forensics (oom_forensics):")?;
+        f.write_str("\n  cached free memory by pool and stream (free, largest block, blocks):")?;
+        if self.free.is_empty() {
+            f.write_str(" none")?;
+        }
+        for c in &self.free {
+            let pool = if c.pool == (0, 0) {
+                "default".to_string()
+            } else {
+                format!("private ({}, {})", c.pool.0, c.pool.1)
+            };
+            write!(
+                f,
+                "\n    {pool} {} pool, stream {:#x}: {}, {}, {}",
+                if c.small { "small" } else { "large" },
+                c.stream.raw,
+                format_size(c.bytes),
+                format_size(c.largest),
+                c.blocks
+            )?;
+        }
+        write!(
+            f,
+            "\n  empty_cache() would give back {}; the largest request on this stream that would then succeed is about {}.",
+            format_size(self.releasable),
+            format_size(self.largest_after_release)
+        )?;
+        f.write_str("\n  largest live blocks:")?;
+        if self.largest_live.is_empty() {
+            f.write_str(" none")?;
+        }
+        for b in &self.largest_live {
+            write!(
+                f,
+                "\n    {} at {:#x}, stream {:#x}",
+                format_size(b.size),
+                b.ptr,
+                b.stream.raw
+            )?;
+            match b.frames.first() {
+                Some(fr) => write!(
+                    f,
+                    ", allocated at {}:{} ({})",
+                    fr.filename, fr.line, fr.name
+                )?,
+                None => f.write_str(" (no stack: record_memory_history records them)")?,
+            }
+        }
+        match &self.snapshot {
+            Ok(path) => write!(
+                f,
+                "\n  snapshot written to {path} (PyTorch's memory viewer and `ferrocuda summary` read it)."
+            ),
+            Err(why) => write!(f, "\n  no snapshot: {why}"),
+        }
+    }
 }
 
 /// A process using the device, for the out-of-memory message.
@@ -116,6 +227,9 @@ impl fmt::Display for OutOfMemory {
                  documentation for Memory Management  \
                  (https://docs.pytorch.org/docs/stable/notes/cuda.html#optimizing-memory-usage-with-pytorch-cuda-alloc-conf)",
             )?;
+        }
+        if let Some(x) = &self.forensics {
+            write!(f, "{x}")?;
         }
         Ok(())
     }

@@ -207,6 +207,7 @@ impl AsyncAllocator {
                     non_releasable: 0,
                     expandable_segments: false,
                     rejected_by_fraction: false,
+                    forensics: None,
                 },
             )));
         }

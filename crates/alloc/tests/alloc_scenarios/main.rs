@@ -17,6 +17,7 @@ mod checkpoint;
 mod formats;
 mod memory_pressure;
 mod next_capture;
+mod oom_forensics;
 mod peer_access;
 mod pluggable;
 mod pytorch_rules;

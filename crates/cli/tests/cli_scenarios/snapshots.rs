@@ -406,3 +406,43 @@ fn bombs_devices_and_directories_end_with_one_line_under_a_3_gb_limit() -> TestR
     );
     Ok(())
 }
+
+/// The snapshot `oom_forensics:<path>` writes at an out-of-memory error: `ferrocuda
+/// summary` and `replay` read it, and its history holds the `oom` entry.
+#[test]
+fn the_oom_forensics_snapshot_reads_in_every_command() -> TestResult {
+    use ferrocuda_alloc::{AllocError, Caching, CachingAllocator};
+    use ferrocuda_driver::FakeDriver;
+    use ferrocuda_types::{AllocatorConfig, DeviceIndex, StreamHandle};
+    use std::sync::Arc;
+    let path = scratch("oom-forensics")?.join("oom.pickle");
+    let path_text = path.to_string_lossy().into_owned();
+    let fake = Arc::new(FakeDriver::builder().capacity(64 << 20).build());
+    let config = AllocatorConfig::parse(&format!("oom_forensics:{path_text}"))?;
+    let a = CachingAllocator::new(fake, DeviceIndex(0), config, Caching::On)?;
+    a.record_memory_history(ferrocuda_alloc::history::HistoryOptions::parse(
+        Some("all"),
+        Some("all"),
+        1000,
+    )?);
+    let stream = StreamHandle::legacy(DeviceIndex(0));
+    let live = a.allocate(40 << 20, stream)?;
+    let err = a.allocate(40 << 20, stream).err();
+    assert!(matches!(err, Some(AllocError::OutOfMemory(_))), "{err:?}");
+    let summary = ferrocuda(&["summary", &path_text])?;
+    assert!(summary.status.success(), "{}", text(&summary.stderr));
+    assert!(!summary.stdout.is_empty());
+    let replay = ferrocuda(&["replay", &path_text, "--conf", ""])?;
+    assert!(replay.status.success(), "{}", text(&replay.stderr));
+    let recording = read_recording(&path)?;
+    assert!(
+        recording
+            .traces
+            .iter()
+            .flatten()
+            .any(|e| e.action == TraceAction::Oom),
+        "the oom entry"
+    );
+    a.free(live.ptr)?;
+    Ok(())
+}

@@ -209,6 +209,19 @@ impl AllocatorConfig {
                 }
                 self.expandable.page = Some(mb * MIB);
             }
+            "oom_forensics" => {
+                let v = single(p, key, value)?;
+                self.release.oom_forensics = match v.text.as_str() {
+                    "False" => None,
+                    "" | "True" => {
+                        return Err(p.err(
+                            Some(v),
+                            "oom_forensics takes the path the snapshot is written to (or False)",
+                        ));
+                    }
+                    path => Some(path.to_owned()),
+                };
+            }
             // Applied in the first pass (see `update`).
             "ferrocuda_recommended" => {}
             "throw_on_cudamalloc_oom" => {
@@ -420,6 +433,10 @@ impl AllocatorConfig {
             (
                 "oom_search_after_sync",
                 self.release.oom_search_after_sync != d.release.oom_search_after_sync,
+            ),
+            (
+                "oom_forensics",
+                self.release.oom_forensics != d.release.oom_forensics,
             ),
             (
                 "expandable_segments_page_mb",

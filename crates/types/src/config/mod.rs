@@ -135,6 +135,12 @@ pub struct ReleaseConfig {
     pub oom_search_after_sync: bool,
     /// `throw_on_cudamalloc_oom`.
     pub throw_on_cudamalloc_oom: bool,
+    /// `oom_forensics:<path>` (ferrocuda's own): an out-of-memory error also says how the
+    /// cache is fragmented (per pool and stream), what `empty_cache` would give back and the
+    /// largest request that would then succeed, and the largest live blocks with their
+    /// allocation sites; and a snapshot is written to this path. `None` (the default, or
+    /// `oom_forensics:False`): PyTorch's message only.
+    pub oom_forensics: Option<String>,
 }
 
 /// Which freed blocks may serve which requests beyond PyTorch's per-stream cache: read by
@@ -246,6 +252,7 @@ impl Default for ReleaseConfig {
             oom_release_partial: false,
             oom_search_after_sync: false,
             throw_on_cudamalloc_oom: false,
+            oom_forensics: None,
         }
     }
 }

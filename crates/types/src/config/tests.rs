@@ -600,6 +600,7 @@ fn serialized_configuration_is_flat_and_round_trips() -> Result<(), Box<dyn std:
         "large_segment_size",
         "max_non_split_rounding",
         "max_split_size",
+        "oom_forensics",
         "oom_release_partial",
         "oom_search_after_sync",
         "per_process_memory_fraction",
@@ -620,4 +621,27 @@ fn serialized_configuration_is_flat_and_round_trips() -> Result<(), Box<dyn std:
     let back: AllocatorConfig = serde_pickle::from_value(value)?;
     assert_eq!(back, c);
     Ok(())
+}
+
+#[test]
+fn oom_forensics_takes_a_path_or_false() {
+    let c = AllocatorConfig::parse("oom_forensics:/tmp/run-1/oom.pickle").expect("a path");
+    assert_eq!(
+        c.release.oom_forensics.as_deref(),
+        Some("/tmp/run-1/oom.pickle")
+    );
+    assert_eq!(c.async_backend_keys().ferrocuda_only, ["oom_forensics"]);
+    let off = AllocatorConfig::parse("oom_forensics:False").expect("off");
+    assert_eq!(off.release.oom_forensics, None);
+    for bad in [
+        "oom_forensics:True",
+        "oom_forensics:",
+        "oom_forensics:[a:b]",
+    ] {
+        assert!(AllocatorConfig::parse(bad).is_err(), "{bad}");
+    }
+    // A re-parse that does not name it keeps it, as for the other keys.
+    let mut c = c;
+    c.update("expandable_segments:True").expect("valid");
+    assert!(c.release.oom_forensics.is_some());
 }
