@@ -42,9 +42,9 @@ pub enum Caching {
 /// PyTorch's caching allocator for one device, over any [`Driver`].
 pub struct CachingAllocator {
     pub(crate) engine: Engine,
-    caching: bool,
+    pub(crate) caching: bool,
     /// With caching off: every live allocation, its size and stream.
-    uncached: Mutex<FxHashMap<u64, (u64, u64)>>,
+    pub(crate) uncached: Mutex<FxHashMap<u64, (u64, u64)>>,
     /// Number of pools being recorded to, readable without the lock (the hot path asks the
     /// driver for capture status only when it is not zero).
     routing: AtomicUsize,

@@ -41,7 +41,6 @@ impl CachingAllocator {
     fn forensics(&self, report: &OutOfMemory, stream: StreamHandle) -> OomForensics {
         let st = self.engine.lock();
         let mut free: FxHashMap<(PoolId, PoolKind, u64), FreeCache> = FxHashMap::default();
-        let (mut releasable, mut kept_on_stream) = (0, 0);
         for k in st.pools.keys() {
             let b = &st.blocks[k.id];
             let c = free.entry((k.pool, b.pool, k.stream)).or_insert(FreeCache {
@@ -55,36 +54,48 @@ impl CachingAllocator {
             c.bytes += b.size;
             c.blocks += 1;
             c.largest = c.largest.max(b.size);
-            let given_back = released_by_empty_cache(&st, k.id, k.pool);
-            releasable += given_back;
-            if k.pool.is_default() && k.stream == stream.raw && given_back == 0 {
-                kept_on_stream = kept_on_stream.max(b.size);
-            }
         }
         let mut free: Vec<FreeCache> = free.into_values().collect();
         free.sort_by(|a, b| b.bytes.cmp(&a.bytes).then(a.stream.raw.cmp(&b.stream.raw)));
-        let reserved_after = report.reserved.saturating_sub(releasable);
+        let after = after_empty_cache(&st, stream.raw);
+        let reserved_after = report.reserved.saturating_sub(after.releasable);
         let room = st
             .allowed_max
             .map_or(u64::MAX, |a| a.saturating_sub(reserved_after));
-        let new_segment = report.device_free.saturating_add(releasable).min(room);
-        let mut live: Vec<LiveBlock> = st
-            .blocks
-            .iter()
-            .filter(|b| !b.vacant && b.allocated)
-            .map(|b| LiveBlock {
-                ptr: b.ptr,
-                size: b.size,
-                stream: st.stream_handle(b.stream),
-                frames: b.frames.as_deref().map(<[_]>::to_vec).unwrap_or_default(),
-            })
-            .collect();
+        let new_segment = report
+            .device_free
+            .saturating_add(after.releasable)
+            .min(room);
+        let mut live: Vec<LiveBlock> = if self.caching {
+            st.blocks
+                .iter()
+                .filter(|b| !b.vacant && b.allocated)
+                .map(|b| LiveBlock {
+                    ptr: b.ptr,
+                    size: b.size,
+                    stream: st.stream_handle(b.stream),
+                    frames: b.frames.as_deref().map(<[_]>::to_vec).unwrap_or_default(),
+                })
+                .collect()
+        } else {
+            // Without caching every allocation is the driver's, known only by its address.
+            self.uncached
+                .lock()
+                .iter()
+                .map(|(&ptr, &(size, s))| LiveBlock {
+                    ptr,
+                    size,
+                    stream: st.stream_handle(s),
+                    frames: Vec::new(),
+                })
+                .collect()
+        };
         live.sort_by(|a, b| b.size.cmp(&a.size).then(a.ptr.cmp(&b.ptr)));
         live.truncate(LIVE_LISTED);
         OomForensics {
             free,
-            releasable,
-            largest_after_release: new_segment.max(kept_on_stream),
+            releasable: after.releasable,
+            largest_after_release: new_segment.max(after.kept_on_stream),
             largest_live: live,
             snapshot: Err("not written yet".into()),
         }
@@ -108,21 +119,66 @@ impl CachingAllocator {
     }
 }
 
-/// Bytes of free block `id` (of `pool`) that `empty_cache()` gives back: a whole free
-/// segment of a pool that may release, or the whole pages inside a free piece of an
-/// expandable segment.
-fn released_by_empty_cache(st: &State, id: usize, pool: PoolId) -> u64 {
-    let b = &st.blocks[id];
-    if !st.private.releasable(pool) {
-        return 0;
-    }
-    match st.expandable.page_of(&st.blocks, id) {
-        Some(page) if page > 0 => {
-            let first = b.ptr.div_ceil(page) * page;
-            let end = (b.ptr + b.size) / page * page;
-            end.saturating_sub(first)
+/// What `empty_cache()` would leave: it waits for every pending event first, so blocks
+/// freed behind `record_stream` count as free (and merge with their free neighbours).
+struct AfterEmptyCache {
+    /// Bytes it gives back: whole free segments of pools that may release, and the whole
+    /// pages inside free runs of expandable segments.
+    releasable: u64,
+    /// The largest free run it keeps in the default pool on the failed request's stream.
+    kept_on_stream: u64,
+}
+
+/// Walks every segment (an ordinary one, or an expandable segment's mapped runs), treating
+/// every block not allocated as free.
+fn after_empty_cache(st: &State, stream: u64) -> AfterEmptyCache {
+    let mut out = AfterEmptyCache {
+        releasable: 0,
+        kept_on_stream: 0,
+    };
+    for (head, b) in st.blocks.iter().enumerate() {
+        let starts = !b.vacant && b.mapped && b.prev.get().is_none_or(|p| !st.blocks[p].mapped);
+        if !starts {
+            continue;
         }
-        _ if b.is_whole_segment() => b.size,
-        _ => 0,
+        let releases = st.private.releasable(b.pool_id);
+        let keeps_here = b.pool_id.is_default() && b.stream == stream;
+        let expandable = st.expandable.segment_of(&st.blocks, head);
+        let (mut whole_free, mut total) = (true, 0);
+        let mut run: Option<(u64, u64)> = None;
+        let mut cursor = Some(head);
+        let close = |run: &mut Option<(u64, u64)>, out: &mut AfterEmptyCache| {
+            let Some((start, len)) = run.take() else {
+                return;
+            };
+            match expandable {
+                Some(seg) if releases && seg.page > 0 => {
+                    let base = seg.va.base.0;
+                    let first = base + (start - base).div_ceil(seg.page) * seg.page;
+                    let end = base + (start + len - base) / seg.page * seg.page;
+                    out.releasable += end.saturating_sub(first);
+                }
+                _ if keeps_here => out.kept_on_stream = out.kept_on_stream.max(len),
+                _ => {}
+            }
+        };
+        while let Some(i) = cursor.filter(|&i| st.blocks[i].mapped) {
+            let x = &st.blocks[i];
+            total += x.size;
+            if x.allocated {
+                whole_free = false;
+                close(&mut run, &mut out);
+            } else {
+                let r = run.get_or_insert((x.ptr, 0));
+                r.1 += x.size;
+            }
+            cursor = x.next.get();
+        }
+        if expandable.is_none() && whole_free && releases {
+            out.releasable += total;
+        } else {
+            close(&mut run, &mut out);
+        }
     }
+    out
 }

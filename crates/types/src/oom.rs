@@ -170,6 +170,17 @@ pub struct ProcessMemory {
 
 impl fmt::Display for OutOfMemory {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.fmt_pytorch(f)?;
+        match &self.forensics {
+            Some(x) => write!(f, "{x}"),
+            None => Ok(()),
+        }
+    }
+}
+
+impl OutOfMemory {
+    /// PyTorch's message alone.
+    fn fmt_pytorch(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         if self.beyond_one_exabyte {
             return f.write_str("CUDA out of memory. Tried to allocate more than 1EB memory.");
         }
@@ -227,9 +238,6 @@ impl fmt::Display for OutOfMemory {
                  documentation for Memory Management  \
                  (https://docs.pytorch.org/docs/stable/notes/cuda.html#optimizing-memory-usage-with-pytorch-cuda-alloc-conf)",
             )?;
-        }
-        if let Some(x) = &self.forensics {
-            write!(f, "{x}")?;
         }
         Ok(())
     }

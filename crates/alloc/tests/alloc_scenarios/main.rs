@@ -18,6 +18,7 @@ mod formats;
 mod memory_pressure;
 mod next_capture;
 mod oom_forensics;
+mod oom_forensics_adv;
 mod peer_access;
 mod pluggable;
 mod pytorch_rules;

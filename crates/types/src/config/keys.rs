@@ -70,6 +70,9 @@ impl AllocatorConfig {
         c.sizes.max_non_split_rounding = c.sizes.large_segment_size;
         for (key, value) in &pairs {
             c.apply(&p, key, value)?;
+            if key.text == "oom_forensics" {
+                check_path_as_written(&p, s, single(&p, key, value)?)?;
+            }
         }
         if check_native && c.backend == Backend::Native {
             for (key, _) in &pairs {
@@ -512,4 +515,21 @@ impl PinnedConfig {
         *self = c.pinned;
         Ok(())
     }
+}
+
+/// A path value must be what the string says: the tokenizer drops whitespace (as PyTorch's
+/// parser does between keys), which would silently change a path with a space in it.
+fn check_path_as_written(p: &Parser, s: &str, v: &Token) -> Result<(), ConfigError> {
+    let written: String = s
+        .chars()
+        .skip(v.position)
+        .take_while(|c| !matches!(c, ',' | ':' | '[' | ']'))
+        .collect();
+    if written.trim_end() == v.text {
+        return Ok(());
+    }
+    Err(p.err(
+        Some(v),
+        "oom_forensics: the path may not contain spaces, ',', ':', '[' or ']'",
+    ))
 }
