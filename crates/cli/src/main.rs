@@ -259,8 +259,15 @@ fn run(cli: Cli) -> Result<(), Failure> {
         Command::Plot { snapshot, output } => {
             let title = format!("ferrocuda memory: {}", snapshot.display());
             let page = plot_html(&read_recording_within(&snapshot, &limits)?, &title);
-            std::fs::write(&output, page)
+            std::fs::write(&output, &page)
                 .map_err(|e| format!("cannot write {}: {e}", output.display()))?;
+            // Say where the page went: a command that succeeds in silence leaves the user
+            // looking for its output.
+            eprintln!(
+                "ferrocuda: wrote {} ({} bytes; open it in a browser)",
+                output.display(),
+                page.len()
+            );
             Ok(())
         }
     }

@@ -271,6 +271,11 @@ fn summary_and_plot_of_a_pytorch_snapshot() -> TestResult {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        said.contains(&format!("ferrocuda: wrote {}", page.display())),
+        "plot says where the page went: {said}"
+    );
     let html = std::fs::read_to_string(&page)?;
     let _ = std::fs::remove_file(&page);
     assert!(
