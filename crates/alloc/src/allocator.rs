@@ -239,7 +239,11 @@ impl CachingAllocator {
         // While a pool is being recorded to, ask the driver which capture this stream is in
         // (a cheap query, made before taking the lock).
         let routed = self.routing.load(Ordering::Acquire) > 0;
-        let capture = self.routed_capture(stream)?;
+        let capture = if routed {
+            self.capture_of(stream)?
+        } else {
+            None
+        };
         // With the lock taken, the thread holding it may serve this request with its own.
         // (A route may depend on the calling thread: routed requests are not published.)
         let mut st = if frames.is_none() && !routed && self.engine.cache.enabled() {
@@ -424,6 +428,12 @@ impl CachingAllocator {
         if self.routing.load(Ordering::Acquire) == 0 {
             return Ok(None);
         }
+        self.capture_of(stream)
+    }
+
+    /// The capture `stream` is recording into, asked of the driver.
+    #[inline(always)]
+    fn capture_of(&self, stream: StreamHandle) -> Result<Option<u64>, AllocError> {
         Ok(match self.engine.driver.stream_capture_status(stream)? {
             CaptureStatus::Active { id } => Some(id),
             _ => None,

@@ -28,7 +28,17 @@ impl CachingAllocator {
         let AllocError::OutOfMemory(mut report) = e else {
             return e;
         };
-        let path = self.engine.lock().config.release.oom_forensics.clone();
+        // A plain read of the setting: the settling lock would act on the thread cache and
+        // reclaim marks, which must stay as PyTorch's path left them when the key is off.
+        let path = self
+            .engine
+            .state
+            .lock()
+            .state
+            .config
+            .release
+            .oom_forensics
+            .clone();
         if let Some(path) = path.filter(|_| !report.beyond_one_exabyte) {
             let mut figures = self.forensics(&report, stream);
             figures.snapshot = self.write_oom_snapshot(&path);

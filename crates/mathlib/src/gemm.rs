@@ -204,18 +204,20 @@ impl Blas {
             return self.gemm_in_capture(stream, gemm);
         }
         let bound = self.acquire_with(stream, |handle| self.workspace(handle, stream))?;
-        let path = match self.tuned_path(&bound, gemm, true)? {
-            Some(p) => p,
-            None => self.untuned_path(),
-        };
+        let path = self.path_for(&bound, gemm, true)?;
         self.run_path(&bound, gemm, gemm.c, path)
     }
 
-    fn untuned_path(&self) -> Path {
-        match self.preferred_blas_library() {
-            BlasLibrary::Cublas => Path::Classic,
-            BlasLibrary::CublasLt => Path::Lt(0),
-        }
+    /// TunableOp's path for `gemm` (tuning it first if `may_tune`), else the preferred
+    /// library's.
+    fn path_for(&self, bound: &Bound, gemm: &Gemm, may_tune: bool) -> Result<Path, MathLibError> {
+        Ok(match self.tuned_path(bound, gemm, may_tune)? {
+            Some(p) => p,
+            None => match self.preferred_blas_library() {
+                BlasLibrary::Cublas => Path::Classic,
+                BlasLibrary::CublasLt => Path::Lt(0),
+            },
+        })
     }
 
     /// A GEMM recorded into a CUDA graph capture gets a workspace of its own, allocated on
@@ -234,10 +236,7 @@ impl Blas {
         let result = self
             .acquire_with(stream, |_| Ok((workspace.ptr, bytes)))
             .and_then(|bound| {
-                let path = match self.tuned_path(&bound, gemm, false)? {
-                    Some(p) => p,
-                    None => self.untuned_path(),
-                };
+                let path = self.path_for(&bound, gemm, false)?;
                 self.run_path(&bound, gemm, gemm.c, path)
             });
         let freed = allocator.free(workspace.ptr);
