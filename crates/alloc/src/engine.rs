@@ -9,7 +9,7 @@ use crate::state::{Released, Request, State};
 use crate::thread_cache::{Registry, ThreadCache};
 use ferrocuda_driver::{Driver, DriverError};
 use ferrocuda_types::{CaptureStatus, DeviceIndex, DevicePtr, Frame, ProcessMemory, StreamHandle};
-use parking_lot::{Mutex, MutexGuard};
+use parking_lot::Mutex;
 use rustc_hash::FxHashMap;
 use std::sync::Arc;
 
@@ -39,8 +39,20 @@ impl std::ops::DerefMut for Locked {
     }
 }
 
+/// The allocator's lock: a spin lock whose waiters yield the processor between looks.
+///
+/// Why not a parking mutex: its unlock is a compare-and-swap (it must learn whether a
+/// thread sleeps), and a locked instruction waits until every store of the operation has
+/// left the core. A spin lock's unlock is a plain release store, which does not wait. One
+/// thread's mixed churn (`benches/alloc.rs`) took 8% less time per operation for that
+/// alone. Waiting without sleeping is affordable because the lock is held only for short
+/// stretches (never across `malloc`, `free` or a synchronization), contended requests are
+/// mostly served by the holder (`combining`), and a waiter yields its processor, so a
+/// holder that was descheduled gets it back.
+pub(crate) type StateLock = spin::mutex::SpinMutex<Locked, spin::relax::Yield>;
+
 /// The lock, held.
-pub(crate) type Guard<'a> = MutexGuard<'a, Locked>;
+pub(crate) type Guard<'a> = spin::mutex::SpinMutexGuard<'a, Locked>;
 
 /// One device's allocator below its public face. Lock discipline: one mutex guards the
 /// state; it is never held across `malloc`, `free` or a synchronization of the driver
@@ -54,7 +66,7 @@ pub(crate) struct Engine {
     pub(crate) granularity: std::sync::OnceLock<u64>,
     /// This allocator's side of the per-thread front end.
     pub(crate) cache: ThreadCache,
-    pub(crate) state: Mutex<Locked>,
+    pub(crate) state: StateLock,
     /// Devices given access to this device's expandable segments (PyTorch's
     /// `devices_with_peer_access_`). Read-held from mapping pages until they are recorded in
     /// the segment, write-held while a new peer is opened to every mapped page: so no page
@@ -76,7 +88,7 @@ impl Engine {
             oom_observers: Mutex::new(Vec::new()),
             granularity: std::sync::OnceLock::new(),
             cache: ThreadCache::new(state.config.reuse.thread_cache),
-            state: Mutex::new(Locked {
+            state: StateLock::new(Locked {
                 state,
                 slots: Registry::default(),
             }),
