@@ -124,6 +124,7 @@ impl FreeList {
         }
     }
 
+    #[inline(always)]
     pub(crate) fn insert(&mut self, k: u128, id: usize) {
         let b = bin(key_size(k));
         self.bins[b].insert(k, id);
@@ -141,6 +142,7 @@ impl FreeList {
     }
 
     /// Takes out what [`first_from`](Self::first_from) found, the list unchanged since.
+    #[inline(always)]
     pub(crate) fn remove_found(&mut self, f: Found) {
         match f.index {
             Some(i) => {
@@ -251,20 +253,27 @@ impl Bin {
         self.large.as_ref().map_or(self.small.len(), BTreeMap::len)
     }
 
+    /// Inlined into the free paths for a short bin (the usual case); a long or spilled bin
+    /// takes [`Bin::insert_long`].
+    #[inline(always)]
     fn insert(&mut self, k: u128, id: usize) {
+        if self.large.is_some() || self.small.len() >= SHORT {
+            return self.insert_long(k, id);
+        }
+        // Bins are mostly a handful long: step the new entry down into place (no binary
+        // search, no memmove call).
+        self.small.push((k, id));
+        let mut i = self.small.len() - 1;
+        while i > 0 && self.small[i - 1].0 < k {
+            self.small.swap(i - 1, i);
+            i -= 1;
+        }
+    }
+
+    #[inline(never)]
+    fn insert_long(&mut self, k: u128, id: usize) {
         if let Some(map) = self.large.as_mut() {
             map.insert(k, id);
-            return;
-        }
-        if self.small.len() < SHORT {
-            // Bins are mostly a handful long: step the new entry down into place (no
-            // binary search, no memmove call).
-            self.small.push((k, id));
-            let mut i = self.small.len() - 1;
-            while i > 0 && self.small[i - 1].0 < k {
-                self.small.swap(i - 1, i);
-                i -= 1;
-            }
             return;
         }
         let at = self.small.partition_point(|(x, _)| *x > k);
