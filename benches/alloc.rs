@@ -5,9 +5,10 @@
 //! every sample from an empty live set instead); and the 1 MiB pair with `thread_cache:False` (every request through the allocator's lock)
 //! and with `expandable_segments:True`; and the 1 MiB pair, 8 threads and churn again with
 //! `ferrocuda_recommended:True` (`_recommended`). Beside them, the floor any exact path
-//! pays: one uncontended lock and unlock of the allocator's mutex type, and a lock-and-
-//! unlock pair (the two locked operations of an alloc+free pair) on 8 threads contending for
-//! one mutex, as PyTorch's allocator's calls contend for its one mutex per device.
+//! pays: one uncontended lock and unlock of a parking mutex and of the allocator's own spin
+//! lock, and a lock-and-unlock pair (the two locked operations of an alloc+free pair) on 8
+//! threads contending for one mutex, as PyTorch's allocator's calls contend for its one
+//! mutex per device.
 //!
 //! On the GPU bundle it runs over the real driver (required there); elsewhere over the fake
 //! device, where the hot path is the same code (it makes no driver call once cached).
@@ -79,10 +80,16 @@ fn hot_path(c: &mut Criterion) {
 }
 
 /// One locked operation with nothing inside it: `lock_floor` once, `lock_floor_8threads`
-/// twice per iteration (a pair's two operations) on each of 8 threads, timed as the pairs are.
+/// twice per iteration (a pair's two operations) on each of 8 threads, timed as the pairs are,
+/// with a parking mutex (as PyTorch's `std::mutex`); `lock_floor_spin` once with the
+/// allocator's own lock type (a spin lock whose unlock is a plain store).
 fn lock_floor(g: &mut criterion::BenchmarkGroup<'_, criterion::measurement::WallTime>) {
     let mutex = Arc::new(parking_lot::Mutex::new(0u64));
     g.bench_function("lock_floor", |b| b.iter(|| *black_box(&mutex).lock() += 1));
+    let spin = spin::mutex::SpinMutex::<u64, spin::relax::Yield>::new(0);
+    g.bench_function("lock_floor_spin", |b| {
+        b.iter(|| *black_box(&spin).lock() += 1)
+    });
     g.bench_function("lock_floor_8threads", |b| {
         b.iter_custom(|iters| {
             let start = Instant::now();
