@@ -1,8 +1,11 @@
 //! `torch.cuda.MemPool` and `torch.cuda.use_mem_pool` for the global runtime: a private
 //! pool of one device's caching allocator that a thread's allocations can be routed to, fed
-//! by a pluggable allocator's `alloc`/`free` when made with one (`MemPool(allocator=…)`).
+//! by a pluggable allocator's `alloc`/`free` when made with one (`MemPool(allocator=…)`),
+//! or sleepable ([`MemPool::sleepable`], ferrocuda's own).
 use super::native;
-use crate::alloc::{AllocError, CachingAllocator, PluggableAllocator, Route};
+use crate::alloc::{
+    AllocError, CachingAllocator, PluggableAllocator, Route, SleepMode, SleepReport, WakeReport,
+};
 use crate::types::{DeviceIndex, PoolId};
 use std::marker::PhantomData;
 use std::sync::Arc;
@@ -36,6 +39,34 @@ impl MemPool {
             device,
             allocator,
         })
+    }
+
+    /// A new pool on the current device whose memory can sleep (ferrocuda's own): its
+    /// segments come from the driver's virtual memory API, so [`MemPool::sleep`] can give
+    /// their physical pages back while pointers into the pool, and CUDA graphs captured into
+    /// it (`pool: Some(mem_pool.id())`), stay valid for after [`MemPool::wake`].
+    pub fn sleepable() -> Result<MemPool, AllocError> {
+        let device = crate::runtime().current_device();
+        let caching = native("createOrIncrefPool")?.device(device)?;
+        let id = PoolId::handle();
+        caching.create_sleepable_pool(id)?;
+        Ok(MemPool {
+            id,
+            device,
+            allocator: None,
+        })
+    }
+
+    /// Releases the pool's physical memory, keeping its addresses, its contents discarded
+    /// or offloaded to pinned host memory ([`CachingAllocator::sleep`]).
+    pub fn sleep(&self, mode: SleepMode) -> Result<SleepReport, AllocError> {
+        native("sleep")?.device(self.device)?.sleep(self.id, mode)
+    }
+
+    /// Maps the pool's memory again at the same addresses, restoring offloaded contents
+    /// ([`CachingAllocator::wake`]).
+    pub fn wake(&self) -> Result<WakeReport, AllocError> {
+        native("wake")?.device(self.device)?.wake(self.id)
     }
 
     /// `MemPool.id`.

@@ -14,7 +14,7 @@ use crate::expandable::Expandable;
 use crate::free_pools::Pools;
 use crate::history::{History, HistoryContext, HistoryOptions, capture_frames};
 use crate::pluggable::PluggableAllocator;
-use crate::private_pools::{PrivatePools, Route};
+use crate::private_pools::{PrivatePools, Route, SegmentSource, Wakefulness};
 use crate::rounding::ONE_EXABYTE;
 use crate::state::{Request, State};
 use crate::stream_order::StreamOrder;
@@ -50,6 +50,10 @@ pub struct CachingAllocator {
     routing: AtomicUsize,
     /// The history context, readable without the lock (stacks are captured outside it).
     pub(crate) context: AtomicU8,
+    /// Sleepable pools not awake (asleep or changing), readable without the lock: a graph
+    /// replay asks whether its pool sleeps, and the answer is no at one load while none
+    /// does.
+    pub(crate) sleeping: AtomicUsize,
 }
 
 impl Drop for CachingAllocator {
@@ -106,6 +110,7 @@ impl CachingAllocator {
             expandable: Expandable::default(),
             history: History::default(),
             private: PrivatePools::default(),
+            paged: Default::default(),
         };
         let allocator = CachingAllocator {
             engine: Engine::new(driver, device, device_total, state),
@@ -113,6 +118,7 @@ impl CachingAllocator {
             uncached: Mutex::new(FxHashMap::default()),
             context: AtomicU8::new(HistoryContext::Never as u8),
             routing: AtomicUsize::new(0),
+            sleeping: AtomicUsize::new(0),
         };
         allocator.set_memory_fraction(fraction)?;
         Ok(allocator)
@@ -265,6 +271,9 @@ impl CachingAllocator {
             self.engine.lock()
         };
         let req = self.engine.request(&mut st, bytes, stream, frames, capture);
+        if routed && st.private.wakefulness(req.pool) != Wakefulness::Awake {
+            return Err(crate::SleepError::Asleep(req.pool).into());
+        }
         if let Some(id) = st.take_free_block(req.pool, req.kind, stream, req.size) {
             return Ok(self.hand_out(&mut st, id, &req));
         }
@@ -380,7 +389,7 @@ impl CachingAllocator {
         self.engine
             .lock()
             .private
-            .create_with_allocator(pool, allocator)
+            .create_with_source(pool, SegmentSource::Pluggable(allocator))
     }
 
     /// `emptyCache(mempool_id)` for a private pool: gives back its whole free segments (to

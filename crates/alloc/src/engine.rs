@@ -5,7 +5,7 @@
 //! downwards: `slow_path` → `release` → `expandable_mapping` → this file.
 use crate::error::{AllocError, OutOfMemory};
 use crate::rounding::{pool_kind, round_size};
-use crate::state::{Released, Request, State};
+use crate::state::{ReleaseTo, Released, Request, State};
 use crate::thread_cache::{Registry, ThreadCache};
 use ferrocuda_driver::{Driver, DriverError};
 use ferrocuda_types::{CaptureStatus, DeviceIndex, DevicePtr, Frame, ProcessMemory, StreamHandle};
@@ -382,14 +382,18 @@ impl Engine {
             return st;
         }
         drop(st);
-        for Released { ptr, source } in segments {
+        for Released { ptr, to } in segments {
             // A failed free leaves the address unusable; it was already unaccounted.
-            let _ = match source {
-                Some(a) => a.raw_delete(DevicePtr(ptr)),
-                None => self
+            let _ = match to {
+                ReleaseTo::Pluggable(a) => a.raw_delete(DevicePtr(ptr)),
+                ReleaseTo::Driver => self
                     .driver
                     .free(self.device, DevicePtr(ptr))
                     .map_err(Into::into),
+                ReleaseTo::Pages(segment) => {
+                    crate::sleep::give_back(&*self.driver, segment);
+                    Ok(())
+                }
             };
         }
         self.lock()

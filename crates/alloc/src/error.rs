@@ -107,6 +107,9 @@ pub enum AllocError {
     /// A driver call failed (other than out of memory).
     #[error("CUDA driver error: {0}")]
     Driver(DriverError),
+    /// A sleep or wake of a sleepable pool, or a use of one that sleeps (ferrocuda's own).
+    #[error(transparent)]
+    Sleep(#[from] crate::sleep::SleepError),
     /// A pluggable allocator library could not be loaded (Python's texts).
     #[error(transparent)]
     Pluggable(#[from] PluggableError),

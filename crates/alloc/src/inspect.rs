@@ -46,6 +46,7 @@ impl CachingAllocator {
                 .into(),
                 segment_pool_id: (b.pool_id.0, b.pool_id.1),
                 is_expandable: b.segment.is_some(),
+                asleep: st.paged.asleep_at(b.ptr),
                 frames: st.history.segment_frames(b.ptr),
                 blocks: Vec::new(),
             };

@@ -51,6 +51,30 @@ impl Route {
     }
 }
 
+/// Where a pool's segments come from and go back to.
+#[derive(Clone, Debug, Default)]
+pub(crate) enum SegmentSource {
+    /// The driver's `cudaMalloc` and `cudaFree`.
+    #[default]
+    Driver,
+    /// The pool's pluggable allocator (`MemPool(allocator=…)`).
+    Pluggable(Arc<PluggableAllocator>),
+    /// The driver's virtual memory API, one physical allocation per segment, so that the
+    /// pages can be released and mapped again at the same addresses (`sleep`, `wake`).
+    Sleepable,
+}
+
+/// Whether a sleepable pool's pages are there.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub(crate) enum Wakefulness {
+    #[default]
+    Awake,
+    /// Being put to sleep or woken (outside the allocator's lock): nothing of it may be
+    /// allocated or given back.
+    Changing,
+    Asleep,
+}
+
 /// A graph's private pool.
 #[derive(Debug, Default)]
 struct PrivatePool {
@@ -58,9 +82,9 @@ struct PrivatePool {
     use_count: u32,
     /// Device segments it holds.
     segments: u32,
-    /// Where its segments come from and go back to, instead of the driver
-    /// (`MemPool(allocator=…)`).
-    allocator: Option<Arc<PluggableAllocator>>,
+    /// Where its segments come from and go back to.
+    source: SegmentSource,
+    wakefulness: Wakefulness,
 }
 
 #[derive(Debug, Default)]
@@ -139,8 +163,13 @@ impl PrivatePools {
     /// Whether the blocks of `pool` may be given back to the driver: the default pool's,
     /// and those of a private pool nobody holds. Garbage collection and the oversize
     /// release go further and touch the default pool only (as PyTorch's do).
+    /// A sleepable pool being put to sleep or woken is not.
     pub(crate) fn releasable(&self, pool: PoolId) -> bool {
-        pool.is_default() || self.pools.get(&pool).is_some_and(|p| p.use_count == 0)
+        pool.is_default()
+            || self
+                .pools
+                .get(&pool)
+                .is_some_and(|p| p.use_count == 0 && p.wakefulness != Wakefulness::Changing)
     }
 
     /// A segment was allocated for `pool`.
@@ -160,17 +189,20 @@ impl PrivatePools {
         }
     }
 
-    /// The segment source of `pool`, if it has one.
-    pub(crate) fn allocator(&self, pool: PoolId) -> Option<Arc<PluggableAllocator>> {
-        self.pools.get(&pool)?.allocator.clone()
+    /// Where the segments of `pool` come from.
+    pub(crate) fn source(&self, pool: PoolId) -> SegmentSource {
+        self.pools
+            .get(&pool)
+            .map_or(SegmentSource::Driver, |p| p.source.clone())
     }
 
-    /// `create_or_incref_pool(mempool_id, allocator)` with an allocator: only a new pool
-    /// takes one (PyTorch asserts `!allocator` for an existing pool).
-    pub(crate) fn create_with_allocator(
+    /// A new pool with one user whose segments come from `source`
+    /// (`create_or_incref_pool(mempool_id, allocator)` with an allocator: PyTorch asserts
+    /// `!allocator` for an existing pool).
+    pub(crate) fn create_with_source(
         &mut self,
         pool: PoolId,
-        allocator: Arc<PluggableAllocator>,
+        source: SegmentSource,
     ) -> Result<(), AllocError> {
         if pool.is_default() || self.pools.contains_key(&pool) {
             return Err(AllocError::Pool(format!(
@@ -181,11 +213,26 @@ impl PrivatePools {
             pool,
             PrivatePool {
                 use_count: 1,
-                segments: 0,
-                allocator: Some(allocator),
+                source,
+                ..PrivatePool::default()
             },
         );
         Ok(())
+    }
+
+    /// Whether `pool`'s pages are there (a pool that does not exist, or is not sleepable,
+    /// is awake).
+    pub(crate) fn wakefulness(&self, pool: PoolId) -> Wakefulness {
+        self.pools
+            .get(&pool)
+            .map_or(Wakefulness::Awake, |p| p.wakefulness)
+    }
+
+    /// Sets `pool`'s wakefulness (a pool that exists).
+    pub(crate) fn set_wakefulness(&mut self, pool: PoolId, to: Wakefulness) {
+        if let Some(p) = self.pools.get_mut(&pool) {
+            p.wakefulness = to;
+        }
     }
 
     /// `create_or_incref`.

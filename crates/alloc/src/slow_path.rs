@@ -7,6 +7,7 @@ use crate::block::{Block, Link, NO_LIST};
 use crate::engine::{Engine, Guard};
 use crate::error::AllocError;
 use crate::free_pools::{FreeKey, oversize_refuses};
+use crate::private_pools::SegmentSource;
 use crate::rounding::allocation_size;
 use crate::state::{Request, State};
 use ferrocuda_driver::DriverError;
@@ -135,20 +136,28 @@ impl Engine {
         // they invalidate a GLOBAL capture as they do in PyTorch.
         let relax = req.capture.is_some() || st.private.captured_by_this_thread();
         // `allocPrimitive`: a pool made with an allocator takes its segments from it.
-        let source = st.private.allocator(pool);
+        let source = st.private.source(pool);
         drop(st);
         let previous = if relax {
             self.driver.exchange_capture_mode(CaptureMode::Relaxed).ok()
         } else {
             None
         };
+        let mut paged = None;
         let result = match &source {
             // A null segment is `cudaErrorMemoryAllocation` there: out of memory.
-            Some(a) => match a.malloc(bytes, self.device, stream) {
+            SegmentSource::Pluggable(a) => match a.malloc(bytes, self.device, stream) {
                 DevicePtr(0) => Err(DriverError::OUT_OF_MEMORY),
                 ptr => Ok(ptr),
             },
-            None => self.driver.malloc(self.device, bytes),
+            SegmentSource::Driver => self.driver.malloc(self.device, bytes),
+            SegmentSource::Sleepable => {
+                crate::sleep::map_segment(&*self.driver, self.device, bytes, pool).map(|s| {
+                    let ptr = s.base();
+                    paged = Some(s);
+                    ptr
+                })
+            }
         };
         if let Some(mode) = previous {
             let _ = self.driver.exchange_capture_mode(mode);
@@ -156,6 +165,9 @@ impl Engine {
         let mut st = self.lock();
         match result {
             Ok(ptr) => {
+                if let Some(segment) = paged {
+                    st.paged.insert(segment);
+                }
                 let id = st.blocks.insert(Block::new(
                     ptr.0,
                     bytes,

@@ -9,7 +9,9 @@ use crate::expandable::{Expandable, Grow, UnmapJob};
 use crate::free_pools::Pools;
 use crate::history::{History, HistoryContext};
 use crate::pluggable::PluggableAllocator;
-use crate::private_pools::PrivatePools;
+use crate::private_pools::{PrivatePools, SegmentSource};
+use crate::sleep::PagedSegment;
+use crate::sleep::PagedSegments;
 use crate::stream_order::StreamOrder;
 use crate::tally::Tally;
 use ferrocuda_types::{
@@ -37,11 +39,20 @@ pub(crate) struct Request {
     pub(crate) capture: Option<u64>,
 }
 
-/// A segment taken out of the books, to be freed: its address, and where it goes back (the
-/// pool's pluggable allocator, or the driver when `None`).
+/// A segment taken out of the books, to be freed: its address, and where it goes back.
 pub(crate) struct Released {
     pub(crate) ptr: u64,
-    pub(crate) source: Option<Arc<PluggableAllocator>>,
+    pub(crate) to: ReleaseTo,
+}
+
+/// Where a segment taken out of the books goes back.
+pub(crate) enum ReleaseTo {
+    /// `cudaFree`.
+    Driver,
+    /// The pool's pluggable allocator.
+    Pluggable(Arc<PluggableAllocator>),
+    /// A sleepable pool's segment: its pages, address range and any host copy.
+    Pages(PagedSegment),
 }
 
 /// What the allocator's lock guards.
@@ -63,6 +74,8 @@ pub(crate) struct State {
     pub(crate) history: History,
     /// Private pools and the routes into them.
     pub(crate) private: PrivatePools,
+    /// The segments of sleepable pools.
+    pub(crate) paged: PagedSegments,
 }
 
 impl State {
@@ -323,7 +336,14 @@ impl State {
         let (ptr, size, kind) = (b.ptr, b.size, b.pool);
         let (stream, pool) = (self.blocks[id].stream, self.blocks[id].pool_id);
         self.history.segment_freed(ptr, size, stream);
-        let source = self.private.allocator(pool);
+        let to = match self.private.source(pool) {
+            SegmentSource::Driver => ReleaseTo::Driver,
+            SegmentSource::Pluggable(a) => ReleaseTo::Pluggable(a),
+            SegmentSource::Sleepable => self
+                .paged
+                .take(ptr)
+                .map_or(ReleaseTo::Driver, ReleaseTo::Pages),
+        };
         self.private.segment_released(pool);
         if self.oversize_segments.remove(&ptr) {
             self.stats.oversize_segments.decrease(1);
@@ -334,7 +354,7 @@ impl State {
         s.num_device_free += 1;
         self.total_reserved -= size;
         self.blocks.vacate(id);
-        Released { ptr, source }
+        Released { ptr, to }
     }
     /// Whether any stream capture records into a pool now.
     pub(crate) fn capturing(&self) -> bool {

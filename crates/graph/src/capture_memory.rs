@@ -56,6 +56,15 @@ impl CaptureMemory {
         }
     }
 
+    /// Whether `pool` of device `dev` sleeps (a sleepable pool of the caching allocator): a
+    /// replay over it would touch memory with no pages.
+    pub(crate) fn pool_asleep(&self, dev: DeviceIndex, pool: PoolId) -> Result<bool, AllocError> {
+        match self {
+            CaptureMemory::Native(a) => Ok(a.device(dev)?.pool_asleep(pool)),
+            CaptureMemory::Async { .. } => Ok(false),
+        }
+    }
+
     /// `torch.cuda.empty_cache()`, as `torch.cuda.graph` runs it before a capture.
     pub(crate) fn empty_cache(&self, dev: DeviceIndex) -> Result<(), AllocError> {
         match self {

@@ -416,6 +416,13 @@ impl CudaGraph {
         self.runtime.check_stream(stream)?;
         let st = self.state.lock();
         let exec = st.exec.ok_or(GraphError::NothingCaptured)?;
+        if let Some(pool) = st.pool
+            && self.memory.pool_asleep(self.device, pool)?
+        {
+            return Err(GraphError::Alloc(
+                ferrocuda_alloc::SleepError::Asleep(pool).into(),
+            ));
+        }
         for (generator, increment) in &st.generators {
             if *increment > 0 {
                 generator.replay_prologue(*increment, stream)?;

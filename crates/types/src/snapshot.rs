@@ -53,6 +53,11 @@ pub struct SnapshotSegment {
     pub segment_pool_id: (u64, u64),
     /// Part of an expandable segment.
     pub is_expandable: bool,
+    /// Its physical pages are released: a segment of a sleepable pool that sleeps
+    /// (ferrocuda's own key, written only when true, so snapshots of everything else are
+    /// PyTorch's).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub asleep: bool,
     /// Where the segment was allocated.
     #[serde(default)]
     pub frames: Vec<Frame>,
@@ -231,6 +236,7 @@ mod tests {
                 segment_type: "small".into(),
                 segment_pool_id: (0, 0),
                 is_expandable: false,
+                asleep: false,
                 frames: Vec::new(),
                 blocks: vec![
                     SnapshotBlock {

@@ -24,3 +24,4 @@ mod pluggable;
 mod pytorch_rules;
 mod reclaim_adversarial;
 mod reclaim_without_sync;
+mod sleep;

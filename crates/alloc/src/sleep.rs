@@ -1,0 +1,585 @@
+//! Sleep and wake of a sleepable private pool (ferrocuda's own; PyTorch has no counterpart):
+//! the pool's physical pages are released and mapped again at the same addresses, their
+//! contents discarded or kept in pinned host memory meanwhile.
+//!
+//! Design choices:
+//! - A sleepable pool takes each segment from the driver's virtual memory API (an address
+//!   range reserved, one physical allocation mapped over it) instead of `cudaMalloc`, so
+//!   that the physical memory can go while the addresses stay: pointers held by the user and
+//!   by CUDA graphs captured over the pool stay valid across a sleep. The caching allocator
+//!   splits, caches and counts those segments as any other; PyTorch's statistics do not
+//!   change when a pool sleeps (the segments are still reserved by the allocator), and
+//!   [`SleepStats`] says what is asleep.
+//! - Sleep and wake make their driver calls (a device synchronization, copies, unmapping and
+//!   mapping) outside the allocator's lock, with the pool marked as changing: nothing is
+//!   allocated from it (a typed error) or given back meanwhile.
+//! - The offload copies on a stream of its own, in chunks, to one pinned buffer per
+//!   segment; the optional checksum (xxh3) is taken of the host copy, and on wake of the
+//!   device's bytes read back after the restore.
+use crate::CachingAllocator;
+use crate::engine::Engine;
+use crate::error::AllocError;
+use crate::private_pools::{SegmentSource, Wakefulness};
+use crate::state::State;
+use ferrocuda_driver::{Driver, DriverError};
+use ferrocuda_types::{
+    DeviceIndex, DevicePtr, HostPtr, PhysHandle, PoolId, StreamFlags, StreamHandle, VaRange,
+};
+use rustc_hash::FxHashMap;
+use std::sync::atomic::Ordering;
+
+/// Bytes each copy of an offload or a restore moves.
+const CHUNK: u64 = 64 << 20;
+
+/// What happens to a pool's contents while it sleeps.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum SleepMode {
+    /// The contents are lost; wake maps new, uninitialised pages.
+    Discard,
+    /// The contents are copied to pinned host memory and restored on wake; with `checksum`,
+    /// wake proves the restored device bytes equal the offloaded ones.
+    Offload {
+        /// Take a checksum of the offloaded bytes and check the restored ones against it.
+        checksum: bool,
+    },
+}
+
+/// What a sleep did.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub struct SleepReport {
+    /// Segments whose pages were released.
+    pub segments: usize,
+    /// Device bytes released.
+    pub released_bytes: u64,
+    /// Bytes copied to host memory.
+    pub offloaded_bytes: u64,
+}
+
+/// What a wake did.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub struct WakeReport {
+    /// Segments whose pages were mapped again.
+    pub segments: usize,
+    /// Device bytes mapped.
+    pub mapped_bytes: u64,
+    /// Bytes copied back from host memory.
+    pub restored_bytes: u64,
+    /// Segments whose restored bytes were checked against the offload's checksum.
+    pub verified_segments: usize,
+}
+
+/// What is asleep in an allocator.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub struct SleepStats {
+    /// Pools asleep.
+    pub pools: usize,
+    /// Segments without their pages.
+    pub segments: usize,
+    /// Device bytes released (reserved by the allocator, not backed by the device).
+    pub bytes: u64,
+    /// Of those, bytes kept in host memory.
+    pub offloaded_bytes: u64,
+}
+
+/// A sleep or wake request that cannot be carried out.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum SleepError {
+    /// The pool was not made with [`CachingAllocator::create_sleepable_pool`].
+    #[error("pool {0} is not sleepable (make it with create_sleepable_pool)")]
+    NotSleepable(PoolId),
+    /// Sleep of a pool already asleep (its offload would be lost).
+    #[error("pool {0} is already asleep")]
+    AlreadyAsleep(PoolId),
+    /// Sleep or wake of a pool another thread is putting to sleep or waking.
+    #[error("pool {0} is being put to sleep or woken by another call")]
+    Changing(PoolId),
+    /// An allocation routed to a pool that sleeps, or a replay over it.
+    #[error("pool {0} is asleep: wake it before using its memory")]
+    Asleep(PoolId),
+    /// Sleep or wake while a stream capture records into a pool.
+    #[error("cannot sleep or wake pool {0} while a stream capture is underway")]
+    CaptureUnderway(PoolId),
+    /// The allocator does not cache (`PYTORCH_NO_CUDA_MEMORY_CACHING=1`): no pool has
+    /// segments of its own.
+    #[error("cannot sleep or wake pool {0}: caching is off")]
+    CachingOff(PoolId),
+    /// The restored bytes of a segment differ from the offloaded ones.
+    #[error(
+        "pool {pool}: the bytes restored at {segment} differ from those offloaded (checksum {offloaded:#018x}, restored {restored:#018x})"
+    )]
+    ChecksumMismatch {
+        /// The pool.
+        pool: PoolId,
+        /// The segment's address.
+        segment: DevicePtr,
+        /// Checksum of the offloaded bytes.
+        offloaded: u64,
+        /// Checksum of the bytes read back after the restore.
+        restored: u64,
+    },
+}
+
+/// A segment of a sleepable pool: its address range, and its physical memory while awake.
+#[derive(Debug)]
+pub(crate) struct PagedSegment {
+    pool: PoolId,
+    va: VaRange,
+    handle: Option<PhysHandle>,
+    offload: Option<Offload>,
+}
+
+/// A sleeping segment's contents in pinned host memory.
+#[derive(Copy, Clone, Debug)]
+struct Offload {
+    host: HostPtr,
+    checksum: Option<u64>,
+}
+
+/// The segments of sleepable pools, by address.
+#[derive(Debug, Default)]
+pub(crate) struct PagedSegments {
+    segments: FxHashMap<u64, PagedSegment>,
+}
+
+impl PagedSegment {
+    /// Its address.
+    pub(crate) fn base(&self) -> DevicePtr {
+        self.va.base
+    }
+}
+
+impl PagedSegments {
+    /// Books a new segment.
+    pub(crate) fn insert(&mut self, segment: PagedSegment) {
+        self.segments.insert(segment.va.base.0, segment);
+    }
+
+    /// The segment at `ptr`, taken out of the books (it is being given back).
+    pub(crate) fn take(&mut self, ptr: u64) -> Option<PagedSegment> {
+        self.segments.remove(&ptr)
+    }
+
+    fn of_pool(&self, pool: PoolId) -> impl Iterator<Item = &PagedSegment> {
+        self.segments.values().filter(move |s| s.pool == pool)
+    }
+
+    /// What is asleep.
+    pub(crate) fn stats(&self) -> SleepStats {
+        let mut stats = SleepStats::default();
+        let mut pools: Vec<PoolId> = Vec::new();
+        for s in self.segments.values().filter(|s| s.handle.is_none()) {
+            stats.segments += 1;
+            stats.bytes += s.va.bytes;
+            stats.offloaded_bytes += s.offload.map_or(0, |o| o.host.bytes);
+            if !pools.contains(&s.pool) {
+                pools.push(s.pool);
+            }
+        }
+        stats.pools = pools.len();
+        stats
+    }
+
+    /// Whether the segment at `ptr` has no pages now.
+    pub(crate) fn asleep_at(&self, ptr: u64) -> bool {
+        self.segments.get(&ptr).is_some_and(|s| s.handle.is_none())
+    }
+}
+
+/// A new segment of `bytes` from the driver's virtual memory API (the range and the physical
+/// memory rounded up to the mapping granularity). Undone in full on failure.
+pub(crate) fn map_segment(
+    driver: &dyn Driver,
+    device: DeviceIndex,
+    bytes: u64,
+    pool: PoolId,
+) -> Result<PagedSegment, DriverError> {
+    let granularity = driver.vm_granularity(device)?;
+    let va = driver.vm_reserve(device, bytes.div_ceil(granularity) * granularity)?;
+    match map_pages(driver, va) {
+        Ok(handle) => Ok(PagedSegment {
+            pool,
+            va,
+            handle: Some(handle),
+            offload: None,
+        }),
+        Err(e) => {
+            let _ = driver.vm_release(va);
+            Err(e)
+        }
+    }
+}
+
+/// Physical memory for all of `va`, mapped and made accessible. Undone on failure.
+fn map_pages(driver: &dyn Driver, va: VaRange) -> Result<PhysHandle, DriverError> {
+    let handle = driver.vm_create(va.device, va.bytes)?;
+    if let Err(e) = driver.vm_map(va.base, handle) {
+        let _ = driver.vm_destroy(handle);
+        return Err(e);
+    }
+    if let Err(e) = driver.vm_set_access(va.device, va.base, va.bytes) {
+        let _ = unmap_pages(driver, va, handle);
+        return Err(e);
+    }
+    Ok(handle)
+}
+
+fn unmap_pages(driver: &dyn Driver, va: VaRange, handle: PhysHandle) -> Result<(), DriverError> {
+    driver.vm_unmap(va.device, va.base, va.bytes)?;
+    driver.vm_destroy(handle)
+}
+
+/// Gives a segment of a sleepable pool back: its pages (if mapped), its address range and
+/// its host copy (if asleep with one). Failures leave the address unusable, as a failed
+/// `cudaFree` does; the segment was already out of the books.
+pub(crate) fn give_back(driver: &dyn Driver, segment: PagedSegment) {
+    if let Some(handle) = segment.handle {
+        let _ = unmap_pages(driver, segment.va, handle);
+    }
+    if let Some(o) = segment.offload {
+        let _ = driver.host_free(o.host);
+    }
+    let _ = driver.vm_release(segment.va);
+}
+
+/// A segment being put to sleep or woken: its range and what it holds.
+#[derive(Copy, Clone, Debug)]
+struct Moving {
+    va: VaRange,
+    handle: Option<PhysHandle>,
+    offload: Option<Offload>,
+}
+
+impl CachingAllocator {
+    /// Creates private pool `pool` with one user, its segments made so that they can sleep
+    /// ([`CachingAllocator::sleep`]). Allocations reach it as any private pool's (routed by
+    /// [`begin_allocate_to_pool`](CachingAllocator::begin_allocate_to_pool), or by a CUDA
+    /// graph captured into it). A pool that exists already is [`AllocError::Pool`].
+    pub fn create_sleepable_pool(&self, pool: PoolId) -> Result<(), AllocError> {
+        self.engine
+            .lock()
+            .private
+            .create_with_source(pool, SegmentSource::Sleepable)
+    }
+
+    /// Releases the physical memory of every segment of sleepable pool `pool`, keeping its
+    /// addresses, after the device's work has completed (a device synchronization); with
+    /// [`SleepMode::Offload`] the contents are copied to pinned host memory first. Until
+    /// [`CachingAllocator::wake`], allocations routed to the pool fail with
+    /// [`SleepError::Asleep`]; blocks of it may be freed.
+    pub fn sleep(&self, pool: PoolId, mode: SleepMode) -> Result<SleepReport, AllocError> {
+        let moving = self.begin_change(pool, Wakefulness::Awake, |s| s.handle.is_some())?;
+        let engine = &self.engine;
+        let result = offload(engine, &moving, mode).and_then(|offloads| {
+            let mut report = SleepReport::default();
+            let mut done = Vec::new();
+            for (m, offload) in moving.iter().zip(offloads) {
+                let Some(handle) = m.handle else { continue };
+                if let Err(e) = unmap_pages(&*engine.driver, m.va, handle) {
+                    if let Some(o) = offload {
+                        let _ = engine.driver.host_free(o.host);
+                    }
+                    return Err((e, done, report));
+                }
+                done.push((m.va.base.0, offload));
+                report.segments += 1;
+                report.released_bytes += m.va.bytes;
+                report.offloaded_bytes += offload.map_or(0, |o| o.host.bytes);
+            }
+            Ok((done, report))
+        });
+        let mut st = engine.lock();
+        let (done, outcome) = match result {
+            Ok((done, report)) => (done, Ok(report)),
+            Err((e, done, _)) => (done, Err(e.into())),
+        };
+        for (base, offload) in done {
+            if let Some(s) = st.paged.segments.get_mut(&base) {
+                s.handle = None;
+                s.offload = offload;
+            }
+        }
+        // Partly asleep (an unmap failed) counts as asleep: wake maps what is missing.
+        let asleep = st.paged.of_pool(pool).any(|s| s.handle.is_none()) || outcome.is_ok();
+        let to = if asleep {
+            Wakefulness::Asleep
+        } else {
+            Wakefulness::Awake
+        };
+        self.settle_wakefulness(&mut st, pool, to);
+        outcome
+    }
+
+    /// Maps new physical memory under every segment of sleepable pool `pool` at its old
+    /// addresses and restores offloaded contents (checked against their checksum when the
+    /// sleep took one). A pool that is awake wakes at no cost. On an error the segments not
+    /// yet mapped stay asleep, and a later wake retries them.
+    pub fn wake(&self, pool: PoolId) -> Result<WakeReport, AllocError> {
+        let moving = self.begin_change(pool, Wakefulness::Asleep, |s| s.handle.is_none())?;
+        let engine = &self.engine;
+        let mut report = WakeReport::default();
+        let mut mapped = Vec::new();
+        let mut failure = None;
+        for m in &moving {
+            match map_pages(&*engine.driver, m.va) {
+                Ok(handle) => {
+                    mapped.push((*m, handle));
+                    report.segments += 1;
+                    report.mapped_bytes += m.va.bytes;
+                }
+                Err(e) => {
+                    failure = Some(AllocError::from(e));
+                    break;
+                }
+            }
+        }
+        let restored = restore(engine, pool, &mapped, &mut report);
+        let mut st = engine.lock();
+        for (m, handle) in &mapped {
+            if let Some(s) = st.paged.segments.get_mut(&m.va.base.0) {
+                s.handle = Some(*handle);
+                s.offload = None;
+            }
+        }
+        let asleep = st.paged.of_pool(pool).any(|s| s.handle.is_none());
+        let to = if asleep {
+            Wakefulness::Asleep
+        } else {
+            Wakefulness::Awake
+        };
+        self.settle_wakefulness(&mut st, pool, to);
+        drop(st);
+        match failure {
+            Some(e) => Err(e),
+            None => restored.map(|()| report),
+        }
+    }
+
+    /// What is asleep.
+    pub fn sleep_stats(&self) -> SleepStats {
+        self.engine.lock().paged.stats()
+    }
+
+    /// Whether `pool` sleeps (or is being put to sleep or woken): its memory may not be
+    /// used. A graph replay over the pool checks this first.
+    pub fn pool_asleep(&self, pool: PoolId) -> bool {
+        // (No lock while no pool sleeps: every replay asks.)
+        self.sleeping.load(Ordering::Acquire) > 0
+            && self.engine.lock().private.wakefulness(pool) != Wakefulness::Awake
+    }
+
+    /// Ends a change of `pool` (marked changing) at `to`.
+    fn settle_wakefulness(&self, st: &mut State, pool: PoolId, to: Wakefulness) {
+        st.private.set_wakefulness(pool, to);
+        if to == Wakefulness::Awake {
+            self.sleeping.fetch_sub(1, Ordering::AcqRel);
+        }
+    }
+
+    /// Checks that `pool` can change from `from`, marks it changing and returns its
+    /// segments that `select` picks.
+    fn begin_change(
+        &self,
+        pool: PoolId,
+        from: Wakefulness,
+        select: impl Fn(&PagedSegment) -> bool,
+    ) -> Result<Vec<Moving>, AllocError> {
+        let mut st = self.engine.lock();
+        if !self.caching {
+            return Err(SleepError::CachingOff(pool).into());
+        }
+        if !matches!(st.private.source(pool), SegmentSource::Sleepable) {
+            return Err(SleepError::NotSleepable(pool).into());
+        }
+        if st.capturing() {
+            return Err(SleepError::CaptureUnderway(pool).into());
+        }
+        match (st.private.wakefulness(pool), from) {
+            (now, want) if now == want => {}
+            (Wakefulness::Changing, _) => return Err(SleepError::Changing(pool).into()),
+            // Waking a pool that is awake does nothing.
+            (Wakefulness::Awake, _) => return Ok(Vec::new()),
+            _ => return Err(SleepError::AlreadyAsleep(pool).into()),
+        }
+        if st.private.wakefulness(pool) == Wakefulness::Awake {
+            self.sleeping.fetch_add(1, Ordering::AcqRel);
+        }
+        st.private.set_wakefulness(pool, Wakefulness::Changing);
+        let mut moving: Vec<Moving> = st
+            .paged
+            .of_pool(pool)
+            .filter(|s| select(s))
+            .map(|s| Moving {
+                va: s.va,
+                handle: s.handle,
+                offload: s.offload,
+            })
+            .collect();
+        moving.sort_by_key(|m| m.va.base.0);
+        Ok(moving)
+    }
+}
+
+/// A failed step of a sleep, with the segments already asleep and their report.
+type SleepFailure = (DriverError, Vec<(u64, Option<Offload>)>, SleepReport);
+
+/// Waits for the device's work, then, for [`SleepMode::Offload`], copies each segment to a
+/// pinned buffer of its own (with its checksum if asked). One entry per segment of `moving`.
+fn offload(
+    engine: &Engine,
+    moving: &[Moving],
+    mode: SleepMode,
+) -> Result<Vec<Option<Offload>>, SleepFailure> {
+    let failed = |e: DriverError| (e, Vec::new(), SleepReport::default());
+    engine
+        .driver
+        .device_synchronize(engine.device)
+        .map_err(failed)?;
+    let SleepMode::Offload { checksum } = mode else {
+        return Ok(vec![None; moving.len()]);
+    };
+    let mut hosts = Vec::with_capacity(moving.len());
+    let offloads = with_side_stream(engine, |stream| {
+        copy_out(engine, moving, stream, &mut hosts)
+    })
+    .and_then(|()| {
+        hosts
+            .iter()
+            .map(|&host| {
+                let checksum = checksum
+                    .then(|| host_checksum(&*engine.driver, host))
+                    .transpose()?;
+                Ok(Some(Offload { host, checksum }))
+            })
+            .collect()
+    });
+    offloads.map_err(|e| {
+        for host in hosts {
+            let _ = engine.driver.host_free(host);
+        }
+        failed(e)
+    })
+}
+
+/// Copies each of `moving` into a new pinned buffer (pushed to `hosts`, to be freed by the
+/// caller on failure) on `stream`, and waits for the copies.
+fn copy_out(
+    engine: &Engine,
+    moving: &[Moving],
+    stream: StreamHandle,
+    hosts: &mut Vec<HostPtr>,
+) -> Result<(), DriverError> {
+    for m in moving {
+        let host = engine.driver.host_alloc(m.va.bytes)?;
+        hosts.push(host);
+        chunks(m.va.bytes).try_for_each(|(at, n)| {
+            engine.driver.memcpy_dtoh_pinned_async(
+                (host, at),
+                DevicePtr(m.va.base.0 + at),
+                n,
+                stream,
+            )
+        })?;
+    }
+    engine.driver.stream_synchronize(stream)
+}
+
+/// Copies the offloaded contents of `mapped` segments back, checks their checksums, and
+/// frees their host copies.
+fn restore(
+    engine: &Engine,
+    pool: PoolId,
+    mapped: &[(Moving, PhysHandle)],
+    report: &mut WakeReport,
+) -> Result<(), AllocError> {
+    let offloaded: Vec<(VaRange, Offload)> = mapped
+        .iter()
+        .filter_map(|(m, _)| Some((m.va, m.offload?)))
+        .collect();
+    if offloaded.is_empty() {
+        return Ok(());
+    }
+    let copied = with_side_stream(engine, |stream| {
+        for (va, o) in &offloaded {
+            chunks(o.host.bytes).try_for_each(|(at, n)| {
+                engine.driver.memcpy_htod_pinned_async(
+                    DevicePtr(va.base.0 + at),
+                    (o.host, at),
+                    n,
+                    stream,
+                )
+            })?;
+        }
+        engine.driver.stream_synchronize(stream)?;
+        let mut checked = Vec::new();
+        for (va, o) in &offloaded {
+            if let Some(sum) = o.checksum {
+                checked.push((va.base, sum, device_checksum(&*engine.driver, *va, stream)?));
+            }
+        }
+        Ok::<_, DriverError>(checked)
+    });
+    for (_, o) in &offloaded {
+        let _ = engine.driver.host_free(o.host);
+    }
+    let checked = copied?;
+    report.restored_bytes = offloaded.iter().map(|(_, o)| o.host.bytes).sum();
+    report.verified_segments = checked.len();
+    match checked.into_iter().find(|(_, a, b)| a != b) {
+        Some((segment, offloaded, restored)) => {
+            Err(AllocError::from(SleepError::ChecksumMismatch {
+                pool,
+                segment,
+                offloaded,
+                restored,
+            }))
+        }
+        None => Ok(()),
+    }
+}
+
+/// Runs `f` on a new non-blocking stream of the allocator's device, destroyed after.
+fn with_side_stream<T, X: From<DriverError>>(
+    engine: &Engine,
+    f: impl FnOnce(StreamHandle) -> Result<T, X>,
+) -> Result<T, X> {
+    let flags = StreamFlags {
+        non_blocking: true,
+        priority: 0,
+    };
+    let stream = engine.driver.stream_create(engine.device, flags)?;
+    let result = f(stream);
+    let _ = engine.driver.stream_destroy(stream);
+    result
+}
+
+/// The (offset, length) pieces [`CHUNK`] bytes at most of `bytes`.
+fn chunks(bytes: u64) -> impl Iterator<Item = (u64, u64)> {
+    (0..bytes.div_ceil(CHUNK)).map(move |i| (i * CHUNK, CHUNK.min(bytes - i * CHUNK)))
+}
+
+fn host_checksum(driver: &dyn Driver, host: HostPtr) -> Result<u64, DriverError> {
+    let mut hasher = xxhash_rust::xxh3::Xxh3::new();
+    let mut buffer = Vec::new();
+    for (at, n) in chunks(host.bytes) {
+        buffer.resize(n as usize, 0);
+        driver.host_read(host, at, &mut buffer)?;
+        hasher.update(&buffer);
+    }
+    Ok(hasher.digest())
+}
+
+fn device_checksum(
+    driver: &dyn Driver,
+    va: VaRange,
+    stream: StreamHandle,
+) -> Result<u64, DriverError> {
+    let mut hasher = xxhash_rust::xxh3::Xxh3::new();
+    let mut buffer = Vec::new();
+    for (at, n) in chunks(va.bytes) {
+        buffer.resize(n as usize, 0);
+        driver.memcpy_dtoh(&mut buffer, DevicePtr(va.base.0 + at), stream)?;
+        hasher.update(&buffer);
+    }
+    Ok(hasher.digest())
+}
