@@ -25,3 +25,4 @@ mod pytorch_rules;
 mod reclaim_adversarial;
 mod reclaim_without_sync;
 mod sleep;
+mod sleep_adv;

@@ -4,7 +4,7 @@
 //! errors, a capture left by a panic or a `?`, pool sharing, fork/join, THREAD_LOCAL
 //! captures, graphed callables, exact memory statistics, graph-safe Philox RNG, the
 //! driver's view of graph nodes and `update_inputs` (typed and by raw address), and
-//! captures under `backend:cudaMallocAsync`.
+//! captures under `backend:cudaMallocAsync`, and a graph over a sleepable pool.
 #![forbid(unsafe_code)]
 use ferrocuda_alloc::{Caching, DeviceAllocators};
 use ferrocuda_graph::{CudaGraph, GraphError, PoolId, register_fake_philox};
@@ -110,6 +110,7 @@ mod mlp;
 mod nodes;
 mod pools;
 mod rng;
+mod sleep;
 mod update_inputs;
 
 use async_backend::{
@@ -132,6 +133,7 @@ use pools::{
     recapture_loop_keeps_memory_flat,
 };
 use rng::rng_replays_match_eager;
+use sleep::a_graph_over_a_sleeping_pool_replays_after_wake;
 use update_inputs::{
     kept_instances_serve_the_addresses_they_hold, update_input_ptrs_repoints_by_address,
     update_inputs_patches_pointers, update_inputs_refuses_a_node_it_cannot_repoint,
@@ -164,6 +166,7 @@ ferrocuda_testkit::both_backends!(
     capture_empties_the_cache_first,
     captures_sharing_a_pool_share_a_stream,
     recapture_loop_keeps_memory_flat,
+    a_graph_over_a_sleeping_pool_replays_after_wake,
     async_capture_replays_into_graph_memory,
     async_capture_defers_uncaptured_frees_one_capture_at_a_time,
     async_capture_left_without_end_ends_the_allocators,
