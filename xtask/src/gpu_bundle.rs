@@ -63,6 +63,7 @@ const GPU_BENCHES: &[&str] = &[
     "torch_plugin",
     "gemm",
     "fft",
+    "sleep",
 ];
 /// Bench binaries that need two GPUs: bundled as `multibench_*`, run by run.sh only with
 /// `MULTI_GPU=1` (on fewer than two GPUs they fail, never skip).

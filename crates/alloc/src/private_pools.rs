@@ -228,6 +228,14 @@ impl PrivatePools {
             .map_or(Wakefulness::Awake, |p| p.wakefulness)
     }
 
+    /// How many pools are not awake.
+    pub(crate) fn not_awake(&self) -> usize {
+        self.pools
+            .values()
+            .filter(|p| p.wakefulness != Wakefulness::Awake)
+            .count()
+    }
+
     /// Sets `pool`'s wakefulness (a pool that exists).
     pub(crate) fn set_wakefulness(&mut self, pool: PoolId, to: Wakefulness) {
         if let Some(p) = self.pools.get_mut(&pool) {

@@ -71,7 +71,7 @@ pub struct WakeReport {
 /// What is asleep in an allocator.
 #[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
 pub struct SleepStats {
-    /// Pools asleep.
+    /// Sleepable pools asleep (or being put to sleep or woken).
     pub pools: usize,
     /// Segments without their pages.
     pub segments: usize,
@@ -79,6 +79,9 @@ pub struct SleepStats {
     pub bytes: u64,
     /// Of those, bytes kept in host memory.
     pub offloaded_bytes: u64,
+    /// Pinned host memory kept by awake segments for their next offload
+    /// ([`CachingAllocator::free_host_buffers`] gives it back).
+    pub spare_host_bytes: u64,
 }
 
 /// A sleep or wake request that cannot be carried out.
@@ -127,6 +130,12 @@ pub(crate) struct PagedSegment {
     va: VaRange,
     handle: Option<PhysHandle>,
     offload: Option<Offload>,
+    /// Physical memory unmapped by a sleep whose destroy failed: the next wake maps it
+    /// again rather than leak it.
+    stale: Option<PhysHandle>,
+    /// The pinned buffer of its last offload, kept for the next one while awake: pinning
+    /// and unpinning a GiB costs more than copying it.
+    spare: Option<HostPtr>,
 }
 
 /// A sleeping segment's contents in pinned host memory.
@@ -164,19 +173,20 @@ impl PagedSegments {
         self.segments.values().filter(move |s| s.pool == pool)
     }
 
-    /// What is asleep.
-    pub(crate) fn stats(&self) -> SleepStats {
-        let mut stats = SleepStats::default();
-        let mut pools: Vec<PoolId> = Vec::new();
-        for s in self.segments.values().filter(|s| s.handle.is_none()) {
-            stats.segments += 1;
-            stats.bytes += s.va.bytes;
-            stats.offloaded_bytes += s.offload.map_or(0, |o| o.host.bytes);
-            if !pools.contains(&s.pool) {
-                pools.push(s.pool);
+    /// What is asleep, `pools` of them pools.
+    pub(crate) fn stats(&self, pools: usize) -> SleepStats {
+        let mut stats = SleepStats {
+            pools,
+            ..SleepStats::default()
+        };
+        for s in self.segments.values() {
+            stats.spare_host_bytes += s.spare.map_or(0, |h| h.bytes);
+            if s.handle.is_none() {
+                stats.segments += 1;
+                stats.bytes += s.va.bytes;
+                stats.offloaded_bytes += s.offload.map_or(0, |o| o.host.bytes);
             }
         }
-        stats.pools = pools.len();
         stats
     }
 
@@ -202,6 +212,8 @@ pub(crate) fn map_segment(
             va,
             handle: Some(handle),
             offload: None,
+            stale: None,
+            spare: None,
         }),
         Err(e) => {
             let _ = driver.vm_release(va);
@@ -213,15 +225,21 @@ pub(crate) fn map_segment(
 /// Physical memory for all of `va`, mapped and made accessible. Undone on failure.
 fn map_pages(driver: &dyn Driver, va: VaRange) -> Result<PhysHandle, DriverError> {
     let handle = driver.vm_create(va.device, va.bytes)?;
-    if let Err(e) = driver.vm_map(va.base, handle) {
+    map_handle(driver, va, handle).inspect_err(|_| {
         let _ = driver.vm_destroy(handle);
-        return Err(e);
-    }
-    if let Err(e) = driver.vm_set_access(va.device, va.base, va.bytes) {
-        let _ = unmap_pages(driver, va, handle);
-        return Err(e);
-    }
+    })?;
     Ok(handle)
+}
+
+/// Maps `handle` over all of `va` and makes it accessible; unmapped again on failure (the
+/// handle stays the caller's).
+fn map_handle(driver: &dyn Driver, va: VaRange, handle: PhysHandle) -> Result<(), DriverError> {
+    driver.vm_map(va.base, handle)?;
+    driver
+        .vm_set_access(va.device, va.base, va.bytes)
+        .inspect_err(|_| {
+            let _ = driver.vm_unmap(va.device, va.base, va.bytes);
+        })
 }
 
 fn unmap_pages(driver: &dyn Driver, va: VaRange, handle: PhysHandle) -> Result<(), DriverError> {
@@ -236,6 +254,12 @@ pub(crate) fn give_back(driver: &dyn Driver, segment: PagedSegment) {
     if let Some(handle) = segment.handle {
         let _ = unmap_pages(driver, segment.va, handle);
     }
+    if let Some(handle) = segment.stale {
+        let _ = driver.vm_destroy(handle);
+    }
+    if let Some(host) = segment.spare {
+        let _ = driver.host_free(host);
+    }
     if let Some(o) = segment.offload {
         let _ = driver.host_free(o.host);
     }
@@ -248,6 +272,8 @@ struct Moving {
     va: VaRange,
     handle: Option<PhysHandle>,
     offload: Option<Offload>,
+    stale: Option<PhysHandle>,
+    spare: Option<HostPtr>,
 }
 
 impl CachingAllocator {
@@ -270,33 +296,24 @@ impl CachingAllocator {
     pub fn sleep(&self, pool: PoolId, mode: SleepMode) -> Result<SleepReport, AllocError> {
         let moving = self.begin_change(pool, Wakefulness::Awake, |s| s.handle.is_some())?;
         let engine = &self.engine;
-        let result = offload(engine, &moving, mode).and_then(|offloads| {
-            let mut report = SleepReport::default();
-            let mut done = Vec::new();
-            for (m, offload) in moving.iter().zip(offloads) {
-                let Some(handle) = m.handle else { continue };
-                if let Err(e) = unmap_pages(&*engine.driver, m.va, handle) {
-                    if let Some(o) = offload {
-                        let _ = engine.driver.host_free(o.host);
-                    }
-                    return Err((e, done, report));
-                }
-                done.push((m.va.base.0, offload));
-                report.segments += 1;
-                report.released_bytes += m.va.bytes;
-                report.offloaded_bytes += offload.map_or(0, |o| o.host.bytes);
-            }
-            Ok((done, report))
-        });
+        let result = offload(engine, &moving, mode)
+            .and_then(|offloads| release_pages(&*engine.driver, &moving, offloads));
         let mut st = engine.lock();
         let (done, outcome) = match result {
             Ok((done, report)) => (done, Ok(report)),
             Err((e, done, _)) => (done, Err(e.into())),
         };
-        for (base, offload) in done {
+        for (base, outcome) in done {
             if let Some(s) = st.paged.segments.get_mut(&base) {
-                s.handle = None;
-                s.offload = offload;
+                match outcome {
+                    Outcome::Asleep { offload, stale } => {
+                        s.handle = None;
+                        s.offload = offload;
+                        s.stale = stale;
+                        s.spare = None;
+                    }
+                    Outcome::Awake { spare } => s.spare = spare,
+                }
             }
         }
         // Partly asleep (an unmap failed) counts as asleep: wake maps what is missing.
@@ -321,7 +338,11 @@ impl CachingAllocator {
         let mut mapped = Vec::new();
         let mut failure = None;
         for m in &moving {
-            match map_pages(&*engine.driver, m.va) {
+            let pages = match m.stale {
+                Some(h) => map_handle(&*engine.driver, m.va, h).map(|()| h),
+                None => map_pages(&*engine.driver, m.va),
+            };
+            match pages {
                 Ok(handle) => {
                     mapped.push((*m, handle));
                     report.segments += 1;
@@ -333,12 +354,28 @@ impl CachingAllocator {
                 }
             }
         }
+        // A restore that fails unmaps the offloaded segments' new pages again: they stay
+        // asleep with their host copies, for a later wake.
         let restored = restore(engine, pool, &mapped, &mut report);
+        let unrestored: Vec<u64> = match &restored {
+            Err(Unrestored::Copy(_)) => mapped
+                .iter()
+                .filter(|(m, handle)| {
+                    m.offload.is_some() && unmap_pages(&*engine.driver, m.va, *handle).is_ok()
+                })
+                .map(|(m, _)| m.va.base.0)
+                .collect(),
+            _ => Vec::new(),
+        };
         let mut st = engine.lock();
-        for (m, handle) in &mapped {
+        for (m, handle) in mapped
+            .iter()
+            .filter(|(m, _)| !unrestored.contains(&m.va.base.0))
+        {
             if let Some(s) = st.paged.segments.get_mut(&m.va.base.0) {
                 s.handle = Some(*handle);
-                s.offload = None;
+                s.spare = s.offload.take().map(|o| o.host).or(s.spare);
+                s.stale = None;
             }
         }
         let asleep = st.paged.of_pool(pool).any(|s| s.handle.is_none());
@@ -349,23 +386,59 @@ impl CachingAllocator {
         };
         self.settle_wakefulness(&mut st, pool, to);
         drop(st);
-        match failure {
-            Some(e) => Err(e),
-            None => restored.map(|()| report),
+        match (failure, restored) {
+            (Some(e), _) => Err(e),
+            (None, Err(Unrestored::Copy(e))) => Err(e.into()),
+            (None, Err(Unrestored::Mismatch(e))) => Err(e.into()),
+            (None, Ok(())) => Ok(report),
         }
+    }
+
+    /// Gives back the pinned host buffers that `pool`'s awake segments kept from their last
+    /// offload (a wake keeps them for the next sleep: pinning memory costs more than copying
+    /// it). Returns the bytes freed; refused while the pool is being put to sleep or woken.
+    pub fn free_host_buffers(&self, pool: PoolId) -> Result<u64, AllocError> {
+        let spares: Vec<HostPtr> = {
+            let mut st = self.engine.lock();
+            // (A sleep under way copies into them outside the lock.)
+            if st.private.wakefulness(pool) == Wakefulness::Changing {
+                return Err(SleepError::Changing(pool).into());
+            }
+            st.paged
+                .segments
+                .values_mut()
+                .filter(|s| s.pool == pool)
+                .filter_map(|s| s.spare.take())
+                .collect()
+        };
+        Ok(spares
+            .into_iter()
+            .map(|host| {
+                let _ = self.engine.driver.host_free(host);
+                host.bytes
+            })
+            .sum())
     }
 
     /// What is asleep.
     pub fn sleep_stats(&self) -> SleepStats {
-        self.engine.lock().paged.stats()
+        let st = self.engine.lock();
+        st.paged.stats(st.private.not_awake())
     }
 
     /// Whether `pool` sleeps (or is being put to sleep or woken): its memory may not be
     /// used. A graph replay over the pool checks this first.
     pub fn pool_asleep(&self, pool: PoolId) -> bool {
         // (No lock while no pool sleeps: every replay asks.)
-        self.sleeping.load(Ordering::Acquire) > 0
-            && self.engine.lock().private.wakefulness(pool) != Wakefulness::Awake
+        if self.sleeping.load(Ordering::Acquire) == 0 {
+            return false;
+        }
+        let st = self.engine.lock();
+        // (Recounted: a pool released while asleep leaves the count without telling it.
+        // Every change of the count is made with the lock held.)
+        self.sleeping
+            .store(st.private.not_awake(), Ordering::Release);
+        st.private.wakefulness(pool) != Wakefulness::Awake
     }
 
     /// Ends a change of `pool` (marked changing) at `to`.
@@ -413,6 +486,8 @@ impl CachingAllocator {
                 va: s.va,
                 handle: s.handle,
                 offload: s.offload,
+                stale: s.stale,
+                spare: s.spare,
             })
             .collect();
         moving.sort_by_key(|m| m.va.base.0);
@@ -421,7 +496,18 @@ impl CachingAllocator {
 }
 
 /// A failed step of a sleep, with the segments already asleep and their report.
-type SleepFailure = (DriverError, Vec<(u64, Option<Offload>)>, SleepReport);
+type SleepFailure = (DriverError, Vec<(u64, Outcome)>, SleepReport);
+
+/// What a sleep left of a segment (by its address).
+enum Outcome {
+    /// Unmapped: its host copy, and its physical memory if the destroy failed.
+    Asleep {
+        offload: Option<Offload>,
+        stale: Option<PhysHandle>,
+    },
+    /// Left mapped by a failure: its offload's buffer becomes its spare.
+    Awake { spare: Option<HostPtr> },
+}
 
 /// Waits for the device's work, then, for [`SleepMode::Offload`], copies each segment to a
 /// pinned buffer of its own (with its checksum if asked). One entry per segment of `moving`.
@@ -445,7 +531,7 @@ fn offload(
     .and_then(|()| {
         hosts
             .iter()
-            .map(|&host| {
+            .map(|&(host, _)| {
                 let checksum = checksum
                     .then(|| host_checksum(&*engine.driver, host))
                     .transpose()?;
@@ -454,24 +540,31 @@ fn offload(
             .collect()
     });
     offloads.map_err(|e| {
-        for host in hosts {
-            let _ = engine.driver.host_free(host);
+        // (Spare buffers stay with their segments.)
+        for (host, new) in hosts {
+            if new {
+                let _ = engine.driver.host_free(host);
+            }
         }
         failed(e)
     })
 }
 
-/// Copies each of `moving` into a new pinned buffer (pushed to `hosts`, to be freed by the
-/// caller on failure) on `stream`, and waits for the copies.
+/// Copies each of `moving` into its spare pinned buffer or a new one (pushed to `hosts`,
+/// with whether it is new, for the caller to free on failure) on `stream`, and waits for
+/// the copies.
 fn copy_out(
     engine: &Engine,
     moving: &[Moving],
     stream: StreamHandle,
-    hosts: &mut Vec<HostPtr>,
+    hosts: &mut Vec<(HostPtr, bool)>,
 ) -> Result<(), DriverError> {
     for m in moving {
-        let host = engine.driver.host_alloc(m.va.bytes)?;
-        hosts.push(host);
+        let (host, new) = match m.spare {
+            Some(spare) => (spare, false),
+            None => (engine.driver.host_alloc(m.va.bytes)?, true),
+        };
+        hosts.push((host, new));
         chunks(m.va.bytes).try_for_each(|(at, n)| {
             engine.driver.memcpy_dtoh_pinned_async(
                 (host, at),
@@ -484,14 +577,62 @@ fn copy_out(
     engine.driver.stream_synchronize(stream)
 }
 
-/// Copies the offloaded contents of `mapped` segments back, checks their checksums, and
-/// frees their host copies.
+/// Unmaps and destroys the pages of each of `moving` (whose contents `offloads` hold, one
+/// entry each), in order, stopping at the first failure. A segment counts as asleep once
+/// its pages are unmapped (a failed destroy keeps the physical memory for the next wake);
+/// on a failure the segments left awake keep their offload's buffer as their spare.
+fn release_pages(
+    driver: &dyn Driver,
+    moving: &[Moving],
+    offloads: Vec<Option<Offload>>,
+) -> Result<(Vec<(u64, Outcome)>, SleepReport), SleepFailure> {
+    let mut report = SleepReport::default();
+    let mut done = Vec::new();
+    let mut failure = None;
+    for (m, offload) in moving.iter().zip(offloads) {
+        let awake = Outcome::Awake {
+            spare: offload.map(|o| o.host).or(m.spare),
+        };
+        let Some(handle) = m.handle.filter(|_| failure.is_none()) else {
+            done.push((m.va.base.0, awake));
+            continue;
+        };
+        if let Err(e) = driver.vm_unmap(m.va.device, m.va.base, m.va.bytes) {
+            done.push((m.va.base.0, awake));
+            failure = Some(e);
+            continue;
+        }
+        let stale = driver.vm_destroy(handle).err().map(|e| {
+            failure = Some(e);
+            handle
+        });
+        done.push((m.va.base.0, Outcome::Asleep { offload, stale }));
+        report.segments += 1;
+        report.released_bytes += m.va.bytes;
+        report.offloaded_bytes += offload.map_or(0, |o| o.host.bytes);
+    }
+    match failure {
+        None => Ok((done, report)),
+        Some(e) => Err((e, done, report)),
+    }
+}
+
+/// Why a wake's restore failed.
+enum Unrestored {
+    /// A copy back (or its stream) failed: the host copies are kept.
+    Copy(DriverError),
+    /// The copies were made, but a segment's bytes differ from the offload's checksum.
+    Mismatch(SleepError),
+}
+
+/// Copies the offloaded contents of `mapped` segments back and checks their checksums (the
+/// host buffers stay: they become the segments' spares).
 fn restore(
     engine: &Engine,
     pool: PoolId,
     mapped: &[(Moving, PhysHandle)],
     report: &mut WakeReport,
-) -> Result<(), AllocError> {
+) -> Result<(), Unrestored> {
     let offloaded: Vec<(VaRange, Offload)> = mapped
         .iter()
         .filter_map(|(m, _)| Some((m.va, m.offload?)))
@@ -499,7 +640,7 @@ fn restore(
     if offloaded.is_empty() {
         return Ok(());
     }
-    let copied = with_side_stream(engine, |stream| {
+    let checked = with_side_stream(engine, |stream| {
         for (va, o) in &offloaded {
             chunks(o.host.bytes).try_for_each(|(at, n)| {
                 engine.driver.memcpy_htod_pinned_async(
@@ -518,16 +659,13 @@ fn restore(
             }
         }
         Ok::<_, DriverError>(checked)
-    });
-    for (_, o) in &offloaded {
-        let _ = engine.driver.host_free(o.host);
-    }
-    let checked = copied?;
+    })
+    .map_err(Unrestored::Copy)?;
     report.restored_bytes = offloaded.iter().map(|(_, o)| o.host.bytes).sum();
     report.verified_segments = checked.len();
     match checked.into_iter().find(|(_, a, b)| a != b) {
         Some((segment, offloaded, restored)) => {
-            Err(AllocError::from(SleepError::ChecksumMismatch {
+            Err(Unrestored::Mismatch(SleepError::ChecksumMismatch {
                 pool,
                 segment,
                 offloaded,

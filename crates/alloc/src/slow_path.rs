@@ -7,7 +7,7 @@ use crate::block::{Block, Link, NO_LIST};
 use crate::engine::{Engine, Guard};
 use crate::error::AllocError;
 use crate::free_pools::{FreeKey, oversize_refuses};
-use crate::private_pools::SegmentSource;
+use crate::private_pools::{SegmentSource, Wakefulness};
 use crate::rounding::allocation_size;
 use crate::state::{Request, State};
 use ferrocuda_driver::DriverError;
@@ -166,6 +166,14 @@ impl Engine {
         match result {
             Ok(ptr) => {
                 if let Some(segment) = paged {
+                    // A sleep that began while the lock was released did not see this
+                    // segment: it goes back, and the request is refused as the pool's are.
+                    if st.private.wakefulness(pool) != Wakefulness::Awake {
+                        st.total_reserved -= bytes;
+                        drop(st);
+                        crate::sleep::give_back(&*self.driver, segment);
+                        return Err(crate::SleepError::Asleep(pool).into());
+                    }
                     st.paged.insert(segment);
                 }
                 let id = st.blocks.insert(Block::new(

@@ -119,7 +119,21 @@ fn offload_returns_the_pages_and_restores_every_byte() -> TestResult {
     assert_eq!(free_bytes(&s.fake), free0);
     assert_contents(&s);
     assert_eq!(s.a.stats(), stats0);
+    // The pinned buffers stay for the next sleep, until given back.
+    let kept = s.a.sleep_stats();
+    assert_eq!((kept.segments, kept.spare_host_bytes), (0, 22 * MIB));
+    let allocs = s.fake.calls(Call::HostAlloc);
+    s.a.sleep(s.pool, OFFLOAD)?;
+    assert_eq!(
+        s.fake.calls(Call::HostAlloc),
+        allocs,
+        "the next offload reuses them"
+    );
+    s.a.wake(s.pool)?;
+    assert_contents(&s);
+    assert_eq!(s.a.free_host_buffers(s.pool)?, 22 * MIB);
     assert_eq!(s.a.sleep_stats(), Default::default());
+    assert_eq!(s.fake.calls(Call::HostFree), 2);
     assert!(!s.a.pool_asleep(s.pool));
     Ok(())
 }
