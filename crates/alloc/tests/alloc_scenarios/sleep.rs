@@ -328,3 +328,52 @@ fn the_snapshot_says_what_sleeps() -> TestResult {
     s.a.free(other.ptr)?;
     Ok(())
 }
+
+/// A segment larger than a restore's piece (64 MiB) wakes in pieces, each copied back as
+/// soon as it is mapped: every byte comes back; a piece that cannot be made undoes the
+/// pieces before it, leaves the pool asleep with its host copy, and the next wake restores
+/// it all.
+#[test]
+fn a_large_segment_wakes_in_pieces() -> TestResult {
+    let (fake, a) = setup(512 * MIB, "", Completion::Eager);
+    let pool = PoolId::handle();
+    a.create_sleepable_pool(pool)?;
+    a.begin_allocate_to_pool(pool, Route::Thread(std::thread::current().id()))?;
+    let block = a.allocate(150 * MIB, LEGACY)?;
+    a.end_allocate_to_pool(pool)?;
+    let bytes = pattern(5, block.size);
+    fake.memcpy_htod_async(block.ptr, &bytes, LEGACY)?;
+    let free_awake = free_bytes(&fake);
+    a.sleep(pool, OFFLOAD)?;
+    let creates = fake.calls(Call::VmCreate);
+    fake.fail_nth(Call::VmCreate, 2, DriverError::OUT_OF_MEMORY);
+    assert!(a.wake(pool).is_err());
+    assert!(a.pool_asleep(pool));
+    assert_eq!(
+        fake.calls(Call::VmDestroy),
+        2,
+        "the sleep's and the first piece's"
+    );
+    assert_eq!(free_bytes(&fake), free_awake + block.size);
+    let woken = a.wake(pool)?;
+    assert_eq!(woken.verified_segments, 1);
+    assert_eq!(
+        fake.calls(Call::VmCreate) - creates,
+        2 + 3,
+        "a piece and the failed one, then three pieces of 64 MiB at most"
+    );
+    assert_eq!(read(&fake, block.ptr, bytes.len())?, bytes);
+    assert_eq!(free_bytes(&fake), free_awake);
+    // It sleeps again from its pieces, and the pool gives everything back when released.
+    a.sleep(pool, OFFLOAD)?;
+    a.wake(pool)?;
+    assert_eq!(read(&fake, block.ptr, bytes.len())?, bytes);
+    a.free(block.ptr)?;
+    a.release_pool(pool)?;
+    a.release_pool(pool)?;
+    a.empty_cache_pool(pool);
+    // (The fake counts the failed create too.)
+    assert_eq!(fake.calls(Call::VmCreate) - 1, fake.calls(Call::VmDestroy));
+    assert_eq!(fake.calls(Call::HostAlloc), fake.calls(Call::HostFree));
+    Ok(())
+}
