@@ -391,7 +391,7 @@ impl Engine {
                     .free(self.device, DevicePtr(ptr))
                     .map_err(Into::into),
                 ReleaseTo::Pages(segment) => {
-                    crate::sleep::give_back(&*self.driver, segment);
+                    crate::sleep::pages::give_back(&*self.driver, segment);
                     Ok(())
                 }
             };

@@ -109,7 +109,7 @@ pub enum AllocError {
     Driver(DriverError),
     /// A sleep or wake of a sleepable pool, or a use of one that sleeps (ferrocuda's own).
     #[error(transparent)]
-    Sleep(#[from] crate::sleep::SleepError),
+    Sleep(#[from] crate::sleep::reports::SleepError),
     /// A pluggable allocator library could not be loaded (Python's texts).
     #[error(transparent)]
     Pluggable(#[from] PluggableError),

@@ -152,7 +152,7 @@ impl Engine {
             },
             SegmentSource::Driver => self.driver.malloc(self.device, bytes),
             SegmentSource::Sleepable => {
-                crate::sleep::map_segment(&*self.driver, self.device, bytes, pool).map(|s| {
+                crate::sleep::pages::map_segment(&*self.driver, self.device, bytes, pool).map(|s| {
                     let ptr = s.base();
                     paged = Some(s);
                     ptr
@@ -171,7 +171,7 @@ impl Engine {
                     if st.private.wakefulness(pool) != Wakefulness::Awake {
                         st.total_reserved -= bytes;
                         drop(st);
-                        crate::sleep::give_back(&*self.driver, segment);
+                        crate::sleep::pages::give_back(&*self.driver, segment);
                         return Err(crate::SleepError::Asleep(pool).into());
                     }
                     st.paged.insert(segment);

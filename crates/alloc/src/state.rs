@@ -10,8 +10,7 @@ use crate::free_pools::Pools;
 use crate::history::{History, HistoryContext};
 use crate::pluggable::PluggableAllocator;
 use crate::private_pools::{PrivatePools, SegmentSource};
-use crate::sleep::PagedSegment;
-use crate::sleep::PagedSegments;
+use crate::sleep::pages::{PagedSegment, PagedSegments};
 use crate::stream_order::StreamOrder;
 use crate::tally::Tally;
 use ferrocuda_types::{

@@ -15,40 +15,66 @@ use ferrocuda_driver::{Driver, DriverError, FakeDriver};
 use ferrocuda_types::{DeviceIndex, DevicePtr, PoolId, Snapshot};
 use std::sync::Arc;
 
-const D0: DeviceIndex = DeviceIndex(0);
-const OFFLOAD: SleepMode = SleepMode::Offload { checksum: true };
+// The helpers below serve `sleep_adv` too.
+pub(crate) const D0: DeviceIndex = DeviceIndex(0);
+pub(crate) const OFFLOAD: SleepMode = SleepMode::Offload { checksum: true };
+pub(crate) const CAPACITY: u64 = 256 * MIB;
 
-/// A sleepable pool holding a small block (a 2 MiB small-pool segment) and two large ones
-/// (a 20 MiB segment split in two), each filled with its own byte pattern.
-struct Served {
-    fake: Arc<FakeDriver>,
-    a: CachingAllocator,
-    pool: PoolId,
-    blocks: Vec<(Allocation, Vec<u8>)>,
+/// A sleepable pool with a small block (2 MiB small segment) and two large ones (one 20 MiB
+/// segment split), each filled with its own pattern.
+pub(crate) struct Served {
+    pub(crate) fake: Arc<FakeDriver>,
+    pub(crate) a: Arc<CachingAllocator>,
+    pub(crate) pool: PoolId,
+    pub(crate) blocks: Vec<(Allocation, Vec<u8>)>,
 }
 
-fn pattern(seed: u8, len: u64) -> Vec<u8> {
+pub(crate) fn pattern(seed: u8, len: u64) -> Vec<u8> {
     (0..len)
-        .map(|i| seed.wrapping_add((i % 251) as u8))
+        .map(|i| seed.wrapping_mul(31).wrapping_add((i % 253) as u8))
         .collect()
 }
 
-fn serve() -> Served {
-    let (fake, a) = setup(256 * MIB, "", Completion::Eager);
-    let pool = PoolId::handle();
-    a.create_sleepable_pool(pool).unwrap();
-    a.begin_allocate_to_pool(pool, Route::Thread(std::thread::current().id()))
-        .unwrap();
-    let blocks = [(64 << 10, 1u8), (6 * MIB, 2), (9 * MIB, 3)]
-        .into_iter()
-        .map(|(bytes, seed)| {
+pub(crate) fn new_allocator(
+    capacity: u64,
+    config: &str,
+) -> (Arc<FakeDriver>, Arc<CachingAllocator>) {
+    let (fake, a) = common::setup(capacity, config, Completion::Eager);
+    (fake, Arc::new(a))
+}
+
+pub(crate) fn me() -> Route {
+    Route::Thread(std::thread::current().id())
+}
+
+/// Allocates `sizes` (with seeds) into `pool`, writing each block's pattern.
+pub(crate) fn fill_pool(
+    fake: &FakeDriver,
+    a: &CachingAllocator,
+    pool: PoolId,
+    sizes: &[(u64, u8)],
+) -> Vec<(Allocation, Vec<u8>)> {
+    a.begin_allocate_to_pool(pool, me()).unwrap();
+    let blocks = sizes
+        .iter()
+        .map(|&(bytes, seed)| {
             let block = a.allocate(bytes, LEGACY).unwrap();
-            let bytes = pattern(seed, bytes);
-            fake.memcpy_htod_async(block.ptr, &bytes, LEGACY).unwrap();
-            (block, bytes)
+            let data = pattern(seed, bytes);
+            fake.memcpy_htod_async(block.ptr, &data, LEGACY).unwrap();
+            (block, data)
         })
         .collect();
     a.end_allocate_to_pool(pool).unwrap();
+    blocks
+}
+
+pub(crate) const SIZES: [(u64, u8); 3] = [(64 << 10, 1), (6 * MIB, 2), (9 * MIB, 3)];
+
+pub(crate) fn serve_with(config: &str) -> Served {
+    let (fake, a) = new_allocator(CAPACITY, config);
+    let pool = PoolId::handle();
+    a.create_sleepable_pool(pool).unwrap();
+    let blocks = fill_pool(&fake, &a, pool, &SIZES);
     Served {
         fake,
         a,
@@ -57,13 +83,17 @@ fn serve() -> Served {
     }
 }
 
-fn read(fake: &FakeDriver, ptr: DevicePtr, len: usize) -> Result<Vec<u8>, DriverError> {
+pub(crate) fn serve() -> Served {
+    serve_with("")
+}
+
+pub(crate) fn read(fake: &FakeDriver, ptr: DevicePtr, len: usize) -> Result<Vec<u8>, DriverError> {
     let mut out = vec![0; len];
     fake.memcpy_dtoh(&mut out, ptr, LEGACY)?;
     Ok(out)
 }
 
-fn free_bytes(fake: &FakeDriver) -> u64 {
+pub(crate) fn free_bytes(fake: &FakeDriver) -> u64 {
     fake.mem_get_info(D0).unwrap().0
 }
 

@@ -11,88 +11,15 @@ use ferrocuda_alloc::{
     AllocError, Allocation, Caching, CachingAllocator, Route, SleepError, SleepMode, SleepReport,
     SleepStats, WakeReport,
 };
-use ferrocuda_driver::fake::{Call, Completion};
+use ferrocuda_driver::fake::Call;
 use ferrocuda_driver::{Driver, DriverError, FakeDriver};
-use ferrocuda_types::{AllocatorConfig, DeviceIndex, DevicePtr, PoolId};
+use ferrocuda_types::{AllocatorConfig, DevicePtr, PoolId};
 use std::sync::Arc;
 
-const D0: DeviceIndex = DeviceIndex(0);
-const OFFLOAD: SleepMode = SleepMode::Offload { checksum: true };
-const CAPACITY: u64 = 256 * MIB;
-
-/// A sleepable pool with a small block (2 MiB small segment) and two large ones (one 20 MiB
-/// segment split), each filled with its own pattern.
-struct Served {
-    fake: Arc<FakeDriver>,
-    a: Arc<CachingAllocator>,
-    pool: PoolId,
-    blocks: Vec<(Allocation, Vec<u8>)>,
-}
-
-fn pattern(seed: u8, len: u64) -> Vec<u8> {
-    (0..len)
-        .map(|i| seed.wrapping_mul(31).wrapping_add((i % 253) as u8))
-        .collect()
-}
-
-fn new_allocator(capacity: u64, config: &str) -> (Arc<FakeDriver>, Arc<CachingAllocator>) {
-    let (fake, a) = common::setup(capacity, config, Completion::Eager);
-    (fake, Arc::new(a))
-}
-
-fn me() -> Route {
-    Route::Thread(std::thread::current().id())
-}
-
-/// Allocates `sizes` (with seeds) into `pool`, writing each block's pattern.
-fn fill_pool(
-    fake: &FakeDriver,
-    a: &CachingAllocator,
-    pool: PoolId,
-    sizes: &[(u64, u8)],
-) -> Vec<(Allocation, Vec<u8>)> {
-    a.begin_allocate_to_pool(pool, me()).unwrap();
-    let blocks = sizes
-        .iter()
-        .map(|&(bytes, seed)| {
-            let block = a.allocate(bytes, LEGACY).unwrap();
-            let data = pattern(seed, bytes);
-            fake.memcpy_htod_async(block.ptr, &data, LEGACY).unwrap();
-            (block, data)
-        })
-        .collect();
-    a.end_allocate_to_pool(pool).unwrap();
-    blocks
-}
-
-const SIZES: [(u64, u8); 3] = [(64 << 10, 1), (6 * MIB, 2), (9 * MIB, 3)];
-
-fn serve_with(config: &str) -> Served {
-    let (fake, a) = new_allocator(CAPACITY, config);
-    let pool = PoolId::handle();
-    a.create_sleepable_pool(pool).unwrap();
-    let blocks = fill_pool(&fake, &a, pool, &SIZES);
-    Served {
-        fake,
-        a,
-        pool,
-        blocks,
-    }
-}
-
-fn serve() -> Served {
-    serve_with("")
-}
-
-fn read(fake: &FakeDriver, ptr: DevicePtr, len: usize) -> Result<Vec<u8>, DriverError> {
-    let mut out = vec![0; len];
-    fake.memcpy_dtoh(&mut out, ptr, LEGACY)?;
-    Ok(out)
-}
-
-fn free_bytes(fake: &FakeDriver) -> u64 {
-    fake.mem_get_info(D0).unwrap().0
-}
+use crate::sleep::{
+    CAPACITY, D0, OFFLOAD, Served, fill_pool, free_bytes, me, new_allocator, pattern, read, serve,
+    serve_with,
+};
 
 fn check_blocks(fake: &FakeDriver, blocks: &[(Allocation, Vec<u8>)], label: &str) {
     for (i, (block, bytes)) in blocks.iter().enumerate() {
