@@ -386,6 +386,37 @@ mod tests {
         Ok(())
     }
 
+    /// Every bench of the workspace goes into the bundle unless it measures only the host
+    /// (named here, with why): a new bench left out of [`GPU_BENCHES`] would otherwise never
+    /// run on a GPU.
+    #[test]
+    fn every_device_bench_is_bundled() -> Result<(), String> {
+        const HOST_ONLY: &[(&str, &str)] = &[
+            (
+                "many_streams",
+                "the command's reader and replay on the fake device",
+            ),
+            (
+                "snapshot_memory",
+                "the command's peak memory reading a snapshot",
+            ),
+        ];
+        let targets = crate::workspace_targets()?;
+        for t in targets.iter().filter(|t| t.kind == "bench") {
+            let name = t.name.as_str();
+            let bundled = GPU_BENCHES
+                .iter()
+                .chain(GPU_BENCHES_MULTI)
+                .any(|b| *b == name);
+            let host_only = HOST_ONLY.iter().any(|(b, _)| *b == name);
+            assert!(
+                bundled || host_only,
+                "bench {name} is neither in GPU_BENCHES nor named host-only"
+            );
+        }
+        Ok(())
+    }
+
     fn bash_accepts(name: &str, script: &str, dir: &Path) -> bool {
         let path = dir.join(name);
         std::fs::write(&path, script).is_ok()
