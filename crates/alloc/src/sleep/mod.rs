@@ -36,16 +36,6 @@ use ferrocuda_types::{DevicePtr, HostPtr, PhysHandle, PoolId, StreamFlags, Strea
 use pages::{CHUNK, Offload, PagedSegment, Piece, map_pieces, unmap_pieces};
 use std::sync::atomic::Ordering;
 
-/// A segment being put to sleep or woken: its range and what it holds.
-#[derive(Clone, Debug)]
-struct Moving {
-    va: VaRange,
-    pages: Vec<Piece>,
-    offload: Option<Offload>,
-    stale: Vec<PhysHandle>,
-    spare: Option<HostPtr>,
-}
-
 impl CachingAllocator {
     /// Creates private pool `pool` with one user, its segments made so that they can sleep
     /// ([`CachingAllocator::sleep`]). Allocations reach it as any private pool's (routed by
@@ -64,7 +54,10 @@ impl CachingAllocator {
     /// [`CachingAllocator::wake`], allocations routed to the pool fail with
     /// [`SleepError::Asleep`]; blocks of it may be freed.
     pub fn sleep(&self, pool: PoolId, mode: SleepMode) -> Result<SleepReport, AllocError> {
-        let moving = self.begin_change(pool, Wakefulness::Awake, |s| !s.pages.is_empty())?;
+        let Some(moving) = self.begin_change(pool, Wakefulness::Awake, |s| !s.pages.is_empty())?
+        else {
+            return Err(SleepError::AlreadyAsleep(pool).into());
+        };
         let engine = &self.engine;
         let result = offload(engine, &moving, mode)
             .and_then(|offloads| release_pages(&*engine.driver, &moving, offloads));
@@ -87,13 +80,7 @@ impl CachingAllocator {
             }
         }
         // Partly asleep (an unmap failed) counts as asleep: wake maps what is missing.
-        let asleep = st.paged.of_pool(pool).any(|s| s.pages.is_empty()) || outcome.is_ok();
-        let to = if asleep {
-            Wakefulness::Asleep
-        } else {
-            Wakefulness::Awake
-        };
-        self.settle_wakefulness(&mut st, pool, to);
+        self.settle_wakefulness(&mut st, pool, outcome.is_ok());
         outcome
     }
 
@@ -102,17 +89,18 @@ impl CachingAllocator {
     /// sleep took one). A pool that is awake wakes at no cost. On an error the segments not
     /// yet mapped stay asleep, and a later wake retries them.
     pub fn wake(&self, pool: PoolId) -> Result<WakeReport, AllocError> {
-        let moving = self.begin_change(pool, Wakefulness::Asleep, |s| s.pages.is_empty())?;
+        // Waking a pool that is awake does nothing (and leaves its wakefulness alone: another
+        // call may be about to put it to sleep).
+        let Some(moving) = self.begin_change(pool, Wakefulness::Asleep, |s| s.pages.is_empty())?
+        else {
+            return Ok(WakeReport::default());
+        };
         let engine = &self.engine;
         let mut report = WakeReport::default();
-        let mut mapped: Vec<(Moving, Vec<Piece>)> = Vec::new();
+        let mut mapped: Vec<(PagedSegment, Vec<Piece>)> = Vec::new();
         let mut failure = None;
         let offloaded = moving.iter().any(|m| m.offload.is_some());
-        let flags = StreamFlags {
-            non_blocking: true,
-            priority: 0,
-        };
-        let stream = match offloaded.then(|| engine.driver.stream_create(engine.device, flags)) {
+        let stream = match offloaded.then(|| side_stream(engine)) {
             Some(Err(e)) => {
                 failure = Some(AllocError::from(e));
                 None
@@ -163,13 +151,7 @@ impl CachingAllocator {
                 }
             }
         }
-        let asleep = st.paged.of_pool(pool).any(|s| s.pages.is_empty());
-        let to = if asleep {
-            Wakefulness::Asleep
-        } else {
-            Wakefulness::Awake
-        };
-        self.settle_wakefulness(&mut st, pool, to);
+        self.settle_wakefulness(&mut st, pool, false);
         drop(st);
         match (failure, restored) {
             (Some(e), _) => Err(e),
@@ -218,30 +200,39 @@ impl CachingAllocator {
         if self.sleeping.load(Ordering::Acquire) == 0 {
             return false;
         }
-        let st = self.engine.lock();
-        // (Recounted: a pool released while asleep leaves the count without telling it.
-        // Every change of the count is made with the lock held.)
-        self.sleeping
-            .store(st.private.not_awake(), Ordering::Release);
-        st.private.wakefulness(pool) != Wakefulness::Awake
+        self.engine.lock().private.wakefulness(pool) != Wakefulness::Awake
     }
 
-    /// Ends a change of `pool` (marked changing) at `to`.
-    fn settle_wakefulness(&self, st: &mut State, pool: PoolId, to: Wakefulness) {
+    /// Sets `pool`'s wakefulness and the lock-free count of pools not awake (with the lock
+    /// held, as every change of it is; a pool released while asleep leaves the count high
+    /// until the next change, which only sends `pool_asleep` to the lock).
+    fn set_wakefulness(&self, st: &mut State, pool: PoolId, to: Wakefulness) {
         st.private.set_wakefulness(pool, to);
-        if to == Wakefulness::Awake {
-            self.sleeping.fetch_sub(1, Ordering::AcqRel);
-        }
+        self.sleeping
+            .store(st.private.not_awake(), Ordering::Release);
+    }
+
+    /// Ends a change of `pool`: asleep if any of its segments has no pages (or `asleep`
+    /// says so regardless), else awake.
+    fn settle_wakefulness(&self, st: &mut State, pool: PoolId, asleep: bool) {
+        let asleep = asleep || st.paged.of_pool(pool).any(|s| s.pages.is_empty());
+        let to = if asleep {
+            Wakefulness::Asleep
+        } else {
+            Wakefulness::Awake
+        };
+        self.set_wakefulness(st, pool, to);
     }
 
     /// Checks that `pool` can change from `from`, marks it changing and returns its
-    /// segments that `select` picks.
+    /// segments that `select` picks; `None` (nothing marked) when it is awake and `from` is
+    /// asleep.
     fn begin_change(
         &self,
         pool: PoolId,
         from: Wakefulness,
         select: impl Fn(&PagedSegment) -> bool,
-    ) -> Result<Vec<Moving>, AllocError> {
+    ) -> Result<Option<Vec<PagedSegment>>, AllocError> {
         let mut st = self.engine.lock();
         if !self.caching {
             return Err(SleepError::CachingOff(pool).into());
@@ -255,28 +246,18 @@ impl CachingAllocator {
         match (st.private.wakefulness(pool), from) {
             (now, want) if now == want => {}
             (Wakefulness::Changing, _) => return Err(SleepError::Changing(pool).into()),
-            // Waking a pool that is awake does nothing.
-            (Wakefulness::Awake, _) => return Ok(Vec::new()),
+            (Wakefulness::Awake, _) => return Ok(None),
             _ => return Err(SleepError::AlreadyAsleep(pool).into()),
         }
-        if st.private.wakefulness(pool) == Wakefulness::Awake {
-            self.sleeping.fetch_add(1, Ordering::AcqRel);
-        }
-        st.private.set_wakefulness(pool, Wakefulness::Changing);
-        let mut moving: Vec<Moving> = st
+        self.set_wakefulness(&mut st, pool, Wakefulness::Changing);
+        let mut moving: Vec<PagedSegment> = st
             .paged
             .of_pool(pool)
             .filter(|s| select(s))
-            .map(|s| Moving {
-                va: s.va,
-                pages: s.pages.clone(),
-                offload: s.offload,
-                stale: s.stale.clone(),
-                spare: s.spare,
-            })
+            .cloned()
             .collect();
         moving.sort_by_key(|m| m.va.base.0);
-        Ok(moving)
+        Ok(Some(moving))
     }
 }
 
@@ -298,7 +279,7 @@ enum Outcome {
 /// pinned buffer of its own (with its checksum if asked). One entry per segment of `moving`.
 fn offload(
     engine: &Engine,
-    moving: &[Moving],
+    moving: &[PagedSegment],
     mode: SleepMode,
 ) -> Result<Vec<Option<Offload>>, SleepFailure> {
     let failed = |e: DriverError| (e, Vec::new(), SleepReport::default());
@@ -340,7 +321,7 @@ fn offload(
 /// the copies.
 fn copy_out(
     engine: &Engine,
-    moving: &[Moving],
+    moving: &[PagedSegment],
     stream: StreamHandle,
     hosts: &mut Vec<(HostPtr, bool)>,
 ) -> Result<(), DriverError> {
@@ -368,7 +349,7 @@ fn copy_out(
 /// on a failure the segments left awake keep their offload's buffer as their spare.
 fn release_pages(
     driver: &dyn Driver,
-    moving: &[Moving],
+    moving: &[PagedSegment],
     offloads: Vec<Option<Offload>>,
 ) -> Result<(Vec<(u64, Outcome)>, SleepReport), SleepFailure> {
     let mut report = SleepReport::default();
@@ -418,7 +399,7 @@ fn restore(
     engine: &Engine,
     pool: PoolId,
     stream: Option<StreamHandle>,
-    mapped: &[(Moving, Vec<Piece>)],
+    mapped: &[(PagedSegment, Vec<Piece>)],
     report: &mut WakeReport,
 ) -> Result<(), Unrestored> {
     let offloaded: Vec<(VaRange, Offload)> = mapped
@@ -459,14 +440,19 @@ fn with_side_stream<T, X: From<DriverError>>(
     engine: &Engine,
     f: impl FnOnce(StreamHandle) -> Result<T, X>,
 ) -> Result<T, X> {
+    let stream = side_stream(engine)?;
+    let result = f(stream);
+    let _ = engine.driver.stream_destroy(stream);
+    result
+}
+
+/// A new non-blocking stream of the allocator's device, for copies off the user's streams.
+fn side_stream(engine: &Engine) -> Result<StreamHandle, DriverError> {
     let flags = StreamFlags {
         non_blocking: true,
         priority: 0,
     };
-    let stream = engine.driver.stream_create(engine.device, flags)?;
-    let result = f(stream);
-    let _ = engine.driver.stream_destroy(stream);
-    result
+    engine.driver.stream_create(engine.device, flags)
 }
 
 /// The (offset, length) pieces [`CHUNK`] bytes at most of `bytes`.

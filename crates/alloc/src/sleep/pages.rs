@@ -1,6 +1,5 @@
 //! A sleepable pool's segments as the driver sees them: an address range with physical
 //! memory mapped under it in pieces, made, unmapped and given back here.
-use super::Moving;
 use super::reports::SleepStats;
 use ferrocuda_driver::{Driver, DriverError};
 use ferrocuda_types::{DeviceIndex, DevicePtr, HostPtr, PhysHandle, PoolId, StreamHandle, VaRange};
@@ -11,7 +10,8 @@ use rustc_hash::FxHashMap;
 pub(super) const CHUNK: u64 = 64 << 20;
 
 /// A segment of a sleepable pool: its address range, and its physical memory while awake.
-#[derive(Debug)]
+/// (A sleep or wake works on a copy taken with the lock held, the pool marked changing.)
+#[derive(Clone, Debug)]
 pub(crate) struct PagedSegment {
     pub(super) pool: PoolId,
     pub(super) va: VaRange,
@@ -158,7 +158,7 @@ pub(super) fn unmap_pieces(
 /// so mapping the next overlaps the copy), else in one. Undone on failure.
 pub(super) fn map_pieces(
     driver: &dyn Driver,
-    m: &Moving,
+    m: &PagedSegment,
     stream: Option<StreamHandle>,
 ) -> Result<Vec<Piece>, DriverError> {
     let va = m.va;
