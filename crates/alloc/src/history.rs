@@ -253,6 +253,24 @@ impl History {
     pub(crate) fn entries(&self) -> Vec<TraceEntry> {
         self.entries.iter().cloned().collect()
     }
+
+    /// Keeps every event from now on (mode `all`, no limit, the context as it was) until
+    /// [`History::end_recording`]; returns the options to restore and where the recording
+    /// starts.
+    pub(crate) fn begin_recording(&mut self) -> (HistoryOptions, usize) {
+        let saved = self.options.clone();
+        self.options.mode = HistoryMode::All;
+        self.options.max_entries = usize::MAX;
+        (saved, self.entries.len())
+    }
+
+    /// The events since `from`, and the options `saved` back (which keep of them what
+    /// they would have kept).
+    pub(crate) fn end_recording(&mut self, saved: HistoryOptions, from: usize) -> Vec<TraceEntry> {
+        let recorded = self.entries.iter().skip(from).cloned().collect();
+        self.set(saved);
+        recorded
+    }
 }
 
 fn now_us() -> u64 {

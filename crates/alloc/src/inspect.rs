@@ -226,6 +226,24 @@ impl CachingAllocator {
 
     // ---- allocate ------------------------------------------------------------------------
 
+    /// The bytes `pool`'s segments hold mapped: what the pool reserves (what
+    /// [`plan_pool`](crate::plan_pool) predicts for a capture's pool).
+    pub fn pool_reserved_bytes(&self, pool: PoolId) -> u64 {
+        self.pool_segments(pool).iter().sum()
+    }
+
+    /// Each of `pool`'s segments' mapped bytes, in the order of their first blocks.
+    pub(crate) fn pool_segments(&self, pool: PoolId) -> Vec<u64> {
+        let mut segments: Vec<(u64, u64)> = Vec::new();
+        for b in self.pool_blocks(pool).iter().filter(|b| b.mapped) {
+            match segments.iter_mut().find(|(s, _)| *s == b.segment.0) {
+                Some((_, bytes)) => *bytes += b.size,
+                None => segments.push((b.segment.0, b.size)),
+            }
+        }
+        segments.into_iter().map(|(_, bytes)| bytes).collect()
+    }
+
     /// The blocks of `pool`, by segment.
     pub fn pool_blocks(&self, pool: PoolId) -> Vec<BlockInfo> {
         self.blocks()

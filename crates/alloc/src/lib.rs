@@ -87,6 +87,10 @@
 //!   a second allocator behind the same [`MemoryResource`](ferrocuda_stream::MemoryResource)
 //!   interface that caches nothing itself: the driver's stream-ordered pools do, and it keeps
 //!   PyTorch's pointer table, usage streams, memory-fraction count and capture rules.
+//! - **Graph memory planned by the same rules** ([`plan_pool`]): the bytes a capture's
+//!   private pool will reserve come from replaying its requests (a warm-up's trace)
+//!   through this allocator over a fake device that keeps no bytes, one capture or a set
+//!   sharing a pool, so the plan is what the real capture takes, not an estimate.
 //! - **Typed errors**: [`AllocError`] has its own cases (no such device with PyTorch's
 //!   `assertValidDevice` text, CUDA not available, ...); the out-of-memory report lives in
 //!   `ferrocuda_types` (re-exported here) so that, serving buffers, it reaches the user
@@ -104,6 +108,7 @@
 mod allocator;
 mod async_backend;
 mod block;
+mod capture_plan;
 mod checkpoint;
 mod combining;
 mod devices;
@@ -133,6 +138,9 @@ mod thread_cache;
 pub use allocator::{Caching, CachingAllocator};
 pub use async_backend::{ASYNC_IGNORES_WARNING, AsyncAllocator};
 pub use block::{Allocation, BlockInfo};
+pub use capture_plan::{
+    AfterCapture, CaptureRequests, PlanError, PlannedRequest, PoolPlan, UnknownBlock, plan_pool,
+};
 pub use devices::{DeviceAllocators, caching_from_env};
 pub use engine::OomObserver;
 pub use error::{AllocError, OutOfMemory};

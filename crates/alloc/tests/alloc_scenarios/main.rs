@@ -1,7 +1,7 @@
 //! The caching allocator's scenarios on the fake device, with exact figures: its behaviour
 //! ([`behaviour`]), PyTorch's rules as an audit found them ([`pytorch_rules`]), a full device
 //! or memory fraction ([`memory_pressure`]), frees racing a capture ([`capture_race`]),
-//! `Route::NextCapture` ([`next_capture`]), peers ([`peer_access`]), a pluggable library as
+//! `Route::NextCapture` ([`next_capture`]), the graph-memory planner ([`capture_plan`]), peers ([`peer_access`]), a pluggable library as
 //! the segment source ([`pluggable`]), the `backend:cudaMallocAsync` allocator
 //! ([`async_backend`]), checkpoints of a private pool ([`checkpoint`]), page reclaim
 //! ([`reclaim_without_sync`], [`reclaim_adversarial`]), and the output formats against
@@ -12,6 +12,7 @@ mod common;
 
 mod async_backend;
 mod behaviour;
+mod capture_plan;
 mod capture_race;
 mod checkpoint;
 mod formats;

@@ -1,0 +1,335 @@
+//! How many bytes a CUDA graph capture's private pool will reserve, told before capturing.
+//!
+//! A capture's pool takes segments by the allocator's rules (PyTorch's `get_allocation_size`
+//! and best fit inside the pool), so its size is decided by the sequence of requests the
+//! capture makes and nothing else: the pool starts empty and no other allocation is served
+//! from it. The plan replays that sequence through this crate's own allocator, with the
+//! caller's configuration, over a fake device that keeps no bytes: the same rules that
+//! serve the real capture, so the same segments. The sequence comes from a warm-up run
+//! (what `torch.cuda.graph` users and CUDA-graph trees run before capturing), recorded as
+//! `record_memory_history(enabled="all")` records it, or is written by hand.
+//!
+//! Several captures sharing one pool (vLLM's batch sizes, a tree's paths) are planned as they
+//! run: one after the other in one pool, the blocks each leaves allocated (its outputs) kept
+//! or freed before the next begins ([`AfterCapture`]).
+//!
+//! What the plan cannot see: a real capture that runs out of device memory, and the pool's
+//! segments that another allocation's out-of-memory retry releases (neither happens to a
+//! capture that fits). Blocks a capture frees that were used on other streams go back to the
+//! pool when the capture ends (PyTorch's `insert_events_deferred_until_no_capture`), which a
+//! trace shows as a `free_completed` that does not follow its `free_requested` at once.
+use crate::{AllocError, Caching, CachingAllocator, Route};
+use ferrocuda_driver::{Driver, FakeDriver};
+use ferrocuda_types::{AllocatorConfig, DeviceIndex, PoolId, StreamFlags, StreamHandle, TraceEntry};
+use rustc_hash::FxHashMap;
+use std::sync::Arc;
+
+/// One request of a capture, as the plan replays it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PlannedRequest {
+    /// Allocates `bytes` (as requested, before rounding) on stream `stream` (any key:
+    /// requests with equal keys, in this capture or another of the plan, are on one
+    /// stream); the block is known as `block` afterwards.
+    Alloc {
+        /// The block's number in this capture.
+        block: usize,
+        /// Requested bytes.
+        bytes: u64,
+        /// The stream's key.
+        stream: u64,
+    },
+    /// Frees block `block` now.
+    Free {
+        /// The block's number in this capture.
+        block: usize,
+    },
+    /// Frees block `block` when the capture ends (it was used on another stream).
+    FreeAtEnd {
+        /// The block's number in this capture.
+        block: usize,
+    },
+}
+
+/// The requests one capture makes, in order.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct CaptureRequests {
+    requests: Vec<PlannedRequest>,
+    blocks: usize,
+}
+
+/// A request naming a block the capture did not allocate, or freed twice.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("block {block} is not allocated by this capture at request {at}")]
+pub struct UnknownBlock {
+    /// The block named.
+    pub block: usize,
+    /// Its request's position.
+    pub at: usize,
+}
+
+impl CaptureRequests {
+    /// No requests yet.
+    pub fn new() -> CaptureRequests {
+        CaptureRequests::default()
+    }
+
+    /// Adds a request of `bytes` on stream `stream` (a key, see
+    /// [`PlannedRequest::Alloc`]); returns the block's number.
+    pub fn alloc(&mut self, bytes: u64, stream: u64) -> usize {
+        let block = self.blocks;
+        self.blocks += 1;
+        self.requests.push(PlannedRequest::Alloc {
+            block,
+            bytes,
+            stream,
+        });
+        block
+    }
+
+    /// Adds the free of `block`, now ([`PlannedRequest::Free`]).
+    pub fn free(&mut self, block: usize) {
+        self.requests.push(PlannedRequest::Free { block });
+    }
+
+    /// Adds the free of `block` at the capture's end ([`PlannedRequest::FreeAtEnd`]).
+    pub fn free_at_end(&mut self, block: usize) {
+        self.requests.push(PlannedRequest::FreeAtEnd { block });
+    }
+
+    /// The requests, in order.
+    pub fn requests(&self) -> &[PlannedRequest] {
+        &self.requests
+    }
+
+    /// The requests a recorded trace shows (`torch.cuda.memory._snapshot()["device_traces"]`
+    /// of the warm-up, or this crate's [`CachingAllocator::snapshot`]): each `alloc`, and
+    /// each `free_requested` of a block allocated within the trace (a free of memory
+    /// allocated before it is not the capture's). A `free_requested` whose
+    /// `free_completed` is not the next request-related entry waited for another stream's
+    /// work: in a capture it is freed at the end. A stream's key is its raw handle.
+    pub fn from_trace(entries: &[TraceEntry]) -> CaptureRequests {
+        let relevant: Vec<&TraceEntry> = entries
+            .iter()
+            .filter(|e| matches!(e.action.as_str(), "alloc" | "free_requested" | "free_completed"))
+            .collect();
+        let mut requests = CaptureRequests::new();
+        let mut live: FxHashMap<u64, usize> = FxHashMap::default();
+        for (i, e) in relevant.iter().enumerate() {
+            match e.action.as_str() {
+                "alloc" => {
+                    live.insert(e.addr, requests.alloc(e.size, e.stream));
+                }
+                "free_requested" => {
+                    let Some(block) = live.remove(&e.addr) else {
+                        continue;
+                    };
+                    let completed_now = relevant
+                        .get(i + 1)
+                        .is_some_and(|n| n.action == "free_completed" && n.addr == e.addr);
+                    if completed_now {
+                        requests.free(block);
+                    } else {
+                        requests.free_at_end(block);
+                    }
+                }
+                _ => {}
+            }
+        }
+        requests
+    }
+
+    /// Checks that every free names a block allocated before it and not yet freed.
+    fn check(&self) -> Result<(), UnknownBlock> {
+        let mut live = vec![false; self.blocks];
+        for (at, r) in self.requests.iter().enumerate() {
+            match *r {
+                PlannedRequest::Alloc { block, .. } => live[block] = true,
+                PlannedRequest::Free { block } | PlannedRequest::FreeAtEnd { block } => {
+                    if !live.get(block).copied().unwrap_or(false) {
+                        return Err(UnknownBlock { block, at });
+                    }
+                    live[block] = false;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+impl CachingAllocator {
+    /// Runs `warmup` while every request is recorded, and returns its result with the
+    /// requests made on `streams` (every stream if empty): the input of [`plan_pool`] for
+    /// a capture that will make the same requests. The history (`record_memory_history`)
+    /// keeps every event meanwhile and goes back to its options afterwards, which keep of
+    /// the recorded events what they would have kept. Requests other threads make on
+    /// `streams` meanwhile are recorded too.
+    pub fn record_requests<T>(
+        &self,
+        streams: &[StreamHandle],
+        warmup: impl FnOnce() -> T,
+    ) -> (T, CaptureRequests) {
+        let (saved, from) = self.engine.lock().history.begin_recording();
+        let out = warmup();
+        let mut trace = self.engine.lock().history.end_recording(saved, from);
+        if !streams.is_empty() {
+            trace.retain(|e| streams.iter().any(|s| s.raw == e.stream));
+        }
+        (out, CaptureRequests::from_trace(&trace))
+    }
+}
+
+/// What becomes of the blocks a capture leaves allocated (its outputs) before the next
+/// capture sharing the pool begins.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AfterCapture {
+    /// They stay allocated to the end of the plan (a graph that keeps its static outputs,
+    /// as `torch.cuda.make_graphed_callables` and CUDA-graph trees do).
+    KeepOutputs,
+    /// They are freed (vLLM keeps only weak references to a capture's outputs, so the next
+    /// capture may reuse their memory).
+    FreeOutputs,
+}
+
+/// What a pool shared by a set of captures will reserve.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PoolPlan {
+    /// Bytes the pool reserves after the last capture: what the real pool reserves then.
+    pub reserved_bytes: u64,
+    /// Bytes reserved after each capture, in order.
+    pub reserved_after: Vec<u64>,
+    /// The most bytes allocated from the pool at once.
+    pub peak_allocated_bytes: u64,
+    /// Each segment's bytes, in the order they were taken.
+    pub segments: Vec<u64>,
+}
+
+/// Why a plan could not be made.
+#[derive(Debug, thiserror::Error)]
+pub enum PlanError {
+    /// A capture's requests name a block they did not allocate.
+    #[error("capture {capture}: {source}")]
+    UnknownBlock {
+        /// The capture's position.
+        capture: usize,
+        /// What was wrong.
+        source: UnknownBlock,
+    },
+    /// The configuration or a request the allocator refuses (a request of an exabyte, say).
+    #[error(transparent)]
+    Alloc(#[from] AllocError),
+}
+
+/// The device the plan runs on: large enough that no plan runs out of memory.
+const PLAN_DEVICE_BYTES: u64 = 1 << 50;
+
+/// Plans the pool `captures` share, in order, under `config` (the allocator's
+/// configuration of the program that will capture: it decides the rounding and the
+/// segment sizes). One capture is a set of one.
+pub fn plan_pool(
+    config: &AllocatorConfig,
+    captures: &[CaptureRequests],
+    after: AfterCapture,
+) -> Result<PoolPlan, PlanError> {
+    for (capture, c) in captures.iter().enumerate() {
+        c.check()
+            .map_err(|source| PlanError::UnknownBlock { capture, source })?;
+    }
+    let fake: Arc<dyn Driver> = Arc::new(
+        FakeDriver::builder()
+            .capacity(PLAN_DEVICE_BYTES)
+            .backing(false)
+            .build(),
+    );
+    let device = DeviceIndex(0);
+    let allocator = CachingAllocator::new(fake.clone(), device, config.clone(), Caching::On)?;
+    let pool = PoolId::for_capture();
+    let mut replay = Replay {
+        allocator: &allocator,
+        fake: &fake,
+        device,
+        streams: FxHashMap::default(),
+        peak: 0,
+        allocated: 0,
+    };
+    let mut reserved_after = Vec::with_capacity(captures.len());
+    let mut outputs = Vec::new();
+    for capture in captures {
+        allocator.begin_allocate_to_pool(pool, Route::Thread(std::thread::current().id()))?;
+        let left = replay.capture(capture);
+        allocator.end_allocate_to_pool(pool)?;
+        let left = left?;
+        match after {
+            AfterCapture::KeepOutputs => outputs.extend(left),
+            AfterCapture::FreeOutputs => left.into_iter().try_for_each(|b| replay.free(b))?,
+        }
+        reserved_after.push(allocator.pool_reserved_bytes(pool));
+    }
+    let segments = allocator.pool_segments(pool);
+    Ok(PoolPlan {
+        reserved_bytes: reserved_after.last().copied().unwrap_or(0),
+        reserved_after,
+        peak_allocated_bytes: replay.peak,
+        segments,
+    })
+}
+
+/// A capture's requests going through the plan's allocator.
+struct Replay<'a> {
+    allocator: &'a CachingAllocator,
+    fake: &'a Arc<dyn Driver>,
+    device: DeviceIndex,
+    /// Stream key → the fake's stream, created on first use.
+    streams: FxHashMap<u64, StreamHandle>,
+    peak: u64,
+    allocated: u64,
+}
+
+/// A block the plan allocated: its address and bytes.
+type PlannedBlock = (u64, u64);
+
+impl Replay<'_> {
+    /// Runs one capture's requests; returns the blocks it leaves allocated.
+    fn capture(&mut self, capture: &CaptureRequests) -> Result<Vec<PlannedBlock>, AllocError> {
+        let mut blocks: Vec<Option<PlannedBlock>> = vec![None; capture.blocks];
+        let mut at_end = Vec::new();
+        for r in &capture.requests {
+            match *r {
+                PlannedRequest::Alloc {
+                    block,
+                    bytes,
+                    stream,
+                } => {
+                    let stream = self.stream(stream)?;
+                    let a = self.allocator.allocate(bytes, stream)?;
+                    self.allocated += a.size;
+                    self.peak = self.peak.max(self.allocated);
+                    blocks[block] = Some((a.ptr.0, a.size));
+                }
+                PlannedRequest::Free { block } => {
+                    if let Some(b) = blocks[block].take() {
+                        self.free(b)?;
+                    }
+                }
+                PlannedRequest::FreeAtEnd { block } => at_end.extend(blocks[block].take()),
+            }
+        }
+        at_end.into_iter().try_for_each(|b| self.free(b))?;
+        Ok(blocks.into_iter().flatten().collect())
+    }
+
+    fn free(&mut self, (ptr, size): PlannedBlock) -> Result<(), AllocError> {
+        self.allocated -= size;
+        self.allocator.free(ferrocuda_types::DevicePtr(ptr))
+    }
+
+    fn stream(&mut self, key: u64) -> Result<StreamHandle, AllocError> {
+        if let Some(s) = self.streams.get(&key) {
+            return Ok(*s);
+        }
+        let s = self
+            .fake
+            .stream_create(self.device, StreamFlags::default())?;
+        self.streams.insert(key, s);
+        Ok(s)
+    }
+}
