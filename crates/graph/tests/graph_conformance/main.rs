@@ -4,7 +4,8 @@
 //! errors, a capture left by a panic or a `?`, pool sharing, fork/join, THREAD_LOCAL
 //! captures, graphed callables, exact memory statistics, graph-safe Philox RNG, the
 //! driver's view of graph nodes and `update_inputs` (typed and by raw address), and
-//! captures under `backend:cudaMallocAsync`, and a graph over a sleepable pool.
+//! captures under `backend:cudaMallocAsync`, a graph over a sleepable pool, and the
+//! graph-memory planner against a decode loop's captures.
 #![forbid(unsafe_code)]
 use ferrocuda_alloc::{Caching, DeviceAllocators};
 use ferrocuda_graph::{CudaGraph, GraphError, PoolId, register_fake_philox};
@@ -108,6 +109,7 @@ mod callables;
 mod capture;
 mod mlp;
 mod nodes;
+mod plan;
 mod pools;
 mod rng;
 mod sleep;
@@ -128,6 +130,9 @@ use capture::{
 };
 use mlp::mlp_step_whole_and_partial_capture;
 use nodes::graph_nodes_are_read_and_set;
+use plan::{
+    the_plan_equals_a_decode_loops_captures, the_plan_equals_captures_that_free_their_outputs,
+};
 use pools::{
     capture_empties_the_cache_first, captures_sharing_a_pool_share_a_stream,
     recapture_loop_keeps_memory_flat,
@@ -167,6 +172,8 @@ ferrocuda_testkit::both_backends!(
     captures_sharing_a_pool_share_a_stream,
     recapture_loop_keeps_memory_flat,
     a_graph_over_a_sleeping_pool_replays_after_wake,
+    the_plan_equals_a_decode_loops_captures,
+    the_plan_equals_captures_that_free_their_outputs,
     async_capture_replays_into_graph_memory,
     async_capture_defers_uncaptured_frees_one_capture_at_a_time,
     async_capture_left_without_end_ends_the_allocators,
