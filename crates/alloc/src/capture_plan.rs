@@ -204,7 +204,7 @@ pub struct PoolPlan {
 }
 
 /// Why a plan could not be made.
-#[derive(Debug, thiserror::Error)]
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
 pub enum PlanError {
     /// A capture's requests name a block they did not allocate.
     #[error("capture {capture}: {source}")]

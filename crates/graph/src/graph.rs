@@ -3,7 +3,7 @@ use crate::CaptureMemory;
 use crate::PhiloxGenerator;
 use crate::instances::Instances;
 use crate::repoint;
-use ferrocuda_alloc::AllocError;
+use ferrocuda_alloc::{AllocError, PlanError};
 use ferrocuda_driver::{Driver, DriverError};
 use ferrocuda_stream::{DeviceBuffer, Runtime, Stream, StreamError, StreamGuard};
 use ferrocuda_types::{
@@ -159,6 +159,20 @@ pub enum GraphError {
         /// Their size.
         bytes: u64,
     },
+    /// A lazily captured graph's pool, as planned, would take more than the whole budget
+    /// of a [`LazyGraphs`](crate::LazyGraphs).
+    #[error(
+        "capturing this graph would reserve {planned} bytes, more than the budget of {budget} bytes for all graphs"
+    )]
+    OverBudget {
+        /// Bytes its pool would reserve.
+        planned: u64,
+        /// The budget.
+        budget: u64,
+    },
+    /// The graph-memory planner refused the recorded requests.
+    #[error("graph-memory plan: {0}")]
+    Plan(#[from] PlanError),
     /// A random-number generator was misused around a capture.
     #[error("graph RNG: {0}")]
     Rng(String),

@@ -8,6 +8,8 @@
 //! driver makes what the capture allocates the graph's own memory instead.
 //!
 //! [`make_graphed_callables`] captures closures in order into one shared pool;
+//! [`LazyGraphs`] captures a graph per key (a batch size) on first use within a byte
+//! budget, planned before capturing, dropping the least recently used graphs to fit;
 //! [`PhiloxGenerator`] draws random numbers that replays advance like eager calls;
 //! [`CudaGraph::update_inputs`] repoints a captured graph at new buffers without copying
 //! ([`CudaGraph::update_input_ptrs`] by raw address).
@@ -74,6 +76,7 @@ mod capture_memory;
 mod graph;
 pub mod guards;
 mod instances;
+mod lazy;
 mod repoint;
 mod rng;
 pub mod trees;
@@ -84,5 +87,6 @@ pub use callables::{
 pub use capture_memory::CaptureMemory;
 pub use ferrocuda_types::{CaptureMode, PoolId};
 pub use graph::{CaptureGuard, CudaGraph, GraphError, InputMove, InputUpdate};
+pub use lazy::{LazyGraphs, LazyStats};
 pub use rng::{PHILOX_KERNELS, PhiloxGenerator, register_fake_philox};
 pub use trees::{Trees, Wrapped};

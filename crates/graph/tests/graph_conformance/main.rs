@@ -5,7 +5,7 @@
 //! captures, graphed callables, exact memory statistics, graph-safe Philox RNG, the
 //! driver's view of graph nodes and `update_inputs` (typed and by raw address), and
 //! captures under `backend:cudaMallocAsync`, a graph over a sleepable pool, and the
-//! graph-memory planner against a decode loop's captures.
+//! graph-memory planner against a decode loop's captures, and lazy capture under a budget.
 #![forbid(unsafe_code)]
 use ferrocuda_alloc::{Caching, DeviceAllocators};
 use ferrocuda_graph::{CudaGraph, GraphError, PoolId, register_fake_philox};
@@ -107,6 +107,7 @@ mod async_backend;
 mod async_scenarios;
 mod callables;
 mod capture;
+mod lazy;
 mod mlp;
 mod nodes;
 mod plan;
@@ -128,6 +129,7 @@ use capture::{
     graph_replays_on_static_buffers, graphs_share_a_pool, record_stream_during_capture_defers_free,
     thread_local_capture_ignores_other_threads, three_graphs_share_one_segment,
 };
+use lazy::{a_size_over_the_whole_budget_is_refused, lazy_capture_keeps_to_its_budget};
 use mlp::mlp_step_whole_and_partial_capture;
 use nodes::graph_nodes_are_read_and_set;
 use plan::{
@@ -174,6 +176,8 @@ ferrocuda_testkit::both_backends!(
     a_graph_over_a_sleeping_pool_replays_after_wake,
     the_plan_equals_a_decode_loops_captures,
     the_plan_equals_captures_that_free_their_outputs,
+    lazy_capture_keeps_to_its_budget,
+    a_size_over_the_whole_budget_is_refused,
     async_capture_replays_into_graph_memory,
     async_capture_defers_uncaptured_frees_one_capture_at_a_time,
     async_capture_left_without_end_ends_the_allocators,
