@@ -20,7 +20,9 @@
 //! trace shows as a `free_completed` that does not follow its `free_requested` at once.
 use crate::{AllocError, Caching, CachingAllocator, Route};
 use ferrocuda_driver::{Driver, FakeDriver};
-use ferrocuda_types::{AllocatorConfig, DeviceIndex, PoolId, StreamFlags, StreamHandle, TraceEntry};
+use ferrocuda_types::{
+    AllocatorConfig, DeviceIndex, PoolId, StreamFlags, StreamHandle, TraceEntry,
+};
 use rustc_hash::FxHashMap;
 use std::sync::Arc;
 
@@ -110,7 +112,12 @@ impl CaptureRequests {
     pub fn from_trace(entries: &[TraceEntry]) -> CaptureRequests {
         let relevant: Vec<&TraceEntry> = entries
             .iter()
-            .filter(|e| matches!(e.action.as_str(), "alloc" | "free_requested" | "free_completed"))
+            .filter(|e| {
+                matches!(
+                    e.action.as_str(),
+                    "alloc" | "free_requested" | "free_completed"
+                )
+            })
             .collect();
         let mut requests = CaptureRequests::new();
         let mut live: FxHashMap<u64, usize> = FxHashMap::default();

@@ -3,8 +3,8 @@
 use crate::allocator::CachingAllocator;
 use crate::block::{Block, BlockInfo};
 use ferrocuda_types::{
-    AllocatorSettings, DevicePtr, DeviceStats, Frame, IntervalMib, PoolId, PoolKind, SnapshotBlock,
-    SnapshotSegment, TraceEntry,
+    AllocatorSettings, DevicePtr, DeviceStats, Frame, IntervalMib, PoolId, PoolKind, Snapshot,
+    SnapshotBlock, SnapshotSegment, TraceEntry,
 };
 use rustc_hash::FxHashMap;
 
@@ -84,6 +84,22 @@ impl CachingAllocator {
         let active = st.stats.active_bytes.current() as u64;
         st.history.record("snapshot", 0, active, 0, None);
         (segments, trace)
+    }
+
+    /// This device's snapshot as `torch.cuda.memory._snapshot()` writes it (the other
+    /// devices' traces empty): what [`Snapshot::to_pickle`] saves for PyTorch's viewer and
+    /// `ferrocuda summary`, `plot` and `plan`.
+    pub fn device_snapshot(&self) -> Snapshot {
+        let (segments, trace) = self.snapshot();
+        let device = usize::from(self.device().0);
+        let mut device_traces = vec![Vec::new(); device + 1];
+        device_traces[device] = trace;
+        Snapshot {
+            segments,
+            device_traces,
+            allocator_settings: self.allocator_settings(),
+            external_annotations: Vec::new(),
+        }
     }
 
     /// `allocator_settings` of a snapshot.

@@ -14,7 +14,7 @@ use crate::allocator::CachingAllocator;
 use crate::error::AllocError;
 use crate::state::State;
 use ferrocuda_types::{
-    FreeCache, LiveBlock, OomForensics, OutOfMemory, PoolId, PoolKind, Snapshot, StreamHandle,
+    FreeCache, LiveBlock, OomForensics, OutOfMemory, PoolId, PoolKind, StreamHandle,
 };
 use rustc_hash::FxHashMap;
 
@@ -113,16 +113,7 @@ impl CachingAllocator {
 
     /// Writes this device's snapshot to `path`: where it went, or why not.
     fn write_oom_snapshot(&self, path: &str) -> Result<String, String> {
-        let (segments, trace) = self.snapshot();
-        let device = usize::from(self.device().0);
-        let mut device_traces = vec![Vec::new(); device + 1];
-        device_traces[device] = trace;
-        let snapshot = Snapshot {
-            segments,
-            device_traces,
-            allocator_settings: self.allocator_settings(),
-            external_annotations: Vec::new(),
-        };
+        let snapshot = self.device_snapshot();
         let bytes = snapshot.to_pickle()?;
         std::fs::write(path, bytes).map_err(|e| format!("{path}: {e}"))?;
         Ok(path.to_owned())

@@ -38,6 +38,7 @@
 //! 1, and a closed stdout pipe quietly; nothing here prints.
 #![forbid(unsafe_code)]
 
+pub mod graph_plan;
 pub mod input;
 pub mod options;
 pub mod pytorch;

@@ -5,6 +5,7 @@
 #![forbid(unsafe_code)]
 
 use clap::{Parser, Subcommand, ValueEnum};
+use ferrocuda_cli::graph_plan;
 use ferrocuda_cli::input::Limits;
 use ferrocuda_cli::options::{AddressChoice, choose_device, parse_max_bytes, resolve_confs};
 use ferrocuda_cli::pytorch;
@@ -95,6 +96,26 @@ enum Command {
         /// A snapshot (pickle, optionally .xz or .gz).
         snapshot: PathBuf,
     },
+    /// Prints the bytes a CUDA graph capture's private pool will reserve, before capturing:
+    /// each snapshot is one capture's warm-up (recorded with
+    /// torch.cuda.memory._record_memory_history(enabled="all") switched on just before it),
+    /// several are captures sharing one pool, in capture order. The warm-up's requests go
+    /// through the allocator's rules on a fake device, once per --conf.
+    Plan {
+        /// Snapshots of the warm-ups (pickle, optionally .xz or .gz), in capture order.
+        #[arg(required = true)]
+        warmups: Vec<PathBuf>,
+        /// The allocator configuration the program captures under (as for replay).
+        #[arg(long = "conf")]
+        confs: Vec<String>,
+        /// The blocks a capture leaves allocated (its outputs) are freed before the next
+        /// capture (vLLM keeps only weak references to them); by default they stay.
+        #[arg(long = "free-outputs")]
+        free_outputs: bool,
+        /// Print a JSON array instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
     /// Writes a self-contained HTML page with the memory timeline, the largest live blocks
     /// (their stacks on hover) and the allocation sites by live bytes.
     Plot {
@@ -167,7 +188,8 @@ fn main() -> ExitCode {
 /// to look for the usage.
 fn one_line(e: &clap::Error) -> String {
     if e.kind() == clap::error::ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand {
-        return "a subcommand is needed: replay, summary or plot (see ferrocuda --help)".into();
+        return "a subcommand is needed: replay, summary, plan or plot (see ferrocuda --help)"
+            .into();
     }
     let text = e.to_string();
     let mut lines = text.lines().skip_while(|l| l.trim().is_empty());
@@ -256,6 +278,12 @@ fn run(cli: Cli) -> Result<(), Failure> {
             let recording = read_recording_within(&snapshot, &limits)?;
             emit(&summary(&recording))
         }
+        Command::Plan {
+            warmups,
+            confs,
+            free_outputs,
+            json,
+        } => plan_command(&warmups, &confs, free_outputs, json, &limits),
         Command::Plot { snapshot, output } => {
             let title = format!("ferrocuda memory: {}", snapshot.display());
             let page = plot_html(&read_recording_within(&snapshot, &limits)?, &title);
@@ -271,6 +299,38 @@ fn run(cli: Cli) -> Result<(), Failure> {
             Ok(())
         }
     }
+}
+
+fn plan_command(
+    warmups: &[PathBuf],
+    confs: &[String],
+    free_outputs: bool,
+    json: bool,
+    limits: &Limits,
+) -> Result<(), Failure> {
+    let (confs, _) = resolve_confs(confs, |k| std::env::var(k))?;
+    let mut captures = Vec::with_capacity(warmups.len());
+    for path in warmups {
+        let recording = read_recording_within(path, limits)?;
+        let requests = graph_plan::requests_of(&recording)
+            .map_err(|why| format!("{}: {why}", path.display()))?;
+        captures.push(requests);
+    }
+    let names: Vec<String> = warmups.iter().map(|p| p.display().to_string()).collect();
+    let mut text = String::new();
+    let mut rows = Vec::new();
+    for conf in &confs {
+        let plan = graph_plan::plan(&conf.config, &captures, free_outputs)?;
+        if json {
+            rows.push(graph_plan::plan_json(&conf.label, &plan));
+        } else {
+            text += &graph_plan::plan_table(&conf.label, &names, &plan);
+        }
+    }
+    if json {
+        text = serde_json::to_string_pretty(&rows)? + "\n";
+    }
+    emit(&text)
 }
 
 fn progress_bar(total: u64) -> Option<indicatif::ProgressBar> {

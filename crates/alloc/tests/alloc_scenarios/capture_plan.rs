@@ -238,8 +238,14 @@ fn a_free_that_waits_for_another_stream_frees_at_the_capture_end() -> TestResult
     immediate.alloc(12 * MIB, 0);
     let conf = AllocatorConfig::default();
     let keep = AfterCapture::KeepOutputs;
-    assert_eq!(plan_pool(&conf, &[deferred], keep)?.reserved_bytes, 24 * MIB);
-    assert_eq!(plan_pool(&conf, &[immediate], keep)?.reserved_bytes, 12 * MIB);
+    assert_eq!(
+        plan_pool(&conf, &[deferred], keep)?.reserved_bytes,
+        24 * MIB
+    );
+    assert_eq!(
+        plan_pool(&conf, &[immediate], keep)?.reserved_bytes,
+        12 * MIB
+    );
     Ok(())
 }
 

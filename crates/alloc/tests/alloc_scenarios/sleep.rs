@@ -12,7 +12,7 @@ use ferrocuda_alloc::{
 };
 use ferrocuda_driver::fake::{Call, Completion};
 use ferrocuda_driver::{Driver, DriverError, FakeDriver};
-use ferrocuda_types::{DeviceIndex, DevicePtr, PoolId, Snapshot};
+use ferrocuda_types::{DeviceIndex, DevicePtr, PoolId};
 use std::sync::Arc;
 
 // The helpers below serve `sleep_adv` too.
@@ -329,16 +329,7 @@ fn the_snapshot_says_what_sleeps() -> TestResult {
     let s = serve();
     let other = s.a.allocate(MIB, LEGACY)?;
     s.a.sleep(s.pool, SleepMode::Discard)?;
-    let pickled = |a: &CachingAllocator| {
-        let (segments, device_traces) = a.snapshot();
-        Snapshot {
-            segments,
-            device_traces: vec![device_traces],
-            allocator_settings: a.allocator_settings(),
-            external_annotations: Vec::new(),
-        }
-        .to_pickle()
-    };
+    let pickled = |a: &CachingAllocator| a.device_snapshot().to_pickle();
     let (segments, _) = s.a.snapshot();
     let (asleep, awake): (Vec<_>, Vec<_>) = segments.iter().partition(|g| g.asleep);
     assert_eq!(asleep.len(), 2);
