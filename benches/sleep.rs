@@ -8,7 +8,9 @@
 //!   cost of the driver's unmapping and mapping (target: under 1 ms per GiB);
 //! - `sleep/offload`: a sleep that copies the contents out (for the record).
 //!
-//! Each prints its figure per GiB or in GB/s, and the two ratios are printed at the end.
+//! Each prints its figure per GiB or in GB/s, and the two ratios are printed at the end,
+//! with the idle cycle's CPU time per GiB (the target's measure) and what each driver call
+//! under it costs alone.
 // A benchmark has no caller to report to: setup failures abort it, loudly.
 #![allow(clippy::expect_used)]
 
@@ -107,6 +109,8 @@ fn sleep_wake(c: &mut Criterion) {
     driver.stream_destroy(stream).expect("stream");
     driver.host_free(host).expect("pinned buffer");
     let gib = bytes as f64 / (1u64 << 30) as f64;
+    idle_cpu(&a, pool, gib);
+    driver_calls(&driver, bytes);
     if let (Some(wake), Some(h2d), Some(idle)) = (
         mean_seconds("wake_restore"),
         mean_seconds("h2d_pinned"),
@@ -122,6 +126,78 @@ fn sleep_wake(c: &mut Criterion) {
             bytes
         );
     }
+}
+
+/// Nanoseconds of CPU this thread has used (`/proc/thread-self/schedstat`, Linux) and this
+/// process has used (`/proc/self/stat`, clock ticks of 10 ms), when readable.
+fn cpu_ns() -> Option<(u64, u64)> {
+    let thread = std::fs::read_to_string("/proc/thread-self/schedstat").ok()?;
+    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+    // Fields after the command's closing parenthesis: utime and stime are the 12th and 13th.
+    let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
+    let ticks: u64 = fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?;
+    Some((
+        thread.split_whitespace().next()?.parse().ok()?,
+        ticks * 10_000_000,
+    ))
+}
+
+/// The idle target is CPU time: 50 idle sleep + wake cycles, wall and CPU per GiB.
+fn idle_cpu(a: &CachingAllocator, pool: PoolId, gib: f64) {
+    const ROUNDS: u32 = 50;
+    let (Some(before), start) = (cpu_ns(), Instant::now()) else {
+        return;
+    };
+    for _ in 0..ROUNDS {
+        a.sleep(pool, SleepMode::Discard).expect("sleep");
+        a.wake(pool).expect("wake");
+    }
+    let wall = start.elapsed().as_secs_f64();
+    let Some(after) = cpu_ns() else { return };
+    let per_gib = |ns: u64| ns as f64 / 1e6 / f64::from(ROUNDS) / gib;
+    println!(
+        "sleep: idle sleep + wake per GiB: wall {:.3} ms, CPU {:.3} ms (this thread), {:.3} ms (process) (target < 1 ms CPU)",
+        wall * 1e3 / f64::from(ROUNDS) / gib,
+        per_gib(after.0 - before.0),
+        per_gib(after.1 - before.1),
+    );
+}
+
+/// What the driver's calls under an idle sleep and wake cost, each alone: 10 rounds of
+/// creating, mapping, granting access to, unmapping and destroying `bytes` of physical memory.
+fn driver_calls(driver: &Arc<dyn Driver>, bytes: u64) {
+    let va = driver.vm_reserve(DEV, bytes).expect("reserve");
+    let mut spent = [Duration::ZERO; 5];
+    let mut timed = |i: usize, f: &mut dyn FnMut()| {
+        let start = Instant::now();
+        f();
+        spent[i] += start.elapsed();
+    };
+    for _ in 0..10 {
+        let mut handle = None;
+        timed(0, &mut || {
+            handle = Some(driver.vm_create(DEV, bytes).expect("create"))
+        });
+        let handle = handle.expect("created");
+        timed(1, &mut || driver.vm_map(va.base, handle).expect("map"));
+        timed(2, &mut || {
+            driver.vm_set_access(DEV, va.base, bytes).expect("access")
+        });
+        timed(3, &mut || {
+            driver.vm_unmap(DEV, va.base, bytes).expect("unmap")
+        });
+        timed(4, &mut || driver.vm_destroy(handle).expect("destroy"));
+    }
+    driver.vm_release(va).expect("release");
+    let ms = |d: Duration| d.as_secs_f64() * 1e3 / 10.0;
+    println!(
+        "sleep: driver calls for {bytes} bytes, ms each: create {:.3}, map {:.3}, set access {:.3}, unmap {:.3}, destroy {:.3}",
+        ms(spent[0]),
+        ms(spent[1]),
+        ms(spent[2]),
+        ms(spent[3]),
+        ms(spent[4])
+    );
 }
 
 criterion_group! {

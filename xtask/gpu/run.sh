@@ -214,6 +214,14 @@ for name in ["c2c_2p20_batch16", "c2c_256_call"]:
     print(f"{name:24} missing" if mine is None or theirs is None else f"{name:24} {mine:11.0f} {theirs:11.0f} {mine / theirs:7.3f}")
 PY
 fi
+if [ -f torch_plan.py ] && want torch_plan; then
+  echo "=== torch_plan.py (PyTorch's CUDA graph pools against ferrocuda plan, same machine, same run)"
+  if OUT="$OUT" PYTHONUNBUFFERED=1 python3 torch_plan.py ./ferrocuda 2>&1 | tee "$OUT/torch_plan.log"; then
+    passed=$((passed + 1))
+  else
+    echo "torch_plan.py failed"; failed=$((failed + 1))
+  fi
+fi
 if [ -n "${MULTI_GPU:-}" ] && [ -f torch_dist.py ] && want torch_dist; then
   echo "=== torch_dist.py (PyTorch's dist.all_reduce, NCCL, and t.to(\"cuda:1\"), same run)"
   if OUT="$OUT" PYTHONUNBUFFERED=1 python3 torch_dist.py 2>&1 | tee "$OUT/torch_dist.log"; then

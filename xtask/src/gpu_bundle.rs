@@ -163,6 +163,8 @@ pub(crate) fn gpu_bundle() -> Result<(), String> {
     std::fs::write(dir.join("torch_pinned.py"), TORCH_PINNED_PY).map_err(|e| e.to_string())?;
     // And cuBLAS's and cuFFT's (PyTorch's side of crates/mathlib/benches).
     std::fs::write(dir.join("torch_mathlib.py"), TORCH_MATHLIB_PY).map_err(|e| e.to_string())?;
+    // And the graph-memory planner's (PyTorch's capture pools against `ferrocuda plan`).
+    std::fs::write(dir.join("torch_plan.py"), TORCH_PLAN_PY).map_err(|e| e.to_string())?;
     // And the several-GPU one (PyTorch's side of crates/dist/benches/multi_gpu.rs).
     std::fs::write(dir.join("torch_dist.py"), TORCH_DIST_PY).map_err(|e| e.to_string())?;
     bundle_replay(&dir, &torch_replay)?;
@@ -290,6 +292,8 @@ fn pack_if_large(dir: &Path) -> Result<(), String> {
 /// `benches/pinned.rs` (run by `run.sh`, compared with the criterion figures).
 const TORCH_PINNED_PY: &str = include_str!("../anchors/torch_pinned.py");
 const TORCH_MATHLIB_PY: &str = include_str!("../anchors/torch_mathlib.py");
+/// PyTorch's CUDA graph pools against `ferrocuda plan` (run by `run.sh` as `torch_plan`).
+const TORCH_PLAN_PY: &str = include_str!("../anchors/torch_plan.py");
 
 /// PyTorch's `dist.all_reduce` (NCCL) bus bandwidth and `t.to("cuda:1")` bandwidth, measured
 /// beside `crates/dist/benches/multi_gpu.rs` (run by `run.sh` with `MULTI_GPU=1`).
