@@ -3,9 +3,9 @@
 A decode loop of nine batch sizes (a transformer block: layer norm, attention over a KV
 cache, MLP; fp16, no autograd) is warmed up eagerly on the capture stream, each size's
 second warm-up recorded as a snapshot (history switched on just before it, as the
-planner's users record them), then captured largest first into one shared pool, as vLLM
-captures, with each graph keeping its output, and again with the outputs freed after each
-capture (vLLM's weak references). After every capture the pool's bytes are read from
+planner's users record them), then captured into one shared pool, largest first (as vLLM
+captures) and smallest first (the pool grows at each), with each graph keeping its output
+and with the outputs freed after each capture (vLLM's weak references): four runs. After every capture the pool's bytes are read from
 `torch.cuda.memory_snapshot()` (its segments with that pool id).
 
 Each capture's own allocations are recorded too. `ferrocuda plan` (the bundle's binary,
@@ -96,10 +96,12 @@ def main():
             with torch.cuda.stream(stream):
                 recorded(path, lambda: model(inputs[b], kv))
             warmups.append(path)
-        for free_outputs in (False, True):
-            name = "free_outputs" if free_outputs else "keep_outputs"
+        runs = [(order, free) for order in ("largest_first", "smallest_first") for free in (False, True)]
+        for order, free_outputs in runs:
+            sizes = BATCHES if order == "largest_first" else BATCHES[::-1]
+            name = order + ("_free_outputs" if free_outputs else "_keep_outputs")
             graphs, outputs, pool, reserved, captures = [], [], None, [], []
-            for b in BATCHES:
+            for b in sizes:
                 g = torch.cuda.CUDAGraph()
                 path = os.path.join(DIR, f"capture_{name}_{b}.pickle")
 
@@ -115,7 +117,8 @@ def main():
                 del out
                 graphs.append(g)
                 reserved.append(pool_bytes(pool))
-            from_captures, predicted = plan(captures, free_outputs), plan(warmups, free_outputs)
+            planned_warmups = [warmups[BATCHES.index(b)] for b in sizes]
+            from_captures, predicted = plan(captures, free_outputs), plan(planned_warmups, free_outputs)
             result[name] = {"torch_pool_bytes": reserved, "planned_from_captures": from_captures,
                             "planned_from_warmups": predicted}
             print(f"{name}: PyTorch's pool after each capture {reserved}")

@@ -97,6 +97,8 @@ plugin() {
 if [ -f plugin_bench.py ] && [ -f libferrocuda_torch.so ]; then
   plugin plugin_check env -u FERROCUDA_ALLOC_CONF -u PYTORCH_CUDA_ALLOC_CONF python3 plugin_bench.py check
   plugin plugin_check_recommended env -u PYTORCH_CUDA_ALLOC_CONF FERROCUDA_ALLOC_CONF=ferrocuda_recommended:True python3 plugin_bench.py check
+  # Sleep and wake of weights, KV cache and CUDA graphs' pools, as an inference server.
+  plugin plugin_sleep env -u FERROCUDA_ALLOC_CONF -u PYTORCH_CUDA_ALLOC_CONF python3 plugin_sleep.py
   # shellcheck disable=SC2086
   plugin plugin_bench python3 plugin_bench.py bench ${PLUGIN_BENCH_ARGS:-}
   # The decisive one: the ways interleaved request by request, paired ratios with a 95% CI.

@@ -70,11 +70,13 @@ const GPU_BENCHES: &[&str] = &[
 const GPU_BENCHES_MULTI: &[&str] = &["multi_gpu"];
 /// Examples that go into the GPU bundle (each must succeed and say it ran on the GPU).
 const GPU_EXAMPLES: &[&str] = &["tour", "snapshot", "decode"];
-/// The PyTorch allocator library (crates/torch-plugin) and the script `run.sh` runs it with
+/// The PyTorch allocator library (crates/torch-plugin) and the scripts `run.sh` runs it with
 /// against real PyTorch.
 const TORCH_PLUGIN: &str = "ferrocuda-torch";
 const TORCH_PLUGIN_LIBRARY: &str = "ferrocuda_torch";
 const TORCH_PLUGIN_SCRIPT: &str = "xtask/torch/plugin_bench.py";
+/// The plug-in's sleep-and-wake script (it imports the first).
+const TORCH_PLUGIN_SLEEP_SCRIPT: &str = "xtask/torch/plugin_sleep.py";
 /// Traces of `tests/data` the bundle replays on the GPU beside PyTorch's allocator
 /// (`replay.sh`): the four models of `shared/tools/torch_traces.py`, the shared recording
 /// script (training with random shapes: GPT-2, ResNet-50; serving: BERT, a Llama decoder).
@@ -196,9 +198,11 @@ fn bundle_torch_plugin(dir: &Path) -> Result<(), String> {
     let lib = built_library(TORCH_PLUGIN, TORCH_PLUGIN_LIBRARY)?;
     let file = lib.file_name().ok_or("a library without a file name")?;
     copy_stripped(&lib, &dir.join(file))?;
-    let script = root().join(TORCH_PLUGIN_SCRIPT);
-    let name = script.file_name().ok_or("the plugin script has no name")?;
-    std::fs::copy(&script, dir.join(name)).map_err(|e| format!("{}: {e}", script.display()))?;
+    for script in [TORCH_PLUGIN_SCRIPT, TORCH_PLUGIN_SLEEP_SCRIPT] {
+        let script = root().join(script);
+        let name = script.file_name().ok_or("a plugin script has no name")?;
+        std::fs::copy(&script, dir.join(name)).map_err(|e| format!("{}: {e}", script.display()))?;
+    }
     Ok(())
 }
 

@@ -102,6 +102,20 @@ pub trait TorchAllocator: Send + Sync + 'static {
     fn record_memory_history(&self, enabled: bool, max_entries: usize) -> Result<(), BackendError>;
     /// Writes a snapshot pickle PyTorch's memory viewer reads.
     fn dump_snapshot(&self, path: &Path) -> Result<(), BackendError>;
+    /// Makes `pool` sleepable (its segments from the driver's virtual memory API), before
+    /// anything is allocated in it.
+    fn create_sleepable_pool(&self, device: DeviceIndex, pool: PoolId) -> Result<(), BackendError>;
+    /// Puts sleepable `pool` to sleep: its physical memory back to the device, the
+    /// addresses kept.
+    fn sleep(
+        &self,
+        device: DeviceIndex,
+        pool: PoolId,
+        mode: SleepRequest,
+    ) -> Result<(), BackendError>;
+    /// Wakes sleeping `pool`: new physical memory at the same addresses, offloaded contents
+    /// restored.
+    fn wake(&self, device: DeviceIndex, pool: PoolId) -> Result<(), BackendError>;
 }
 
 /// Makes the backend, at the first exported call (not at load time: loading a library
@@ -137,6 +151,14 @@ pub enum ExportError {
         /// The value given.
         value: c_int,
     },
+    /// A sleep mode other than 0 (discard), 1 (offload) or 2 (offload, checked).
+    #[error("{call}: mode {value} is not 0 (discard), 1 (offload) or 2 (offload with a checksum)")]
+    InvalidMode {
+        /// The exported function.
+        call: &'static str,
+        /// The value given.
+        value: c_int,
+    },
     /// A null pointer where one is needed.
     #[error("{call}: {what} is a null pointer")]
     Null {
@@ -159,6 +181,30 @@ pub enum ExportError {
         /// The panic's message, when it had one.
         message: String,
     },
+}
+
+/// What a sleep does with a pool's contents (`ferrocuda_sleep`'s `mode`: 0, 1 or 2).
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum SleepRequest {
+    /// 0: the contents are dropped (a KV cache, a graph's temporaries).
+    Discard,
+    /// 1: copied to pinned host memory and restored on wake; 2: the same, with the
+    /// restored bytes checked against a checksum of the offloaded ones.
+    Offload {
+        /// Whether the restore is checked.
+        checksum: bool,
+    },
+}
+
+impl SleepRequest {
+    fn from_c(mode: c_int) -> Option<SleepRequest> {
+        match mode {
+            0 => Some(SleepRequest::Discard),
+            1 => Some(SleepRequest::Offload { checksum: false }),
+            2 => Some(SleepRequest::Offload { checksum: true }),
+            _ => None,
+        }
+    }
 }
 
 /// PyTorch's `MempoolId_t` (`std::pair<unsigned long long, unsigned long long>`), passed by
@@ -338,6 +384,40 @@ pub fn end_allocate_to_pool(
     guarded("end_allocate_to_pool", || {
         b.end_allocate_to_pool(dev, pool.into())
     })
+}
+
+/// `create_sleepable_pool(device, pool)`.
+pub fn create_sleepable_pool(
+    b: &dyn TorchAllocator,
+    dev: c_int,
+    pool: MempoolId,
+) -> Result<(), ExportError> {
+    let dev = device("create_sleepable_pool", dev)?;
+    guarded("create_sleepable_pool", || {
+        b.create_sleepable_pool(dev, pool.into())
+    })
+}
+
+/// `sleep(device, pool, mode)`.
+pub fn sleep(
+    b: &dyn TorchAllocator,
+    dev: c_int,
+    pool: MempoolId,
+    mode: c_int,
+) -> Result<(), ExportError> {
+    const CALL: &str = "sleep";
+    let dev = device(CALL, dev)?;
+    let mode = SleepRequest::from_c(mode).ok_or(ExportError::InvalidMode {
+        call: CALL,
+        value: mode,
+    })?;
+    guarded(CALL, || b.sleep(dev, pool.into(), mode))
+}
+
+/// `wake(device, pool)`.
+pub fn wake(b: &dyn TorchAllocator, dev: c_int, pool: MempoolId) -> Result<(), ExportError> {
+    let dev = device("wake", dev)?;
+    guarded("wake", || b.wake(dev, pool.into()))
 }
 
 /// `release_pool(device, pool)`.
@@ -554,6 +634,29 @@ pub extern "C" fn ferrocuda_end_allocate_to_pool(device: c_int, pool: MempoolId)
 pub extern "C" fn ferrocuda_release_pool(device: c_int, pool: MempoolId) {
     let _scope = ContextScope::enter();
     report(registered().and_then(|b| release_pool(b, device, pool)));
+}
+
+/// Makes pool `pool` (a `torch.cuda.graph_pool_handle()` or `MemPool` id) sleepable, before
+/// anything is allocated in it: 0, or -1 on failure (`ferrocuda_last_error` says why).
+#[unsafe(no_mangle)]
+pub extern "C" fn ferrocuda_create_sleepable_pool(device: c_int, pool: MempoolId) -> c_int {
+    let _scope = ContextScope::enter();
+    status(registered().and_then(|b| create_sleepable_pool(b, device, pool)))
+}
+
+/// Puts sleepable pool `pool` to sleep, `mode` 0 discarding its contents, 1 offloading them
+/// to pinned host memory, 2 offloading them with a checksum checked on wake: 0, or -1.
+#[unsafe(no_mangle)]
+pub extern "C" fn ferrocuda_sleep(device: c_int, pool: MempoolId, mode: c_int) -> c_int {
+    let _scope = ContextScope::enter();
+    status(registered().and_then(|b| sleep(b, device, pool, mode)))
+}
+
+/// Wakes pool `pool` at the same addresses, restoring what was offloaded: 0, or -1.
+#[unsafe(no_mangle)]
+pub extern "C" fn ferrocuda_wake(device: c_int, pool: MempoolId) -> c_int {
+    let _scope = ContextScope::enter();
+    status(registered().and_then(|b| wake(b, device, pool)))
 }
 
 /// `torch.cuda.memory_stats(device)` as a JSON object with PyTorch's keys, written to `buf`

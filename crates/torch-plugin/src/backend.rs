@@ -1,8 +1,8 @@
 //! [`TorchBackend`]: what each PyTorch hook does with ferrocuda's allocators.
 use crate::PluginError;
 use ferrocuda::alloc::history::{HistoryOptions, SkipFrames};
-use ferrocuda::alloc::{AllocError, CachingAllocator, DeviceAllocators, Route};
-use ferrocuda::driver::c_export::{BackendError, TorchAllocator};
+use ferrocuda::alloc::{AllocError, CachingAllocator, DeviceAllocators, Route, SleepMode};
+use ferrocuda::driver::c_export::{BackendError, SleepRequest, TorchAllocator};
 use ferrocuda::driver::{Driver, ForeignStream};
 use ferrocuda::types::{AllocatorConfig, DeviceIndex, DevicePtr, PoolId, StreamHandle};
 use rustc_hash::FxHashSet;
@@ -250,6 +250,32 @@ impl TorchAllocator for TorchBackend {
         for a in self.every_allocator()? {
             a.record_memory_history(options.clone());
         }
+        Ok(())
+    }
+
+    fn create_sleepable_pool(&self, device: DeviceIndex, pool: PoolId) -> Result<(), BackendError> {
+        let a = self.allocator(device)?;
+        Ok(a.create_sleepable_pool(pool).map_err(PluginError::from)?)
+    }
+
+    fn sleep(
+        &self,
+        device: DeviceIndex,
+        pool: PoolId,
+        mode: SleepRequest,
+    ) -> Result<(), BackendError> {
+        let mode = match mode {
+            SleepRequest::Discard => SleepMode::Discard,
+            SleepRequest::Offload { checksum } => SleepMode::Offload { checksum },
+        };
+        let a = self.allocator(device)?;
+        a.sleep(pool, mode).map_err(PluginError::from)?;
+        Ok(())
+    }
+
+    fn wake(&self, device: DeviceIndex, pool: PoolId) -> Result<(), BackendError> {
+        let a = self.allocator(device)?;
+        a.wake(pool).map_err(PluginError::from)?;
         Ok(())
     }
 

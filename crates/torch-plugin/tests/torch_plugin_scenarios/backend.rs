@@ -363,6 +363,15 @@ impl TorchAllocator for Panics {
     fn dump_snapshot(&self, _: &std::path::Path) -> R<()> {
         panic!("snapshot")
     }
+    fn create_sleepable_pool(&self, _: DeviceIndex, _: PoolId) -> R<()> {
+        panic!("sleepable")
+    }
+    fn sleep(&self, _: DeviceIndex, _: PoolId, _: c::SleepRequest) -> R<()> {
+        panic!("sleep")
+    }
+    fn wake(&self, _: DeviceIndex, _: PoolId) -> R<()> {
+        panic!("wake")
+    }
 }
 
 #[test]
@@ -385,6 +394,9 @@ fn a_panic_in_the_backend_is_caught_and_reported() {
         c::reset_peak_memory_stats(&b, 0),
         c::record_memory_history(&b, true, 1),
         c::dump_snapshot(&b, std::path::Path::new("x")),
+        c::create_sleepable_pool(&b, 0, pool(PoolId(0, 2))),
+        c::sleep(&b, 0, pool(PoolId(0, 2)), 1),
+        c::wake(&b, 0, pool(PoolId(0, 2))),
     ];
     assert!(
         caught

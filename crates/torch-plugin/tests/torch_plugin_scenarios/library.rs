@@ -75,6 +75,9 @@ sig = {
     "ferrocuda_allocator_settings": (ctypes.c_ssize_t, [ctypes.c_char_p, Z]),
     "ferrocuda_record_memory_history": (I, [I, Z]),
     "ferrocuda_dump_snapshot": (I, [ctypes.c_char_p]),
+    "ferrocuda_create_sleepable_pool": (I, [I, MempoolId]),
+    "ferrocuda_sleep": (I, [I, MempoolId, I]),
+    "ferrocuda_wake": (I, [I, MempoolId]),
     "ferrocuda_last_error": (ctypes.c_ssize_t, [ctypes.c_char_p, Z]),
     "ferrocuda_error_count": (ctypes.c_uint64, []),
 }
@@ -162,6 +165,51 @@ print("errors:", lib.ferrocuda_error_count())
     );
     let out = python(&script, &[])?;
     assert!(out.contains("errors: 7"), "{out}");
+    Ok(())
+}
+
+/// A sleepable pool through the library: made before use, filled through the pool hooks
+/// (as `torch.cuda.use_mem_pool` fills a pool), put to sleep (the device's memory back,
+/// PyTorch's statistics unchanged), refusing allocations and a second sleep while asleep,
+/// woken (a second wake does nothing); wrong modes, pools that are not sleepable and bad
+/// devices are errors, never crashes.
+#[test]
+fn sleep_and_wake_through_the_built_library() -> TestResult {
+    let script = format!(
+        "{PRELUDE}{}",
+        r#"
+MIB = 1 << 20
+lib.ferrocuda_init(1)
+pool = MempoolId(0, 9)
+assert lib.ferrocuda_create_sleepable_pool(0, pool) == 0, last_error()
+lib.ferrocuda_begin_allocate_to_pool(0, pool, None)
+weights = lib.ferrocuda_malloc(24 * MIB, 0, None)
+assert weights, last_error()
+lib.ferrocuda_end_allocate_to_pool(0, pool)
+before = stats()
+assert lib.ferrocuda_sleep(0, pool, 2) == 0, last_error()
+assert stats()["reserved_bytes.all.current"] == before["reserved_bytes.all.current"]
+fails(lib.ferrocuda_sleep, 0, pool, 2)
+assert "asleep" in last_error(), last_error()
+lib.ferrocuda_begin_allocate_to_pool(0, pool, None)
+assert fails(lib.ferrocuda_malloc, MIB, 0, None) is None
+assert "asleep" in last_error(), last_error()
+lib.ferrocuda_end_allocate_to_pool(0, pool)
+assert lib.ferrocuda_wake(0, pool) == 0, last_error()
+assert lib.ferrocuda_wake(0, pool) == 0, last_error()  # awake already: nothing to do
+assert lib.ferrocuda_sleep(0, pool, 0) == 0 and lib.ferrocuda_wake(0, pool) == 0, last_error()
+fails(lib.ferrocuda_sleep, 0, pool, 7)
+assert "mode 7 is not 0 (discard)" in last_error(), last_error()
+fails(lib.ferrocuda_sleep, 0, MempoolId(0, 10), 0)
+assert "sleepable" in last_error(), last_error()
+fails(lib.ferrocuda_create_sleepable_pool, -1, pool)
+lib.ferrocuda_free(weights, 24 * MIB, 0, None)
+assert stats()["allocation.all.current"] == 0
+print("errors:", lib.ferrocuda_error_count())
+"#
+    );
+    let out = python(&script, &[])?;
+    assert!(out.contains("errors: 5"), "{out}");
     Ok(())
 }
 
