@@ -1,7 +1,7 @@
-//! `ferrocuda plan` end to end: warm-ups of eight batch sizes recorded as snapshots
-//! (history switched on just before each, as a user records them in PyTorch), planned by
-//! the command, against the same program captured for real into one shared pool on the
-//! fake device; and its refusals.
+//! `ferrocuda plan` end to end: PyTorch's own warm-up snapshots (nine batch sizes recorded
+//! on an H200) planned against the pools PyTorch's captures reserved; warm-ups of eight
+//! batch sizes recorded as snapshots here, planned by the command, against the same program
+//! captured for real into one shared pool on the fake device; and its refusals.
 // Test code: a failed setup should stop the test loudly.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 use ferrocuda_alloc::history::HistoryOptions;
@@ -91,6 +91,46 @@ fn planned(files: &[String], extra: &[&str]) -> Vec<u64> {
         .iter()
         .map(|v| v.as_u64().unwrap())
         .collect()
+}
+
+/// PyTorch's warm-up snapshots (`tests/data/plan/`, recorded by `xtask/anchors/torch_plan.py`)
+/// planned in four capture orders and output policies: each plan equals the bytes PyTorch's
+/// shared pool reserved after every capture in the same recording run.
+#[test]
+fn plan_from_pytorchs_warm_ups_equals_pytorchs_pools() {
+    let data = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/data/plan");
+    let recorded: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(data.join("pytorch_pools.json")).unwrap())
+            .unwrap();
+    let batches: Vec<u64> = recorded["batches"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|b| b.as_u64().unwrap())
+        .collect();
+    let runs = recorded["pool_bytes_after_each_capture"].as_object().unwrap();
+    assert_eq!(runs.len(), 4);
+    for (run, pools) in runs {
+        let mut order = batches.clone();
+        if run.starts_with("smallest_first") {
+            order.reverse();
+        }
+        let files: Vec<String> = order
+            .iter()
+            .map(|b| data.join(format!("warmup_{b}.pickle.xz")).display().to_string())
+            .collect();
+        let mut extra = vec!["--conf", ""];
+        if run.ends_with("free_outputs") {
+            extra.push("--free-outputs");
+        }
+        let pytorch: Vec<u64> = pools
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_u64().unwrap())
+            .collect();
+        assert_eq!(planned(&files, &extra), pytorch, "{run}");
+    }
 }
 
 /// The command's plan from eight warm-up snapshots equals the shared pool after every
