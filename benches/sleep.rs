@@ -83,10 +83,22 @@ fn sleep_wake(c: &mut Criterion) {
             spent
         })
     });
+    // The CPU this thread spends in the timed cycles too: (ns, cycles).
+    let mut idle_cpu_spent = (0u64, 0u64);
     g.bench_function("idle_sleep_wake", |b| {
-        b.iter(|| {
-            a.sleep(pool, SleepMode::Discard).expect("sleep");
-            a.wake(pool).expect("wake");
+        b.iter_custom(|iters| {
+            let before = cpu_ns();
+            let start = Instant::now();
+            for _ in 0..iters {
+                a.sleep(pool, SleepMode::Discard).expect("sleep");
+                a.wake(pool).expect("wake");
+            }
+            let wall = start.elapsed();
+            if let (Some(before), Some(after)) = (before, cpu_ns()) {
+                idle_cpu_spent.0 += after.0 - before.0;
+                idle_cpu_spent.1 += iters;
+            }
+            wall
         })
     });
     let host = driver.host_alloc(bytes).expect("pinned buffer");
@@ -111,6 +123,13 @@ fn sleep_wake(c: &mut Criterion) {
     g.finish();
     driver.stream_destroy(stream).expect("stream");
     driver.host_free(host).expect("pinned buffer");
+    if idle_cpu_spent.1 > 0 {
+        println!(
+            "sleep: idle sleep + wake per GiB (the benchmark's cycles): CPU {:.3} ms (this thread) over {} cycles",
+            idle_cpu_spent.0 as f64 / 1e6 / idle_cpu_spent.1 as f64 / gib,
+            idle_cpu_spent.1
+        );
+    }
     idle_cpu(&a, pool, gib, "last");
     driver_calls(&driver, bytes);
     if let (Some(wake), Some(h2d), Some(idle)) = (
@@ -130,7 +149,8 @@ fn sleep_wake(c: &mut Criterion) {
     }
 }
 
-/// Nanoseconds of CPU this thread has used (`/proc/thread-self/schedstat`, Linux) and this
+/// Nanoseconds of CPU this thread has used (`/proc/thread-self/schedstat`, Linux: brought up
+/// to date at scheduler ticks, so only long intervals are exact) and this
 /// process has used (`/proc/self/stat`, clock ticks of 10 ms), when readable.
 fn cpu_ns() -> Option<(u64, u64)> {
     let thread = std::fs::read_to_string("/proc/thread-self/schedstat").ok()?;
@@ -144,10 +164,10 @@ fn cpu_ns() -> Option<(u64, u64)> {
     ))
 }
 
-/// The idle target is CPU time: 50 idle sleep + wake cycles, wall and CPU per GiB
+/// The idle target is CPU time: 200 idle sleep + wake cycles, wall and CPU per GiB
 /// (`when`: before the benches or after them).
 fn idle_cpu(a: &CachingAllocator, pool: PoolId, gib: f64, when: &str) {
-    const ROUNDS: u32 = 50;
+    const ROUNDS: u32 = 200;
     let (Some(before), start) = (cpu_ns(), Instant::now()) else {
         return;
     };

@@ -13,6 +13,9 @@
 //!   that stream, so they show in its statistics as PyTorch's do. A workspace smaller than
 //!   the size now chosen is replaced. (PyTorch keeps the smaller allocation and hands cuBLAS
 //!   the larger size: `setCublasWorkspace`'s `emplace` does not replace an entry.)
+//! - **In a pool of the caller's** ([`Blas::set_workspace_pool`]): new workspaces are
+//!   allocated in a private pool (a sleepable one, whose sleep then gives them back with the
+//!   rest of a server's memory); one whose pool sleeps is refused, not bound.
 //! - **Inside a CUDA graph capture** [`Blas::gemm`] binds a workspace of the capture's own,
 //!   from the graph's private pool (`gemm.rs`), never the stream's: see
 //!   [`Blas::acquire_with`].
@@ -26,9 +29,10 @@ use crate::library_choice::{BlasLibrary, LtKey};
 use crate::tunable::TunableState;
 use crate::workspace_config::WorkspaceSizes;
 use ferrocuda_alloc::CachingAllocator;
+use ferrocuda_alloc::{AllocError, Route, SleepError};
 use ferrocuda_amp::precision::{self, CublasMathMode};
 use ferrocuda_driver::cublas::MathMode;
-use ferrocuda_types::{DeviceIndex, DevicePtr, StreamHandle};
+use ferrocuda_types::{DeviceIndex, DevicePtr, PoolId, StreamHandle};
 use parking_lot::Mutex;
 use rustc_hash::FxHashMap;
 use std::cell::RefCell;
@@ -40,6 +44,8 @@ use std::sync::{Arc, Weak};
 struct Workspace {
     ptr: DevicePtr,
     bytes: u64,
+    /// The private pool it was allocated in ([`Blas::set_workspace_pool`]), if any.
+    pool: Option<PoolId>,
 }
 
 #[derive(Debug, Default)]
@@ -49,6 +55,8 @@ struct Pool {
     /// Every handle made (for [`Drop`]).
     all: Vec<HandleId>,
     workspaces: FxHashMap<(HandleId, u64), Workspace>,
+    /// Where new workspaces are allocated: a private pool, or the stream's default pool.
+    workspace_pool: Option<PoolId>,
 }
 
 #[derive(Debug)]
@@ -254,6 +262,16 @@ impl Blas {
             .sum()
     }
 
+    /// Allocates the workspaces made from now on in private pool `pool` (`None`: the
+    /// stream's default pool, as PyTorch does): a sleepable pool, say, so that a server's
+    /// sleep gives them back with its weights (`docs/serving_memory.md`). Workspaces held
+    /// already stay where they are ([`Blas::clear_workspaces`] first to move them). While a
+    /// workspace's pool sleeps, a call that would bind it fails with
+    /// [`SleepError::Asleep`] instead of letting cuBLAS write to unmapped memory.
+    pub fn set_workspace_pool(&self, pool: Option<PoolId>) {
+        self.shared.pool.lock().workspace_pool = pool;
+    }
+
     /// Gives every workspace back to the allocator (`_cuda_clearCublasWorkspaces`).
     pub fn clear_workspaces(&self) -> Result<(), MathLibError> {
         self.shared.clear(|_| true)
@@ -398,18 +416,29 @@ impl Blas {
         let mut pool = self.shared.pool.lock();
         let key = (handle, stream.raw);
         let ptr = match pool.workspaces.get(&key) {
-            Some(w) if w.bytes >= bytes => w.ptr,
+            Some(w) if w.bytes >= bytes => {
+                // A workspace in a sleeping pool has no memory under it: cuBLAS would fault.
+                if let Some(p) = w.pool.filter(|&p| allocator.pool_asleep(p)) {
+                    return Err(AllocError::Sleep(SleepError::Asleep(p)).into());
+                }
+                w.ptr
+            }
             held => {
                 if let Some(old) = held.copied() {
                     pool.workspaces.remove(&key);
                     allocator.free(old.ptr)?;
                 }
-                let new = allocator.allocate(bytes, stream)?;
+                let into = pool.workspace_pool;
+                let new = match into {
+                    None => allocator.allocate(bytes, stream)?,
+                    Some(p) => allocate_in_pool(allocator, p, bytes, stream)?,
+                };
                 pool.workspaces.insert(
                     key,
                     Workspace {
                         ptr: new.ptr,
                         bytes,
+                        pool: into,
                     },
                 );
                 new.ptr
@@ -417,6 +446,21 @@ impl Blas {
         };
         Ok((ptr, bytes))
     }
+}
+
+/// `bytes` on `stream` from private pool `pool` (routed for this one request, as
+/// `torch.cuda.use_mem_pool` routes a thread's, the pool's user count as it was).
+fn allocate_in_pool(
+    allocator: &CachingAllocator,
+    pool: PoolId,
+    bytes: u64,
+    stream: StreamHandle,
+) -> Result<ferrocuda_alloc::Allocation, AllocError> {
+    allocator.begin_allocate_to_pool(pool, Route::Thread(std::thread::current().id()))?;
+    let block = allocator.allocate(bytes, stream);
+    allocator.end_allocate_to_pool(pool)?;
+    allocator.release_pool(pool)?;
+    block
 }
 
 impl Shared {

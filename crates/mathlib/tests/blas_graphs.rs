@@ -4,7 +4,7 @@
 //! memory (PyTorch's `test_repeat_graph_capture_cublas_workspace_memory`); two graphs
 //! captured on one stream never share a workspace (PyTorch issue 193402: theirs do), so
 //! interleaved replays give each its eager result and one graph's replay never writes into
-//! memory the other let go.
+//! memory the other let go; and workspaces placed in a sleepable pool sleep with it.
 #![forbid(unsafe_code)]
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, missing_docs)]
 
@@ -12,9 +12,9 @@
 #[path = "blas_conformance/support.rs"]
 mod support;
 
-use ferrocuda_alloc::{Caching, DeviceAllocators};
+use ferrocuda_alloc::{AllocError, Caching, DeviceAllocators, SleepError, SleepMode};
 use ferrocuda_graph::{CudaGraph, PoolId};
-use ferrocuda_mathlib::{Blas, BlasBackend, BlasLibrary, CudaBlas, FakeBlas, Gemm};
+use ferrocuda_mathlib::{Blas, BlasBackend, BlasLibrary, CudaBlas, FakeBlas, Gemm, MathLibError};
 use ferrocuda_stream::{DeviceBuffer, Stream};
 use ferrocuda_testkit::{Harness, both_backends};
 use ferrocuda_types::{AllocatorConfig, CaptureMode, DType, DeviceIndex, DevicePtr};
@@ -32,6 +32,7 @@ both_backends!(
     two_graphs_on_one_stream_never_share_a_workspace,
     tunableop_does_not_tune_inside_a_capture,
     a_capture_on_a_stream_the_handle_has_not_used,
+    workspaces_sleep_with_their_pool,
 );
 
 /// The installed allocators, a recording [`Blas`] over them and a capture stream.
@@ -246,6 +247,65 @@ fn a_captured_gemm_takes_its_workspace_from_the_graphs_pool(h: &Harness) -> Test
             "{library:?}: the pool's memory went back"
         );
     }
+    Ok(())
+}
+
+/// A workspace made while `set_workspace_pool` names a sleepable pool is a block of it;
+/// while the pool sleeps a GEMM that would bind it is the typed `Asleep` error with either
+/// library (cuBLAS would write to unmapped memory); after wake the GEMM gives the eager
+/// result; cleared, the workspace is a free block of the pool, and with no pool named the
+/// next one comes from the stream's pool.
+fn workspaces_sleep_with_their_pool(h: &Harness) -> TestResult {
+    let s = Setup::new(h)?;
+    let p = s.product(8)?;
+    let alloc = s.allocators.device(D0)?;
+    let pool = PoolId::handle();
+    alloc.create_sleepable_pool(pool)?;
+    s.blas.set_workspace_pool(Some(pool));
+    s.rec.take();
+    s.warm_up(&p)?;
+    let acts = s.rec.take();
+    let ws = acts
+        .iter()
+        .find_map(|a| match a {
+            Act::Workspace(_, ptr, _) => Some(*ptr),
+            _ => None,
+        })
+        .ok_or_else(|| format!("no workspace bound: {acts:?}"))?;
+    let size = s.blas.cublas_workspace_size();
+    assert!(
+        alloc
+            .pool_blocks(pool)
+            .iter()
+            .any(|b| b.ptr == ws && b.allocated && b.size >= size),
+        "the workspace {ws} is not a live block of the sleepable pool"
+    );
+    for library in [BlasLibrary::Cublas, BlasLibrary::CublasLt] {
+        s.blas.set_preferred_blas_library(library);
+        alloc.sleep(pool, SleepMode::Discard)?;
+        match s.blas.gemm(s.stream.handle(), &p.gemm()) {
+            Err(MathLibError::Alloc(AllocError::Sleep(SleepError::Asleep(p)))) if p == pool => {}
+            other => {
+                return Err(
+                    format!("{library:?}: a GEMM over a sleeping workspace: {other:?}").into(),
+                );
+            }
+        }
+        alloc.wake(pool)?;
+        p.c.fill(0.0)?;
+        s.warm_up(&p)?;
+    }
+    s.blas.clear_workspaces()?;
+    assert!(
+        alloc.pool_blocks(pool).iter().all(|b| !b.allocated),
+        "cleared workspaces go back to the pool"
+    );
+    s.blas.set_workspace_pool(None);
+    s.warm_up(&p)?;
+    assert!(
+        alloc.pool_blocks(pool).iter().all(|b| !b.allocated),
+        "with no pool named, a new workspace comes from the stream's pool"
+    );
     Ok(())
 }
 

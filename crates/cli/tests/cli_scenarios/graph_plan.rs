@@ -108,7 +108,9 @@ fn plan_from_pytorchs_warm_ups_equals_pytorchs_pools() {
         .iter()
         .map(|b| b.as_u64().unwrap())
         .collect();
-    let runs = recorded["pool_bytes_after_each_capture"].as_object().unwrap();
+    let runs = recorded["pool_bytes_after_each_capture"]
+        .as_object()
+        .unwrap();
     assert_eq!(runs.len(), 4);
     for (run, pools) in runs {
         let mut order = batches.clone();
@@ -117,7 +119,11 @@ fn plan_from_pytorchs_warm_ups_equals_pytorchs_pools() {
         }
         let files: Vec<String> = order
             .iter()
-            .map(|b| data.join(format!("warmup_{b}.pickle.xz")).display().to_string())
+            .map(|b| {
+                data.join(format!("warmup_{b}.pickle.xz"))
+                    .display()
+                    .to_string()
+            })
             .collect();
         let mut extra = vec!["--conf", ""];
         if run.ends_with("free_outputs") {
