@@ -5,6 +5,7 @@
 //! must equal the plan's, under several configurations.
 // Test code: a failed setup should stop the test loudly.
 #![allow(clippy::panic, clippy::unwrap_used, clippy::expect_used)]
+use crate::Rng;
 use crate::common::{GIB, LEGACY, MIB, TestResult, new_stream, setup};
 use ferrocuda_alloc::{
     AfterCapture, CachingAllocator, CaptureRequests, PlanError, PlannedRequest, Route, plan_pool,
@@ -19,20 +20,6 @@ use ferrocuda_types::{AllocatorConfig, DevicePtr, PoolId, StreamHandle};
 enum Step {
     Alloc { bytes: u64, stream: usize },
     Free { nth: usize },
-}
-
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
 }
 
 /// Request sizes the way models make them: many small, some of a few MiB, a few large.

@@ -5,7 +5,7 @@
 //! set and unset at run time, odd paths, concurrent errors, 1 EB requests and caching off.
 // Test code: a failed setup should stop the test loudly.
 #![allow(clippy::panic, clippy::unwrap_used, clippy::expect_used)]
-use crate::common;
+use crate::{Rng, common};
 use common::{D0, GIB, LEGACY, MIB, new_stream, setup, stat};
 use ferrocuda_alloc::history::HistoryOptions;
 use ferrocuda_alloc::{AllocError, Allocation, Caching, CachingAllocator, Route};
@@ -240,21 +240,6 @@ fn pool_with_a_free_segment(a: &CachingAllocator, bytes: u64, stream: StreamHand
     a.end_allocate_to_pool(pool).unwrap();
     a.free(x.ptr).unwrap();
     pool
-}
-
-/// A tiny deterministic generator.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
 }
 
 mod differential;
