@@ -18,6 +18,7 @@
 //! capture that fits). Blocks a capture frees that were used on other streams go back to the
 //! pool when the capture ends (PyTorch's `insert_events_deferred_until_no_capture`), which a
 //! trace shows as a `free_completed` that does not follow its `free_requested` at once.
+use crate::history::HistoryOptions;
 use crate::{AllocError, Caching, CachingAllocator, Route};
 use ferrocuda_driver::{Driver, FakeDriver};
 use ferrocuda_types::{
@@ -109,6 +110,11 @@ impl CaptureRequests {
     /// allocated before it is not the capture's). A `free_requested` whose
     /// `free_completed` is not the next request-related entry waited for another stream's
     /// work: in a capture it is freed at the end. A stream's key is its raw handle.
+    ///
+    /// A trace cannot always tell such frees apart: when the allocation right after one
+    /// completes it (the block's events done by then), its `free_completed` comes next, as
+    /// a plain free's does, and the plan frees it at once where a capture waits for its
+    /// end. [`CachingAllocator::record_requests`] knows, and is exact.
     pub fn from_trace(entries: &[TraceEntry]) -> CaptureRequests {
         let relevant: Vec<&TraceEntry> = entries
             .iter()
@@ -119,9 +125,22 @@ impl CaptureRequests {
                 )
             })
             .collect();
+        let steps = relevant.iter().enumerate().map(|(i, e)| {
+            let waited = e.action == "free_requested"
+                && !relevant
+                    .get(i + 1)
+                    .is_some_and(|n| n.action == "free_completed" && n.addr == e.addr);
+            (*e, waited)
+        });
+        CaptureRequests::from_steps(steps)
+    }
+
+    /// The requests of trace entries, each with whether (for a `free_requested`) the
+    /// block is freed at the capture's end.
+    fn from_steps<'e>(steps: impl Iterator<Item = (&'e TraceEntry, bool)>) -> CaptureRequests {
         let mut requests = CaptureRequests::new();
         let mut live: FxHashMap<u64, usize> = FxHashMap::default();
-        for (i, e) in relevant.iter().enumerate() {
+        for (e, at_end) in steps {
             match e.action.as_str() {
                 "alloc" => {
                     live.insert(e.addr, requests.alloc(e.size, e.stream));
@@ -130,13 +149,10 @@ impl CaptureRequests {
                     let Some(block) = live.remove(&e.addr) else {
                         continue;
                     };
-                    let completed_now = relevant
-                        .get(i + 1)
-                        .is_some_and(|n| n.action == "free_completed" && n.addr == e.addr);
-                    if completed_now {
-                        requests.free(block);
-                    } else {
+                    if at_end {
                         requests.free_at_end(block);
+                    } else {
+                        requests.free(block);
                     }
                 }
                 _ => {}
@@ -167,21 +183,57 @@ impl CachingAllocator {
     /// Runs `warmup` while every request is recorded, and returns its result with the
     /// requests made on `streams` (every stream if empty): the input of [`plan_pool`] for
     /// a capture that will make the same requests. The history (`record_memory_history`)
-    /// keeps every event meanwhile and goes back to its options afterwards, which keep of
-    /// the recorded events what they would have kept. Requests other threads make on
-    /// `streams` meanwhile are recorded too.
+    /// keeps every event meanwhile and goes back to its options afterwards (a panicking
+    /// warm-up too), which keep of the recorded events what they would have kept. A free
+    /// of a block other streams used (`record_stream`) is planned at the capture's end, as
+    /// a capture frees it. Requests other threads make on `streams` meanwhile are recorded
+    /// too.
     pub fn record_requests<T>(
         &self,
         streams: &[StreamHandle],
         warmup: impl FnOnce() -> T,
     ) -> (T, CaptureRequests) {
-        let (saved, from) = self.engine.lock().history.begin_recording();
+        let mut recording = Recording::begin(self);
         let out = warmup();
-        let mut trace = self.engine.lock().history.end_recording(saved, from);
-        if !streams.is_empty() {
-            trace.retain(|e| streams.iter().any(|s| s.raw == e.stream));
+        let (trace, with_uses) = recording.end();
+        let kept = |e: &TraceEntry| streams.is_empty() || streams.iter().any(|s| s.raw == e.stream);
+        let steps = (trace.iter().enumerate())
+            .filter(|(_, e)| kept(e))
+            .map(|(i, e)| (e, with_uses.contains(&i)));
+        (out, CaptureRequests::from_steps(steps))
+    }
+}
+
+/// A recording of requests underway: ended by [`Recording::end`], or when dropped (a
+/// warm-up that panicked), so the history's options always come back.
+struct Recording<'a> {
+    allocator: &'a CachingAllocator,
+    started: Option<(HistoryOptions, usize)>,
+}
+
+impl<'a> Recording<'a> {
+    fn begin(allocator: &'a CachingAllocator) -> Recording<'a> {
+        let started = allocator.engine.lock().history.begin_recording();
+        Recording {
+            allocator,
+            started: Some(started),
         }
-        (out, CaptureRequests::from_trace(&trace))
+    }
+
+    /// The events recorded, and the positions of the frees of blocks other streams used.
+    fn end(&mut self) -> (Vec<TraceEntry>, Vec<usize>) {
+        match self.started.take() {
+            Some((saved, from)) => {
+                (self.allocator.engine.lock().history).end_recording(saved, from)
+            }
+            None => (Vec::new(), Vec::new()),
+        }
+    }
+}
+
+impl Drop for Recording<'_> {
+    fn drop(&mut self) {
+        self.end();
     }
 }
 

@@ -161,6 +161,12 @@ pub(crate) struct History {
     /// (PyTorch's `context_when_segment_allocated`): a snapshot's segment `frames`, and
     /// the `segment_free` entry's.
     segment_frames: rustc_hash::FxHashMap<u64, Arc<[Frame]>>,
+    /// Recordings of requests underway ([`History::begin_recording`]; they may nest).
+    recordings: usize,
+    /// While one is: the positions in `entries` of the `free_requested` entries whose
+    /// block had other streams' uses (a capture frees those only at its end; the trace
+    /// itself cannot always tell them apart).
+    frees_with_uses: Vec<usize>,
 }
 
 impl History {
@@ -261,15 +267,37 @@ impl History {
         let saved = self.options.clone();
         self.options.mode = HistoryMode::All;
         self.options.max_entries = usize::MAX;
+        self.recordings += 1;
         (saved, self.entries.len())
     }
 
-    /// The events since `from`, and the options `saved` back (which keep of them what
-    /// they would have kept).
-    pub(crate) fn end_recording(&mut self, saved: HistoryOptions, from: usize) -> Vec<TraceEntry> {
+    /// The `free_requested` entry just recorded was of a block other streams used.
+    #[inline]
+    pub(crate) fn mark_free_with_uses(&mut self) {
+        if self.recordings > 0 && !self.entries.is_empty() {
+            self.frees_with_uses.push(self.entries.len() - 1);
+        }
+    }
+
+    /// The events since `from` with the positions among them of the frees of blocks other
+    /// streams used, and the options `saved` back (which keep of them what they would
+    /// have kept). (Nothing trims the events while a recording is underway: it keeps them
+    /// all.)
+    pub(crate) fn end_recording(
+        &mut self,
+        saved: HistoryOptions,
+        from: usize,
+    ) -> (Vec<TraceEntry>, Vec<usize>) {
         let recorded = self.entries.iter().skip(from).cloned().collect();
+        let with_uses = (self.frees_with_uses.iter())
+            .filter_map(|&i| i.checked_sub(from))
+            .collect();
+        self.recordings = self.recordings.saturating_sub(1);
+        if self.recordings == 0 {
+            self.frees_with_uses.clear();
+        }
         self.set(saved);
-        recorded
+        (recorded, with_uses)
     }
 }
 

@@ -116,6 +116,9 @@ impl State {
             .flatten();
         self.history
             .record("free_requested", ptr, requested, stream, on_trace.as_ref());
+        if !uses.is_empty() {
+            self.history.mark_free_with_uses();
+        }
         self.stats.allocation.decrease(kind, 1);
         self.stats.allocated_bytes.decrease(kind, size as i64);
         if oversize {

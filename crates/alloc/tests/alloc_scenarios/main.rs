@@ -13,6 +13,7 @@ mod common;
 mod async_backend;
 mod behaviour;
 mod capture_plan;
+mod capture_plan_adv;
 mod capture_race;
 mod checkpoint;
 mod formats;

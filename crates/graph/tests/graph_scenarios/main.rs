@@ -6,4 +6,5 @@
 #![forbid(unsafe_code)]
 mod fake_device;
 mod guards;
+mod lazy_adv;
 mod library_kernels;
