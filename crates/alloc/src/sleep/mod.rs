@@ -161,6 +161,43 @@ impl CachingAllocator {
         }
     }
 
+    /// [`CachingAllocator::sleep`] of each of `pools` in turn, with one mode: a server's
+    /// tags (weights, KV cache, graphs' pools) put to sleep together. Every pool is checked
+    /// first, so one that is not sleepable or not awake (or named twice) is refused before
+    /// any sleeps; a driver failure part way leaves the pools before it asleep
+    /// ([`CachingAllocator::pool_asleep`] says which).
+    pub fn sleep_pools(
+        &self,
+        pools: &[PoolId],
+        mode: SleepMode,
+    ) -> Result<Vec<SleepReport>, AllocError> {
+        {
+            let st = self.engine.lock();
+            for (i, &pool) in pools.iter().enumerate() {
+                if !self.caching {
+                    return Err(SleepError::CachingOff(pool).into());
+                }
+                if !matches!(st.private.source(pool), SegmentSource::Sleepable) {
+                    return Err(SleepError::NotSleepable(pool).into());
+                }
+                match st.private.wakefulness(pool) {
+                    Wakefulness::Awake if !pools[..i].contains(&pool) => {}
+                    Wakefulness::Changing => return Err(SleepError::Changing(pool).into()),
+                    _ => return Err(SleepError::AlreadyAsleep(pool).into()),
+                }
+            }
+        }
+        pools.iter().map(|&pool| self.sleep(pool, mode)).collect()
+    }
+
+    /// [`CachingAllocator::wake`] of each of `pools`: every one is tried, and the first
+    /// error (if any) is returned after the others were woken.
+    pub fn wake_pools(&self, pools: &[PoolId]) -> Result<Vec<WakeReport>, AllocError> {
+        let woken: Vec<Result<WakeReport, AllocError>> =
+            pools.iter().map(|&pool| self.wake(pool)).collect();
+        woken.into_iter().collect()
+    }
+
     /// Gives back the pinned host buffers that `pool`'s awake segments kept from their last
     /// offload (a wake keeps them for the next sleep: pinning memory costs more than copying
     /// it). Returns the bytes freed; refused while the pool is being put to sleep or woken.

@@ -398,3 +398,49 @@ fn a_large_segment_wakes_in_pieces() -> TestResult {
     assert_eq!(fake.calls(Call::HostAlloc), fake.calls(Call::HostFree));
     Ok(())
 }
+
+/// Several pools (a server's tags) sleep and wake together: a list naming a pool that is
+/// not sleepable, or one pool twice, is refused before anything sleeps; two sleepable pools
+/// give both their pages back and come back with every byte.
+#[test]
+fn several_pools_sleep_and_wake_together() -> TestResult {
+    let s = serve();
+    let kv = PoolId::handle();
+    s.a.create_sleepable_pool(kv)?;
+    let kv_blocks = fill_pool(&s.fake, &s.a, kv, &[(3 * MIB, 7)]);
+    let plain = PoolId::handle();
+    s.a.retain_pool(plain);
+    let free0 = free_bytes(&s.fake);
+    assert_eq!(
+        asleep_error(s.a.sleep_pools(&[s.pool, plain], SleepMode::Discard)),
+        SleepError::NotSleepable(plain)
+    );
+    assert_eq!(
+        asleep_error(s.a.sleep_pools(&[kv, s.pool, kv], SleepMode::Discard)),
+        SleepError::AlreadyAsleep(kv)
+    );
+    assert!(
+        !s.a.pool_asleep(s.pool) && !s.a.pool_asleep(kv),
+        "nothing slept"
+    );
+    assert_eq!(free_bytes(&s.fake), free0);
+    let reports = s.a.sleep_pools(&[s.pool, kv], OFFLOAD)?;
+    assert_eq!(
+        reports.iter().map(|r| r.released_bytes).collect::<Vec<_>>(),
+        [22 * MIB, 20 * MIB]
+    );
+    assert!(s.a.pool_asleep(s.pool) && s.a.pool_asleep(kv));
+    assert_eq!(free_bytes(&s.fake), free0 + 42 * MIB);
+    let woken = s.a.wake_pools(&[s.pool, kv])?;
+    assert_eq!(woken.iter().map(|w| w.segments).sum::<usize>(), 3);
+    assert_contents(&s);
+    for (block, bytes) in &kv_blocks {
+        assert_eq!(&read(&s.fake, block.ptr, bytes.len())?, bytes);
+    }
+    assert_eq!(
+        s.a.wake_pools(&[s.pool, kv])?.len(),
+        2,
+        "awake pools wake at no cost"
+    );
+    Ok(())
+}

@@ -638,7 +638,7 @@ fn the_fake_devices_options_are_refused_with_device_cuda() -> TestResult {
     // What is missing is named; no subcommand at all says which there are.
     assert_one_line_failure(&ferrocuda(&["replay"])?, &["required", "<TRACE>"]);
     assert_one_line_failure(&ferrocuda(&["plot", missing])?, &["required", "--output"]);
-    assert_one_line_failure(&ferrocuda(&[])?, &["replay, summary or plot"]);
+    assert_one_line_failure(&ferrocuda(&[])?, &["replay, summary, plan or plot"]);
     // The fake device is the default, and `--device fake` takes its options.
     let trace = data("resnet50_train.pickle.xz");
     let t = trace.to_string_lossy();
