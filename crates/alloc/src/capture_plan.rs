@@ -199,7 +199,8 @@ impl CachingAllocator {
         let kept = |e: &TraceEntry| streams.is_empty() || streams.iter().any(|s| s.raw == e.stream);
         let steps = (trace.iter().enumerate())
             .filter(|(_, e)| kept(e))
-            .map(|(i, e)| (e, with_uses.contains(&i)));
+            // (Positions are recorded in order: sorted.)
+            .map(|(i, e)| (e, with_uses.binary_search(&i).is_ok()));
         (out, CaptureRequests::from_steps(steps))
     }
 }
@@ -305,30 +306,26 @@ pub fn plan_pool(
     let mut replay = Replay {
         allocator: &allocator,
         fake: &fake,
-        device,
         streams: FxHashMap::default(),
-        peak: 0,
-        allocated: 0,
     };
     let mut reserved_after = Vec::with_capacity(captures.len());
-    let mut outputs = Vec::new();
     for capture in captures {
         allocator.begin_allocate_to_pool(pool, Route::Thread(std::thread::current().id()))?;
         let left = replay.capture(capture);
         allocator.end_allocate_to_pool(pool)?;
+        // Kept outputs simply stay allocated.
         let left = left?;
-        match after {
-            AfterCapture::KeepOutputs => outputs.extend(left),
-            AfterCapture::FreeOutputs => left.into_iter().try_for_each(|b| replay.free(b))?,
+        if after == AfterCapture::FreeOutputs {
+            left.into_iter().try_for_each(|ptr| replay.free(ptr))?;
         }
         reserved_after.push(allocator.pool_reserved_bytes(pool));
     }
-    let segments = allocator.pool_segments(pool);
     Ok(PoolPlan {
         reserved_bytes: reserved_after.last().copied().unwrap_or(0),
         reserved_after,
-        peak_allocated_bytes: replay.peak,
-        segments,
+        // The plan's allocator serves this pool only: its statistics are the pool's.
+        peak_allocated_bytes: allocator.stats().allocated_bytes.all.peak as u64,
+        segments: allocator.pool_segments(pool),
     })
 }
 
@@ -336,20 +333,14 @@ pub fn plan_pool(
 struct Replay<'a> {
     allocator: &'a CachingAllocator,
     fake: &'a Arc<dyn Driver>,
-    device: DeviceIndex,
     /// Stream key → the fake's stream, created on first use.
     streams: FxHashMap<u64, StreamHandle>,
-    peak: u64,
-    allocated: u64,
 }
 
-/// A block the plan allocated: its address and bytes.
-type PlannedBlock = (u64, u64);
-
 impl Replay<'_> {
-    /// Runs one capture's requests; returns the blocks it leaves allocated.
-    fn capture(&mut self, capture: &CaptureRequests) -> Result<Vec<PlannedBlock>, AllocError> {
-        let mut blocks: Vec<Option<PlannedBlock>> = vec![None; capture.blocks];
+    /// Runs one capture's requests; returns the addresses of the blocks it leaves allocated.
+    fn capture(&mut self, capture: &CaptureRequests) -> Result<Vec<u64>, AllocError> {
+        let mut blocks: Vec<Option<u64>> = vec![None; capture.blocks];
         let mut at_end = Vec::new();
         for r in &capture.requests {
             match *r {
@@ -359,10 +350,7 @@ impl Replay<'_> {
                     stream,
                 } => {
                     let stream = self.stream(stream)?;
-                    let a = self.allocator.allocate(bytes, stream)?;
-                    self.allocated += a.size;
-                    self.peak = self.peak.max(self.allocated);
-                    blocks[block] = Some((a.ptr.0, a.size));
+                    blocks[block] = Some(self.allocator.allocate(bytes, stream)?.ptr.0);
                 }
                 PlannedRequest::Free { block } => {
                     if let Some(b) = blocks[block].take() {
@@ -376,8 +364,7 @@ impl Replay<'_> {
         Ok(blocks.into_iter().flatten().collect())
     }
 
-    fn free(&mut self, (ptr, size): PlannedBlock) -> Result<(), AllocError> {
-        self.allocated -= size;
+    fn free(&self, ptr: u64) -> Result<(), AllocError> {
         self.allocator.free(ferrocuda_types::DevicePtr(ptr))
     }
 
@@ -387,7 +374,7 @@ impl Replay<'_> {
         }
         let s = self
             .fake
-            .stream_create(self.device, StreamFlags::default())?;
+            .stream_create(self.allocator.device(), StreamFlags::default())?;
         self.streams.insert(key, s);
         Ok(s)
     }

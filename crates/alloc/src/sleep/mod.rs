@@ -163,8 +163,8 @@ impl CachingAllocator {
 
     /// [`CachingAllocator::sleep`] of each of `pools` in turn, with one mode: a server's
     /// tags (weights, KV cache, graphs' pools) put to sleep together. Every pool is checked
-    /// first, so one that is not sleepable or not awake (or named twice) is refused before
-    /// any sleeps; a driver failure part way leaves the pools before it asleep
+    /// first, so one that is not sleepable or not awake (or named twice), or a capture
+    /// underway, is refused before any sleeps; a driver failure part way leaves the pools before it asleep
     /// ([`CachingAllocator::pool_asleep`] says which).
     pub fn sleep_pools(
         &self,
@@ -174,13 +174,7 @@ impl CachingAllocator {
         {
             let st = self.engine.lock();
             for (i, &pool) in pools.iter().enumerate() {
-                if !self.caching {
-                    return Err(SleepError::CachingOff(pool).into());
-                }
-                if !matches!(st.private.source(pool), SegmentSource::Sleepable) {
-                    return Err(SleepError::NotSleepable(pool).into());
-                }
-                match st.private.wakefulness(pool) {
+                match self.may_change(&st, pool)? {
                     Wakefulness::Awake if !pools[..i].contains(&pool) => {}
                     Wakefulness::Changing => return Err(SleepError::Changing(pool).into()),
                     _ => return Err(SleepError::AlreadyAsleep(pool).into()),
@@ -261,6 +255,21 @@ impl CachingAllocator {
         self.set_wakefulness(st, pool, to);
     }
 
+    /// Whether `pool` may be put to sleep or woken now (caching on, the pool sleepable, no
+    /// capture underway): its wakefulness if so.
+    fn may_change(&self, st: &State, pool: PoolId) -> Result<Wakefulness, SleepError> {
+        if !self.caching {
+            return Err(SleepError::CachingOff(pool));
+        }
+        if !matches!(st.private.source(pool), SegmentSource::Sleepable) {
+            return Err(SleepError::NotSleepable(pool));
+        }
+        if st.capturing() {
+            return Err(SleepError::CaptureUnderway(pool));
+        }
+        Ok(st.private.wakefulness(pool))
+    }
+
     /// Checks that `pool` can change from `from`, marks it changing and returns its
     /// segments that `select` picks; `None` (nothing marked) when it is awake and `from` is
     /// asleep.
@@ -271,16 +280,7 @@ impl CachingAllocator {
         select: impl Fn(&PagedSegment) -> bool,
     ) -> Result<Option<Vec<PagedSegment>>, AllocError> {
         let mut st = self.engine.lock();
-        if !self.caching {
-            return Err(SleepError::CachingOff(pool).into());
-        }
-        if !matches!(st.private.source(pool), SegmentSource::Sleepable) {
-            return Err(SleepError::NotSleepable(pool).into());
-        }
-        if st.capturing() {
-            return Err(SleepError::CaptureUnderway(pool).into());
-        }
-        match (st.private.wakefulness(pool), from) {
+        match (self.may_change(&st, pool)?, from) {
             (now, want) if now == want => {}
             (Wakefulness::Changing, _) => return Err(SleepError::Changing(pool).into()),
             (Wakefulness::Awake, _) => return Ok(None),

@@ -7,9 +7,10 @@
 // Test code: a failed setup should stop the test loudly.
 #![allow(clippy::panic, clippy::unwrap_used, clippy::expect_used)]
 use crate::Rng;
-use crate::common::{D0, GIB, LEGACY, MIB, TestResult, new_stream};
+use crate::common::audit::try_setup;
+use crate::common::{GIB, LEGACY, MIB, TestResult, new_stream};
 
-use ferrocuda_alloc::{AfterCapture, Caching, CachingAllocator, CaptureRequests, Route, plan_pool};
+use ferrocuda_alloc::{AfterCapture, CachingAllocator, CaptureRequests, Route, plan_pool};
 use ferrocuda_driver::FakeDriver;
 use ferrocuda_driver::fake::Completion;
 use ferrocuda_types::{AllocatorConfig, DevicePtr, PoolId, StreamHandle};
@@ -21,16 +22,7 @@ type Res<T> = Result<T, Box<dyn std::error::Error>>;
 
 /// An allocator over a fake device that keeps no bytes (huge segments cost nothing).
 fn setup(capacity: u64, conf: &str, completion: Completion) -> (Arc<FakeDriver>, CachingAllocator) {
-    let fake = Arc::new(
-        FakeDriver::builder()
-            .capacity(capacity)
-            .completion(completion)
-            .backing(false)
-            .build(),
-    );
-    let config = AllocatorConfig::parse(conf).unwrap_or_else(|e| panic!("{conf:?}: {e}"));
-    let a = CachingAllocator::new(fake.clone(), D0, config, Caching::On).unwrap();
-    (fake, a)
+    try_setup(capacity, conf, completion).unwrap_or_else(|e| panic!("{conf:?}: {e}"))
 }
 
 /// The scenarios' generator, seeded as this file's programs were first written.
