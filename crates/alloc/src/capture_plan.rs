@@ -11,7 +11,10 @@
 //!
 //! Several captures sharing one pool (vLLM's batch sizes, a tree's paths) are planned as they
 //! run: one after the other in one pool, the blocks each leaves allocated (its outputs) kept
-//! or freed before the next begins ([`AfterCapture`]).
+//! or freed before the next begins ([`AfterCapture`]). A pool that holds segments already
+//! (CUDA-graph trees warm up in theirs, and record into it step after step) is planned from
+//! its layout ([`CachingAllocator::pool_layout`], [`plan_pool_from`]): its segments, in
+//! address order, and the blocks live in them.
 //!
 //! What the plan cannot see: a real capture that runs out of device memory, and the pool's
 //! segments that another allocation's out-of-memory retry releases (neither happens to a
@@ -19,10 +22,12 @@
 //! pool when the capture ends (PyTorch's `insert_events_deferred_until_no_capture`), which a
 //! trace shows as a `free_completed` that does not follow its `free_requested` at once.
 use crate::history::HistoryOptions;
+use crate::state::Request;
 use crate::{AllocError, Caching, CachingAllocator, Route};
 use ferrocuda_driver::{Driver, FakeDriver};
 use ferrocuda_types::{
-    AllocatorConfig, DeviceIndex, PoolId, StreamFlags, StreamHandle, TraceEntry,
+    AllocatorConfig, BlockCheckpoint, DeviceIndex, DevicePtr, PoolCheckpoint, PoolId,
+    SegmentCheckpoint, StreamFlags, StreamHandle, TraceEntry,
 };
 use rustc_hash::FxHashMap;
 use std::sync::Arc;
@@ -253,7 +258,8 @@ pub enum AfterCapture {
 /// What a pool shared by a set of captures will reserve.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PoolPlan {
-    /// Bytes the pool reserves after the last capture: what the real pool reserves then.
+    /// Bytes the pool reserves after the last capture (its starting segments if there is
+    /// none): what the real pool reserves then.
     pub reserved_bytes: u64,
     /// Bytes reserved after each capture, in order.
     pub reserved_after: Vec<u64>,
@@ -277,6 +283,10 @@ pub enum PlanError {
     /// The configuration or a request the allocator refuses (a request of an exabyte, say).
     #[error(transparent)]
     Alloc(#[from] AllocError),
+    /// A starting segment with no blocks, blocks that do not tile it, or segments that
+    /// overlap.
+    #[error("starting layout: {0}")]
+    Layout(String),
 }
 
 /// The device the plan runs on: large enough that no plan runs out of memory.
@@ -284,9 +294,28 @@ const PLAN_DEVICE_BYTES: u64 = 1 << 50;
 
 /// Plans the pool `captures` share, in order, under `config` (the allocator's
 /// configuration of the program that will capture: it decides the rounding and the
-/// segment sizes). One capture is a set of one.
+/// segment sizes). One capture is a set of one. The pool starts empty, as a capture's
+/// own pool does; [`plan_pool_from`] plans a pool that holds segments already.
 pub fn plan_pool(
     config: &AllocatorConfig,
+    captures: &[CaptureRequests],
+    after: AfterCapture,
+) -> Result<PoolPlan, PlanError> {
+    plan_pool_from(config, &[], captures, after)
+}
+
+/// [`plan_pool`] for a pool that holds `start` already: its segments, in address order,
+/// each split into blocks as the pool has it, some live (what
+/// [`CachingAllocator::pool_layout`] reads of a real pool; mark blocks free that will be
+/// freed before the captures begin). The plan's pool gets segments of the same sizes,
+/// kinds and streams in the same address order, and the same blocks live; its new
+/// segments lie above them (a real device may place them anywhere, which matters only to
+/// ties between equal free blocks). Stream keys are the blocks' raw stream handles, as
+/// [`CachingAllocator::record_requests`] records them. [`PoolPlan::segments`] and
+/// `reserved_*` count the starting segments too.
+pub fn plan_pool_from(
+    config: &AllocatorConfig,
+    start: &[SegmentCheckpoint],
     captures: &[CaptureRequests],
     after: AfterCapture,
 ) -> Result<PoolPlan, PlanError> {
@@ -294,6 +323,7 @@ pub fn plan_pool(
         c.check()
             .map_err(|source| PlanError::UnknownBlock { capture, source })?;
     }
+    check_layout(start)?;
     let fake: Arc<dyn Driver> = Arc::new(
         FakeDriver::builder()
             .capacity(PLAN_DEVICE_BYTES)
@@ -308,6 +338,10 @@ pub fn plan_pool(
         fake: &fake,
         streams: FxHashMap::default(),
     };
+    allocator.begin_allocate_to_pool(pool, Route::Thread(std::thread::current().id()))?;
+    let seeded = replay.seed(pool, start);
+    allocator.end_allocate_to_pool(pool)?;
+    seeded?;
     let mut reserved_after = Vec::with_capacity(captures.len());
     for capture in captures {
         allocator.begin_allocate_to_pool(pool, Route::Thread(std::thread::current().id()))?;
@@ -321,7 +355,7 @@ pub fn plan_pool(
         reserved_after.push(allocator.pool_reserved_bytes(pool));
     }
     Ok(PoolPlan {
-        reserved_bytes: reserved_after.last().copied().unwrap_or(0),
+        reserved_bytes: allocator.pool_reserved_bytes(pool),
         reserved_after,
         // The plan's allocator serves this pool only: its statistics are the pool's.
         peak_allocated_bytes: allocator.stats().allocated_bytes.all.peak as u64,
@@ -337,7 +371,128 @@ struct Replay<'a> {
     streams: FxHashMap<u64, StreamHandle>,
 }
 
+/// Checks that each starting segment's blocks tile it and that segments do not overlap.
+fn check_layout(start: &[SegmentCheckpoint]) -> Result<(), PlanError> {
+    let mut previous_end = 0;
+    for (i, segment) in start.iter().enumerate() {
+        let Some(first) = segment.blocks.first() else {
+            return Err(PlanError::Layout(format!("segment {i} has no blocks")));
+        };
+        if first.ptr.0 < previous_end {
+            return Err(PlanError::Layout(format!(
+                "segment {i} at {:#x} overlaps the one before it, or is out of address order",
+                first.ptr.0
+            )));
+        }
+        let mut end = first.ptr.0;
+        for b in &segment.blocks {
+            if b.ptr.0 != end || b.size == 0 {
+                return Err(PlanError::Layout(format!(
+                    "segment {i}: a block at {:#x} of {} bytes where one at {end:#x} was due",
+                    b.ptr.0, b.size
+                )));
+            }
+            end += b.size;
+        }
+        previous_end = end;
+    }
+    Ok(())
+}
+
+impl CachingAllocator {
+    /// `pool`'s segments now, in address order, each with its blocks (live or free; a
+    /// block freed but waiting for other streams' events shows free, as it will be): the
+    /// start of [`plan_pool_from`]. Empty for a pool that does not exist or holds nothing.
+    pub fn pool_layout(&self, pool: PoolId) -> Vec<SegmentCheckpoint> {
+        let mut blocks = self.pool_blocks(pool);
+        blocks.retain(|b| b.mapped);
+        blocks.sort_by_key(|b| (b.segment.0, b.ptr.0));
+        let mut segments: Vec<(DevicePtr, SegmentCheckpoint)> = Vec::new();
+        for b in blocks {
+            let block = BlockCheckpoint {
+                ptr: b.ptr,
+                size: b.size,
+                requested: b.requested,
+                stream: b.stream,
+                allocated: b.allocated,
+            };
+            match segments.last_mut() {
+                Some((at, s)) if *at == b.segment => s.blocks.push(block),
+                _ => segments.push((
+                    b.segment,
+                    SegmentCheckpoint {
+                        kind: b.pool,
+                        blocks: vec![block],
+                    },
+                )),
+            }
+        }
+        segments.into_iter().map(|(_, s)| s).collect()
+    }
+
+    /// A new segment of exactly `bytes` in `pool` on `stream`, one free block: a starting
+    /// segment of a plan. Its address, or `None` if the device had no room.
+    fn seed_segment(
+        &self,
+        pool: PoolId,
+        kind: ferrocuda_types::PoolKind,
+        stream: StreamHandle,
+        bytes: u64,
+    ) -> Result<Option<u64>, AllocError> {
+        let request = Request {
+            size: bytes,
+            requested: bytes,
+            kind,
+            stream,
+            pool,
+            frames: None,
+            capture: None,
+        };
+        let st = self.engine.lock();
+        let (mut st, id) = self.engine.alloc_segment(st, bytes, &request)?;
+        Ok(id.map(|id| {
+            st.pool_insert(id);
+            st.blocks[id].ptr
+        }))
+    }
+}
+
 impl Replay<'_> {
+    /// Makes `start`'s segments in `pool` (routed to this thread), then its live blocks
+    /// (a checkpoint of the layout at the new addresses, restored).
+    fn seed(&mut self, pool: PoolId, start: &[SegmentCheckpoint]) -> Result<(), AllocError> {
+        let mut moved = Vec::with_capacity(start.len());
+        for segment in start {
+            let (Some(first), Some(last)) = (segment.blocks.first(), segment.blocks.last()) else {
+                continue;
+            };
+            let bytes = last.ptr.0 + last.size - first.ptr.0;
+            let stream = self.stream(first.stream.raw)?;
+            let base = (self.allocator)
+                .seed_segment(pool, segment.kind, stream, bytes)?
+                .ok_or_else(|| AllocError::Driver(ferrocuda_driver::DriverError::OUT_OF_MEMORY))?;
+            let blocks = (segment.blocks.iter())
+                .map(|b| BlockCheckpoint {
+                    ptr: DevicePtr(base + (b.ptr.0 - first.ptr.0)),
+                    stream,
+                    ..*b
+                })
+                .collect();
+            moved.push(SegmentCheckpoint {
+                kind: segment.kind,
+                blocks,
+            });
+        }
+        if moved.iter().flat_map(|s| &s.blocks).any(|b| b.allocated) {
+            let checkpoint = PoolCheckpoint {
+                pool,
+                segments: moved,
+            };
+            self.allocator.restore_pool(&checkpoint)?;
+        }
+        Ok(())
+    }
+
     /// Runs one capture's requests; returns the addresses of the blocks it leaves allocated.
     fn capture(&mut self, capture: &CaptureRequests) -> Result<Vec<u64>, AllocError> {
         let mut blocks: Vec<Option<u64>> = vec![None; capture.blocks];

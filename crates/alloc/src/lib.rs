@@ -140,6 +140,7 @@ pub use async_backend::{ASYNC_IGNORES_WARNING, AsyncAllocator};
 pub use block::{Allocation, BlockInfo};
 pub use capture_plan::{
     AfterCapture, CaptureRequests, PlanError, PlannedRequest, PoolPlan, UnknownBlock, plan_pool,
+    plan_pool_from,
 };
 pub use devices::{DeviceAllocators, caching_from_env};
 pub use engine::OomObserver;

@@ -17,13 +17,13 @@ use ferrocuda_types::{AllocatorConfig, DevicePtr, PoolId, StreamHandle};
 /// One step of a capture's program: allocate `bytes` on stream `stream` (0 or 1), or free
 /// the `nth` live block of this capture (modulo how many are live).
 #[derive(Clone, Copy, Debug)]
-enum Step {
+pub(crate) enum Step {
     Alloc { bytes: u64, stream: usize },
     Free { nth: usize },
 }
 
 /// Request sizes the way models make them: many small, some of a few MiB, a few large.
-fn size(rng: &mut Rng) -> u64 {
+pub(crate) fn size(rng: &mut Rng) -> u64 {
     match rng.below(10) {
         0..=3 => 1 + rng.below(MIB),
         4..=7 => MIB + rng.below(12 * MIB),
@@ -31,7 +31,7 @@ fn size(rng: &mut Rng) -> u64 {
     }
 }
 
-fn program(rng: &mut Rng, captures: usize) -> Vec<Vec<Step>> {
+pub(crate) fn program(rng: &mut Rng, captures: usize) -> Vec<Vec<Step>> {
     (0..captures)
         .map(|_| {
             (0..5 + rng.below(40))
@@ -53,7 +53,7 @@ fn program(rng: &mut Rng, captures: usize) -> Vec<Vec<Step>> {
 }
 
 /// Runs one capture's steps on `a` (on `streams`); returns the blocks it leaves live.
-fn run_steps(
+pub(crate) fn run_steps(
     a: &CachingAllocator,
     streams: [StreamHandle; 2],
     steps: &[Step],
@@ -74,7 +74,7 @@ fn run_steps(
 
 /// Memory of the program's own outside the captures: the default pool made busy, some of
 /// it freed, so the captures' pool is not the allocator's only memory.
-fn busy_default_pool(a: &CachingAllocator, rng: &mut Rng) -> TestResult {
+pub(crate) fn busy_default_pool(a: &CachingAllocator, rng: &mut Rng) -> TestResult {
     let blocks: Vec<DevicePtr> = (0..20)
         .map(|_| a.allocate(size(rng), LEGACY).map(|b| b.ptr))
         .collect::<Result<_, _>>()?;
@@ -125,7 +125,7 @@ fn warm_up(
     Ok(recorded)
 }
 
-const CONFIGS: [&str; 5] = [
+pub(crate) const CONFIGS: [&str; 5] = [
     "",
     "max_split_size_mb:64",
     "roundup_power2_divisions:4",

@@ -14,6 +14,7 @@ mod async_backend;
 mod behaviour;
 mod capture_plan;
 mod capture_plan_adv;
+mod capture_plan_from;
 mod capture_race;
 mod checkpoint;
 mod formats;
