@@ -470,7 +470,9 @@ impl Replay<'_> {
             let stream = self.stream(first.stream.raw)?;
             let base = (self.allocator)
                 .seed_segment(pool, segment.kind, stream, bytes)?
-                .ok_or_else(|| AllocError::Driver(ferrocuda_driver::DriverError::OUT_OF_MEMORY))?;
+                .ok_or(AllocError::Driver(
+                    ferrocuda_driver::DriverError::OUT_OF_MEMORY,
+                ))?;
             let blocks = (segment.blocks.iter())
                 .map(|b| BlockCheckpoint {
                     ptr: DevicePtr(base + (b.ptr.0 - first.ptr.0)),
