@@ -104,6 +104,32 @@ impl CaptureRequests {
         self.requests.push(PlannedRequest::FreeAtEnd { block });
     }
 
+    /// Adds `other`'s requests after these, in the same capture (its blocks numbered
+    /// after these'); returns the number `other`'s block 0 got.
+    pub fn append(&mut self, other: &CaptureRequests) -> usize {
+        let shift = self.blocks;
+        self.requests
+            .extend(other.requests.iter().map(|r| match *r {
+                PlannedRequest::Alloc {
+                    block,
+                    bytes,
+                    stream,
+                } => PlannedRequest::Alloc {
+                    block: block + shift,
+                    bytes,
+                    stream,
+                },
+                PlannedRequest::Free { block } => PlannedRequest::Free {
+                    block: block + shift,
+                },
+                PlannedRequest::FreeAtEnd { block } => PlannedRequest::FreeAtEnd {
+                    block: block + shift,
+                },
+            }));
+        self.blocks += other.blocks;
+        shift
+    }
+
     /// The requests, in order.
     pub fn requests(&self) -> &[PlannedRequest] {
         &self.requests

@@ -294,6 +294,17 @@ pub enum TreeError {
         /// Allocated blocks no output tracks.
         untracked: Vec<DevicePtr>,
     },
+    /// A plan ([`Trees::plan`](super::Trees::plan)) names a function that has not been
+    /// warmed up: its requests are not known yet.
+    #[error(
+        "function {function} ({name}) has not been warmed up: a plan needs the requests of its warm-up"
+    )]
+    NotWarmedUp {
+        /// The function id.
+        function: u32,
+        /// The wrapped function's name.
+        name: String,
+    },
     /// A bad setting.
     #[error("tree configuration: {0}")]
     Config(String),

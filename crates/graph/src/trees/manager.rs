@@ -88,6 +88,8 @@ pub(crate) struct FunctionInfo {
     /// Its inputs may be padded to buckets (a recording may see inputs shorter than its
     /// copies).
     pub(crate) padded: bool,
+    /// What its last warm-up asked of the pool: what a plan of its recording replays.
+    pub(crate) warmed: Option<super::plan::WarmedUp>,
 }
 
 #[derive(Debug)]
@@ -236,6 +238,7 @@ impl Trees {
             reported: Vec::new(),
             warned_path: false,
             padded: options.buckets.is_some(),
+            warmed: None,
         });
         FunctionId(st.functions.len() as u32 - 1)
     }

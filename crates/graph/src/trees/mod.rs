@@ -74,6 +74,7 @@ mod liveness;
 mod manager;
 mod nodes;
 mod path;
+mod plan;
 mod run;
 mod tensor;
 mod wrapped;

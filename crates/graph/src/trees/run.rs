@@ -8,6 +8,7 @@ use super::liveness::{died_between, live_path_ptrs, path_liveness};
 use super::manager::{PathMode, State, Trees};
 use super::nodes::{FunctionId, InputSlot, RecordedNode, WarmupNode};
 use super::path::PoolRoute;
+use super::plan::WarmedUp;
 use super::tensor::{Arg, Input, Out, OutputSlot, Shape, TreeTensor};
 use crate::CudaGraph;
 use ferrocuda_driver::Driver;
@@ -208,13 +209,18 @@ impl Trees {
         let caller = self.runtime.current_stream(self.device)?;
         self.stream.wait_stream(&caller)?;
         let memory = self.memory();
-        let (outs, incompatible) = {
-            let _route = PoolRoute::begin(self.allocator()?, self.pool, &self.stream)?;
+        let allocator = self.allocator()?;
+        let (outs, incompatible, requests) = {
+            let _route = PoolRoute::begin(allocator, self.pool, &self.stream)?;
             let _current = self.runtime.stream_guard(&self.stream)?;
             let (args, _copies) = self.stage_padded(&memory, &self.stream, inputs, shapes)?;
             let mut ctx = Ctx::new(&self.stream, memory.clone(), RunKind::Warmup);
-            let outs = call_fn(f, &mut ctx, &args, &name)?;
-            (outs, ctx.incompatible())
+            // The function's requests (not the padded copies'): a plan of its recording
+            // replays them (`Trees::plan`).
+            let (outs, requests) = allocator.record_requests(&[self.stream.handle()], || {
+                call_fn(f, &mut ctx, &args, &name)
+            });
+            (outs?, ctx.incompatible(), requests)
         };
         caller.wait_stream(&self.stream)?;
         let mut outputs = self.adopt(st, &name, outs);
@@ -225,6 +231,7 @@ impl Trees {
         st.stats.warmups += 1;
         if let Some(info) = st.functions.get_mut(fid.0 as usize) {
             info.warmups += 1;
+            info.warmed = Some(WarmedUp::new(requests, inputs, shapes));
             if let Some(op) = incompatible {
                 info.skip = Some(SkipReason::IncompatibleOp { op });
             }

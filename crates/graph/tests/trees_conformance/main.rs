@@ -21,6 +21,7 @@ mod failures;
 mod fuzz;
 mod guards;
 mod inputs;
+mod plan;
 mod shapes;
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -216,6 +217,9 @@ use inputs::{
     copied_inputs_are_copied_by_the_graph, kept_instances_serve_inputs_that_come_back,
     patched_inputs_match_copied_inputs_and_eager,
 };
+use plan::{
+    a_plan_without_a_warm_up_is_a_typed_error, the_plan_equals_the_trees_pool_after_each_recording,
+};
 use shapes::{
     buckets_pad_to_few_recordings, evicting_a_sibling_keeps_the_live_branch,
     only_capture_sizes_are_graphed, shapes_record_per_size_and_the_cap_evicts,
@@ -248,4 +252,6 @@ ferrocuda_testkit::both_backends!(
     refused_calls_leave_no_trace,
     random_tree_programs_never_give_wrong_data,
     evicting_a_sibling_keeps_the_live_branch,
+    the_plan_equals_the_trees_pool_after_each_recording,
+    a_plan_without_a_warm_up_is_a_typed_error,
 );
