@@ -6,6 +6,9 @@
 //! independent). Prints, per bucket and overall, warm-ups, recordings and replays, and the
 //! median CPU time per step, eager vs trees, with the speedup (and the GPU time between
 //! events around the step, on the GPU), over the steps after each bucket's first two.
+//! Before each step that will record, the graph-memory planner (`Trees::plan`) says what
+//! the tree's pool will reserve once it has; the example checks the pool after the
+//! recording against it and fails if they differ.
 //! Runs on the GPU when one is present (and `FERROCUDA_BACKEND=fake` does not ask for the
 //! fake device) and on the fake device otherwise, and says which.
 //!
@@ -15,7 +18,7 @@ use ferrocuda::alloc::{DeviceAllocators, caching_from_env};
 use ferrocuda::driver::{FakeDriver, KernelContext};
 use ferrocuda::graph::CallableError;
 use ferrocuda::graph::trees::{
-    Arg, Buckets, Ctx, Input, Out, Served, TreeConfig, TreeEvent, WrapOptions,
+    Arg, Buckets, Ctx, FunctionId, Input, Out, Served, TreeConfig, TreeEvent, WrapOptions,
 };
 use ferrocuda::graph::{Trees, Wrapped};
 use ferrocuda::stream::{DeviceBuffer, Event, Function, Module, Runtime, Stream};
@@ -434,6 +437,60 @@ struct Sample {
     served: Served,
     cpu: [f64; 2],
     gpu: [Option<f64>; 2],
+    /// For a recording that was planned: the planned and the real bytes of the pool after it.
+    planned: Option<(u64, u64)>,
+}
+
+/// The planner's view of the steps: the function each bucket warmed up and has not
+/// recorded yet, planned before its next step.
+#[derive(Default)]
+struct Planner {
+    warmed: std::collections::HashMap<usize, FunctionId>,
+}
+
+impl Planner {
+    /// Before a step of `bucket`: the function it warmed up and the pool's bytes once
+    /// that function is recorded, if it warmed one up.
+    fn before(
+        &self,
+        trees: &Trees,
+        bucket: usize,
+    ) -> Result<Option<(FunctionId, u64)>, CallableError> {
+        let Some(&fid) = self.warmed.get(&bucket) else {
+            return Ok(None);
+        };
+        Ok(Some((fid, trees.plan(&[fid])?.reserved_bytes)))
+    }
+
+    /// After the step: remembers a warm-up's function; for the planned function's
+    /// recording, the planned and the real bytes of the pool.
+    fn after(
+        &mut self,
+        f: &Wrapped,
+        allocators: &DeviceAllocators,
+        bucket: usize,
+        served: &Served,
+        plan: Option<(FunctionId, u64)>,
+    ) -> Result<Option<(u64, u64)>, CallableError> {
+        let Some(&fid) = f.functions().first() else {
+            return Ok(None);
+        };
+        match served {
+            Served::Warmup => {
+                self.warmed.insert(bucket, fid);
+                Ok(None)
+            }
+            Served::Recorded => {
+                self.warmed.remove(&bucket);
+                let pool = f.trees().pool();
+                let real = allocators.device(DEV)?.pool_reserved_bytes(pool);
+                Ok(plan
+                    .filter(|(p, _)| *p == fid)
+                    .map(|(_, bytes)| (bytes, real)))
+            }
+            _ => Ok(None),
+        }
+    }
 }
 
 /// The first `want.len()` values of `got` have the bits of `want`, all finite.
@@ -461,6 +518,7 @@ fn same_bits(step: usize, want: &[f32], got: &[f32]) -> Result<(), CallableError
 /// Runs each step eagerly, then through the trees, checks that they agree, and times both.
 fn run_steps(
     rt: &Arc<Runtime>,
+    allocators: &DeviceAllocators,
     model: &Model,
     f: &Wrapped,
     timer: &Timer,
@@ -478,6 +536,7 @@ fn run_steps(
     let mut inputs = vec![Input::buffer(first)];
     inputs.extend(model.weights.iter().map(|w| Input::buffer(w).mark_static()));
     let trees = f.trees();
+    let mut planner = Planner::default();
     let mut samples = Vec::with_capacity(xs.len());
     for (step, (rows, x)) in xs.iter().enumerate() {
         let bucket = (BUCKETS.iter().position(|&b| b >= *rows))
@@ -487,6 +546,7 @@ fn run_steps(
         let eager_gpu = timer.gpu()?;
         drop(out);
         inputs[0] = Input::shaped(x, &[*rows, D])?;
+        let plan = planner.before(trees, bucket)?;
         let (call, trees_cpu) = timer.time(|| {
             trees.mark_step_begin();
             Ok(f.call(&inputs)?)
@@ -494,11 +554,13 @@ fn run_steps(
         let got = (call.outputs.first().ok_or("the step has no output")?).to_host::<f32>()?;
         let trees_gpu = timer.gpu()?;
         same_bits(step, &want, &got)?;
+        let planned = planner.after(f, allocators, bucket, &call.served, plan)?;
         samples.push(Sample {
             bucket,
             served: call.served,
             cpu: [eager_cpu, trees_cpu],
             gpu: [eager_gpu, trees_gpu],
+            planned,
         });
     }
     Ok(samples)
@@ -580,6 +642,31 @@ fn report(samples: &[Sample], on_gpu: bool) {
     );
 }
 
+/// Every recording planned before it ran left the pool with the planned bytes.
+fn check_plans(samples: &[Sample]) -> Result<(), CallableError> {
+    let plans: Vec<(usize, (u64, u64))> = (samples.iter().enumerate())
+        .filter_map(|(i, s)| s.planned.map(|p| (i, p)))
+        .collect();
+    let mib = |b: u64| b as f64 / (1 << 20) as f64;
+    for &(step, (planned, real)) in &plans {
+        if planned != real {
+            return Err(format!(
+                "step {step}: the planner said the pool would reserve {planned} bytes after this recording, it reserves {real}"
+            )
+            .into());
+        }
+    }
+    let Some(&(_, (_, last))) = plans.last() else {
+        return Err("no recording was planned before it ran".into());
+    };
+    println!(
+        "planner: {} recordings planned before they ran (Trees::plan), the pool after each equal to its plan ({:.1} MiB after the last)",
+        plans.len(),
+        mib(last)
+    );
+    Ok(())
+}
+
 fn main() -> ExitCode {
     match decode() {
         Ok(()) => ExitCode::SUCCESS,
@@ -610,7 +697,7 @@ fn decode() -> Result<(), CallableError> {
         props.name
     );
     let model = Arc::new(Model::new(&rt)?);
-    let trees = Trees::new(rt.clone(), allocators, DEV, TreeConfig::default())?;
+    let trees = Trees::new(rt.clone(), allocators.clone(), DEV, TreeConfig::default())?;
     let f = wrap_step(&trees, model.clone())?;
     println!(
         "step: {LAYERS} layers x (rmsnorm, linear {D}->{F}, silu, linear {F}->{D}, residual add) + rmsnorm + linear {D}->{V} = {} kernels; {} weights as static inputs",
@@ -622,8 +709,9 @@ fn decode() -> Result<(), CallableError> {
         BUCKETS[BUCKETS.len() - 1]
     );
     let timer = Timer::new(&rt, on_gpu)?;
-    let samples = run_steps(&rt, &model, &f, &timer, &schedule(steps))?;
+    let samples = run_steps(&rt, &allocators, &model, &f, &timer, &schedule(steps))?;
     report(&samples, on_gpu);
+    check_plans(&samples)?;
     if !on_gpu {
         println!(
             "(on the fake device each kernel runs on the host as it is launched: these CPU times are mostly kernel time, and the rows the trees pad cost real work; the launch overhead that graphs save shows on the GPU)"

@@ -82,3 +82,25 @@ fn snapshot_example_says_it_ran_on_the_fake_device() -> Result<(), String> {
     );
     Ok(())
 }
+
+/// The decode loop on the fake device: eager and trees agree on every step, and every
+/// recording the planner saw coming left the pool at the planned bytes, under the default
+/// configuration and under one from the environment (a graph's pool never expands).
+#[test]
+fn decode_agrees_with_eager_and_with_its_plans() -> Result<(), String> {
+    for conf in ["", "expandable_segments:True,max_split_size_mb:64"] {
+        let out = run("decode", &[("PYTORCH_CUDA_ALLOC_CONF", conf)], &["16"])?;
+        let t = text(&out);
+        assert!(out.status.success(), "{conf:?}: {t}");
+        assert!(t.contains("decode done on the fake device"), "{conf:?}: {t}");
+        assert!(
+            t.contains("eager and trees bitwise equal on all 16 steps"),
+            "{conf:?}: {t}"
+        );
+        assert!(
+            t.contains("planner: 4 recordings planned before they ran"),
+            "{conf:?}: {t}"
+        );
+    }
+    Ok(())
+}
