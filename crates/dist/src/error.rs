@@ -51,6 +51,9 @@ pub enum DistError {
     /// only once" and "Expected to have finished reduction in the prior iteration").
     #[error("reducer: {0}")]
     Reducer(String),
+    /// The rendezvous store failed.
+    #[error(transparent)]
+    Store(#[from] crate::store::StoreError),
     /// A rank this call waits for left the group (every handle of it was dropped) before
     /// joining the call: the call can never complete. NCCL would block until its timeout.
     #[error("rank {rank} left the group before joining this call")]

@@ -63,6 +63,7 @@ mod error;
 mod fake;
 mod group;
 mod reducer;
+pub mod store;
 
 pub use collective::Collective;
 pub use error::{DistError, Result};
@@ -70,3 +71,4 @@ pub use fake::{FakeGroup, FakeRank};
 pub use ferrocuda_driver::nccl::{CollectiveCall, CollectiveOp, ReduceOp};
 pub use group::{ProcessGroup, Work};
 pub use reducer::{BucketCaps, Reducer, assign_buckets, reduce_found_inf};
+pub use store::{StoreError, TcpStore, TcpStoreServer};

@@ -6,3 +6,4 @@
 mod collectives;
 mod graphs;
 mod multi_device;
+mod store;
