@@ -51,6 +51,30 @@ pub enum DistError {
     /// only once" and "Expected to have finished reduction in the prior iteration").
     #[error("reducer: {0}")]
     Reducer(String),
+    /// A torchrun variable is missing or malformed.
+    #[error("{message}")]
+    Env {
+        /// The variable.
+        var: &'static str,
+        /// What is wrong.
+        message: String,
+    },
+    /// Two processes claimed one rank.
+    #[error("rank {rank} is taken by another process of this job (RANK given twice)")]
+    DuplicateRank {
+        /// The rank.
+        rank: usize,
+    },
+    /// Ranks that did not reach the rendezvous in time.
+    #[error("ranks {missing:?} of {world_size} did not join within {}s", after.as_secs_f64())]
+    RanksMissing {
+        /// Who is missing.
+        missing: Vec<usize>,
+        /// Ranks in the job.
+        world_size: usize,
+        /// The timeout.
+        after: std::time::Duration,
+    },
     /// The rendezvous store failed.
     #[error(transparent)]
     Store(#[from] crate::store::StoreError),

@@ -343,7 +343,7 @@ fn run(ctx: &mut KernelContext<'_>, plan: &[Arrival]) -> std::result::Result<(),
 }
 
 /// Element arithmetic the fake reduces with.
-trait Num: bytemuck::Pod + PartialOrd {
+pub(crate) trait Num: bytemuck::Pod + PartialOrd {
     fn add(self, o: Self) -> Self;
     fn mul(self, o: Self) -> Self;
     fn div_by(self, n: usize) -> Self;
@@ -360,7 +360,7 @@ macro_rules! num {
 }
 num!(f32, f64, i32, i64);
 
-fn reduce<T: Num>(inputs: &[Vec<T>], op: ReduceOp) -> Vec<T> {
+pub(crate) fn reduce<T: Num>(inputs: &[Vec<T>], op: ReduceOp) -> Vec<T> {
     let mut out = inputs[0].clone();
     for input in &inputs[1..] {
         for (o, &x) in out.iter_mut().zip(input) {

@@ -63,7 +63,9 @@ mod error;
 mod fake;
 mod group;
 mod reducer;
+mod rendezvous;
 pub mod store;
+mod store_group;
 
 pub use collective::Collective;
 pub use error::{DistError, Result};
@@ -71,4 +73,6 @@ pub use fake::{FakeGroup, FakeRank};
 pub use ferrocuda_driver::nccl::{CollectiveCall, CollectiveOp, ReduceOp};
 pub use group::{ProcessGroup, Work};
 pub use reducer::{BucketCaps, Reducer, assign_buckets, reduce_found_inf};
+pub use rendezvous::{DistEnv, rendezvous};
 pub use store::{StoreError, TcpStore, TcpStoreServer};
+pub use store_group::StoreRank;

@@ -110,6 +110,12 @@ pub trait Driver: Send + Sync + std::fmt::Debug + 'static {
         None
     }
 
+    /// This driver as the CUDA driver, for libraries that call CUDA themselves on its
+    /// contexts (NCCL's communicators); `None`, the default, for the fake.
+    fn into_cuda(self: std::sync::Arc<Self>) -> Option<std::sync::Arc<CudaDriver>> {
+        None
+    }
+
     // ---- devices -------------------------------------------------------------------------
     /// Devices visible to this process. Without a driver, the reason (the runtime above
     /// reports 0 devices then, as `torch.cuda.device_count()` does).

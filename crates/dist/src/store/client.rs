@@ -151,13 +151,13 @@ impl TcpStore {
     /// have (`waitForWorkers`): "Timed out after … seconds waiting for clients. n/N clients
     /// joined." past the timeout.
     pub fn wait_for_workers(&self, world_size: usize) -> Result<(), StoreError> {
-        self.add_raw(INIT_KEY, 1)?;
+        self.count_in()?;
         if self.server.is_none() {
             return Ok(());
         }
         let start = Instant::now();
         loop {
-            let joined = self.add_raw(INIT_KEY, 0)?;
+            let joined = self.workers_joined()?;
             if joined >= world_size as i64 {
                 return Ok(());
             }
@@ -170,6 +170,18 @@ impl TcpStore {
             }
             std::thread::sleep(Duration::from_millis(10));
         }
+    }
+
+    /// Counts this store in (`init/` + 1: the first half of `waitForWorkers`, which every
+    /// PyTorch store made with a world size does); returns how many have.
+    pub fn count_in(&self) -> Result<i64, StoreError> {
+        self.add_raw(INIT_KEY, 1)
+    }
+
+    /// How many stores counted themselves in so far (`init/`, which
+    /// [`TcpStore::wait_for_workers`] counts on).
+    pub fn workers_joined(&self) -> Result<i64, StoreError> {
+        self.add_raw(INIT_KEY, 0)
     }
 
     fn prefixed(key: &str) -> Result<Vec<u8>, StoreError> {

@@ -6,4 +6,5 @@
 mod collectives;
 mod graphs;
 mod multi_device;
+mod rendezvous;
 mod store;

@@ -369,6 +369,10 @@ impl Driver for CudaDriver {
         "cuda"
     }
 
+    fn into_cuda(self: Arc<Self>) -> Option<Arc<CudaDriver>> {
+        Some(self)
+    }
+
     fn device_count(&self) -> Result<usize, DriverError> {
         Ok(self.loaded()?.devices.len())
     }
