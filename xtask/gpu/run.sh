@@ -57,6 +57,19 @@ for e in example_*; do
     echo "$e failed (or did not run on the GPU)"; failed=$((failed + 1))
   fi
 done
+# torchrun starting ferrocuda workers: one NCCL rank on the GPU, then four fake-device ranks
+# whose collectives move through the store torchrun's agent made. ONLY=torchrun runs it.
+if [ -f example_torchrun_worker ] && want torchrun; then
+  echo "=== torchrun"
+  if python3 -m torch.distributed.run --nproc_per_node=1 --no-python ./example_torchrun_worker 2>&1 | tee "$OUT/torchrun_gpu.log" \
+    && grep -q 'on the GPU' "$OUT/torchrun_gpu.log" \
+    && FERROCUDA_BACKEND=fake python3 -m torch.distributed.run --nproc_per_node=4 --no-python ./example_torchrun_worker 2>&1 | tee "$OUT/torchrun_fake.log" \
+    && [ "$(grep -c 'all_reduce ok (10)' "$OUT/torchrun_fake.log")" = 4 ]; then
+    passed=$((passed + 1))
+  else
+    echo "torchrun failed"; failed=$((failed + 1))
+  fi
+fi
 for b in bench_* ${MULTI_GPU:+multibench_*}; do
   want "$b" || continue
   echo "=== $b"

@@ -70,7 +70,7 @@ const GPU_BENCHES: &[&str] = &[
 /// `MULTI_GPU=1` (on fewer than two GPUs they fail, never skip).
 const GPU_BENCHES_MULTI: &[&str] = &["multi_gpu"];
 /// Examples that go into the GPU bundle (each must succeed and say it ran on the GPU).
-const GPU_EXAMPLES: &[&str] = &["tour", "snapshot", "decode"];
+const GPU_EXAMPLES: &[&str] = &["tour", "snapshot", "decode", "torchrun_worker"];
 /// The PyTorch allocator library (crates/torch-plugin) and the scripts `run.sh` runs it with
 /// against real PyTorch.
 const TORCH_PLUGIN: &str = "ferrocuda-torch";

@@ -27,9 +27,15 @@ pub struct StoreRank {
     device: DeviceIndex,
     /// Keys of this group begin with it.
     prefix: String,
-    /// Collectives called so far (every rank calls them in one order), and sends so far
-    /// per (sender, receiver).
-    calls: Mutex<(u64, HashMap<(usize, usize), u64>)>,
+    calls: Mutex<Calls>,
+}
+
+/// Collectives called so far (every rank calls them in one order), and sends so far per
+/// (sender, receiver).
+#[derive(Default)]
+struct Calls {
+    collectives: u64,
+    sends: HashMap<(usize, usize), u64>,
 }
 
 impl std::fmt::Debug for StoreRank {
@@ -81,7 +87,7 @@ impl StoreRank {
             size,
             device,
             prefix: prefix.to_string(),
-            calls: Mutex::new((0, HashMap::new())),
+            calls: Mutex::new(Calls::default()),
         })
     }
 
@@ -219,7 +225,7 @@ impl Collective for StoreRank {
                 };
                 let seq = {
                     let mut calls = self.calls.lock();
-                    let seq = calls.1.entry(pair).or_insert(0);
+                    let seq = calls.sends.entry(pair).or_insert(0);
                     *seq += 1;
                     *seq
                 };
@@ -239,8 +245,8 @@ impl Collective for StoreRank {
         }
         let seq = {
             let mut calls = self.calls.lock();
-            calls.0 += 1;
-            calls.0
+            calls.collectives += 1;
+            calls.collectives
         };
         let key = format!("{}/coll/{seq}", self.prefix);
         let in_elems = match call.op {

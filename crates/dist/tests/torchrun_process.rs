@@ -14,6 +14,9 @@ use std::process::{Command, ExitCode, Output};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+/// A scenario the parent runs.
+type Scenario = fn() -> Result<(), String>;
+
 /// Set in a worker: what it should do and what outcome it expects.
 const ROLE: &str = "FERROCUDA_TEST_WORKER";
 
@@ -27,7 +30,7 @@ fn main() -> ExitCode {
             }
         };
     }
-    let scenarios: [(&str, fn() -> Result<(), String>); 5] = [
+    let scenarios: [(&str, Scenario); 5] = [
         (
             "four ranks meet at rank 0's store and agree on every collective",
             four_ranks,

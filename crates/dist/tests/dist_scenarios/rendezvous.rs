@@ -55,7 +55,11 @@ fn torchruns_variables_make_the_env() -> Result<(), DistError> {
 #[test]
 fn missing_and_malformed_variables_are_named() {
     let without = |var: &str| -> Vec<(&str, &str)> {
-        TORCHRUN.iter().copied().filter(|(k, _)| *k != var).collect()
+        TORCHRUN
+            .iter()
+            .copied()
+            .filter(|(k, _)| *k != var)
+            .collect()
     };
     let with = |var: &'static str, value: &'static str| -> Vec<(&'static str, &'static str)> {
         let mut v = without(var);
@@ -92,10 +96,16 @@ fn missing_and_malformed_variables_are_named() {
     );
     assert!(matches!(
         env(&with("WORLD_SIZE", "0")),
-        Err(DistError::Env { var: "WORLD_SIZE", .. })
+        Err(DistError::Env {
+            var: "WORLD_SIZE",
+            ..
+        })
     ));
     assert!(matches!(
         env(&with("LOCAL_RANK", "4")),
-        Err(DistError::Env { var: "LOCAL_RANK", .. })
+        Err(DistError::Env {
+            var: "LOCAL_RANK",
+            ..
+        })
     ));
 }

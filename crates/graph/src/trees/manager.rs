@@ -89,7 +89,7 @@ pub(crate) struct FunctionInfo {
     /// copies).
     pub(crate) padded: bool,
     /// What its last warm-up asked of the pool: what a plan of its recording replays.
-    pub(crate) warmed: Option<super::plan::WarmedUp>,
+    pub(crate) warmed: Option<super::warmed::WarmedUp>,
 }
 
 #[derive(Debug)]

@@ -77,6 +77,7 @@ mod path;
 mod plan;
 mod run;
 mod tensor;
+mod warmed;
 mod wrapped;
 
 pub use config::{
