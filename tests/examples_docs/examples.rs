@@ -92,7 +92,10 @@ fn decode_agrees_with_eager_and_with_its_plans() -> Result<(), String> {
         let out = run("decode", &[("PYTORCH_CUDA_ALLOC_CONF", conf)], &["16"])?;
         let t = text(&out);
         assert!(out.status.success(), "{conf:?}: {t}");
-        assert!(t.contains("decode done on the fake device"), "{conf:?}: {t}");
+        assert!(
+            t.contains("decode done on the fake device"),
+            "{conf:?}: {t}"
+        );
         assert!(
             t.contains("eager and trees bitwise equal on all 16 steps"),
             "{conf:?}: {t}"
@@ -100,6 +103,49 @@ fn decode_agrees_with_eager_and_with_its_plans() -> Result<(), String> {
         assert!(
             t.contains("planner: 4 recordings planned before they ran"),
             "{conf:?}: {t}"
+        );
+    }
+    Ok(())
+}
+
+/// The torchrun worker alone (a job of one rank) and as three ranks with torchrun's
+/// variables set by hand, on the fake device: every rank's all-reduce gives the sum.
+#[test]
+fn torchrun_worker_runs_alone_and_as_three_ranks() -> Result<(), String> {
+    let out = run("torchrun_worker", &[], &[])?;
+    let t = text(&out);
+    assert!(out.status.success(), "{t}");
+    assert!(t.contains("rank 0 of 1 on the fake device"), "{t}");
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map_err(|e| e.to_string())?
+        .port()
+        .to_string();
+    let ranks: Vec<std::thread::JoinHandle<Result<Output, String>>> = (0..3)
+        .map(|r| {
+            let port = port.clone();
+            std::thread::spawn(move || {
+                let r = r.to_string();
+                let vars = [
+                    ("RANK", r.as_str()),
+                    ("LOCAL_RANK", r.as_str()),
+                    ("WORLD_SIZE", "3"),
+                    ("LOCAL_WORLD_SIZE", "3"),
+                    ("MASTER_ADDR", "127.0.0.1"),
+                    ("MASTER_PORT", port.as_str()),
+                ];
+                run("torchrun_worker", &vars, &[])
+            })
+        })
+        .collect();
+    for (r, h) in ranks.into_iter().enumerate() {
+        let out = h.join().map_err(|_| "a rank's thread panicked")??;
+        let t = text(&out);
+        assert!(out.status.success(), "rank {r}: {t}");
+        assert!(
+            t.contains(&format!("rank {r} of 3 on the fake device"))
+                && t.contains("all_reduce ok (6)"),
+            "rank {r}: {t}"
         );
     }
     Ok(())
