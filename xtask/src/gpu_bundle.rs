@@ -25,6 +25,7 @@ const GPU_TESTS: &[&str] = &[
     "async_process",
     "async_conformance",
     "dist_gpu",
+    "dist_failfast_gpu",
     "store_torch",
     "peer_gpu",
     "blas_conformance",

@@ -17,6 +17,16 @@ pub trait Collective: Send + Sync + std::fmt::Debug {
     fn device(&self) -> DeviceIndex;
     /// Enqueues this rank's part of `call` on `stream` (every collective: [`CollectiveOp`]).
     fn collective(&self, call: &CollectiveCall, stream: StreamHandle) -> Result<()>;
+    /// Aborts the communicator (the watchdog does, on a timeout or an asynchronous error),
+    /// from any thread, while a call is in progress too. Nothing to abort by default.
+    fn abort(&self) -> Result<()> {
+        Ok(())
+    }
+    /// An error the backend reports outside any call (NCCL's asynchronous error). None by
+    /// default.
+    fn async_error(&self) -> Result<()> {
+        Ok(())
+    }
 }
 
 impl Collective for NcclComm {
@@ -31,6 +41,12 @@ impl Collective for NcclComm {
     }
     fn collective(&self, call: &CollectiveCall, stream: StreamHandle) -> Result<()> {
         Ok(NcclComm::collective(self, call, stream)?)
+    }
+    fn abort(&self) -> Result<()> {
+        Ok(NcclComm::abort(self)?)
+    }
+    fn async_error(&self) -> Result<()> {
+        Ok(NcclComm::async_error(self)?)
     }
 }
 

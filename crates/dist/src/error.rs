@@ -75,6 +75,33 @@ pub enum DistError {
         /// The timeout.
         after: std::time::Duration,
     },
+    /// The group failed: its watchdog found a collective past the timeout or an
+    /// asynchronous error and aborted the communicator, or [`ProcessGroup::abort`] was
+    /// called. Every later call on the group is this error.
+    ///
+    /// [`ProcessGroup::abort`]: crate::ProcessGroup::abort
+    #[error("the process group was aborted: {reason}")]
+    Aborted {
+        /// Why.
+        reason: String,
+    },
+    /// A collective ran past the group's timeout (PyTorch's watchdog message); the
+    /// communicator was aborted.
+    #[error(
+        "Watchdog caught collective operation timeout: Work(SeqNum={seq}, OpType={what}, Timeout(ms)={}) ran for {} milliseconds before timing out.",
+        timeout.as_millis(),
+        after.as_millis()
+    )]
+    CollectiveTimeout {
+        /// The collective's number in the group, from 1.
+        seq: u64,
+        /// Which collective.
+        what: String,
+        /// How long it had run.
+        after: std::time::Duration,
+        /// The group's timeout.
+        timeout: std::time::Duration,
+    },
     /// The rendezvous store failed.
     #[error(transparent)]
     Store(#[from] crate::store::StoreError),

@@ -6,26 +6,54 @@
 //! it ends), and the returned [`Work`] holds an event whose `wait` makes the current stream
 //! wait for the collective: no host synchronisation anywhere.
 use crate::collective::check_ranks;
+use crate::watchdog::{Health, InFlight, Watchdog};
 use crate::{Collective, DistError, Result};
 use ferrocuda_driver::nccl::{CollectiveCall, CollectiveOp, ReduceOp};
 use ferrocuda_stream::{DeviceBuffer, Event, Runtime, Stream};
-use ferrocuda_types::{DeviceIndex, DevicePtr, Element};
+use ferrocuda_types::{CaptureStatus, DeviceIndex, DevicePtr, Element};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
 
-/// One rank's process group: a collectives backend and a communication stream.
-#[derive(Debug)]
+/// One rank's process group: a collectives backend and a communication stream; with
+/// [`ProcessGroup::with_timeout`], a watchdog.
 pub struct ProcessGroup {
     runtime: Arc<Runtime>,
-    comm: Box<dyn Collective>,
+    comm: Arc<dyn Collective>,
     stream: Stream,
+    health: Arc<Health>,
+    /// Collectives issued (the watchdog's sequence numbers).
+    issued: AtomicU64,
+    // Declared last: dropped (stopped) after nothing else needs it.
+    watchdog: Option<Watchdog>,
+}
+
+impl std::fmt::Debug for ProcessGroup {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ProcessGroup")
+            .field("comm", &self.comm)
+            .field("stream", &self.stream)
+            .field("watchdog", &self.watchdog)
+            .finish_non_exhaustive()
+    }
 }
 
 /// A collective in flight (`c10d::Work`).
-#[derive(Debug)]
 pub struct Work {
     runtime: Arc<Runtime>,
     device: DeviceIndex,
     done: Event,
+    /// The group's health, when a watchdog watches it.
+    health: Option<Arc<Health>>,
+}
+
+impl std::fmt::Debug for Work {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Work")
+            .field("device", &self.device)
+            .field("done", &self.done)
+            .finish_non_exhaustive()
+    }
 }
 
 impl Work {
@@ -42,9 +70,21 @@ impl Work {
     }
 
     /// Blocks the host until the collective has completed (`work.synchronize()` and a host
-    /// wait).
+    /// wait). Under a watchdog, a collective that never completes ends the wait with the
+    /// group's failure ([`DistError::CollectiveTimeout`], [`DistError::Aborted`]) instead.
     pub fn synchronize(&self) -> Result<()> {
-        Ok(self.done.synchronize()?)
+        let Some(health) = &self.health else {
+            return Ok(self.done.synchronize()?);
+        };
+        loop {
+            if self.done.query()? {
+                return Ok(());
+            }
+            if let Some(e) = health.failed() {
+                return Err(e);
+            }
+            std::thread::sleep(Duration::from_micros(100));
+        }
     }
 }
 
@@ -55,9 +95,44 @@ impl ProcessGroup {
         let stream = runtime.stream_from_pool(comm.device(), false)?;
         Ok(ProcessGroup {
             runtime,
-            comm,
+            comm: Arc::from(comm),
             stream,
+            health: Arc::default(),
+            issued: AtomicU64::new(0),
+            watchdog: None,
         })
+    }
+
+    /// Watches this group (PyTorch's watchdog with `TORCH_NCCL_ASYNC_ERROR_HANDLING`): a
+    /// collective still running `timeout` after it was issued, or an asynchronous error of
+    /// the backend, aborts the communicator and fails the group. From then on every call
+    /// is [`DistError::Aborted`] (the first failure in the reason), and
+    /// [`Work::synchronize`] returns the failure instead of waiting for ever. Replaces an
+    /// earlier watchdog of this group.
+    pub fn with_timeout(mut self, timeout: Duration) -> Result<ProcessGroup> {
+        self.watchdog = None;
+        self.watchdog = Some(Watchdog::start(
+            self.runtime.driver().clone(),
+            self.comm.clone(),
+            self.health.clone(),
+            timeout,
+        )?);
+        Ok(self)
+    }
+
+    /// Aborts the group's communicator (`ProcessGroupNCCL::abort`): work in flight stops,
+    /// every later call is [`DistError::Aborted`].
+    pub fn abort(&self) -> Result<()> {
+        let aborted = self.comm.abort();
+        self.health.fail(DistError::Aborted {
+            reason: "abort() was called".into(),
+        });
+        aborted
+    }
+
+    /// Why the group failed, if it did.
+    pub fn error(&self) -> Option<DistError> {
+        self.health.failed()
     }
 
     /// This rank.
@@ -101,6 +176,9 @@ impl ProcessGroup {
         count: usize,
     ) -> Result<Work> {
         check_ranks(op, self.rank(), self.size())?;
+        if let Some(e) = self.health.failed() {
+            return Err(aborted(e));
+        }
         for b in buffers {
             self.check(b)?;
         }
@@ -118,10 +196,27 @@ impl ProcessGroup {
         for b in buffers {
             b.record_stream(&self.stream)?;
         }
+        let seq = self.issued.fetch_add(1, Ordering::Relaxed) + 1;
+        // Work captured into a graph is not watched (PyTorch's watchdog skips it too): its
+        // event is recorded in the capture, and a query of it would be illegal.
+        let capturing = self
+            .runtime
+            .driver()
+            .stream_capture_status(self.stream.handle())?
+            != CaptureStatus::None;
+        if self.watchdog.is_some() && !capturing {
+            self.health.watch(InFlight {
+                seq,
+                what: op.name().to_string(),
+                started: Instant::now(),
+                done: self.stream.record_event(None)?,
+            });
+        }
         Ok(Work {
             runtime: self.runtime.clone(),
             device: self.device(),
             done: self.stream.record_event(None)?,
+            health: (self.watchdog.is_some() && !capturing).then(|| self.health.clone()),
         })
     }
 
@@ -193,5 +288,15 @@ impl ProcessGroup {
             });
         }
         Ok(())
+    }
+}
+
+/// The error of a call on a failed group.
+fn aborted(e: DistError) -> DistError {
+    match e {
+        DistError::Aborted { .. } => e,
+        other => DistError::Aborted {
+            reason: other.to_string(),
+        },
     }
 }

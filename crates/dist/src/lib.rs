@@ -66,6 +66,7 @@ mod reducer;
 mod rendezvous;
 pub mod store;
 mod store_group;
+mod watchdog;
 
 pub use collective::Collective;
 pub use error::{DistError, Result};

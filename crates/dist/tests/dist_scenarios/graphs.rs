@@ -59,3 +59,39 @@ fn a_captured_all_reduce_replays_and_a_watchdog_thread_does_not_break_the_captur
     }
     Ok(())
 }
+
+/// A group with a watchdog (`with_timeout`) captures an all-reduce in global mode: the
+/// captured collective is not watched (its event belongs to the capture; querying it would
+/// invalidate a global capture), so nothing times out while the graph is not replayed, and
+/// every replay runs it.
+#[test]
+fn a_watched_group_captures_without_its_watchdog_touching_the_capture() -> TestResult {
+    let fake = Arc::new(FakeDriver::builder().build());
+    let rt = Runtime::with_kernel_cache(fake.clone(), KernelCache::at(None));
+    let allocators = DeviceAllocators::new(fake.clone(), AllocatorConfig::default(), Caching::On);
+    allocators.install(&rt);
+    let rank = FakeGroup::ranks(fake.clone(), &[D0])?
+        .pop()
+        .ok_or("no rank")?;
+    let pg = ProcessGroup::new(rt.clone(), Box::new(rank.clone()))?
+        .with_timeout(std::time::Duration::from_millis(20))?;
+    let b = DeviceBuffer::filled(&rt, D0, 16, 1.0f32)?;
+    pg.all_reduce(&b, ReduceOp::Sum)?.synchronize()?;
+    let graph = CudaGraph::new(rt.clone(), allocators.clone(), D0)?;
+    {
+        let capture = graph.capture(None, None, CaptureMode::Global)?;
+        pg.all_reduce(&b, ReduceOp::Sum)?.wait()?;
+        // Several watchdog periods pass while the capture is under way.
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        capture.end()?;
+    }
+    std::thread::sleep(std::time::Duration::from_millis(100));
+    assert_eq!(pg.error(), None, "the captured collective was not watched");
+    let stream = rt.current_stream(D0)?;
+    graph.replay(&stream)?;
+    stream.synchronize()?;
+    assert_eq!(rank.completed(), 2, "the warm-up and one replay");
+    pg.all_reduce(&b, ReduceOp::Sum)?.synchronize()?;
+    assert_eq!(pg.error(), None);
+    Ok(())
+}

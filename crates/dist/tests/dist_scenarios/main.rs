@@ -8,3 +8,4 @@ mod graphs;
 mod multi_device;
 mod rendezvous;
 mod store;
+mod watchdog;

@@ -20,7 +20,11 @@ use cudarc::nccl::sys;
 use ferrocuda_types::{DType, DeviceIndex, DevicePtr, StreamHandle};
 use parking_lot::Mutex;
 use std::ffi::c_void;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+mod fail_fast;
 
 /// What can go wrong with NCCL.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -54,6 +58,18 @@ pub enum NcclError {
     /// A count, rank or size out of range.
     #[error("invalid argument: {0}")]
     InvalidArgument(&'static str),
+    /// The communicator was aborted ([`NcclComm::abort`]): no call runs on it any more.
+    #[error("the NCCL communicator was aborted")]
+    Aborted,
+    /// A non-blocking communicator's operation (its creation, or a call NCCL took in
+    /// progress) did not finish within its timeout; the communicator was aborted.
+    #[error("NCCL {what} did not finish within {}ms; the communicator was aborted", after.as_millis())]
+    Timeout {
+        /// The operation.
+        what: &'static str,
+        /// The timeout.
+        after: std::time::Duration,
+    },
 }
 
 /// The functions used here: all must be present before the first call.
@@ -63,6 +79,9 @@ const SYMBOLS: &[&str] = &[
     "ncclCommInitRank",
     "ncclCommInitAll",
     "ncclCommDestroy",
+    "ncclCommInitRankConfig",
+    "ncclCommAbort",
+    "ncclCommGetAsyncError",
     "ncclGroupStart",
     "ncclGroupEnd",
     "ncclAllReduce",
@@ -195,6 +214,19 @@ pub enum CollectiveOp {
 }
 
 impl CollectiveOp {
+    /// PyTorch's `OpType` name of the call (`ALLREDUCE`, `BROADCAST`, …), as its watchdog
+    /// names a collective.
+    pub fn name(self) -> &'static str {
+        match self {
+            CollectiveOp::AllReduce(_) => "ALLREDUCE",
+            CollectiveOp::Broadcast { .. } => "BROADCAST",
+            CollectiveOp::ReduceScatter(_) => "REDUCE_SCATTER",
+            CollectiveOp::AllGather => "ALLGATHER",
+            CollectiveOp::Send { .. } => "SEND",
+            CollectiveOp::Recv { .. } => "RECV",
+        }
+    }
+
     /// The rank this call names, if it is out of range for rank `rank` of a group of `size`:
     /// a broadcast's root must be a rank, a peer another rank than the caller.
     pub fn bad_rank(self, rank: usize, size: usize) -> Option<usize> {
@@ -255,6 +287,13 @@ pub struct NcclComm {
     /// The `ncclComm_t`, as an address (raw pointers are not `Sync`); the lock serialises
     /// calls, which NCCL requires per communicator.
     comm: Mutex<usize>,
+    /// The same address, for what must not wait for a call in progress: `ncclCommAbort`
+    /// and `ncclCommGetAsyncError` (NCCL allows both from another thread).
+    raw: AtomicUsize,
+    aborted: AtomicBool,
+    /// Made non-blocking: calls may come back in progress, and are then waited for up to
+    /// this long.
+    nonblocking: Option<Duration>,
     device: DeviceIndex,
     rank: usize,
     size: usize,
@@ -333,6 +372,9 @@ impl NcclComm {
         NcclComm {
             driver: driver.clone(),
             comm: Mutex::new(comm as usize),
+            raw: AtomicUsize::new(comm as usize),
+            aborted: AtomicBool::new(false),
+            nonblocking: None,
             device,
             rank,
             size,
@@ -368,7 +410,16 @@ impl NcclComm {
         }
         let s = self.driver.stream(stream)? as sys::cudaStream_t;
         let comm = self.comm.lock();
-        check(f(*comm as sys::ncclComm_t, s))
+        if self.aborted.load(Ordering::Acquire) {
+            return Err(NcclError::Aborted);
+        }
+        match (f(*comm as sys::ncclComm_t, s), self.nonblocking) {
+            (sys::ncclResult_t::ncclInProgress, Some(timeout)) => {
+                drop(comm);
+                self.wait_ready("call", timeout)
+            }
+            (r, _) => check(r),
+        }
     }
 
     /// Enqueues this rank's part of `call` on `stream` (`ncclAllReduce`, in place when the
@@ -415,6 +466,10 @@ impl NcclComm {
 
 impl Drop for NcclComm {
     fn drop(&mut self) {
+        if self.aborted.load(Ordering::Acquire) {
+            // `ncclCommAbort` freed it.
+            return;
+        }
         // SAFETY: the communicator was created by NCCL and is destroyed once, here.
         // Nothing to report a failure to.
         let _ = unsafe { sys::ncclCommDestroy(*self.comm.get_mut() as sys::ncclComm_t) };
