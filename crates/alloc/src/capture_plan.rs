@@ -291,7 +291,7 @@ pub struct PoolPlan {
     pub reserved_after: Vec<u64>,
     /// The most bytes allocated from the pool at once.
     pub peak_allocated_bytes: u64,
-    /// Each segment's bytes, in the order they were taken.
+    /// Each segment's bytes, in the order they were taken (the starting segments first).
     pub segments: Vec<u64>,
 }
 
@@ -428,7 +428,9 @@ fn check_layout(start: &[SegmentCheckpoint]) -> Result<(), PlanError> {
 impl CachingAllocator {
     /// `pool`'s segments now, in address order, each with its blocks (live or free; a
     /// block freed but waiting for other streams' events shows free, as it will be): the
-    /// start of [`plan_pool_from`]. Empty for a pool that does not exist or holds nothing.
+    /// start of [`plan_pool_from`] for a private pool. Empty for a pool that does not exist
+    /// or holds nothing. (The default pool under expandable segments lists only mapped
+    /// pages: its segments have gaps, and a plan refuses them as a layout.)
     pub fn pool_layout(&self, pool: PoolId) -> Vec<SegmentCheckpoint> {
         let mut blocks = self.pool_blocks(pool);
         blocks.retain(|b| b.mapped);

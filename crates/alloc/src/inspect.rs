@@ -248,16 +248,14 @@ impl CachingAllocator {
         self.pool_segments(pool).iter().sum()
     }
 
-    /// Each of `pool`'s segments' mapped bytes, in the order of their first blocks.
+    /// Each of `pool`'s segments' mapped bytes, by address (in a plan, whose device hands
+    /// out ascending addresses and which frees no segment, the order they were taken).
     pub(crate) fn pool_segments(&self, pool: PoolId) -> Vec<u64> {
-        let mut segments: Vec<(u64, u64)> = Vec::new();
+        let mut segments: std::collections::BTreeMap<u64, u64> = Default::default();
         for b in self.pool_blocks(pool).iter().filter(|b| b.mapped) {
-            match segments.iter_mut().find(|(s, _)| *s == b.segment.0) {
-                Some((_, bytes)) => *bytes += b.size,
-                None => segments.push((b.segment.0, b.size)),
-            }
+            *segments.entry(b.segment.0).or_default() += b.size;
         }
-        segments.into_iter().map(|(_, bytes)| bytes).collect()
+        segments.into_values().collect()
     }
 
     /// The blocks of `pool`, by segment.

@@ -90,6 +90,8 @@ pub(crate) struct FunctionInfo {
     pub(crate) padded: bool,
     /// What its last warm-up asked of the pool: what a plan of its recording replays.
     pub(crate) warmed: Option<super::warmed::WarmedUp>,
+    /// Evicted by a shape cap: no call has its id any more.
+    pub(crate) evicted: bool,
 }
 
 #[derive(Debug)]
@@ -239,6 +241,7 @@ impl Trees {
             warned_path: false,
             padded: options.buckets.is_some(),
             warmed: None,
+            evicted: false,
         });
         FunctionId(st.functions.len() as u32 - 1)
     }

@@ -152,6 +152,9 @@ impl Trees {
             }
             st.rerecords.retain(|(n, _), _| *n != Some(node.id));
         }
+        if let Some(info) = st.functions.get_mut(fid.0 as usize) {
+            info.evicted = true;
+        }
         st.stats.evictions += 1;
         st.events.push(TreeEvent::Evicted {
             function: fid.0,

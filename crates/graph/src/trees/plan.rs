@@ -34,7 +34,8 @@ impl Trees {
     /// library that allocates a workspace once) is planned from its warm-up's.
     ///
     /// Errors: [`TreeError::NotWarmedUp`]; [`TreeError::Config`] for an id that is not
-    /// this tree's; the plan's ([`GraphError::Plan`]).
+    /// this tree's, or that a shape cap evicted (its signature's next call warms up under a
+    /// new id); the plan's ([`GraphError::Plan`]).
     pub fn plan(&self, functions: &[FunctionId]) -> Result<PoolPlan, TreeError> {
         let allocator = self.allocator()?;
         let st = self.state.lock();
@@ -47,6 +48,12 @@ impl Trees {
         for &fid in functions {
             let info = (st.functions.get(fid.0 as usize))
                 .ok_or_else(|| TreeError::Config(format!("no function {} in this tree", fid.0)))?;
+            if info.evicted {
+                return Err(TreeError::Config(format!(
+                    "function {} was evicted: its signature warms up again under a new id",
+                    fid.0
+                )));
+            }
             if info.skip.is_some() || !recorded.insert(fid) {
                 captures.push(CaptureRequests::new());
                 continue;

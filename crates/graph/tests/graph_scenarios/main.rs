@@ -8,3 +8,4 @@ mod fake_device;
 mod guards;
 mod lazy_adv;
 mod library_kernels;
+mod trees_plan_adv;
