@@ -72,8 +72,13 @@ fn work() -> Result<(), Box<dyn std::error::Error>> {
     } else {
         "the fake device, collectives through the store".into()
     };
+    let store = if env.agent_store {
+        "torchrun's agent store"
+    } else {
+        "rank 0's store"
+    };
     println!(
-        "rank {rank} of {size} on {place}: all_reduce ok ({want}), store at {}:{}",
+        "rank {rank} of {size} on {place}: all_reduce ok ({want}), {store} at {}:{}",
         env.master_addr, env.master_port
     );
     Ok(())
