@@ -123,11 +123,10 @@ impl ProcessGroup {
     /// Aborts the group's communicator (`ProcessGroupNCCL::abort`): work in flight stops,
     /// every later call is [`DistError::Aborted`].
     pub fn abort(&self) -> Result<()> {
-        let aborted = self.comm.abort();
         self.health.fail(DistError::Aborted {
             reason: "abort() was called".into(),
         });
-        aborted
+        self.comm.abort()
     }
 
     /// Why the group failed, if it did.

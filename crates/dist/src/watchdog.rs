@@ -95,11 +95,13 @@ impl Watchdog {
 
 /// One look: the asynchronous error, then each collective in flight.
 fn look(comm: &dyn Collective, health: &Health, timeout: Duration) {
+    // The group fails before the communicator is aborted: `ncclCommAbort` may wait for the
+    // stream's work, and waiters must not wait with it.
     if let Err(e) = comm.async_error() {
-        let _ = comm.abort();
         health.fail(DistError::Aborted {
             reason: format!("the communicator reported an asynchronous error: {e}"),
         });
+        let _ = comm.abort();
         return;
     }
     let late = {
@@ -117,8 +119,8 @@ fn look(comm: &dyn Collective, health: &Health, timeout: Duration) {
             })
     };
     if let Some(e) = late {
-        let _ = comm.abort();
         health.fail(e);
+        let _ = comm.abort();
     }
 }
 

@@ -96,20 +96,35 @@ fn gpu_a_stuck_collective_is_caught_by_the_watchdog() -> TestResult {
         .with_timeout(Duration::from_millis(300))?;
     let b = DeviceBuffer::from_slice(&g.rt, D0, &[1.0f32; 1024])?;
     pg.all_reduce(&b, ReduceOp::Sum)?.synchronize()?;
-    // The current stream spins for about three seconds; the collective waits behind it.
-    let spin = Module::from_cuda_source(&g.rt, D0, "spin", SPIN)?.function("spin")?;
-    let clock_hz = 2.0e9;
-    let cycles = (3.0 * clock_hz) as i64;
+    // The current stream spins for three seconds or more (the kernel's clock rate measured
+    // first); the collective waits behind it.
+    let spin = Module::from_cuda_source(&g.rt, D0, "failfast_spin", SPIN)?.function("spin")?;
     let current = g.rt.current_stream(D0)?;
-    current.launch(
-        &spin,
-        &LaunchConfig::for_elements(1, 1),
-        &[KernelArg::value(&cycles)],
-    )?;
+    let one = LaunchConfig::for_elements(1, 1);
+    let probe: i64 = 200_000_000;
+    let t = Instant::now();
+    current.launch(&spin, &one, &[KernelArg::value(&probe)])?;
+    current.synchronize()?;
+    let hz = probe as f64 / t.elapsed().as_secs_f64();
+    println!(
+        "spin kernel: {probe} cycles in {:?} ({:.2} GHz)",
+        t.elapsed(),
+        hz / 1e9
+    );
+    let cycles = (3.0 * hz) as i64;
+    current.launch(&spin, &one, &[KernelArg::value(&cycles)])?;
     let t0 = Instant::now();
     let work = pg.all_reduce(&b, ReduceOp::Sum)?;
-    let e = work.synchronize().unwrap_err();
+    let enqueued = t0.elapsed();
+    let waited = work.synchronize();
     let caught = t0.elapsed();
+    println!(
+        "enqueued in {enqueued:?}, the wait ended after {caught:?}: {waited:?}, group: {:?}",
+        pg.error()
+    );
+    let e = waited
+        .err()
+        .ok_or("the stuck collective completed: the watchdog did not fire")?;
     assert!(
         matches!(e, DistError::CollectiveTimeout { seq: 2, .. }),
         "{e:?}"
