@@ -3,7 +3,7 @@
 //! [`FakeGroup`](crate::FakeGroup) on the fake device.
 use crate::{DistError, Result};
 use ferrocuda_driver::nccl::{CollectiveCall, CollectiveOp, NcclComm};
-use ferrocuda_types::{DeviceIndex, StreamHandle};
+use ferrocuda_types::{DType, DeviceIndex, StreamHandle};
 
 /// One rank's collectives, enqueued on a stream of its device. Buffers are device addresses
 /// the caller keeps alive until the stream has run the call (the process group does that
@@ -57,4 +57,26 @@ pub(crate) fn check_ranks(op: CollectiveOp, rank: usize, size: usize) -> Result<
         Some(rank) => Err(DistError::InvalidRank { rank, size }),
         None => Ok(()),
     }
+}
+
+/// The checks of a backend that moves data on the host (the fake group, the store group):
+/// the stream on the rank's device, and an element type it reduces (f32, f64, i32, i64).
+pub(crate) fn check_host_call(
+    device: DeviceIndex,
+    call: &CollectiveCall,
+    stream: StreamHandle,
+) -> Result<()> {
+    if stream.device != device {
+        return Err(DistError::DeviceMismatch {
+            expected: device,
+            found: stream.device,
+        });
+    }
+    if !matches!(
+        call.dtype,
+        DType::F32 | DType::F64 | DType::I32 | DType::I64
+    ) {
+        return Err(DistError::UnsupportedType(call.dtype));
+    }
+    Ok(())
 }

@@ -8,7 +8,7 @@
 //! completion alike, and without a host synchronisation. A call captured into a graph (the
 //! group stream joins the capture through its waits) runs again at every replay. Send and
 //! receive meet in pairs (a sender and its receiver) the same way.
-use crate::collective::check_ranks;
+use crate::collective::{check_host_call, check_ranks};
 use crate::{Collective, DistError, Result};
 use ferrocuda_driver::nccl::{CollectiveCall, CollectiveOp, ReduceOp};
 use ferrocuda_driver::{Driver, FakeDriver, KernelContext};
@@ -208,18 +208,7 @@ impl FakeRank {
     fn call(&self, kind: Kind, call: &CollectiveCall, stream: StreamHandle) -> Result<()> {
         let sh = &self.group.shared;
         let d = &sh.driver;
-        if stream.device != self.device {
-            return Err(DistError::DeviceMismatch {
-                expected: self.device,
-                found: stream.device,
-            });
-        }
-        if !matches!(
-            call.dtype,
-            DType::F32 | DType::F64 | DType::I32 | DType::I64
-        ) {
-            return Err(DistError::UnsupportedType(call.dtype));
-        }
+        check_host_call(self.device, call, stream)?;
         let ready = d.event_create(self.device, EventFlags::default())?;
         sh.events.lock().push(ready);
         d.event_record(ready, stream)?;

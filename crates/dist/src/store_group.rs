@@ -7,7 +7,7 @@
 //! computes the result as NCCL defines it, and writes it on the stream. A call captured
 //! into a graph is refused (the host cannot wait inside a capture). Slow by design: a
 //! correctness backend, not a transport.
-use crate::collective::check_ranks;
+use crate::collective::{check_host_call, check_ranks};
 use crate::fake::{Num, reduce};
 use crate::store::TcpStore;
 use crate::{Collective, DistError, Result};
@@ -195,18 +195,7 @@ impl Collective for StoreRank {
 
     fn collective(&self, call: &CollectiveCall, stream: StreamHandle) -> Result<()> {
         check_ranks(call.op, self.rank, self.size)?;
-        if stream.device != self.device {
-            return Err(DistError::DeviceMismatch {
-                expected: self.device,
-                found: stream.device,
-            });
-        }
-        if !matches!(
-            call.dtype,
-            DType::F32 | DType::F64 | DType::I32 | DType::I64
-        ) {
-            return Err(DistError::UnsupportedType(call.dtype));
-        }
+        check_host_call(self.device, call, stream)?;
         if self.driver.stream_capture_status(stream)? != CaptureStatus::None {
             return Err(DistError::Mismatched(
                 "a store group's collective cannot be captured into a graph".into(),

@@ -6,7 +6,7 @@
 //! which aborts the communicator and fails the group.
 #![forbid(unsafe_code)]
 mod common;
-use common::{TestResult, gpus};
+use common::{Gpus, TestResult, gpus};
 use ferrocuda_dist::{DistError, ProcessGroup, ReduceOp};
 use ferrocuda_driver::nccl::{NcclComm, NcclError, UniqueId};
 use ferrocuda_stream::{DeviceBuffer, Module};
@@ -15,10 +15,12 @@ use std::time::{Duration, Instant};
 
 const D0: DeviceIndex = DeviceIndex(0);
 
-#[test]
-#[ignore = "needs a GPU and libnccl: runs in the GPU bundle (cargo xtask gpu-bundle)"]
-fn gpu_a_nonblocking_communicator_runs_collectives_then_aborts() -> TestResult {
-    let g = gpus(1, "")?;
+/// A one-rank non-blocking communicator (its asynchronous error checked) in a group whose
+/// watchdog has `timeout`.
+fn watched_one_rank(
+    g: &Gpus,
+    timeout: Duration,
+) -> Result<ProcessGroup, Box<dyn std::error::Error>> {
     let comm = NcclComm::init_rank_nonblocking(
         &g.driver,
         D0,
@@ -28,8 +30,14 @@ fn gpu_a_nonblocking_communicator_runs_collectives_then_aborts() -> TestResult {
         Duration::from_secs(30),
     )?;
     comm.async_error()?;
-    let pg =
-        ProcessGroup::new(g.rt.clone(), Box::new(comm))?.with_timeout(Duration::from_secs(30))?;
+    Ok(ProcessGroup::new(g.rt.clone(), Box::new(comm))?.with_timeout(timeout)?)
+}
+
+#[test]
+#[ignore = "needs a GPU and libnccl: runs in the GPU bundle (cargo xtask gpu-bundle)"]
+fn gpu_a_nonblocking_communicator_runs_collectives_then_aborts() -> TestResult {
+    let g = gpus(1, "")?;
+    let pg = watched_one_rank(&g, Duration::from_secs(30))?;
     let b = DeviceBuffer::from_slice(&g.rt, D0, &[1.5f32, -2.0, 4.0])?;
     pg.all_reduce(&b, ReduceOp::Sum)?.synchronize()?;
     pg.broadcast(&b, 0)?.synchronize()?;
@@ -84,16 +92,7 @@ extern "C" __global__ void spin(long long cycles) {
 #[ignore = "needs a GPU and libnccl: runs in the GPU bundle (cargo xtask gpu-bundle)"]
 fn gpu_a_stuck_collective_is_caught_by_the_watchdog() -> TestResult {
     let g = gpus(1, "")?;
-    let comm = NcclComm::init_rank_nonblocking(
-        &g.driver,
-        D0,
-        1,
-        &UniqueId::new()?,
-        0,
-        Duration::from_secs(30),
-    )?;
-    let pg = ProcessGroup::new(g.rt.clone(), Box::new(comm))?
-        .with_timeout(Duration::from_millis(300))?;
+    let pg = watched_one_rank(&g, Duration::from_millis(300))?;
     let b = DeviceBuffer::from_slice(&g.rt, D0, &[1.0f32; 1024])?;
     pg.all_reduce(&b, ReduceOp::Sum)?.synchronize()?;
     // The current stream spins for three seconds or more (the kernel's clock rate measured
