@@ -25,7 +25,10 @@ fn env_config() -> Result<(AllocatorConfig, String), String> {
     let config = AllocatorConfig::from_env().map_err(|e| e.to_string())?;
     let source = match AllocatorConfig::source(|k| std::env::var(k)).map_err(|e| e.to_string())? {
         Some((name, value)) => format!("{name}={value}"),
-        None => "default (FERROCUDA_ALLOC_CONF and PYTORCH_CUDA_ALLOC_CONF unset)".into(),
+        None => {
+            "default (FERROCUDA_ALLOC_CONF, PYTORCH_CUDA_ALLOC_CONF and PYTORCH_ALLOC_CONF unset)"
+                .into()
+        }
     };
     Ok((config, source))
 }

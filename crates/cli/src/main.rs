@@ -22,7 +22,7 @@ use std::process::ExitCode;
 #[command(
     name = "ferrocuda",
     version,
-    about = "ferrocuda tools: replay, summarise and plot PyTorch memory snapshots"
+    about = "ferrocuda tools: replay, summarise and plot PyTorch memory snapshots, and plan CUDA graphs' memory"
 )]
 struct Cli {
     #[command(subcommand)]
