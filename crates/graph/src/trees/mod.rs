@@ -22,8 +22,11 @@
 //!   branch point's checkpoint (PyTorch's `apply_checkpoint_execution_state_in_allocator`)
 //!   and the blocks of outputs that died since are freed.
 //! - **Steps**: [`Trees::mark_step_begin`] starts a step (the primary contract,
-//!   [`GenerationPolicy::Explicit`]). The next call ends the current path; outputs of
-//!   earlier steps still held then become stale. [`GenerationPolicy::Heuristic`] is
+//!   [`GenerationPolicy::Explicit`]). The next call ends the current path (outputs of
+//!   earlier steps still held then become stale) unless it replays a child of the path's
+//!   last node, recorded after it in an earlier step: that replay continues the path and
+//!   writes only its own outputs, as PyTorch's `_run` looks at the current node's children
+//!   before it ends an execution. [`GenerationPolicy::Heuristic`] is
 //!   PyTorch's heuristic (each call a new generation unless a forward awaits its backward),
 //!   available and documented as a heuristic.
 //! - **Stale outputs are always detected**: a [`TreeTensor`] knows the run that produced it;
