@@ -178,8 +178,10 @@ pub fn rendezvous(env: &DistEnv, timeout: Duration) -> Result<Arc<TcpStore>> {
 impl ProcessGroup {
     /// The process group of a worker torchrun started ([`DistEnv::from_env`],
     /// [`rendezvous`]): on the GPU, NCCL on `LOCAL_RANK`'s device, with rank 0's unique id
-    /// shared through the store; on the fake device, a [`StoreRank`]. `timeout` bounds the
-    /// rendezvous and every store operation (a store group's collectives too).
+    /// shared through the store; on the fake device, a [`StoreRank`]. `timeout` is
+    /// `init_process_group`'s: it bounds the rendezvous, every store operation, the NCCL
+    /// communicator's creation (non-blocking: a rank that dies before it is an error, not a
+    /// hang) and every collective (the group's watchdog, [`ProcessGroup::with_timeout`]).
     pub fn from_env(runtime: Arc<Runtime>, timeout: Duration) -> Result<ProcessGroup> {
         ProcessGroup::from_dist_env(runtime, &DistEnv::from_env()?, timeout)
     }
@@ -197,12 +199,13 @@ impl ProcessGroup {
         let comm: Box<dyn crate::Collective> = match runtime.driver().clone().into_cuda() {
             Some(cuda) => {
                 let id = share_unique_id(&store, env.rank, &format!("{prefix}/nccl_id"))?;
-                Box::new(NcclComm::init_rank(
+                Box::new(NcclComm::init_rank_nonblocking(
                     &cuda,
                     device,
                     env.world_size,
                     &id,
                     env.rank,
+                    timeout,
                 )?)
             }
             None => Box::new(StoreRank::new(
@@ -214,7 +217,7 @@ impl ProcessGroup {
                 &format!("{prefix}/group"),
             )?),
         };
-        ProcessGroup::new(runtime, comm)
+        ProcessGroup::new(runtime, comm)?.with_timeout(timeout)
     }
 }
 
