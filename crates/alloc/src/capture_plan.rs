@@ -108,24 +108,15 @@ impl CaptureRequests {
     /// after these'); returns the number `other`'s block 0 got.
     pub fn append(&mut self, other: &CaptureRequests) -> usize {
         let shift = self.blocks;
-        self.requests
-            .extend(other.requests.iter().map(|r| match *r {
-                PlannedRequest::Alloc {
-                    block,
-                    bytes,
-                    stream,
-                } => PlannedRequest::Alloc {
-                    block: block + shift,
-                    bytes,
-                    stream,
-                },
-                PlannedRequest::Free { block } => PlannedRequest::Free {
-                    block: block + shift,
-                },
-                PlannedRequest::FreeAtEnd { block } => PlannedRequest::FreeAtEnd {
-                    block: block + shift,
-                },
-            }));
+        self.requests.extend(other.requests.iter().map(|&r| {
+            let mut r = r;
+            match &mut r {
+                PlannedRequest::Alloc { block, .. }
+                | PlannedRequest::Free { block }
+                | PlannedRequest::FreeAtEnd { block } => *block += shift,
+            }
+            r
+        }));
         self.blocks += other.blocks;
         shift
     }

@@ -197,13 +197,15 @@ impl ProcessGroup {
         }
         let seq = self.issued.fetch_add(1, Ordering::Relaxed) + 1;
         // Work captured into a graph is not watched (PyTorch's watchdog skips it too): its
-        // event is recorded in the capture, and a query of it would be illegal.
-        let capturing = self
-            .runtime
-            .driver()
-            .stream_capture_status(self.stream.handle())?
-            != CaptureStatus::None;
-        if self.watchdog.is_some() && !capturing {
+        // event is recorded in the capture, and a query of it would be illegal. Without a
+        // watchdog nothing is asked of the driver.
+        let watched = self.watchdog.is_some()
+            && self
+                .runtime
+                .driver()
+                .stream_capture_status(self.stream.handle())?
+                == CaptureStatus::None;
+        if watched {
             self.health.watch(InFlight {
                 seq,
                 what: op.name().to_string(),
@@ -215,7 +217,7 @@ impl ProcessGroup {
             runtime: self.runtime.clone(),
             device: self.device(),
             done: self.stream.record_event(None)?,
-            health: (self.watchdog.is_some() && !capturing).then(|| self.health.clone()),
+            health: watched.then(|| self.health.clone()),
         })
     }
 

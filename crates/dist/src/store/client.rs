@@ -250,11 +250,22 @@ impl TcpStore {
 
     /// Sets `key` to `value` (`set`).
     pub fn set(&self, key: &str, value: &[u8]) -> Result<(), StoreError> {
+        self.put(Query::Set, "set", key, value)
+    }
+
+    /// Sends `query` with `key` and `value`, a query with no answer (`set`, `append`).
+    fn put(
+        &self,
+        query: Query,
+        what: &'static str,
+        key: &str,
+        value: &[u8],
+    ) -> Result<(), StoreError> {
         check_len("value", value.len(), MAX_PAYLOAD_LEN)?;
-        let m = Message::query(Query::Set)
+        let m = Message::query(query)
             .bytes(&TcpStore::prefixed(key)?)
             .bytes(value);
-        self.call("set", m, |_| Ok(()))
+        self.call(what, m, |_| Ok(()))
     }
 
     /// `key`'s value, once it is set (`get`: a wait for the key, then the read; the wait's
@@ -301,10 +312,7 @@ impl TcpStore {
     /// Whether every key is set (`check`), without waiting.
     pub fn check(&self, keys: &[&str]) -> Result<bool, StoreError> {
         let keys = TcpStore::prefixed_all(keys)?;
-        let mut m = Message::query(Query::Check).u64(keys.len() as u64);
-        for k in &keys {
-            m = m.bytes(k);
-        }
+        let m = Message::query(Query::Check).keys(&keys);
         match self.call("check", m, |r| r.byte())? {
             READY => Ok(true),
             NOT_READY => Ok(false),
@@ -329,10 +337,7 @@ impl TcpStore {
         keys: &[Vec<u8>],
         timeout: Duration,
     ) -> Result<(), StoreError> {
-        let mut m = Message::query(Query::Wait).u64(keys.len() as u64);
-        for k in keys {
-            m = m.bytes(k);
-        }
+        let m = Message::query(Query::Wait).keys(keys);
         let answer = self.call_locked(conn, "wait", &m, timeout, |r| r.byte());
         match answer {
             Ok(STOP_WAITING) => return Ok(()),
@@ -385,11 +390,7 @@ impl TcpStore {
 
     /// Appends `value` to `key`'s value (setting it if missing: `append`).
     pub fn append(&self, key: &str, value: &[u8]) -> Result<(), StoreError> {
-        check_len("value", value.len(), MAX_PAYLOAD_LEN)?;
-        let m = Message::query(Query::Append)
-            .bytes(&TcpStore::prefixed(key)?)
-            .bytes(value);
-        self.call("append", m, |_| Ok(()))
+        self.put(Query::Append, "append", key, value)
     }
 
     /// The values of `keys`, once all are set (`multi_get`).
@@ -397,10 +398,7 @@ impl TcpStore {
         let keys = TcpStore::prefixed_all(keys)?;
         let mut conn = self.conn.lock();
         self.wait_locked(&mut conn, &keys, self.timeout)?;
-        let mut m = Message::query(Query::MultiGet).u64(keys.len() as u64);
-        for k in &keys {
-            m = m.bytes(k);
-        }
+        let m = Message::query(Query::MultiGet).keys(&keys);
         let n = keys.len();
         self.call_locked(&mut conn, "multi_get", &m, self.timeout, |r| {
             (0..n).map(|_| r.bytes(MAX_PAYLOAD_LEN)).collect()

@@ -82,6 +82,37 @@ impl State {
             .all(|k| self.keys.contains_key(k) || self.queues.get(k).is_some_and(|q| !q.is_empty()))
     }
 
+    /// `compareAndSet`: a missing key is set only when `expected` is empty; the answer is
+    /// the value now (or `expected` for a missing key left missing).
+    fn compare_set(&mut self, key: Key, expected: Vec<u8>, new: Vec<u8>) -> Vec<u8> {
+        let now = match self.keys.get(&key) {
+            None if !expected.is_empty() => expected,
+            Some(old) if *old != expected => old.clone(),
+            _ => {
+                self.keys.insert(key.clone(), new.clone());
+                new
+            }
+        };
+        self.wake_waiting(&key);
+        now
+    }
+
+    /// `waitKeys`: client `id` is told to stop waiting now if every key is ready, else
+    /// when the keys not set yet are.
+    fn wait(&mut self, id: u64, keys: Vec<Key>) {
+        if self.ready(&keys) {
+            self.reply(id, &Message::default().byte(STOP_WAITING));
+            return;
+        }
+        let missing: Vec<Key> = (keys.into_iter())
+            .filter(|k| !self.keys.contains_key(k))
+            .collect();
+        self.awaited.insert(id, missing.len());
+        for k in missing {
+            self.waiting.entry(k).or_default().push(id);
+        }
+    }
+
     /// `clearClientWaitState`.
     fn forget_waits(&mut self, client: u64) {
         if self.awaited.remove(&client).is_none() {
@@ -287,21 +318,7 @@ fn handle(
             let k = r.key()?;
             let (expected, new) = (r.bytes(MAX_PAYLOAD_LEN)?, r.bytes(MAX_PAYLOAD_LEN)?);
             let mut st = shared.state.lock();
-            // `compareAndSet`: a missing key is set only when `expected` is empty; the
-            // answer is the value now (or `expected` for a missing key left missing).
-            let now = match st.keys.get(&k) {
-                None if expected.is_empty() => {
-                    st.keys.insert(k.clone(), new.clone());
-                    new
-                }
-                None => expected,
-                Some(old) if *old == expected => {
-                    st.keys.insert(k.clone(), new.clone());
-                    new
-                }
-                Some(old) => old.clone(),
-            };
-            st.wake_waiting(&k);
+            let now = st.compare_set(k, expected, new);
             st.reply(id, &Message::default().bytes(&now));
         }
         Query::Get => {
@@ -324,18 +341,7 @@ fn handle(
         }
         Query::Wait => {
             let keys = keys(r)?;
-            let mut st = shared.state.lock();
-            if st.ready(&keys) {
-                st.reply(id, &Message::default().byte(STOP_WAITING));
-            } else {
-                let missing: Vec<Key> = (keys.into_iter())
-                    .filter(|k| !st.keys.contains_key(k))
-                    .collect();
-                st.awaited.insert(id, missing.len());
-                for k in missing {
-                    st.waiting.entry(k).or_default().push(id);
-                }
-            }
+            shared.state.lock().wait(id, keys);
         }
         Query::CancelWait => {
             let mut st = shared.state.lock();

@@ -92,6 +92,11 @@ impl Message {
         m
     }
 
+    /// A count of keys, then each key.
+    pub(crate) fn keys(self, keys: &[Vec<u8>]) -> Message {
+        (keys.iter()).fold(self.u64(keys.len() as u64), |m, k| m.bytes(k))
+    }
+
     pub(crate) fn send(&self, w: &mut impl Write) -> std::io::Result<()> {
         w.write_all(&self.0)?;
         w.flush()
