@@ -72,6 +72,11 @@ const SCENARIOS: &[Scenario] = &[
         ],
         run: global_ferrocuda_variable_wins,
     },
+    Scenario {
+        name: "a_cuda_ipc_counter_is_decremented_by_another_process",
+        env: &[],
+        run: counter_across_processes,
+    },
 ];
 
 /// Runs `child` in a forked child; its failure, panic or refusal to fork is this outcome's.
@@ -227,6 +232,39 @@ fn global_ferrocuda_variable_wins() -> Outcome {
     ensure(!ferrocuda::is_initialized(), "memory_stats initialised")?;
     // The driver's check ran `cuInit` (NVML's would not have): a later fork is bad.
     in_child(|| is_bad_fork(ferrocuda::runtime().current_stream(D0), "current_stream"))
+}
+
+/// The counter file of a CUDA IPC send, opened by name in another process (what a
+/// consumer's close does) and decremented there; the last mapping closed removes the name.
+fn counter_across_processes() -> Outcome {
+    use ferrocuda::driver::shared_counters::SharedCounters;
+    use std::sync::atomic::Ordering;
+    let name = format!("/torch_{}_fork_test", std::process::id());
+    let file = SharedCounters::create(&name, 10_000).map_err(|e| e.to_string())?;
+    let counter = file.counter(9_999).ok_or("the last counter")?;
+    counter.store(1, Ordering::SeqCst);
+    in_child(|| {
+        let file = SharedCounters::open(&name, 10_000).map_err(|e| e.to_string())?;
+        let counter = file.counter(9_999).ok_or("the last counter")?;
+        ensure(
+            counter.fetch_sub(1, Ordering::SeqCst) == 1,
+            "the child reads 1",
+        )
+    })?;
+    ensure(counter.load(Ordering::SeqCst) == 0, "the parent sees 0")?;
+    ensure(file.counter(10_000).is_none(), "no counter past the last")?;
+    ensure(
+        SharedCounters::create(&name, 10).is_err(),
+        "a name is created once",
+    )?;
+    let shm = std::path::Path::new("/dev/shm").join(name.trim_start_matches('/'));
+    ensure(shm.exists(), "the name exists while mapped")?;
+    drop(file);
+    ensure(!shm.exists(), "the last mapping closed removes the name")?;
+    ensure(
+        SharedCounters::open(&name, 10).is_err(),
+        "a name that is gone does not open",
+    )
 }
 
 fn main() -> ExitCode {

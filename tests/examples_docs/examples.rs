@@ -108,6 +108,27 @@ fn decode_agrees_with_eager_and_with_its_plans() -> Result<(), String> {
     Ok(())
 }
 
+/// The CUDA IPC example on the fake device: both roles in one process, both kinds of
+/// segment; a role that needs another process says it needs a GPU.
+#[test]
+fn ipc_peer_shares_blocks_on_the_fake_device() -> Result<(), String> {
+    let out = run("ipc_peer", &[], &[])?;
+    let t = text(&out);
+    assert!(out.status.success(), "{t}");
+    for conf in ["\"\"", "\"expandable_segments:True\""] {
+        assert!(
+            t.contains(&format!(
+                "fake device ({conf}): shared, read, written and given back"
+            )),
+            "{t}"
+        );
+    }
+    let out = run("ipc_peer", &[], &["produce", ""])?;
+    assert!(!out.status.success());
+    assert!(text(&out).contains("no GPU"), "{}", text(&out));
+    Ok(())
+}
+
 /// The torchrun worker alone (a job of one rank) and as three ranks with torchrun's
 /// variables set by hand, on the fake device: every rank's all-reduce gives the sum.
 #[test]

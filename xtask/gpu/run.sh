@@ -70,6 +70,16 @@ if [ -f example_torchrun_worker ] && want torchrun; then
     echo "torchrun failed"; failed=$((failed + 1))
   fi
 fi
+# CUDA IPC with PyTorch on either side, both kinds of segment (ipc_torch.py: six runs of
+# two processes each). ONLY=ipc_torch runs it.
+if [ -f example_ipc_peer ] && want ipc_torch; then
+  echo "=== ipc_torch"
+  if python3 ipc_torch.py ./example_ipc_peer 2>&1 | tee "$OUT/ipc_torch.log"; then
+    passed=$((passed + 1))
+  else
+    echo "ipc_torch failed"; failed=$((failed + 1))
+  fi
+fi
 for b in bench_* ${MULTI_GPU:+multibench_*}; do
   want "$b" || continue
   echo "=== $b"

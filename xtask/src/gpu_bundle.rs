@@ -71,7 +71,7 @@ const GPU_BENCHES: &[&str] = &[
 /// `MULTI_GPU=1` (on fewer than two GPUs they fail, never skip).
 const GPU_BENCHES_MULTI: &[&str] = &["multi_gpu"];
 /// Examples that go into the GPU bundle (each must succeed and say it ran on the GPU).
-const GPU_EXAMPLES: &[&str] = &["tour", "snapshot", "decode", "torchrun_worker"];
+const GPU_EXAMPLES: &[&str] = &["tour", "snapshot", "decode", "torchrun_worker", "ipc_peer"];
 /// The PyTorch allocator library (crates/torch-plugin) and the scripts `run.sh` runs it with
 /// against real PyTorch.
 const TORCH_PLUGIN: &str = "ferrocuda-torch";
@@ -171,6 +171,8 @@ pub(crate) fn gpu_bundle() -> Result<(), String> {
     std::fs::write(dir.join("torch_plan.py"), TORCH_PLAN_PY).map_err(|e| e.to_string())?;
     // And the several-GPU one (PyTorch's side of crates/dist/benches/multi_gpu.rs).
     std::fs::write(dir.join("torch_dist.py"), TORCH_DIST_PY).map_err(|e| e.to_string())?;
+    // And CUDA IPC's (PyTorch on either side of examples/ipc_peer.rs).
+    std::fs::write(dir.join("ipc_torch.py"), TORCH_IPC_PY).map_err(|e| e.to_string())?;
     bundle_replay(&dir, &torch_replay)?;
     let script = dir.join("run.sh");
     std::fs::write(&script, run_sh()).map_err(|e| e.to_string())?;
@@ -300,6 +302,7 @@ const TORCH_PINNED_PY: &str = include_str!("../anchors/torch_pinned.py");
 const TORCH_MATHLIB_PY: &str = include_str!("../anchors/torch_mathlib.py");
 /// PyTorch's CUDA graph pools against `ferrocuda plan` (run by `run.sh` as `torch_plan`).
 const TORCH_PLAN_PY: &str = include_str!("../anchors/torch_plan.py");
+const TORCH_IPC_PY: &str = include_str!("../torch/ipc_torch.py");
 
 /// PyTorch's `dist.all_reduce` (NCCL) bus bandwidth and `t.to("cuda:1")` bandwidth, measured
 /// beside `crates/dist/benches/multi_gpu.rs` (run by `run.sh` with `MULTI_GPU=1`).

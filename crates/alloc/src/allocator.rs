@@ -54,6 +54,8 @@ pub struct CachingAllocator {
     /// replay asks whether its pool sleeps, and the answer is no at one load while none
     /// does.
     pub(crate) sleeping: AtomicUsize,
+    /// Blocks shared with other processes, and theirs opened here (`ipc`).
+    pub(crate) ipc: crate::ipc::Sharing,
 }
 
 impl Drop for CachingAllocator {
@@ -119,6 +121,7 @@ impl CachingAllocator {
             context: AtomicU8::new(HistoryContext::Never as u8),
             routing: AtomicUsize::new(0),
             sleeping: AtomicUsize::new(0),
+            ipc: Default::default(),
         };
         allocator.set_memory_fraction(fraction)?;
         Ok(allocator)
@@ -277,6 +280,16 @@ impl CachingAllocator {
         if let Some(id) = st.take_free_block(req.pool, req.kind, stream, req.size) {
             return Ok(self.hand_out(&mut st, id, &req));
         }
+        if self.ipc.any_limbo() {
+            // PyTorch's free-memory callbacks: blocks other processes gave back are freed,
+            // and the search runs again.
+            drop(st);
+            let freed = self.ipc_collect();
+            st = self.engine.lock();
+            if freed && let Some(id) = st.take_free_block(req.pool, req.kind, stream, req.size) {
+                return Ok(self.hand_out(&mut st, id, &req));
+            }
+        }
         let (mut st, id) = self.engine.slow_path(st, &req)?;
         Ok(self.hand_out(&mut st, id, &req))
     }
@@ -297,6 +310,10 @@ impl CachingAllocator {
     /// reusable once those streams' work recorded so far has completed.
     pub fn free(&self, ptr: DevicePtr) -> Result<(), AllocError> {
         if ptr.0 == 0 {
+            return Ok(());
+        }
+        // A block another process holds is not freed (one relaxed load while none is).
+        if self.ipc.any_sent() && self.ipc_hold_back(ptr) {
             return Ok(());
         }
         if !self.caching {

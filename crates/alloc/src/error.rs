@@ -107,6 +107,9 @@ pub enum AllocError {
     /// A driver call failed (other than out of memory).
     #[error("CUDA driver error: {0}")]
     Driver(DriverError),
+    /// Sharing a block with another process, or opening one, failed.
+    #[error(transparent)]
+    Ipc(crate::ipc::IpcError),
     /// A sleep or wake of a sleepable pool, or a use of one that sleeps (ferrocuda's own).
     #[error(transparent)]
     Sleep(#[from] crate::sleep::reports::SleepError),

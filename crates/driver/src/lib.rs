@@ -78,6 +78,7 @@ pub mod interop;
 mod malloc_log;
 pub mod nvml;
 pub mod pluggable;
+pub mod shared_counters;
 
 pub use cuda::libraries::LIBRARY_PATH_VAR;
 pub use cuda::{CudaDriver, RawGraph, RawLaunch, cublas, cublaslt, cufft, nccl};
@@ -89,8 +90,8 @@ pub use pluggable::{Hook, PluggableError, PluggableLibrary};
 
 use ferrocuda_types::{
     CaptureMode, CaptureStatus, DeviceIndex, DeviceProperties, DevicePtr, EventFlags, EventHandle,
-    FunctionHandle, GraphExecHandle, GraphHandle, GraphNode, HostPtr, KernelArg, LaunchConfig,
-    MemsetValue, ModuleHandle, PhysHandle, StreamFlags, StreamHandle, VaRange,
+    FunctionHandle, GraphExecHandle, GraphHandle, GraphNode, HostPtr, IpcHandle, KernelArg,
+    LaunchConfig, MemsetValue, ModuleHandle, PhysHandle, StreamFlags, StreamHandle, VaRange,
 };
 use std::path::Path;
 
@@ -460,6 +461,43 @@ pub trait Driver: Send + Sync + std::fmt::Debug + 'static {
     /// [`DriverError::INVALID_DEVICE`]: the policy (PyTorch's "already enabled is fine") is
     /// the caller's.
     fn enable_peer_access(&self, dev: DeviceIndex, peer: DeviceIndex) -> Result<(), DriverError>;
+
+    // ---- sharing with other processes (CUDA IPC) -----------------------------------------
+    /// The handle another process opens `dev`'s `cuMemAlloc` allocation at `ptr` (its start)
+    /// with (`cuIpcGetMemHandle`).
+    fn ipc_mem_handle(&self, dev: DeviceIndex, ptr: DevicePtr) -> Result<IpcHandle, DriverError>;
+    /// Another process's allocation mapped into `dev`'s context (`cuIpcOpenMemHandle` with
+    /// `CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS`, as PyTorch opens them). A process cannot open
+    /// its own handles on the real driver.
+    fn ipc_open_mem(&self, dev: DeviceIndex, handle: &IpcHandle) -> Result<DevicePtr, DriverError>;
+    /// Unmaps memory [`Driver::ipc_open_mem`] mapped (`cuIpcCloseMemHandle`).
+    fn ipc_close_mem(&self, dev: DeviceIndex, ptr: DevicePtr) -> Result<(), DriverError>;
+    /// The handle of an event made with [`EventFlags::interprocess`]
+    /// (`cuIpcGetEventHandle`).
+    fn ipc_event_handle(&self, event: EventHandle) -> Result<IpcHandle, DriverError>;
+    /// Another process's event, as an event of `dev` this process may wait on and destroy
+    /// (`cuIpcOpenEventHandle`).
+    fn ipc_open_event(
+        &self,
+        dev: DeviceIndex,
+        handle: &IpcHandle,
+    ) -> Result<EventHandle, DriverError>;
+    /// The POSIX file descriptor another process imports a physical chunk with
+    /// (`cuMemExportToShareableHandle`): made at the first call, the same one after it,
+    /// closed when the chunk is destroyed.
+    fn vm_export(&self, handle: PhysHandle) -> Result<i32, DriverError>;
+    /// Process `pid`'s descriptor `fd` of a chunk of `bytes` (from its
+    /// [`Driver::vm_export`]), fetched (`pidfd_getfd`, which needs the right to trace that
+    /// process) and imported as a chunk of `dev` (`cuMemImportFromShareableHandle`);
+    /// destroyed with [`Driver::vm_destroy`]. A failing system call is
+    /// [`DriverError::OPERATING_SYSTEM`].
+    fn vm_import(
+        &self,
+        dev: DeviceIndex,
+        pid: u32,
+        fd: i32,
+        bytes: u64,
+    ) -> Result<PhysHandle, DriverError>;
 }
 
 /// What a stream-ordered memory pool holds ([`Driver::mem_pool_usage`]).

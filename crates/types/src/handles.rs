@@ -165,3 +165,23 @@ impl fmt::Display for PoolId {
         write!(f, "({}, {})", self.0, self.1)
     }
 }
+
+/// The 64 opaque bytes by which CUDA names device memory or an event to another process
+/// (`CUipcMemHandle`, `CUipcEventHandle`; PyTorch sends them as Python `bytes`).
+#[derive(Copy, Clone, PartialEq, Eq, Hash)]
+pub struct IpcHandle(pub [u8; 64]);
+
+impl IpcHandle {
+    /// The handle in `bytes`, which must be exactly 64 long.
+    pub fn from_slice(bytes: &[u8]) -> Option<IpcHandle> {
+        bytes.try_into().ok().map(IpcHandle)
+    }
+}
+
+impl fmt::Debug for IpcHandle {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "IpcHandle(")?;
+        self.0[..16].iter().try_for_each(|b| write!(f, "{b:02x}"))?;
+        write!(f, "…)")
+    }
+}

@@ -61,7 +61,7 @@ pub use env::{EnvError, env_value, env_var};
 pub use graph_node::{CopyEnd, GraphNode};
 pub use handles::{
     DeviceIndex, DevicePtr, EventHandle, FunctionHandle, GraphExecHandle, GraphHandle, HostPtr,
-    ModuleHandle, PhysHandle, PoolId, StreamHandle, VaRange,
+    IpcHandle, ModuleHandle, PhysHandle, PoolId, StreamHandle, VaRange,
 };
 pub use host::{DurationStat, HostRange, HostStats};
 pub use launch::{

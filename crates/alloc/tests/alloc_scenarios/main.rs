@@ -18,6 +18,7 @@ mod capture_plan_from;
 mod capture_race;
 mod checkpoint;
 mod formats;
+mod ipc;
 mod memory_pressure;
 mod next_capture;
 mod oom_forensics;

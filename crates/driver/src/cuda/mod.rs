@@ -17,8 +17,8 @@ use cudarc::driver::sys;
 use cudarc::nvrtc::sys as nvrtc_sys;
 use ferrocuda_types::{
     CaptureMode, CaptureStatus, DeviceIndex, DeviceProperties, DevicePtr, EventFlags, EventHandle,
-    FunctionHandle, GraphExecHandle, GraphHandle, GraphNode, HostPtr, KernelArg, LaunchConfig,
-    MemsetValue, ModuleHandle, PhysHandle, StreamFlags, StreamHandle, VaRange,
+    FunctionHandle, GraphExecHandle, GraphHandle, GraphNode, HostPtr, IpcHandle, KernelArg,
+    LaunchConfig, MemsetValue, ModuleHandle, PhysHandle, StreamFlags, StreamHandle, VaRange,
 };
 use parking_lot::RwLock;
 use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
@@ -36,6 +36,7 @@ mod events;
 mod graphs;
 mod host_register;
 mod interop;
+mod ipc;
 mod kernels;
 pub(crate) mod libraries;
 mod mem_pool;
@@ -87,6 +88,10 @@ struct Registry {
     /// Host memory from `host_malloc`: its length and whether it is registered now.
     mallocs: BTreeMap<u64, (u64, bool)>,
     phys: HashMap<u64, (u16, u64)>,
+    /// The POSIX descriptors chunks were exported as (`vm_export`), closed with them.
+    exports: HashMap<u64, std::os::fd::OwnedFd>,
+    /// Other processes' memory opened here (`ipc_open_mem`), by (device, address).
+    ipc_opened: HashSet<(u16, u64)>,
     /// Streams other libraries made, adopted (`stream_adopt`), with their adoption count.
     adopted: HashMap<(u16, u64), u32>,
 }
@@ -352,6 +357,10 @@ impl CudaDriver {
         prop.type_ = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
         prop.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
         prop.location.id = slot.device;
+        // Chunks can be shared with other processes as file descriptors, as PyTorch's
+        // expandable segments request (`ExpandableSegment::map`).
+        prop.requestedHandleTypes =
+            sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
         Ok(prop)
     }
 }
@@ -780,5 +789,43 @@ impl Driver for CudaDriver {
 
     fn enable_peer_access(&self, dev: DeviceIndex, peer: DeviceIndex) -> Result<(), DriverError> {
         self.enable_peer(dev, peer)
+    }
+
+    fn ipc_mem_handle(&self, dev: DeviceIndex, ptr: DevicePtr) -> Result<IpcHandle, DriverError> {
+        ipc::ipc_mem_handle(self, dev, ptr)
+    }
+
+    fn ipc_open_mem(&self, dev: DeviceIndex, handle: &IpcHandle) -> Result<DevicePtr, DriverError> {
+        ipc::ipc_open_mem(self, dev, handle)
+    }
+
+    fn ipc_close_mem(&self, dev: DeviceIndex, ptr: DevicePtr) -> Result<(), DriverError> {
+        ipc::ipc_close_mem(self, dev, ptr)
+    }
+
+    fn ipc_event_handle(&self, event: EventHandle) -> Result<IpcHandle, DriverError> {
+        ipc::ipc_event_handle(self, event)
+    }
+
+    fn ipc_open_event(
+        &self,
+        dev: DeviceIndex,
+        handle: &IpcHandle,
+    ) -> Result<EventHandle, DriverError> {
+        ipc::ipc_open_event(self, dev, handle)
+    }
+
+    fn vm_export(&self, handle: PhysHandle) -> Result<i32, DriverError> {
+        ipc::vm_export(self, handle)
+    }
+
+    fn vm_import(
+        &self,
+        dev: DeviceIndex,
+        pid: u32,
+        fd: i32,
+        bytes: u64,
+    ) -> Result<PhysHandle, DriverError> {
+        ipc::vm_import(self, dev, pid, fd, bytes)
     }
 }

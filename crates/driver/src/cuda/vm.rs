@@ -51,11 +51,14 @@ pub(super) fn vm_create(
 
 pub(super) fn vm_destroy(driver: &CudaDriver, handle: PhysHandle) -> Result<(), DriverError> {
     let l = driver.bind(handle.device)?;
-    l.registry
-        .write()
+    let mut registry = l.registry.write();
+    registry
         .phys
         .remove(&handle.raw)
         .ok_or(DriverError::INVALID_HANDLE)?;
+    // Its exported descriptor, if any, closes with it (PyTorch closes it on unmap).
+    registry.exports.remove(&handle.raw);
+    drop(registry);
     // SAFETY: the handle was live (registry) and is released once.
     check(unsafe { sys::cuMemRelease(handle.raw) })
 }

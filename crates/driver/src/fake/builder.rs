@@ -119,6 +119,7 @@ impl FakeDriverBuilder {
             hooks: Mutex::new(Vec::new()),
             hooked: AtomicBool::new(false),
             mallocs: MallocLog::default(),
+            instance: super::ipc::next_instance(),
             state: Mutex::new(State {
                 devices: self.devices,
                 completion: self.completion,
@@ -140,6 +141,8 @@ impl FakeDriverBuilder {
                 foreign: HashMap::new(),
                 pools: Vec::new(),
                 peers: peer::Peers::new(&self.no_peer),
+                exports: Default::default(),
+                ipc_opened: Default::default(),
                 busy: busy::Busy::default(),
             }),
         }

@@ -80,6 +80,13 @@ pub enum Call {
     MemPoolTrimTo,
     DeviceCanAccessPeer,
     EnablePeerAccess,
+    IpcMemHandle,
+    IpcOpenMem,
+    IpcCloseMem,
+    IpcEventHandle,
+    IpcOpenEvent,
+    VmExport,
+    VmImport,
     GpuProcesses,
 }
 

@@ -18,7 +18,10 @@ struct Chunk {
     bytes: u64,
     pages: HashMap<u64, Box<[u8]>>,
     mappings: u32,
+    /// Whether the handle `cuMemCreate` gave was released (a `cuMemAlloc` chunk: at once).
     released: bool,
+    /// Handles imported from it ([`Memory::alias_chunk`]) not yet released.
+    aliases: u32,
 }
 
 struct Mapping {
@@ -45,6 +48,8 @@ struct DeviceSpace {
 pub(crate) struct Memory {
     devices: Vec<DeviceSpace>,
     chunks: HashMap<u64, Chunk>,
+    /// Imported handles (`cuMemImportFromShareableHandle`): the chunk each names.
+    aliases: HashMap<u64, u64>,
     next_chunk: u64,
     backing: bool,
 }
@@ -75,6 +80,7 @@ impl Memory {
         Memory {
             devices,
             chunks: HashMap::new(),
+            aliases: HashMap::new(),
             next_chunk: 1,
             backing,
         }
@@ -156,23 +162,33 @@ impl Memory {
                 pages: HashMap::new(),
                 mappings: 0,
                 released: false,
+                aliases: 0,
             },
         );
         Ok(id)
     }
 
-    pub(crate) fn chunk_device(&self, chunk: u64) -> Option<DeviceIndex> {
-        self.chunks
-            .get(&chunk)
-            .filter(|c| !c.released)
-            .map(|c| c.device)
+    pub(crate) fn chunk_device(&self, handle: u64) -> Option<DeviceIndex> {
+        self.live_chunk(handle).map(|(_, c)| c.device)
+    }
+
+    /// The chunk a live handle names (one `cuMemCreate` gave, or an import of it).
+    fn live_chunk(&self, handle: u64) -> Option<(u64, &Chunk)> {
+        match self.aliases.get(&handle) {
+            Some(&chunk) => self.chunks.get(&chunk).map(|c| (chunk, c)),
+            None => self
+                .chunks
+                .get(&handle)
+                .filter(|c| !c.released)
+                .map(|c| (handle, c)),
+        }
     }
 
     fn drop_chunk_if_unused(&mut self, chunk: u64) {
         let Some(c) = self.chunks.get(&chunk) else {
             return;
         };
-        if c.released && c.mappings == 0 {
+        if c.released && c.mappings == 0 && c.aliases == 0 {
             let (dev, bytes) = (c.device, round_up(c.bytes, GRANULARITY));
             self.chunks.remove(&chunk);
             if let Some(s) = self.devices.get_mut(dev.as_usize()) {
@@ -181,11 +197,91 @@ impl Memory {
         }
     }
 
-    pub(crate) fn release_chunk(&mut self, chunk: u64) -> Result<(), DriverError> {
-        let c = self.chunks.get_mut(&chunk).filter(|c| !c.released);
-        let c = c.ok_or(DriverError::INVALID_HANDLE)?;
-        c.released = true;
+    pub(crate) fn release_chunk(&mut self, handle: u64) -> Result<(), DriverError> {
+        let chunk = match self.aliases.remove(&handle) {
+            Some(chunk) => {
+                if let Some(c) = self.chunks.get_mut(&chunk) {
+                    c.aliases -= 1;
+                }
+                chunk
+            }
+            None => {
+                let c = self.chunks.get_mut(&handle).filter(|c| !c.released);
+                c.ok_or(DriverError::INVALID_HANDLE)?.released = true;
+                handle
+            }
+        };
         self.drop_chunk_if_unused(chunk);
+        Ok(())
+    }
+
+    /// A second handle of the chunk `handle` names, as an import of its exported
+    /// descriptor gives: the chunk lives until every handle and mapping is gone.
+    pub(crate) fn alias_chunk(&mut self, handle: u64) -> Result<u64, DriverError> {
+        let (chunk, _) = self.live_chunk(handle).ok_or(DriverError::INVALID_HANDLE)?;
+        let alias = self.next_chunk;
+        self.next_chunk += 1;
+        self.aliases.insert(alias, chunk);
+        if let Some(c) = self.chunks.get_mut(&chunk) {
+            c.aliases += 1;
+        }
+        Ok(alias)
+    }
+
+    /// The bytes of the chunk a live handle names.
+    pub(crate) fn chunk_bytes(&self, handle: u64) -> Option<u64> {
+        self.live_chunk(handle).map(|(_, c)| c.bytes)
+    }
+
+    /// The chunk under `dev`'s `cuMemAlloc` allocation starting at `ptr`.
+    pub(crate) fn malloc_chunk(&self, dev: DeviceIndex, ptr: DevicePtr) -> Option<u64> {
+        let space = self.devices.get(dev.as_usize())?;
+        space.mallocs.get(&ptr.0).copied()
+    }
+
+    /// Maps the chunk `chunk` (live or not, as long as something holds it) once more, at a
+    /// fresh address of `dev`, accessible to every device: what opening another process's
+    /// allocation (`cuIpcOpenMemHandle`) gives. It holds the chunk until
+    /// [`Memory::unmap_shared`].
+    pub(crate) fn map_shared(
+        &mut self,
+        dev: DeviceIndex,
+        chunk: u64,
+    ) -> Result<DevicePtr, DriverError> {
+        let c = self.chunks.get(&chunk).ok_or(DriverError::INVALID_VALUE)?;
+        let len = round_up(c.bytes, GRANULARITY);
+        let space = self.space(dev)?;
+        let at = Self::take_va(space, len, GRANULARITY)?;
+        space.mappings.insert(
+            at.0,
+            Mapping {
+                len,
+                chunk,
+                accessible: true,
+                peers: u64::MAX,
+            },
+        );
+        if let Some(c) = self.chunks.get_mut(&chunk) {
+            c.mappings += 1;
+        }
+        Ok(at)
+    }
+
+    /// Removes a mapping [`Memory::map_shared`] made (`cuIpcCloseMemHandle`).
+    pub(crate) fn unmap_shared(
+        &mut self,
+        dev: DeviceIndex,
+        at: DevicePtr,
+    ) -> Result<(), DriverError> {
+        let space = self.space(dev)?;
+        let m = space
+            .mappings
+            .remove(&at.0)
+            .ok_or(DriverError::INVALID_VALUE)?;
+        if let Some(c) = self.chunks.get_mut(&m.chunk) {
+            c.mappings -= 1;
+        }
+        self.drop_chunk_if_unused(m.chunk);
         Ok(())
     }
 
@@ -233,11 +329,9 @@ impl Memory {
         accessible: bool,
     ) -> Result<(), DriverError> {
         let dev = device_of(at).ok_or(DriverError::INVALID_VALUE)?;
-        let len = self
-            .chunks
-            .get(&chunk)
-            .filter(|c| !c.released && c.device == dev);
-        let len = len.ok_or(DriverError::INVALID_HANDLE)?.bytes;
+        let live = self.live_chunk(chunk).filter(|(_, c)| c.device == dev);
+        let (chunk, c) = live.ok_or(DriverError::INVALID_HANDLE)?;
+        let len = c.bytes;
         let space = self.space(dev)?;
         if !at.0.is_multiple_of(GRANULARITY) || len % GRANULARITY != 0 {
             return Err(DriverError::INVALID_VALUE);
@@ -403,7 +497,8 @@ impl Memory {
             .ok_or(DriverError::INVALID_VALUE)?;
         space.mappings.remove(&ptr.0);
         if let Some(c) = self.chunks.get_mut(&chunk) {
-            c.mappings = 0;
+            // Other processes' views of it (`map_shared`) keep it.
+            c.mappings -= 1;
         }
         self.drop_chunk_if_unused(chunk);
         Ok(())

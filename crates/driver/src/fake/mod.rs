@@ -25,6 +25,7 @@ mod events;
 mod graphs;
 mod host_register;
 mod interop;
+mod ipc;
 mod kernels;
 mod mem_pool;
 mod memory;
@@ -49,8 +50,8 @@ use addresses::device_of;
 use device_memory::Memory;
 use ferrocuda_types::{
     CaptureMode, CaptureStatus, DeviceIndex, DeviceProperties, DevicePtr, EventFlags, EventHandle,
-    FunctionHandle, GraphExecHandle, GraphHandle, GraphNode, HostPtr, KernelArg, LaunchConfig,
-    MemsetValue, ModuleHandle, PhysHandle, StreamFlags, StreamHandle, VaRange,
+    FunctionHandle, GraphExecHandle, GraphHandle, GraphNode, HostPtr, IpcHandle, KernelArg,
+    LaunchConfig, MemsetValue, ModuleHandle, PhysHandle, StreamFlags, StreamHandle, VaRange,
 };
 use parking_lot::{Mutex, MutexGuard};
 use std::cell::Cell;
@@ -111,6 +112,7 @@ struct Capture {
     invalidated: bool,
 }
 
+#[derive(Clone)]
 enum Recorded {
     Nowhere,
     Stream {
@@ -180,6 +182,10 @@ struct State {
     /// Each device's default stream-ordered memory pool, made at its first use.
     pools: Vec<mem_pool::Pool>,
     peers: peer::Peers,
+    /// Chunks exported as descriptors (`vm_export`), and the fake descriptors' numbers.
+    exports: ipc::Exports,
+    /// Memory opened from a handle (`ipc_open_mem`), by (device, address).
+    ipc_opened: std::collections::HashSet<(u16, u64)>,
     /// The streams with work queued and those capturing: what walks over a device's
     /// streams visit.
     busy: busy::Busy,
@@ -204,6 +210,9 @@ pub struct FakeDriver {
     hooks: Mutex<Vec<(Call, Hook)>>,
     hooked: AtomicBool,
     mallocs: MallocLog,
+    /// Which fake this is, in this process: its IPC handles name it, so another fake
+    /// refuses them as another machine's.
+    instance: u64,
     state: Mutex<State>,
 }
 
@@ -784,5 +793,43 @@ impl Driver for FakeDriver {
 
     fn enable_peer_access(&self, dev: DeviceIndex, peer: DeviceIndex) -> Result<(), DriverError> {
         self.enter(Call::EnablePeerAccess)?.enable_peer(dev, peer)
+    }
+
+    fn ipc_mem_handle(&self, dev: DeviceIndex, ptr: DevicePtr) -> Result<IpcHandle, DriverError> {
+        ipc::ipc_mem_handle(self, dev, ptr)
+    }
+
+    fn ipc_open_mem(&self, dev: DeviceIndex, handle: &IpcHandle) -> Result<DevicePtr, DriverError> {
+        ipc::ipc_open_mem(self, dev, handle)
+    }
+
+    fn ipc_close_mem(&self, dev: DeviceIndex, ptr: DevicePtr) -> Result<(), DriverError> {
+        ipc::ipc_close_mem(self, dev, ptr)
+    }
+
+    fn ipc_event_handle(&self, event: EventHandle) -> Result<IpcHandle, DriverError> {
+        ipc::ipc_event_handle(self, event)
+    }
+
+    fn ipc_open_event(
+        &self,
+        dev: DeviceIndex,
+        handle: &IpcHandle,
+    ) -> Result<EventHandle, DriverError> {
+        ipc::ipc_open_event(self, dev, handle)
+    }
+
+    fn vm_export(&self, handle: PhysHandle) -> Result<i32, DriverError> {
+        ipc::vm_export(self, handle)
+    }
+
+    fn vm_import(
+        &self,
+        dev: DeviceIndex,
+        pid: u32,
+        fd: i32,
+        bytes: u64,
+    ) -> Result<PhysHandle, DriverError> {
+        ipc::vm_import(self, dev, pid, fd, bytes)
     }
 }

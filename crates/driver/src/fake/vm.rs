@@ -50,6 +50,7 @@ pub(super) fn vm_destroy(driver: &FakeDriver, handle: PhysHandle) -> Result<(), 
     if st.memory.chunk_device(handle.raw) != Some(handle.device) {
         return Err(DriverError::INVALID_HANDLE);
     }
+    super::ipc::forget_export(&mut st.exports, handle.raw);
     st.memory.release_chunk(handle.raw)
 }
 
