@@ -10,6 +10,9 @@
 //! target/release/examples/ipc_peer consume expandable_segments:True -- \
 //!     target/release/examples/ipc_peer produce expandable_segments:True
 //! # PyTorch on either side: xtask/torch/ipc_torch.py target/release/examples/ipc_peer
+//! # two GPUs: the consumer reads the blocks from GPU 1 through peer access
+//! IPC_PEER_DEVICE=1 target/release/examples/ipc_peer consume "" -- \
+//!     target/release/examples/ipc_peer produce ""
 //! ```
 //! The producer shares two blocks of one segment (1 MiB counting bytes, 4 KiB of 0x5A),
 //! frees the first before sending (it waits in the limbo for the consumer), and after
@@ -107,19 +110,60 @@ fn check_returned(a: &CachingAllocator, driver: &dyn Driver, second: DevicePtr) 
     Ok(())
 }
 
-/// The consumer's side: opens both, checks the data, writes the second, closes.
-fn receive(a: &CachingAllocator, driver: &dyn Driver, messages: &[SharedMessage]) -> Result<()> {
+/// Reads `bytes` at `ptr` (memory of device 0) from `peer` through peer access: a copy on
+/// a stream of `peer` into memory of `peer`, then back to the host.
+fn read_from_peer(
+    driver: &dyn Driver,
+    peer: DeviceIndex,
+    ptr: DevicePtr,
+    bytes: u64,
+) -> Result<Vec<u8>> {
+    let dst = driver.malloc(peer, bytes)?;
+    let stream = StreamHandle::legacy(peer);
+    driver.memcpy_dtod_async(dst, ptr, bytes, stream)?;
+    let mut out = vec![0; bytes as usize];
+    driver.memcpy_dtoh(&mut out, dst, stream)?;
+    driver.free(peer, dst)?;
+    Ok(out)
+}
+
+/// The device the consumer reads the blocks from (`IPC_PEER_DEVICE`), if not their own.
+fn peer_device() -> Result<Option<DeviceIndex>> {
+    match std::env::var("IPC_PEER_DEVICE") {
+        Ok(v) => Ok(Some(DeviceIndex(v.parse()?))),
+        Err(_) => Ok(None),
+    }
+}
+
+/// The consumer's side: opens both, checks the data (from `peer` if given), writes the
+/// second, closes.
+fn receive(
+    a: &CachingAllocator,
+    driver: &dyn Driver,
+    messages: &[SharedMessage],
+    peer: Option<DeviceIndex>,
+) -> Result<()> {
     let [m1, m2] = messages else {
         return Err(format!("{} messages, not 2", messages.len()).into());
     };
+    if let Some(peer) = peer {
+        // The peer's context may access device 0, and pages imported from now on are
+        // mapped with access for it (PyTorch's `addPeerAccess`).
+        driver.enable_peer_access(peer, D0)?;
+        a.add_peer_access(peer)?;
+    }
     let (r1, r2) = (a.open_shared(m1, S)?, a.open_shared(m2, S)?);
     if a.ipc_stats().opened_handles != 1 {
         return Err("two blocks of one segment should open one handle".into());
     }
-    if read(driver, r1.ptr(), FIRST)? != counting(FIRST) {
+    let reader = |ptr, bytes| match peer {
+        Some(peer) => read_from_peer(driver, peer, ptr, bytes),
+        None => read(driver, ptr, bytes),
+    };
+    if reader(r1.ptr(), FIRST)? != counting(FIRST) {
         return Err("the first block's bytes differ".into());
     }
-    if read(driver, r2.ptr(), SECOND)? != [0x5A; SECOND as usize] {
+    if reader(r2.ptr(), SECOND)? != [0x5A; SECOND as usize] {
         return Err("the second block's bytes differ".into());
     }
     driver.memcpy_htod_async(r2.ptr(), &[0xC3; SECOND as usize], S)?;
@@ -170,7 +214,7 @@ fn consume(conf: &str, producer: &[String]) -> Result<()> {
     for line in BufReader::new(stdout).lines().take(2) {
         messages.push(serde_json::from_str::<SharedMessage>(&line?)?);
     }
-    let received = receive(&a, &*driver, &messages);
+    let received = receive(&a, &*driver, &messages, peer_device()?);
     let mut stdin = child.stdin.take().ok_or("the producer's stdin")?;
     writeln!(
         stdin,
@@ -183,8 +227,9 @@ fn consume(conf: &str, producer: &[String]) -> Result<()> {
     if !status.success() {
         return Err(format!("the producer failed: {status}").into());
     }
+    let from = peer_device()?.map_or(String::new(), |p| format!(" from GPU {}", p.0));
     println!(
-        "consumer ok ({conf:?}, handle kind {:?}): data read, written and given back",
+        "consumer ok ({conf:?}, handle kind {:?}): data read{from}, written and given back",
         messages[0].handle.get(1).map(|&k| k as char)
     );
     Ok(())
@@ -204,16 +249,17 @@ fn ours_to_ours() -> Result<()> {
 /// Both roles on one fake device, for a run without a GPU.
 fn in_one_process() -> Result<()> {
     for conf in ["", "expandable_segments:True"] {
-        let fake: Arc<dyn Driver> = Arc::new(FakeDriver::default());
-        let (producer, consumer) = (
-            allocator(fake.clone(), conf)?,
-            allocator(fake.clone(), conf)?,
-        );
-        let [(first, m1), (second, m2)] = send(&producer, &*fake)?;
-        producer.free(first)?;
-        receive(&consumer, &*fake, &[m1, m2])?;
-        check_returned(&producer, &*fake, second)?;
-        println!("fake device ({conf:?}): shared, read, written and given back");
+        for peer in [None, Some(DeviceIndex(1))] {
+            let fake: Arc<dyn Driver> = Arc::new(FakeDriver::builder().devices(2).build());
+            let producer = allocator(fake.clone(), conf)?;
+            let consumer = allocator(fake.clone(), conf)?;
+            let [(first, m1), (second, m2)] = send(&producer, &*fake)?;
+            producer.free(first)?;
+            receive(&consumer, &*fake, &[m1, m2], peer)?;
+            check_returned(&producer, &*fake, second)?;
+            let from = peer.map_or(String::new(), |p| format!(" from device {}", p.0));
+            println!("fake device ({conf:?}): shared, read{from}, written and given back");
+        }
     }
     Ok(())
 }

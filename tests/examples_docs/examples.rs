@@ -116,12 +116,14 @@ fn ipc_peer_shares_blocks_on_the_fake_device() -> Result<(), String> {
     let t = text(&out);
     assert!(out.status.success(), "{t}");
     for conf in ["\"\"", "\"expandable_segments:True\""] {
-        assert!(
-            t.contains(&format!(
-                "fake device ({conf}): shared, read, written and given back"
-            )),
-            "{t}"
-        );
+        for from in ["", " from device 1"] {
+            assert!(
+                t.contains(&format!(
+                    "fake device ({conf}): shared, read{from}, written and given back"
+                )),
+                "{t}"
+            );
+        }
     }
     let out = run("ipc_peer", &[], &["produce", ""])?;
     assert!(!out.status.success());

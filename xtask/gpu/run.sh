@@ -255,6 +255,28 @@ if [ -n "${MULTI_GPU:-}" ] && [ -f torch_dist.py ] && want torch_dist; then
     echo "torch_dist.py failed"; failed=$((failed + 1))
   fi
 fi
+# The all-reduce under torchrun, ferrocuda's workers against PyTorch's, same run.
+if [ -n "${MULTI_GPU:-}" ] && [ -f torchrun_allreduce.py ] && [ -f multi_torchrun_multigpu ] && want torchrun_allreduce; then
+  echo "=== torchrun_allreduce.py (256 MiB fp32 under torchrun, both sides, 3 rounds)"
+  if OUT="$OUT" PYTHONUNBUFFERED=1 python3 torchrun_allreduce.py ./multi_torchrun_multigpu 2>&1 | tee "$OUT/torchrun_allreduce.log"; then
+    passed=$((passed + 1))
+  else
+    echo "torchrun_allreduce.py failed"; failed=$((failed + 1))
+  fi
+fi
+# CUDA IPC between two processes, read from the other GPU through peer access.
+if [ -n "${MULTI_GPU:-}" ] && [ -f example_ipc_peer ] && want ipc_peer_multi; then
+  echo "=== ipc_peer across GPUs (consumer reads from GPU 1)"
+  ok=1
+  for conf in "" "expandable_segments:True"; do
+    IPC_PEER_DEVICE=1 ./example_ipc_peer consume "$conf" -- ./example_ipc_peer produce "$conf" 2>&1 | tee -a "$OUT/ipc_peer_multi.log" || ok=0
+  done
+  if [ "$ok" = 1 ] && [ "$(grep -c 'from GPU 1' "$OUT/ipc_peer_multi.log")" = 2 ]; then
+    passed=$((passed + 1))
+  else
+    echo "ipc_peer across GPUs failed"; failed=$((failed + 1))
+  fi
+fi
 if [ -n "${MULTI_GPU:-}" ] && [ -f "$OUT/torch_dist.json" ]; then
   python3 - "$OUT" <<'PY'
 import json, os, re, sys

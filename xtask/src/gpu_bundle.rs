@@ -34,7 +34,7 @@ const GPU_TESTS: &[&str] = &[
 ];
 /// Test binaries that need two GPUs: bundled as `multi_*`, run by run.sh only with
 /// `MULTI_GPU=1` (on fewer than two GPUs they fail, never skip).
-const GPU_TESTS_MULTI: &[&str] = &["dist_multigpu"];
+const GPU_TESTS_MULTI: &[&str] = &["dist_multigpu", "torchrun_multigpu"];
 /// Shared libraries the bundled tests load from beside themselves (package, library name).
 const GPU_LIBRARIES: &[(&str, &str)] =
     &[("ferrocuda-pluggable-fixture", "ferrocuda_pluggable_fixture")];
@@ -171,6 +171,9 @@ pub(crate) fn gpu_bundle() -> Result<(), String> {
     std::fs::write(dir.join("torch_plan.py"), TORCH_PLAN_PY).map_err(|e| e.to_string())?;
     // And the several-GPU one (PyTorch's side of crates/dist/benches/multi_gpu.rs).
     std::fs::write(dir.join("torch_dist.py"), TORCH_DIST_PY).map_err(|e| e.to_string())?;
+    // And the all-reduce under torchrun, both sides (multi_torchrun_multigpu's bench role).
+    std::fs::write(dir.join("torchrun_allreduce.py"), TORCHRUN_ALLREDUCE_PY)
+        .map_err(|e| e.to_string())?;
     // And CUDA IPC's (PyTorch on either side of examples/ipc_peer.rs).
     std::fs::write(dir.join("ipc_torch.py"), TORCH_IPC_PY).map_err(|e| e.to_string())?;
     bundle_replay(&dir, &torch_replay)?;
@@ -303,6 +306,7 @@ const TORCH_MATHLIB_PY: &str = include_str!("../anchors/torch_mathlib.py");
 /// PyTorch's CUDA graph pools against `ferrocuda plan` (run by `run.sh` as `torch_plan`).
 const TORCH_PLAN_PY: &str = include_str!("../anchors/torch_plan.py");
 const TORCH_IPC_PY: &str = include_str!("../torch/ipc_torch.py");
+const TORCHRUN_ALLREDUCE_PY: &str = include_str!("../anchors/torchrun_allreduce.py");
 
 /// PyTorch's `dist.all_reduce` (NCCL) bus bandwidth and `t.to("cuda:1")` bandwidth, measured
 /// beside `crates/dist/benches/multi_gpu.rs` (run by `run.sh` with `MULTI_GPU=1`).

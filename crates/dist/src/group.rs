@@ -24,6 +24,8 @@ pub struct ProcessGroup {
     health: Arc<Health>,
     /// Collectives issued (the watchdog's sequence numbers).
     issued: AtomicU64,
+    /// The job's store, kept while the group lives when other ranks may still use it.
+    store: Option<Arc<crate::TcpStore>>,
     // Declared last: dropped (stopped) after nothing else needs it.
     watchdog: Option<Watchdog>,
 }
@@ -99,8 +101,15 @@ impl ProcessGroup {
             stream,
             health: Arc::default(),
             issued: AtomicU64::new(0),
+            store: None,
             watchdog: None,
         })
+    }
+
+    /// Keeps `store` as long as the group (rank 0's process serves it to the others).
+    pub(crate) fn with_store(mut self, store: Arc<crate::TcpStore>) -> ProcessGroup {
+        self.store = Some(store);
+        self
     }
 
     /// Watches this group (PyTorch's watchdog with `TORCH_NCCL_ASYNC_ERROR_HANDLING`): a

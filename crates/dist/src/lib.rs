@@ -74,6 +74,6 @@ pub use fake::{FakeGroup, FakeRank};
 pub use ferrocuda_driver::nccl::{CollectiveCall, CollectiveOp, ReduceOp};
 pub use group::{ProcessGroup, Work};
 pub use reducer::{BucketCaps, Reducer, assign_buckets, reduce_found_inf};
-pub use rendezvous::{DistEnv, rendezvous};
+pub use rendezvous::{DistEnv, pytorch_unique_id_key, rendezvous};
 pub use store::{StoreError, TcpStore, TcpStoreServer};
 pub use store_group::StoreRank;

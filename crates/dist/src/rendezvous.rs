@@ -221,6 +221,60 @@ impl ProcessGroup {
     }
 }
 
+impl ProcessGroup {
+    /// A rank of a job whose other ranks may be PyTorch processes
+    /// (`init_process_group("nccl")` under torchrun or `env://`): NCCL on `LOCAL_RANK`'s
+    /// GPU, its unique id exchanged under the key where PyTorch's rank 0 puts it and its
+    /// other ranks read it ([`pytorch_unique_id_key`]). PyTorch ranks claim no rank in the
+    /// store, so this meets them at NCCL's creation only (non-blocking, bounded by
+    /// `timeout`, as every collective is by the watchdog): a duplicate or missing rank is
+    /// a timeout here, not [`DistError::DuplicateRank`] or [`DistError::RanksMissing`].
+    /// PyTorch creates its communicator at its first collective (or at
+    /// `init_process_group` when given `device_id`); that call must come within `timeout`.
+    /// On the fake device there is no NCCL to share: an error.
+    pub fn join_pytorch(
+        runtime: Arc<Runtime>,
+        env: &DistEnv,
+        timeout: Duration,
+    ) -> Result<ProcessGroup> {
+        let device = env.device();
+        runtime.check_device(device)?;
+        let cuda = runtime.driver().clone().into_cuda().ok_or(DistError::Env {
+            var: "FERROCUDA_BACKEND",
+            message: "PyTorch ranks share NCCL communicators: the fake device has none".into(),
+        })?;
+        let store = if env.rank == 0 && !env.agent_store {
+            TcpStore::serve(env.master_port, None, timeout)?
+        } else {
+            TcpStore::connect(&env.master_addr, env.master_port, timeout)?
+        };
+        store.count_in()?;
+        let id = share_unique_id(&store, env.rank, &pytorch_unique_id_key(env))?;
+        let comm =
+            NcclComm::init_rank_nonblocking(&cuda, device, env.world_size, &id, env.rank, timeout)?;
+        // The store lives as long as the group: PyTorch ranks may still be using it.
+        ProcessGroup::new(runtime, Box::new(comm))?
+            .with_store(Arc::new(store))
+            .with_timeout(timeout)
+    }
+}
+
+/// Where PyTorch's default process group keeps its first NCCL communicator's unique id:
+/// `init_process_group` wraps the rendezvous store in `PrefixStore("default_pg")`, then
+/// the group's name (`"0/"`) and the device (`"cuda/"`), and ProcessGroupNCCL names the
+/// id by its communicator counter (`"0"`) (`torch/distributed/distributed_c10d.py`,
+/// `ProcessGroupNCCL::broadcastUniqueNCCLID`); under torchrun's agent store the
+/// rendezvous store is itself `PrefixStore("/worker/attempt_<restart>")`
+/// (`torch/distributed/rendezvous.py`). A `PrefixStore` joins with `/`.
+pub fn pytorch_unique_id_key(env: &DistEnv) -> String {
+    let key = "default_pg/0//cuda//0";
+    if env.agent_store {
+        format!("/worker/attempt_{}/{key}", env.restart_count)
+    } else {
+        key.to_owned()
+    }
+}
+
 /// Rank 0 makes NCCL's unique id and publishes it under `key`; the others read it (a rank
 /// 0 that could not make one publishes nothing usable, and the others fail at once).
 fn share_unique_id(store: &TcpStore, rank: usize, key: &str) -> Result<UniqueId> {

@@ -2,6 +2,7 @@
 //! `benches/multi_gpu.rs`): a runtime with the caching allocators over the real driver, and
 //! one thread per rank.
 #![allow(dead_code)] // each test binary uses part of it
+pub(crate) mod rank_checks;
 use ferrocuda_alloc::{Caching, DeviceAllocators};
 use ferrocuda_dist::{DistError, ProcessGroup};
 use ferrocuda_driver::CudaDriver;
