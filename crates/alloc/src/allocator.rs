@@ -313,7 +313,7 @@ impl CachingAllocator {
             return Ok(());
         }
         // A block another process holds is not freed (one relaxed load while none is).
-        if self.ipc.any_sent() && self.ipc_hold_back(ptr) {
+        if self.ipc.any_sent() && self.ipc_hold_back(ptr)? {
             return Ok(());
         }
         if !self.caching {

@@ -1,24 +1,21 @@
 //! The producer's calls: a block's handle, a send, the free of a shared block and the
 //! collection of the limbo.
 use super::sent::Send;
-use super::{IpcError, IpcStats, ShareableHandle, SharedMessage};
+use super::{
+    HANDLE_VERSION, IpcError, IpcStats, KIND_CUDA_MALLOC, KIND_EXPANDABLE, ShareableHandle,
+    SharedMessage,
+};
 use crate::{AllocError, CachingAllocator};
 use ferrocuda_types::{DevicePtr, EventFlags, StreamHandle};
-
-/// Version of the handle bytes (PyTorch's `SHAREABLE_HANDLE_VERSION`).
-pub(super) const HANDLE_VERSION: u8 = 2;
-/// A `cudaMalloc` segment's handle follows (`SHAREABLE_CUDA_MALLOC`).
-pub(super) const KIND_CUDA_MALLOC: u8 = b'c';
-/// An expandable segment's pages follow (`SHAREABLE_CUDA_EXPANDABLE_SEGMENT`).
-pub(super) const KIND_EXPANDABLE: u8 = b'e';
-/// Bytes of an expandable handle's header: pid (4, then 4 of padding), page size (8), page
-/// count (8), as PyTorch's `ShareHeader` lies in memory.
-pub(super) const SHARE_HEADER: usize = 24;
 
 impl CachingAllocator {
     /// The handle another process opens the live allocation at `ptr` with, and its offset
     /// there (PyTorch's `shareIpcHandle`; see the [module docs](crate::ipc)).
     pub fn share_ipc_handle(&self, ptr: DevicePtr) -> Result<ShareableHandle, AllocError> {
+        // Freed already (it waits in the limbo for its consumers): not a live allocation.
+        if self.ipc.in_limbo(ptr.0) {
+            return Err(AllocError::InvalidPointer(ptr));
+        }
         let driver = &self.engine.driver;
         let dev = self.engine.device;
         let mut out = vec![HANDLE_VERSION];
@@ -140,15 +137,17 @@ impl CachingAllocator {
     }
 
     /// The free of a shared block (PyTorch's `CudaIPCSentDataDelete`): `true` when it went
-    /// to the limbo (a consumer holds it), `false` when the free goes on. Collects the
-    /// limbo either way.
-    pub(crate) fn ipc_hold_back(&self, ptr: DevicePtr) -> bool {
-        let Some((held, finished)) = self.ipc.on_free(ptr.0) else {
-            return false;
+    /// to the limbo (a consumer holds it), `false` when the free goes on (collecting the
+    /// limbo either way). A block in the limbo was freed already: freeing it again is
+    /// [`AllocError::InvalidPointer`], as any double free.
+    pub(crate) fn ipc_hold_back(&self, ptr: DevicePtr) -> Result<bool, AllocError> {
+        let Some(freed) = self.ipc.on_free(ptr.0) else {
+            return Ok(false);
         };
+        let (held, finished) = freed.ok_or(AllocError::InvalidPointer(ptr))?;
         self.finish_sends(finished);
         self.ipc_collect();
-        held
+        Ok(held)
     }
 
     fn finish_sends(&self, sends: Vec<Send>) {

@@ -39,6 +39,16 @@ pub const REF_COUNTER_FILE_SIZE: usize = 10_000;
 /// (PyTorch's `CUDA_IPC_MAXIMUM_EVENTS_TO_USE`).
 pub const MAXIMUM_EVENTS_TO_USE: usize = 1_000;
 
+/// Version of the handle bytes (PyTorch's `SHAREABLE_HANDLE_VERSION`).
+pub(crate) const HANDLE_VERSION: u8 = 2;
+/// A `cudaMalloc` segment's handle follows (`SHAREABLE_CUDA_MALLOC`).
+pub(crate) const KIND_CUDA_MALLOC: u8 = b'c';
+/// An expandable segment's pages follow (`SHAREABLE_CUDA_EXPANDABLE_SEGMENT`).
+pub(crate) const KIND_EXPANDABLE: u8 = b'e';
+/// Bytes of an expandable handle's header: pid (4, then 4 of padding), page size (8), page
+/// count (8), as PyTorch's `ShareHeader` lies in memory.
+pub(crate) const SHARE_HEADER: usize = 24;
+
 /// A block's handle for another process: PyTorch's `ShareableHandle`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ShareableHandle {

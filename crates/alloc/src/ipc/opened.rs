@@ -1,8 +1,10 @@
 //! The consumer's calls: opening a handle once however many blocks use it (PyTorch's
 //! `getIpcDevPtr` and `MemHandleCacheEntry`; expandable pages as
 //! `ExpandableSegment::fromShared`), and a received block's close.
-use super::export::{HANDLE_VERSION, KIND_CUDA_MALLOC, KIND_EXPANDABLE, SHARE_HEADER};
-use super::{IpcError, REF_COUNTER_FILE_SIZE, SharedMessage};
+use super::{
+    HANDLE_VERSION, IpcError, KIND_CUDA_MALLOC, KIND_EXPANDABLE, REF_COUNTER_FILE_SIZE,
+    SHARE_HEADER, SharedMessage,
+};
 use crate::{AllocError, CachingAllocator};
 use ferrocuda_driver::shared_counters::SharedCounters;
 use ferrocuda_driver::{Driver, DriverError};

@@ -48,8 +48,9 @@ struct CurrentFile {
 struct Sent {
     /// Shared blocks the producer still holds, by address.
     live: FxHashMap<u64, SentBlock>,
-    /// Shared blocks the producer freed, held for their consumers.
-    limbo: FxHashMap<u64, SentBlock>,
+    /// Shared blocks the producer freed, held for their consumers, in the order they were
+    /// freed (the order a collection frees them in, as PyTorch's limbo).
+    limbo: Vec<(u64, SentBlock)>,
     current: Option<CurrentFile>,
     /// Files made so far (their names' last part).
     files_made: u64,
@@ -135,36 +136,40 @@ impl Sharing {
         self.any_sent.store(true, Ordering::Relaxed);
     }
 
-    /// The producer frees `ptr`: `None` if it was not shared; else whether it went to the
-    /// limbo (consumers hold it), with the sends to finish when it did not.
-    pub(super) fn on_free(&self, ptr: u64) -> Option<(bool, Vec<Send>)> {
+    /// Whether the block at `ptr` waits in the limbo: freed already, so not the
+    /// producer's to free or share again.
+    pub(super) fn in_limbo(&self, ptr: u64) -> bool {
+        self.any_limbo() && self.sent.lock().limbo.iter().any(|(p, _)| *p == ptr)
+    }
+
+    /// The producer frees `ptr`: `None` if it was not shared; `Some(None)` if it waits in
+    /// the limbo already (a second free); else whether it goes to the limbo now (consumers
+    /// hold it), with the sends to finish when it does not.
+    pub(super) fn on_free(&self, ptr: u64) -> Option<Option<(bool, Vec<Send>)>> {
         let mut sent = self.sent.lock();
-        let block = sent.live.remove(&ptr)?;
+        let Some(block) = sent.live.remove(&ptr) else {
+            return sent.limbo.iter().any(|(p, _)| *p == ptr).then_some(None);
+        };
         let out = if block.released() {
             (false, block.sends)
         } else {
-            sent.limbo.insert(ptr, block);
+            sent.limbo.push((ptr, block));
             (true, Vec::new())
         };
         self.update_flags(&sent);
-        Some(out)
+        Some(Some(out))
     }
 
-    /// Takes the limbo's blocks every consumer gave back, with their sends.
+    /// Takes the limbo's blocks every consumer gave back, with their sends, in the order
+    /// they entered it.
     pub(super) fn take_collectable(&self) -> Vec<(u64, SentBlock)> {
         let mut sent = self.sent.lock();
-        let done: Vec<u64> = sent
-            .limbo
-            .iter()
-            .filter(|(_, b)| b.released())
-            .map(|(&p, _)| p)
-            .collect();
-        let out = done
+        let (done, kept) = std::mem::take(&mut sent.limbo)
             .into_iter()
-            .filter_map(|p| sent.limbo.remove(&p).map(|b| (p, b)))
-            .collect();
+            .partition(|(_, b)| b.released());
+        sent.limbo = kept;
         self.update_flags(&sent);
-        out
+        done
     }
 
     /// Gives back the event slots of finished sends.
@@ -191,19 +196,21 @@ impl Sharing {
 
     pub(super) fn stats(&self) -> IpcStats {
         let sent = self.sent.lock();
-        let sum = |m: &FxHashMap<u64, SentBlock>| m.values().map(|b| b.bytes).sum::<u64>();
+        let limbo = sent.limbo.iter().map(|(_, b)| b);
+        let limbo_bytes = limbo.clone().map(|b| b.bytes).sum::<u64>();
+        let live_bytes = sent.live.values().map(|b| b.bytes).sum::<u64>();
         let open_sends = sent
             .live
             .values()
-            .chain(sent.limbo.values())
+            .chain(limbo)
             .flat_map(|b| &b.sends)
             .filter(|s| !s.released())
             .count() as u64;
         IpcStats {
             shared_blocks: (sent.live.len() + sent.limbo.len()) as u64,
-            shared_bytes: sum(&sent.live) + sum(&sent.limbo),
+            shared_bytes: live_bytes + limbo_bytes,
             limbo_blocks: sent.limbo.len() as u64,
-            limbo_bytes: sum(&sent.limbo),
+            limbo_bytes,
             open_sends,
             opened_handles: self.opened_handles.load(Ordering::Relaxed),
             opened_bytes: self.opened_bytes.load(Ordering::Relaxed),

@@ -19,6 +19,7 @@ mod capture_race;
 mod checkpoint;
 mod formats;
 mod ipc;
+mod ipc_adv;
 mod memory_pressure;
 mod next_capture;
 mod oom_forensics;
