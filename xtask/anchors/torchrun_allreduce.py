@@ -4,14 +4,15 @@ one run on the two-GPU machine (run by the bundle's run.sh with MULTI_GPU=1):
     python3 torchrun_allreduce.py ./multi_torchrun_multigpu
 
 Each round starts `torchrun --nproc_per_node=2` twice: the ferrocuda workers
-(FERROCUDA_MULTIGPU_WORKER=bench) and this script as PyTorch's workers
+(FERROCUDA_MULTIGPU_WORKER=bench, with PyTorch's libnccl first on LD_LIBRARY_PATH, so both
+sides run one NCCL) and this script as PyTorch's workers
 (`dist.all_reduce`, NCCL); both do 5 warm-ups and 50 calls each followed by a host wait and
 report NCCL's bus bandwidth over the median call. Three rounds, alternating which goes
 first; prints each side's median over the rounds and the ratio, writes
 torchrun_allreduce.json into $OUT (or the current folder). NVLink multicast stays off
 (NCCL_NVLS_ENABLE=0) on both sides.
 """
-import json, os, re, statistics, subprocess, sys, time
+import json, os, re, statistics, subprocess, sys, tempfile, time
 
 BYTES = 256 << 20
 
@@ -53,7 +54,14 @@ def main(binary):
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2"]
     ours_cmd = torchrun + ["--no-python", os.path.abspath(binary)]
     torch_cmd = torchrun + [os.path.abspath(__file__), "worker"]
-    ours_env = dict(env, FERROCUDA_MULTIGPU_WORKER="bench")
+    # Both sides on the same NCCL: PyTorch's wheel's, found first by ours too (ferrocuda
+    # opens `libnccl.so` by that name: a folder where that name is PyTorch's library).
+    import nvidia.nccl
+    nccl = tempfile.mkdtemp(prefix="torch_nccl_")
+    os.symlink(os.path.join(nvidia.nccl.__path__[0], "lib", "libnccl.so.2"),
+               os.path.join(nccl, "libnccl.so"))
+    ld = ":".join(p for p in [nccl, os.environ.get("LD_LIBRARY_PATH", "")] if p)
+    ours_env = dict(env, FERROCUDA_MULTIGPU_WORKER="bench", LD_LIBRARY_PATH=ld)
     ours, theirs = [], []
     for round_ in range(3):
         sides = [("ours", ours_cmd, ours_env, "ferrocuda_torchrun_allreduce_busbw_GBps", ours),

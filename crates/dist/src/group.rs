@@ -73,11 +73,16 @@ impl Work {
 
     /// Blocks the host until the collective has completed (`work.synchronize()` and a host
     /// wait). Under a watchdog, a collective that never completes ends the wait with the
-    /// group's failure ([`DistError::CollectiveTimeout`], [`DistError::Aborted`]) instead.
+    /// group's failure ([`DistError::CollectiveTimeout`], [`DistError::Aborted`]) instead:
+    /// the event is polled, yielding the thread for the first milliseconds (a collective
+    /// of a few hundred microseconds is seen as it ends, as a spinning synchronize sees
+    /// it), then sleeping between polls.
     pub fn synchronize(&self) -> Result<()> {
+        const SPIN: Duration = Duration::from_millis(20);
         let Some(health) = &self.health else {
             return Ok(self.done.synchronize()?);
         };
+        let start = Instant::now();
         loop {
             if self.done.query()? {
                 return Ok(());
@@ -85,7 +90,11 @@ impl Work {
             if let Some(e) = health.failed() {
                 return Err(e);
             }
-            std::thread::sleep(Duration::from_micros(100));
+            if start.elapsed() < SPIN {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(Duration::from_micros(100));
+            }
         }
     }
 }
@@ -110,6 +119,13 @@ impl ProcessGroup {
     pub(crate) fn with_store(mut self, store: Arc<crate::TcpStore>) -> ProcessGroup {
         self.store = Some(store);
         self
+    }
+
+    /// The job's store this group keeps ([`ProcessGroup::join_pytorch`]'s; PyTorch's
+    /// `_get_default_store()`): a process that serves it can keep it past the group for
+    /// ranks still using it.
+    pub fn store(&self) -> Option<Arc<crate::TcpStore>> {
+        self.store.clone()
     }
 
     /// Watches this group (PyTorch's watchdog with `TORCH_NCCL_ASYNC_ERROR_HANDLING`): a

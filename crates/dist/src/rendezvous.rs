@@ -14,7 +14,7 @@ use std::time::Duration;
 
 /// What torchrun tells a worker (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`,
 /// `MASTER_ADDR`, `MASTER_PORT`, `TORCHELASTIC_USE_AGENT_STORE`,
-/// `TORCHELASTIC_RESTART_COUNT`).
+/// `TORCHELASTIC_RESTART_COUNT`), and PyTorch's `TORCH_NCCL_USE_COMM_NONBLOCKING`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct DistEnv {
     /// This process's rank in the job.
@@ -35,6 +35,9 @@ pub struct DistEnv {
     /// How many times torchrun restarted the workers (0 if unset): a new attempt's keys do
     /// not meet an old one's.
     pub restart_count: u64,
+    /// `TORCH_NCCL_USE_COMM_NONBLOCKING=1`: NCCL communicators made non-blocking, as
+    /// PyTorch then makes them (off by default, as in PyTorch).
+    pub nonblocking_comm: bool,
 }
 
 fn env_error(var: &'static str, message: String) -> DistError {
@@ -114,6 +117,8 @@ impl DistEnv {
             master_port: required(&get, "MASTER_PORT")?,
             agent_store: get("TORCHELASTIC_USE_AGENT_STORE").is_some_and(|v| v == "True"),
             restart_count: number(&get, "TORCHELASTIC_RESTART_COUNT")?.unwrap_or(0),
+            nonblocking_comm: get("TORCH_NCCL_USE_COMM_NONBLOCKING")
+                .is_some_and(|v| matches!(v.trim(), "1" | "true" | "True" | "TRUE" | "y" | "yes")),
         })
     }
 
@@ -179,9 +184,14 @@ impl ProcessGroup {
     /// The process group of a worker torchrun started ([`DistEnv::from_env`],
     /// [`rendezvous`]): on the GPU, NCCL on `LOCAL_RANK`'s device, with rank 0's unique id
     /// shared through the store; on the fake device, a [`StoreRank`]. `timeout` is
-    /// `init_process_group`'s: it bounds the rendezvous, every store operation, the NCCL
-    /// communicator's creation (non-blocking: a rank that dies before it is an error, not a
-    /// hang) and every collective (the group's watchdog, [`ProcessGroup::with_timeout`]).
+    /// `init_process_group`'s: it bounds the rendezvous (every rank has arrived before NCCL
+    /// is asked for anything), every store operation and every collective (the group's
+    /// watchdog, [`ProcessGroup::with_timeout`]). The communicator is made as PyTorch makes
+    /// it: blocking by default; with `TORCH_NCCL_USE_COMM_NONBLOCKING=1`
+    /// ([`DistEnv::nonblocking_comm`]) non-blocking, its creation bounded by `timeout` too
+    /// (a rank that dies between the rendezvous and NCCL's creation is then an error, not a
+    /// hang), at a price: on two H200s its all-reduce of 256 MiB ran at 265 GB/s against a
+    /// blocking communicator's 289 GB/s (docs/multi_gpu.md).
     pub fn from_env(runtime: Arc<Runtime>, timeout: Duration) -> Result<ProcessGroup> {
         ProcessGroup::from_dist_env(runtime, &DistEnv::from_env()?, timeout)
     }
@@ -199,14 +209,18 @@ impl ProcessGroup {
         let comm: Box<dyn crate::Collective> = match runtime.driver().clone().into_cuda() {
             Some(cuda) => {
                 let id = share_unique_id(&store, env.rank, &format!("{prefix}/nccl_id"))?;
-                Box::new(NcclComm::init_rank_nonblocking(
-                    &cuda,
-                    device,
-                    env.world_size,
-                    &id,
-                    env.rank,
-                    timeout,
-                )?)
+                Box::new(if env.nonblocking_comm {
+                    NcclComm::init_rank_nonblocking(
+                        &cuda,
+                        device,
+                        env.world_size,
+                        &id,
+                        env.rank,
+                        timeout,
+                    )?
+                } else {
+                    NcclComm::init_rank(&cuda, device, env.world_size, &id, env.rank)?
+                })
             }
             None => Box::new(StoreRank::new(
                 runtime.driver().clone(),
@@ -231,7 +245,11 @@ impl ProcessGroup {
     /// a timeout here, not [`DistError::DuplicateRank`] or [`DistError::RanksMissing`].
     /// PyTorch creates its communicator at its first collective (or at
     /// `init_process_group` when given `device_id`); that call must come within `timeout`.
-    /// On the fake device there is no NCCL to share: an error.
+    /// The communicator is made non-blocking whatever [`DistEnv::nonblocking_comm`] says
+    /// (nothing else bounds the wait for PyTorch's ranks), which costs some speed
+    /// ([`ProcessGroup::from_dist_env`]). Every rank must load the same libnccl (NCCL
+    /// refuses ranks of different versions; docs/multi_gpu.md shows how to point ferrocuda
+    /// at PyTorch's). On the fake device there is no NCCL to share: an error.
     pub fn join_pytorch(
         runtime: Arc<Runtime>,
         env: &DistEnv,

@@ -205,6 +205,9 @@ fn mixed(torch_rank: usize) -> Outcome {
     rank_env(&mut py, torch_rank, &port);
     let mut rust = me("mixed")?;
     rank_env(&mut rust, ours, &port);
+    // One communicator needs one NCCL: PyTorch's wheel's, found first.
+    let nccl = torch_nccl_first()?;
+    rust.env("LD_LIBRARY_PATH", nccl.ld_library_path());
     // Ours first when it holds the store (rank 0), PyTorch's first otherwise.
     let spawn = |c: &mut Command| {
         c.stdin(Stdio::piped())
@@ -233,6 +236,48 @@ fn mixed(torch_rank: usize) -> Outcome {
     }
     println!("{torch_line}; {ours_line}");
     Ok(())
+}
+
+/// A folder whose `libnccl.so` is PyTorch's own libnccl (NCCL refuses a communicator whose
+/// ranks run different versions, and ferrocuda opens `libnccl.so` by that name first):
+/// what docs/multi_gpu.md tells a user of a mixed job to make.
+struct TorchNccl(std::path::PathBuf);
+
+impl TorchNccl {
+    fn ld_library_path(&self) -> String {
+        match std::env::var("LD_LIBRARY_PATH") {
+            Ok(rest) if !rest.is_empty() => format!("{}:{rest}", self.0.display()),
+            _ => self.0.display().to_string(),
+        }
+    }
+}
+
+impl Drop for TorchNccl {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn torch_nccl_first() -> Result<TorchNccl, String> {
+    let script = "import nvidia.nccl, os; \
+                  print(os.path.join(nvidia.nccl.__path__[0], 'lib', 'libnccl.so.2'))";
+    let out = Command::new("python3")
+        .args(["-c", script])
+        .output()
+        .map_err(|e| e.to_string())?;
+    let lib = String::from_utf8_lossy(&out.stdout).trim().to_owned();
+    if !out.status.success() || lib.is_empty() {
+        return Err(format!(
+            "PyTorch's NCCL: {}",
+            String::from_utf8_lossy(&out.stderr)
+        ));
+    }
+    let dir = std::env::temp_dir().join(format!("torch_nccl_{}", std::process::id()));
+    std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+    let link = dir.join("libnccl.so");
+    let _ = std::fs::remove_file(&link);
+    std::os::unix::fs::symlink(&lib, &link).map_err(|e| e.to_string())?;
+    Ok(TorchNccl(dir))
 }
 
 fn killed_rank() -> Outcome {
@@ -309,8 +354,12 @@ fn worker(role: &str) -> Result<(), Box<dyn std::error::Error>> {
                 return Err("the all-reduces with PyTorch's rank differ".into());
             }
             println!("ferrocuda rank {r} ok");
-            // The store lives here when this is rank 0: keep it until told.
+            // The communicator goes now (PyTorch's ranks destroy theirs too), the store
+            // (served here when this is rank 0) once the parent says PyTorch's rank is done.
+            let store = pg.store();
+            drop(pg);
             let _ = std::io::stdin().read_line(&mut String::new());
+            drop(store);
         }
         "killed" => killed_worker(&g, &env)?,
         "bench" => bench_worker(&g, &env)?,
@@ -356,22 +405,34 @@ fn killed_worker(g: &common::Gpus, env: &DistEnv) -> Result<(), Box<dyn std::err
     }
 }
 
-/// The all-reduce of 256 MiB fp32, 5 warm-ups then 50 calls each followed by a host wait;
-/// rank 0 prints NCCL's bus bandwidth (bytes × 2(n−1)/n over the median call).
+/// The all-reduce of 256 MiB fp32, 5 warm-ups then 50 calls each followed by a host wait
+/// for the device, as PyTorch's side does (`dist.all_reduce` makes the current stream wait,
+/// then `torch.cuda.synchronize()`); rank 0 prints NCCL's bus bandwidth (bytes × 2(n−1)/n
+/// over the median call).
 fn bench_worker(g: &common::Gpus, env: &DistEnv) -> Result<(), Box<dyn std::error::Error>> {
     const BYTES: usize = 256 << 20;
-    let pg = ProcessGroup::from_dist_env(g.rt.clone(), env, Duration::from_secs(120))?;
-    let t = DeviceBuffer::<f32>::filled(&g.rt, pg.device(), BYTES / 4, 1.0)?;
+    let pg = if std::env::var_os("FERROCUDA_BENCH_BLOCKING_COMM").is_some() {
+        blocking_group(g, env)?
+    } else {
+        ProcessGroup::from_dist_env(g.rt.clone(), env, Duration::from_secs(120))?
+    };
+    let dev = pg.device();
+    let t = DeviceBuffer::<f32>::filled(&g.rt, dev, BYTES / 4, 1.0)?;
+    let call = || -> Result<(), Box<dyn std::error::Error>> {
+        pg.all_reduce(&t, ReduceOp::Sum)?.wait()?;
+        g.rt.synchronize(dev)?;
+        Ok(())
+    };
     for _ in 0..5 {
-        pg.all_reduce(&t, ReduceOp::Sum)?.synchronize()?;
+        call()?;
     }
     let mut times: Vec<f64> = (0..50)
         .map(|_| {
             let start = Instant::now();
-            pg.all_reduce(&t, ReduceOp::Sum)?.synchronize()?;
+            call()?;
             Ok(start.elapsed().as_secs_f64())
         })
-        .collect::<Result<_, ferrocuda_dist::DistError>>()?;
+        .collect::<Result<_, Box<dyn std::error::Error>>>()?;
     times.sort_by(f64::total_cmp);
     let n = pg.size() as f64;
     let busbw = BYTES as f64 * 2.0 * (n - 1.0) / n / times[times.len() / 2] / 1e9;
@@ -379,4 +440,25 @@ fn bench_worker(g: &common::Gpus, env: &DistEnv) -> Result<(), Box<dyn std::erro
         println!("ferrocuda_torchrun_allreduce_busbw_GBps {busbw:.2}");
     }
     Ok(())
+}
+
+/// A group whose communicator is made blocking (`ncclCommInitRank`, as PyTorch's default
+/// `TORCH_NCCL_USE_COMM_NONBLOCKING=0`) without a watchdog: the bench's comparison point for
+/// the fail-fast group `from_dist_env` makes (`FERROCUDA_BENCH_BLOCKING_COMM=1`).
+fn blocking_group(
+    g: &common::Gpus,
+    env: &DistEnv,
+) -> Result<ProcessGroup, Box<dyn std::error::Error>> {
+    use ferrocuda_driver::nccl::{NcclComm, UniqueId};
+    let store = ferrocuda_dist::rendezvous(env, Duration::from_secs(120))?;
+    let id = if env.rank == 0 {
+        let id = UniqueId::new()?;
+        store.set("bench/nccl_id", &id.0)?;
+        id
+    } else {
+        let bytes = store.get("bench/nccl_id")?;
+        UniqueId(bytes.as_slice().try_into()?)
+    };
+    let comm = NcclComm::init_rank(&g.driver, env.device(), env.world_size, &id, env.rank)?;
+    Ok(ProcessGroup::new(g.rt.clone(), Box::new(comm))?)
 }

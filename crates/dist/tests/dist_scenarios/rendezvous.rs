@@ -38,9 +38,16 @@ fn torchruns_variables_make_the_env() -> Result<(), DistError> {
             master_port: 29500,
             agent_store: true,
             restart_count: 2,
+            nonblocking_comm: false,
         }
     );
     assert_eq!(e.device(), DeviceIndex(1));
+    // PyTorch's switch for non-blocking communicators: off unless set to a true value.
+    for (value, on) in [("1", true), ("true", true), ("0", false), ("", false)] {
+        let mut vars = TORCHRUN.to_vec();
+        vars.push(("TORCH_NCCL_USE_COMM_NONBLOCKING", value));
+        assert_eq!(env(&vars)?.nonblocking_comm, on, "{value:?}");
+    }
     // `torch.distributed.launch`-style: no agent store, no local world size, LOCAL_RANK 0.
     let e = env(&[
         ("RANK", "0"),

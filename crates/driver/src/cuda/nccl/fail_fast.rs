@@ -102,10 +102,16 @@ impl NcclComm {
         what: &'static str,
         timeout: Duration,
     ) -> Result<(), NcclError> {
+        const SPIN: Duration = Duration::from_millis(1);
         let start = Instant::now();
         loop {
             match self.async_state()? {
                 sys::ncclResult_t::ncclSuccess => return Ok(()),
+                // A call in progress usually ends within microseconds: yield for the first
+                // millisecond (a sleep here would be paid by every collective), then sleep.
+                sys::ncclResult_t::ncclInProgress if start.elapsed() < SPIN.min(timeout) => {
+                    std::thread::yield_now();
+                }
                 sys::ncclResult_t::ncclInProgress if start.elapsed() < timeout => {
                     std::thread::sleep(Duration::from_micros(200));
                 }
