@@ -209,18 +209,7 @@ impl ProcessGroup {
         let comm: Box<dyn crate::Collective> = match runtime.driver().clone().into_cuda() {
             Some(cuda) => {
                 let id = share_unique_id(&store, env.rank, &format!("{prefix}/nccl_id"))?;
-                Box::new(if env.nonblocking_comm {
-                    NcclComm::init_rank_nonblocking(
-                        &cuda,
-                        device,
-                        env.world_size,
-                        &id,
-                        env.rank,
-                        timeout,
-                    )?
-                } else {
-                    NcclComm::init_rank(&cuda, device, env.world_size, &id, env.rank)?
-                })
+                Box::new(nccl_rank(&cuda, env, &id, env.nonblocking_comm, timeout)?)
             }
             None => Box::new(StoreRank::new(
                 runtime.driver().clone(),
@@ -268,13 +257,29 @@ impl ProcessGroup {
         };
         store.count_in()?;
         let id = share_unique_id(&store, env.rank, &pytorch_unique_id_key(env))?;
-        let comm =
-            NcclComm::init_rank_nonblocking(&cuda, device, env.world_size, &id, env.rank, timeout)?;
+        let comm = nccl_rank(&cuda, env, &id, true, timeout)?;
         // The store lives as long as the group: PyTorch ranks may still be using it.
         ProcessGroup::new(runtime, Box::new(comm))?
             .with_store(Arc::new(store))
             .with_timeout(timeout)
     }
+}
+
+/// This rank's communicator on `env`'s device: non-blocking (its creation bounded by
+/// `timeout`) or blocking, as PyTorch's `TORCH_NCCL_USE_COMM_NONBLOCKING` chooses.
+fn nccl_rank(
+    cuda: &Arc<ferrocuda_driver::CudaDriver>,
+    env: &DistEnv,
+    id: &UniqueId,
+    nonblocking: bool,
+    timeout: Duration,
+) -> Result<NcclComm> {
+    let (dev, size, rank) = (env.device(), env.world_size, env.rank);
+    Ok(if nonblocking {
+        NcclComm::init_rank_nonblocking(cuda, dev, size, id, rank, timeout)?
+    } else {
+        NcclComm::init_rank(cuda, dev, size, id, rank)?
+    })
 }
 
 /// Where PyTorch's default process group keeps its first NCCL communicator's unique id:

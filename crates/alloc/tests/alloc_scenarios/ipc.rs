@@ -330,7 +330,7 @@ fn differential(conf: &str, seed: u64) -> Result<u32, Box<dyn std::error::Error>
 /// Where `ptr` lies: its segment's rank by address and its offset there. (The consumer's
 /// mappings take addresses of the shared fake too, so raw addresses differ between the
 /// runs while their order does not.)
-fn place(a: &CachingAllocator, ptr: DevicePtr) -> (usize, u64) {
+pub(super) fn place(a: &CachingAllocator, ptr: DevicePtr) -> (usize, u64) {
     let segments = a.snapshot().0;
     let mut bases: Vec<(u64, u64)> = segments.iter().map(|s| (s.address, s.total_size)).collect();
     bases.sort_unstable();
@@ -340,9 +340,9 @@ fn place(a: &CachingAllocator, ptr: DevicePtr) -> (usize, u64) {
 
 /// The snapshot's segments and blocks with addresses as [`place`]s.
 /// A segment's rank, size and blocks (offset, size, state).
-type SegmentLayout = (usize, u64, Vec<(u64, u64, String)>);
+pub(super) type SegmentLayout = (usize, u64, Vec<(u64, u64, String)>);
 
-fn layout(a: &CachingAllocator) -> Vec<SegmentLayout> {
+pub(super) fn layout(a: &CachingAllocator) -> Vec<SegmentLayout> {
     let mut segments = a.snapshot().0;
     segments.sort_by_key(|s| s.address);
     segments

@@ -1134,29 +1134,7 @@ fn threads_sharing_and_freeing_never_see_a_held_block_reused() {
 
 // ---- differential with the allocator's own collections -----------------------------------
 
-fn place(a: &CachingAllocator, ptr: DevicePtr) -> (usize, u64) {
-    let segments = a.snapshot().0;
-    let mut bases: Vec<(u64, u64)> = segments.iter().map(|s| (s.address, s.total_size)).collect();
-    bases.sort_unstable();
-    let rank = bases.iter().position(|&(b, n)| (b..b + n).contains(&ptr.0));
-    rank.map_or((usize::MAX, ptr.0), |r| (r, ptr.0 - bases[r].0))
-}
-
-type SegmentLayout = (usize, u64, Vec<(u64, u64, String)>);
-
-fn layout(a: &CachingAllocator) -> Vec<SegmentLayout> {
-    let mut segments = a.snapshot().0;
-    segments.sort_by_key(|s| s.address);
-    segments
-        .iter()
-        .enumerate()
-        .map(|(rank, s)| {
-            let blocks = s.blocks.iter();
-            let blocks = blocks.map(|b| (b.address - s.address, b.size, b.state.clone()));
-            (rank, s.total_size, blocks.collect())
-        })
-        .collect()
-}
+use super::ipc::{layout, place};
 
 /// One allocation of the program: its pointers in both runs, its sends not yet given back,
 /// whether the producer freed it, whether it was ever shared.

@@ -39,6 +39,7 @@ mod interop;
 mod ipc;
 mod kernels;
 pub(crate) mod libraries;
+mod lookups;
 mod mem_pool;
 mod memory;
 pub mod nccl;
@@ -251,53 +252,6 @@ impl CudaDriver {
             check(unsafe { sys::cuCtxSetCurrent(ctx as sys::CUcontext) })?;
         }
         Ok(l)
-    }
-
-    fn stream(&self, s: StreamHandle) -> Result<sys::CUstream, DriverError> {
-        let l = self.bind(s.device)?;
-        if !l.registry.read().knows_stream(s.device.0, s.raw) {
-            return Err(DriverError::INVALID_HANDLE);
-        }
-        Ok(s.raw as sys::CUstream)
-    }
-
-    fn event(&self, e: EventHandle) -> Result<(sys::CUevent, EventFlags), DriverError> {
-        let l = self.bind(e.device)?;
-        let flags = match l.registry.read().events.get(&e.raw) {
-            Some(&(d, flags)) if d == e.device.0 => flags,
-            _ => return Err(DriverError::INVALID_HANDLE),
-        };
-        Ok((e.raw as sys::CUevent, flags))
-    }
-
-    fn graph(&self, g: GraphHandle) -> Result<sys::CUgraph, DriverError> {
-        let l = self.bind(g.device)?;
-        match l.registry.read().graphs.get(&g.raw) {
-            Some(&d) if d == g.device.0 => Ok(g.raw as sys::CUgraph),
-            _ => Err(DriverError::INVALID_HANDLE),
-        }
-    }
-
-    fn exec(&self, e: GraphExecHandle) -> Result<sys::CUgraphExec, DriverError> {
-        let l = self.bind(e.device)?;
-        match l.registry.read().execs.get(&e.raw) {
-            Some(&d) if d == e.device.0 => Ok(e.raw as sys::CUgraphExec),
-            _ => Err(DriverError::INVALID_HANDLE),
-        }
-    }
-
-    fn host(&self, h: HostPtr, offset: u64, bytes: u64) -> Result<*mut u8, DriverError> {
-        let l = self.loaded()?;
-        let registry = l.registry.read();
-        let len = registry
-            .hosts
-            .get(&h.raw)
-            .or_else(|| registry.mallocs.get(&h.raw).map(|(len, _)| len));
-        let ok = len.is_some_and(|&len| offset.checked_add(bytes).is_some_and(|end| end <= len));
-        if !ok {
-            return Err(DriverError::INVALID_VALUE);
-        }
-        Ok((h.raw + offset) as *mut u8)
     }
 
     fn is_capturing(&self, stream: sys::CUstream) -> Result<bool, DriverError> {
