@@ -133,6 +133,18 @@ impl DistEnv {
     }
 }
 
+/// The job's store, counted into as PyTorch's `TCPStore` does (`init/`): torchrun's
+/// agent store, or (without one) rank 0 serves it on `MASTER_PORT` as `env://` does.
+fn job_store(env: &DistEnv, timeout: Duration) -> Result<TcpStore> {
+    let store = if env.rank == 0 && !env.agent_store {
+        TcpStore::serve(env.master_port, None, timeout)?
+    } else {
+        TcpStore::connect(&env.master_addr, env.master_port, timeout)?
+    };
+    store.count_in()?;
+    Ok(store)
+}
+
 /// How much longer than the others rank 0 waits at the rendezvous when its process holds
 /// the store.
 const HOST_GRACE: Duration = Duration::from_secs(1);
@@ -144,12 +156,7 @@ const HOST_GRACE: Duration = Duration::from_secs(1);
 /// arrive in time are [`DistError::RanksMissing`], naming them.
 pub fn rendezvous(env: &DistEnv, timeout: Duration) -> Result<Arc<TcpStore>> {
     let hosts = env.rank == 0 && !env.agent_store;
-    let store = if hosts {
-        TcpStore::serve(env.master_port, None, timeout)?
-    } else {
-        TcpStore::connect(&env.master_addr, env.master_port, timeout)?
-    };
-    store.count_in()?;
+    let store = job_store(env, timeout)?;
     // The store lives in rank 0's process: it waits a little longer than the others, so
     // that they can name the missing ranks before a failed rendezvous takes the store away.
     let wait = if hosts { timeout + HOST_GRACE } else { timeout };
@@ -250,12 +257,7 @@ impl ProcessGroup {
             var: "FERROCUDA_BACKEND",
             message: "PyTorch ranks share NCCL communicators: the fake device has none".into(),
         })?;
-        let store = if env.rank == 0 && !env.agent_store {
-            TcpStore::serve(env.master_port, None, timeout)?
-        } else {
-            TcpStore::connect(&env.master_addr, env.master_port, timeout)?
-        };
-        store.count_in()?;
+        let store = job_store(env, timeout)?;
         let id = share_unique_id(&store, env.rank, &pytorch_unique_id_key(env))?;
         let comm = nccl_rank(&cuda, env, &id, true, timeout)?;
         // The store lives as long as the group: PyTorch ranks may still be using it.

@@ -12,6 +12,11 @@ impl CachingAllocator {
     /// The handle another process opens the live allocation at `ptr` with, and its offset
     /// there (PyTorch's `shareIpcHandle`; see the [module docs](crate::ipc)).
     pub fn share_ipc_handle(&self, ptr: DevicePtr) -> Result<ShareableHandle, AllocError> {
+        Ok(self.handle_and_size(ptr)?.0)
+    }
+
+    /// [`CachingAllocator::share_ipc_handle`], and the block's size, read under one lock.
+    fn handle_and_size(&self, ptr: DevicePtr) -> Result<(ShareableHandle, u64), AllocError> {
         // Freed already (it waits in the limbo for its consumers): not a live allocation.
         if self.ipc.in_limbo(ptr.0) {
             return Err(AllocError::InvalidPointer(ptr));
@@ -21,21 +26,22 @@ impl CachingAllocator {
         let mut out = vec![HANDLE_VERSION];
         if !self.caching {
             // Without caching, every allocation is its own `cudaMalloc`.
-            if !self.uncached.lock().contains_key(&ptr.0) {
-                return Err(AllocError::InvalidPointer(ptr));
-            }
+            let bytes = self.uncached.lock().get(&ptr.0).map(|&(bytes, _)| bytes);
+            let bytes = bytes.ok_or(AllocError::InvalidPointer(ptr))?;
             out.push(KIND_CUDA_MALLOC);
             out.extend_from_slice(&driver.ipc_mem_handle(dev, ptr)?.0);
-            return Ok(ShareableHandle {
+            let handle = ShareableHandle {
                 offset: 0,
                 handle: out,
-            });
+            };
+            return Ok((handle, bytes));
         }
         let st = self.engine.lock();
         let id = st
             .blocks
             .allocated_at(ptr.0)
             .ok_or(AllocError::InvalidPointer(ptr))?;
+        let (start, size) = (st.blocks[id].ptr, st.blocks[id].size);
         let Some(segment) = st.expandable.segment_of(&st.blocks, id) else {
             let mut base = id;
             while let Some(prev) = st.blocks[base].prev.get() {
@@ -44,13 +50,13 @@ impl CachingAllocator {
             let base = st.blocks[base].ptr;
             out.push(KIND_CUDA_MALLOC);
             out.extend_from_slice(&driver.ipc_mem_handle(dev, DevicePtr(base))?.0);
-            return Ok(ShareableHandle {
+            let handle = ShareableHandle {
                 offset: ptr.0 - base,
                 handle: out,
-            });
+            };
+            return Ok((handle, size));
         };
         // The pages under the block (`ExpandableSegment::share`).
-        let (start, size) = (st.blocks[id].ptr, st.blocks[id].size);
         let first = (start - segment.va.base.0) / segment.page;
         let end = (start + size - segment.va.base.0).div_ceil(segment.page);
         out.push(KIND_EXPANDABLE);
@@ -63,10 +69,11 @@ impl CachingAllocator {
             let handle = handle.ok_or(AllocError::InvalidPointer(ptr))?;
             out.extend_from_slice(&driver.vm_export(handle)?.to_ne_bytes());
         }
-        Ok(ShareableHandle {
+        let handle = ShareableHandle {
             offset: start - (segment.va.base.0 + first * segment.page),
             handle: out,
-        })
+        };
+        Ok((handle, size))
     }
 
     /// Sends the live allocation at `ptr` (`bytes` long, in use on `stream`) to another
@@ -79,8 +86,7 @@ impl CachingAllocator {
         bytes: u64,
         stream: StreamHandle,
     ) -> Result<SharedMessage, AllocError> {
-        let handle = self.share_ipc_handle(ptr)?;
-        let block_bytes = self.allocation_size(ptr)?;
+        let (handle, block_bytes) = self.handle_and_size(ptr)?;
         let (file, slot) = self.ipc.take_counter()?;
         let driver = &self.engine.driver;
         let mut event_handle = vec![0; 64];
@@ -120,20 +126,6 @@ impl CachingAllocator {
         self.ipc
             .add_send(ptr.0, block_bytes, Send { file, slot, event });
         Ok(message)
-    }
-
-    /// The size of the live allocation at `ptr`.
-    fn allocation_size(&self, ptr: DevicePtr) -> Result<u64, AllocError> {
-        if !self.caching {
-            let uncached = self.uncached.lock();
-            return uncached
-                .get(&ptr.0)
-                .map(|&(bytes, _)| bytes)
-                .ok_or(AllocError::InvalidPointer(ptr));
-        }
-        let st = self.engine.lock();
-        let id = st.blocks.allocated_at(ptr.0);
-        Ok(st.blocks[id.ok_or(AllocError::InvalidPointer(ptr))?].size)
     }
 
     /// The free of a shared block (PyTorch's `CudaIPCSentDataDelete`): `true` when it went

@@ -250,21 +250,31 @@ impl Memory {
     ) -> Result<DevicePtr, DriverError> {
         let c = self.chunks.get(&chunk).ok_or(DriverError::INVALID_VALUE)?;
         let len = round_up(c.bytes, GRANULARITY);
-        let space = self.space(dev)?;
-        let at = Self::take_va(space, len, GRANULARITY)?;
-        space.mappings.insert(
-            at.0,
-            Mapping {
-                len,
-                chunk,
-                accessible: true,
-                peers: u64::MAX,
-            },
-        );
+        let at = Self::take_va(self.space(dev)?, len, GRANULARITY)?;
+        self.map_for_every_device(dev, at, len, chunk)?;
+        Ok(at)
+    }
+
+    /// Maps `chunk` at `at` of `dev`, accessible to every device (peer access for memory of
+    /// `cuMemAlloc` and of opened IPC handles is the contexts'), holding the chunk.
+    fn map_for_every_device(
+        &mut self,
+        dev: DeviceIndex,
+        at: DevicePtr,
+        len: u64,
+        chunk: u64,
+    ) -> Result<(), DriverError> {
+        let mapping = Mapping {
+            len,
+            chunk,
+            accessible: true,
+            peers: u64::MAX,
+        };
+        self.space(dev)?.mappings.insert(at.0, mapping);
         if let Some(c) = self.chunks.get_mut(&chunk) {
             c.mappings += 1;
         }
-        Ok(at)
+        Ok(())
     }
 
     /// Removes a mapping [`Memory::map_shared`] made (`cuIpcCloseMemHandle`).
@@ -471,19 +481,9 @@ impl Memory {
                 return Err(e);
             }
         };
-        let space = self.space(dev)?;
-        space.mappings.insert(
-            at.0,
-            Mapping {
-                len,
-                chunk,
-                accessible: true,
-                peers: u64::MAX,
-            },
-        );
-        space.mallocs.insert(at.0, chunk);
+        self.map_for_every_device(dev, at, len, chunk)?;
+        self.space(dev)?.mallocs.insert(at.0, chunk);
         if let Some(c) = self.chunks.get_mut(&chunk) {
-            c.mappings = 1;
             c.released = true;
         }
         Ok(at)
