@@ -22,18 +22,38 @@ pub(crate) struct ExpandableSegment {
     /// Frees since a reclaim mark was last due on this segment.
     pub(crate) frees_since_mark: u32,
     pub(crate) stream: StreamHandle,
+    /// `log2(page)` for the usual power-of-two page: every free stamps its pages, and a
+    /// shift is not a division (tens of cycles on the hot path).
+    page_shift: Option<u32>,
 }
 
 impl ExpandableSegment {
+    /// A segment of `bytes` over the reserved range `va`, nothing mapped yet.
+    pub(crate) fn new(
+        va: VaRange,
+        bytes: u64,
+        page: u64,
+        stream: StreamHandle,
+    ) -> ExpandableSegment {
+        let pages = (bytes / page) as usize;
+        ExpandableSegment {
+            va,
+            page,
+            handles: vec![None; pages],
+            freed: vec![0; pages],
+            frees_since_mark: 0,
+            stream,
+            page_shift: page.is_power_of_two().then(|| page.trailing_zeros()),
+        }
+    }
+
     /// The index of the page that holds `addr` (an address inside this segment).
+    #[inline]
     fn page_index(&self, addr: u64) -> usize {
         let offset = addr - self.va.base.0;
-        // Every free stamps its pages: a shift for the usual power-of-two page, not a
-        // division (tens of cycles on the hot path).
-        let index = if self.page.is_power_of_two() {
-            offset >> self.page.trailing_zeros()
-        } else {
-            offset / self.page
+        let index = match self.page_shift {
+            Some(shift) => offset >> shift,
+            None => offset / self.page,
         };
         index as usize
     }
@@ -148,8 +168,13 @@ impl Expandable {
         let (ptr, end) = (blocks[id].ptr, blocks[id].ptr + blocks[id].size);
         let (stamp, frees_per_mark) = (self.clock.epoch(), self.clock.frees_per_mark());
         if let Some(segment) = self.segment_of_mut(blocks, id) {
-            let (from, to) = (segment.page_index(ptr), segment.page_index(end - 1) + 1);
-            segment.freed[from..to].fill(stamp);
+            let (from, last) = (segment.page_index(ptr), segment.page_index(end - 1));
+            // Most freed blocks lie within one page.
+            if from == last {
+                segment.freed[from] = stamp;
+            } else {
+                segment.freed[from..=last].fill(stamp);
+            }
             segment.frees_since_mark += 1;
             if segment.frees_since_mark >= frees_per_mark {
                 segment.frees_since_mark = 0;

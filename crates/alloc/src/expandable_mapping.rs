@@ -58,14 +58,9 @@ impl Engine {
             Err(e) => return Err(e.into()),
         };
         let mut st = self.lock();
-        let segment = st.expandable.add(ExpandableSegment {
-            va,
-            page,
-            handles: vec![None; (bytes / page) as usize],
-            freed: vec![0; (bytes / page) as usize],
-            frees_since_mark: 0,
-            stream,
-        });
+        let segment = st
+            .expandable
+            .add(ExpandableSegment::new(va, bytes, page, stream));
         let id = st.blocks.insert(Block::new(
             va.base.0,
             bytes,

@@ -161,6 +161,7 @@ impl FreeList {
         }
     }
 
+    #[inline(always)]
     fn removed_from(&mut self, b: usize) {
         self.len -= 1;
         // Clears the bin's bit if it emptied, without a branch (which bin empties is random).
@@ -169,7 +170,7 @@ impl FreeList {
     }
 
     /// The entry with the smallest key of at least `k`.
-    #[inline]
+    #[inline(always)]
     pub(crate) fn first_from(&self, k: u128) -> Option<Found> {
         let (mut b, mut bound) = (bin(key_size(k)), k);
         loop {
@@ -260,14 +261,16 @@ impl Bin {
         if self.large.is_some() || self.small.len() >= SHORT {
             return self.insert_long(k, id);
         }
-        // Bins are mostly a handful long: step the new entry down into place (no binary
-        // search, no memmove call).
+        // Bins are mostly a handful long: shift the smaller entries up one and drop the new
+        // entry into the gap (no binary search, no memmove call).
         self.small.push((k, id));
-        let mut i = self.small.len() - 1;
-        while i > 0 && self.small[i - 1].0 < k {
-            self.small.swap(i - 1, i);
+        let entries = self.small.as_mut_slice();
+        let mut i = entries.len() - 1;
+        while i > 0 && entries[i - 1].0 < k {
+            entries[i] = entries[i - 1];
             i -= 1;
         }
+        entries[i] = (k, id);
     }
 
     #[inline(never)]

@@ -92,7 +92,7 @@ impl PoolCounters {
 
     /// Moves `pool` by the signed `delta`: one increase or one decrease (none at 0), as
     /// PyTorch applies a net change.
-    #[inline]
+    #[inline(always)]
     pub(crate) fn change(&mut self, pool: PoolKind, delta: i64) {
         if delta > 0 {
             self.increase(pool, delta);
