@@ -37,6 +37,7 @@
 #![forbid(unsafe_code)]
 
 mod bench;
+mod churn_profile;
 mod ci;
 mod cli_fuzz;
 mod doc;
@@ -71,6 +72,9 @@ tasks:
   graph-fuzz [--programs N] [--seed S]
                   the graph data-integrity fuzz in release (10 000 programs unless told)
   loom            the thread cache's slot protocol under loom (built in target/loom)
+  churn-profile   the allocator's mixed churn on the fake device under callgrind:
+                  instructions per operation, default and recommended configuration
+                  (needs valgrind)
   alloc-oracle [DIR]
                   PyTorch's allocator results against ours, step by step
                   (DIR: tests/data/oracle)
@@ -109,6 +113,7 @@ fn main() -> ExitCode {
         "doc" => without_arguments(&rest, doc::doc),
         "cli-fuzz" => cli_fuzz::Options::parse(&rest).and_then(|o| cli_fuzz::cli_fuzz(&o)),
         "loom" => without_arguments(&rest, loom::loom),
+        "churn-profile" => without_arguments(&rest, churn_profile::churn_profile),
         "alloc-fuzz" | "thread-diff" | "graph-fuzz" => {
             let long = match task.as_str() {
                 "alloc-fuzz" => &long_run::ALLOC_FUZZ,
@@ -292,6 +297,7 @@ mod tests {
             "thread-diff",
             "graph-fuzz",
             "loom",
+            "churn-profile",
             "alloc-oracle",
             "help",
         ] {

@@ -1,0 +1,115 @@
+//! The allocator bench's mixed churn (`benches/alloc.rs`, PyTorch's `torch_anchor.py`: 1 024
+//! slots, each step frees its slot's block or allocates 512 B to 8 MiB into it, from one
+//! xorshift generator), run continuously: a warm-up of `STEPS`, then `ROUNDS` timed rounds of
+//! `STEPS` each. Small and free of criterion, so a profiler sees the allocator alone:
+//! `cargo xtask churn-profile` counts its instructions per operation under callgrind.
+//!
+//! `cargo run --release -p ferrocuda-alloc --example churn -- [CONF] [STEPS] [ROUNDS]`
+//! (CONF: an allocator configuration string, "" for PyTorch's defaults). It runs over the
+//! real driver when a GPU is usable, else over the fake device, and says which; on the fake
+//! device it also prints the driver calls the timed rounds made (a steady churn makes none
+//! with the default configuration).
+use ferrocuda_alloc::{Caching, CachingAllocator};
+use ferrocuda_driver::{Call, CudaDriver, Driver, FakeDriver};
+use ferrocuda_types::{AllocatorConfig, DeviceIndex, DevicePtr, StreamHandle};
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Instant;
+
+const STREAM: StreamHandle = StreamHandle::legacy(DeviceIndex(0));
+/// The fake device's calls worth reporting for a churn.
+const CALLS: [Call; 7] = [
+    Call::Malloc,
+    Call::Free,
+    Call::VmMap,
+    Call::VmUnmap,
+    Call::EventRecord,
+    Call::EventQuery,
+    Call::StreamQuery,
+];
+
+struct Churn {
+    live: Vec<Option<u64>>,
+    state: u64,
+}
+
+impl Churn {
+    fn run(&mut self, a: &CachingAllocator, steps: u64) -> Result<(), String> {
+        for _ in 0..steps {
+            let s = &mut self.state;
+            *s ^= *s << 13;
+            *s ^= *s >> 7;
+            *s ^= *s << 17;
+            let slot = (*s % 1024) as usize;
+            match self.live[slot].take() {
+                Some(p) => a.free(DevicePtr(p)).map_err(|e| e.to_string())?,
+                None => {
+                    let size = 512u64 << ((*s >> 40) % 15);
+                    let block = a.allocate(size, STREAM).map_err(|e| e.to_string())?;
+                    self.live[slot] = Some(block.ptr.0);
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+fn number(arg: Option<&String>, default: u64) -> Result<u64, String> {
+    arg.map_or(Ok(default), |s| {
+        s.parse().map_err(|e| format!("`{s}` is not a count: {e}"))
+    })
+}
+
+fn churn(args: &[String]) -> Result<(), String> {
+    let conf = args.first().cloned().unwrap_or_default();
+    let steps = number(args.get(1), 2_000_000)?;
+    let rounds = number(args.get(2), 3)?;
+    let config = AllocatorConfig::parse(&conf).map_err(|e| e.to_string())?;
+    let cuda = CudaDriver::new();
+    let fake = Arc::new(FakeDriver::default());
+    let (driver, on): (Arc<dyn Driver>, _) = match cuda.unavailable_reason() {
+        None => (Arc::new(cuda), "the GPU"),
+        Some(_) => (fake.clone(), "the fake device"),
+    };
+    let a = CachingAllocator::new(driver, DeviceIndex(0), config, Caching::On)
+        .map_err(|e| e.to_string())?;
+    let mut churn = Churn {
+        live: vec![None; 1024],
+        state: 88172645463325252,
+    };
+    churn.run(&a, steps)?;
+    let before = CALLS.map(|c| fake.calls(c));
+    let mut times = Vec::new();
+    for _ in 0..rounds {
+        let start = Instant::now();
+        churn.run(&a, steps)?;
+        times.push(format!(
+            "{:.1}",
+            start.elapsed().as_nanos() as f64 / steps as f64
+        ));
+    }
+    println!(
+        "churn on {on}, configuration \"{conf}\": ns per operation {}",
+        times.join(" ")
+    );
+    if on == "the fake device" {
+        let calls: Vec<String> = CALLS
+            .iter()
+            .zip(before)
+            .map(|(c, b)| format!("{c:?} {}", fake.calls(*c) - b))
+            .collect();
+        println!("driver calls in the timed rounds: {}", calls.join(", "));
+    }
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    match churn(&args) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("churn: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
