@@ -6,9 +6,9 @@
 //!
 //! `cargo run --release -p ferrocuda-alloc --example churn -- [CONF] [STEPS] [ROUNDS]`
 //! (CONF: an allocator configuration string, "" for PyTorch's defaults). It runs over the
-//! real driver when a GPU is usable, else over the fake device, and says which; on the fake
-//! device it also prints the driver calls the timed rounds made (a steady churn makes none
-//! with the default configuration).
+//! real driver when a GPU is usable and `FERROCUDA_BACKEND` is not `fake`, else over the fake
+//! device, and says which; on the fake device it also prints the driver calls the timed
+//! rounds made (a steady churn makes almost none with the default configuration).
 use ferrocuda_alloc::{Caching, CachingAllocator};
 use ferrocuda_driver::{Call, CudaDriver, Driver, FakeDriver};
 use ferrocuda_types::{AllocatorConfig, DeviceIndex, DevicePtr, StreamHandle};
@@ -65,11 +65,14 @@ fn churn(args: &[String]) -> Result<(), String> {
     let steps = number(args.get(1), 2_000_000)?;
     let rounds = number(args.get(2), 3)?;
     let config = AllocatorConfig::parse(&conf).map_err(|e| e.to_string())?;
-    let cuda = CudaDriver::new();
     let fake = Arc::new(FakeDriver::default());
-    let (driver, on): (Arc<dyn Driver>, _) = match cuda.unavailable_reason() {
-        None => (Arc::new(cuda), "the GPU"),
-        Some(_) => (fake.clone(), "the fake device"),
+    let cuda = (std::env::var("FERROCUDA_BACKEND").as_deref() != Ok("fake"))
+        .then(CudaDriver::new)
+        .filter(|cuda| cuda.unavailable_reason().is_none());
+    let on_gpu = cuda.is_some();
+    let driver: Arc<dyn Driver> = match cuda {
+        Some(cuda) => Arc::new(cuda),
+        None => fake.clone(),
     };
     let a = CachingAllocator::new(driver, DeviceIndex(0), config, Caching::On)
         .map_err(|e| e.to_string())?;
@@ -88,11 +91,12 @@ fn churn(args: &[String]) -> Result<(), String> {
             start.elapsed().as_nanos() as f64 / steps as f64
         ));
     }
+    let on = if on_gpu { "the GPU" } else { "the fake device" };
     println!(
         "churn on {on}, configuration \"{conf}\": ns per operation {}",
         times.join(" ")
     );
-    if on == "the fake device" {
+    if !on_gpu {
         let calls: Vec<String> = CALLS
             .iter()
             .zip(before)
