@@ -121,9 +121,11 @@ impl ProcessGroup {
         self
     }
 
-    /// The job's store this group keeps ([`ProcessGroup::join_pytorch`]'s; PyTorch's
-    /// `_get_default_store()`): a process that serves it can keep it past the group for
-    /// ranks still using it.
+    /// The job's store this group keeps (made by [`ProcessGroup::from_env`] or
+    /// [`ProcessGroup::join_pytorch`]; PyTorch's `_get_default_store()`), for keys the ranks
+    /// exchange besides the collectives; a process that serves it can keep it past the group
+    /// for ranks still using it. `None` for a group made from a communicator
+    /// ([`ProcessGroup::new`]).
     pub fn store(&self) -> Option<Arc<crate::TcpStore>> {
         self.store.clone()
     }

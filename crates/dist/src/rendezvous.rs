@@ -220,14 +220,18 @@ impl ProcessGroup {
             }
             None => Box::new(StoreRank::new(
                 runtime.driver().clone(),
-                store,
+                store.clone(),
                 env.rank,
                 env.world_size,
                 device,
                 &format!("{prefix}/group"),
             )?),
         };
-        ProcessGroup::new(runtime, comm)?.with_timeout(timeout)
+        // The store lives as long as the group, as PyTorch's default store does
+        // (`ProcessGroup::store`).
+        ProcessGroup::new(runtime, comm)?
+            .with_store(store)
+            .with_timeout(timeout)
     }
 }
 

@@ -684,6 +684,13 @@ fn adv_rdzv_rank0_store_ranks_agree_on_every_collective() {
                     (r, n, DeviceIndex(r as u16))
                 );
                 rounds(&g, &rt, 0xAB, 6).unwrap();
+                // The job's store stays with the group (PyTorch's default store): the ranks
+                // meet through it after their collectives.
+                let store = g.store().expect("the group keeps the job's store");
+                store.set(&format!("after/{r}"), b"done").unwrap();
+                let keys: Vec<String> = (0..n).map(|i| format!("after/{i}")).collect();
+                let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+                store.wait(&keys, Some(T)).unwrap();
             });
         }
     });
