@@ -88,10 +88,10 @@ impl Pools {
         &mut self.streams[index as usize].1[kind.index()]
     }
 
-    /// Notes that list (`index`, `kind`) may have become empty.
+    /// Notes that list (`index`, `kind`), which a block just left, may have become empty.
     #[inline(always)]
-    fn removed(&mut self, index: u32, kind: PoolKind) {
-        if self.at(index, kind).len() == 0 {
+    fn removed(&mut self, index: u32, kind: PoolKind, left: usize) {
+        if left == 0 {
             self.occupied[kind.index()].remove(index as usize);
         }
     }
@@ -120,8 +120,10 @@ impl Pools {
         let b = &mut blocks[id];
         b.in_pool = false;
         let (list, kind) = (b.list, b.pool);
-        self.at(list, kind).remove(key(b.size, b.ptr));
-        self.removed(list, kind);
+        let list_of = self.at(list, kind);
+        list_of.remove(key(b.size, b.ptr));
+        let left = list_of.len();
+        self.removed(list, kind, left);
     }
 
     /// The best-fit free block of `stream` for `size` (`get_free_block`'s `lower_bound`),
@@ -185,8 +187,10 @@ impl Pools {
         let b = &mut blocks[best.id];
         b.in_pool = false;
         let (list, kind) = (b.list, b.pool);
-        self.at(list, kind).remove_found(best);
-        self.removed(list, kind);
+        let list_of = self.at(list, kind);
+        list_of.remove_found(best);
+        let left = list_of.len();
+        self.removed(list, kind, left);
         Some(best.id)
     }
 
