@@ -22,6 +22,16 @@ if [ -z "${FERROCUDA_CUDA_LIBRARY_PATH:-}" ]; then
 fi
 passed=0; failed=0
 want() { [ -z "${ONLY:-}" ] || [[ "$1" =~ $ONLY ]]; }
+# Benches and PyTorch's anchors run on the same nine cores (2-10) where the machine has them:
+# left to roam a shared host's vCPUs, the allocator's churn ran 30-60% slower on the H200
+# (docs/measurements/h200_2026-11-30b). PIN_BENCHES=0 runs them unpinned.
+pinned() {
+  if [ "${PIN_BENCHES:-1}" = 1 ] && command -v taskset >/dev/null && [ "$(nproc)" -ge 11 ]; then
+    taskset -c 2-10 "$@"
+  else
+    "$@"
+  fi
+}
 # The tests of a binary to run, when not all of them (a test filtered out is no skip).
 tests_of() {
   case "$1" in
@@ -83,7 +93,7 @@ fi
 for b in bench_* ${MULTI_GPU:+multibench_*}; do
   want "$b" || continue
   echo "=== $b"
-  if ./"$b" --bench 2>&1 | tee "$OUT/$b.log"; then passed=$((passed + 1)); else echo "$b failed"; failed=$((failed + 1)); fi
+  if pinned ./"$b" --bench 2>&1 | tee "$OUT/$b.log"; then passed=$((passed + 1)); else echo "$b failed"; failed=$((failed + 1)); fi
 done
 if want replay; then
   echo "=== replay: ferrocuda on the fake device and on the GPU, PyTorch's allocator, same traces"
@@ -130,7 +140,7 @@ if [ -f plugin_bench.py ] && [ -f libferrocuda_torch.so ]; then
 fi
 if [ -f torch_anchor.py ] && [ -z "${ONLY:-}" ]; then
   echo "=== torch_anchor.py (PyTorch, same machine, same run)"
-  if PYTHONUNBUFFERED=1 python3 torch_anchor.py 2>&1 | tee "$OUT/torch_anchor.log"; then
+  if PYTHONUNBUFFERED=1 pinned python3 torch_anchor.py 2>&1 | tee "$OUT/torch_anchor.log"; then
     passed=$((passed + 1))
   else
     echo "torch_anchor.py failed"; failed=$((failed + 1))
@@ -168,7 +178,7 @@ PY
 fi
 if [ -f torch_pinned.py ] && [ -z "${ONLY:-}" ]; then
   echo "=== torch_pinned.py (PyTorch's pinned host allocator, same machine, same run)"
-  if PYTHONUNBUFFERED=1 python3 torch_pinned.py 2>&1 | tee "$OUT/torch_pinned.log"; then
+  if PYTHONUNBUFFERED=1 pinned python3 torch_pinned.py 2>&1 | tee "$OUT/torch_pinned.log"; then
     passed=$((passed + 1))
   else
     echo "torch_pinned.py failed"; failed=$((failed + 1))
