@@ -49,7 +49,7 @@ impl ExpandableSegment {
 
     /// The index of the page that holds `addr` (an address inside this segment).
     #[inline]
-    fn page_index(&self, addr: u64) -> usize {
+    pub(crate) fn page_index(&self, addr: u64) -> usize {
         let offset = addr - self.va.base.0;
         let index = match self.page_shift {
             Some(shift) => offset >> shift,

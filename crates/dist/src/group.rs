@@ -115,10 +115,18 @@ impl ProcessGroup {
         })
     }
 
-    /// Keeps `store` as long as the group (rank 0's process serves it to the others).
-    pub(crate) fn with_store(mut self, store: Arc<crate::TcpStore>) -> ProcessGroup {
-        self.store = Some(store);
-        self
+    /// A rank of a job joined through its store: the group keeps `store` for its life, as
+    /// PyTorch keeps its default store (rank 0's process may serve it to the others), and
+    /// is watched with `timeout` ([`ProcessGroup::with_timeout`]).
+    pub(crate) fn for_job(
+        runtime: Arc<Runtime>,
+        comm: Box<dyn Collective>,
+        store: Arc<crate::TcpStore>,
+        timeout: Duration,
+    ) -> Result<ProcessGroup> {
+        let mut group = ProcessGroup::new(runtime, comm)?;
+        group.store = Some(store);
+        group.with_timeout(timeout)
     }
 
     /// The job's store this group keeps (made by [`ProcessGroup::from_env`] or

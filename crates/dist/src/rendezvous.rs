@@ -227,11 +227,7 @@ impl ProcessGroup {
                 &format!("{prefix}/group"),
             )?),
         };
-        // The store lives as long as the group, as PyTorch's default store does
-        // (`ProcessGroup::store`).
-        ProcessGroup::new(runtime, comm)?
-            .with_store(store)
-            .with_timeout(timeout)
+        ProcessGroup::for_job(runtime, comm, store, timeout)
     }
 }
 
@@ -265,9 +261,7 @@ impl ProcessGroup {
         let id = share_unique_id(&store, env.rank, &pytorch_unique_id_key(env))?;
         let comm = nccl_rank(&cuda, env, &id, true, timeout)?;
         // The store lives as long as the group: PyTorch ranks may still be using it.
-        ProcessGroup::new(runtime, Box::new(comm))?
-            .with_store(Arc::new(store))
-            .with_timeout(timeout)
+        ProcessGroup::for_job(runtime, Box::new(comm), Arc::new(store), timeout)
     }
 }
 

@@ -56,21 +56,24 @@ impl CachingAllocator {
             };
             return Ok((handle, size));
         };
-        // The pages under the block (`ExpandableSegment::share`).
-        let first = (start - segment.va.base.0) / segment.page;
-        let end = (start + size - segment.va.base.0).div_ceil(segment.page);
+        // The pages under the block (`ExpandableSegment::share`); an allocated block is
+        // never empty.
+        let (first, last) = (
+            segment.page_index(start),
+            segment.page_index(start + size - 1),
+        );
         out.push(KIND_EXPANDABLE);
         out.extend_from_slice(&std::process::id().to_ne_bytes());
         out.extend_from_slice(&[0; 4]);
         out.extend_from_slice(&segment.page.to_ne_bytes());
-        out.extend_from_slice(&(end - first).to_ne_bytes());
-        for page in first..end {
-            let handle = segment.handles.get(page as usize).copied().flatten();
+        out.extend_from_slice(&((last - first + 1) as u64).to_ne_bytes());
+        for page in first..=last {
+            let handle = segment.handles.get(page).copied().flatten();
             let handle = handle.ok_or(AllocError::InvalidPointer(ptr))?;
             out.extend_from_slice(&driver.vm_export(handle)?.to_ne_bytes());
         }
         let handle = ShareableHandle {
-            offset: start - (segment.va.base.0 + first * segment.page),
+            offset: start - (segment.va.base.0 + first as u64 * segment.page),
             handle: out,
         };
         Ok((handle, size))

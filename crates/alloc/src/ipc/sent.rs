@@ -57,6 +57,38 @@ struct Sent {
     events_used: usize,
 }
 
+impl Sent {
+    /// Whether the block at `ptr` waits in the limbo.
+    fn in_limbo(&self, ptr: u64) -> bool {
+        self.limbo.iter().any(|(p, _)| *p == ptr)
+    }
+
+    /// The file to take counters from: the current one, or a new one (PyTorch's
+    /// `/torch_<pid>_<random>_<n>`).
+    fn take_file(&mut self) -> Result<CurrentFile, IpcError> {
+        if let Some(current) = self.current.take() {
+            return Ok(current);
+        }
+        self.files_made += 1;
+        let name = format!(
+            "/torch_{}_{}_{}",
+            std::process::id(),
+            random_word(),
+            self.files_made
+        );
+        let file = SharedCounters::create(&name, REF_COUNTER_FILE_SIZE).map_err(|e| {
+            IpcError::CounterFile {
+                name: name.clone(),
+                reason: e.to_string(),
+            }
+        })?;
+        Ok(CurrentFile {
+            file: Arc::new(file),
+            next: 0,
+        })
+    }
+}
+
 /// One allocator's sharing state (both sides).
 #[derive(Default)]
 pub(crate) struct Sharing {
@@ -85,36 +117,15 @@ impl Sharing {
     /// A fresh counter set to 1, from the current file or a new one.
     pub(super) fn take_counter(&self) -> Result<(Arc<SharedCounters>, usize), IpcError> {
         let mut sent = self.sent.lock();
-        if sent.current.is_none() {
-            sent.files_made += 1;
-            let name = format!(
-                "/torch_{}_{}_{}",
-                std::process::id(),
-                random_word(),
-                sent.files_made
-            );
-            let file = SharedCounters::create(&name, REF_COUNTER_FILE_SIZE).map_err(|e| {
-                IpcError::CounterFile {
-                    name: name.clone(),
-                    reason: e.to_string(),
-                }
-            })?;
-            sent.current = Some(CurrentFile {
-                file: Arc::new(file),
-                next: 0,
-            });
-        }
-        let current = sent.current.as_mut().ok_or_else(|| IpcError::CounterFile {
-            name: String::new(),
-            reason: "no counter file".into(),
-        })?;
+        let mut current = sent.take_file()?;
         let (file, slot) = (Arc::clone(&current.file), current.next);
         if let Some(c) = file.counter(slot) {
             c.store(1, Ordering::SeqCst);
         }
         current.next += 1;
-        if current.next == file.slots() {
-            sent.current = None;
+        // A full file is let go: the next send makes another.
+        if current.next < file.slots() {
+            sent.current = Some(current);
         }
         Ok((file, slot))
     }
@@ -139,7 +150,7 @@ impl Sharing {
     /// Whether the block at `ptr` waits in the limbo: freed already, so not the
     /// producer's to free or share again.
     pub(super) fn in_limbo(&self, ptr: u64) -> bool {
-        self.any_limbo() && self.sent.lock().limbo.iter().any(|(p, _)| *p == ptr)
+        self.any_limbo() && self.sent.lock().in_limbo(ptr)
     }
 
     /// The producer frees `ptr`: `None` if it was not shared; `Some(None)` if it waits in
@@ -148,7 +159,7 @@ impl Sharing {
     pub(super) fn on_free(&self, ptr: u64) -> Option<Option<(bool, Vec<Send>)>> {
         let mut sent = self.sent.lock();
         let Some(block) = sent.live.remove(&ptr) else {
-            return sent.limbo.iter().any(|(p, _)| *p == ptr).then_some(None);
+            return sent.in_limbo(ptr).then_some(None);
         };
         let out = if block.released() {
             (false, block.sends)
