@@ -95,10 +95,7 @@ impl CachingAllocator {
         }
         let (_, device_total) = driver.mem_get_info(device)?;
         let fraction = config.release.per_process_memory_fraction;
-        let stats = Tally {
-            max_split_size: config.sizes.max_split_size.map_or(-1, |m| m as i64),
-            ..Tally::default()
-        };
+        let stats = Tally::new(config.sizes.max_split_size.map_or(-1, |m| m as i64));
         let state = State {
             device,
             config,

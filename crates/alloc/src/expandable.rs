@@ -161,26 +161,38 @@ impl Expandable {
         }
     }
 
-    /// Stamps the pages that block `id` (being freed) covers, partial ones too, with the
-    /// reclaim clock's epoch (whatever the configuration: reclaim may be switched on later),
-    /// and counts the free towards the segment's next mark.
-    pub(crate) fn stamp_free(&mut self, blocks: &Blocks, id: usize) {
-        let (ptr, end) = (blocks[id].ptr, blocks[id].ptr + blocks[id].size);
+    /// Stamps the pages that a freed block covers (`size` bytes at `ptr` in `segment`),
+    /// partial ones too, with the reclaim clock's epoch (whatever the configuration:
+    /// reclaim may be switched on later), and counts the free towards the segment's next
+    /// mark.
+    ///
+    /// Every free of an expandable block comes here, so the usual case is short: a block
+    /// within one page is one store; a longer one takes [`stamp_pages`](Self::stamp_pages).
+    #[inline(always)]
+    pub(crate) fn stamp_free(&mut self, segment: usize, ptr: u64, size: u64) {
         let (stamp, frees_per_mark) = (self.clock.epoch(), self.clock.frees_per_mark());
-        if let Some(segment) = self.segment_of_mut(blocks, id) {
-            let (from, last) = (segment.page_index(ptr), segment.page_index(end - 1));
-            // Most freed blocks lie within one page.
-            if from == last {
-                segment.freed[from] = stamp;
-            } else {
-                segment.freed[from..=last].fill(stamp);
+        let Some(Some(segment)) = self.segments.get_mut(segment) else {
+            return;
+        };
+        let (from, last) = (segment.page_index(ptr), segment.page_index(ptr + size - 1));
+        if from == last {
+            if let Some(page) = segment.freed.get_mut(from) {
+                *page = stamp;
             }
-            segment.frees_since_mark += 1;
-            if segment.frees_since_mark >= frees_per_mark {
-                segment.frees_since_mark = 0;
-                self.mark_due = Some(segment.stream);
-            }
+        } else {
+            Self::stamp_pages(&mut segment.freed, from, last, stamp);
         }
+        segment.frees_since_mark += 1;
+        if segment.frees_since_mark >= frees_per_mark {
+            segment.frees_since_mark = 0;
+            self.mark_due = Some(segment.stream);
+        }
+    }
+
+    /// Stamps pages `from..=last` (a block over several pages).
+    #[inline(never)]
+    fn stamp_pages(freed: &mut [u64], from: usize, last: usize, stamp: u64) {
+        freed[from..=last].fill(stamp);
     }
 
     /// The first run of pages inside [`first`, `last`) (page-aligned addresses of block

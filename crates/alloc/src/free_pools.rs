@@ -54,7 +54,9 @@ pub(crate) struct Pools {
 impl Pools {
     #[inline(always)]
     fn position(&self, pool: PoolId, stream: u64) -> Option<usize> {
-        if self.last_key == (pool, stream) && self.last < self.streams.len() {
+        // (Compared without a branch per field: which stream asks is random.)
+        let (last_pool, last_stream) = self.last_key;
+        if (last_pool == pool) & (last_stream == stream) && self.last < self.streams.len() {
             return Some(self.last);
         }
         self.positions.get(&(pool, stream)).copied()

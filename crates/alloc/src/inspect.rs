@@ -81,7 +81,7 @@ impl CachingAllocator {
         // The trace is copied before the `snapshot` entry is recorded, so that entry shows
         // in the next snapshot only (PyTorch's `NativeCachingAllocator::snapshot`).
         let trace = st.history.entries();
-        let active = st.stats.active_bytes.current() as u64;
+        let active = st.stats.active_bytes().current() as u64;
         st.history.record("snapshot", 0, active, 0, None);
         (segments, trace)
     }

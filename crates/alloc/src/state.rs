@@ -119,8 +119,7 @@ impl State {
         if !uses.is_empty() {
             self.history.mark_free_with_uses();
         }
-        self.stats.allocation.decrease(kind, 1);
-        self.stats.allocated_bytes.decrease(kind, size as i64);
+        self.stats.release(kind, size as i64, !uses.is_empty());
         if oversize {
             self.stats.oversize_allocations.decrease(1);
         }
@@ -233,10 +232,7 @@ impl State {
             b.has_frames = true;
         }
         let s = &mut self.stats;
-        s.allocation.increase(kind, 1);
-        s.allocated_bytes.increase(kind, size as i64);
-        s.active.increase(kind, 1);
-        s.active_bytes.increase(kind, size as i64);
+        s.allocate(kind, size as i64);
         s.requested_bytes.increase(kind, requested as i64);
         if oversize {
             s.oversize_allocations.increase(1);
@@ -271,12 +267,9 @@ impl State {
     /// `free_block`: merges with free neighbours and returns the block to its pool.
     #[inline(always)]
     pub(crate) fn free_block(&mut self, id: usize) {
-        if self.blocks[id].segment.is_some() {
-            self.expandable.stamp_free(&self.blocks, id);
-        }
         let b = &mut self.blocks[id];
         let (ptr, stream, kind) = (b.ptr, b.stream, b.pool);
-        let (size, requested, counted) = (b.size, b.requested, b.segment.is_none());
+        let (size, requested, segment) = (b.size, b.requested, b.segment);
         let frames = if std::mem::take(&mut b.has_frames) {
             let with_frames = self.history.entries_have_frames();
             b.frames.take().filter(|_| with_frames)
@@ -307,15 +300,19 @@ impl State {
             net_blocks += 1;
             net_bytes += self.blocks[keep].size as i64;
         }
-        if counted {
-            self.stats.inactive_split.change(kind, net_blocks);
-            self.stats.inactive_split_bytes.change(kind, net_bytes);
-        }
         self.pool_insert(keep);
         let s = &mut self.stats;
-        s.active.decrease(kind, 1);
-        s.active_bytes.decrease(kind, size as i64);
+        s.deactivate(kind, size as i64);
         s.requested_bytes.decrease(kind, requested as i64);
+        // Expandable blocks are never counted as inactive splits (PyTorch's rule); their
+        // pages are stamped for reclaim instead.
+        match segment.get() {
+            None => {
+                s.inactive_split.change(kind, net_blocks);
+                s.inactive_split_bytes.change(kind, net_bytes);
+            }
+            Some(segment) => self.expandable.stamp_free(segment, ptr, size),
+        }
     }
 
     /// `free_block`'s merge (`try_merge_blocks`): block `id` takes in `next`, the block

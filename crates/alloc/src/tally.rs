@@ -8,11 +8,16 @@
 //! - `freed = base + allocated - current`, where `base` is `current` at the last reset of
 //!   the accumulated totals: a decrease writes `current` only;
 //! - `all` is the sum of the two pools for `current`, `allocated` and `freed`: only its
-//!   `peak` (the peak of the sum, not the sum of the peaks) is kept, written when it moves.
+//!   `peak` (the peak of the sum, not the sum of the peaks) is kept, written when it moves;
+//! - `active` and `active_bytes` equal `allocation` and `allocated_bytes` in every field
+//!   until a freed block waits for another stream's work (`record_stream`): a block is
+//!   active from its allocation until it is back in a pool, which without such waits is
+//!   its free. While they are equal ([`Tally::active_apart`] false) only the latter are
+//!   written, and the two copies are made once a wait begins.
 use ferrocuda_types::{DeviceStats, PoolKind, Stat, StatArray};
 
 /// One statistic without its `freed` total (derived).
-#[derive(Copy, Clone, Debug, Default)]
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
 pub(crate) struct Counter {
     current: i64,
     peak: i64,
@@ -67,7 +72,7 @@ impl Counter {
 }
 
 /// One statistic per pool; `all` is their sum, with its own peak.
-#[derive(Copy, Clone, Debug, Default)]
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
 pub(crate) struct PoolCounters {
     pools: [Counter; 2],
     all_peak: i64,
@@ -147,11 +152,13 @@ impl PoolCounters {
 pub(crate) struct Tally {
     pub allocation: PoolCounters,
     pub segment: PoolCounters,
-    pub active: PoolCounters,
+    /// Written only while `active_apart`: read it through [`Tally::active`].
+    active: PoolCounters,
     pub inactive_split: PoolCounters,
     pub allocated_bytes: PoolCounters,
     pub reserved_bytes: PoolCounters,
-    pub active_bytes: PoolCounters,
+    /// As `active`: read it through [`Tally::active_bytes`].
+    active_bytes: PoolCounters,
     pub inactive_split_bytes: PoolCounters,
     pub requested_bytes: PoolCounters,
     pub oversize_allocations: Counter,
@@ -163,9 +170,87 @@ pub(crate) struct Tally {
     pub num_device_free: i64,
     pub num_oom_rejections: i64,
     pub max_split_size: i64,
+    /// `active` and `active_bytes` are kept (false: they equal `allocation` and
+    /// `allocated_bytes` in every field, and only those are kept up to date).
+    active_apart: bool,
 }
 
 impl Tally {
+    /// Empty statistics reporting `max_split_size` (-1: none).
+    pub(crate) fn new(max_split_size: i64) -> Tally {
+        Tally {
+            max_split_size,
+            ..Tally::default()
+        }
+    }
+
+    /// `active`.
+    pub(crate) fn active(&self) -> &PoolCounters {
+        if self.active_apart {
+            &self.active
+        } else {
+            &self.allocation
+        }
+    }
+
+    /// `active_bytes`.
+    pub(crate) fn active_bytes(&self) -> &PoolCounters {
+        if self.active_apart {
+            &self.active_bytes
+        } else {
+            &self.allocated_bytes
+        }
+    }
+
+    /// A block of `size` bytes in `kind` is handed out: `allocation`, `allocated_bytes`,
+    /// `active` and `active_bytes` rise.
+    #[inline(always)]
+    pub(crate) fn allocate(&mut self, kind: PoolKind, size: i64) {
+        self.allocation.increase(kind, 1);
+        self.allocated_bytes.increase(kind, size);
+        if self.active_apart {
+            self.active.increase(kind, 1);
+            self.active_bytes.increase(kind, size);
+        }
+    }
+
+    /// A live block of `size` bytes is freed by its user: `allocation` and
+    /// `allocated_bytes` fall. `waits` (it waits for other streams before going back to
+    /// its pool): `active` stays as it is until [`Tally::deactivate`].
+    #[inline(always)]
+    pub(crate) fn release(&mut self, kind: PoolKind, size: i64, waits: bool) {
+        if waits && !self.active_apart {
+            self.active = self.allocation;
+            self.active_bytes = self.allocated_bytes;
+            self.active_apart = true;
+        }
+        self.allocation.decrease(kind, 1);
+        self.allocated_bytes.decrease(kind, size);
+    }
+
+    /// A block of `size` bytes is back in its pool: `active` and `active_bytes` fall
+    /// (with `allocation` already, unless it waited).
+    #[inline(always)]
+    pub(crate) fn deactivate(&mut self, kind: PoolKind, size: i64) {
+        if self.active_apart {
+            self.active.decrease(kind, 1);
+            self.active_bytes.decrease(kind, size);
+            self.active_apart =
+                self.active != self.allocation || self.active_bytes != self.allocated_bytes;
+        }
+    }
+
+    /// `n` allocations of `size` bytes made and freed again (a thread-cache credit's
+    /// reuses).
+    pub(crate) fn cycle_allocations(&mut self, kind: PoolKind, n: i64, size: i64) {
+        self.allocation.cycle(kind, n);
+        self.allocated_bytes.cycle(kind, n * size);
+        if self.active_apart {
+            self.active.cycle(kind, n);
+            self.active_bytes.cycle(kind, n * size);
+        }
+    }
+
     fn arrays_mut(&mut self) -> [&mut PoolCounters; 9] {
         [
             &mut self.allocation,
@@ -185,11 +270,11 @@ impl Tally {
         DeviceStats {
             allocation: self.allocation.array(),
             segment: self.segment.array(),
-            active: self.active.array(),
+            active: self.active().array(),
             inactive_split: self.inactive_split.array(),
             allocated_bytes: self.allocated_bytes.array(),
             reserved_bytes: self.reserved_bytes.array(),
-            active_bytes: self.active_bytes.array(),
+            active_bytes: self.active_bytes().array(),
             inactive_split_bytes: self.inactive_split_bytes.array(),
             requested_bytes: self.requested_bytes.array(),
             oversize_allocations: self.oversize_allocations.stat(),
@@ -233,6 +318,33 @@ impl Tally {
 mod tests {
     use super::*;
 
+    /// The generator of both tests.
+    fn next(seed: &mut u64) -> u64 {
+        *seed = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        *seed
+    }
+
+    fn pool_of(seed: u64) -> PoolKind {
+        if seed >> 63 == 0 {
+            PoolKind::Small
+        } else {
+            PoolKind::Large
+        }
+    }
+
+    /// Both resets, alternately.
+    fn reset(lean: &mut Tally, plain: &mut DeviceStats, step: usize) {
+        if step % 2 == 0 {
+            lean.reset_peak();
+            plain.reset_peak();
+        } else {
+            lean.reset_accumulated();
+            plain.reset_accumulated();
+        }
+    }
+
     /// The lean form reports what `DeviceStats`' own arithmetic gives for the same moves,
     /// across both resets.
     #[test]
@@ -241,52 +353,106 @@ mod tests {
         let mut plain = DeviceStats::default();
         let mut seed = 11u64;
         for step in 0..20_000 {
-            seed = seed
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            let pool = if seed >> 63 == 0 {
-                PoolKind::Small
-            } else {
-                PoolKind::Large
-            };
+            let seed = next(&mut seed);
+            let pool = pool_of(seed);
             let n = ((seed >> 20) % 1000) as i64;
-            let live = plain.allocated_bytes.pair(pool)[1].current;
+            let live = plain.requested_bytes.pair(pool)[1].current;
             match (seed >> 40) % 7 {
                 0..=2 => {
-                    lean.allocated_bytes.increase(pool, n);
-                    plain.allocated_bytes.increase(pool, n);
+                    lean.requested_bytes.increase(pool, n);
+                    plain.requested_bytes.increase(pool, n);
                     lean.oversize_allocations.increase(n);
                     plain.oversize_allocations.increase(n);
                 }
                 3 | 4 => {
-                    lean.allocated_bytes.decrease(pool, n.min(live));
-                    plain.allocated_bytes.decrease(pool, n.min(live));
+                    lean.requested_bytes.decrease(pool, n.min(live));
+                    plain.requested_bytes.decrease(pool, n.min(live));
                     let n = n.min(plain.oversize_allocations.current);
                     lean.oversize_allocations.decrease(n);
                     plain.oversize_allocations.decrease(n);
                 }
                 5 => {
-                    lean.allocated_bytes.cycle(pool, n);
-                    plain.allocated_bytes.cycle(pool, n);
+                    lean.requested_bytes.cycle(pool, n);
+                    plain.requested_bytes.cycle(pool, n);
                     lean.oversize_allocations.cycle(n);
                     plain.oversize_allocations.cycle(n);
                 }
-                _ if step % 2 == 0 => {
-                    lean.reset_peak();
-                    plain.reset_peak();
-                }
-                _ => {
-                    lean.reset_accumulated();
-                    plain.reset_accumulated();
-                }
+                _ => reset(&mut lean, &mut plain, step),
             }
             let rise = n;
-            let pair = plain.allocated_bytes.pair(pool);
+            let pair = plain.requested_bytes.pair(pool);
             assert_eq!(
-                lean.allocated_bytes.would_peak(pool, rise),
+                lean.requested_bytes.would_peak(pool, rise),
                 pair.iter().any(|s| s.current + rise > s.peak)
             );
             assert_eq!(lean.snapshot(), plain, "step {step}");
         }
+    }
+
+    /// `active` kept apart from `allocation` only while a block waits reports what the
+    /// four statistics moved one by one give: blocks allocated, freed straight back,
+    /// freed to wait and back later, reused by a credit, across both resets.
+    #[test]
+    fn active_follows_allocation_until_a_block_waits() {
+        let mut lean = Tally::default();
+        let mut plain = DeviceStats::default();
+        // (pool, bytes) of the live blocks and of those waiting for other streams.
+        let (mut live, mut waiting) = (Vec::new(), Vec::new());
+        let mut seed = 5u64;
+        let (mut apart, mut rejoined) = (false, 0u32);
+        for step in 0..40_000 {
+            let seed = next(&mut seed);
+            let (pool, n) = (pool_of(seed), ((seed >> 20) % 1000) as i64 + 1);
+            let pick = (seed >> 8) as usize;
+            // Waits are rare and short in the first half, frequent in the second.
+            let wait_odds = if step < 20_000 { 61 } else { 3 };
+            match (seed >> 40) % 8 {
+                0..=2 => {
+                    lean.allocate(pool, n);
+                    for s in [&mut plain.allocation, &mut plain.active] {
+                        s.increase(pool, 1);
+                    }
+                    for s in [&mut plain.allocated_bytes, &mut plain.active_bytes] {
+                        s.increase(pool, n);
+                    }
+                    live.push((pool, n));
+                }
+                3 | 4 if !live.is_empty() => {
+                    let (pool, n) = live.swap_remove(pick % live.len());
+                    let waits = (seed >> 30).is_multiple_of(wait_odds);
+                    lean.release(pool, n, waits);
+                    plain.allocation.decrease(pool, 1);
+                    plain.allocated_bytes.decrease(pool, n);
+                    if waits {
+                        waiting.push((pool, n));
+                    } else {
+                        lean.deactivate(pool, n);
+                        plain.active.decrease(pool, 1);
+                        plain.active_bytes.decrease(pool, n);
+                    }
+                }
+                5 if !waiting.is_empty() => {
+                    let (pool, n) = waiting.swap_remove(pick % waiting.len());
+                    lean.deactivate(pool, n);
+                    plain.active.decrease(pool, 1);
+                    plain.active_bytes.decrease(pool, n);
+                }
+                6 => {
+                    let reuses = (seed >> 50) as i64 % 4;
+                    lean.cycle_allocations(pool, reuses, n);
+                    plain.allocation.cycle(pool, reuses);
+                    plain.active.cycle(pool, reuses);
+                    plain.allocated_bytes.cycle(pool, reuses * n);
+                    plain.active_bytes.cycle(pool, reuses * n);
+                }
+                7 if seed.is_multiple_of(16) => reset(&mut lean, &mut plain, step),
+                _ => {}
+            }
+            rejoined += u32::from(apart && !lean.active_apart);
+            apart = lean.active_apart;
+            assert_eq!(lean.snapshot(), plain, "step {step}");
+        }
+        // The fast form came back after waits (once every field agreed again), many times.
+        assert!(rejoined > 10, "active rejoined allocation {rejoined} times");
     }
 }

@@ -169,10 +169,7 @@ impl Credit {
     fn fold(&self, stats: &mut Tally, reuses: u64) {
         let n = reuses as i64;
         let kind = self.kind;
-        stats.allocation.cycle(kind, n);
-        stats.active.cycle(kind, n);
-        stats.allocated_bytes.cycle(kind, n * self.size as i64);
-        stats.active_bytes.cycle(kind, n * self.size as i64);
+        stats.cycle_allocations(kind, n, self.size as i64);
         stats.requested_bytes.cycle(kind, n * self.requested as i64);
         if self.oversize {
             stats.oversize_allocations.cycle(n);
