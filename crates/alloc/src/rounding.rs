@@ -16,15 +16,15 @@ pub const ONE_EXABYTE: u64 = 1 << 60;
 
 /// `round_size`: the size a request is stored and searched with.
 pub fn round_size(n: u64, config: &AllocatorConfig) -> u64 {
-    if n < MIN_BLOCK_SIZE {
-        return MIN_BLOCK_SIZE;
-    }
-    let index = (n.ilog2().saturating_sub(20) as usize).min(ROUNDUP_INTERVALS - 1);
+    // (Below 512 bytes both ways give 512; `| 1` keeps `ilog2` defined at 0.)
+    let index = ((n | 1).ilog2().saturating_sub(20) as usize).min(ROUNDUP_INTERVALS - 1);
     let divisions = config.sizes.roundup_power2_divisions[index];
     if divisions > 1 && n > MIN_BLOCK_SIZE * divisions {
         return next_power2_division(n, divisions);
     }
-    n.div_ceil(MIN_BLOCK_SIZE) * MIN_BLOCK_SIZE
+    // `n.div_ceil(512) * 512`, at least 512, by a mask (the same overflow above
+    // `u64::MAX - 511`; the allocators refuse such requests first).
+    (n.max(1) + (MIN_BLOCK_SIZE - 1)) & !(MIN_BLOCK_SIZE - 1)
 }
 
 fn next_power2_division(n: u64, divisions: u64) -> u64 {
@@ -72,6 +72,21 @@ mod tests {
         assert_eq!(round_size(1, &c), 512);
         assert_eq!(round_size(513, &c), 1024);
         assert_eq!(round_size(MIB + 1, &c), MIB + 512);
+        // The mask gives PyTorch's `512 * ceil(n / 512)` everywhere, edges included.
+        let mut n = 3u64;
+        for _ in 0..100_000 {
+            n = n
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            for size in [
+                n >> (n % 60),
+                (n >> 40) / 512 * 512,
+                (n >> 40) / 512 * 512 + 1,
+            ] {
+                let size = size.min(ONE_EXABYTE - 1);
+                assert_eq!(round_size(size, &c), size.div_ceil(512).max(1) * 512);
+            }
+        }
         assert_eq!(
             (allocation_size(512, &c), allocation_size(MIB, &c)),
             (2 * MIB, 2 * MIB)
