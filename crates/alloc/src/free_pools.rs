@@ -56,7 +56,7 @@ impl Pools {
     fn position(&self, pool: PoolId, stream: u64) -> Option<usize> {
         // (Compared without a branch per field: which stream asks is random.)
         let (last_pool, last_stream) = self.last_key;
-        if (last_pool == pool) & (last_stream == stream) && self.last < self.streams.len() {
+        if last_pool.same(pool) & (last_stream == stream) && self.last < self.streams.len() {
             return Some(self.last);
         }
         self.positions.get(&(pool, stream)).copied()

@@ -336,7 +336,7 @@ mod tests {
 
     /// Both resets, alternately.
     fn reset(lean: &mut Tally, plain: &mut DeviceStats, step: usize) {
-        if step % 2 == 0 {
+        if step.is_multiple_of(2) {
             lean.reset_peak();
             plain.reset_peak();
         } else {

@@ -133,17 +133,10 @@ impl StreamHandle {
 
 /// A memory pool id, as PyTorch's `MempoolId_t`: `(0, 0)` is the default pool, `(n, 0)` a
 /// pool made for one graph capture, `(0, n)` a pool handle (`graph_pool_handle()`).
-#[derive(Copy, Clone, Debug, Default, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[derive(
+    Copy, Clone, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize,
+)]
 pub struct PoolId(pub u64, pub u64);
-
-/// Field by field, as derived, but without a branch: every allocation compares pool ids,
-/// and a short-circuit comparison costs a mispredicted jump when pools alternate.
-impl PartialEq for PoolId {
-    #[inline]
-    fn eq(&self, other: &PoolId) -> bool {
-        ((self.0 ^ other.0) | (self.1 ^ other.1)) == 0
-    }
-}
 
 impl PoolId {
     /// The default pool.
@@ -161,9 +154,17 @@ impl PoolId {
         PoolId(0, NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed))
     }
 
-    /// Whether this is the default pool.
+    /// Whether this is the default pool (without a branch: every allocation asks).
+    #[inline]
     pub fn is_default(self) -> bool {
-        self == PoolId::DEFAULT
+        (self.0 | self.1) == 0
+    }
+
+    /// Whether `self == other`, without a branch per field (the allocator's hot path
+    /// compares pool ids on every request).
+    #[inline]
+    pub fn same(self, other: PoolId) -> bool {
+        ((self.0 ^ other.0) | (self.1 ^ other.1)) == 0
     }
 }
 
