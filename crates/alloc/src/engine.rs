@@ -162,6 +162,8 @@ impl Engine {
     /// recorded into the capture, never complete, and keep the block out of the pools for
     /// good; deferred, it is recorded once no capture is underway, as PyTorch's
     /// `insert_events_deferred_until_no_capture` does.
+    #[cold]
+    #[inline(never)]
     pub(crate) fn hold_back(
         &self,
         mut st: Guard<'_>,

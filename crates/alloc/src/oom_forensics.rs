@@ -24,6 +24,8 @@ const LIVE_LISTED: usize = 5;
 impl CachingAllocator {
     /// With `oom_forensics` set, an out-of-memory error for a request on `stream` gains its
     /// [`OomForensics`] and the snapshot is written; any other error is returned as it is.
+    #[cold]
+    #[inline(never)]
     pub(crate) fn with_forensics(&self, e: AllocError, stream: StreamHandle) -> AllocError {
         let AllocError::OutOfMemory(mut report) = e else {
             return e;
