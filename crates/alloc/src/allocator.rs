@@ -336,13 +336,16 @@ impl CachingAllocator {
         let Some(id) = st.blocks.allocated_at(ptr.0) else {
             return Err(AllocError::InvalidPointer(ptr));
         };
-        let uses = st.release_live(id, free_frames.as_ref());
-        if uses.is_empty() {
-            st.free_block(id);
-            self.engine.record_due_mark(&mut st);
-            return Ok(());
+        // (The uses lie in the block's cold line: looked at only when there are some.)
+        if st.blocks[id].has_uses {
+            let uses = st.take_uses(id);
+            st.release_live(id, free_frames.as_ref(), true);
+            return self.engine.hold_back(st, id, uses);
         }
-        self.engine.hold_back(st, id, uses)
+        st.release_live(id, free_frames.as_ref(), false);
+        st.free_block(id);
+        self.engine.record_due_mark(&mut st);
+        Ok(())
     }
 
     /// `free` with caching off (`*_NO_CUDA_MEMORY_CACHING=1`): straight to the driver.

@@ -86,24 +86,22 @@ impl State {
         }
     }
 
-    /// `free`'s bookkeeping for allocated block `id`: no longer allocated, history and
-    /// statistics told. Returns the other streams that used it.
+    /// The other streams that used allocated block `id` (`record_stream`), taken out of
+    /// it: what its free must wait for.
+    pub(crate) fn take_uses(&mut self, id: usize) -> Vec<StreamHandle> {
+        let b = &mut self.blocks[id];
+        b.has_uses = false;
+        std::mem::take(&mut b.stream_uses)
+    }
+
+    /// `free`'s bookkeeping for allocated block `id`, whose other streams' uses were taken
+    /// (`waits`: there were some): no longer allocated, history and statistics told.
     #[inline(always)]
-    pub(crate) fn release_live(
-        &mut self,
-        id: usize,
-        frames: Option<&Arc<[Frame]>>,
-    ) -> Vec<StreamHandle> {
+    pub(crate) fn release_live(&mut self, id: usize, frames: Option<&Arc<[Frame]>>, waits: bool) {
         let b = &mut self.blocks[id];
         b.allocated = false;
         let (ptr, requested, stream) = (b.ptr, b.requested, b.stream);
         let (kind, size, oversize) = (b.pool, b.size, b.oversize);
-        // (Looked at only when there are some: the list lies in the block's cold line.)
-        let uses = if std::mem::take(&mut b.has_uses) {
-            std::mem::take(&mut b.stream_uses)
-        } else {
-            Vec::new()
-        };
         // PyTorch's `free`: the free's own stack (context "all") takes the allocation's
         // place, and both entries of the free record it (`context ? context :
         // context_when_allocated`).
@@ -116,14 +114,13 @@ impl State {
             .flatten();
         self.history
             .record("free_requested", ptr, requested, stream, on_trace.as_ref());
-        if !uses.is_empty() {
+        if waits {
             self.history.mark_free_with_uses();
         }
-        self.stats.release(kind, size as i64, !uses.is_empty());
+        self.stats.release(kind, size as i64, waits);
         if oversize {
             self.stats.oversize_allocations.decrease(1);
         }
-        uses
     }
 
     #[inline(always)]

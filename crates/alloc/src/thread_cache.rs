@@ -508,8 +508,8 @@ fn settle(st: &mut State, slot: &Slot) {
     if was == PARKED {
         let id = slot.block.load(Ordering::Relaxed);
         // A credited block has no other stream's uses: freeing it needs no event.
-        let uses = st.release_live(id, None);
-        debug_assert!(uses.is_empty());
+        debug_assert!(!st.blocks[id].has_uses);
+        st.release_live(id, None, false);
         st.free_block(id);
     }
 }
