@@ -247,7 +247,7 @@ impl Engine {
             device_free,
             processes,
             allowed: st.allowed_max,
-            allocated: st.stats.allocated_bytes.current() as u64,
+            allocated: st.stats.allocated_bytes().current() as u64,
             reserved: st.stats.reserved_bytes.current() as u64,
             allocated_in_private_pools,
             largest_free_block: largest,

@@ -150,12 +150,15 @@ impl PoolCounters {
 /// Everything `torch.cuda.memory_stats` reports, as the allocator keeps it.
 #[derive(Clone, Debug, Default)]
 pub(crate) struct Tally {
-    pub allocation: PoolCounters,
+    /// Moved only by [`Tally::allocate`], [`Tally::release`] and
+    /// [`Tally::cycle_allocations`], which keep `active` in step.
+    allocation: PoolCounters,
     pub segment: PoolCounters,
     /// Written only while `active_apart`: read it through [`Tally::active`].
     active: PoolCounters,
     pub inactive_split: PoolCounters,
-    pub allocated_bytes: PoolCounters,
+    /// As `allocation`: read it through [`Tally::allocated_bytes`].
+    allocated_bytes: PoolCounters,
     pub reserved_bytes: PoolCounters,
     /// As `active`: read it through [`Tally::active_bytes`].
     active_bytes: PoolCounters,
@@ -182,6 +185,11 @@ impl Tally {
             max_split_size,
             ..Tally::default()
         }
+    }
+
+    /// `allocated_bytes`.
+    pub(crate) fn allocated_bytes(&self) -> &PoolCounters {
+        &self.allocated_bytes
     }
 
     /// `active`.
