@@ -12,6 +12,7 @@
 use ferrocuda_alloc::{Caching, CachingAllocator};
 use ferrocuda_driver::{Call, CudaDriver, Driver, FakeDriver};
 use ferrocuda_types::{AllocatorConfig, DeviceIndex, DevicePtr, StreamHandle};
+use std::io::Write;
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Instant;
@@ -92,7 +93,11 @@ fn churn(args: &[String]) -> Result<(), String> {
         ));
     }
     let on = if on_gpu { "the GPU" } else { "the fake device" };
-    println!(
+    // (A reader that stops early, `| head -1`, is not an error: the lines are written
+    // without `println!`, which panics on a closed pipe, and a failed write ends quietly.)
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(
+        out,
         "churn on {on}, configuration \"{conf}\": ns per operation {}",
         times.join(" ")
     );
@@ -102,7 +107,11 @@ fn churn(args: &[String]) -> Result<(), String> {
             .zip(before)
             .map(|(c, b)| format!("{c:?} {}", fake.calls(*c) - b))
             .collect();
-        println!("driver calls in the timed rounds: {}", calls.join(", "));
+        let _ = writeln!(
+            out,
+            "driver calls in the timed rounds: {}",
+            calls.join(", ")
+        );
     }
     Ok(())
 }
