@@ -1,32 +1,8 @@
 //! The examples on the fake device (CI has no GPU): each works there and says where it ran,
 //! takes the allocator configuration from the environment, and reports a malformed one by
 //! its message.
-use std::path::PathBuf;
-use std::process::{Command, Output};
-
-/// An example's binary: `cargo test` builds examples beside the test binaries' `deps`.
-fn example(name: &str) -> Option<PathBuf> {
-    let exe = std::env::current_exe().ok()?;
-    let dir = exe.parent()?.parent()?.join("examples");
-    let path = dir.join(name);
-    path.exists().then_some(path)
-}
-
-fn run(name: &str, env: &[(&str, &str)], args: &[&str]) -> Result<Output, String> {
-    let exe = example(name).ok_or(format!(
-        "example {name} not built: `cargo test` builds the examples (a `--test` filter does not; `cargo build --examples` then)"
-    ))?;
-    let mut cmd = Command::new(exe);
-    cmd.args(args)
-        .env("FERROCUDA_BACKEND", "fake")
-        .env_remove("FERROCUDA_ALLOC_CONF")
-        .env_remove("PYTORCH_CUDA_ALLOC_CONF")
-        .env_remove("PYTORCH_ALLOC_CONF");
-    for (k, v) in env {
-        cmd.env(k, v);
-    }
-    cmd.output().map_err(|e| e.to_string())
-}
+use ferrocuda_testkit::examples::run_example as run;
+use std::process::Output;
 
 fn text(out: &Output) -> String {
     format!(

@@ -179,8 +179,8 @@ impl Expandable {
             if let Some(page) = segment.freed.get_mut(from) {
                 *page = stamp;
             }
-        } else {
-            Self::stamp_pages(&mut segment.freed, from, last, stamp);
+        } else if let Some(pages) = segment.freed.get_mut(from..=last) {
+            Self::stamp_pages(pages, stamp);
         }
         segment.frees_since_mark += 1;
         if segment.frees_since_mark >= frees_per_mark {
@@ -189,10 +189,11 @@ impl Expandable {
         }
     }
 
-    /// Stamps pages `from..=last` (a block over several pages).
+    /// Stamps the pages of a block over several pages (out of line: the one-page case is
+    /// the hot one).
     #[inline(never)]
-    fn stamp_pages(freed: &mut [u64], from: usize, last: usize, stamp: u64) {
-        freed[from..=last].fill(stamp);
+    fn stamp_pages(pages: &mut [u64], stamp: u64) {
+        pages.fill(stamp);
     }
 
     /// The first run of pages inside [`first`, `last`) (page-aligned addresses of block

@@ -1,23 +1,11 @@
 //! The churn example (`examples/churn.rs`, what `cargo xtask churn-profile` counts) on the
 //! fake device: it runs its rounds and says where, and refuses a malformed configuration
 //! by its message.
-use std::path::PathBuf;
-use std::process::{Command, Output};
+use ferrocuda_testkit::examples::run_example;
+use std::process::Output;
 
-/// The example's binary: `cargo test` builds a package's examples beside its test binaries.
 fn churn(args: &[&str]) -> Result<Output, String> {
-    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
-    let path: PathBuf = exe
-        .parent()
-        .and_then(|deps| deps.parent())
-        .map(|dir| dir.join("examples/churn"))
-        .filter(|p| p.exists())
-        .ok_or("the churn example was not built: `cargo test` builds it (a `--test` filter does not; `cargo build --examples` then)")?;
-    Command::new(path)
-        .args(args)
-        .env("FERROCUDA_BACKEND", "fake")
-        .output()
-        .map_err(|e| e.to_string())
+    run_example("churn", &[], args)
 }
 
 #[test]

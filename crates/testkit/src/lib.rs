@@ -195,6 +195,7 @@ macro_rules! both_backends {
     };
 }
 
+pub mod examples;
 pub mod fresh_process;
 pub mod suite;
 
