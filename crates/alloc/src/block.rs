@@ -112,9 +112,16 @@ pub(crate) struct Block {
     pub(crate) has_uses: bool,
     /// `frames` is set.
     pub(crate) has_frames: bool,
+    /// The next block is an unmapped range (this one, if expandable and free, could grow
+    /// into it): best fit asks it of every expandable candidate, and the answer lies in
+    /// the candidate's own first line instead of its neighbour's record. Kept by
+    /// [`Blocks`] wherever links or `mapped` change.
+    pub(crate) before_unmapped: bool,
     // ---- the second cache line ----
     pub(crate) event_count: u32,
     /// Backed by device memory (always, except unmapped ranges of expandable segments).
+    /// Written through [`Blocks::set_mapped`], which keeps the neighbour's
+    /// `before_unmapped`.
     pub(crate) mapped: bool,
     /// Taken out of the free or unmapped sets while the driver works on it, unlocked.
     pub(crate) busy: bool,
@@ -157,6 +164,7 @@ impl Block {
             vacant: false,
             has_uses: false,
             has_frames: false,
+            before_unmapped: false,
             event_count: 0,
             mapped,
             busy: false,
@@ -269,6 +277,7 @@ impl Blocks {
             prev: b.prev,
             next: Link::from(Some(id)),
             list: b.list,
+            before_unmapped: !b.mapped,
             ..Block::new(
                 b.ptr, bytes, b.stream, b.pool, b.mapped, b.segment, b.pool_id,
             )
@@ -294,6 +303,7 @@ impl Blocks {
             prev: Link::from(Some(id)),
             next: b.next,
             list: b.list,
+            before_unmapped: b.before_unmapped,
             ..Block::new(
                 b.ptr + bytes,
                 b.size - bytes,
@@ -311,21 +321,43 @@ impl Blocks {
         let b = &mut self.slab[id];
         b.size = bytes;
         b.next = Link::from(Some(new));
+        b.before_unmapped = !b.mapped;
         new
     }
 
     /// Merges `next` (which must follow `id` directly) into `id`.
     pub(crate) fn absorb_next(&mut self, id: usize, next: usize) {
         let n = &self.slab[next];
-        let (n_ptr, n_size, after) = (n.ptr, n.size, n.next);
+        let (n_ptr, n_size, after, before_unmapped) = (n.ptr, n.size, n.next, n.before_unmapped);
         let b = &mut self.slab[id];
         b.size += n_size;
         b.next = after;
+        b.before_unmapped = before_unmapped;
         if let Some(a) = after.get() {
             self.slab[a].prev = Link::from(Some(id));
         }
         self.by_addr.remove(&n_ptr);
         self.vacate_record(next);
+    }
+
+    /// Maps or unmaps block `id`'s range (as the allocator sees it), keeping its
+    /// predecessor's `before_unmapped`.
+    pub(crate) fn set_mapped(&mut self, id: usize, mapped: bool) {
+        self.slab[id].mapped = mapped;
+        if let Some(p) = self.slab[id].prev.get() {
+            self.slab[p].before_unmapped = !mapped;
+        }
+    }
+
+    /// The bytes block `id` could grow by: the unmapped range after it, if one is.
+    #[inline]
+    pub(crate) fn growth(&self, id: usize) -> u64 {
+        let b = &self.slab[id];
+        if b.before_unmapped {
+            self.unmapped_after(b.next)
+        } else {
+            0
+        }
     }
 
     /// The neighbour `link`, if it is free in a pool (a merge candidate).
@@ -358,6 +390,14 @@ impl Blocks {
             return Err(format!(
                 "block {id} at {:#x} is not found by its address",
                 b.ptr
+            ));
+        }
+        let stale = self.slab.iter().enumerate().find(|(_, b)| {
+            !b.vacant && b.before_unmapped != b.next.get().is_some_and(|n| !self.slab[n].mapped)
+        });
+        if let Some((id, _)) = stale {
+            return Err(format!(
+                "block {id}'s before_unmapped disagrees with its next block"
             ));
         }
         if self.by_addr.len() != alive {

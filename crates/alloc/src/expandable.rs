@@ -166,8 +166,9 @@ impl Expandable {
     /// reclaim may be switched on later), and counts the free towards the segment's next
     /// mark.
     ///
-    /// Every free of an expandable block comes here, so the usual case is short: a block
-    /// within one page is one store; a longer one takes [`stamp_pages`](Self::stamp_pages).
+    /// Every free of an expandable block comes here, so the usual case is short: the first
+    /// and last page are two stores, the same page or not; a block over more than two pages
+    /// takes [`stamp_pages`](Self::stamp_pages) for the ones between.
     #[inline(always)]
     pub(crate) fn stamp_free(&mut self, segment: usize, ptr: u64, size: u64) {
         let (stamp, frees_per_mark) = (self.clock.epoch(), self.clock.frees_per_mark());
@@ -175,12 +176,20 @@ impl Expandable {
             return;
         };
         let (from, last) = (segment.page_index(ptr), segment.page_index(ptr + size - 1));
-        if from == last {
-            if let Some(page) = segment.freed.get_mut(from) {
-                *page = stamp;
+        if let Some(pages) = segment.freed.get_mut(from..=last) {
+            // The first and the last page are stamped whether or not they are one (which
+            // is random to the branch predictor); pages between them, out of line.
+            if let Some(first) = pages.first_mut() {
+                *first = stamp;
             }
-        } else if let Some(pages) = segment.freed.get_mut(from..=last) {
-            Self::stamp_pages(pages, stamp);
+            if let Some(end) = pages.last_mut() {
+                *end = stamp;
+            }
+            if pages.len() > 2
+                && let Some(between) = pages.get_mut(1..pages.len() - 1)
+            {
+                Self::stamp_pages(between, stamp);
+            }
         }
         segment.frees_since_mark += 1;
         if segment.frees_since_mark >= frees_per_mark {
@@ -189,8 +198,8 @@ impl Expandable {
         }
     }
 
-    /// Stamps the pages of a block over several pages (out of line: the one-page case is
-    /// the hot one).
+    /// Stamps the pages between a freed block's first and last (out of line: most blocks
+    /// lie within one or two pages).
     #[inline(never)]
     fn stamp_pages(pages: &mut [u64], stamp: u64) {
         pages.fill(stamp);
@@ -288,7 +297,7 @@ impl Expandable {
     /// unmapped set. Returns the segment's reservation if the segment is now entirely
     /// unmapped (it is then destroyed, and the caller gives the range back).
     pub(crate) fn settle_unmapped(&mut self, blocks: &mut Blocks, id: usize) -> Option<VaRange> {
-        blocks[id].mapped = false;
+        blocks.set_mapped(id, false);
         blocks[id].busy = false;
         if let Some(p) = blocks[id]
             .prev

@@ -148,7 +148,7 @@ impl Pools {
         // grow (a mapped block follows it): every later candidate is at least as large, so
         // none can be preferred.
         let b = &blocks[first.id];
-        if b.segment.is_none() || (expandable && blocks.unmapped_after(b.next) == 0) {
+        if b.segment.is_none() || (expandable && !b.before_unmapped) {
             return Some(first);
         }
         let mut candidates = list.after(&first);
@@ -157,7 +157,7 @@ impl Pools {
                 .find(|(_, i)| blocks[*i].segment.is_none())
                 .map(|(k, i)| Found::by_key(k, i));
         }
-        let growable = |i: usize| blocks[i].size + blocks.unmapped_after(blocks[i].next);
+        let growable = |i: usize| blocks[i].size + blocks.growth(i);
         let mut best = first;
         for (k, next) in candidates {
             if blocks[best.id].segment.is_none() || growable(next) >= growable(best.id) {
@@ -179,9 +179,7 @@ impl Pools {
         config: &AllocatorConfig,
         count_search: bool,
     ) -> Option<usize> {
-        if count_search {
-            self.gc_clock += 1;
-        }
+        self.gc_clock += u64::from(count_search);
         let best = self.best_fit(blocks, at, size, config.expandable.enabled)?;
         if oversize_refuses(size, key_size(best.key), config) {
             return None;

@@ -143,7 +143,8 @@ impl State {
         stream: StreamHandle,
         size: u64,
     ) -> Option<usize> {
-        let count = pool.is_default() && kind == PoolKind::Large && self.gc_enabled();
+        // (Without short-circuits: which pool kind asks is random to the branch predictor.)
+        let count = pool.is_default() & (kind == PoolKind::Large) & self.gc_enabled();
         self.pools.take(
             &mut self.blocks,
             (pool, kind, stream),
@@ -439,7 +440,7 @@ impl State {
                     } else {
                         id
                     };
-                    self.blocks[piece].mapped = true;
+                    self.blocks.set_mapped(piece, true);
                     let ptr = self.blocks[piece].ptr;
                     self.store_pages(piece, handles.next().unwrap_or_default());
                     self.stats.num_device_alloc += 1;

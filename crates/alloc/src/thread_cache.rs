@@ -556,9 +556,7 @@ fn credit(st: &State, id: usize, req: &Request) -> Option<Credit> {
     let merged_next = next.map_or(b.next, |n| st.blocks[n].next);
     let growable = merged + st.blocks.unmapped_after(merged_next);
     if rival.is_some_and(|(k, r)| {
-        k < key(merged, b.ptr)
-            || (expandable
-                && st.blocks[r].size + st.blocks.unmapped_after(st.blocks[r].next) < growable)
+        k < key(merged, b.ptr) || (expandable && st.blocks[r].size + st.blocks.growth(r) < growable)
     }) {
         return None;
     }
