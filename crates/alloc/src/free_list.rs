@@ -70,18 +70,6 @@ pub(crate) struct Found {
     index: Option<usize>,
 }
 
-impl Found {
-    /// A block known by its key only.
-    pub(crate) fn by_key(key: u128, id: usize) -> Found {
-        Found {
-            key,
-            id,
-            bin: bin(key_size(key)),
-            index: None,
-        }
-    }
-}
-
 /// Entries of a [`FreeList`] with a key of at least a bound, in key order.
 pub(crate) struct Entries<'a> {
     list: &'a FreeList,
@@ -197,23 +185,33 @@ impl FreeList {
         }
     }
 
-    /// Entries with a key above `found`'s (found by [`first_from`](Self::first_from), the
-    /// list unchanged since), in order: where the search stopped, without a second search.
+    /// The entry right after `found` in key order (`found` by [`first_from`](Self::first_from)
+    /// or by this, the list unchanged since), with where it sits: best fit's walk over the
+    /// candidates after an expandable block takes one step at a time, and usually none or
+    /// one, so it needs no iterator.
     #[inline]
-    pub(crate) fn after(&self, found: &Found) -> Entries<'_> {
+    pub(crate) fn next_after(&self, found: &Found) -> Option<Found> {
         let bin = &self.bins[found.bin];
-        match (found.index, &bin.large) {
-            (Some(i), None) => Entries {
-                list: self,
-                bin: found.bin,
-                inner: BinEntries::Small(bin.small[..i].iter().rev()),
-            },
-            _ => {
-                let mut entries = self.range_from(found.key);
-                entries.next();
-                entries
+        let in_bin = match (found.index, &bin.large) {
+            // A short bin is in descending order: the next key is the entry before.
+            (Some(i), None) => i
+                .checked_sub(1)
+                .and_then(|j| bin.small.get(j).map(|&(key, id)| (key, id, Some(j)))),
+            _ => bin.first_from(found.key.checked_add(1)?),
+        };
+        let (b, (key, id, index)) = match in_bin {
+            Some(entry) => (found.bin, entry),
+            None => {
+                let b = self.next_occupied(found.bin + 1)?;
+                (b, self.bins[b].first_from(0)?)
             }
-        }
+        };
+        Some(Found {
+            key,
+            id,
+            bin: b,
+            index,
+        })
     }
 
     pub(crate) fn iter(&self) -> Entries<'_> {
@@ -370,8 +368,14 @@ mod tests {
                 let want = model.range(probe..).next().map(|(k, v)| (*k, *v));
                 assert_eq!(found.map(|x| (x.key, x.id)), want);
                 if let Some(x) = &found {
+                    // Three steps of `next_after`, as best fit walks.
+                    let steps: Vec<(u128, usize)> =
+                        std::iter::successors(f.next_after(x), |y| f.next_after(y))
+                            .take(3)
+                            .map(|y| (y.key, y.id))
+                            .collect();
                     assert_eq!(
-                        f.after(x).take(3).collect::<Vec<_>>(),
+                        steps,
                         model
                             .range(x.key + 1..)
                             .take(3)

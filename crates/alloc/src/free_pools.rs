@@ -151,19 +151,25 @@ impl Pools {
         if b.segment.is_none() || (expandable && !b.before_unmapped) {
             return Some(first);
         }
-        let mut candidates = list.after(&first);
         if !expandable {
-            return candidates
-                .find(|(_, i)| blocks[*i].segment.is_none())
-                .map(|(k, i)| Found::by_key(k, i));
+            let mut next = list.next_after(&first);
+            while let Some(f) = next {
+                if blocks[f.id].segment.is_none() {
+                    return Some(f);
+                }
+                next = list.next_after(&f);
+            }
+            return None;
         }
+        // PyTorch's walk: on to the next candidate while the best so far is expandable and
+        // the candidate could grow to less.
         let growable = |i: usize| blocks[i].size + blocks.growth(i);
         let mut best = first;
-        for (k, next) in candidates {
-            if blocks[best.id].segment.is_none() || growable(next) >= growable(best.id) {
-                break;
+        while blocks[best.id].segment.is_some() {
+            match list.next_after(&best) {
+                Some(next) if growable(next.id) < growable(best.id) => best = next,
+                _ => break,
             }
-            best = Found::by_key(k, next);
         }
         Some(best)
     }
