@@ -349,33 +349,20 @@ impl Blocks {
         }
     }
 
-    /// The bytes block `id` could grow by: the unmapped range after it, if one is.
+    /// The bytes block `id` could grow by: the unmapped range after it, if one is (its
+    /// record says whether, so a mapped neighbour's record is never read).
     #[inline]
     pub(crate) fn growth(&self, id: usize) -> u64 {
         let b = &self.slab[id];
-        if b.before_unmapped {
-            self.unmapped_after(b.next)
-        } else {
-            0
+        match b.next.get() {
+            Some(n) if b.before_unmapped => self.slab[n].size,
+            _ => 0,
         }
     }
 
     /// The neighbour `link`, if it is free in a pool (a merge candidate).
     pub(crate) fn mergeable(&self, link: Link) -> Option<usize> {
         link.get().filter(|&n| self.slab[n].in_pool)
-    }
-
-    /// The bytes of the unmapped range `next` (a block's successor), if it is one: what an
-    /// expandable block there could grow by.
-    #[inline]
-    pub(crate) fn unmapped_after(&self, next: Link) -> u64 {
-        next.get().map_or(0, |n| {
-            if self.slab[n].mapped {
-                0
-            } else {
-                self.slab[n].size
-            }
-        })
     }
 
     /// Every live block is found by its address and no address names a dead one.

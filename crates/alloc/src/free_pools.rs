@@ -152,14 +152,8 @@ impl Pools {
             return Some(first);
         }
         if !expandable {
-            let mut next = list.next_after(&first);
-            while let Some(f) = next {
-                if blocks[f.id].segment.is_none() {
-                    return Some(f);
-                }
-                next = list.next_after(&f);
-            }
-            return None;
+            return std::iter::successors(list.next_after(&first), |f| list.next_after(f))
+                .find(|f| blocks[f.id].segment.is_none());
         }
         // PyTorch's walk: on to the next candidate while the best so far is expandable and
         // the candidate could grow to less.

@@ -553,8 +553,8 @@ fn credit(st: &State, id: usize, req: &Request) -> Option<Credit> {
         l.range_from(key(b.size, 0))
             .find(|(k, _)| Some(*k) != next_key)
     });
-    let merged_next = next.map_or(b.next, |n| st.blocks[n].next);
-    let growable = merged + st.blocks.unmapped_after(merged_next);
+    // (What follows the merged block is what follows its last piece.)
+    let growable = merged + st.blocks.growth(next.unwrap_or(id));
     if rival.is_some_and(|(k, r)| {
         k < key(merged, b.ptr) || (expandable && st.blocks[r].size + st.blocks.growth(r) < growable)
     }) {
