@@ -1,8 +1,8 @@
 //! Block records: every piece of device memory the allocator knows, in a slab with 32-bit
 //! neighbour links, found by address. Splitting a block and merging neighbours happen
 //! here; which list a free block sits in is the free pools' business (`free_pools`).
+use crate::address_map::AddressMap;
 use ferrocuda_types::{DevicePtr, Frame, PoolId, PoolKind, StreamHandle};
-use rustc_hash::FxHashMap;
 use std::sync::Arc;
 
 /// A live allocation handed out by [`CachingAllocator::allocate`](crate::CachingAllocator::allocate).
@@ -206,7 +206,7 @@ pub(crate) struct Blocks {
     vacant: Vec<usize>,
     /// Every block by address (allocated or not): an allocation that takes a whole free
     /// block, or a free that merges nothing, changes nothing here.
-    by_addr: FxHashMap<u64, usize>,
+    by_addr: AddressMap,
 }
 
 impl std::ops::Deref for Blocks {
@@ -223,9 +223,16 @@ impl std::ops::DerefMut for Blocks {
 }
 
 impl Blocks {
-    /// Stores `b`, returning its index.
+    /// Stores `b`, returning its index; its address now names it.
     pub(crate) fn insert(&mut self, b: Block) -> usize {
-        let ptr = b.ptr;
+        let id = self.insert_record(b);
+        self.by_addr.insert(&self.slab, id);
+        id
+    }
+
+    /// Stores `b` in a slab slot, returning its index; the address map is the caller's.
+    #[inline(always)]
+    fn insert_record(&mut self, b: Block) -> usize {
         let id = match self.vacant.pop() {
             Some(id) => id,
             None => {
@@ -238,16 +245,12 @@ impl Blocks {
             }
         };
         self.slab[id] = b;
-        self.by_addr.insert(ptr, id);
         id
     }
 
     /// Forgets block `id` (its address too, unless a block that absorbed it owns it now).
     pub(crate) fn vacate(&mut self, id: usize) {
-        let ptr = self.slab[id].ptr;
-        if self.by_addr.get(&ptr) == Some(&id) {
-            self.by_addr.remove(&ptr);
-        }
+        self.by_addr.remove(self.slab[id].ptr, id);
         self.vacate_record(id);
     }
 
@@ -259,14 +262,13 @@ impl Blocks {
 
     /// The block at `ptr`, if any.
     pub(crate) fn at(&self, ptr: u64) -> Option<usize> {
-        self.by_addr.get(&ptr).copied()
+        self.by_addr.get(&self.slab, ptr)
     }
 
     /// The allocated block at `ptr`, if any.
     pub(crate) fn allocated_at(&self, ptr: u64) -> Option<usize> {
         self.by_addr
-            .get(&ptr)
-            .copied()
+            .get(&self.slab, ptr)
             .filter(|&id| self.slab[id].allocated)
     }
 
@@ -282,21 +284,23 @@ impl Blocks {
                 b.ptr, bytes, b.stream, b.pool, b.mapped, b.segment, b.pool_id,
             )
         };
-        let new = self.insert(front);
+        let new = self.insert_record(front);
         if let Some(p) = self.slab[new].prev.get() {
             self.slab[p].next = Link::from(Some(new));
         }
         let b = &mut self.slab[id];
+        // The front piece takes the address; the rest enters the map under its new one.
+        self.by_addr.hand_over(b.ptr, id, new);
         b.ptr += bytes;
         b.size -= bytes;
         b.prev = Link::from(Some(new));
-        self.by_addr.insert(b.ptr, id);
+        self.by_addr.insert_new(&self.slab, id);
         new
     }
 
     /// Cuts block `id` to its first `bytes`; the rest becomes a new block, which it returns.
-    /// Only the new block's address is added to the address map (the hot path's split: one
-    /// map insertion, where [`Blocks::split_front`] makes two).
+    /// Only the new block's address is added to the address map, without a search: it lies
+    /// inside block `id`, so no other block starts there (the hot path's split).
     pub(crate) fn split_back(&mut self, id: usize, bytes: u64) -> usize {
         let b = &self.slab[id];
         let back = Block {
@@ -314,7 +318,8 @@ impl Blocks {
                 b.pool_id,
             )
         };
-        let new = self.insert(back);
+        let new = self.insert_record(back);
+        self.by_addr.insert_new(&self.slab, new);
         if let Some(n) = self.slab[new].next.get() {
             self.slab[n].prev = Link::from(Some(new));
         }
@@ -336,7 +341,7 @@ impl Blocks {
         if let Some(a) = after.get() {
             self.slab[a].prev = Link::from(Some(id));
         }
-        self.by_addr.remove(&n_ptr);
+        self.by_addr.remove(n_ptr, next);
         self.vacate_record(next);
     }
 
@@ -372,7 +377,7 @@ impl Blocks {
             .slab
             .iter()
             .enumerate()
-            .find(|(id, b)| !b.vacant && self.by_addr.get(&b.ptr) != Some(id));
+            .find(|&(id, b)| !b.vacant && self.by_addr.get(&self.slab, b.ptr) != Some(id));
         if let Some((id, b)) = misplaced {
             return Err(format!(
                 "block {id} at {:#x} is not found by its address",
@@ -386,6 +391,13 @@ impl Blocks {
             return Err(format!(
                 "block {id}'s before_unmapped disagrees with its next block"
             ));
+        }
+        if let Some(id) = self
+            .by_addr
+            .ids()
+            .find(|&id| self.slab.get(id).is_none_or(|b| b.vacant))
+        {
+            return Err(format!("the address map names block {id}, which is gone"));
         }
         if self.by_addr.len() != alive {
             return Err(format!(

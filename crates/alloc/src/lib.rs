@@ -105,6 +105,7 @@
 //!   crate skips only its own frames at the top of a recorded stack.
 #![forbid(unsafe_code)]
 
+mod address_map;
 mod allocator;
 mod async_backend;
 mod block;

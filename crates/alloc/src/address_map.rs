@@ -1,0 +1,95 @@
+//! Where a block is found by its address: `free(ptr)`'s lookup, and the map that splitting
+//! and merging keep.
+//!
+//! A hash table of 4-byte slab indices whose keys live in the blocks themselves (each
+//! entry is hashed by its block's `ptr`). A lookup by address compares the candidate's
+//! record, which the caller reads next anyway; a table a quarter the size of one holding
+//! (address, index) pairs keeps more of it in the nearest caches. Changes name the block
+//! they concern, so no address is compared: removal finds the entry holding that index,
+//! and a split's new piece, whose address lies inside the block it was cut from, is
+//! inserted without searching for it first.
+//!
+//! The invariant the table relies on, kept by [`Blocks`](crate::block::Blocks), the only
+//! writer of a block's `ptr`: every entry names a live block and was hashed by that block's
+//! current address (a block's address changes only while it is out of the table).
+use crate::block::Block;
+use hashbrown::HashTable;
+use rustc_hash::FxBuildHasher;
+use std::hash::BuildHasher;
+
+#[derive(Debug, Default)]
+pub(crate) struct AddressMap {
+    table: HashTable<u32>,
+}
+
+#[inline(always)]
+fn hash(ptr: u64) -> u64 {
+    FxBuildHasher.hash_one(ptr)
+}
+
+/// Block indices stay far below `u32::MAX` (that many blocks would take 512 GiB).
+#[inline(always)]
+fn entry(id: usize) -> u32 {
+    id as u32
+}
+
+impl AddressMap {
+    /// The block at `ptr`, if any.
+    #[inline(always)]
+    pub(crate) fn get(&self, slab: &[Block], ptr: u64) -> Option<usize> {
+        self.table
+            .find(hash(ptr), |&e| slab[e as usize].ptr == ptr)
+            .map(|&e| e as usize)
+    }
+
+    /// Adds block `id` under its address `slab[id].ptr`, which no other entry holds.
+    #[inline(always)]
+    pub(crate) fn insert_new(&mut self, slab: &[Block], id: usize) {
+        self.table
+            .insert_unique(hash(slab[id].ptr), entry(id), |&e| {
+                hash(slab[e as usize].ptr)
+            });
+    }
+
+    /// Adds block `id` under its address, taking the entry of a block that had the same
+    /// address, if one does.
+    pub(crate) fn insert(&mut self, slab: &[Block], id: usize) {
+        let ptr = slab[id].ptr;
+        match self
+            .table
+            .find_mut(hash(ptr), |&e| e != entry(id) && slab[e as usize].ptr == ptr)
+        {
+            Some(e) => *e = entry(id),
+            None => self.insert_new(slab, id),
+        }
+    }
+
+    /// Removes block `id`'s entry under `ptr` (its address when it was entered). Whether
+    /// there was one.
+    #[inline(always)]
+    pub(crate) fn remove(&mut self, ptr: u64, id: usize) -> bool {
+        match self.table.find_entry(hash(ptr), |&e| e == entry(id)) {
+            Ok(found) => {
+                found.remove();
+                true
+            }
+            Err(_) => false,
+        }
+    }
+
+    /// Hands `ptr`'s entry from block `from` to block `to` (which now starts there).
+    pub(crate) fn hand_over(&mut self, ptr: u64, from: usize, to: usize) {
+        if let Some(e) = self.table.find_mut(hash(ptr), |&e| e == entry(from)) {
+            *e = entry(to);
+        }
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.table.len()
+    }
+
+    /// The indices of every entry.
+    pub(crate) fn ids(&self) -> impl Iterator<Item = usize> + '_ {
+        self.table.iter().map(|&e| e as usize)
+    }
+}
