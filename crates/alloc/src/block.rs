@@ -147,38 +147,78 @@ impl Block {
         segment: Link,
         pool_id: PoolId,
     ) -> Block {
-        Block {
-            ptr,
-            size,
-            requested: 0,
-            gc_base: 0,
-            stream,
-            prev: Link::NONE,
-            next: Link::NONE,
-            segment,
-            list: NO_LIST,
-            pool,
-            allocated: false,
-            in_pool: false,
-            oversize: false,
-            vacant: false,
-            has_uses: false,
-            has_frames: false,
-            before_unmapped: false,
-            event_count: 0,
-            mapped,
-            busy: false,
-            stream_uses: Vec::new(),
-            frames: None,
-            pool_id,
-        }
+        let mut b = Block::vacant();
+        b.reset(ptr, size, stream, pool, mapped, segment, pool_id);
+        b
+    }
+
+    /// Makes this record what [`Block::new`] gives, field by field: a split writes its new
+    /// piece into a vacant slot this way, where building a record and moving it in costs
+    /// a copy of both lines and the old record's drop.
+    #[allow(clippy::too_many_arguments)]
+    #[inline(always)]
+    pub(crate) fn reset(
+        &mut self,
+        ptr: u64,
+        size: u64,
+        stream: u64,
+        pool: PoolKind,
+        mapped: bool,
+        segment: Link,
+        pool_id: PoolId,
+    ) {
+        self.ptr = ptr;
+        self.size = size;
+        self.requested = 0;
+        self.gc_base = 0;
+        self.stream = stream;
+        self.prev = Link::NONE;
+        self.next = Link::NONE;
+        self.segment = segment;
+        self.list = NO_LIST;
+        self.pool = pool;
+        self.allocated = false;
+        self.in_pool = false;
+        self.oversize = false;
+        self.vacant = false;
+        self.has_uses = false;
+        self.has_frames = false;
+        self.before_unmapped = false;
+        self.event_count = 0;
+        self.mapped = mapped;
+        self.busy = false;
+        // (Emptied, its capacity kept for the slot's next use.)
+        self.stream_uses.clear();
+        self.frames = None;
+        self.pool_id = pool_id;
     }
 
     /// An unused slab slot.
     fn vacant() -> Block {
         Block {
+            ptr: 0,
+            size: 0,
+            requested: 0,
+            gc_base: 0,
+            stream: 0,
+            prev: Link::NONE,
+            next: Link::NONE,
+            segment: Link::NONE,
+            list: NO_LIST,
+            pool: PoolKind::Small,
+            allocated: false,
+            in_pool: false,
+            oversize: false,
             vacant: true,
-            ..Block::new(0, 0, 0, PoolKind::Small, false, Link::NONE, PoolId::DEFAULT)
+            has_uses: false,
+            has_frames: false,
+            before_unmapped: false,
+            event_count: 0,
+            mapped: false,
+            busy: false,
+            stream_uses: Vec::new(),
+            frames: None,
+            pool_id: PoolId::DEFAULT,
         }
     }
 
@@ -231,9 +271,16 @@ impl Blocks {
     }
 
     /// Stores `b` in a slab slot, returning its index; the address map is the caller's.
-    #[inline(always)]
     fn insert_record(&mut self, b: Block) -> usize {
-        let id = match self.vacant.pop() {
+        let id = self.vacant_slot();
+        self.slab[id] = b;
+        id
+    }
+
+    /// A vacant slot's index (the slab grows when none is left).
+    #[inline(always)]
+    fn vacant_slot(&mut self) -> usize {
+        match self.vacant.pop() {
             Some(id) => id,
             None => {
                 // Slots are added in chunks, so that a split rarely finds none spare (which
@@ -243,9 +290,7 @@ impl Blocks {
                 self.vacant.extend((first + 1..first + SLAB_CHUNK).rev());
                 first
             }
-        };
-        self.slab[id] = b;
-        id
+        }
     }
 
     /// Forgets block `id` (its address too, unless a block that absorbed it owns it now).
@@ -272,20 +317,30 @@ impl Blocks {
             .filter(|&id| self.slab[id].allocated)
     }
 
+    /// A new free block over `size` bytes at `offset` into block `of`, in a vacant slot,
+    /// of the same stream, pools, segment and mapping; unlinked and out of the address map.
+    #[inline(always)]
+    fn piece_of(&mut self, of: usize, offset: u64, size: u64) -> usize {
+        let new = self.vacant_slot();
+        let b = &self.slab[of];
+        let (ptr, stream, pool, mapped) = (b.ptr + offset, b.stream, b.pool, b.mapped);
+        let (segment, pool_id, list) = (b.segment, b.pool_id, b.list);
+        let piece = &mut self.slab[new];
+        piece.reset(ptr, size, stream, pool, mapped, segment, pool_id);
+        piece.list = list;
+        new
+    }
+
     /// Cuts the first `bytes` of block `id` off into a new block, which it returns.
     pub(crate) fn split_front(&mut self, id: usize, bytes: u64) -> usize {
+        let new = self.piece_of(id, 0, bytes);
         let b = &self.slab[id];
-        let front = Block {
-            prev: b.prev,
-            next: Link::from(Some(id)),
-            list: b.list,
-            before_unmapped: !b.mapped,
-            ..Block::new(
-                b.ptr, bytes, b.stream, b.pool, b.mapped, b.segment, b.pool_id,
-            )
-        };
-        let new = self.insert_record(front);
-        if let Some(p) = self.slab[new].prev.get() {
+        let (prev, mapped) = (b.prev, b.mapped);
+        let front = &mut self.slab[new];
+        front.prev = prev;
+        front.next = Link::from(Some(id));
+        front.before_unmapped = !mapped;
+        if let Some(p) = prev.get() {
             self.slab[p].next = Link::from(Some(new));
         }
         let b = &mut self.slab[id];
@@ -302,25 +357,15 @@ impl Blocks {
     /// Only the new block's address is added to the address map, without a search: it lies
     /// inside block `id`, so no other block starts there (the hot path's split).
     pub(crate) fn split_back(&mut self, id: usize, bytes: u64) -> usize {
+        let new = self.piece_of(id, bytes, self.slab[id].size - bytes);
         let b = &self.slab[id];
-        let back = Block {
-            prev: Link::from(Some(id)),
-            next: b.next,
-            list: b.list,
-            before_unmapped: b.before_unmapped,
-            ..Block::new(
-                b.ptr + bytes,
-                b.size - bytes,
-                b.stream,
-                b.pool,
-                b.mapped,
-                b.segment,
-                b.pool_id,
-            )
-        };
-        let new = self.insert_record(back);
+        let (next, before_unmapped) = (b.next, b.before_unmapped);
+        let back = &mut self.slab[new];
+        back.prev = Link::from(Some(id));
+        back.next = next;
+        back.before_unmapped = before_unmapped;
         self.by_addr.insert_new(&self.slab, new);
-        if let Some(n) = self.slab[new].next.get() {
+        if let Some(n) = next.get() {
             self.slab[n].prev = Link::from(Some(new));
         }
         let b = &mut self.slab[id];
