@@ -57,7 +57,7 @@ impl AddressMap {
         let ptr = slab[id].ptr;
         match self
             .table
-            .find_mut(hash(ptr), |&e| e != entry(id) && slab[e as usize].ptr == ptr)
+            .find_mut(hash(ptr), |&e| slab[e as usize].ptr == ptr)
         {
             Some(e) => *e = entry(id),
             None => self.insert_new(slab, id),
@@ -91,5 +91,72 @@ impl AddressMap {
     /// The indices of every entry.
     pub(crate) fn ids(&self) -> impl Iterator<Item = usize> + '_ {
         self.table.iter().map(|&e| e as usize)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::block::Link;
+    use ferrocuda_types::{PoolId, PoolKind};
+    use std::collections::BTreeMap;
+
+    fn block(ptr: u64) -> Block {
+        Block::new(ptr, 512, 0, PoolKind::Small, true, Link::NONE, PoolId::DEFAULT)
+    }
+
+    /// Random additions, removals, address hand-overs (a split's front piece) and
+    /// replacements, through several growths of the table, answer every lookup as a
+    /// `BTreeMap` from address to index does.
+    #[test]
+    fn lookups_follow_a_model_map() {
+        let (mut map, mut slab, mut model) = (AddressMap::default(), Vec::new(), BTreeMap::new());
+        let mut seed = 3u64;
+        for step in 0..20_000u64 {
+            seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            // Addresses from a small range, so that lookups often hit and sometimes miss.
+            let ptr = ((seed >> 33) % 4096) * 512;
+            let live: Vec<(u64, usize)> = model.iter().map(|(&p, &i)| (p, i)).collect();
+            let pick = live.get((seed >> 20) as usize % live.len().max(1)).copied();
+            match (seed >> 60, pick) {
+                (0..=7, _) if !model.contains_key(&ptr) => {
+                    slab.push(block(ptr));
+                    map.insert_new(&slab, slab.len() - 1);
+                    model.insert(ptr, slab.len() - 1);
+                }
+                (8..=11, Some((p, id))) => {
+                    assert!(map.remove(p, id));
+                    assert!(!map.remove(p, id), "removed twice");
+                    model.remove(&p);
+                }
+                (12 | 13, Some((p, id))) if !model.contains_key(&(p + 256)) => {
+                    // A front piece takes the address; the block moves on by 256 bytes.
+                    slab.push(block(p));
+                    let front = slab.len() - 1;
+                    map.hand_over(p, id, front);
+                    slab[id].ptr = p + 256;
+                    map.insert_new(&slab, id);
+                    model.insert(p, front);
+                    model.insert(p + 256, id);
+                }
+                (14 | 15, Some((p, _))) => {
+                    // A new block at a taken address takes its entry.
+                    slab.push(block(p));
+                    map.insert(&slab, slab.len() - 1);
+                    model.insert(p, slab.len() - 1);
+                }
+                _ => {}
+            }
+            assert_eq!(map.get(&slab, ptr), model.get(&ptr).copied(), "step {step}");
+            assert_eq!(map.len(), model.len());
+        }
+        let mut ids: Vec<usize> = map.ids().collect();
+        ids.sort_unstable();
+        let mut want: Vec<usize> = model.values().copied().collect();
+        want.sort_unstable();
+        assert_eq!(ids, want);
+        assert!(model.len() > 1000, "the table grew through several sizes");
     }
 }

@@ -44,7 +44,7 @@
 //!   its last free has completed (or the stream is idle), and growth creates new pages
 //!   for the rest, so a training step is not drained in its middle.
 //! - **One type per part of the state, calls going one way.** `block` (the slab of block
-//!   records, links, split and merge), `free_pools` (free lists per pool and stream, best
+//!   records, links, split and merge; `address_map` finds them by address), `free_pools` (free lists per pool and stream, best
 //!   fit, the oversize rule), `stream_order` (events that hold freed blocks back),
 //!   `expandable` (address ranges, pages, unmapped pieces), `reclaim_clock` (when a free
 //!   page may move without a synchronization), `private_pools` (routes, users,
@@ -64,7 +64,10 @@
 //! - Block storage is a slab with 32-bit indices for the address-ordered neighbour links;
 //!   what allocation and free touch of a block fills one cache line, the rest (stream uses,
 //!   stacks, events, pool id) the next. Free blocks are kept per (pool, stream) in (size,
-//!   address) order, as PyTorch's `std::set`, binned by size (`free_list`).
+//!   address) order, as PyTorch's `std::set`, binned by size (`free_list`). A block is
+//!   found by its address through a hash table of its 4-byte index, the address read
+//!   from the record itself (`address_map`): a quarter of the table a map of (address,
+//!   index) pairs takes, and the record is what a free reads next anyway.
 //! - **A per-thread front end** (`thread_cache`, on by default, the whole protocol in that
 //!   file): the block a thread just freed comes back to it without the lock when PyTorch's
 //!   free-then-best-fit would return that very block; every locked operation of any thread
