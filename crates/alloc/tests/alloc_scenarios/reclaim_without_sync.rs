@@ -373,3 +373,38 @@ fn a_steady_state_keeps_few_marks_and_events() -> TestResult {
     a.check_invariants()?;
     Ok(())
 }
+
+/// Frees made while reclaim is off stamp no pages; switching it on (PyTorch's
+/// `_set_allocator_settings`) treats every page as freed just then, so a page freed earlier
+/// with work still queued does not move before that work has run.
+#[test]
+fn reclaim_switched_on_later_waits_for_work_queued_before_it() -> TestResult {
+    let (fake, a) = setup(
+        80 * GIB,
+        "expandable_segments:True,expandable_segments_page_mb:2",
+        Completion::Manual,
+    );
+    let xs: Vec<_> = allocate_n(&a, 3, 40 * MIB)?;
+    fake.advance_all();
+    fake.memset_async(xs[1].ptr, MemsetValue::U8(7), xs[1].size, LEGACY)?;
+    a.free(xs[1].ptr)?;
+    a.update_config("expandable_segments_reclaim:True")?;
+    let big = a.allocate(60 * MIB, LEGACY)?;
+    assert_eq!(
+        reserved(&a),
+        180 * MIB,
+        "the hole's memset has not run: all 60 MiB are new pages"
+    );
+    fake.advance_all();
+    a.free(big.ptr)?;
+    let bigger = a.allocate(100 * MIB, LEGACY)?;
+    assert_eq!(
+        reserved(&a),
+        180 * MIB,
+        "the stream ran the memset: the hole's and the freed block's pages moved"
+    );
+    fake.memset_async(bigger.ptr, MemsetValue::U8(9), bigger.size, LEGACY)?;
+    fake.device_synchronize(D0)?;
+    a.check_invariants()?;
+    Ok(())
+}
