@@ -102,7 +102,15 @@ mod tests {
     use std::collections::BTreeMap;
 
     fn block(ptr: u64) -> Block {
-        Block::new(ptr, 512, 0, PoolKind::Small, true, Link::NONE, PoolId::DEFAULT)
+        Block::new(
+            ptr,
+            512,
+            0,
+            PoolKind::Small,
+            true,
+            Link::NONE,
+            PoolId::DEFAULT,
+        )
     }
 
     /// Random additions, removals, address hand-overs (a split's front piece) and

@@ -3,7 +3,6 @@
 //! fit, and the oversize rule of `max_split_size_mb`, written once here).
 use crate::block::{Blocks, NO_LIST};
 use crate::free_list::{Found, FreeList, key, key_size};
-use bit_set::BitSet;
 use ferrocuda_types::{AllocatorConfig, PoolId, PoolKind, StreamHandle};
 use rustc_hash::FxHashMap;
 
@@ -38,10 +37,10 @@ pub(crate) struct Pools {
     streams: Vec<((PoolId, u64), [FreeList; 2])>,
     positions: FxHashMap<(PoolId, u64), usize>,
     /// Indices of the non-empty lists, per pool kind (iterated in creation order). A bit
-    /// set: a list of a stream that allocates its one block and frees it again turns empty
+    /// each: a list of a stream that allocates its one block and frees it again turns empty
     /// and back on every pair, where a tree set's insert and removal cost more than the
     /// rest of the request.
-    occupied: [BitSet; 2],
+    occupied: [ListBits; 2],
     /// The (pool, stream) used last and its index: most requests come from it.
     last_key: (PoolId, u64),
     last: usize,
@@ -49,6 +48,43 @@ pub(crate) struct Pools {
     /// whose blocks garbage collection frees: a block's age is this clock's advance since
     /// it was freed.
     pub(crate) gc_clock: u64,
+}
+
+/// One bit per free list, grown when a list is made, so that marking one on the hot path
+/// is a word's read and write (a general bit set checks its length and grows there, in a
+/// call of its own).
+#[derive(Debug, Default)]
+struct ListBits {
+    words: Vec<u64>,
+}
+
+impl ListBits {
+    /// Room for list `i`'s bit.
+    fn make_room(&mut self, i: usize) {
+        let words = i / 64 + 1;
+        if self.words.len() < words {
+            self.words.resize(words, 0);
+        }
+    }
+
+    #[inline(always)]
+    fn set(&mut self, i: usize, on: bool) {
+        if let Some(word) = self.words.get_mut(i / 64) {
+            let bit = 1u64 << (i % 64);
+            *word = (*word & !bit) | (u64::from(on) << (i % 64));
+        }
+    }
+
+    /// The lists whose bit is set, in index order.
+    fn iter(&self) -> impl Iterator<Item = usize> + '_ {
+        self.words.iter().enumerate().flat_map(|(w, &bits)| {
+            std::iter::successors((bits != 0).then_some(bits), |&b| {
+                let rest = b & (b - 1);
+                (rest != 0).then_some(rest)
+            })
+            .map(move |b| w * 64 + b.trailing_zeros() as usize)
+        })
+    }
 }
 
 impl Pools {
@@ -77,6 +113,7 @@ impl Pools {
                 self.streams.push(((pool, stream), Default::default()));
                 let i = self.streams.len() - 1;
                 self.positions.insert((pool, stream), i);
+                self.occupied.iter_mut().for_each(|o| o.make_room(i));
                 i
             }
         };
@@ -94,7 +131,7 @@ impl Pools {
     #[inline(always)]
     fn removed(&mut self, index: u32, kind: PoolKind, left: usize) {
         if left == 0 {
-            self.occupied[kind.index()].remove(index as usize);
+            self.occupied[kind.index()].set(index as usize, false);
         }
     }
 
@@ -112,7 +149,7 @@ impl Pools {
         let list = self.at(index, kind);
         list.insert(key(b.size, b.ptr), id);
         if list.len() == 1 {
-            self.occupied[kind.index()].insert(index as usize);
+            self.occupied[kind.index()].set(index as usize, true);
         }
     }
 
@@ -222,5 +259,45 @@ impl Pools {
             .iter()
             .map(|(_, l)| l[0].len() + l[1].len())
             .sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ListBits;
+    use std::collections::BTreeSet;
+
+    /// Bits set and cleared at random over several words, made room for as lists are,
+    /// list in index order what a `BTreeSet` holds.
+    #[test]
+    fn list_bits_follow_a_model_set() {
+        let (mut bits, mut model) = (ListBits::default(), BTreeSet::new());
+        let mut made = 0;
+        let mut seed = 9u64;
+        for _ in 0..5000 {
+            seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            if made < 300 && seed.is_multiple_of(5) {
+                bits.make_room(made);
+                made += 1;
+            }
+            if made == 0 {
+                continue;
+            }
+            let i = (seed >> 33) as usize % made;
+            let on = (seed >> 20).is_multiple_of(2);
+            bits.set(i, on);
+            if on {
+                model.insert(i);
+            } else {
+                model.remove(&i);
+            }
+            assert_eq!(
+                bits.iter().collect::<Vec<_>>(),
+                model.iter().copied().collect::<Vec<_>>()
+            );
+        }
+        assert!(made > 200 && model.len() > 50, "several words in use");
     }
 }
