@@ -50,12 +50,19 @@ impl ExpandableSegment {
     /// The index of the page that holds `addr` (an address inside this segment).
     #[inline]
     pub(crate) fn page_index(&self, addr: u64) -> usize {
-        let offset = addr - self.va.base.0;
-        let index = match self.page_shift {
-            Some(shift) => offset >> shift,
-            None => offset / self.page,
+        self.page_span(addr, 1).0
+    }
+
+    /// The indices of the first and the last page that `bytes` (at least 1) at `addr`
+    /// touch, with one look at how pages are sized.
+    #[inline(always)]
+    fn page_span(&self, addr: u64, bytes: u64) -> (usize, usize) {
+        let (first, last) = (addr - self.va.base.0, addr + bytes - 1 - self.va.base.0);
+        let (first, last) = match self.page_shift {
+            Some(shift) => (first >> shift, last >> shift),
+            None => (first / self.page, last / self.page),
         };
-        index as usize
+        (first as usize, last as usize)
     }
 }
 
@@ -175,7 +182,7 @@ impl Expandable {
         let Some(Some(segment)) = self.segments.get_mut(segment) else {
             return;
         };
-        let (from, last) = (segment.page_index(ptr), segment.page_index(ptr + size - 1));
+        let (from, last) = segment.page_span(ptr, size);
         if let Some(pages) = segment.freed.get_mut(from..=last) {
             // The first and the last page are stamped whether or not they are one (which
             // is random to the branch predictor); pages between them, out of line.
