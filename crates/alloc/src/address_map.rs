@@ -9,10 +9,11 @@
 //! and a split's new piece, whose address lies inside the block it was cut from, is
 //! inserted without searching for it first.
 //!
-//! The invariant the table relies on, kept by [`Blocks`](crate::block::Blocks), the only
-//! writer of a block's `ptr`: every entry names a live block and was hashed by that block's
-//! current address (a block's address changes only while it is out of the table).
-use crate::block::Block;
+//! The table knows no block type: the caller passes how an index's address is read
+//! (`address(id)`, the record's `ptr`). The invariant it relies on, kept by
+//! [`Blocks`](crate::block::Blocks), the only writer of a block's `ptr`: every entry names a
+//! live block and was hashed by that block's current address (a block's address changes
+//! only while it is out of the table).
 use hashbrown::HashTable;
 use rustc_hash::FxBuildHasher;
 use std::hash::BuildHasher;
@@ -34,38 +35,36 @@ fn entry(id: usize) -> u32 {
 }
 
 impl AddressMap {
-    /// The block at `ptr`, if any.
+    /// The index entered under `ptr`, if any.
     #[inline(always)]
-    pub(crate) fn get(&self, slab: &[Block], ptr: u64) -> Option<usize> {
+    pub(crate) fn get(&self, ptr: u64, address: impl Fn(usize) -> u64) -> Option<usize> {
         self.table
-            .find(hash(ptr), |&e| slab[e as usize].ptr == ptr)
+            .find(hash(ptr), |&e| address(e as usize) == ptr)
             .map(|&e| e as usize)
     }
 
-    /// Adds block `id` under its address `slab[id].ptr`, which no other entry holds.
+    /// Enters `id` under its address `address(id)`, which no other entry holds.
     #[inline(always)]
-    pub(crate) fn insert_new(&mut self, slab: &[Block], id: usize) {
+    pub(crate) fn insert_new(&mut self, id: usize, address: impl Fn(usize) -> u64) {
         self.table
-            .insert_unique(hash(slab[id].ptr), entry(id), |&e| {
-                hash(slab[e as usize].ptr)
-            });
+            .insert_unique(hash(address(id)), entry(id), |&e| hash(address(e as usize)));
     }
 
-    /// Adds block `id` under its address, taking the entry of a block that had the same
+    /// Enters `id` under its address, taking the entry of an index that had the same
     /// address, if one does.
-    pub(crate) fn insert(&mut self, slab: &[Block], id: usize) {
-        let ptr = slab[id].ptr;
+    pub(crate) fn insert(&mut self, id: usize, address: impl Fn(usize) -> u64) {
+        let ptr = address(id);
         match self
             .table
-            .find_mut(hash(ptr), |&e| slab[e as usize].ptr == ptr)
+            .find_mut(hash(ptr), |&e| address(e as usize) == ptr)
         {
             Some(e) => *e = entry(id),
-            None => self.insert_new(slab, id),
+            None => self.insert_new(id, address),
         }
     }
 
-    /// Removes block `id`'s entry under `ptr` (its address when it was entered). Whether
-    /// there was one.
+    /// Removes `id`'s entry under `ptr` (its address when it was entered). Whether there
+    /// was one.
     #[inline(always)]
     pub(crate) fn remove(&mut self, ptr: u64, id: usize) -> bool {
         match self.table.find_entry(hash(ptr), |&e| e == entry(id)) {
@@ -77,7 +76,7 @@ impl AddressMap {
         }
     }
 
-    /// Hands `ptr`'s entry from block `from` to block `to` (which now starts there).
+    /// Hands `ptr`'s entry from index `from` to `to` (which now starts there).
     pub(crate) fn hand_over(&mut self, ptr: u64, from: usize, to: usize) {
         if let Some(e) = self.table.find_mut(hash(ptr), |&e| e == entry(from)) {
             *e = entry(to);
@@ -97,28 +96,15 @@ impl AddressMap {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::block::Link;
-    use ferrocuda_types::{PoolId, PoolKind};
     use std::collections::BTreeMap;
-
-    fn block(ptr: u64) -> Block {
-        Block::new(
-            ptr,
-            512,
-            0,
-            PoolKind::Small,
-            true,
-            Link::NONE,
-            PoolId::DEFAULT,
-        )
-    }
 
     /// Random additions, removals, address hand-overs (a split's front piece) and
     /// replacements, through several growths of the table, answer every lookup as a
-    /// `BTreeMap` from address to index does.
+    /// `BTreeMap` from address to index does. `addresses[id]` plays the block records.
     #[test]
     fn lookups_follow_a_model_map() {
-        let (mut map, mut slab, mut model) = (AddressMap::default(), Vec::new(), BTreeMap::new());
+        let (mut map, mut addresses, mut model) =
+            (AddressMap::default(), Vec::<u64>::new(), BTreeMap::new());
         let mut seed = 3u64;
         for step in 0..20_000u64 {
             seed = seed
@@ -130,9 +116,10 @@ mod tests {
             let pick = live.get((seed >> 20) as usize % live.len().max(1)).copied();
             match (seed >> 60, pick) {
                 (0..=7, _) if !model.contains_key(&ptr) => {
-                    slab.push(block(ptr));
-                    map.insert_new(&slab, slab.len() - 1);
-                    model.insert(ptr, slab.len() - 1);
+                    addresses.push(ptr);
+                    let id = addresses.len() - 1;
+                    map.insert_new(id, |i| addresses[i]);
+                    model.insert(ptr, id);
                 }
                 (8..=11, Some((p, id))) => {
                     assert!(map.remove(p, id));
@@ -141,23 +128,28 @@ mod tests {
                 }
                 (12 | 13, Some((p, id))) if !model.contains_key(&(p + 256)) => {
                     // A front piece takes the address; the block moves on by 256 bytes.
-                    slab.push(block(p));
-                    let front = slab.len() - 1;
+                    addresses.push(p);
+                    let front = addresses.len() - 1;
                     map.hand_over(p, id, front);
-                    slab[id].ptr = p + 256;
-                    map.insert_new(&slab, id);
+                    addresses[id] = p + 256;
+                    map.insert_new(id, |i| addresses[i]);
                     model.insert(p, front);
                     model.insert(p + 256, id);
                 }
                 (14 | 15, Some((p, _))) => {
                     // A new block at a taken address takes its entry.
-                    slab.push(block(p));
-                    map.insert(&slab, slab.len() - 1);
-                    model.insert(p, slab.len() - 1);
+                    addresses.push(p);
+                    let id = addresses.len() - 1;
+                    map.insert(id, |i| addresses[i]);
+                    model.insert(p, id);
                 }
                 _ => {}
             }
-            assert_eq!(map.get(&slab, ptr), model.get(&ptr).copied(), "step {step}");
+            assert_eq!(
+                map.get(ptr, |i| addresses[i]),
+                model.get(&ptr).copied(),
+                "step {step}"
+            );
             assert_eq!(map.len(), model.len());
         }
         let mut ids: Vec<usize> = map.ids().collect();

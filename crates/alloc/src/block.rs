@@ -136,37 +136,42 @@ pub(crate) struct Block {
 const _: () = assert!(std::mem::offset_of!(Block, event_count) == 64);
 const _: () = assert!(std::mem::size_of::<Block>() == 128);
 
+/// What a new free block is made of: the rest of its record starts empty.
+#[derive(Copy, Clone, Debug)]
+pub(crate) struct Piece {
+    pub(crate) ptr: u64,
+    pub(crate) size: u64,
+    /// The stream's raw handle.
+    pub(crate) stream: u64,
+    pub(crate) pool: PoolKind,
+    pub(crate) mapped: bool,
+    /// The expandable segment it lies in, if any.
+    pub(crate) segment: Link,
+    pub(crate) pool_id: PoolId,
+}
+
 impl Block {
     /// A free, unlinked block (not yet in any free list).
-    pub(crate) fn new(
-        ptr: u64,
-        size: u64,
-        stream: u64,
-        pool: PoolKind,
-        mapped: bool,
-        segment: Link,
-        pool_id: PoolId,
-    ) -> Block {
+    pub(crate) fn new(piece: Piece) -> Block {
         let mut b = Block::vacant();
-        b.reset(ptr, size, stream, pool, mapped, segment, pool_id);
+        b.reset(piece);
         b
     }
 
     /// Makes this record what [`Block::new`] gives, field by field: a split writes its new
     /// piece into a vacant slot this way, where building a record and moving it in costs
     /// a copy of both lines and the old record's drop.
-    #[allow(clippy::too_many_arguments)]
     #[inline(always)]
-    pub(crate) fn reset(
-        &mut self,
-        ptr: u64,
-        size: u64,
-        stream: u64,
-        pool: PoolKind,
-        mapped: bool,
-        segment: Link,
-        pool_id: PoolId,
-    ) {
+    pub(crate) fn reset(&mut self, piece: Piece) {
+        let Piece {
+            ptr,
+            size,
+            stream,
+            pool,
+            mapped,
+            segment,
+            pool_id,
+        } = piece;
         self.ptr = ptr;
         self.size = size;
         self.requested = 0;
@@ -266,7 +271,8 @@ impl Blocks {
     /// Stores `b`, returning its index; its address now names it.
     pub(crate) fn insert(&mut self, b: Block) -> usize {
         let id = self.insert_record(b);
-        self.by_addr.insert(&self.slab, id);
+        let slab = &self.slab;
+        self.by_addr.insert(id, |i| slab[i].ptr);
         id
     }
 
@@ -307,13 +313,13 @@ impl Blocks {
 
     /// The block at `ptr`, if any.
     pub(crate) fn at(&self, ptr: u64) -> Option<usize> {
-        self.by_addr.get(&self.slab, ptr)
+        self.by_addr.get(ptr, |i| self.slab[i].ptr)
     }
 
     /// The allocated block at `ptr`, if any.
     pub(crate) fn allocated_at(&self, ptr: u64) -> Option<usize> {
         self.by_addr
-            .get(&self.slab, ptr)
+            .get(ptr, |i| self.slab[i].ptr)
             .filter(|&id| self.slab[id].allocated)
     }
 
@@ -323,11 +329,21 @@ impl Blocks {
     fn piece_of(&mut self, of: usize, offset: u64, size: u64) -> usize {
         let new = self.vacant_slot();
         let b = &self.slab[of];
-        let (ptr, stream, pool, mapped) = (b.ptr + offset, b.stream, b.pool, b.mapped);
-        let (segment, pool_id, list) = (b.segment, b.pool_id, b.list);
-        let piece = &mut self.slab[new];
-        piece.reset(ptr, size, stream, pool, mapped, segment, pool_id);
-        piece.list = list;
+        let (list, piece) = (
+            b.list,
+            Piece {
+                ptr: b.ptr + offset,
+                size,
+                stream: b.stream,
+                pool: b.pool,
+                mapped: b.mapped,
+                segment: b.segment,
+                pool_id: b.pool_id,
+            },
+        );
+        let record = &mut self.slab[new];
+        record.reset(piece);
+        record.list = list;
         new
     }
 
@@ -349,7 +365,8 @@ impl Blocks {
         b.ptr += bytes;
         b.size -= bytes;
         b.prev = Link::from(Some(new));
-        self.by_addr.insert_new(&self.slab, id);
+        let slab = &self.slab;
+        self.by_addr.insert_new(id, |i| slab[i].ptr);
         new
     }
 
@@ -364,7 +381,8 @@ impl Blocks {
         back.prev = Link::from(Some(id));
         back.next = next;
         back.before_unmapped = before_unmapped;
-        self.by_addr.insert_new(&self.slab, new);
+        let slab = &self.slab;
+        self.by_addr.insert_new(new, |i| slab[i].ptr);
         if let Some(n) = next.get() {
             self.slab[n].prev = Link::from(Some(new));
         }
@@ -418,11 +436,9 @@ impl Blocks {
     /// Every live block is found by its address and no address names a dead one.
     pub(crate) fn check_addresses(&self) -> Result<(), String> {
         let alive = self.slab.iter().filter(|b| !b.vacant).count();
-        let misplaced = self
-            .slab
-            .iter()
-            .enumerate()
-            .find(|&(id, b)| !b.vacant && self.by_addr.get(&self.slab, b.ptr) != Some(id));
+        let misplaced = self.slab.iter().enumerate().find(|&(id, b)| {
+            !b.vacant && self.by_addr.get(b.ptr, |i| self.slab[i].ptr) != Some(id)
+        });
         if let Some((id, b)) = misplaced {
             return Err(format!(
                 "block {id} at {:#x} is not found by its address",

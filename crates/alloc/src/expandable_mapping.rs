@@ -2,7 +2,7 @@
 //! `ExpandableSegment::map`/`unmap` and `try_allocate_expandable_block`): reserving a
 //! range, mapping pages transactionally, unmapping free pages (all of them, or the ones
 //! `expandable_segments_reclaim` moves), with the lock released around every driver call.
-use crate::block::{Block, Link};
+use crate::block::{Block, Link, Piece};
 use crate::engine::{Engine, Guard};
 use crate::error::AllocError;
 use crate::expandable::{ExpandableSegment, Grow, Unmap, UnmapJob};
@@ -61,15 +61,15 @@ impl Engine {
         let segment = st
             .expandable
             .add(ExpandableSegment::new(va, bytes, page, stream));
-        let id = st.blocks.insert(Block::new(
-            va.base.0,
-            bytes,
-            stream.raw,
-            kind,
-            false,
-            Link::from(Some(segment)),
-            PoolId::DEFAULT,
-        ));
+        let id = st.blocks.insert(Block::new(Piece {
+            ptr: va.base.0,
+            size: bytes,
+            stream: stream.raw,
+            pool: kind,
+            mapped: false,
+            segment: Link::from(Some(segment)),
+            pool_id: PoolId::DEFAULT,
+        }));
         st.unmapped_insert(id);
         Ok(st)
     }

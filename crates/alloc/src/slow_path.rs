@@ -3,7 +3,7 @@
 //! (`cross_stream_reuse`), a new segment or expandable range, the oversize release, the
 //! release of the whole cache and a last, counted retry, then out of memory. It finds a
 //! block; handing it out is the allocator's.
-use crate::block::{Block, Link, NO_LIST};
+use crate::block::{Block, Link, NO_LIST, Piece};
 use crate::engine::{Engine, Guard};
 use crate::error::AllocError;
 use crate::free_pools::{FreeKey, oversize_refuses};
@@ -176,15 +176,15 @@ impl Engine {
                     }
                     st.paged.insert(segment);
                 }
-                let id = st.blocks.insert(Block::new(
-                    ptr.0,
-                    bytes,
-                    stream.raw,
-                    kind,
-                    true,
-                    Link::NONE,
-                    pool,
-                ));
+                let id = st.blocks.insert(Block::new(Piece {
+                    ptr: ptr.0,
+                    size: bytes,
+                    stream: stream.raw,
+                    pool: kind,
+                    mapped: true,
+                    segment: Link::NONE,
+                    pool_id: pool,
+                }));
                 let oversize = st.config.sizes.max_split_size.is_some_and(|m| bytes >= m);
                 if oversize {
                     st.oversize_segments.insert(ptr.0);

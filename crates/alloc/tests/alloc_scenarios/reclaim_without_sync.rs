@@ -27,15 +27,18 @@ fn reserved(a: &ferrocuda_alloc::CachingAllocator) -> u64 {
     stat(a, "reserved_bytes.all.current") as u64
 }
 
-/// The pages of a block freed with work still queued on it stay mapped; growth maps new
-/// ones, and moves them once the stream has run that work.
-#[test]
-fn a_free_with_queued_work_keeps_its_pages_until_that_work_has_run() -> TestResult {
-    let (fake, a) = setup(80 * GIB, RECLAIM, Completion::Manual);
+/// Three 40 MiB blocks under `conf`, the middle one freed with a memset queued on it, then
+/// `switch` applied to the configuration (if any): growth maps new pages while the memset
+/// has not run, and moves the hole's pages once it has, with no synchronization.
+fn hole_waits_for_its_queued_work(conf: &str, switch: Option<&str>) -> TestResult {
+    let (fake, a) = setup(80 * GIB, conf, Completion::Manual);
     let xs: Vec<_> = allocate_n(&a, 3, 40 * MIB)?;
     fake.advance_all();
     fake.memset_async(xs[1].ptr, MemsetValue::U8(7), xs[1].size, LEGACY)?;
     a.free(xs[1].ptr)?;
+    if let Some(switch) = switch {
+        a.update_config(switch)?;
+    }
     let syncs = fake.calls(Call::StreamSynchronize) + fake.calls(Call::DeviceSynchronize);
     let big = a.allocate(60 * MIB, LEGACY)?;
     assert_eq!(
@@ -62,6 +65,24 @@ fn a_free_with_queued_work_keeps_its_pages_until_that_work_has_run() -> TestResu
     assert_eq!(total - free, reserved(&a), "every physical page is counted");
     a.check_invariants()?;
     Ok(())
+}
+
+/// The pages of a block freed with work still queued on it stay mapped; growth maps new
+/// ones, and moves them once the stream has run that work.
+#[test]
+fn a_free_with_queued_work_keeps_its_pages_until_that_work_has_run() -> TestResult {
+    hole_waits_for_its_queued_work(RECLAIM, None)
+}
+
+/// Reclaim switched on at run time (PyTorch's `_set_allocator_settings`) after a free made
+/// with it off: the page freed with work still queued does not move before that work has
+/// run (a free stamps its pages whatever the configuration).
+#[test]
+fn reclaim_switched_on_later_waits_for_work_queued_before_it() -> TestResult {
+    hole_waits_for_its_queued_work(
+        "expandable_segments:True,expandable_segments_page_mb:2",
+        Some("expandable_segments_reclaim:True"),
+    )
 }
 
 /// A free block merged from pieces freed at different times gives the pages whose last use
@@ -369,41 +390,6 @@ fn a_steady_state_keeps_few_marks_and_events() -> TestResult {
         (reserved(&a) - before) / MIB
     );
     a.free(grown.ptr)?;
-    fake.device_synchronize(D0)?;
-    a.check_invariants()?;
-    Ok(())
-}
-
-/// Frees made while reclaim is off stamp no pages; switching it on (PyTorch's
-/// `_set_allocator_settings`) treats every page as freed just then, so a page freed earlier
-/// with work still queued does not move before that work has run.
-#[test]
-fn reclaim_switched_on_later_waits_for_work_queued_before_it() -> TestResult {
-    let (fake, a) = setup(
-        80 * GIB,
-        "expandable_segments:True,expandable_segments_page_mb:2",
-        Completion::Manual,
-    );
-    let xs: Vec<_> = allocate_n(&a, 3, 40 * MIB)?;
-    fake.advance_all();
-    fake.memset_async(xs[1].ptr, MemsetValue::U8(7), xs[1].size, LEGACY)?;
-    a.free(xs[1].ptr)?;
-    a.update_config("expandable_segments_reclaim:True")?;
-    let big = a.allocate(60 * MIB, LEGACY)?;
-    assert_eq!(
-        reserved(&a),
-        180 * MIB,
-        "the hole's memset has not run: all 60 MiB are new pages"
-    );
-    fake.advance_all();
-    a.free(big.ptr)?;
-    let bigger = a.allocate(100 * MIB, LEGACY)?;
-    assert_eq!(
-        reserved(&a),
-        180 * MIB,
-        "the stream ran the memset: the hole's and the freed block's pages moved"
-    );
-    fake.memset_async(bigger.ptr, MemsetValue::U8(9), bigger.size, LEGACY)?;
     fake.device_synchronize(D0)?;
     a.check_invariants()?;
     Ok(())
