@@ -6,7 +6,7 @@
 set -u
 here=docs/measurements/h200_2026-11-30e
 BUILDS="churn_base churn_map churn_head" ROUNDS=${ROUNDS:-10} bash $here/ab.sh > "$OUT/ab_final.txt" 2>&1
-python3 $here/paired.py "$OUT/ab_final.txt" churn_base churn_map churn_head
+python3 docs/measurements/h200_2026-11-30d/paired.py "$OUT/ab_final.txt" churn_base churn_map churn_head
 bash $here/table.sh 2>&1 | tee "$OUT/table.txt"
 (cd gpu-bundle && FERROCUDA_REQUIRE_GPU=1 OUT=$OUT ONLY='^(test_.*|sanitize)$' bash run.sh > "$OUT/tests.log" 2>&1; grep -E "^[0-9]+ passed|^sanitize" "$OUT/tests.log")
 ROUNDS=4 bash $here/ab_eeb.sh > "$OUT/ab_eeb.log" 2>&1; tail -1 "$OUT/ab_eeb.log"
