@@ -108,7 +108,10 @@ impl ReceivedBlock {
 
     /// Waits for this process's work on the block's stream, unmaps the handle if no other
     /// block uses it, and gives the block back to its producer (decrements the send's
-    /// counter). A producer that is gone is not an error (PyTorch's deleter ignores it).
+    /// counter). A producer that is gone is not an error (PyTorch's deleter ignores it). If
+    /// the wait fails, the block is not given back (the error is returned): work of this
+    /// process may still touch it, and the producer keeps it rather than reuse it under
+    /// that work (PyTorch's deleter would throw there, out of a destructor).
     pub fn close(mut self) -> Result<(), AllocError> {
         self.finish()
     }
@@ -119,13 +122,14 @@ impl ReceivedBlock {
         };
         let synced = opened.driver.stream_synchronize(self.stream);
         drop(opened);
+        synced?;
         let (name, slot) = &self.counter;
         if let Ok(file) = SharedCounters::open(name, REF_COUNTER_FILE_SIZE)
             && let Some(counter) = file.counter(*slot as usize)
         {
             counter.fetch_sub(1, Ordering::SeqCst);
         }
-        Ok(synced?)
+        Ok(())
     }
 }
 

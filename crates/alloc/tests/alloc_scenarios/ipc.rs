@@ -7,7 +7,7 @@
 //! the collection after its last consumer closed it, equal at every step.
 use crate::Rng;
 use ferrocuda_alloc::{AllocError, Caching, CachingAllocator, IpcError, SharedMessage};
-use ferrocuda_driver::{Driver, DriverError, FakeDriver};
+use ferrocuda_driver::{Call, Driver, DriverError, FakeDriver};
 use ferrocuda_types::{AllocatorConfig, DeviceIndex, DevicePtr, StreamHandle};
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -157,6 +157,31 @@ fn an_allocation_that_finds_no_block_collects_the_limbo_first() -> TestResult {
     assert_eq!(again.ptr, a.ptr);
     assert_eq!(producer.stats().segment.all.current, segments);
     assert_eq!(producer.ipc_stats().shared_blocks, 0);
+    Ok(())
+}
+
+#[test]
+fn a_close_whose_wait_fails_does_not_give_the_block_back() -> TestResult {
+    // The consumer's work may still touch the block: the producer keeps it (in limbo once
+    // freed) rather than reuse it under that work.
+    let fake = Arc::new(FakeDriver::default());
+    let (producer, consumer) = (allocator(&fake, "")?, allocator(&fake, "")?);
+    let a = producer.allocate(30 * MIB, S)?;
+    let m = producer.share(a.ptr, 30 * MIB, S)?;
+    let r = consumer.open_shared(&m, S)?;
+    producer.free(a.ptr)?;
+    fake.fail_nth(Call::StreamSynchronize, 1, DriverError::UNKNOWN);
+    assert!(r.close().is_err(), "the failed wait is reported");
+    assert_eq!(producer.ipc_stats().open_sends, 1);
+    assert!(!producer.ipc_collect(), "the block is not given back");
+    let again = producer.allocate(30 * MIB, S)?;
+    assert_ne!(again.ptr, a.ptr, "nor reused");
+    assert_eq!(
+        consumer.ipc_stats().opened_handles,
+        0,
+        "the handle is closed"
+    );
+    producer.check_invariants()?;
     Ok(())
 }
 
