@@ -270,16 +270,10 @@ impl std::ops::DerefMut for Blocks {
 impl Blocks {
     /// Stores `b`, returning its index; its address now names it.
     pub(crate) fn insert(&mut self, b: Block) -> usize {
-        let id = self.insert_record(b);
-        let slab = &self.slab;
-        self.by_addr.insert(id, |i| slab[i].ptr);
-        id
-    }
-
-    /// Stores `b` in a slab slot, returning its index; the address map is the caller's.
-    fn insert_record(&mut self, b: Block) -> usize {
         let id = self.vacant_slot();
         self.slab[id] = b;
+        let slab = &self.slab;
+        self.by_addr.insert(id, |i| slab[i].ptr);
         id
     }
 

@@ -6,7 +6,9 @@
 //! against the same program without them, where each shared block's free is deferred to
 //! the collection after its last consumer closed it, equal at every step.
 use crate::Rng;
-use ferrocuda_alloc::{AllocError, Caching, CachingAllocator, IpcError, SharedMessage};
+use ferrocuda_alloc::{
+    AllocError, Allocation, Caching, CachingAllocator, IpcError, ReceivedBlock, SharedMessage,
+};
 use ferrocuda_driver::{Call, Driver, DriverError, FakeDriver};
 use ferrocuda_types::{AllocatorConfig, DeviceIndex, DevicePtr, StreamHandle};
 use std::collections::HashMap;
@@ -141,16 +143,46 @@ fn blocks_of_one_segment_open_one_handle() -> TestResult {
     Ok(())
 }
 
-#[test]
-fn an_allocation_that_finds_no_block_collects_the_limbo_first() -> TestResult {
-    // PyTorch's free-memory callback: before a new segment, given-back blocks are freed
-    // and the search runs again, so the freed block is reused without an explicit collect.
+/// A producer's 30 MiB block shared with a consumer that holds it open, then freed by the
+/// producer (it waits in the limbo).
+struct SharedAndFreed {
+    fake: Arc<FakeDriver>,
+    producer: CachingAllocator,
+    consumer: CachingAllocator,
+    /// The producer's block.
+    a: Allocation,
+    /// The consumer's hold on it.
+    r: ReceivedBlock,
+}
+
+fn shared_and_freed() -> Result<SharedAndFreed, Box<dyn std::error::Error>> {
     let fake = Arc::new(FakeDriver::default());
     let (producer, consumer) = (allocator(&fake, "")?, allocator(&fake, "")?);
     let a = producer.allocate(30 * MIB, S)?;
     let m = producer.share(a.ptr, 30 * MIB, S)?;
     let r = consumer.open_shared(&m, S)?;
     producer.free(a.ptr)?;
+    Ok(SharedAndFreed {
+        fake,
+        producer,
+        consumer,
+        a,
+        r,
+    })
+}
+
+#[test]
+fn an_allocation_that_finds_no_block_collects_the_limbo_first() -> TestResult {
+    // PyTorch's free-memory callback: before a new segment, given-back blocks are freed
+    // and the search runs again, so the freed block is reused without an explicit collect.
+    // (Every part bound, so that the consumer lives until the end, as the fake does.)
+    let SharedAndFreed {
+        fake: _fake,
+        producer,
+        consumer: _consumer,
+        a,
+        r,
+    } = shared_and_freed()?;
     r.close()?;
     let segments = producer.stats().segment.all.current;
     let again = producer.allocate(30 * MIB, S)?;
@@ -164,12 +196,13 @@ fn an_allocation_that_finds_no_block_collects_the_limbo_first() -> TestResult {
 fn a_close_whose_wait_fails_does_not_give_the_block_back() -> TestResult {
     // The consumer's work may still touch the block: the producer keeps it (in limbo once
     // freed) rather than reuse it under that work.
-    let fake = Arc::new(FakeDriver::default());
-    let (producer, consumer) = (allocator(&fake, "")?, allocator(&fake, "")?);
-    let a = producer.allocate(30 * MIB, S)?;
-    let m = producer.share(a.ptr, 30 * MIB, S)?;
-    let r = consumer.open_shared(&m, S)?;
-    producer.free(a.ptr)?;
+    let SharedAndFreed {
+        fake,
+        producer,
+        consumer,
+        a,
+        r,
+    } = shared_and_freed()?;
     fake.fail_nth(Call::StreamSynchronize, 1, DriverError::UNKNOWN);
     assert!(r.close().is_err(), "the failed wait is reported");
     assert_eq!(producer.ipc_stats().open_sends, 1);
