@@ -193,10 +193,11 @@ impl Pools {
                 .find(|f| blocks[f.id].segment.is_none());
         }
         // PyTorch's walk: on to the next candidate while the best so far is expandable and
-        // the candidate could grow to less.
+        // the candidate could grow to less. A best that cannot grow ends it there: every
+        // later candidate is at least its size.
         let growable = |i: usize| blocks[i].size + blocks.growth(i);
         let mut best = first;
-        while blocks[best.id].segment.is_some() {
+        while blocks[best.id].segment.is_some() && blocks[best.id].before_unmapped {
             match list.next_after(&best) {
                 Some(next) if growable(next.id) < growable(best.id) => best = next,
                 _ => break,
