@@ -298,8 +298,9 @@ impl Bin {
         if self.large.is_some() || self.small.len() > SHORT {
             return self.remove_long(k);
         }
-        // From the end (the smallest keys), each entry carried one place up until `k` is
-        // the one left over: no binary search, no memmove call.
+        // From the end (the smallest keys): the last entry is taken out and carried toward
+        // the front, each entry it passes moving one place back, until the one in hand is
+        // `k`. No binary search, no memmove call.
         let Some(mut carried) = self.small.pop() else {
             return false;
         };
@@ -440,5 +441,34 @@ mod tests {
             f.iter().collect::<Vec<_>>(),
             model.into_iter().collect::<Vec<_>>()
         );
+    }
+
+    /// A short bin gives up any one of its entries, wherever it sits, and keeps the others
+    /// in order; a key it does not hold (below, between or above its keys) is refused and
+    /// leaves it as it was.
+    #[test]
+    fn a_short_bin_removes_from_any_place_and_refuses_absent_keys() {
+        let keys: Vec<u128> = (1..=5).map(|i| key(4096, i * 1024)).collect();
+        let filled = || {
+            let mut b = Bin::default();
+            for (id, &k) in keys.iter().enumerate() {
+                b.insert(k, id);
+            }
+            b
+        };
+        let entries = |b: &Bin| b.range_from(0).collect::<Vec<_>>();
+        let all: Vec<(u128, usize)> = keys.iter().copied().zip(0..).collect();
+        for (id, &k) in keys.iter().enumerate() {
+            let mut b = filled();
+            assert!(b.remove(k));
+            let rest: Vec<_> = all.iter().copied().filter(|&(_, i)| i != id).collect();
+            assert_eq!(entries(&b), rest);
+        }
+        for absent in [key(4096, 0), key(4096, 1536), key(4096, 9 * 1024)] {
+            let mut b = filled();
+            assert!(!b.remove(absent));
+            assert_eq!(entries(&b), all);
+        }
+        assert!(!Bin::default().remove(keys[0]));
     }
 }
