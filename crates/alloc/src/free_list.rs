@@ -307,7 +307,8 @@ impl Bin {
         let mut i = self.small.len();
         while carried.0 != k {
             if i == 0 {
-                // Not here: every entry moved up one; put the first back in front.
+                // Not here: every entry has moved one place back and the first is in
+                // hand; it goes back in front.
                 self.small.insert(0, carried);
                 return false;
             }

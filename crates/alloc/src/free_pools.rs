@@ -193,11 +193,12 @@ impl Pools {
                 .find(|f| blocks[f.id].segment.is_none());
         }
         // PyTorch's walk: on to the next candidate while the best so far is expandable and
-        // the candidate could grow to less. A best that cannot grow ends it there: every
-        // later candidate is at least its size.
+        // the candidate could grow to less. Only a best that can grow (an unmapped range
+        // follows it, so it is expandable) goes on: every later candidate is at least the
+        // size of one that cannot.
         let growable = |i: usize| blocks[i].size + blocks.growth(i);
         let mut best = first;
-        while blocks[best.id].segment.is_some() && blocks[best.id].before_unmapped {
+        while blocks[best.id].before_unmapped {
             match list.next_after(&best) {
                 Some(next) if growable(next.id) < growable(best.id) => best = next,
                 _ => break,
