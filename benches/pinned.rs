@@ -6,7 +6,9 @@
 //!   pair on 8 threads (per pair per thread);
 //! - `h2d/pinned_64MiB` and `h2d/pageable_64MiB`: a 64 MiB host-to-device copy and a stream
 //!   sync, from a pinned buffer (non-blocking) and from a `Vec` (PyTorch: `copy_` from a
-//!   pinned and from a pageable tensor), reported as bytes per second.
+//!   pinned and from a pageable tensor), reported as bytes per second; and
+//!   `h2d/pageable_64MiB_staged_4threads`, the copy from a `Vec` with
+//!   `pageable_copy_threads:4` (ferrocuda's own key: staged by four threads).
 //!
 //! On the GPU bundle it runs over the real driver (required there); elsewhere over the fake
 //! device, where the pairs run the same code and the copies are host memcpys.
@@ -77,12 +79,22 @@ fn pairs(c: &mut Criterion) {
         })
     });
     let pageable = vec![7u8; COPY_BYTES];
-    g.bench_function("pageable_64MiB", |b| {
-        b.iter(|| {
-            dev.copy_from_host(&pageable).expect("copy");
-            stream.synchronize().expect("sync");
-        })
-    });
+    let mut copy_pageable = |name: &str| {
+        g.bench_function(name, |b| {
+            b.iter(|| {
+                dev.copy_from_host(&pageable).expect("copy");
+                stream.synchronize().expect("sync");
+            })
+        });
+    };
+    copy_pageable("pageable_64MiB");
+    allocators
+        .set_settings("pageable_copy_threads:4")
+        .expect("settings");
+    copy_pageable("pageable_64MiB_staged_4threads");
+    allocators
+        .set_settings("pageable_copy_threads:0")
+        .expect("settings");
     g.finish();
     drop(pinned);
     stream.synchronize().expect("sync");

@@ -170,11 +170,8 @@ impl<T: Element> DeviceBuffer<T> {
             return Ok(());
         }
         let stream = self.stream()?;
-        Ok(self.runtime.driver().memcpy_htod_async(
-            self.ptr,
-            bytemuck::cast_slice(values),
-            stream.handle(),
-        )?)
+        self.runtime
+            .copy_from_pageable(self.ptr, bytemuck::cast_slice(values), &stream)
     }
 
     /// The buffer's contents, after the work enqueued on its current stream.

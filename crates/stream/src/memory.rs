@@ -61,6 +61,13 @@ pub trait HostMemoryResource: Send + Sync + std::fmt::Debug {
     /// Notes that the work enqueued on `stream` so far uses the memory at `range` (PyTorch's
     /// `CachingHostAllocator_recordEvent`, which non-blocking copies call).
     fn record_host_use(&self, range: HostRange, stream: StreamHandle) -> Result<()>;
+    /// How many threads stage a large copy from pageable memory to a device
+    /// (`pageable_copy_threads`, kept with the pinned host allocator's configuration; see
+    /// [`Runtime::copy_from_pageable`](crate::Runtime::copy_from_pageable)): 0, the default,
+    /// leaves the copy to the driver.
+    fn pageable_copy_threads(&self) -> usize {
+        0
+    }
 }
 
 /// Straight `cuMemHostAlloc`/`cuMemFreeHost`: the default until a caching host allocator is

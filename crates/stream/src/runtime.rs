@@ -4,7 +4,8 @@ use crate::stream::Ownership;
 use crate::{AvailabilityCheck, Event, PerDevice, Result, Stream, StreamError};
 use ferrocuda_driver::{Driver, FakeDriver, ForeignStream, KernelContext};
 use ferrocuda_types::{
-    Device, DeviceIndex, DeviceKind, DeviceProperties, EventFlags, StreamFlags, StreamHandle,
+    Device, DeviceIndex, DeviceKind, DeviceProperties, DevicePtr, EventFlags, StreamFlags,
+    StreamHandle,
 };
 use parking_lot::Mutex;
 use std::cell::RefCell;
@@ -65,6 +66,9 @@ pub struct Runtime {
     /// PyTorch's `p2pAccessEnabled_` cache: `(dev, dev_to_access)` → whether `dev` has
     /// access ([`Runtime::get_p2p_access`]).
     pub(crate) peer_access: Mutex<std::collections::HashMap<(u16, u16), bool>>,
+    /// Large copies from pageable memory, staged by threads when `pageable_copy_threads`
+    /// is set.
+    pageable: crate::pageable_copy::PageableStaging,
 }
 
 impl Runtime {
@@ -84,6 +88,7 @@ impl Runtime {
             initialized: AtomicBool::new(false),
             kernel_cache: cache,
             peer_access: Mutex::default(),
+            pageable: crate::pageable_copy::PageableStaging::new(driver.clone()),
             memory: parking_lot::RwLock::new(Arc::new(crate::DriverMemory(driver.clone()))),
             host_memory: parking_lot::RwLock::new(Arc::new(crate::DriverHostMemory(
                 driver.clone(),
@@ -112,6 +117,30 @@ impl Runtime {
     /// here). Buffers already made keep the resource they came from.
     pub fn set_host_memory(&self, memory: Arc<dyn crate::HostMemoryResource>) {
         *self.host_memory.write() = memory;
+    }
+
+    /// How many threads stage a copy of at least [`STAGED_MIN`](crate::STAGED_MIN) bytes from
+    /// pageable memory to a device: what the host memory resource says (the caching host
+    /// allocator's `pageable_copy_threads`; 0, the default: the driver copies, as for
+    /// PyTorch). See [`Runtime::copy_from_pageable`].
+    pub fn pageable_copy_threads(&self) -> usize {
+        self.host_memory().pageable_copy_threads()
+    }
+
+    /// Copies `src` from pageable host memory to `dst` on `stream`, as the driver's copy
+    /// does (`src` consumed on return, the device write in stream order), staged through
+    /// page-locked buffers by [`Runtime::pageable_copy_threads`] threads when that is set
+    /// and the copy is at least [`STAGED_MIN`](crate::STAGED_MIN) bytes
+    /// (`crates/stream/src/pageable_copy.rs` says how and what stays the same).
+    pub fn copy_from_pageable(&self, dst: DevicePtr, src: &[u8], stream: &Stream) -> Result<()> {
+        self.check_stream(stream)?;
+        let threads = match src.len() >= crate::STAGED_MIN {
+            true => self.pageable_copy_threads(),
+            false => 0,
+        };
+        Ok(self
+            .pageable
+            .copy(dst, src, stream.handle(), stream.device(), threads)?)
     }
 
     /// The driver underneath.

@@ -101,6 +101,53 @@ pub fn register_fake_kernels(fake: &FakeDriver) {
     });
 }
 
+/// The driver's page-locked memory, with large copies from pageable memory staged by
+/// `threads` threads (`pageable_copy_threads`, which the caching host allocator otherwise
+/// carries): for tests of the stream layer without the allocators.
+#[derive(Debug)]
+pub struct StagedCopies {
+    /// Where page-locked memory comes from.
+    pub memory: ferrocuda_stream::DriverHostMemory,
+    /// What `pageable_copy_threads` answers.
+    pub threads: usize,
+}
+
+impl StagedCopies {
+    /// Installs `threads` staging threads on `rt` (0: the driver copies).
+    pub fn install(rt: &Runtime, threads: usize) {
+        rt.set_host_memory(Arc::new(StagedCopies {
+            memory: ferrocuda_stream::DriverHostMemory(rt.driver().clone()),
+            threads,
+        }));
+    }
+}
+
+impl ferrocuda_stream::HostMemoryResource for StagedCopies {
+    fn allocate_host(
+        &self,
+        bytes: u64,
+        stream: StreamHandle,
+    ) -> Result<ferrocuda_types::HostRange, StreamError> {
+        self.memory.allocate_host(bytes, stream)
+    }
+
+    fn free_host(&self, range: ferrocuda_types::HostRange) -> Result<(), StreamError> {
+        self.memory.free_host(range)
+    }
+
+    fn record_host_use(
+        &self,
+        range: ferrocuda_types::HostRange,
+        stream: StreamHandle,
+    ) -> Result<(), StreamError> {
+        self.memory.record_host_use(range, stream)
+    }
+
+    fn pageable_copy_threads(&self) -> usize {
+        self.threads
+    }
+}
+
 /// One backend under test.
 #[derive(Debug)]
 pub struct Harness {
@@ -215,7 +262,8 @@ macro_rules! conformance_tests {
             event_query_and_synchronize, event_timing, event_errors, launch_blocking,
             kernel_cache_hits_and_repairs, compile_error_carries_the_log,
             buffer_round_trips, buffer_kernel_launch, use_after_destroy_is_an_error,
-            out_of_memory_is_a_typed_error, pinned_host_copies, virtual_memory_map_and_access,
+            out_of_memory_is_a_typed_error, pinned_host_copies, pageable_copies_staged_by_threads,
+            virtual_memory_map_and_access,
             capture_records_and_replays, capture_refuses_legacy_stream_and_nesting,
             capture_refuses_sync_and_captured_event_query, capture_modes_and_other_threads,
             capture_fork_join_and_unjoined

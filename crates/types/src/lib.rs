@@ -52,8 +52,8 @@ mod stats;
 pub use checkpoint::{BlockCheckpoint, PoolCheckpoint, RestoreResult, SegmentCheckpoint};
 pub use config::{
     AllocatorConfig, AsyncBackendKeys, Backend as AllocatorBackend, ConfigError, ConfigSourceError,
-    ExpandableConfig, PinnedConfig, ROUNDUP_INTERVALS, ReleaseConfig, ReserveSize, ReuseConfig,
-    SettingsText, SizeConfig,
+    ExpandableConfig, MAX_PAGEABLE_COPY_THREADS, PinnedConfig, ROUNDUP_INTERVALS, ReleaseConfig,
+    ReserveSize, ReuseConfig, SettingsText, SizeConfig,
 };
 pub use device::{Device, DeviceKind, DeviceParseError, DeviceProperties};
 pub use dtype::{DType, Element};

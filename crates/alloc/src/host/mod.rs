@@ -322,4 +322,8 @@ impl HostMemoryResource for HostAllocator {
         self.record_event(range.addr(), stream)?;
         Ok(())
     }
+
+    fn pageable_copy_threads(&self) -> usize {
+        self.state.lock().config.pageable_copy_threads as usize
+    }
 }

@@ -146,6 +146,47 @@ pub fn pinned_host_copies(h: &Harness) -> TestResult {
     Ok(())
 }
 
+/// Copies from pageable memory staged by threads (`pageable_copy_threads`): every size
+/// (below the staged minimum, at it, ragged tails, more chunks than slots, so that slots are
+/// reused within a copy) lands byte for byte, in stream order (after a kernel enqueued before
+/// it, before one enqueued after it), with 1 to 3 threads and with the driver's copy (0).
+pub fn pageable_copies_staged_by_threads(h: &Harness) -> TestResult {
+    use ferrocuda_stream::{CHUNK, DEPTH, STAGED_MIN};
+    let rt = &h.rt;
+    let s = rt.new_stream(DEV, 0)?;
+    let _current = rt.stream_guard(&s)?;
+    let add_one = module(h)?.function("add_one_f32")?;
+    for threads in [0, 1, 2, 3] {
+        crate::StagedCopies::install(rt, threads);
+        assert_eq!(rt.pageable_copy_threads(), threads);
+        let many = (threads.max(1) * DEPTH + 3) * CHUNK + 124;
+        for (k, bytes) in [STAGED_MIN - 4, STAGED_MIN, 3 * CHUNK + 124, many]
+            .into_iter()
+            .enumerate()
+        {
+            step!("{threads} threads, {bytes} bytes");
+            let n = bytes / 4;
+            let values: Vec<f32> = (0..n)
+                .map(|i| ((i * 7 + k + threads) % 1009) as f32)
+                .collect();
+            let buf = DeviceBuffer::<f32>::filled(rt, DEV, n, -1.0)?;
+            // The stream is busy when the copy comes, and a kernel follows it.
+            launch_spin(h, &s, 20)?;
+            buf.copy_from_host(&values)?;
+            s.launch(
+                &add_one,
+                &elementwise(n),
+                &[buf.arg(), KernelArg::value(&(n as u32))],
+            )?;
+            let back = buf.to_host()?;
+            let wrong = back.iter().zip(&values).position(|(b, v)| *b != v + 1.0);
+            assert_eq!(wrong, None, "{threads} threads, {bytes} bytes");
+        }
+    }
+    crate::StagedCopies::install(rt, 0);
+    Ok(())
+}
+
 pub fn virtual_memory_map_and_access(h: &Harness) -> TestResult {
     let (rt, d) = (&h.rt, h.rt.driver());
     let g = d.vm_granularity(DEV)?;

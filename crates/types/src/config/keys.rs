@@ -7,8 +7,8 @@ use super::grammar::{
     reserve_value, roundup_table, single, uint_value,
 };
 use super::{
-    AllocatorConfig, AsyncBackendKeys, Backend, ConfigError, ConfigSourceError, MAX_SEGMENT_MB,
-    MIB, PinnedConfig, ROUNDUP_INTERVALS, SettingsText,
+    AllocatorConfig, AsyncBackendKeys, Backend, ConfigError, ConfigSourceError,
+    MAX_PAGEABLE_COPY_THREADS, MAX_SEGMENT_MB, MIB, PinnedConfig, ROUNDUP_INTERVALS, SettingsText,
 };
 use crate::env::{EnvError, env_value};
 impl AllocatorConfig {
@@ -211,6 +211,19 @@ impl AllocatorConfig {
                     ));
                 }
                 self.expandable.page = Some(mb * MIB);
+            }
+            "pageable_copy_threads" => {
+                let v = single(p, key, value)?;
+                let n = uint_value(v)?;
+                if n > MAX_PAGEABLE_COPY_THREADS {
+                    return Err(p.err(
+                        Some(v),
+                        format!(
+                            "pageable_copy_threads must be at most {MAX_PAGEABLE_COPY_THREADS}, got {n}"
+                        ),
+                    ));
+                }
+                self.pinned.pageable_copy_threads = n;
             }
             "oom_forensics" => {
                 let v = single(p, key, value)?;
@@ -446,6 +459,10 @@ impl AllocatorConfig {
                 self.expandable.page != d.expandable.page,
             ),
             (
+                "pageable_copy_threads",
+                self.pinned.pageable_copy_threads != d.pinned.pageable_copy_threads,
+            ),
+            (
                 "ferrocuda_recommended",
                 self.ferrocuda_recommended != d.ferrocuda_recommended,
             ),
@@ -472,6 +489,9 @@ impl AllocatorConfig {
                 | "pinned_use_background_threads"
                 | "pinned_max_round_threshold_mb"
                 | "pinned_max_cached_size_mb" => {}
+                // ferrocuda's own key for host-to-device copies, which serve both backends
+                // (PyTorch knows it no more than the others).
+                "pageable_copy_threads" => {}
                 // The pinned host allocator's keys that PyTorch's CUDA parser
                 // (`CUDAAllocatorConfig::parseArgs`) counts as native-specific: they still
                 // configure the host allocator, which serves both backends.

@@ -20,6 +20,8 @@ const MIB: u64 = 1 << 20;
 /// The largest `large_segment_size_mb`: 1 EB, the largest request an allocator accepts, so
 /// that size arithmetic on it cannot overflow.
 const MAX_SEGMENT_MB: u64 = 1 << 40;
+/// The most threads `pageable_copy_threads` may name.
+pub const MAX_PAGEABLE_COPY_THREADS: u64 = 64;
 /// Entries of the `roundup_power2_divisions` table: intervals `[2^(20+k), 2^(21+k))`.
 pub const ROUNDUP_INTERVALS: usize = 16;
 
@@ -187,6 +189,13 @@ pub struct PinnedConfig {
     /// `pinned_free_catch_all`.
     #[serde(rename = "pinned_free_catch_all")]
     pub free_catch_all: bool,
+    /// `pageable_copy_threads` (ferrocuda's own): a copy of at least 4 MiB from pageable host
+    /// memory to a device (`DeviceBuffer::copy_from_host`) is staged through page-locked
+    /// buffers of its own by this many threads, each chunk's transfer starting as soon as
+    /// it is staged; 0, the default, leaves the copy to the driver, as PyTorch does. At
+    /// most [`MAX_PAGEABLE_COPY_THREADS`]. Kept with the pinned host allocator's keys (the
+    /// runtime asks the host allocator for it), it applies with either device backend.
+    pub pageable_copy_threads: u64,
 }
 
 /// The text a configuration was last parsed from. It records where the configuration came
@@ -277,6 +286,7 @@ impl Default for PinnedConfig {
             max_round_threshold: None,
             max_cached_size: None,
             free_catch_all: false,
+            pageable_copy_threads: 0,
         }
     }
 }

@@ -92,6 +92,13 @@ impl fmt::Display for AllocatorConfig {
         if let Some(page) = self.expandable.page {
             write!(f, ",expandable_segments_page_mb:{}", page / MIB)?;
         }
+        if self.pinned.pageable_copy_threads != default.pinned.pageable_copy_threads {
+            write!(
+                f,
+                ",pageable_copy_threads:{}",
+                self.pinned.pageable_copy_threads
+            )?;
+        }
         Ok(())
     }
 }

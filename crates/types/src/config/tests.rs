@@ -79,6 +79,33 @@ fn expandable_page_sizes_are_whole_2_mib_steps() {
 }
 
 #[test]
+fn pageable_copy_threads_are_a_count_up_to_64_kept_across_reparses_and_shown() {
+    assert_eq!(AllocatorConfig::default().pinned.pageable_copy_threads, 0);
+    let mut c = AllocatorConfig::parse("pageable_copy_threads:4").unwrap_or_default();
+    assert_eq!(c.pinned.pageable_copy_threads, 4);
+    assert!(c.to_string().ends_with(",pageable_copy_threads:4"), "{c}");
+    assert_eq!(AllocatorConfig::parse(&c.to_string()), Ok(c.clone()));
+    c.update("max_split_size_mb:64").unwrap_or_default();
+    assert_eq!(c.pinned.pageable_copy_threads, 4, "kept by a re-parse");
+    let mut pinned = PinnedConfig::default();
+    pinned.update("pageable_copy_threads:2").unwrap_or_default();
+    assert_eq!(
+        pinned.pageable_copy_threads, 2,
+        "the host allocator's part takes it"
+    );
+    assert_eq!(
+        AllocatorConfig::parse("pageable_copy_threads:64").map(|c| c.pinned.pageable_copy_threads),
+        Ok(64)
+    );
+    for (bad, why) in [("65", "at most 64"), ("-1", ""), ("two", ""), ("", "")] {
+        let s = format!("pageable_copy_threads:{bad}");
+        let e = AllocatorConfig::parse(&s).err().map(|e| e.to_string());
+        assert!(e.as_deref().is_some_and(|e| e.contains(why)), "{s}: {e:?}");
+    }
+    assert!(!AllocatorConfig::default().to_string().contains("pageable"));
+}
+
+#[test]
 fn large_segment_size_is_applied_first_and_bounds_the_others() {
     let c = AllocatorConfig::parse("max_split_size_mb:40,large_segment_size_mb:32")
         .expect("a valid config");
@@ -286,6 +313,9 @@ fn keys_beside_the_async_backend() {
     // The pinned keys PyTorch's generic parser reads: no warning.
     let k = keys("backend:cudaMallocAsync,pinned_use_background_threads:True").unwrap_or_default();
     assert!(!k.warns());
+    // Staged pageable copies serve both backends: no warning, no refusal.
+    let k = keys("backend:cudaMallocAsync,pageable_copy_threads:4").unwrap_or_default();
+    assert_eq!(k, AsyncBackendKeys::default());
     // ferrocuda's own keys.
     let k = keys("backend:cudaMallocAsync,thread_cache:False,ferrocuda_recommended:True")
         .unwrap_or_default();
@@ -603,6 +633,7 @@ fn serialized_configuration_is_flat_and_round_trips() -> Result<(), Box<dyn std:
         "oom_forensics",
         "oom_release_partial",
         "oom_search_after_sync",
+        "pageable_copy_threads",
         "per_process_memory_fraction",
         "pinned_free_catch_all",
         "pinned_max_cached_size",
