@@ -24,9 +24,29 @@ fn pattern(bytes: usize, seed: usize) -> Vec<u8> {
     (0..bytes).map(|i| ((i * 13 + seed) % 251) as u8).collect()
 }
 
-/// The calls of `fake` of each kind in `calls`, in order.
-fn counts(fake: &FakeDriver, calls: &[Call]) -> Vec<u64> {
-    calls.iter().map(|&c| fake.calls(c)).collect()
+/// A fake device with `threads` staging threads, `bytes` of values and a buffer for them.
+type Setup = (Arc<FakeDriver>, Arc<Runtime>, Vec<u8>, DeviceBuffer<u8>);
+
+fn one_copy(completion: Completion, threads: usize, bytes: usize) -> Result<Setup, StreamError> {
+    let (fake, rt) = fake(completion, threads);
+    let values = pattern(bytes, bytes % 7);
+    let buf = DeviceBuffer::<u8>::uninit(&rt, D0, bytes)?;
+    Ok((fake, rt, values, buf))
+}
+
+/// How many calls of each kind in `calls` `f` made on `fake`, in order.
+fn calls_during(
+    fake: &FakeDriver,
+    calls: &[Call],
+    f: impl FnOnce() -> Result<(), StreamError>,
+) -> Result<Vec<u64>, StreamError> {
+    let before: Vec<u64> = calls.iter().map(|&c| fake.calls(c)).collect();
+    f()?;
+    Ok(calls
+        .iter()
+        .zip(before)
+        .map(|(&c, b)| fake.calls(c) - b)
+        .collect())
 }
 
 #[test]
@@ -35,15 +55,8 @@ fn a_staged_copy_moves_each_chunk_through_a_slot_and_small_ones_go_to_the_driver
     let kinds = [Call::MemcpyHtoD, Call::MemcpyHtoDPinned, Call::HostAlloc];
     let small = pattern(STAGED_MIN - 1, 1);
     let buf = DeviceBuffer::<u8>::uninit(&rt, D0, small.len())?;
-    let before = counts(&fake, &kinds);
-    buf.copy_from_host(&small)?;
-    let after = counts(&fake, &kinds);
     assert_eq!(
-        [
-            after[0] - before[0],
-            after[1] - before[1],
-            after[2] - before[2]
-        ],
+        calls_during(&fake, &kinds, || buf.copy_from_host(&small))?,
         [1, 0, 0],
         "below the staged minimum the driver copies, and no slot is made"
     );
@@ -51,32 +64,24 @@ fn a_staged_copy_moves_each_chunk_through_a_slot_and_small_ones_go_to_the_driver
 
     let big = pattern(5 * CHUNK + 3, 2);
     let buf = DeviceBuffer::<u8>::uninit(&rt, D0, big.len())?;
-    let before = counts(&fake, &kinds);
-    buf.copy_from_host(&big)?;
-    let after = counts(&fake, &kinds);
     assert_eq!(
-        [
-            after[0] - before[0],
-            after[1] - before[1],
-            after[2] - before[2]
-        ],
+        calls_during(&fake, &kinds, || buf.copy_from_host(&big))?,
         [0, 6, 6],
         "six chunks, each through a slot of its own (2 threads × {DEPTH} slots)"
     );
     assert_eq!(buf.to_host()?, big);
-    // The next copy reuses the slots, now idle.
-    let before = counts(&fake, &kinds);
-    buf.copy_from_host(&pattern(big.len(), 3))?;
-    assert_eq!(fake.calls(Call::HostAlloc), before[2], "no new slot");
-    assert_eq!(buf.to_host()?, pattern(big.len(), 3));
+    let again = pattern(big.len(), 3);
+    assert_eq!(
+        calls_during(&fake, &kinds, || buf.copy_from_host(&again))?,
+        [0, 6, 0],
+        "the next copy reuses the slots, now idle"
+    );
+    assert_eq!(buf.to_host()?, again);
 
     StagedCopies::install(&rt, 0);
-    let before = counts(&fake, &kinds);
-    buf.copy_from_host(&big)?;
-    let after = counts(&fake, &kinds);
     assert_eq!(
-        [after[0] - before[0], after[1] - before[1]],
-        [1, 0],
+        calls_during(&fake, &kinds, || buf.copy_from_host(&big))?,
+        [1, 0, 0],
         "0 threads: the driver"
     );
     Ok(())
@@ -148,9 +153,7 @@ fn with_every_slot_busy_and_the_bound_reached_a_copy_goes_to_the_driver() -> Tes
 
 #[test]
 fn a_failed_transfer_ends_the_copy_with_the_drivers_error_and_the_next_copy_works() -> TestResult {
-    let (fake, rt) = fake(Completion::Eager, 2);
-    let values = pattern(6 * CHUNK, 6);
-    let buf = DeviceBuffer::<u8>::uninit(&rt, D0, values.len())?;
+    let (fake, _rt, values, buf) = one_copy(Completion::Eager, 2, 6 * CHUNK)?;
     fake.fail_nth(Call::MemcpyHtoDPinned, 3, DriverError::INVALID_VALUE);
     assert_eq!(
         buf.copy_from_host(&values),
@@ -170,10 +173,8 @@ fn a_failed_transfer_ends_the_copy_with_the_drivers_error_and_the_next_copy_work
 fn into_a_capturing_stream_a_staged_copy_fails_as_the_drivers_does() -> TestResult {
     let mut errors = Vec::new();
     for threads in [0, 3] {
-        let (fake, rt) = fake(Completion::Eager, threads);
+        let (fake, rt, values, buf) = one_copy(Completion::Eager, threads, 4 * CHUNK)?;
         let s = rt.new_stream(D0, 0)?;
-        let values = pattern(4 * CHUNK, 7);
-        let buf = DeviceBuffer::<u8>::uninit(&rt, D0, values.len())?;
         let _g = rt.stream_guard(&s)?;
         fake.stream_begin_capture(s.handle(), CaptureMode::ThreadLocal)?;
         errors.push(buf.copy_from_host(&values));
@@ -215,9 +216,7 @@ fn copies_from_several_threads_at_once_each_land_whole() -> TestResult {
 
 #[test]
 fn the_slots_go_back_with_the_runtime() -> TestResult {
-    let (fake, rt) = fake(Completion::Manual, 2);
-    let values = pattern(9 * CHUNK, 8);
-    let buf = DeviceBuffer::<u8>::uninit(&rt, D0, values.len())?;
+    let (fake, rt, values, buf) = one_copy(Completion::Manual, 2, 9 * CHUNK)?;
     buf.copy_from_host(&values)?;
     let made = fake.calls(Call::HostAlloc);
     assert_eq!(made as usize, 2 * DEPTH);

@@ -524,8 +524,9 @@ impl AllocatorConfig {
 impl PinnedConfig {
     /// Applies a whole configuration string to the pinned host allocator's part: the string
     /// must parse and every key in it must be valid, all or nothing, as for
-    /// [`AllocatorConfig::update`]; the `pinned_*` keys it names take effect, the others
-    /// are the device allocator's to apply (and to refuse when it does not build them).
+    /// [`AllocatorConfig::update`]; the `pinned_*` keys and `pageable_copy_threads` it names
+    /// take effect, the others are the device allocator's to apply (and to refuse when it
+    /// does not build them).
     pub fn update(&mut self, s: &str) -> Result<(), ConfigError> {
         let mut c = AllocatorConfig {
             pinned: self.clone(),
