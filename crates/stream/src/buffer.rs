@@ -158,7 +158,11 @@ impl<T: Element> DeviceBuffer<T> {
         }
     }
 
-    /// Copies `values` (exactly `len` of them) into the buffer, in stream order.
+    /// Copies `values` (exactly `len` of them) into the buffer, in stream order on the
+    /// current stream of its device; `values` may be reused when this returns. A copy of
+    /// at least [`STAGED_MIN`](crate::STAGED_MIN) bytes is staged by threads when the host
+    /// memory resource asks for it (`pageable_copy_threads`), with the same results as the
+    /// driver's copy (`crates/stream/src/pageable_copy.rs`).
     pub fn copy_from_host(&self, values: &[T]) -> Result<()> {
         if values.len() != self.len {
             return Err(StreamError::LengthMismatch {

@@ -61,7 +61,7 @@
 //!   another runtime's ([`StreamError::OtherRuntime`]) rather than use its own object of the
 //!   same number.
 //! - **Large copies from pageable memory may be staged by threads**
-//!   ([`Runtime::copy_from_pageable`]): when the host memory resource says so
+//!   ([`DeviceBuffer::copy_from_host`]): when the host memory resource says so
 //!   (`pageable_copy_threads`, off by default), 2 MiB chunks are copied into page-locked
 //!   slots by several threads and each transferred as soon as it is staged; the bytes,
 //!   stream order, errors and waits stay the driver's copy's.

@@ -63,7 +63,7 @@ pub trait HostMemoryResource: Send + Sync + std::fmt::Debug {
     fn record_host_use(&self, range: HostRange, stream: StreamHandle) -> Result<()>;
     /// How many threads stage a large copy from pageable memory to a device
     /// (`pageable_copy_threads`, kept with the pinned host allocator's configuration; see
-    /// [`Runtime::copy_from_pageable`](crate::Runtime::copy_from_pageable)): 0, the default,
+    /// [`DeviceBuffer::copy_from_host`](crate::DeviceBuffer::copy_from_host)): 0, the default,
     /// leaves the copy to the driver.
     fn pageable_copy_threads(&self) -> usize {
         0

@@ -22,13 +22,22 @@
 //!
 //! Slots are [`CHUNK`] bytes of page-locked memory from the driver (`cuMemHostAlloc`, not
 //! the caching host allocator, whose statistics stay PyTorch's), each with an event; per
-//! device (an event belongs to one), kept for the next copy, at most
-//! `2 × threads ×` [`DEPTH`] per device, and freed with the runtime. A copy that gets
-//! fewer slots than it has threads uses fewer threads; one that gets none (page-locked
-//! memory refused, or every slot busy) goes to the driver.
+//! device (an event belongs to one), kept for the next copy, and freed with the runtime. A
+//! device holds at most `2 × threads ×` [`DEPTH`] (those lent to copies underway count); a
+//! copy with fewer threads than earlier ones gives the idle slots beyond that back. A copy
+//! that gets fewer slots than it has threads uses fewer threads; one that gets none
+//! (page-locked memory refused, or every slot busy) goes to the driver.
+//!
+//! Captures: the staged copy's own calls (making and querying events, waiting for a slot's
+//! transfer, page-locked allocations) are made in the relaxed capture mode
+//! (`cuThreadExchangeStreamCaptureMode`), on the calling thread and on its workers, so that
+//! a capture underway on another stream, begun by this thread or another in any mode, neither
+//! refuses them nor is invalidated by them, as it is not by the driver's copy. None of them
+//! touches a capturing stream: the copy's own stream is checked first.
 use ferrocuda_driver::{Driver, DriverError};
 use ferrocuda_types::{
-    CaptureStatus, DeviceIndex, DevicePtr, EventFlags, EventHandle, HostPtr, StreamHandle,
+    CaptureMode, CaptureStatus, DeviceIndex, DevicePtr, EventFlags, EventHandle, HostPtr,
+    StreamHandle,
 };
 use parking_lot::Mutex;
 use std::collections::HashMap;
@@ -53,11 +62,18 @@ struct Slot {
     in_flight: bool,
 }
 
+/// One device's slots: those kept between copies, and how many copies hold now.
+#[derive(Debug, Default)]
+struct DeviceSlots {
+    idle: Vec<Slot>,
+    lent: usize,
+}
+
 /// The slots of every device.
 #[derive(Debug)]
 pub(crate) struct PageableStaging {
     driver: Arc<dyn Driver>,
-    slots: Mutex<HashMap<DeviceIndex, Vec<Slot>>>,
+    slots: Mutex<HashMap<DeviceIndex, DeviceSlots>>,
 }
 
 impl PageableStaging {
@@ -79,47 +95,66 @@ impl PageableStaging {
         threads: usize,
     ) -> Result<(), DriverError> {
         // (A stream the driver does not know, too, goes to the driver, for its own error.)
-        if threads == 0
-            || src.len() < STAGED_MIN
-            || self.driver.stream_capture_status(stream) != Ok(CaptureStatus::None)
+        if threads > 0
+            && src.len() >= STAGED_MIN
+            && self.driver.stream_capture_status(stream) == Ok(CaptureStatus::None)
         {
-            return self.driver.memcpy_htod_async(dst, src, stream);
+            // Slots are taken, used and returned in the relaxed capture mode (see the module's
+            // text); the driver's copy, where no slot can be had, runs in the caller's mode.
+            let relaxed = RelaxedCapture::enter(&*self.driver);
+            let mut slots = match relaxed {
+                Some(_) => self.take(dev, threads, src.len().div_ceil(CHUNK)),
+                None => Vec::new(),
+            };
+            if !slots.is_empty() {
+                let done = self.stage(&mut slots, dst, src, stream, threads);
+                let mut pool = self.slots.lock();
+                let kept = pool.entry(dev).or_default();
+                kept.lent -= slots.len();
+                kept.idle.append(&mut slots);
+                return done;
+            }
         }
-        let chunks = src.len().div_ceil(CHUNK);
-        let mut slots = self.take(dev, threads, chunks);
-        if slots.is_empty() {
-            return self.driver.memcpy_htod_async(dst, src, stream);
-        }
-        let done = self.stage(&mut slots, dst, src, stream, threads);
-        self.slots.lock().entry(dev).or_default().append(&mut slots);
-        done
+        self.driver.memcpy_htod_async(dst, src, stream)
     }
 
     /// Up to `threads ×` [`DEPTH`] slots of `dev` (no more than `chunks`) whose last
-    /// transfer has completed, made where too few are, within the device's bound.
+    /// transfer has completed, made where too few are, within the device's bound of
+    /// `2 × threads ×` [`DEPTH`] (slots lent to other copies count); idle slots beyond the
+    /// bound (kept from copies with more threads) go back to the driver.
     fn take(&self, dev: DeviceIndex, threads: usize, chunks: usize) -> Vec<Slot> {
         let want = (threads * DEPTH).min(chunks);
+        let bound = 2 * threads * DEPTH;
         let mut pool = self.slots.lock();
         let kept = pool.entry(dev).or_default();
         let mut taken = Vec::with_capacity(want);
         let mut i = 0;
-        while i < kept.len() && taken.len() < want {
-            let slot = &mut kept[i];
+        while i < kept.idle.len() && taken.len() < want {
+            let slot = &mut kept.idle[i];
             // (A query that fails leaves the slot where it is, as one still busy.)
             if slot.in_flight && self.driver.event_query(slot.event) != Ok(true) {
                 i += 1;
                 continue;
             }
             slot.in_flight = false;
-            taken.push(kept.swap_remove(i));
+            taken.push(kept.idle.swap_remove(i));
         }
-        let bound = 2 * threads * DEPTH;
-        while taken.len() < want && kept.len() + taken.len() < bound {
+        while taken.len() < want && kept.idle.len() + kept.lent + taken.len() < bound {
             match self.new_slot(dev) {
                 Some(slot) => taken.push(slot),
                 None => break,
             }
         }
+        while kept.idle.len() + kept.lent + taken.len() > bound {
+            let done = |s: &Slot| !s.in_flight || self.driver.event_query(s.event) == Ok(true);
+            let Some(idle) = kept.idle.iter().position(done) else {
+                break;
+            };
+            let mut slot = kept.idle.swap_remove(idle);
+            slot.in_flight = false;
+            self.free_slot(slot);
+        }
+        kept.lent += taken.len();
         taken
     }
 
@@ -139,6 +174,16 @@ impl PageableStaging {
                 None
             }
         }
+    }
+
+    /// Gives a slot back to the driver once its last transfer has run. Errors are dropped:
+    /// only a driver already gone fails here, and it frees them with the process.
+    fn free_slot(&self, slot: Slot) {
+        if slot.in_flight {
+            let _ = self.driver.event_synchronize(slot.event);
+        }
+        let _ = self.driver.event_destroy(slot.event);
+        let _ = self.driver.host_free(slot.host);
     }
 
     /// The staged copy over `slots`: `threads` workers (no more than there are slots), each
@@ -172,7 +217,14 @@ impl PageableStaging {
                 .filter_map(|share| {
                     std::thread::Builder::new()
                         .name("ferrocuda-pageable-copy".into())
-                        .spawn_scoped(scope, move || job.run(share))
+                        .spawn_scoped(scope, move || {
+                            // In the relaxed capture mode, as the calling thread (which
+                            // does the chunks of a worker that cannot switch).
+                            match RelaxedCapture::enter(job.driver) {
+                                Some(_relaxed) => job.run(share),
+                                None => Ok(()),
+                            }
+                        })
                         .ok()
                 })
                 .collect();
@@ -188,16 +240,39 @@ impl PageableStaging {
 }
 
 impl Drop for PageableStaging {
-    /// Gives every slot back once its last transfer has run. Errors are dropped: the
-    /// runtime is going, and a driver that fails here frees them with the process.
+    /// Gives every slot back (see [`PageableStaging::free_slot`]).
     fn drop(&mut self) {
-        for slot in self.slots.get_mut().drain().flat_map(|(_, v)| v) {
-            if slot.in_flight {
-                let _ = self.driver.event_synchronize(slot.event);
-            }
-            let _ = self.driver.event_destroy(slot.event);
-            let _ = self.driver.host_free(slot.host);
-        }
+        let _relaxed = RelaxedCapture::enter(&*self.driver);
+        let slots: Vec<Slot> = self
+            .slots
+            .get_mut()
+            .drain()
+            .flat_map(|(_, kept)| kept.idle)
+            .collect();
+        slots.into_iter().for_each(|slot| self.free_slot(slot));
+    }
+}
+
+/// The calling thread in the relaxed capture mode (`cuThreadExchangeStreamCaptureMode`)
+/// until dropped, so that a capture underway on another stream, of this thread or another,
+/// neither refuses the staged copy's calls nor is broken by them: none of them touches a
+/// capturing stream.
+struct RelaxedCapture<'a> {
+    driver: &'a dyn Driver,
+    previous: CaptureMode,
+}
+
+impl<'a> RelaxedCapture<'a> {
+    fn enter(driver: &'a dyn Driver) -> Option<RelaxedCapture<'a>> {
+        let previous = driver.exchange_capture_mode(CaptureMode::Relaxed).ok()?;
+        Some(RelaxedCapture { driver, previous })
+    }
+}
+
+impl Drop for RelaxedCapture<'_> {
+    fn drop(&mut self) {
+        // (Only a driver already gone fails to restore a mode it just exchanged.)
+        let _ = self.driver.exchange_capture_mode(self.previous);
     }
 }
 

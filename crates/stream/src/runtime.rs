@@ -122,7 +122,7 @@ impl Runtime {
     /// How many threads stage a copy of at least [`STAGED_MIN`](crate::STAGED_MIN) bytes from
     /// pageable memory to a device: what the host memory resource says (the caching host
     /// allocator's `pageable_copy_threads`; 0, the default: the driver copies, as for
-    /// PyTorch). See [`Runtime::copy_from_pageable`].
+    /// PyTorch). See [`DeviceBuffer::copy_from_host`](crate::DeviceBuffer::copy_from_host).
     pub fn pageable_copy_threads(&self) -> usize {
         self.host_memory().pageable_copy_threads()
     }
@@ -131,8 +131,18 @@ impl Runtime {
     /// does (`src` consumed on return, the device write in stream order), staged through
     /// page-locked buffers by [`Runtime::pageable_copy_threads`] threads when that is set
     /// and the copy is at least [`STAGED_MIN`](crate::STAGED_MIN) bytes
-    /// (`crates/stream/src/pageable_copy.rs` says how and what stays the same).
-    pub fn copy_from_pageable(&self, dst: DevicePtr, src: &[u8], stream: &Stream) -> Result<()> {
+    /// (`crates/stream/src/pageable_copy.rs` says how and what stays the same). Crate-private:
+    /// `dst` must be a range the caller owns whole ([`DeviceBuffer::copy_from_host`]'s), since
+    /// a staged copy that fails part way has written the chunks before the failure, where the
+    /// driver refuses a bad range before writing anything.
+    ///
+    /// [`DeviceBuffer::copy_from_host`]: crate::DeviceBuffer::copy_from_host
+    pub(crate) fn copy_from_pageable(
+        &self,
+        dst: DevicePtr,
+        src: &[u8],
+        stream: &Stream,
+    ) -> Result<()> {
         self.check_stream(stream)?;
         let threads = match src.len() >= crate::STAGED_MIN {
             true => self.pageable_copy_threads(),

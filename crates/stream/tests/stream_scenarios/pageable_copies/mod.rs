@@ -2,12 +2,19 @@
 //! fake device can show it: which driver calls a copy makes, that a copy never waits for
 //! another stream's transfers, what happens when slots run out, when a transfer fails, in a
 //! capture, and that the slots go back with the runtime. (Bytes and stream order on both
-//! backends: the conformance suite's `pageable_copies_staged_by_threads`.)
+//! backends: the conformance suite's `pageable_copies_staged_by_threads`.) The submodules are
+//! adversarial scenarios, each against the driver's copy and under a time limit:
+//! [`bytes_and_order`], [`captures_and_failures`], [`threads_and_slots`].
 use ferrocuda_driver::{Call, Driver, DriverError, FakeDriver, fake::Completion};
 use ferrocuda_stream::{CHUNK, DEPTH, DeviceBuffer, KernelCache, Runtime, STAGED_MIN, StreamError};
 use ferrocuda_testkit::StagedCopies;
 use ferrocuda_types::{CaptureMode, DeviceIndex};
 use std::sync::Arc;
+
+mod bytes_and_order;
+mod captures_and_failures;
+mod support;
+mod threads_and_slots;
 
 type TestResult = Result<(), Box<dyn std::error::Error>>;
 
@@ -228,5 +235,22 @@ fn the_slots_go_back_with_the_runtime() -> TestResult {
         fake.calls(Call::EventCreate),
         "every slot's event destroyed"
     );
+    Ok(())
+}
+
+#[test]
+fn fewer_threads_give_the_slots_beyond_their_bound_back() -> TestResult {
+    let (fake, rt, values, buf) = one_copy(Completion::Eager, 4, 20 * CHUNK)?;
+    buf.copy_from_host(&values)?;
+    assert_eq!(fake.calls(Call::HostAlloc) as usize, 4 * DEPTH);
+    StagedCopies::install(&rt, 1);
+    buf.copy_from_host(&values)?;
+    assert_eq!(
+        fake.calls(Call::HostFree) as usize,
+        4 * DEPTH - 2 * DEPTH,
+        "one thread keeps 2 × {DEPTH} slots: the rest go back once idle"
+    );
+    assert_eq!(fake.calls(Call::HostAlloc) as usize, 4 * DEPTH, "none made");
+    assert_eq!(buf.to_host()?, values);
     Ok(())
 }
