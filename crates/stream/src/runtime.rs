@@ -144,9 +144,12 @@ impl Runtime {
         stream: &Stream,
     ) -> Result<()> {
         self.check_stream(stream)?;
-        let threads = match src.len() >= crate::STAGED_MIN {
-            true => self.pageable_copy_threads(),
-            false => 0,
+        // (Asked only of a copy that could be staged: the answer takes the host allocator's
+        // lock.)
+        let threads = if src.len() >= crate::STAGED_MIN {
+            self.pageable_copy_threads()
+        } else {
+            0
         };
         Ok(self
             .pageable
