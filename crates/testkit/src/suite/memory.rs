@@ -187,6 +187,53 @@ pub fn pageable_copies_staged_by_threads(h: &Harness) -> TestResult {
     Ok(())
 }
 
+/// A staged copy (2 threads, more chunks than slots) to a stream that is not capturing, while
+/// a capture is underway on another stream, begun by this thread in each mode, or by another
+/// thread in the global mode: the copy lands and the capture ends with its graph (the staged
+/// copy's own calls run in the relaxed capture mode; the driver's copy breaks no capture
+/// either).
+pub fn staged_copies_leave_a_capture_elsewhere_intact(h: &Harness) -> TestResult {
+    use ferrocuda_stream::{CHUNK, DEPTH};
+    let (rt, d) = (&h.rt, h.rt.driver());
+    let (capturing, copying) = (rt.new_stream(DEV, 0)?, rt.new_stream(DEV, 0)?);
+    let bytes = 3 * DEPTH * CHUNK + 1;
+    let buf = DeviceBuffer::<u8>::uninit(rt, DEV, bytes)?;
+    let scratch = DeviceBuffer::<u8>::uninit(rt, DEV, 4096)?;
+    rt.synchronize(DEV)?;
+    crate::StagedCopies::install(rt, 2);
+    let modes = [
+        (CaptureMode::Global, false),
+        (CaptureMode::ThreadLocal, false),
+        (CaptureMode::Relaxed, false),
+        (CaptureMode::Global, true),
+    ];
+    for (k, (mode, other_thread)) in modes.into_iter().enumerate() {
+        step!("a capture in {mode:?} mode, copying from another thread: {other_thread}");
+        let values: Vec<u8> = (0..bytes).map(|i| ((i * 11 + k) % 253) as u8).collect();
+        let copy = || -> Result<(), StreamError> {
+            let _g = rt.stream_guard(&copying)?;
+            buf.copy_from_host(&values)
+        };
+        d.stream_begin_capture(capturing.handle(), mode)?;
+        d.memset_async(scratch.ptr(), MemsetValue::U8(3), 4096, capturing.handle())?;
+        let copied = if other_thread {
+            std::thread::scope(|sc| sc.spawn(copy).join().expect("copying thread"))
+        } else {
+            copy()
+        };
+        let graph = d.stream_end_capture(capturing.handle());
+        if let Ok(g) = graph {
+            d.graph_destroy(g)?;
+        }
+        copied?;
+        assert!(graph.is_ok(), "the capture ended with {graph:?}");
+        copying.synchronize()?;
+        assert!(buf.to_host()? == values, "the staged copy's bytes");
+    }
+    crate::StagedCopies::install(rt, 0);
+    Ok(())
+}
+
 pub fn virtual_memory_map_and_access(h: &Harness) -> TestResult {
     let (rt, d) = (&h.rt, h.rt.driver());
     let g = d.vm_granularity(DEV)?;
