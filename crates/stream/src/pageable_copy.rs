@@ -130,14 +130,13 @@ impl PageableStaging {
         let mut taken = Vec::with_capacity(want);
         let mut i = 0;
         while i < kept.idle.len() && taken.len() < want {
-            let slot = &mut kept.idle[i];
-            // (A query that fails leaves the slot where it is, as one still busy.)
-            if slot.in_flight && self.driver.event_query(slot.event) != Ok(true) {
+            if !self.idle(&kept.idle[i]) {
                 i += 1;
                 continue;
             }
+            let mut slot = kept.idle.swap_remove(i);
             slot.in_flight = false;
-            taken.push(kept.idle.swap_remove(i));
+            taken.push(slot);
         }
         while taken.len() < want && kept.idle.len() + kept.lent + taken.len() < bound {
             match self.new_slot(dev) {
@@ -146,8 +145,7 @@ impl PageableStaging {
             }
         }
         while kept.idle.len() + kept.lent + taken.len() > bound {
-            let done = |s: &Slot| !s.in_flight || self.driver.event_query(s.event) == Ok(true);
-            let Some(idle) = kept.idle.iter().position(done) else {
+            let Some(idle) = kept.idle.iter().position(|s| self.idle(s)) else {
                 break;
             };
             let mut slot = kept.idle.swap_remove(idle);
@@ -156,6 +154,11 @@ impl PageableStaging {
         }
         kept.lent += taken.len();
         taken
+    }
+
+    /// Whether `slot`'s last transfer has run (a query that fails counts as not yet).
+    fn idle(&self, slot: &Slot) -> bool {
+        !slot.in_flight || self.driver.event_query(slot.event) == Ok(true)
     }
 
     /// A new slot, or `None` if the driver refuses page-locked memory or an event.

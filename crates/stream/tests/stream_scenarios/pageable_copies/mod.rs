@@ -6,7 +6,7 @@
 //! adversarial scenarios, each against the driver's copy and under a time limit:
 //! [`bytes_and_order`], [`captures_and_failures`], [`threads_and_slots`].
 use ferrocuda_driver::{Call, Driver, DriverError, FakeDriver, fake::Completion};
-use ferrocuda_stream::{CHUNK, DEPTH, DeviceBuffer, KernelCache, Runtime, STAGED_MIN, StreamError};
+use ferrocuda_stream::{CHUNK, DEPTH, DeviceBuffer, Runtime, STAGED_MIN, StreamError};
 use ferrocuda_testkit::StagedCopies;
 use ferrocuda_types::{CaptureMode, DeviceIndex};
 use std::sync::Arc;
@@ -16,19 +16,17 @@ mod captures_and_failures;
 mod support;
 mod threads_and_slots;
 
+use support::{fake_n, pattern, runtime};
+
 type TestResult = Result<(), Box<dyn std::error::Error>>;
 
 const D0: DeviceIndex = DeviceIndex(0);
 
+/// One fake device (`support`'s) with `threads` staging threads.
 fn fake(completion: Completion, threads: usize) -> (Arc<FakeDriver>, Arc<Runtime>) {
-    let fake = Arc::new(FakeDriver::builder().completion(completion).build());
-    let rt = Runtime::with_kernel_cache(fake.clone(), KernelCache::at(None));
-    StagedCopies::install(&rt, threads);
+    let fake = fake_n(completion, 1);
+    let rt = runtime(&fake, threads);
     (fake, rt)
-}
-
-fn pattern(bytes: usize, seed: usize) -> Vec<u8> {
-    (0..bytes).map(|i| ((i * 13 + seed) % 251) as u8).collect()
 }
 
 /// A fake device with `threads` staging threads, `bytes` of values and a buffer for them.
