@@ -162,7 +162,7 @@ impl<T: Element> DeviceBuffer<T> {
     /// current stream of its device; `values` may be reused when this returns. A copy of
     /// at least [`STAGED_MIN`](crate::STAGED_MIN) bytes is staged by threads when the host
     /// memory resource asks for it (`pageable_copy_threads`), with the same results as the
-    /// driver's copy (`crates/stream/src/pageable_copy.rs`).
+    /// driver's copy (`crates/stream/src/pageable_copy/`).
     pub fn copy_from_host(&self, values: &[T]) -> Result<()> {
         if values.len() != self.len {
             return Err(StreamError::LengthMismatch {
@@ -178,16 +178,16 @@ impl<T: Element> DeviceBuffer<T> {
             .copy_from_pageable(self.ptr, bytemuck::cast_slice(values), &stream)
     }
 
-    /// The buffer's contents, after the work enqueued on its current stream.
+    /// The buffer's contents, after the work enqueued on its current stream. A copy of at
+    /// least [`STAGED_MIN`](crate::STAGED_MIN) bytes is staged by threads when the host
+    /// memory resource asks for it (`pageable_copy_threads`), as
+    /// [`copy_from_host`](Self::copy_from_host) is.
     pub fn to_host(&self) -> Result<Vec<T>> {
         let mut out = vec![T::zeroed(); self.len];
         if self.len > 0 {
             let stream = self.stream()?;
-            self.runtime.driver().memcpy_dtoh(
-                bytemuck::cast_slice_mut(&mut out),
-                self.ptr,
-                stream.handle(),
-            )?;
+            self.runtime
+                .copy_to_pageable(bytemuck::cast_slice_mut(&mut out), self.ptr, &stream)?;
         }
         Ok(out)
     }

@@ -60,11 +60,11 @@
 //!   [`id`](Runtime::id) of the runtime that made them, and every call taking one refuses
 //!   another runtime's ([`StreamError::OtherRuntime`]) rather than use its own object of the
 //!   same number.
-//! - **Large copies from pageable memory may be staged by threads**
-//!   ([`DeviceBuffer::copy_from_host`]): when the host memory resource says so
-//!   (`pageable_copy_threads`, off by default), 2 MiB chunks are copied into page-locked
-//!   slots by several threads and each transferred as soon as it is staged; the bytes,
-//!   stream order, errors and waits stay the driver's copy's.
+//! - **Large copies between pageable memory and a device may be staged by threads**
+//!   ([`DeviceBuffer::copy_from_host`], [`DeviceBuffer::to_host`]): when the host memory
+//!   resource says so (`pageable_copy_threads`, off by default), 2 MiB chunks pass through
+//!   page-locked slots, copied in or out by several threads, each transferred as soon as
+//!   it can be; the bytes, stream order, errors and waits stay the driver's copy's.
 //! - **Kernels on the fake device are host functions found by name**
 //!   ([`Runtime::register_fake_kernel`]); a kernel with none is
 //!   [`StreamError::KernelNotRegistered`], naming it.

@@ -119,19 +119,32 @@ impl Runtime {
         *self.host_memory.write() = memory;
     }
 
-    /// How many threads stage a copy of at least [`STAGED_MIN`](crate::STAGED_MIN) bytes from
-    /// pageable memory to a device: what the host memory resource says (the caching host
-    /// allocator's `pageable_copy_threads`; 0, the default: the driver copies, as for
-    /// PyTorch). See [`DeviceBuffer::copy_from_host`](crate::DeviceBuffer::copy_from_host).
+    /// How many threads stage a copy of at least [`STAGED_MIN`](crate::STAGED_MIN) bytes
+    /// between pageable host memory and a device: what the host memory resource says (the
+    /// caching host allocator's `pageable_copy_threads`; 0, the default: the driver copies,
+    /// as for PyTorch). See [`DeviceBuffer::copy_from_host`] and [`DeviceBuffer::to_host`].
+    ///
+    /// [`DeviceBuffer::copy_from_host`]: crate::DeviceBuffer::copy_from_host
+    /// [`DeviceBuffer::to_host`]: crate::DeviceBuffer::to_host
     pub fn pageable_copy_threads(&self) -> usize {
         self.host_memory().pageable_copy_threads()
+    }
+
+    /// The thread count for a staged copy of `bytes` (asked only of a copy that could be
+    /// staged: the answer takes the host allocator's lock).
+    fn staging_threads(&self, bytes: usize) -> usize {
+        if bytes >= crate::STAGED_MIN {
+            self.pageable_copy_threads()
+        } else {
+            0
+        }
     }
 
     /// Copies `src` from pageable host memory to `dst` on `stream`, as the driver's copy
     /// does (`src` consumed on return, the device write in stream order), staged through
     /// page-locked buffers by [`Runtime::pageable_copy_threads`] threads when that is set
     /// and the copy is at least [`STAGED_MIN`](crate::STAGED_MIN) bytes
-    /// (`crates/stream/src/pageable_copy.rs` says how and what stays the same). Crate-private:
+    /// (`crates/stream/src/pageable_copy/` says how and what stays the same). Crate-private:
     /// `dst` must be a range the caller owns whole ([`DeviceBuffer::copy_from_host`]'s), since
     /// a staged copy that fails part way has written the chunks before the failure, where the
     /// driver refuses a bad range before writing anything.
@@ -144,16 +157,30 @@ impl Runtime {
         stream: &Stream,
     ) -> Result<()> {
         self.check_stream(stream)?;
-        // (Asked only of a copy that could be staged: the answer takes the host allocator's
-        // lock.)
-        let threads = if src.len() >= crate::STAGED_MIN {
-            self.pageable_copy_threads()
-        } else {
-            0
-        };
+        let threads = self.staging_threads(src.len());
         Ok(self
             .pageable
-            .copy(dst, src, stream.handle(), stream.device(), threads)?)
+            .to_device(dst, src, stream.handle(), stream.device(), threads)?)
+    }
+
+    /// Copies `src` (device memory) to pageable host memory `dst` in `stream` order and
+    /// waits for it, as the driver's copy does, staged as
+    /// [`Runtime::copy_from_pageable`] stages (chunks transferred into page-locked buffers
+    /// and copied out by threads). Crate-private for the same reason: `src` must be a range
+    /// the caller owns whole ([`DeviceBuffer::to_host`]'s).
+    ///
+    /// [`DeviceBuffer::to_host`]: crate::DeviceBuffer::to_host
+    pub(crate) fn copy_to_pageable(
+        &self,
+        dst: &mut [u8],
+        src: DevicePtr,
+        stream: &Stream,
+    ) -> Result<()> {
+        self.check_stream(stream)?;
+        let threads = self.staging_threads(dst.len());
+        Ok(self
+            .pageable
+            .to_host(dst, src, stream.handle(), stream.device(), threads)?)
     }
 
     /// The driver underneath.

@@ -263,7 +263,9 @@ macro_rules! conformance_tests {
             kernel_cache_hits_and_repairs, compile_error_carries_the_log,
             buffer_round_trips, buffer_kernel_launch, use_after_destroy_is_an_error,
             out_of_memory_is_a_typed_error, pinned_host_copies, pageable_copies_staged_by_threads,
-            staged_copies_leave_a_capture_elsewhere_intact, virtual_memory_map_and_access,
+            staged_copies_leave_a_capture_elsewhere_intact, pageable_reads_staged_by_threads,
+            staged_reads_meet_a_capture_elsewhere_as_the_drivers_do,
+            virtual_memory_map_and_access,
             capture_records_and_replays, capture_refuses_legacy_stream_and_nesting,
             capture_refuses_sync_and_captured_event_query, capture_modes_and_other_threads,
             capture_fork_join_and_unjoined

@@ -178,8 +178,13 @@ pub fn pageable_copies_staged_by_threads(h: &Harness) -> TestResult {
                 &elementwise(n),
                 &[buf.arg(), KernelArg::value(&(n as u32))],
             )?;
-            let back = buf.to_host()?;
-            let wrong = back.iter().zip(&values).position(|(b, v)| *b != v + 1.0);
+            // Read back by the driver's own copy: this checks the upload alone.
+            let mut raw = vec![0u8; 4 * n];
+            rt.driver().memcpy_dtoh(&mut raw, buf.ptr(), s.handle())?;
+            let back = raw
+                .chunks_exact(4)
+                .map(|b| f32::from_ne_bytes([b[0], b[1], b[2], b[3]]));
+            let wrong = back.zip(&values).position(|(b, v)| b != v + 1.0);
             assert_eq!(wrong, None, "{threads} threads, {bytes} bytes");
         }
     }
@@ -229,6 +234,104 @@ pub fn staged_copies_leave_a_capture_elsewhere_intact(h: &Harness) -> TestResult
         assert!(graph.is_ok(), "the capture ended with {graph:?}");
         copying.synchronize()?;
         assert!(buf.to_host()? == values, "the staged copy's bytes");
+    }
+    crate::StagedCopies::install(rt, 0);
+    Ok(())
+}
+
+/// Copies to pageable memory staged by threads (`pageable_copy_threads`, `to_host`): every
+/// size (below the staged minimum, at it, ragged tails, more chunks than slots, so that slots
+/// are reused within a copy) comes back byte for byte, after the work enqueued before it (a
+/// slow kernel, then one that writes the values read), with 1 to 3 threads and with the
+/// driver's copy (0).
+pub fn pageable_reads_staged_by_threads(h: &Harness) -> TestResult {
+    use ferrocuda_stream::{CHUNK, DEPTH, STAGED_MIN};
+    let rt = &h.rt;
+    let s = rt.new_stream(DEV, 0)?;
+    let _current = rt.stream_guard(&s)?;
+    let add_one = module(h)?.function("add_one_f32")?;
+    for threads in [0, 1, 2, 3] {
+        let many = (threads.max(1) * DEPTH + 3) * CHUNK + 124;
+        for (k, bytes) in [STAGED_MIN - 4, STAGED_MIN, 3 * CHUNK + 124, many]
+            .into_iter()
+            .enumerate()
+        {
+            step!("{threads} threads, {bytes} bytes");
+            let n = bytes / 4;
+            let values: Vec<f32> = (0..n)
+                .map(|i| ((i * 5 + k + threads) % 1013) as f32)
+                .collect();
+            crate::StagedCopies::install(rt, 0);
+            let buf = DeviceBuffer::from_slice(rt, DEV, &values)?;
+            crate::StagedCopies::install(rt, threads);
+            // The stream is busy, and the values read are written by its last kernel.
+            launch_spin(h, &s, 20)?;
+            s.launch(
+                &add_one,
+                &elementwise(n),
+                &[buf.arg(), KernelArg::value(&(n as u32))],
+            )?;
+            let back = buf.to_host()?;
+            let wrong = back.iter().zip(&values).position(|(b, v)| *b != v + 1.0);
+            assert_eq!(wrong, None, "{threads} threads, {bytes} bytes");
+        }
+    }
+    crate::StagedCopies::install(rt, 0);
+    Ok(())
+}
+
+/// A copy to pageable memory (`to_host`, more chunks than slots) from a stream that is not
+/// capturing, while a capture is underway on another stream (begun by this thread in each
+/// mode, or by another thread in the global mode): staged by 2 threads, it ends as the
+/// driver's copy does (served or refused with the same error, the capture ended or broken
+/// alike), and when served its bytes are the buffer's.
+pub fn staged_reads_meet_a_capture_elsewhere_as_the_drivers_do(h: &Harness) -> TestResult {
+    use ferrocuda_stream::{CHUNK, DEPTH};
+    let (rt, d) = (&h.rt, h.rt.driver());
+    let (capturing, copying) = (rt.new_stream(DEV, 0)?, rt.new_stream(DEV, 0)?);
+    let bytes = 3 * DEPTH * CHUNK + 1;
+    let values: Vec<u8> = (0..bytes).map(|i| (i * 13 % 251) as u8).collect();
+    let buf = DeviceBuffer::from_slice(rt, DEV, &values)?;
+    let scratch = DeviceBuffer::<u8>::uninit(rt, DEV, 4096)?;
+    rt.synchronize(DEV)?;
+    let modes = [
+        (CaptureMode::Global, false),
+        (CaptureMode::ThreadLocal, false),
+        (CaptureMode::Relaxed, false),
+        (CaptureMode::Global, true),
+    ];
+    for (mode, other_thread) in modes {
+        let mut outcomes = Vec::new();
+        for threads in [0, 2] {
+            step!(
+                "a capture in {mode:?} mode, reading from another thread: {other_thread}, {threads} threads"
+            );
+            crate::StagedCopies::install(rt, threads);
+            let read = || -> Result<Vec<u8>, StreamError> {
+                let _g = rt.stream_guard(&copying)?;
+                buf.to_host()
+            };
+            d.stream_begin_capture(capturing.handle(), mode)?;
+            d.memset_async(scratch.ptr(), MemsetValue::U8(3), 4096, capturing.handle())?;
+            let back = if other_thread {
+                std::thread::scope(|sc| sc.spawn(read).join().expect("reading thread"))
+            } else {
+                read()
+            };
+            let graph = d.stream_end_capture(capturing.handle());
+            if let Ok(g) = graph {
+                d.graph_destroy(g)?;
+            }
+            rt.synchronize(DEV)?;
+            if let Ok(back) = &back {
+                assert!(*back == values, "{threads} threads: the bytes read");
+            }
+            outcomes.push((back.map(drop), graph.map(drop)));
+        }
+        assert_eq!(
+            outcomes[0], outcomes[1],
+            "{mode:?}, other thread {other_thread}: driver vs staged"
+        );
     }
     crate::StagedCopies::install(rt, 0);
     Ok(())

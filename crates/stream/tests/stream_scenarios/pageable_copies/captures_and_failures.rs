@@ -266,7 +266,7 @@ fn every_injected_failure_returns_and_the_next_copy_works_and_nothing_leaks() ->
             } else {
                 r.map_err(|e| format!("round {round}: {call:?} #{nth}: {e:?}"))?;
                 assert_eq!(
-                    first_diff(&buf.to_host()?, &values),
+                    first_diff(&driver_read(&fake, &buf, &s)?, &values),
                     None,
                     "round {round}: {call:?} #{nth}: copy that survived the failure"
                 );
@@ -276,7 +276,7 @@ fn every_injected_failure_returns_and_the_next_copy_works_and_nothing_leaks() ->
             buf.copy_from_host(&next)
                 .map_err(|e| format!("round {round}: the copy after {call:?} #{nth}: {e:?}"))?;
             assert_eq!(
-                first_diff(&buf.to_host()?, &next),
+                first_diff(&driver_read(&fake, &buf, &s)?, &next),
                 None,
                 "round {round}: the copy after {call:?} #{nth}"
             );

@@ -1,0 +1,351 @@
+//! Where a large copy between pageable host memory and a device is staged by several
+//! threads (`pageable_copy_threads`, ferrocuda's own key; off by default): to the device in
+//! `to_device.rs`, to the host in `to_host.rs`; the page-locked slots both use, here.
+//!
+//! Why: the driver copies pageable memory through page-locked buffers of its own, filled or
+//! emptied by one thread's `memcpy`, and that `memcpy` is the bound. On an H200 host,
+//! 64 MiB to the device: PyTorch's `copy_` from a pageable tensor (the driver's path)
+//! 6.2-7.4 GB/s, from a pinned one 54 GB/s; staged here, each chunk's transfer enqueued as
+//! soon as it is staged, 7.0-7.6 GB/s with one thread, 13-15 with two, 24-29 with four,
+//! 35-39 with eight (`docs/measurements/h200_2026-11-30g/`). To the host, each worker
+//! enqueues its chunks' transfers into its slots and copies each slot out once its transfer
+//! has run.
+//!
+//! What stays as with the driver's copy:
+//! - the bytes, and the stream order: every chunk is enqueued on the stream the copy names
+//!   before the call returns (to the device, in order);
+//! - to the device, `src` is consumed when the call returns (every chunk has been copied out
+//!   of it); to the host, `dst` is written when it returns;
+//! - the errors: a copy on a stream being captured, or one below [`STAGED_MIN`] bytes, goes
+//!   to the driver, which refuses or serves it as before; a copy to the host first waits for
+//!   its stream in the caller's capture mode, so that a capture underway elsewhere that
+//!   forbids the driver's copy (which waits for the stream) forbids it too, with the same
+//!   error;
+//! - when the host waits. The driver's copy to the device of 4 MiB or more returns only once
+//!   the stream has run it (on an H200 behind a 1 s kernel, the call takes 1 s from 4 MiB
+//!   up; 1 MiB returns at once), and its copy to the host once the copy has run. A staged
+//!   copy waits too, for its own earlier chunks, before it reuses their slot; never for
+//!   another copy's: a slot whose last transfer has not completed is left alone, and a new
+//!   one made instead.
+//!
+//! Slots are [`CHUNK`] bytes of page-locked memory from the driver (`cuMemHostAlloc`, not
+//! the caching host allocator, whose statistics stay PyTorch's), each with an event; per
+//! device (an event belongs to one), kept for the next copy in either direction, and freed
+//! with the runtime. A device holds at most `2 × threads ×` [`DEPTH`] (those lent to copies
+//! underway count); a copy with fewer threads than earlier ones gives the idle slots beyond
+//! that back. A copy that gets fewer slots than it has threads uses fewer threads; one that
+//! gets none (page-locked memory refused, or every slot busy) goes to the driver.
+//!
+//! Captures: the staged copy's own calls (making and querying events, waiting for a slot's
+//! transfer, page-locked allocations) are made in the relaxed capture mode
+//! (`cuThreadExchangeStreamCaptureMode`), on the calling thread and on its workers, so that
+//! a capture underway on another stream, begun by this thread or another in any mode, neither
+//! refuses them nor is invalidated by them, as it is not by the driver's copy to the device.
+//! None of them touches a capturing stream: the copy's own stream is checked first.
+use ferrocuda_driver::{Driver, DriverError};
+use ferrocuda_types::{
+    CaptureMode, CaptureStatus, DeviceIndex, DevicePtr, EventFlags, EventHandle, HostPtr,
+    StreamHandle,
+};
+use parking_lot::Mutex;
+use std::collections::HashMap;
+use std::sync::Arc;
+
+mod to_device;
+mod to_host;
+
+/// Copies below this go to the driver: it stages them without waiting for the stream, and
+/// threads would cost more than they save.
+pub const STAGED_MIN: usize = 4 << 20;
+/// Bytes per slot, and so per chunk of a staged copy.
+pub const CHUNK: usize = 2 << 20;
+/// Slots each thread of a copy cycles through: its chunk's transfer runs while it stages
+/// the next ones.
+pub const DEPTH: usize = 4;
+
+/// A page-locked buffer of [`CHUNK`] bytes and the event of its last transfer.
+#[derive(Debug)]
+struct Slot {
+    host: HostPtr,
+    event: EventHandle,
+    /// Its event was recorded after a transfer out of it, not yet seen complete.
+    in_flight: bool,
+}
+
+impl Slot {
+    /// Waits for the slot's last transfer, if one has not been seen complete.
+    fn wait(&mut self, driver: &dyn Driver) -> Result<(), DriverError> {
+        if self.in_flight {
+            driver.event_synchronize(self.event)?;
+            self.in_flight = false;
+        }
+        Ok(())
+    }
+
+    /// Records the slot's event after a transfer just enqueued on `stream`.
+    fn record(&mut self, driver: &dyn Driver, stream: StreamHandle) -> Result<(), DriverError> {
+        if let Err(e) = driver.event_record(self.event, stream) {
+            // Without its event the slot cannot tell when the transfer has run: wait for
+            // the stream, so that it is idle when it goes back to the pool.
+            let _ = driver.stream_synchronize(stream);
+            return Err(e);
+        }
+        self.in_flight = true;
+        Ok(())
+    }
+}
+
+/// One device's slots: those kept between copies, and how many copies hold now.
+#[derive(Debug, Default)]
+struct DeviceSlots {
+    idle: Vec<Slot>,
+    lent: usize,
+}
+
+/// Slots lent to one copy, used in the relaxed capture mode until given back.
+struct Lent<'a> {
+    slots: Vec<Slot>,
+    dev: DeviceIndex,
+    _relaxed: RelaxedCapture<'a>,
+}
+
+/// The slots of every device.
+#[derive(Debug)]
+pub(crate) struct PageableStaging {
+    driver: Arc<dyn Driver>,
+    slots: Mutex<HashMap<DeviceIndex, DeviceSlots>>,
+}
+
+impl PageableStaging {
+    pub(crate) fn new(driver: Arc<dyn Driver>) -> PageableStaging {
+        PageableStaging {
+            driver,
+            slots: Mutex::default(),
+        }
+    }
+
+    /// Copies `src` to `dst` on `stream` (of device `dev`): staged by `threads` threads when
+    /// the copy is large enough and slots can be had; by the driver otherwise.
+    pub(crate) fn to_device(
+        &self,
+        dst: DevicePtr,
+        src: &[u8],
+        stream: StreamHandle,
+        dev: DeviceIndex,
+        threads: usize,
+    ) -> Result<(), DriverError> {
+        if self.stageable(stream, threads, src.len())
+            && let Some(lent) = self.lend(dev, threads, src.len())
+        {
+            let upload = to_device::Upload::new(&*self.driver, dst, src, stream);
+            return self.stage(lent, threads, |slots| upload.run(slots));
+        }
+        self.driver.memcpy_htod_async(dst, src, stream)
+    }
+
+    /// Copies `src` to `dst` in `stream` order (of device `dev`) and waits for it: staged by
+    /// `threads` threads when the copy is large enough and slots can be had; by the driver
+    /// otherwise.
+    pub(crate) fn to_host(
+        &self,
+        dst: &mut [u8],
+        src: DevicePtr,
+        stream: StreamHandle,
+        dev: DeviceIndex,
+        threads: usize,
+    ) -> Result<(), DriverError> {
+        if self.stageable(stream, threads, dst.len()) {
+            // The driver's copy waits for the stream, which a capture underway on another
+            // stream may forbid (this thread's, or another thread's in the global mode):
+            // waiting first, in the caller's mode, refuses the staged copy where the
+            // driver's copy is refused, with its error (and the chunks' transfers then
+            // start at once).
+            self.driver.stream_synchronize(stream)?;
+            if let Some(lent) = self.lend(dev, threads, dst.len()) {
+                let download = to_host::Download::new(&*self.driver, dst, src, stream);
+                return self.stage(lent, threads, |slots| download.run(slots));
+            }
+        }
+        self.driver.memcpy_dtoh(dst, src, stream)
+    }
+
+    /// Whether a copy of `bytes` on `stream` is one to stage: `threads` above 0, at least
+    /// [`STAGED_MIN`] bytes, and `stream` not capturing (a stream the driver does not know,
+    /// too, goes to the driver, for its own error).
+    fn stageable(&self, stream: StreamHandle, threads: usize, bytes: usize) -> bool {
+        threads > 0
+            && bytes >= STAGED_MIN
+            && self.driver.stream_capture_status(stream) == Ok(CaptureStatus::None)
+    }
+
+    /// Slots of `dev` for a copy of `bytes` by `threads` threads (see [`Self::take`]), in
+    /// the relaxed capture mode (see the module's text) until they are given back; `None`
+    /// when none can be had (the driver copies then, in the caller's mode).
+    fn lend(&self, dev: DeviceIndex, threads: usize, bytes: usize) -> Option<Lent<'_>> {
+        let relaxed = RelaxedCapture::enter(&*self.driver)?;
+        let slots = self.take(dev, threads, bytes.div_ceil(CHUNK));
+        (!slots.is_empty()).then_some(Lent {
+            slots,
+            dev,
+            _relaxed: relaxed,
+        })
+    }
+
+    /// Runs a staged copy over `lent` slots: up to `threads` workers (no more than there are
+    /// slots; the calling thread is one of them) each running `run` over its own share of
+    /// the slots. A worker whose thread cannot be had leaves its chunks to the others; the
+    /// first error stops every worker and is returned. The slots go back to their device's
+    /// pool.
+    fn stage(
+        &self,
+        mut lent: Lent<'_>,
+        threads: usize,
+        run: impl Fn(&mut [Slot]) -> Result<(), DriverError> + Sync,
+    ) -> Result<(), DriverError> {
+        let slots = &mut lent.slots;
+        let workers = threads.min(slots.len());
+        let per_worker = slots.len() / workers;
+        let done = std::thread::scope(|scope| {
+            let mut shares = slots.chunks_mut(per_worker).take(workers);
+            let Some(first) = shares.next() else {
+                return Ok(());
+            };
+            let run = &run;
+            let spawned: Vec<_> = shares
+                .filter_map(|share| {
+                    std::thread::Builder::new()
+                        .name("ferrocuda-pageable-copy".into())
+                        .spawn_scoped(scope, move || {
+                            // In the relaxed capture mode, as the calling thread (which
+                            // does the chunks of a worker that cannot switch).
+                            match RelaxedCapture::enter(&*self.driver) {
+                                Some(_relaxed) => run(share),
+                                None => Ok(()),
+                            }
+                        })
+                        .ok()
+                })
+                .collect();
+            let mine = run(first);
+            spawned.into_iter().fold(mine, |result, handle| {
+                let theirs = handle
+                    .join()
+                    .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
+                result.and(theirs)
+            })
+        });
+        let mut pool = self.slots.lock();
+        let kept = pool.entry(lent.dev).or_default();
+        kept.lent -= slots.len();
+        kept.idle.append(slots);
+        done
+    }
+
+    /// Up to `threads ×` [`DEPTH`] slots of `dev` (no more than `chunks`) whose last
+    /// transfer has completed, made where too few are, within the device's bound of
+    /// `2 × threads ×` [`DEPTH`] (slots lent to other copies count); idle slots beyond the
+    /// bound (kept from copies with more threads) go back to the driver.
+    fn take(&self, dev: DeviceIndex, threads: usize, chunks: usize) -> Vec<Slot> {
+        let want = (threads * DEPTH).min(chunks);
+        let bound = 2 * threads * DEPTH;
+        let mut pool = self.slots.lock();
+        let kept = pool.entry(dev).or_default();
+        let mut taken = Vec::with_capacity(want);
+        let mut i = 0;
+        while i < kept.idle.len() && taken.len() < want {
+            if !self.idle(&kept.idle[i]) {
+                i += 1;
+                continue;
+            }
+            let mut slot = kept.idle.swap_remove(i);
+            slot.in_flight = false;
+            taken.push(slot);
+        }
+        while taken.len() < want && kept.idle.len() + kept.lent + taken.len() < bound {
+            match self.new_slot(dev) {
+                Some(slot) => taken.push(slot),
+                None => break,
+            }
+        }
+        while kept.idle.len() + kept.lent + taken.len() > bound {
+            let Some(idle) = kept.idle.iter().position(|s| self.idle(s)) else {
+                break;
+            };
+            let mut slot = kept.idle.swap_remove(idle);
+            slot.in_flight = false;
+            self.free_slot(slot);
+        }
+        kept.lent += taken.len();
+        taken
+    }
+
+    /// Whether `slot`'s last transfer has run (a query that fails counts as not yet).
+    fn idle(&self, slot: &Slot) -> bool {
+        !slot.in_flight || self.driver.event_query(slot.event) == Ok(true)
+    }
+
+    /// A new slot, or `None` if the driver refuses page-locked memory or an event.
+    fn new_slot(&self, dev: DeviceIndex) -> Option<Slot> {
+        let host = self.driver.host_alloc(CHUNK as u64).ok()?;
+        match self.driver.event_create(dev, EventFlags::default()) {
+            Ok(event) => Some(Slot {
+                host,
+                event,
+                in_flight: false,
+            }),
+            Err(_) => {
+                // Nothing was written to it: giving it back can only fail for a driver
+                // already gone, which frees it with the process.
+                let _ = self.driver.host_free(host);
+                None
+            }
+        }
+    }
+
+    /// Gives a slot back to the driver once its last transfer has run. Errors are dropped:
+    /// only a driver already gone fails here, and it frees them with the process.
+    fn free_slot(&self, slot: Slot) {
+        if slot.in_flight {
+            let _ = self.driver.event_synchronize(slot.event);
+        }
+        let _ = self.driver.event_destroy(slot.event);
+        let _ = self.driver.host_free(slot.host);
+    }
+}
+
+impl Drop for PageableStaging {
+    /// Gives every slot back (see [`PageableStaging::free_slot`]).
+    fn drop(&mut self) {
+        let _relaxed = RelaxedCapture::enter(&*self.driver);
+        let slots: Vec<Slot> = self
+            .slots
+            .get_mut()
+            .drain()
+            .flat_map(|(_, kept)| kept.idle)
+            .collect();
+        slots.into_iter().for_each(|slot| self.free_slot(slot));
+    }
+}
+
+/// The calling thread in the relaxed capture mode (`cuThreadExchangeStreamCaptureMode`)
+/// until dropped, so that a capture underway on another stream, of this thread or another,
+/// neither refuses the staged copy's calls nor is broken by them: none of them touches a
+/// capturing stream.
+struct RelaxedCapture<'a> {
+    driver: &'a dyn Driver,
+    previous: CaptureMode,
+}
+
+impl<'a> RelaxedCapture<'a> {
+    fn enter(driver: &'a dyn Driver) -> Option<RelaxedCapture<'a>> {
+        let previous = driver.exchange_capture_mode(CaptureMode::Relaxed).ok()?;
+        Some(RelaxedCapture { driver, previous })
+    }
+}
+
+impl Drop for RelaxedCapture<'_> {
+    fn drop(&mut self) {
+        // (Only a driver already gone fails to restore a mode it just exchanged.)
+        let _ = self.driver.exchange_capture_mode(self.previous);
+    }
+}
