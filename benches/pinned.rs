@@ -8,7 +8,11 @@
 //!   sync, from a pinned buffer (non-blocking) and from a `Vec` (PyTorch: `copy_` from a
 //!   pinned and from a pageable tensor), reported as bytes per second; and
 //!   `h2d/pageable_64MiB_staged_4threads`, the copy from a `Vec` with
-//!   `pageable_copy_threads:4` (ferrocuda's own key: staged by four threads).
+//!   `pageable_copy_threads:4` (ferrocuda's own key: staged by four threads);
+//! - `d2h/pinned_64MiB`, `d2h/pageable_64MiB` and `d2h/pageable_64MiB_staged_4threads`: the
+//!   same copies the other way, into a pinned buffer (non-blocking, then a stream sync) and
+//!   into a new `Vec` (`DeviceBuffer::to_host`; PyTorch: `copy_` into a pinned tensor and
+//!   `Tensor.cpu()`).
 //!
 //! On the GPU bundle it runs over the real driver (required there); elsewhere over the fake
 //! device, where the pairs run the same code and the copies are host memcpys.
@@ -92,6 +96,27 @@ fn pairs(c: &mut Criterion) {
         .set_settings("pageable_copy_threads:4")
         .expect("settings");
     copy_pageable("pageable_64MiB_staged_4threads");
+    allocators
+        .set_settings("pageable_copy_threads:0")
+        .expect("settings");
+    g.finish();
+
+    let mut g = c.benchmark_group("d2h");
+    g.throughput(Throughput::Bytes(COPY_BYTES as u64));
+    g.bench_function("pinned_64MiB", |b| {
+        b.iter(|| {
+            pinned.copy_from_device(&dev, true).expect("copy");
+            stream.synchronize().expect("sync");
+        })
+    });
+    let mut read_pageable = |name: &str| {
+        g.bench_function(name, |b| b.iter(|| black_box(dev.to_host().expect("copy"))));
+    };
+    read_pageable("pageable_64MiB");
+    allocators
+        .set_settings("pageable_copy_threads:4")
+        .expect("settings");
+    read_pageable("pageable_64MiB_staged_4threads");
     allocators
         .set_settings("pageable_copy_threads:0")
         .expect("settings");

@@ -1,7 +1,8 @@
 """PyTorch's pinned host memory on the device machine, beside benches/pinned.rs in the same
 run: the caching host allocator's alloc+free pair in C++ (`getHostAllocator(kCUDA)`, 1 and 8
 threads), `at::empty(..., pinned_memory(true))` made and dropped in C++, and the bandwidth of
-a 64 MiB host-to-device copy (plus a stream sync) from pinned and from pageable memory.
+a 64 MiB host-to-device copy (plus a stream sync) from pinned and from pageable memory, and
+the same copy back into pinned and into new pageable memory (`Tensor.cpu()`).
 Writes torch_pinned.json into $OUT (or the current folder)."""
 import os, time, json
 import torch
@@ -80,6 +81,20 @@ for label, src, nb in (("pinned", pinned, True), ("pageable", pageable, False)):
         stream.synchronize()
     per = (time.perf_counter() - t) / reps
     out[f"torch_h2d_{label}_GBps"] = n / per / 1e9
+
+# The other way: into a pinned tensor (non-blocking, then a sync), and `Tensor.cpu()` (a new
+# pageable tensor each time, as `DeviceBuffer::to_host` makes a new `Vec`).
+def pinned_read():
+    pinned.copy_(dst, non_blocking=True); stream.synchronize()
+for label, read in (("pinned", pinned_read), ("pageable", lambda: dst.cpu())):
+    for _ in range(3):
+        read()
+    reps = 30
+    t = time.perf_counter()
+    for _ in range(reps):
+        read()
+    per = (time.perf_counter() - t) / reps
+    out[f"torch_d2h_{label}_GBps"] = n / per / 1e9
 
 for k, v in out.items():
     print(f"{k:40s} {v:12.3f}")

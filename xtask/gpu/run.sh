@@ -202,10 +202,13 @@ for label, mine, theirs in [("alloc+free pair 4 KiB, ns", "pair_4KiB", "torch_pi
                             ("empty(pinned) 64 MiB, ns", "empty_pair_64MiB", "torch_pinned_empty_ns_67108864")]:
     a, b = ours("pinned", mine), torch.get(theirs)
     print(f"{label:28} missing" if a is None or b is None else f"{label:28} {a:13.1f} {b:11.1f} {a / b:7.3f}")
-for label, mine, theirs in [("H2D 64 MiB pinned, GB/s", "pinned_64MiB", "torch_h2d_pinned_GBps"),
-                            ("H2D 64 MiB pageable, GB/s", "pageable_64MiB", "torch_h2d_pageable_GBps"),
-                            ("  staged by 4 threads, GB/s", "pageable_64MiB_staged_4threads", "torch_h2d_pageable_GBps")]:
-    ns, b = ours("h2d", mine), torch.get(theirs)
+for group, label, mine, theirs in [("h2d", "H2D 64 MiB pinned, GB/s", "pinned_64MiB", "torch_h2d_pinned_GBps"),
+                            ("h2d", "H2D 64 MiB pageable, GB/s", "pageable_64MiB", "torch_h2d_pageable_GBps"),
+                            ("h2d", "  staged by 4 threads, GB/s", "pageable_64MiB_staged_4threads", "torch_h2d_pageable_GBps"),
+                            ("d2h", "D2H 64 MiB pinned, GB/s", "pinned_64MiB", "torch_d2h_pinned_GBps"),
+                            ("d2h", "D2H 64 MiB pageable, GB/s", "pageable_64MiB", "torch_d2h_pageable_GBps"),
+                            ("d2h", "  staged by 4 threads, GB/s", "pageable_64MiB_staged_4threads", "torch_d2h_pageable_GBps")]:
+    ns, b = ours(group, mine), torch.get(theirs)
     if ns is None or b is None:
         print(f"{label:28} missing"); continue
     a = (64 << 20) / ns
