@@ -9,10 +9,11 @@
 //!   pinned and from a pageable tensor), reported as bytes per second; and
 //!   `h2d/pageable_64MiB_staged_4threads`, the copy from a `Vec` with
 //!   `pageable_copy_threads:4` (ferrocuda's own key: staged by four threads);
-//! - `d2h/pinned_64MiB`, `d2h/pageable_64MiB` and `d2h/pageable_64MiB_staged_4threads`: the
-//!   same copies the other way, into a pinned buffer (non-blocking, then a stream sync) and
-//!   into a new `Vec` (`DeviceBuffer::to_host`; PyTorch: `copy_` into a pinned tensor and
-//!   `Tensor.cpu()`).
+//! - `d2h/pinned_64MiB`, `d2h/pageable_64MiB`, `d2h/to_host_64MiB` and the last two
+//!   `_staged_4threads`: the same copies the other way, into a pinned buffer (non-blocking,
+//!   then a stream sync), into a `Vec` used again (`DeviceBuffer::copy_to_host`) and into a
+//!   new one (`DeviceBuffer::to_host`, whose fresh pages the copy faults in); PyTorch:
+//!   `copy_` into a pinned tensor, `copy_` into a pageable one, and `Tensor.cpu()`.
 //!
 //! On the GPU bundle it runs over the real driver (required there); elsewhere over the fake
 //! device, where the pairs run the same code and the copies are host memcpys.
@@ -109,14 +110,20 @@ fn pairs(c: &mut Criterion) {
             stream.synchronize().expect("sync");
         })
     });
-    let mut read_pageable = |name: &str| {
-        g.bench_function(name, |b| b.iter(|| black_box(dev.to_host().expect("copy"))));
+    let mut out = vec![0u8; COPY_BYTES];
+    let mut read_pageable = |suffix: &str| {
+        g.bench_function(format!("pageable_64MiB{suffix}"), |b| {
+            b.iter(|| dev.copy_to_host(black_box(&mut out)).expect("copy"))
+        });
+        g.bench_function(format!("to_host_64MiB{suffix}"), |b| {
+            b.iter(|| black_box(dev.to_host().expect("copy")))
+        });
     };
-    read_pageable("pageable_64MiB");
+    read_pageable("");
     allocators
         .set_settings("pageable_copy_threads:4")
         .expect("settings");
-    read_pageable("pageable_64MiB_staged_4threads");
+    read_pageable("_staged_4threads");
     allocators
         .set_settings("pageable_copy_threads:0")
         .expect("settings");

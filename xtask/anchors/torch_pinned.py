@@ -82,11 +82,13 @@ for label, src, nb in (("pinned", pinned, True), ("pageable", pageable, False)):
     per = (time.perf_counter() - t) / reps
     out[f"torch_h2d_{label}_GBps"] = n / per / 1e9
 
-# The other way: into a pinned tensor (non-blocking, then a sync), and `Tensor.cpu()` (a new
-# pageable tensor each time, as `DeviceBuffer::to_host` makes a new `Vec`).
+# The other way: into a pinned tensor (non-blocking, then a sync), into a pageable one used
+# again (as `DeviceBuffer::copy_to_host`), and `Tensor.cpu()` (a new pageable tensor each
+# time, as `DeviceBuffer::to_host` makes a new `Vec`).
 def pinned_read():
     pinned.copy_(dst, non_blocking=True); stream.synchronize()
-for label, read in (("pinned", pinned_read), ("pageable", lambda: dst.cpu())):
+for label, read in (("pinned", pinned_read), ("pageable", lambda: pageable.copy_(dst)),
+                    ("cpu", lambda: dst.cpu())):
     for _ in range(3):
         read()
     reps = 30

@@ -207,7 +207,9 @@ for group, label, mine, theirs in [("h2d", "H2D 64 MiB pinned, GB/s", "pinned_64
                             ("h2d", "  staged by 4 threads, GB/s", "pageable_64MiB_staged_4threads", "torch_h2d_pageable_GBps"),
                             ("d2h", "D2H 64 MiB pinned, GB/s", "pinned_64MiB", "torch_d2h_pinned_GBps"),
                             ("d2h", "D2H 64 MiB pageable, GB/s", "pageable_64MiB", "torch_d2h_pageable_GBps"),
-                            ("d2h", "  staged by 4 threads, GB/s", "pageable_64MiB_staged_4threads", "torch_d2h_pageable_GBps")]:
+                            ("d2h", "  staged by 4 threads, GB/s", "pageable_64MiB_staged_4threads", "torch_d2h_pageable_GBps"),
+                            ("d2h", "D2H 64 MiB new (.cpu()), GB/s", "to_host_64MiB", "torch_d2h_cpu_GBps"),
+                            ("d2h", "  staged by 4 threads, GB/s", "to_host_64MiB_staged_4threads", "torch_d2h_cpu_GBps")]:
     ns, b = ours(group, mine), torch.get(theirs)
     if ns is None or b is None:
         print(f"{label:28} missing"); continue

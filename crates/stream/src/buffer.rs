@@ -178,17 +178,32 @@ impl<T: Element> DeviceBuffer<T> {
             .copy_from_pageable(self.ptr, bytemuck::cast_slice(values), &stream)
     }
 
-    /// The buffer's contents, after the work enqueued on its current stream. A copy of at
-    /// least [`STAGED_MIN`](crate::STAGED_MIN) bytes is staged by threads when the host
-    /// memory resource asks for it (`pageable_copy_threads`), as
-    /// [`copy_from_host`](Self::copy_from_host) is.
+    /// Copies the buffer into `out` (exactly `len` elements: `Tensor.copy_` into a CPU
+    /// tensor), after the work enqueued on the current stream of its device, and waits for
+    /// it. A copy of at least [`STAGED_MIN`](crate::STAGED_MIN) bytes is staged by threads
+    /// when the host memory resource asks for it (`pageable_copy_threads`), as
+    /// [`copy_from_host`](Self::copy_from_host) is, with the same results as the driver's
+    /// copy.
+    pub fn copy_to_host(&self, out: &mut [T]) -> Result<()> {
+        if out.len() != self.len {
+            return Err(StreamError::LengthMismatch {
+                expected: self.len,
+                found: out.len(),
+            });
+        }
+        if self.len == 0 {
+            return Ok(());
+        }
+        let stream = self.stream()?;
+        self.runtime
+            .copy_to_pageable(bytemuck::cast_slice_mut(out), self.ptr, &stream)
+    }
+
+    /// The buffer's contents in a new `Vec` (`Tensor.cpu()`), copied as
+    /// [`copy_to_host`](Self::copy_to_host) copies.
     pub fn to_host(&self) -> Result<Vec<T>> {
         let mut out = vec![T::zeroed(); self.len];
-        if self.len > 0 {
-            let stream = self.stream()?;
-            self.runtime
-                .copy_to_pageable(bytemuck::cast_slice_mut(&mut out), self.ptr, &stream)?;
-        }
+        self.copy_to_host(&mut out)?;
         Ok(out)
     }
 

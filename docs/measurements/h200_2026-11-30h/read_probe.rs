@@ -1,4 +1,5 @@
-//! Device-to-host copies into new pageable memory through `DeviceBuffer::to_host`, by the
+//! Device-to-host copies into pageable memory, into a `Vec` used again
+//! (`DeviceBuffer::copy_to_host`, "into") and into a new one (`to_host`, "new"), by the
 //! driver (0 threads) and staged by 1, 2, 4 and 8 threads (`pageable_copy_threads`), for 4,
 //! 16, 64 and 256 MiB, the ways alternated round by round; every read compared with the
 //! bytes uploaded. One line per round and size: GB/s per way. Built as an example of
@@ -28,18 +29,30 @@ fn main() {
             StagedCopies::install(&rt, 0);
             let buf = DeviceBuffer::from_slice(&rt, dev, &src).expect("buffer");
             let reps = (1024 / mib).clamp(4, 64);
-            let mut line = format!("round {round} {mib:>3} MiB");
-            for threads in [0, 1, 2, 4, 8] {
-                StagedCopies::install(&rt, threads);
-                assert!(buf.to_host().expect("warm-up read") == src, "t{threads}: the read differs");
-                let t = Instant::now();
-                for _ in 0..reps {
-                    std::hint::black_box(buf.to_host().expect("read"));
+            let mut out = vec![0u8; bytes];
+            for into in [true, false] {
+                let mut line = format!(
+                    "round {round} {mib:>3} MiB {}",
+                    if into { "into" } else { "new " }
+                );
+                for threads in [0, 1, 2, 4, 8] {
+                    StagedCopies::install(&rt, threads);
+                    out.fill(0);
+                    buf.copy_to_host(&mut out).expect("warm-up read");
+                    assert!(out == src, "t{threads}: the read differs");
+                    let t = Instant::now();
+                    for _ in 0..reps {
+                        if into {
+                            buf.copy_to_host(std::hint::black_box(&mut out)).expect("read");
+                        } else {
+                            std::hint::black_box(buf.to_host().expect("read"));
+                        }
+                    }
+                    let gbs = (bytes * reps) as f64 / t.elapsed().as_secs_f64() / 1e9;
+                    line += &format!(" t{threads} {gbs:6.2}");
                 }
-                let gbs = (bytes * reps) as f64 / t.elapsed().as_secs_f64() / 1e9;
-                line += &format!(" t{threads} {gbs:6.2}");
+                println!("{line}");
             }
-            println!("{line}");
         }
     }
 }

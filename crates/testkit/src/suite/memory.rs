@@ -239,7 +239,8 @@ pub fn staged_copies_leave_a_capture_elsewhere_intact(h: &Harness) -> TestResult
     Ok(())
 }
 
-/// Copies to pageable memory staged by threads (`pageable_copy_threads`, `to_host`): every
+/// Copies to pageable memory staged by threads (`pageable_copy_threads`; `to_host` into a new
+/// `Vec`, `copy_to_host` into one that holds other values): every
 /// size (below the staged minimum, at it, ragged tails, more chunks than slots, so that slots
 /// are reused within a copy) comes back byte for byte, after the work enqueued before it (a
 /// slow kernel, then one that writes the values read), with 1 to 3 threads and with the
@@ -274,6 +275,13 @@ pub fn pageable_reads_staged_by_threads(h: &Harness) -> TestResult {
             let back = buf.to_host()?;
             let wrong = back.iter().zip(&values).position(|(b, v)| *b != v + 1.0);
             assert_eq!(wrong, None, "{threads} threads, {bytes} bytes");
+            // Into memory that holds other values: every element overwritten.
+            let mut again = vec![-7.0f32; n];
+            buf.copy_to_host(&mut again)?;
+            assert!(
+                again == back,
+                "{threads} threads, {bytes} bytes, into a used buffer"
+            );
         }
     }
     crate::StagedCopies::install(rt, 0);
