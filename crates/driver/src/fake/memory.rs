@@ -128,6 +128,9 @@ pub(super) fn memcpy_dtoh(
     let key = st.stream_key(stream)?;
     st.dev_ptr_check(src, dst.len() as u64)?;
     st.refuse_if_capturing(key)?;
+    // As CUDA's: the copy is enqueued (with the legacy stream's implicit waits, or its
+    // refusal while a blocking stream captures), then waited for (an unsafe call).
+    st.wait_implicitly(key)?;
     st.check_unsafe_call()?;
     st.drain(key)?;
     st.memory.read(src, dst)

@@ -29,8 +29,33 @@ impl State {
             link.deps = vec![cap.nodes.len() - 1];
             return Ok(());
         }
-        let device = stream.device;
+        self.wait_implicitly(key)?;
+        let stream = self
+            .streams
+            .get_mut(&key)
+            .ok_or(DriverError::INVALID_HANDLE)?;
+        stream.queue.push_back(work);
+        stream.enqueued += 1;
+        self.busy.set_queued(key, true);
+        if self.completion == Completion::Eager {
+            self.run(key, None, usize::MAX, false);
+        }
+        Ok(())
+    }
+
+    /// Queues on `key` the implicit waits that work enqueued on it next makes (see
+    /// [`State::implicit_waits`]): for `enqueue`, and for a copy the driver enqueues and
+    /// then waits for (`memcpy_dtoh`).
+    pub(super) fn wait_implicitly(&mut self, key: StreamKey) -> Result<(), DriverError> {
+        let device = self
+            .streams
+            .get(&key)
+            .ok_or(DriverError::INVALID_HANDLE)?
+            .device;
         let implicit = self.implicit_waits(key, device)?;
+        if implicit.is_empty() {
+            return Ok(());
+        }
         let stream = self
             .streams
             .get_mut(&key)
@@ -39,12 +64,7 @@ impl State {
             stream.queue.push_back(wait);
             stream.enqueued += 1;
         }
-        stream.queue.push_back(work);
-        stream.enqueued += 1;
         self.busy.set_queued(key, true);
-        if self.completion == Completion::Eager {
-            self.run(key, None, usize::MAX, false);
-        }
         Ok(())
     }
 

@@ -32,9 +32,14 @@
 //! the caching host allocator, whose statistics stay PyTorch's), each with an event; per
 //! device (an event belongs to one), kept for the next copy in either direction, and freed
 //! with the runtime. A device holds at most `2 × threads ×` [`DEPTH`] (those lent to copies
-//! underway count); a copy with fewer threads than earlier ones gives the idle slots beyond
-//! that back. A copy that gets fewer slots than it has threads uses fewer threads; one that
-//! gets none (page-locked memory refused, or every slot busy) goes to the driver.
+//! underway, and those kept with a transfer still running, count); a copy with fewer
+//! threads than earlier ones (0 included, for a copy that would have been staged) gives the
+//! completed idle slots beyond that back, without waiting for the others. A copy that gets
+//! fewer slots than it has threads uses fewer threads; one that gets none (page-locked
+//! memory refused, or the bound reached) goes to the driver. A slot whose transfer was
+//! enqueued but neither its event recorded nor its stream waited for (two driver failures
+//! in a row) is never used again; it is freed with the runtime once its device has been
+//! synchronized.
 //!
 //! Captures: the staged copy's own calls (making and querying events, waiting for a slot's
 //! transfer, page-locked allocations) are made in the relaxed capture mode
@@ -68,16 +73,28 @@ pub const DEPTH: usize = 4;
 struct Slot {
     host: HostPtr,
     event: EventHandle,
-    /// Its event was recorded after a transfer out of it, not yet seen complete.
-    in_flight: bool,
+    last: Last,
+}
+
+/// Where a slot's last transfer stands.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+enum Last {
+    /// Seen complete (or none yet).
+    Done,
+    /// Its event was recorded after it, not yet seen complete.
+    InFlight,
+    /// Enqueued, but neither its event recorded nor its stream waited for: nothing tells
+    /// when it has run, so the slot is never used again, and freed only once its device
+    /// has been synchronized.
+    Unknown,
 }
 
 impl Slot {
     /// Waits for the slot's last transfer, if one has not been seen complete.
     fn wait(&mut self, driver: &dyn Driver) -> Result<(), DriverError> {
-        if self.in_flight {
+        if self.last == Last::InFlight {
             driver.event_synchronize(self.event)?;
-            self.in_flight = false;
+            self.last = Last::Done;
         }
         Ok(())
     }
@@ -87,10 +104,13 @@ impl Slot {
         if let Err(e) = driver.event_record(self.event, stream) {
             // Without its event the slot cannot tell when the transfer has run: wait for
             // the stream, so that it is idle when it goes back to the pool.
-            let _ = driver.stream_synchronize(stream);
+            self.last = match driver.stream_synchronize(stream) {
+                Ok(()) => Last::Done,
+                Err(_) => Last::Unknown,
+            };
             return Err(e);
         }
-        self.in_flight = true;
+        self.last = Last::InFlight;
         Ok(())
     }
 }
@@ -140,6 +160,7 @@ impl PageableStaging {
             let upload = to_device::Upload::new(&*self.driver, dst, src, stream);
             return self.stage(lent, threads, |slots| upload.run(slots));
         }
+        self.unstaged(dev, threads, src.len());
         self.driver.memcpy_htod_async(dst, src, stream)
     }
 
@@ -166,6 +187,7 @@ impl PageableStaging {
                 return self.stage(lent, threads, |slots| download.run(slots));
             }
         }
+        self.unstaged(dev, threads, dst.len());
         self.driver.memcpy_dtoh(dst, src, stream)
     }
 
@@ -243,45 +265,58 @@ impl PageableStaging {
 
     /// Up to `threads ×` [`DEPTH`] slots of `dev` (no more than `chunks`) whose last
     /// transfer has completed, made where too few are, within the device's bound of
-    /// `2 × threads ×` [`DEPTH`] (slots lent to other copies count); idle slots beyond the
-    /// bound (kept from copies with more threads) go back to the driver.
+    /// `2 × threads ×` [`DEPTH`], which counts the slots lent to other copies and those kept
+    /// with a transfer still running; the completed slots the bound has no room for go back
+    /// to the driver (kept from copies with more threads), without waiting for any other.
     fn take(&self, dev: DeviceIndex, threads: usize, chunks: usize) -> Vec<Slot> {
-        let want = (threads * DEPTH).min(chunks);
         let bound = 2 * threads * DEPTH;
         let mut pool = self.slots.lock();
         let kept = pool.entry(dev).or_default();
-        let mut taken = Vec::with_capacity(want);
-        let mut i = 0;
-        while i < kept.idle.len() && taken.len() < want {
-            if !self.idle(&kept.idle[i]) {
-                i += 1;
-                continue;
-            }
-            let mut slot = kept.idle.swap_remove(i);
-            slot.in_flight = false;
-            taken.push(slot);
-        }
-        while taken.len() < want && kept.idle.len() + kept.lent + taken.len() < bound {
+        let (mut done, busy): (Vec<Slot>, Vec<Slot>) =
+            kept.idle.drain(..).partition(|s| self.idle(s));
+        done.iter_mut().for_each(|s| s.last = Last::Done);
+        let room = bound.saturating_sub(busy.len() + kept.lent);
+        let want = (threads * DEPTH).min(chunks).min(room);
+        let mut taken: Vec<Slot> = done.drain(..want.min(done.len())).collect();
+        while taken.len() < want {
             match self.new_slot(dev) {
                 Some(slot) => taken.push(slot),
                 None => break,
             }
         }
-        while kept.idle.len() + kept.lent + taken.len() > bound {
-            let Some(idle) = kept.idle.iter().position(|s| self.idle(s)) else {
-                break;
-            };
-            let mut slot = kept.idle.swap_remove(idle);
-            slot.in_flight = false;
-            self.free_slot(slot);
-        }
+        let keep = (room - taken.len()).min(done.len());
+        done.drain(keep..)
+            .for_each(|slot| self.free_slot(dev, slot));
+        kept.idle = busy;
+        kept.idle.append(&mut done);
         kept.lent += taken.len();
         taken
     }
 
+    /// Before the driver's copy of `bytes`: when the thread count is now 0 and the copy is
+    /// one that would have been staged, `dev`'s completed idle slots (if it keeps any) go
+    /// back to the driver, as a copy with fewer threads gives back those beyond its bound.
+    fn unstaged(&self, dev: DeviceIndex, threads: usize, bytes: usize) {
+        if threads > 0 || bytes < STAGED_MIN {
+            return;
+        }
+        let keeps_some = self
+            .slots
+            .lock()
+            .get(&dev)
+            .is_some_and(|kept| !kept.idle.is_empty());
+        if keeps_some && let Some(_relaxed) = RelaxedCapture::enter(&*self.driver) {
+            self.take(dev, 0, 0);
+        }
+    }
+
     /// Whether `slot`'s last transfer has run (a query that fails counts as not yet).
     fn idle(&self, slot: &Slot) -> bool {
-        !slot.in_flight || self.driver.event_query(slot.event) == Ok(true)
+        match slot.last {
+            Last::Done => true,
+            Last::InFlight => self.driver.event_query(slot.event) == Ok(true),
+            Last::Unknown => false,
+        }
     }
 
     /// A new slot, or `None` if the driver refuses page-locked memory or an event.
@@ -291,7 +326,7 @@ impl PageableStaging {
             Ok(event) => Some(Slot {
                 host,
                 event,
-                in_flight: false,
+                last: Last::Done,
             }),
             Err(_) => {
                 // Nothing was written to it: giving it back can only fail for a driver
@@ -302,11 +337,22 @@ impl PageableStaging {
         }
     }
 
-    /// Gives a slot back to the driver once its last transfer has run. Errors are dropped:
-    /// only a driver already gone fails here, and it frees them with the process.
-    fn free_slot(&self, slot: Slot) {
-        if slot.in_flight {
-            let _ = self.driver.event_synchronize(slot.event);
+    /// Gives a slot of `dev` back to the driver once its last transfer has run. Errors are
+    /// dropped: only a driver already gone fails here, and it frees them with the process;
+    /// but a slot whose transfer nothing tells the end of stays allocated unless its device
+    /// can be synchronized (a transfer may still write it).
+    fn free_slot(&self, dev: DeviceIndex, slot: Slot) {
+        match slot.last {
+            Last::Done => {}
+            Last::InFlight => {
+                let _ = self.driver.event_synchronize(slot.event);
+            }
+            Last::Unknown => {
+                if self.driver.device_synchronize(dev).is_err() {
+                    let _ = self.driver.event_destroy(slot.event);
+                    return;
+                }
+            }
         }
         let _ = self.driver.event_destroy(slot.event);
         let _ = self.driver.host_free(slot.host);
@@ -317,13 +363,15 @@ impl Drop for PageableStaging {
     /// Gives every slot back (see [`PageableStaging::free_slot`]).
     fn drop(&mut self) {
         let _relaxed = RelaxedCapture::enter(&*self.driver);
-        let slots: Vec<Slot> = self
+        let slots: Vec<(DeviceIndex, Slot)> = self
             .slots
             .get_mut()
             .drain()
-            .flat_map(|(_, kept)| kept.idle)
+            .flat_map(|(dev, kept)| kept.idle.into_iter().map(move |slot| (dev, slot)))
             .collect();
-        slots.into_iter().for_each(|slot| self.free_slot(slot));
+        slots
+            .into_iter()
+            .for_each(|(dev, slot)| self.free_slot(dev, slot));
     }
 }
 

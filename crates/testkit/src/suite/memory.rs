@@ -290,7 +290,8 @@ pub fn pageable_reads_staged_by_threads(h: &Harness) -> TestResult {
 
 /// A copy to pageable memory (`to_host`, more chunks than slots) from a stream that is not
 /// capturing, while a capture is underway on another stream (begun by this thread in each
-/// mode, or by another thread in the global mode): staged by 2 threads, it ends as the
+/// mode, or by another thread in the global mode; or on the legacy stream while a blocking
+/// stream captures in the relaxed mode): staged by 2 threads, it ends as the
 /// driver's copy does (served or refused with the same error, the capture ended or broken
 /// alike), and when served its bytes are the buffer's.
 pub fn staged_reads_meet_a_capture_elsewhere_as_the_drivers_do(h: &Harness) -> TestResult {
@@ -308,7 +309,15 @@ pub fn staged_reads_meet_a_capture_elsewhere_as_the_drivers_do(h: &Harness) -> T
         (CaptureMode::Relaxed, false),
         (CaptureMode::Global, true),
     ];
-    for (mode, other_thread) in modes {
+    // And a read on the legacy stream while a blocking stream captures (relaxed): CUDA
+    // refuses legacy-stream work then (an implicit wait on the capturing stream).
+    let blocking = d.stream_create(DEV, StreamFlags::default())?;
+    let legacy = rt.default_stream(DEV)?;
+    let cases = modes
+        .into_iter()
+        .map(|(mode, other)| (mode, other, capturing.handle(), &copying))
+        .chain([(CaptureMode::Relaxed, false, blocking, &legacy)]);
+    for (mode, other_thread, capturing, copying) in cases {
         let mut outcomes = Vec::new();
         for threads in [0, 2] {
             step!(
@@ -316,17 +325,17 @@ pub fn staged_reads_meet_a_capture_elsewhere_as_the_drivers_do(h: &Harness) -> T
             );
             crate::StagedCopies::install(rt, threads);
             let read = || -> Result<Vec<u8>, StreamError> {
-                let _g = rt.stream_guard(&copying)?;
+                let _g = rt.stream_guard(copying)?;
                 buf.to_host()
             };
-            d.stream_begin_capture(capturing.handle(), mode)?;
-            d.memset_async(scratch.ptr(), MemsetValue::U8(3), 4096, capturing.handle())?;
+            d.stream_begin_capture(capturing, mode)?;
+            d.memset_async(scratch.ptr(), MemsetValue::U8(3), 4096, capturing)?;
             let back = if other_thread {
                 std::thread::scope(|sc| sc.spawn(read).join().expect("reading thread"))
             } else {
                 read()
             };
-            let graph = d.stream_end_capture(capturing.handle());
+            let graph = d.stream_end_capture(capturing);
             if let Ok(g) = graph {
                 d.graph_destroy(g)?;
             }
@@ -341,6 +350,7 @@ pub fn staged_reads_meet_a_capture_elsewhere_as_the_drivers_do(h: &Harness) -> T
             "{mode:?}, other thread {other_thread}: driver vs staged"
         );
     }
+    d.stream_destroy(blocking)?;
     crate::StagedCopies::install(rt, 0);
     Ok(())
 }

@@ -13,6 +13,8 @@ use std::sync::Arc;
 
 mod bytes_and_order;
 mod captures_and_failures;
+mod reads;
+mod reads_adversarial;
 mod support;
 mod threads_and_slots;
 
