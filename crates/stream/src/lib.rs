@@ -106,7 +106,7 @@ pub use ferrocuda_driver::Driver;
 pub use interop::Lent;
 pub use memory::{DriverHostMemory, DriverMemory, HostMemoryResource, MemoryResource};
 pub use module::{CacheOutcome, Function, KernelCache, Module};
-pub use pageable_copy::{CHUNK, DEPTH, STAGED_MIN};
+pub use pageable_copy::{CHUNK, DEPTH, READ_MIN_THREADS, STAGED_MIN, STAGED_READ_MIN};
 pub use per_device::PerDevice;
 pub use pinned_buffer::PinnedBuffer;
 pub use runtime::{DeviceGuard, Runtime, STREAMS_PER_POOL, StreamGuard};

@@ -9,15 +9,19 @@
 //! soon as it is staged, 7.0-7.6 GB/s with one thread, 13-15 with two, 24-29 with four,
 //! 35-39 with eight (`docs/measurements/h200_2026-11-30g/`). To the host, each worker
 //! enqueues its chunks' transfers into its slots and copies each slot out once its transfer
-//! has run.
+//! has run; the driver's copy is faster that way (12-15 GB/s into memory written before),
+//! so a copy to the host is staged only from [`STAGED_READ_MIN`] bytes with at least
+//! [`READ_MIN_THREADS`] threads: 64 MiB at 29-31 GB/s with four threads, 256 MiB at 35-36
+//! with eight (`docs/measurements/h200_2026-11-30h/`).
 //!
 //! What stays as with the driver's copy:
 //! - the bytes, and the stream order: every chunk is enqueued on the stream the copy names
 //!   before the call returns (to the device, in order);
 //! - to the device, `src` is consumed when the call returns (every chunk has been copied out
 //!   of it); to the host, `dst` is written when it returns;
-//! - the errors: a copy on a stream being captured, or one below [`STAGED_MIN`] bytes, goes
-//!   to the driver, which refuses or serves it as before; a copy to the host first waits for
+//! - the errors: a copy on a stream being captured, or one below [`STAGED_MIN`] bytes
+//!   ([`STAGED_READ_MIN`] to the host), goes to the driver, which refuses or serves it as
+//!   before; a copy to the host first waits for
 //!   its stream in the caller's capture mode, so that a capture underway elsewhere that
 //!   forbids the driver's copy (which waits for the stream) forbids it too, with the same
 //!   error;
@@ -62,6 +66,13 @@ mod to_host;
 /// Copies below this go to the driver: it stages them without waiting for the stream, and
 /// threads would cost more than they save.
 pub const STAGED_MIN: usize = 4 << 20;
+/// Copies to the host below this go to the driver, and those with fewer than
+/// [`READ_MIN_THREADS`] threads: the driver's copy into pageable memory the process has
+/// written before runs at 12-15 GB/s on an H200 host, which a staged one beats only from
+/// 16 MiB with two threads or more (`docs/measurements/h200_2026-11-30h/`).
+pub const STAGED_READ_MIN: usize = 16 << 20;
+/// The fewest threads that stage a copy to the host (see [`STAGED_READ_MIN`]).
+pub const READ_MIN_THREADS: usize = 2;
 /// Bytes per slot, and so per chunk of a staged copy.
 pub const CHUNK: usize = 2 << 20;
 /// Slots each thread of a copy cycles through: its chunk's transfer runs while it stages
@@ -154,7 +165,7 @@ impl PageableStaging {
         dev: DeviceIndex,
         threads: usize,
     ) -> Result<(), DriverError> {
-        if self.stageable(stream, threads, src.len())
+        if self.stageable(stream, threads, src.len(), STAGED_MIN)
             && let Some(lent) = self.lend(dev, threads, src.len())
         {
             let upload = to_device::Upload::new(&*self.driver, dst, src, stream);
@@ -175,7 +186,12 @@ impl PageableStaging {
         dev: DeviceIndex,
         threads: usize,
     ) -> Result<(), DriverError> {
-        if self.stageable(stream, threads, dst.len()) {
+        let read_threads = if threads >= READ_MIN_THREADS {
+            threads
+        } else {
+            0
+        };
+        if self.stageable(stream, read_threads, dst.len(), STAGED_READ_MIN) {
             // The driver's copy waits for the stream, which a capture underway on another
             // stream may forbid (this thread's, or another thread's in the global mode):
             // waiting first, in the caller's mode, refuses the staged copy where the
@@ -192,11 +208,11 @@ impl PageableStaging {
     }
 
     /// Whether a copy of `bytes` on `stream` is one to stage: `threads` above 0, at least
-    /// [`STAGED_MIN`] bytes, and `stream` not capturing (a stream the driver does not know,
-    /// too, goes to the driver, for its own error).
-    fn stageable(&self, stream: StreamHandle, threads: usize, bytes: usize) -> bool {
+    /// `min` bytes, and `stream` not capturing (a stream the driver does not know, too, goes
+    /// to the driver, for its own error).
+    fn stageable(&self, stream: StreamHandle, threads: usize, bytes: usize, min: usize) -> bool {
         threads > 0
-            && bytes >= STAGED_MIN
+            && bytes >= min
             && self.driver.stream_capture_status(stream) == Ok(CaptureStatus::None)
     }
 

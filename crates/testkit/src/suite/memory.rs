@@ -241,19 +241,19 @@ pub fn staged_copies_leave_a_capture_elsewhere_intact(h: &Harness) -> TestResult
 
 /// Copies to pageable memory staged by threads (`pageable_copy_threads`; `to_host` into a new
 /// `Vec`, `copy_to_host` into one that holds other values): every
-/// size (below the staged minimum, at it, ragged tails, more chunks than slots, so that slots
+/// size (below the read's staged minimum, at it, ragged tails, more chunks than slots, so that slots
 /// are reused within a copy) comes back byte for byte, after the work enqueued before it (a
 /// slow kernel, then one that writes the values read), with 1 to 3 threads and with the
 /// driver's copy (0).
 pub fn pageable_reads_staged_by_threads(h: &Harness) -> TestResult {
-    use ferrocuda_stream::{CHUNK, DEPTH, STAGED_MIN};
+    use ferrocuda_stream::{CHUNK, DEPTH, STAGED_READ_MIN};
     let rt = &h.rt;
     let s = rt.new_stream(DEV, 0)?;
     let _current = rt.stream_guard(&s)?;
     let add_one = module(h)?.function("add_one_f32")?;
     for threads in [0, 1, 2, 3] {
         let many = (threads.max(1) * DEPTH + 3) * CHUNK + 124;
-        for (k, bytes) in [STAGED_MIN - 4, STAGED_MIN, 3 * CHUNK + 124, many]
+        for (k, bytes) in [STAGED_READ_MIN - 4, STAGED_READ_MIN, 9 * CHUNK + 124, many]
             .into_iter()
             .enumerate()
         {
