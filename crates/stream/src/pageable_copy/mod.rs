@@ -37,8 +37,9 @@
 //! device (an event belongs to one), kept for the next copy in either direction, and freed
 //! with the runtime. A device holds at most `2 × threads ×` [`DEPTH`] (those lent to copies
 //! underway, and those kept with a transfer still running, count); a copy with fewer
-//! threads than earlier ones (0 included, for a copy that would have been staged) gives the
-//! completed idle slots beyond that back, without waiting for the others. A copy that gets
+//! threads than earlier ones (or a copy of 4 MiB or more that the driver does because the
+//! count is now 0, or below a copy to the host's minimum) gives the completed idle slots
+//! beyond that back, without waiting for the others. A copy that gets
 //! fewer slots than it has threads uses fewer threads; one that gets none (page-locked
 //! memory refused, or the bound reached) goes to the driver. A slot whose transfer was
 //! enqueued but neither its event recorded nor its stream waited for (two driver failures
@@ -309,20 +310,22 @@ impl PageableStaging {
         taken
     }
 
-    /// Before the driver's copy of `bytes`: when the thread count is now 0 and the copy is
-    /// one that would have been staged, `dev`'s completed idle slots (if it keeps any) go
-    /// back to the driver, as a copy with fewer threads gives back those beyond its bound.
+    /// Before the driver's copy of `bytes` (at least [`STAGED_MIN`], a size that could have
+    /// been staged): when `dev` keeps more slots than the bound of `threads` allows (the
+    /// count was lowered, to 0 or below a copy to the host's [`READ_MIN_THREADS`]), its
+    /// completed idle slots beyond the bound go back to the driver, as a staged copy with
+    /// fewer threads gives them back.
     fn unstaged(&self, dev: DeviceIndex, threads: usize, bytes: usize) {
-        if threads > 0 || bytes < STAGED_MIN {
+        if bytes < STAGED_MIN {
             return;
         }
-        let keeps_some = self
+        let over = self
             .slots
             .lock()
             .get(&dev)
-            .is_some_and(|kept| !kept.idle.is_empty());
-        if keeps_some && let Some(_relaxed) = RelaxedCapture::enter(&*self.driver) {
-            self.take(dev, 0, 0);
+            .is_some_and(|kept| kept.idle.len() + kept.lent > 2 * threads * DEPTH);
+        if over && let Some(_relaxed) = RelaxedCapture::enter(&*self.driver) {
+            self.take(dev, threads, 0);
         }
     }
 

@@ -1,8 +1,9 @@
 //! Copies to pageable memory staged by threads (`DeviceBuffer::to_host`), where only the fake
 //! device can show it: which driver calls a read makes, that its slots are the uploads'
 //! slots, that it waits for its own stream and no other, and that a failure or a capture
-//! ends it as the driver's copy ends. (Bytes and waits on both backends: the conformance
-//! suite's `pageable_reads_staged_by_threads`.)
+//! ends it as the driver's copy ends. A read is staged only from `STAGED_READ_MIN` bytes
+//! with `READ_MIN_THREADS` threads or more; below either, the driver copies. (Bytes and
+//! waits on both backends: the conformance suite's `pageable_reads_staged_by_threads`.)
 use super::support::*;
 
 /// How many calls of each kind in `calls` `f` made on `fake`, and what `f` returned.
@@ -17,18 +18,18 @@ fn counted<T>(
     Ok((made.collect(), out))
 }
 
-/// A buffer of `bytes` holding `pattern(bytes, seed)`, uploaded by the driver.
+/// A buffer of `bytes` holding `values(bytes, seed)`, uploaded by the driver.
 fn holding(
     rt: &Arc<Runtime>,
     bytes: usize,
     seed: usize,
 ) -> Result<(Vec<u8>, DeviceBuffer<u8>), Err> {
-    let values = pattern(bytes, seed);
+    let want = values(bytes, seed);
     let threads = rt.pageable_copy_threads();
     StagedCopies::install(rt, 0);
-    let buf = DeviceBuffer::from_slice(rt, D0, &values)?;
+    let buf = DeviceBuffer::from_slice(rt, D0, &want)?;
     StagedCopies::install(rt, threads);
-    Ok((values, buf))
+    Ok((want, buf))
 }
 
 #[test]
@@ -41,19 +42,29 @@ fn a_staged_read_moves_each_chunk_through_a_slot_and_small_ones_go_to_the_driver
         Call::HostRead,
         Call::HostAlloc,
     ];
-    let (small, buf) = holding(&rt, STAGED_MIN - 1, 1)?;
+    let (small, buf) = holding(&rt, STAGED_READ_MIN - 1, 1)?;
     let (made, back) = counted(&fake, &kinds, || buf.to_host())?;
-    assert_eq!(made, [1, 0, 0, 0], "below the staged minimum: the driver");
+    assert_eq!(
+        made,
+        [1, 0, 0, 0],
+        "below the staged read minimum: the driver"
+    );
     assert!(back == small);
 
-    let (big, buf) = holding(&rt, 5 * CHUNK + 3, 2)?;
+    // 8 whole chunks and 3 bytes: 9 chunks through the 2 × DEPTH slots of a read by 2
+    // threads, one of them used twice.
+    let (big, buf) = holding(&rt, STAGED_READ_MIN + 3, 2)?;
     let (made, back) = counted(&fake, &kinds, || buf.to_host())?;
-    assert_eq!(made, [0, 6, 6, 6], "six chunks, a slot each (2 × {DEPTH})");
+    assert_eq!(
+        made,
+        [0, 9, 9, 2 * DEPTH as u64],
+        "nine chunks, each through a slot (2 × {DEPTH} made)"
+    );
     assert!(back == big);
     let (made, back) = counted(&fake, &kinds, || buf.to_host())?;
-    assert_eq!(made, [0, 6, 6, 0], "the next read reuses the slots");
+    assert_eq!(made, [0, 9, 9, 0], "the next read reuses the slots");
     assert!(back == big);
-    let upload = pattern(big.len(), 3);
+    let upload = values(big.len(), 3);
     let (made, ()) = counted(&fake, &[Call::HostAlloc], || buf.copy_from_host(&upload))?;
     assert_eq!(made, [0], "an upload uses the reads' slots");
     assert!(buf.to_host()? == upload);
@@ -62,6 +73,67 @@ fn a_staged_read_moves_each_chunk_through_a_slot_and_small_ones_go_to_the_driver
     let (made, back) = counted(&fake, &kinds, || buf.to_host())?;
     assert_eq!(made, [1, 0, 0, 0], "0 threads: the driver");
     assert!(back == upload);
+    Ok(())
+}
+
+/// The rule itself: a read is staged only from `STAGED_READ_MIN` bytes with
+/// `READ_MIN_THREADS` threads or more (below either, the driver copies), while an upload is
+/// staged from `STAGED_MIN` bytes with one thread.
+#[test]
+fn a_read_is_staged_only_from_its_own_minimum_with_two_threads_and_an_upload_as_before() -> R {
+    assert_eq!(
+        (READ_MIN_THREADS, STAGED_READ_MIN, STAGED_MIN),
+        (2, 8 * CHUNK, 2 * CHUNK)
+    );
+    let kinds = [
+        Call::MemcpyDtoH,
+        Call::MemcpyDtoHPinned,
+        Call::MemcpyHtoD,
+        Call::MemcpyHtoDPinned,
+    ];
+    let fake = fake_n(Completion::Eager, 1);
+    let rt = runtime(&fake, READ_MIN_THREADS);
+    let (below, buf) = holding(&rt, STAGED_READ_MIN - 1, 1)?;
+    let (made, back) = counted(&fake, &kinds, || buf.to_host())?;
+    assert_eq!(
+        made,
+        [1, 0, 0, 0],
+        "2 threads, STAGED_READ_MIN - 1 bytes: the driver"
+    );
+    assert!(back == below);
+    let (at, buf) = holding(&rt, STAGED_READ_MIN, 2)?;
+    let (made, back) = counted(&fake, &kinds, || buf.to_host())?;
+    assert_eq!(
+        made,
+        [0, 8, 0, 0],
+        "2 threads, STAGED_READ_MIN bytes: staged, 8 chunks"
+    );
+    assert!(back == at);
+
+    let fake = fake_n(Completion::Eager, 1);
+    let rt = runtime(&fake, READ_MIN_THREADS - 1);
+    let (many, buf) = holding(&rt, 3 * STAGED_READ_MIN, 3)?;
+    let (made, back) = counted(&fake, &kinds, || buf.to_host())?;
+    assert_eq!(
+        made,
+        [1, 0, 0, 0],
+        "1 thread, 3 × STAGED_READ_MIN bytes: the driver"
+    );
+    assert!(back == many);
+    assert_eq!(
+        fake.calls(Call::HostAlloc),
+        0,
+        "1 thread: no slot made by a read"
+    );
+    let up = values(STAGED_MIN, 4);
+    let buf = DeviceBuffer::<u8>::uninit(&rt, D0, up.len())?;
+    let (made, ()) = counted(&fake, &kinds, || buf.copy_from_host(&up))?;
+    assert_eq!(
+        made,
+        [0, 0, 0, 2],
+        "1 thread, an upload of STAGED_MIN bytes: staged"
+    );
+    assert!(buf.to_host()? == up);
     Ok(())
 }
 
@@ -84,10 +156,14 @@ fn a_staged_read_waits_for_its_stream_and_no_other() -> R {
         launch_fill(&s2, &m, &b, 2.0)?;
         launch_add_one(&s2, &m, &b)?;
         let pending = fake.pending(s1.handle())?;
+        let before = dtoh_calls(&fake);
         let back = {
             let _g = rt.stream_guard(&s2)?;
             b.to_host()?
         };
+        let after = dtoh_calls(&fake);
+        assert_eq!(after[0], before[0], "staged: no copy by the driver");
+        assert!(after[1] > before[1], "staged: transfers into slots");
         assert!(
             back.iter().all(|&v| v == 3.0),
             "the read came after s2's kernels"
@@ -114,7 +190,7 @@ fn from_a_capturing_stream_a_staged_read_fails_as_the_drivers_does() -> R {
         for threads in [0, 2] {
             let fake = fake_n(Completion::Eager, 1);
             let rt = runtime(&fake, threads);
-            let (_, buf) = holding(&rt, 4 * CHUNK, 4)?;
+            let (_, buf) = holding(&rt, STAGED_READ_MIN, 4)?;
             let s = rt.new_stream(D0, 0)?;
             let _g = rt.stream_guard(&s)?;
             fake.stream_begin_capture(s.handle(), mode)?;
@@ -135,11 +211,11 @@ fn from_a_capturing_stream_a_staged_read_fails_as_the_drivers_does() -> R {
 fn a_failed_transfer_ends_the_read_with_the_drivers_error_and_leaks_nothing() -> R {
     let fake = fake_n(Completion::Eager, 1);
     let rt = runtime(&fake, 2);
-    let (values, buf) = holding(&rt, 6 * CHUNK, 5)?;
+    let (values, buf) = holding(&rt, STAGED_READ_MIN + 2 * CHUNK, 5)?;
     for call in [Call::MemcpyDtoHPinned, Call::EventRecord, Call::HostRead] {
         fake.fail_nth(call, 3, DriverError::INVALID_VALUE);
         assert_eq!(
-            buf.to_host(),
+            buf.to_host().map(|got| got.len()),
             Err(StreamError::Driver(DriverError::INVALID_VALUE)),
             "{call:?}"
         );
@@ -160,7 +236,7 @@ fn copy_to_host_checks_its_length_first_and_overwrites_every_byte() -> R {
     for threads in [0, 2] {
         let fake = fake_n(Completion::Eager, 1);
         let rt = runtime(&fake, threads);
-        let (values, buf) = holding(&rt, 3 * CHUNK + 5, 6)?;
+        let (values, buf) = holding(&rt, STAGED_READ_MIN + CHUNK + 5, 6)?;
         let kinds = [
             Call::MemcpyDtoH,
             Call::MemcpyDtoHPinned,
@@ -178,8 +254,53 @@ fn copy_to_host_checks_its_length_first_and_overwrites_every_byte() -> R {
         let after: Vec<u64> = kinds.iter().map(|&c| fake.calls(c)).collect();
         assert_eq!(before, after, "{threads} threads: no driver call");
         let mut out: Vec<u8> = values.iter().map(|v| !v).collect();
+        let before = dtoh_calls(&fake);
         buf.copy_to_host(&mut out)?;
-        assert_eq!(first_diff(&out, &values), None, "{threads} threads");
+        let after = dtoh_calls(&fake);
+        assert!(
+            out == values,
+            "{threads} threads: first wrong byte {:?}",
+            first_diff(&out, &values)
+        );
+        let (driver, staged) = (after[0] - before[0], after[1] - before[1]);
+        if threads == 0 {
+            assert_eq!((driver, staged), (1, 0), "0 threads: the driver");
+        } else {
+            assert_eq!(
+                (driver, staged),
+                (0, 10),
+                "{threads} threads: 10 chunks staged"
+            );
+        }
     }
+    Ok(())
+}
+
+/// A read the driver does because the count is now below the reads' minimum still gives the
+/// idle slots beyond the count's bound back (the count lowered from 3 to 1: 2 × 1 × DEPTH
+/// kept), as a staged copy with fewer threads would.
+#[test]
+fn a_read_below_the_thread_minimum_gives_the_slots_beyond_its_bound_back() -> R {
+    let fake = fake_n(Completion::Eager, 1);
+    let rt = runtime(&fake, 3);
+    let (values, buf) = holding(&rt, 6 * DEPTH * CHUNK, 7)?;
+    buf.copy_from_host(&values)?;
+    buf.copy_from_host(&values)?;
+    let made = fake.calls(Call::HostAlloc) as usize;
+    assert_eq!(made, 3 * DEPTH, "one upload's worth, kept");
+    StagedCopies::install(&rt, 1);
+    assert_eq!(READ_MIN_THREADS, 2);
+    let before = dtoh_calls(&fake);
+    assert!(buf.to_host()? == values);
+    assert_eq!(
+        dtoh_calls(&fake)[0] - before[0],
+        1,
+        "1 thread: the driver reads"
+    );
+    assert_eq!(
+        made - fake.calls(Call::HostFree) as usize,
+        2 * DEPTH,
+        "the bound of 1 thread kept, the rest given back"
+    );
     Ok(())
 }

@@ -1,4 +1,6 @@
 //! Adversarial scenarios for copies to pageable memory staged by threads (`DeviceBuffer::to_host`), each against the driver's copy (0 threads) and under a time limit.
+//! A read is staged only from `STAGED_READ_MIN` bytes with `READ_MIN_THREADS` threads or
+//! more: 1 thread, where a scenario compares it, must do what the driver does.
 use super::support::*;
 use ferrocuda_types::{DevicePtr, Element, EventFlags};
 
@@ -24,18 +26,6 @@ fn read_on<T: Element>(
 /// first, which is fast in a debug build.
 fn diff(a: &[u8], b: &[u8]) -> Option<usize> {
     if a == b { None } else { first_diff(a, b) }
-}
-
-/// `bytes` of values that never repeat at a chunk's period (a pattern of CHUNK + 13 bytes,
-/// repeated by memcpy: fast in a debug build).
-fn values(bytes: usize, seed: usize) -> Vec<u8> {
-    let period = pattern(CHUNK + 13, seed);
-    let mut out = Vec::with_capacity(bytes + period.len());
-    while out.len() < bytes {
-        out.extend_from_slice(&period);
-    }
-    out.truncate(bytes);
-    out
 }
 
 /// Ends the capture on `s` and destroys its graph.
@@ -107,16 +97,22 @@ fn typed_reads<T: Element>(
     Ok(())
 }
 
-/// Every size near the edges (below, at and just above the staged minimum, a part chunk at
-/// the end, more chunks than the device may keep slots), for u8, i16, f32 and f64, with 0
-/// to 3 threads, under manual completion (the bytes are seeded on the read's stream and
-/// still pending when the read starts): every read returns exactly the seeded bytes.
+/// Every size near the edges (below, at and just above the staged read minimum, a part
+/// chunk at the end, more chunks than the device may keep slots), for u8, i16, f32 and f64,
+/// with 0 to 3 threads (1: every read by the driver), under manual completion (the bytes are
+/// seeded on the read's stream and still pending when the read starts): every read returns
+/// exactly the seeded bytes.
 #[test]
 fn bytes_match_the_driver_for_every_size_element_type_and_thread_count() -> R {
     timed("read-bytes", 60, || {
         let biggest = (2 * 3 * DEPTH + 1) * CHUNK + 8;
         let source = values(biggest, 41);
-        let edges = [STAGED_MIN - 1, STAGED_MIN, STAGED_MIN + 1, 3 * CHUNK - 2];
+        let edges = [
+            STAGED_READ_MIN - 1,
+            STAGED_READ_MIN,
+            STAGED_READ_MIN + 1,
+            STAGED_READ_MIN + CHUNK - 2,
+        ];
         for threads in 0..=3usize {
             let fake = fake_n(Completion::Manual, 1);
             let rt = runtime(&fake, threads);
@@ -135,6 +131,17 @@ fn bytes_match_the_driver_for_every_size_element_type_and_thread_count() -> R {
             } else {
                 typed_reads::<u8>(&rt, &fake, &s, &source, &reuse, threads)?;
             }
+            // 12 reads, the first below the minimum: with 1 thread all by the driver.
+            let [driver, staged] = dtoh_calls(&fake);
+            if threads < READ_MIN_THREADS {
+                assert_eq!((driver, staged), (12, 0), "{threads} thread: the driver");
+            } else {
+                assert_eq!(
+                    driver, 1,
+                    "{threads} threads: only the read below the minimum"
+                );
+                assert!(staged > 0, "{threads} threads: staged");
+            }
         }
         Ok(())
     })
@@ -151,7 +158,8 @@ struct OrderOutcome {
 
 /// Manual completion. s1: a fill kernel on `a`, a (staged) upload into `x`, an event, then a
 /// fill on `c` after the event. s2: waits for the event, adds one to `a`, uploads into `y`
-/// (its own slots busy). Reads of `a`, `x` and `y` on s2 must see all of it, and s1's work
+/// (its own slots busy). Reads of `a`, `x` and `y` on s2 (each at least the staged read
+/// minimum: staged from 2 threads, by the driver with 1) must see all of it, and s1's work
 /// after the event must still be pending, exactly as with the driver's copy.
 #[test]
 fn a_read_sees_kernels_uploads_and_event_waits_enqueued_before_it() -> R {
@@ -162,10 +170,10 @@ fn a_read_sees_kernels_uploads_and_event_waits_enqueued_before_it() -> R {
             let rt = runtime(&fake, threads);
             let m = add_one_and_fill(&rt, &fake)?;
             let (s1, s2) = (rt.new_stream(D0, 0)?, rt.new_stream(D0, 0)?);
-            let n = (3 * CHUNK + 40) / 4;
+            let n = (STAGED_READ_MIN + 40) / 4;
             let a = DeviceBuffer::<f32>::uninit(&rt, D0, n)?;
             let c = DeviceBuffer::<f32>::uninit(&rt, D0, 16)?;
-            let up = values(5 * CHUNK + 7, 3);
+            let up = values(STAGED_READ_MIN + 7, 3);
             let own = values(2 * DEPTH * CHUNK + 3, 4);
             let x = DeviceBuffer::<u8>::uninit(&rt, D0, up.len())?;
             let y = DeviceBuffer::<u8>::uninit(&rt, D0, own.len())?;
@@ -183,12 +191,24 @@ fn a_read_sees_kernels_uploads_and_event_waits_enqueued_before_it() -> R {
                 let _g = rt.stream_guard(&s2)?;
                 y.copy_from_host(&own)?;
             }
+            let before = dtoh_calls(&fake);
             let got_a = {
                 let _g = rt.stream_guard(&s2)?;
                 a.to_host()?
             };
             let got_x = read_on(&rt, &x, &s2)?;
             let got_y = read_on(&rt, &y, &s2)?;
+            let after = dtoh_calls(&fake);
+            let by_driver = after[0] - before[0];
+            if (1..READ_MIN_THREADS).contains(&threads) {
+                assert_eq!(
+                    (by_driver, after[1] - before[1]),
+                    (3, 0),
+                    "{threads} thread: three reads by the driver"
+                );
+            } else if threads >= READ_MIN_THREADS {
+                assert_eq!(by_driver, 0, "{threads} threads: three staged reads");
+            }
             outcomes.push(OrderOutcome {
                 kernels_seen: got_a.iter().all(|&v| v == 2.0),
                 upload_seen: diff(&got_x, &up),
@@ -215,8 +235,10 @@ fn a_read_sees_kernels_uploads_and_event_waits_enqueued_before_it() -> R {
 
 /// Manual completion, one thread kept busy: s1 holds every slot the device may keep (a staged
 /// upload of 2 × threads × DEPTH chunks, pending, after a kernel). Reads on s2 (of buffers
-/// seeded on s2), of every size, must not complete any of s1's work, must not make a slot
-/// beyond the bound, and must return the bytes; then a read on s1 returns the upload.
+/// seeded on s2), of every size (below the staged read minimum, at it, more chunks than a
+/// copy's slots), must not complete any of s1's work, must not make a slot beyond the bound,
+/// and must return the bytes; then a read on s1 returns the upload. With 1 thread every read
+/// is the driver's.
 #[test]
 fn with_every_slot_lent_to_another_streams_upload_a_read_completes_none_of_its_work() -> R {
     timed("read-no-wait", 30, || {
@@ -229,13 +251,16 @@ fn with_every_slot_lent_to_another_streams_upload_a_read_completes_none_of_its_w
             let bound = 2 * threads * DEPTH;
             let up = values(bound * CHUNK, 5);
             let x = DeviceBuffer::<u8>::uninit(&rt, D0, up.len())?;
-            let small = values(3 * CHUNK + 1, 6);
-            let big = values((threads * DEPTH + 2) * CHUNK + 1, 7);
-            let (p, q) = (
+            let below = values(STAGED_READ_MIN - 1, 8);
+            let small = values(STAGED_READ_MIN + 1, 6);
+            let big = values((threads.max(2) * DEPTH + 2) * CHUNK + 1, 7);
+            let (o, p, q) = (
+                DeviceBuffer::<u8>::uninit(&rt, D0, below.len())?,
                 DeviceBuffer::<u8>::uninit(&rt, D0, small.len())?,
                 DeviceBuffer::<u8>::uninit(&rt, D0, big.len())?,
             );
             rt.default_stream(D0)?.synchronize()?;
+            seed(&fake, o.ptr(), &below, &s2)?;
             seed(&fake, p.ptr(), &small, &s2)?;
             seed(&fake, q.ptr(), &big, &s2)?;
             launch_fill(&s1, &m, &f, 1.0)?;
@@ -245,9 +270,18 @@ fn with_every_slot_lent_to_another_streams_upload_a_read_completes_none_of_its_w
             }
             let pending = fake.pending(s1.handle())?;
             assert!(pending > 1, "{threads} threads: s1's work pending");
-            for (buf, want) in [(&p, &small), (&q, &big)] {
+            for (buf, want) in [(&o, &below), (&p, &small), (&q, &big)] {
+                let before = dtoh_calls(&fake);
                 let got = read_on(&rt, buf, &s2)?;
+                let after = dtoh_calls(&fake);
                 assert_eq!(diff(&got, want), None, "{threads} threads: read on s2");
+                let staged = threads >= READ_MIN_THREADS && want.len() >= STAGED_READ_MIN;
+                assert_eq!(
+                    (after[0] - before[0] == 0, after[1] - before[1] > 0),
+                    (staged, staged),
+                    "{threads} threads, {} bytes: staged expected: {staged}",
+                    want.len()
+                );
                 assert_eq!(
                     fake.pending(s1.handle())?,
                     pending,
@@ -295,8 +329,10 @@ enum Capturing {
 }
 
 /// A capture (in `mode`) on the stream `at` says, with a memset in it, while this thread
-/// reads `DEPTH + 3` chunks on its own stream; `warm`: a read before left slots in the
-/// pool. Manual completion; the buffer's bytes are seeded on the read's stream and complete.
+/// reads `STAGED_READ_MIN + 3` bytes (9 chunks) on its own stream; `warm`: a
+/// read before left slots in the pool (none with fewer than `READ_MIN_THREADS` threads: that
+/// read, and every read then, is the driver's). Manual completion; the buffer's bytes are
+/// seeded on the read's stream and complete.
 fn read_during_capture(
     threads: usize,
     mode: CaptureMode,
@@ -310,7 +346,7 @@ fn read_during_capture(
         Capturing::ReadStream | Capturing::ReadStreamByAnotherThread => s_cap.clone(),
         _ => s_read,
     };
-    let want = values((DEPTH + 2) * CHUNK + 3, 8);
+    let want = values(STAGED_READ_MIN + 3, 8);
     let buf = DeviceBuffer::<u8>::uninit(&rt, D0, want.len())?;
     let scratch = DeviceBuffer::<u8>::uninit(&rt, D0, 4096)?;
     rt.default_stream(D0)?.synchronize()?;
@@ -318,6 +354,9 @@ fn read_during_capture(
     s_read.synchronize()?;
     if warm {
         assert_eq!(diff(&read_on(&rt, &buf, &s_read)?, &want), None, "warm-up");
+        if threads >= READ_MIN_THREADS {
+            assert!(fake.calls(Call::HostAlloc) > 0, "warm-up: slots made");
+        }
     }
     let by_other = matches!(
         at,
@@ -356,6 +395,16 @@ fn read_during_capture(
         started_rx.recv()??;
     }
     let read = read_on(&rt, &buf, &s_read).map(|got| got == want);
+    if threads < READ_MIN_THREADS {
+        assert_eq!(
+            (
+                fake.calls(Call::MemcpyDtoHPinned),
+                fake.calls(Call::HostAlloc)
+            ),
+            (0, 0),
+            "{threads} threads, {mode:?} {at:?}: no read staged, no slot made"
+        );
+    }
     let capture_ended = match capturer {
         Some(t) => {
             go_tx.send(())?;
@@ -450,7 +499,8 @@ fn with_another_stream_capturing_a_read_is_served_or_refused_as_the_drivers_is()
 /// PyTorch does around calls that may be unsafe) and a Global capture runs on another
 /// stream, begun by this thread or by another one. With the caller Relaxed (or ThreadLocal
 /// while another thread captures) the driver's copy is allowed and the capture survives; the
-/// staging threads must not break it either. Compared for 1, 2 and 3 threads.
+/// staging threads must not break it either. Compared for 1 (a read by the driver), 2 and 3
+/// threads (staged reads).
 #[test]
 fn a_callers_own_capture_mode_decides_for_the_staged_read_too() -> R {
     timed("read-capture-caller-mode", 40, || {
@@ -497,10 +547,11 @@ fn a_callers_own_capture_mode_decides_for_the_staged_read_too() -> R {
                 None => end_capture(&fake, s_cap.handle()),
             };
             fake.exchange_capture_mode(old)?;
-            Ok(CaptureOutcome {
+            let outcome = CaptureOutcome {
                 read,
                 capture_ended: ended,
-            })
+            };
+            Ok((outcome, dtoh_calls(&fake)))
         };
         let mut report = Vec::new();
         for (caller, other_thread) in [
@@ -508,7 +559,7 @@ fn a_callers_own_capture_mode_decides_for_the_staged_read_too() -> R {
             (CaptureMode::Relaxed, true),
             (CaptureMode::ThreadLocal, true),
         ] {
-            let driver = run(0, caller, other_thread)?;
+            let (driver, _) = run(0, caller, other_thread)?;
             assert_eq!(
                 driver,
                 CaptureOutcome {
@@ -518,11 +569,19 @@ fn a_callers_own_capture_mode_decides_for_the_staged_read_too() -> R {
                 "caller {caller:?}, capture by another thread: {other_thread}"
             );
             for threads in 1..=3 {
-                let got = run(threads, caller, other_thread)?;
+                let (got, [by_driver, staged]) = run(threads, caller, other_thread)?;
                 if got != driver {
                     report.push(format!(
                         "caller {caller:?}, Global capture by another thread: {other_thread}: \
                          {threads} threads: {got:?}"
+                    ));
+                }
+                let expected = threads >= READ_MIN_THREADS;
+                if (staged > 0, by_driver > 0) != (expected, !expected) {
+                    report.push(format!(
+                        "caller {caller:?}, Global capture by another thread: {other_thread}: \
+                         {threads} threads: {by_driver} copies by the driver, {staged} into \
+                         slots (staged expected: {expected})"
                     ));
                 }
             }
@@ -548,7 +607,7 @@ fn a_read_on_the_legacy_stream_while_a_blocking_stream_captures() -> R {
             for threads in [0usize, 2] {
                 let fake = fake_n(Completion::Manual, 1);
                 let rt = runtime(&fake, threads);
-                let want = values(3 * CHUNK + 5, 10);
+                let want = values(STAGED_READ_MIN + CHUNK + 5, 10);
                 let buf = DeviceBuffer::<u8>::uninit(&rt, D0, want.len())?;
                 let scratch = DeviceBuffer::<u8>::uninit(&rt, D0, 64)?;
                 let legacy = rt.default_stream(D0)?;
@@ -556,6 +615,11 @@ fn a_read_on_the_legacy_stream_while_a_blocking_stream_captures() -> R {
                 legacy.synchronize()?;
                 if warm {
                     assert_eq!(diff(&buf.to_host()?, &want), None, "warm-up");
+                    assert_eq!(
+                        fake.calls(Call::HostAlloc) > 0,
+                        threads > 0,
+                        "{threads} threads: the warm-up read staged"
+                    );
                 }
                 let blocking = fake.stream_create(
                     D0,
@@ -598,7 +662,8 @@ fn a_read_on_the_legacy_stream_while_a_blocking_stream_has_work_pending() -> R {
         for threads in [0usize, 2] {
             let fake = fake_n(Completion::Manual, 1);
             let rt = runtime(&fake, threads);
-            let (old, new) = (values(3 * CHUNK + 5, 19), values(3 * CHUNK + 5, 20));
+            let bytes = STAGED_READ_MIN + CHUNK + 5;
+            let (old, new) = (values(bytes, 19), values(bytes, 20));
             let buf = DeviceBuffer::<u8>::uninit(&rt, D0, old.len())?;
             let legacy = rt.default_stream(D0)?;
             seed(&fake, buf.ptr(), &old, &legacy)?;
@@ -611,7 +676,13 @@ fn a_read_on_the_legacy_stream_while_a_blocking_stream_has_work_pending() -> R {
                 },
             )?;
             fake.memcpy_htod_async(buf.ptr(), &new, blocking)?;
+            let staged_before = fake.calls(Call::MemcpyDtoHPinned);
             let got = buf.to_host()?;
+            assert_eq!(
+                fake.calls(Call::MemcpyDtoHPinned) > staged_before,
+                threads > 0,
+                "{threads} threads: the read staged"
+            );
             let seen = if got == old {
                 "old bytes"
             } else if got == new {
@@ -830,12 +901,12 @@ fn record_failure_then_upload(
 
 /// A read's event record fails, early or late (the read then waits for its stream): an
 /// upload on another stream right after never writes through the slot before the stale
-/// transfer has landed.
+/// transfer has landed. (2 and 3 threads: with 1 the read is the driver's.)
 #[test]
 fn a_slot_whose_event_record_failed_is_not_reused_under_a_pending_transfer() -> R {
     timed("read-record-failure-reuse", 30, || {
         let mut report = Vec::new();
-        for threads in [1usize, 2] {
+        for threads in [2usize, 3] {
             for nth in [1u64, 2, 4] {
                 report.extend(record_failure_then_upload(threads, nth, None)?);
             }
@@ -848,11 +919,12 @@ fn a_slot_whose_event_record_failed_is_not_reused_under_a_pending_transfer() -> 
 /// As above, but the read's wait for its stream after the failed record (its second stream
 /// synchronize) fails too: the read reports an error; the slot whose transfer is still
 /// pending on s1 must not be lent to the upload on s2 (or not before that transfer lands).
+/// (2 and 3 threads: with 1 the read is the driver's.)
 #[test]
 fn a_slot_whose_event_record_and_recovery_sync_failed_is_not_reused() -> R {
     timed("read-record-and-sync-failure-reuse", 30, || {
         let mut report = Vec::new();
-        for threads in [1usize, 2] {
+        for threads in [2usize, 3] {
             for nth in [1u64, 2, 3] {
                 report.extend(record_failure_then_upload(threads, nth, Some(2))?);
             }
@@ -944,7 +1016,7 @@ fn slot_creation_failures_during_a_read_fall_back_and_leak_nothing() -> R {
 /// and device 0's current stream are: manual completion, its bytes seeded on D1's current
 /// stream (pending), device 0's slots already made by an earlier read, device 0 current with
 /// a stream of its own that has pending work. The read returns the seeded bytes and leaves
-/// device 0's stream pending, as the driver's does.
+/// device 0's stream pending, as the driver's does (1 thread: every read the driver's).
 #[test]
 fn a_read_uses_its_buffers_devices_current_stream_and_that_devices_slots() -> R {
     timed("read-device", 30, || {
@@ -953,7 +1025,7 @@ fn a_read_uses_its_buffers_devices_current_stream_and_that_devices_slots() -> R 
             let rt = runtime(&fake, threads);
             let m = add_one_and_fill(&rt, &fake)?;
             let (s0, s1) = (rt.new_stream(D0, 0)?, rt.new_stream(D1, 0)?);
-            let want0 = values(5 * CHUNK + 1, 13);
+            let want0 = values(STAGED_READ_MIN + CHUNK + 1, 13);
             let want1 = values((2 * threads.max(1) * DEPTH + 1) * CHUNK + 9, 14);
             let b0 = DeviceBuffer::<u8>::uninit(&rt, D0, want0.len())?;
             let b1 = DeviceBuffer::<u8>::uninit(&rt, D1, want1.len())?;
@@ -965,6 +1037,11 @@ fn a_read_uses_its_buffers_devices_current_stream_and_that_devices_slots() -> R 
                 diff(&read_on(&rt, &b0, &s0)?, &want0),
                 None,
                 "{threads}: D0"
+            );
+            assert_eq!(
+                fake.calls(Call::HostAlloc) > 0,
+                threads >= READ_MIN_THREADS,
+                "{threads} threads: device 0's slots made by the read"
             );
             let _g1 = rt.stream_guard(&s1)?;
             let _g0 = rt.stream_guard(&s0)?; // device 0 current again
@@ -982,14 +1059,22 @@ fn a_read_uses_its_buffers_devices_current_stream_and_that_devices_slots() -> R 
             // Again, now that device 1 has slots too, and device 0 once more.
             assert_eq!(diff(&b1.to_host()?, &want1), None, "{threads}: D1 again");
             assert_eq!(diff(&b0.to_host()?, &want0), None, "{threads}: D0 again");
+            let [by_driver, staged] = dtoh_calls(&fake);
+            if threads < READ_MIN_THREADS {
+                assert_eq!(staged, 0, "{threads} threads: no read staged");
+                assert_eq!(by_driver, 4, "{threads} threads: four reads by the driver");
+            } else {
+                assert_eq!(by_driver, 0, "{threads} threads: four staged reads");
+            }
         }
         Ok(())
     })
 }
 
 /// Six threads at once over two devices, some sharing a stream, some with their own,
-/// manual completion, 2 staging threads: each uploads, reads back, reads a buffer another
-/// copy of its own left in flight, rounds over. Every read returns its bytes whole, no
+/// manual completion, 2 staging threads: each uploads, reads back (8 or 9 whole chunks and a
+/// few bytes: above the staged read minimum), reads a buffer another copy of its own left in
+/// flight, rounds over. Every read returns its bytes whole, no
 /// deadlock, and at most 2 × threads × DEPTH slots per device.
 #[test]
 fn reads_and_uploads_from_several_threads_on_two_devices_each_land_whole() -> R {
@@ -1012,7 +1097,7 @@ fn reads_and_uploads_from_several_threads_on_two_devices_each_land_whole() -> R 
                     };
                     barrier.wait();
                     for round in 0..3 {
-                        let bytes = (2 + (k + round) % 4) * CHUNK + 7 * k + round;
+                        let bytes = STAGED_READ_MIN + (k + round) % 2 * CHUNK + 7 * k + round;
                         let (v, w) = (values(bytes, 10 * k + round), values(bytes, 99 + k));
                         let a = DeviceBuffer::<u8>::uninit(&rt, dev, bytes)?;
                         let b = DeviceBuffer::<u8>::uninit(&rt, dev, bytes)?;
@@ -1038,6 +1123,11 @@ fn reads_and_uploads_from_several_threads_on_two_devices_each_land_whole() -> R 
         }
         let made = fake.calls(Call::HostAlloc) as usize;
         assert!(
+            fake.calls(Call::MemcpyDtoHPinned) > 0,
+            "reads staged ({} by the driver)",
+            fake.calls(Call::MemcpyDtoH)
+        );
+        assert!(
             made <= 2 * 2 * threads * DEPTH,
             "{made} slots made over two devices, bound {} each",
             2 * threads * DEPTH
@@ -1047,10 +1137,12 @@ fn reads_and_uploads_from_several_threads_on_two_devices_each_land_whole() -> R 
 }
 
 /// Manual completion, 4 threads (up to 32 slots): an upload on s1 leaves 8 slots in flight
-/// (never completed), a read on s2 leaves more idle. Lowered to 1 thread (bound 8): the next
-/// reads on s2 complete none of s1's work, make no slot and return their bytes. Returns the
-/// slots (made by the upload on s1, made in all, freed) after those reads.
+/// (never completed), a read on s2 leaves more idle. Lowered to 2 threads (bound 16; the
+/// fewest that stage a read): the next (staged) reads on s2 complete none of s1's work, make
+/// no slot and return their bytes. Returns the slots (made by the upload on s1, made in all,
+/// freed) after those reads.
 fn lower_with_slots_in_flight() -> Result<(u64, u64, u64), Err> {
+    const LOWERED: usize = READ_MIN_THREADS;
     let fake = fake_n(Completion::Manual, 1);
     let rt = runtime(&fake, 4);
     let (s1, s2) = (rt.new_stream(D0, 0)?, rt.new_stream(D0, 0)?);
@@ -1069,12 +1161,17 @@ fn lower_with_slots_in_flight() -> Result<(u64, u64, u64), Err> {
     assert_eq!(diff(&read_on(&rt, &y, &s2)?, &want), None, "4 threads");
     let made = fake.calls(Call::HostAlloc);
     assert!(
-        made as usize > 2 * DEPTH,
+        made as usize > 2 * LOWERED * DEPTH,
         "{made} slots made with 4 threads"
     );
-    StagedCopies::install(&rt, 1);
+    StagedCopies::install(&rt, LOWERED);
     for k in 0..2 {
+        let staged = fake.calls(Call::MemcpyDtoHPinned);
         assert_eq!(diff(&read_on(&rt, &y, &s2)?, &want), None, "read {k}");
+        assert!(
+            fake.calls(Call::MemcpyDtoHPinned) > staged,
+            "read {k} staged"
+        );
         assert_eq!(
             fake.pending(s1.handle())?,
             pending,
@@ -1102,19 +1199,20 @@ fn lowering_the_thread_count_with_slots_in_flight_never_waits_for_them() -> R {
 }
 
 /// The same, several times over: after the reads, the idle slots beyond the new bound are
-/// given back, so at most 2 × 1 × DEPTH slots are kept (those in flight count).
+/// given back, so at most 2 × 2 × DEPTH slots are kept (those in flight count).
 #[test]
 fn lowering_the_thread_count_with_slots_in_flight_keeps_the_new_bound() -> R {
     timed("read-lower-threads-bound", 40, || {
         let mut report = Vec::new();
         for round in 0..6 {
             let (in_flight, made, freed) = lower_with_slots_in_flight()?;
-            if (made - freed) as usize > 2 * DEPTH {
+            let bound = 2 * READ_MIN_THREADS * DEPTH;
+            if (made - freed) as usize > bound {
                 report.push(format!(
-                    "round {round}: {} slots kept after lowering to 1 thread (bound {}; {made} \
-                     made, {freed} freed; {in_flight} made by the upload on s1, in flight)",
+                    "round {round}: {} slots kept after lowering to {READ_MIN_THREADS} threads \
+                     (bound {bound}; {made} made, {freed} freed; {in_flight} made by the \
+                     upload on s1, in flight)",
                     made - freed,
-                    2 * DEPTH
                 ));
             }
         }
@@ -1123,14 +1221,17 @@ fn lowering_the_thread_count_with_slots_in_flight_keeps_the_new_bound() -> R {
     })
 }
 
-/// The thread count is lowered (to 1, then to 0) by another thread while a read of many
-/// chunks is underway (at its first copy out of a slot): the read returns its bytes whole,
-/// nothing hangs, and after a later read the slots kept are within the new bound (for 1
-/// thread; 0 threads: `lowering_the_thread_count_to_zero_gives_the_idle_slots_back`).
+/// The thread count is lowered (from 5 to 2, from 3 to 1, from 2 to 0) by another thread
+/// while a read of many chunks is underway (at its first copy out of a slot): the read
+/// returns its bytes whole, nothing hangs, and the later read is staged with 2 threads and
+/// the driver's with 1 or 0. After it the slots kept are within the new bound for 2 threads
+/// (the fewest whose read is staged, so the only count whose read gives slots back: with 1,
+/// slots beyond its bound stay until a staged upload; 0 threads:
+/// `lowering_the_thread_count_to_zero_gives_the_idle_slots_back`).
 #[test]
 fn lowering_the_thread_count_during_a_read_neither_hangs_nor_tears_it() -> R {
     timed("read-lower-during", 30, || {
-        for (from, to) in [(3usize, 1usize), (2, 0)] {
+        for (from, to) in [(5usize, 2usize), (3, 1), (2, 0)] {
             let fake = fake_n(Completion::Manual, 1);
             let rt = runtime(&fake, from);
             let s = rt.new_stream(D0, 0)?;
@@ -1152,13 +1253,21 @@ fn lowering_the_thread_count_during_a_read_neither_hangs_nor_tears_it() -> R {
             }
             assert_eq!(rt.pageable_copy_threads(), to);
             seed(&fake, buf.ptr(), &want, &s)?;
+            let before = dtoh_calls(&fake);
             assert_eq!(
                 diff(&read_on(&rt, &buf, &s)?, &want),
                 None,
                 "{from} → {to}: next"
             );
+            let after = dtoh_calls(&fake);
+            let staged = to >= READ_MIN_THREADS;
+            assert_eq!(
+                (after[0] - before[0] == 0, after[1] - before[1] > 0),
+                (staged, staged),
+                "{from} → {to} threads: the next read staged: {staged}"
+            );
             assert!(
-                to == 0 || kept(&fake) as usize <= 2 * to * DEPTH,
+                !staged || kept(&fake) as usize <= 2 * to * DEPTH,
                 "{from} → {to} threads: {} slots kept",
                 kept(&fake)
             );

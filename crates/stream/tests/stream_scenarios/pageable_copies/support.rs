@@ -2,7 +2,8 @@
 //! (a hang shows as a failure), over a fake device, against the driver's copy (0 threads).
 pub(super) use ferrocuda_driver::{Call, Driver, DriverError, FakeDriver, fake::Completion};
 pub(super) use ferrocuda_stream::{
-    CHUNK, DEPTH, DeviceBuffer, KernelCache, Module, Runtime, STAGED_MIN, Stream, StreamError,
+    CHUNK, DEPTH, DeviceBuffer, KernelCache, Module, READ_MIN_THREADS, Runtime, STAGED_MIN,
+    STAGED_READ_MIN, Stream, StreamError,
 };
 pub(super) use ferrocuda_testkit::{KERNELS, StagedCopies, register_fake_kernels};
 pub(super) use ferrocuda_types::{
@@ -62,6 +63,18 @@ pub(super) fn pattern(bytes: usize, seed: usize) -> Vec<u8> {
         .collect()
 }
 
+/// `bytes` of values that never repeat at a chunk's period (a pattern of CHUNK + 13 bytes,
+/// repeated by memcpy: fast in a debug build, where `pattern` takes some 16 ns a byte).
+pub(super) fn values(bytes: usize, seed: usize) -> Vec<u8> {
+    let period = pattern(CHUNK + 13, seed);
+    let mut out = Vec::with_capacity(bytes + period.len());
+    while out.len() < bytes {
+        out.extend_from_slice(&period);
+    }
+    out.truncate(bytes);
+    out
+}
+
 pub(super) fn first_diff(a: &[u8], b: &[u8]) -> Option<usize> {
     if a.len() != b.len() {
         return Some(usize::MAX);
@@ -108,4 +121,13 @@ pub(super) fn driver_read(
     let mut out = vec![0u8; buf.len()];
     fake.memcpy_dtoh(&mut out, buf.ptr(), s.handle())?;
     Ok(out)
+}
+
+/// The driver's own copies to the host and the transfers into slots made on `fake` so far
+/// (`[MemcpyDtoH, MemcpyDtoHPinned]`): what tells a read the driver did from a staged one.
+pub(super) fn dtoh_calls(fake: &FakeDriver) -> [u64; 2] {
+    [
+        fake.calls(Call::MemcpyDtoH),
+        fake.calls(Call::MemcpyDtoHPinned),
+    ]
 }
