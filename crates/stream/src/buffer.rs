@@ -180,8 +180,9 @@ impl<T: Element> DeviceBuffer<T> {
 
     /// Copies the buffer into `out` (exactly `len` elements: `Tensor.copy_` into a CPU
     /// tensor), after the work enqueued on the current stream of its device, and waits for
-    /// it. A copy of at least [`STAGED_MIN`](crate::STAGED_MIN) bytes is staged by threads
-    /// when the host memory resource asks for it (`pageable_copy_threads`), as
+    /// it. A copy of at least [`STAGED_READ_MIN`](crate::STAGED_READ_MIN) bytes is staged by
+    /// threads when the host memory resource asks for at least
+    /// [`READ_MIN_THREADS`](crate::READ_MIN_THREADS) (`pageable_copy_threads`), as
     /// [`copy_from_host`](Self::copy_from_host) is, with the same results as the driver's
     /// copy.
     pub fn copy_to_host(&self, out: &mut [T]) -> Result<()> {

@@ -119,10 +119,13 @@ impl Runtime {
         *self.host_memory.write() = memory;
     }
 
-    /// How many threads stage a copy of at least [`STAGED_MIN`](crate::STAGED_MIN) bytes
-    /// between pageable host memory and a device: what the host memory resource says (the
-    /// caching host allocator's `pageable_copy_threads`; 0, the default: the driver copies,
-    /// as for PyTorch). See [`DeviceBuffer::copy_from_host`] and [`DeviceBuffer::to_host`].
+    /// How many threads stage a copy between pageable host memory and a device (of at least
+    /// [`STAGED_MIN`](crate::STAGED_MIN) bytes to the device; to the host, of at least
+    /// [`STAGED_READ_MIN`](crate::STAGED_READ_MIN) with at least
+    /// [`READ_MIN_THREADS`](crate::READ_MIN_THREADS)): what the host memory resource says
+    /// (the caching host allocator's `pageable_copy_threads`; 0, the default: the driver
+    /// copies, as for PyTorch). See [`DeviceBuffer::copy_from_host`] and
+    /// [`DeviceBuffer::to_host`].
     ///
     /// [`DeviceBuffer::copy_from_host`]: crate::DeviceBuffer::copy_from_host
     /// [`DeviceBuffer::to_host`]: crate::DeviceBuffer::to_host
@@ -166,8 +169,9 @@ impl Runtime {
     /// Copies `src` (device memory) to pageable host memory `dst` in `stream` order and
     /// waits for it, as the driver's copy does, staged as
     /// [`Runtime::copy_from_pageable`] stages (chunks transferred into page-locked buffers
-    /// and copied out by threads). Crate-private for the same reason: `src` must be a range
-    /// the caller owns whole ([`DeviceBuffer::to_host`]'s).
+    /// and copied out by threads) from [`STAGED_READ_MIN`](crate::STAGED_READ_MIN) bytes
+    /// with at least [`READ_MIN_THREADS`](crate::READ_MIN_THREADS). Crate-private for the
+    /// same reason: `src` must be a range the caller owns whole ([`DeviceBuffer::to_host`]'s).
     ///
     /// [`DeviceBuffer::to_host`]: crate::DeviceBuffer::to_host
     pub(crate) fn copy_to_pageable(

@@ -55,6 +55,9 @@ impl<'a> Download<'a> {
         done
     }
 
+    /// Claims chunks until none is left (or another worker failed), each transferred into
+    /// the next of `slots` in turn once the chunk that slot held is copied out; `landing`
+    /// keeps where each slot's chunk goes.
     fn transfer(&self, slots: &mut [Slot], landing: &mut Landing<'a>) -> Result<(), DriverError> {
         for turn in (0..slots.len()).cycle() {
             if self.failed.load(Ordering::Relaxed) {
