@@ -60,6 +60,7 @@ use ferrocuda_types::{
 use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 mod to_device;
 mod to_host;
@@ -125,6 +126,44 @@ impl Slot {
         self.last = Last::InFlight;
         Ok(())
     }
+}
+
+/// The chunks of one staged copy that no worker has claimed yet (numbered), shared by its
+/// workers, and whether one of them failed: the others then claim no more.
+struct Claims<I> {
+    chunks: Mutex<I>,
+    failed: AtomicBool,
+}
+
+impl<I: Iterator> Claims<I> {
+    fn new(chunks: I) -> Claims<I> {
+        Claims {
+            chunks: Mutex::new(chunks),
+            failed: AtomicBool::new(false),
+        }
+    }
+
+    /// The next unclaimed chunk; `None` when none is left or a worker has failed.
+    fn next(&self) -> Option<I::Item> {
+        if self.failed.load(Ordering::Relaxed) {
+            return None;
+        }
+        self.chunks.lock().next()
+    }
+
+    /// Passes a worker's `result` on, stopping the other workers when it is an error.
+    fn watch<T>(&self, result: Result<T, DriverError>) -> Result<T, DriverError> {
+        if result.is_err() {
+            self.failed.store(true, Ordering::Relaxed);
+        }
+        result
+    }
+}
+
+/// The most slots a device keeps for copies of `threads` threads (lent, idle, or with a
+/// transfer still running).
+fn bound(threads: usize) -> usize {
+    2 * threads * DEPTH
 }
 
 /// One device's slots: those kept between copies, and how many copies hold now.
@@ -286,7 +325,7 @@ impl PageableStaging {
     /// with a transfer still running; the completed slots the bound has no room for go back
     /// to the driver (kept from copies with more threads), without waiting for any other.
     fn take(&self, dev: DeviceIndex, threads: usize, chunks: usize) -> Vec<Slot> {
-        let bound = 2 * threads * DEPTH;
+        let bound = bound(threads);
         let mut pool = self.slots.lock();
         let kept = pool.entry(dev).or_default();
         let (mut done, busy): (Vec<Slot>, Vec<Slot>) =
@@ -323,7 +362,7 @@ impl PageableStaging {
             .slots
             .lock()
             .get(&dev)
-            .is_some_and(|kept| kept.idle.len() + kept.lent > 2 * threads * DEPTH);
+            .is_some_and(|kept| kept.idle.len() + kept.lent > bound(threads));
         if over && let Some(_relaxed) = RelaxedCapture::enter(&*self.driver) {
             self.take(dev, threads, 0);
         }

@@ -1,19 +1,18 @@
 //! A staged copy from pageable memory to a device: each worker claims the next chunk, copies
 //! it into one of its slots and enqueues the slot's transfer at once.
-use super::{CHUNK, Slot};
+use super::{CHUNK, Claims, Slot};
 use ferrocuda_driver::{Driver, DriverError};
 use ferrocuda_types::{DevicePtr, StreamHandle};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::iter::Enumerate;
+use std::slice::Chunks;
 
 /// One staged copy to a device, as its workers share it.
 pub(super) struct Upload<'a> {
     driver: &'a dyn Driver,
     dst: DevicePtr,
-    src: &'a [u8],
     stream: StreamHandle,
-    /// The next chunk no worker has claimed.
-    next: AtomicUsize,
-    failed: AtomicBool,
+    /// The source's chunks no worker has claimed.
+    claims: Claims<Enumerate<Chunks<'a, u8>>>,
 }
 
 impl<'a> Upload<'a> {
@@ -26,10 +25,8 @@ impl<'a> Upload<'a> {
         Upload {
             driver,
             dst,
-            src,
             stream,
-            next: AtomicUsize::new(0),
-            failed: AtomicBool::new(false),
+            claims: Claims::new(src.chunks(CHUNK).enumerate()),
         }
     }
 
@@ -37,18 +34,12 @@ impl<'a> Upload<'a> {
     /// slot is reused once the transfer out of it has run).
     pub(super) fn run(&self, slots: &mut [Slot]) -> Result<(), DriverError> {
         for turn in (0..slots.len()).cycle() {
-            let i = self.next.fetch_add(1, Ordering::Relaxed);
-            let Some(chunk) = self.src.chunks(CHUNK).nth(i) else {
+            let Some((i, chunk)) = self.claims.next() else {
                 break;
             };
-            if self.failed.load(Ordering::Relaxed) {
-                break;
-            }
-            let step = self.chunk(&mut slots[turn], (i * CHUNK) as u64, chunk);
-            if step.is_err() {
-                self.failed.store(true, Ordering::Relaxed);
-                return step;
-            }
+            let offset = (i * CHUNK) as u64;
+            self.claims
+                .watch(self.chunk(&mut slots[turn], offset, chunk))?;
         }
         Ok(())
     }

@@ -1,22 +1,19 @@
 //! A staged copy from a device to pageable memory: each worker claims the next chunk,
 //! enqueues its transfer into one of its slots, and copies a slot out into its chunk of the
 //! destination once that slot's transfer has run (before reusing the slot, and at the end).
-use super::{CHUNK, Slot};
+use super::{CHUNK, Claims, Slot};
 use ferrocuda_driver::{Driver, DriverError};
 use ferrocuda_types::{DevicePtr, StreamHandle};
-use parking_lot::Mutex;
 use std::iter::Enumerate;
 use std::slice::ChunksMut;
-use std::sync::atomic::{AtomicBool, Ordering};
 
 /// One staged copy to the host, as its workers share it.
 pub(super) struct Download<'a> {
     driver: &'a dyn Driver,
     src: DevicePtr,
     stream: StreamHandle,
-    /// The destination's chunks no worker has claimed, with their numbers.
-    chunks: Mutex<Enumerate<ChunksMut<'a, u8>>>,
-    failed: AtomicBool,
+    /// The destination's chunks no worker has claimed.
+    claims: Claims<Enumerate<ChunksMut<'a, u8>>>,
 }
 
 /// Where each of a worker's slots is copied out to once its transfer has run.
@@ -33,8 +30,7 @@ impl<'a> Download<'a> {
             driver,
             src,
             stream,
-            chunks: Mutex::new(dst.chunks_mut(CHUNK).enumerate()),
-            failed: AtomicBool::new(false),
+            claims: Claims::new(dst.chunks_mut(CHUNK).enumerate()),
         }
     }
 
@@ -49,10 +45,7 @@ impl<'a> Download<'a> {
                 .zip(&mut landing)
                 .try_for_each(|(slot, out)| self.copy_out(slot, out.take()))
         });
-        if done.is_err() {
-            self.failed.store(true, Ordering::Relaxed);
-        }
-        done
+        self.claims.watch(done)
     }
 
     /// Claims chunks until none is left (or another worker failed), each transferred into
@@ -60,10 +53,7 @@ impl<'a> Download<'a> {
     /// keeps where each slot's chunk goes.
     fn transfer(&self, slots: &mut [Slot], landing: &mut Landing<'a>) -> Result<(), DriverError> {
         for turn in (0..slots.len()).cycle() {
-            if self.failed.load(Ordering::Relaxed) {
-                break;
-            }
-            let Some((i, out)) = self.chunks.lock().next() else {
+            let Some((i, out)) = self.claims.next() else {
                 break;
             };
             let slot = &mut slots[turn];
