@@ -84,9 +84,32 @@ impl AllocatorConfig {
         Ok(())
     }
 
+    /// Applies one key (the first pass's keys have been applied by then), looking it up
+    /// among PyTorch's device allocator keys, PyTorch's pinned host allocator keys, then
+    /// ferrocuda's own.
     fn apply(&mut self, p: &Parser, key: &Token, value: &Value) -> Result<(), ConfigError> {
+        if self.apply_device_key(p, key, value)?
+            || self.apply_pinned_key(p, key, value)?
+            || self.apply_ferrocuda_key(p, key, value)?
+        {
+            return Ok(());
+        }
+        Err(p.err(
+            Some(key),
+            format!("Unrecognized key '{}' in CUDA allocator config.", key.text),
+        ))
+    }
+
+    /// PyTorch's keys of the device allocator (`CUDAAllocatorConfig`): whether `key` is one.
+    fn apply_device_key(
+        &mut self,
+        p: &Parser,
+        key: &Token,
+        value: &Value,
+    ) -> Result<bool, ConfigError> {
         let min_mb = self.sizes.large_segment_size / MIB;
         match key.text.as_str() {
+            // Applied in the first pass (see `update`).
             "large_segment_size_mb" => {}
             "max_split_size_mb" | "max_non_split_rounding_mb" => {
                 let v = single(p, key, value)?;
@@ -137,6 +160,48 @@ impl AllocatorConfig {
             "release_lock_on_cudamalloc" | "release_lock_on_hipmalloc" => {
                 self.release_lock_on_cudamalloc = bool_value(single(p, key, value)?)?;
             }
+            "graph_capture_record_stream_reuse" => {
+                self.reuse.graph_capture_record_stream_reuse = bool_value(single(p, key, value)?)?;
+            }
+            "throw_on_cudamalloc_oom" => {
+                self.release.throw_on_cudamalloc_oom = bool_value(single(p, key, value)?)?
+            }
+            "per_process_memory_fraction" => {
+                let v = single(p, key, value)?;
+                let f = float_value(v)?;
+                if !(0.0..=1.0).contains(&f) {
+                    return Err(p.err(
+                        Some(v),
+                        "per_process_memory_fraction is invalid, set it in [0.0, 1.0]",
+                    ));
+                }
+                self.release.per_process_memory_fraction = f;
+            }
+            "expandable_segments_reserve" => {
+                self.expandable.reserve = Some(reserve_value(&key.text, single(p, key, value)?)?)
+            }
+            "expandable_segments_reserve_by_class" => {
+                let Value::List(items) = value else {
+                    return Err(p.err(Some(key), "expected a bracketed list [class:value,...]"));
+                };
+                self.expandable.reserve_by_class = items
+                    .iter()
+                    .map(|(k, v)| Ok((k.text.clone(), reserve_value(&key.text, v)?)))
+                    .collect::<Result<_, ConfigError>>()?;
+            }
+            _ => return Ok(false),
+        }
+        Ok(true)
+    }
+
+    /// PyTorch's keys of the pinned host allocator: whether `key` is one.
+    fn apply_pinned_key(
+        &mut self,
+        p: &Parser,
+        key: &Token,
+        value: &Value,
+    ) -> Result<bool, ConfigError> {
+        match key.text.as_str() {
             "pinned_use_cuda_host_register" | "pinned_use_hip_host_register" => {
                 self.pinned.use_cuda_host_register = bool_value(single(p, key, value)?)?;
             }
@@ -177,27 +242,24 @@ impl AllocatorConfig {
             "pinned_free_catch_all" => {
                 self.pinned.free_catch_all = bool_value(single(p, key, value)?)?
             }
-            "graph_capture_record_stream_reuse" => {
-                self.reuse.graph_capture_record_stream_reuse = bool_value(single(p, key, value)?)?;
-            }
+            _ => return Ok(false),
+        }
+        Ok(true)
+    }
+
+    /// ferrocuda's own keys (each an opt-in improvement on PyTorch, off by default):
+    /// whether `key` is one.
+    fn apply_ferrocuda_key(
+        &mut self,
+        p: &Parser,
+        key: &Token,
+        value: &Value,
+    ) -> Result<bool, ConfigError> {
+        match key.text.as_str() {
+            // Applied in the first pass (see `update`).
+            "ferrocuda_recommended" => {}
             "expandable_segments_reclaim" => {
                 self.expandable.reclaim = bool_value(single(p, key, value)?)?;
-            }
-            "cross_stream_reuse" => {
-                self.reuse.cross_stream_reuse = bool_value(single(p, key, value)?)?;
-            }
-            "thread_cache" => {
-                self.reuse.thread_cache = bool_value(single(p, key, value)?)?;
-            }
-            "garbage_collection_without_fraction" => {
-                self.release.garbage_collection_without_fraction =
-                    bool_value(single(p, key, value)?)?;
-            }
-            "oom_release_partial" => {
-                self.release.oom_release_partial = bool_value(single(p, key, value)?)?;
-            }
-            "oom_search_after_sync" => {
-                self.release.oom_search_after_sync = bool_value(single(p, key, value)?)?;
             }
             "expandable_segments_page_mb" => {
                 let v = single(p, key, value)?;
@@ -212,18 +274,21 @@ impl AllocatorConfig {
                 }
                 self.expandable.page = Some(mb * MIB);
             }
-            "pageable_copy_threads" => {
-                let v = single(p, key, value)?;
-                let n = uint_value(v)?;
-                if n > MAX_PAGEABLE_COPY_THREADS {
-                    return Err(p.err(
-                        Some(v),
-                        format!(
-                            "pageable_copy_threads must be at most {MAX_PAGEABLE_COPY_THREADS}, got {n}"
-                        ),
-                    ));
-                }
-                self.pinned.pageable_copy_threads = n;
+            "thread_cache" => {
+                self.reuse.thread_cache = bool_value(single(p, key, value)?)?;
+            }
+            "cross_stream_reuse" => {
+                self.reuse.cross_stream_reuse = bool_value(single(p, key, value)?)?;
+            }
+            "garbage_collection_without_fraction" => {
+                self.release.garbage_collection_without_fraction =
+                    bool_value(single(p, key, value)?)?;
+            }
+            "oom_release_partial" => {
+                self.release.oom_release_partial = bool_value(single(p, key, value)?)?;
+            }
+            "oom_search_after_sync" => {
+                self.release.oom_search_after_sync = bool_value(single(p, key, value)?)?;
             }
             "oom_forensics" => {
                 let v = single(p, key, value)?;
@@ -238,42 +303,22 @@ impl AllocatorConfig {
                     path => Some(path.to_owned()),
                 };
             }
-            // Applied in the first pass (see `update`).
-            "ferrocuda_recommended" => {}
-            "throw_on_cudamalloc_oom" => {
-                self.release.throw_on_cudamalloc_oom = bool_value(single(p, key, value)?)?
-            }
-            "per_process_memory_fraction" => {
+            "pageable_copy_threads" => {
                 let v = single(p, key, value)?;
-                let f = float_value(v)?;
-                if !(0.0..=1.0).contains(&f) {
+                let n = uint_value(v)?;
+                if n > MAX_PAGEABLE_COPY_THREADS {
                     return Err(p.err(
                         Some(v),
-                        "per_process_memory_fraction is invalid, set it in [0.0, 1.0]",
+                        format!(
+                            "pageable_copy_threads must be at most {MAX_PAGEABLE_COPY_THREADS}, got {n}"
+                        ),
                     ));
                 }
-                self.release.per_process_memory_fraction = f;
+                self.pinned.pageable_copy_threads = n;
             }
-            "expandable_segments_reserve" => {
-                self.expandable.reserve = Some(reserve_value(&key.text, single(p, key, value)?)?)
-            }
-            "expandable_segments_reserve_by_class" => {
-                let Value::List(items) = value else {
-                    return Err(p.err(Some(key), "expected a bracketed list [class:value,...]"));
-                };
-                self.expandable.reserve_by_class = items
-                    .iter()
-                    .map(|(k, v)| Ok((k.text.clone(), reserve_value(&key.text, v)?)))
-                    .collect::<Result<_, ConfigError>>()?;
-            }
-            _ => {
-                return Err(p.err(
-                    Some(key),
-                    format!("Unrecognized key '{}' in CUDA allocator config.", key.text),
-                ));
-            }
+            _ => return Ok(false),
         }
-        Ok(())
+        Ok(true)
     }
 
     /// Options that parse but are not built yet: setting one is an error rather than a
