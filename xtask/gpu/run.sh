@@ -217,6 +217,50 @@ for group, label, mine, theirs in [("h2d", "H2D 64 MiB pinned, GB/s", "pinned_64
     print(f"{label:28} {a:13.2f} {b:11.2f} {a / b:7.3f}")
 PY
 fi
+# The pageable copies, ours (criterion's h2d/ and d2h/pageable_64MiB) and PyTorch's
+# (torch_copies.py), alternated round by round, the order flipped every other round: the
+# driver's pageable copy moves by a third from one minute to the next on a shared host
+# (docs/measurements/h200_2026-11-30i), so the table above, whose two sides are taken
+# minutes apart, cannot decide a ratio near 1; this can. PAIRED_ROUNDS rounds (8);
+# ONLY=paired_copies runs just this.
+if [ -f torch_copies.py ] && [ -x bench_pinned ] && want paired_copies; then
+  echo "=== paired_copies (64 MiB pageable copies, ours and PyTorch's alternated)"
+  ours_round() {
+    CRITERION_HOME="$OUT/paired_criterion" pinned ./bench_pinned --bench '^(h2d|d2h)/pageable_64MiB$' \
+      --warm-up-time 0.5 --measurement-time 1.5 > "$OUT/paired_bench.log" 2>&1 || return 1
+    python3 - "$OUT/paired_criterion" <<'PY'
+import json, os, sys
+gbps = [(64 << 20) / json.load(open(os.path.join(sys.argv[1], d, "pageable_64MiB", "new", "estimates.json")))["median"]["point_estimate"]
+        for d in ("h2d", "d2h")]
+print("%.3f %.3f" % tuple(gbps))
+PY
+  }
+  paired_rounds() {
+    local r way order rates
+    for r in $(seq 1 "${PAIRED_ROUNDS:-8}"); do
+      if (( r % 2 )); then order="torch ours"; else order="ours torch"; fi
+      for way in $order; do
+        if [ "$way" = torch ]; then rates=$(pinned python3 torch_copies.py) || return 1
+        else rates=$(ours_round) || return 1; fi
+        echo "$r $way $rates"
+      done
+    done
+  }
+  if paired_rounds > "$OUT/paired_copies.txt" && python3 - "$OUT/paired_copies.txt" <<'PY' 2>&1 | tee "$OUT/paired_copies.log"
+import random, statistics, sys
+rows = [line.split() for line in open(sys.argv[1])]
+rates = {(r, way): (float(h2d), float(d2h)) for r, way, h2d, d2h in rows}
+rounds = sorted({r for r, _ in rates}, key=int)
+random.seed(0)
+for i, label in enumerate(("H2D 64 MiB from pageable memory", "D2H 64 MiB into a used buffer")):
+    ratios = [rates[(r, "ours")][i] / rates[(r, "torch")][i] for r in rounds]
+    boot = sorted(statistics.median(random.choices(ratios, k=len(ratios))) for _ in range(10000))
+    print(f"paired {label}: ours {statistics.median(rates[(r, 'ours')][i] for r in rounds):.2f} GB/s, "
+          f"PyTorch {statistics.median(rates[(r, 'torch')][i] for r in rounds):.2f} GB/s (medians of {len(rounds)} rounds), "
+          f"ratio {statistics.median(ratios):.3f} [95% bootstrap {boot[250]:.3f}, {boot[9750]:.3f}]")
+PY
+  then passed=$((passed + 1)); else echo "paired_copies failed"; failed=$((failed + 1)); fi
+fi
 if [ -f torch_mathlib.py ] && want torch_mathlib; then
   echo "=== torch_mathlib.py (PyTorch's torch.matmul and torch.fft.fft, same machine, same run)"
   if OUT="$OUT" PYTHONUNBUFFERED=1 python3 torch_mathlib.py 2>&1 | tee "$OUT/torch_mathlib.log"; then

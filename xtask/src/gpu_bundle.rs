@@ -165,6 +165,8 @@ pub(crate) fn gpu_bundle() -> Result<(), String> {
     }
     // The pinned-memory anchor lives in this repository (PyTorch's side of benches/pinned.rs).
     std::fs::write(dir.join("torch_pinned.py"), TORCH_PINNED_PY).map_err(|e| e.to_string())?;
+    // And its pageable copies alone, alternated with ours round by round by `run.sh`.
+    std::fs::write(dir.join("torch_copies.py"), TORCH_COPIES_PY).map_err(|e| e.to_string())?;
     // And cuBLAS's and cuFFT's (PyTorch's side of crates/mathlib/benches).
     std::fs::write(dir.join("torch_mathlib.py"), TORCH_MATHLIB_PY).map_err(|e| e.to_string())?;
     // And the graph-memory planner's (PyTorch's capture pools against `ferrocuda plan`).
@@ -302,6 +304,8 @@ fn pack_if_large(dir: &Path) -> Result<(), String> {
 /// PyTorch's pinned host allocator and host-to-device copies, measured beside
 /// `benches/pinned.rs` (run by `run.sh`, compared with the criterion figures).
 const TORCH_PINNED_PY: &str = include_str!("../anchors/torch_pinned.py");
+/// PyTorch's 64 MiB pageable copies, one round (`run.sh`'s paired copies).
+const TORCH_COPIES_PY: &str = include_str!("../anchors/torch_copies.py");
 const TORCH_MATHLIB_PY: &str = include_str!("../anchors/torch_mathlib.py");
 /// PyTorch's CUDA graph pools against `ferrocuda plan` (run by `run.sh` as `torch_plan`).
 const TORCH_PLAN_PY: &str = include_str!("../anchors/torch_plan.py");
