@@ -217,49 +217,71 @@ for group, label, mine, theirs in [("h2d", "H2D 64 MiB pinned, GB/s", "pinned_64
     print(f"{label:28} {a:13.2f} {b:11.2f} {a / b:7.3f}")
 PY
 fi
-# The pageable copies, ours (criterion's h2d/ and d2h/pageable_64MiB) and PyTorch's
-# (torch_copies.py), alternated round by round, the order flipped every other round: the
-# driver's pageable copy moves by a third from one minute to the next on a shared host
-# (docs/measurements/h200_2026-11-30i), so the table above, whose two sides are taken
-# minutes apart, cannot decide a ratio near 1; this can. PAIRED_ROUNDS rounds (8);
-# ONLY=paired_copies runs just this.
-if [ -f torch_copies.py ] && [ -x bench_pinned ] && want paired_copies; then
-  echo "=== paired_copies (64 MiB pageable copies, ours and PyTorch's alternated)"
-  ours_round() {
-    CRITERION_HOME="$OUT/paired_criterion" pinned ./bench_pinned --bench '^(h2d|d2h)/pageable_64MiB$' \
-      --warm-up-time 0.5 --measurement-time 1.5 > "$OUT/paired_bench.log" 2>&1 || return 1
-    python3 - "$OUT/paired_criterion" <<'PY'
-import json, os, sys
-gbps = [(64 << 20) / json.load(open(os.path.join(sys.argv[1], d, "pageable_64MiB", "new", "estimates.json")))["median"]["point_estimate"]
-        for d in ("h2d", "d2h")]
-print("%.3f %.3f" % tuple(gbps))
-PY
-  }
+# Paired steps: two ways of measuring the same thing alternated round by round, the order
+# flipped every other round, and the median ratio printed with a 95% bootstrap interval
+# (paired_summary.py). A shared host drifts by a third from one minute to the next
+# (docs/measurements/h200_2026-11-30i), so figures taken minutes apart, as the tables above
+# are, cannot decide a ratio near 1; these can. PAIRED_ROUNDS rounds (8).
+# paired NAME WAY_A WAY_B UNIT LABEL...: runs `NAME_WAY` (printing one value per LABEL)
+# for each way each round into $OUT/NAME.txt, then summarizes WAY_A over WAY_B.
+paired() {
+  local name=$1 a=$2 b=$3 unit=$4; shift 4
+  want "$name" || return 0
+  echo "=== $name"
   paired_rounds() {
-    local r way order rates
+    local r way order values
     for r in $(seq 1 "${PAIRED_ROUNDS:-8}"); do
-      if (( r % 2 )); then order="torch ours"; else order="ours torch"; fi
+      if (( r % 2 )); then order="$a $b"; else order="$b $a"; fi
       for way in $order; do
-        if [ "$way" = torch ]; then rates=$(pinned python3 torch_copies.py) || return 1
-        else rates=$(ours_round) || return 1; fi
-        echo "$r $way $rates"
+        values=$("${name}_$way") || return 1
+        echo "$r $way $values"
       done
     done
   }
-  if paired_rounds > "$OUT/paired_copies.txt" && python3 - "$OUT/paired_copies.txt" <<'PY' 2>&1 | tee "$OUT/paired_copies.log"
-import random, statistics, sys
-rows = [line.split() for line in open(sys.argv[1])]
-rates = {(r, way): (float(h2d), float(d2h)) for r, way, h2d, d2h in rows}
-rounds = sorted({r for r, _ in rates}, key=int)
-random.seed(0)
-for i, label in enumerate(("H2D 64 MiB from pageable memory", "D2H 64 MiB into a used buffer")):
-    ratios = [rates[(r, "ours")][i] / rates[(r, "torch")][i] for r in rounds]
-    boot = sorted(statistics.median(random.choices(ratios, k=len(ratios))) for _ in range(10000))
-    print(f"paired {label}: ours {statistics.median(rates[(r, 'ours')][i] for r in rounds):.2f} GB/s, "
-          f"PyTorch {statistics.median(rates[(r, 'torch')][i] for r in rounds):.2f} GB/s (medians of {len(rounds)} rounds), "
-          f"ratio {statistics.median(ratios):.3f} [95% bootstrap {boot[250]:.3f}, {boot[9750]:.3f}]")
+  if paired_rounds > "$OUT/$name.txt" \
+    && python3 paired_summary.py "$OUT/$name.txt" "$a" "$b" "$unit" "$@" 2>&1 | tee "$OUT/$name.log"; then
+    passed=$((passed + 1))
+  else
+    echo "$name failed"; failed=$((failed + 1))
+  fi
+}
+# Criterion's median estimate of each bench named (GROUP/NAME) that the last paired_bench
+# ran, on one line.
+criterion_medians() {
+  python3 - "$OUT/paired_criterion" "$@" <<'PY'
+import json, os, sys
+print(" ".join("%.3f" % json.load(open(os.path.join(sys.argv[1], bench, "new", "estimates.json")))["median"]["point_estimate"]
+               for bench in sys.argv[2:]))
 PY
-  then passed=$((passed + 1)); else echo "paired_copies failed"; failed=$((failed + 1)); fi
+}
+paired_bench() {
+  CRITERION_HOME="$OUT/paired_criterion" pinned ./"$1" --bench "$2" --warm-up-time 0.5 --measurement-time 1.5 \
+    > "$OUT/paired_bench.log" 2>&1
+}
+# The 64 MiB pageable copies, ours (criterion's h2d/ and d2h/pageable_64MiB) against
+# PyTorch's (torch_copies.py, GB/s). ONLY=paired_copies runs just this.
+paired_copies_ours() {
+  paired_bench bench_pinned '^(h2d|d2h)/pageable_64MiB$' || return 1
+  criterion_medians h2d/pageable_64MiB d2h/pageable_64MiB \
+    | python3 -c "import sys; print(' '.join('%.3f' % ((64 << 20) / float(ns)) for ns in sys.stdin.read().split()))"
+}
+paired_copies_torch() { pinned python3 torch_copies.py; }
+if [ -f torch_copies.py ] && [ -x bench_pinned ]; then
+  paired paired_copies ours torch GB/s "H2D 64 MiB from pageable memory" "D2H 64 MiB into a used buffer"
+fi
+# The recommended set against the default configuration (ns per operation): issue 30 asks
+# the recommended set's churn and 8-thread pairs to be at or below the default's.
+# ONLY=paired_alloc runs just this.
+paired_alloc_default() {
+  paired_bench bench_alloc '^alloc/(churn_1024_live|pair_1MiB_8threads)$' || return 1
+  criterion_medians alloc/churn_1024_live alloc/pair_1MiB_8threads
+}
+paired_alloc_recommended() {
+  paired_bench bench_alloc '^alloc/(churn_1024_live|pair_1MiB_8threads)_recommended$' || return 1
+  criterion_medians alloc/churn_1024_live_recommended alloc/pair_1MiB_8threads_recommended
+}
+if [ -x bench_alloc ]; then
+  paired paired_alloc recommended default ns "churn, 1024 live" "1 MiB pairs, 8 threads"
 fi
 if [ -f torch_mathlib.py ] && want torch_mathlib; then
   echo "=== torch_mathlib.py (PyTorch's torch.matmul and torch.fft.fft, same machine, same run)"

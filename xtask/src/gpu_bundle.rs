@@ -165,8 +165,10 @@ pub(crate) fn gpu_bundle() -> Result<(), String> {
     }
     // The pinned-memory anchor lives in this repository (PyTorch's side of benches/pinned.rs).
     std::fs::write(dir.join("torch_pinned.py"), TORCH_PINNED_PY).map_err(|e| e.to_string())?;
-    // And its pageable copies alone, alternated with ours round by round by `run.sh`.
+    // And its pageable copies alone, alternated with ours round by round by `run.sh`'s
+    // paired steps, which `paired_summary.py` sums up.
     std::fs::write(dir.join("torch_copies.py"), TORCH_COPIES_PY).map_err(|e| e.to_string())?;
+    std::fs::write(dir.join("paired_summary.py"), PAIRED_SUMMARY_PY).map_err(|e| e.to_string())?;
     // And cuBLAS's and cuFFT's (PyTorch's side of crates/mathlib/benches).
     std::fs::write(dir.join("torch_mathlib.py"), TORCH_MATHLIB_PY).map_err(|e| e.to_string())?;
     // And the graph-memory planner's (PyTorch's capture pools against `ferrocuda plan`).
@@ -319,6 +321,8 @@ const TORCH_DIST_PY: &str = include_str!("../anchors/torch_dist.py");
 /// The bundle's `run.sh` (`xtask/gpu/run.sh`), before [`run_sh`] fills in the tests of
 /// [`GPU_TEST_ONLY`] at [`TEST_ONLY_LINE`].
 const RUN_SH: &str = include_str!("../gpu/run.sh");
+/// The summary of `run.sh`'s paired steps (`xtask/gpu/paired_summary.py`).
+const PAIRED_SUMMARY_PY: &str = include_str!("../gpu/paired_summary.py");
 /// compute-sanitizer over the conformance binaries (`xtask/gpu/sanitize.sh`), run by `run.sh`.
 const SANITIZE_SH: &str = include_str!("../gpu/sanitize.sh");
 /// The line of [`RUN_SH`] that [`run_sh`] replaces with a `case` arm for each test of
