@@ -7,6 +7,8 @@ Writes torch_pinned.json into $OUT (or the current folder)."""
 import os, time, json
 import torch
 from torch.utils.cpp_extension import load_inline
+# The copies are timed as the paired copies time them (the bundle carries both files).
+from torch_copies import rate
 
 out = {}
 dev = torch.device("cuda")
@@ -71,16 +73,10 @@ dst = torch.empty(n, dtype=torch.uint8, device=dev)
 pinned = torch.full((n,), 7, dtype=torch.uint8).pin_memory()
 pageable = torch.full((n,), 7, dtype=torch.uint8)
 stream = torch.cuda.current_stream()
-for label, src, nb in (("pinned", pinned, True), ("pageable", pageable, False)):
-    for _ in range(3):
-        dst.copy_(src, non_blocking=nb); stream.synchronize()
-    reps = 30
-    t = time.perf_counter()
-    for _ in range(reps):
-        dst.copy_(src, non_blocking=nb)
-        stream.synchronize()
-    per = (time.perf_counter() - t) / reps
-    out[f"torch_h2d_{label}_GBps"] = n / per / 1e9
+def write(src, nb):
+    dst.copy_(src, non_blocking=nb); stream.synchronize()
+out["torch_h2d_pinned_GBps"] = rate(lambda: write(pinned, True), n)
+out["torch_h2d_pageable_GBps"] = rate(lambda: write(pageable, False), n)
 
 # The other way: into a pinned tensor (non-blocking, then a sync), into a pageable one used
 # again (as `DeviceBuffer::copy_to_host`), and `Tensor.cpu()` (a new pageable tensor each
@@ -89,14 +85,7 @@ def pinned_read():
     pinned.copy_(dst, non_blocking=True); stream.synchronize()
 for label, read in (("pinned", pinned_read), ("pageable", lambda: pageable.copy_(dst)),
                     ("cpu", lambda: dst.cpu())):
-    for _ in range(3):
-        read()
-    reps = 30
-    t = time.perf_counter()
-    for _ in range(reps):
-        read()
-    per = (time.perf_counter() - t) / reps
-    out[f"torch_d2h_{label}_GBps"] = n / per / 1e9
+    out[f"torch_d2h_{label}_GBps"] = rate(read, n)
 
 for k, v in out.items():
     print(f"{k:40s} {v:12.3f}")

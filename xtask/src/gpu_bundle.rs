@@ -166,7 +166,8 @@ pub(crate) fn gpu_bundle() -> Result<(), String> {
     // The pinned-memory anchor lives in this repository (PyTorch's side of benches/pinned.rs).
     std::fs::write(dir.join("torch_pinned.py"), TORCH_PINNED_PY).map_err(|e| e.to_string())?;
     // And its pageable copies alone, alternated with ours round by round by `run.sh`'s
-    // paired steps, which `paired_summary.py` sums up.
+    // paired steps, which `paired_summary.py` sums up (`torch_pinned.py` times its copies
+    // with `torch_copies.py`'s `rate`).
     std::fs::write(dir.join("torch_copies.py"), TORCH_COPIES_PY).map_err(|e| e.to_string())?;
     std::fs::write(dir.join("paired_summary.py"), PAIRED_SUMMARY_PY).map_err(|e| e.to_string())?;
     // And cuBLAS's and cuFFT's (PyTorch's side of crates/mathlib/benches).
