@@ -411,13 +411,19 @@ impl Blocks {
         }
     }
 
-    /// The bytes block `id` could grow by: the unmapped range after it, if one is (its
-    /// record says whether, so a mapped neighbour's record is never read).
-    #[inline]
-    pub(crate) fn growth(&self, id: usize) -> u64 {
+    /// The bytes best fit counts block `id` able to grow by: the unmapped range after it,
+    /// if one is (its record says whether, so a mapped neighbour's record is never read).
+    /// With `tail_only` (`expandable_segments_reclaim`), only a range that runs to the end
+    /// of its segment counts: the holes page reclaim cuts between mapped blocks are a few
+    /// pages, and counting them made best fit walk past the blocks before them on one
+    /// search in nine of a steady churn (one in 160 without reclaim).
+    #[inline(always)]
+    pub(crate) fn growth(&self, id: usize, tail_only: bool) -> u64 {
         let b = &self.slab[id];
         match b.next.get() {
-            Some(n) if b.before_unmapped => self.slab[n].size,
+            Some(n) if b.before_unmapped && !(tail_only && self.slab[n].next.is_some()) => {
+                self.slab[n].size
+            }
             _ => 0,
         }
     }

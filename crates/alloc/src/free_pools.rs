@@ -3,7 +3,7 @@
 //! fit, and the oversize rule of `max_split_size_mb`, written once here).
 use crate::block::{Blocks, NO_LIST};
 use crate::free_list::{Found, FreeList, key, key_size};
-use ferrocuda_types::{AllocatorConfig, PoolId, PoolKind, StreamHandle};
+use ferrocuda_types::{AllocatorConfig, ExpandableConfig, PoolId, PoolKind, StreamHandle};
 use rustc_hash::FxHashMap;
 
 /// A free block as the slow paths see it. The free lists order blocks per stream by
@@ -168,15 +168,16 @@ impl Pools {
     /// The best-fit free block of `stream` for `size` (`get_free_block`'s `lower_bound`),
     /// with expandable blocks judged by what they can grow to: a block at the mapped
     /// frontier could grow by the unmapped range after it, so an interior block that fits
-    /// wins over it. With expandable segments switched off (`expandable`), only ordinary
-    /// blocks serve.
+    /// wins over it (with `expandable_segments_reclaim`, only growth into a segment's
+    /// unmapped tail counts: [`Blocks::growth`]). With expandable segments switched off,
+    /// only ordinary blocks serve.
     #[inline(always)]
     fn best_fit(
         &self,
         blocks: &Blocks,
         at: (PoolId, PoolKind, StreamHandle),
         size: u64,
-        expandable: bool,
+        expandable: &ExpandableConfig,
     ) -> Option<Found> {
         let (pool, kind, stream) = at;
         let list = self.list(pool, stream.raw, kind)?;
@@ -185,10 +186,10 @@ impl Pools {
         // grow (a mapped block follows it): every later candidate is at least as large, so
         // none can be preferred.
         let b = &blocks[first.id];
-        if b.segment.is_none() || (expandable && !b.before_unmapped) {
+        if b.segment.is_none() || (expandable.enabled && !b.before_unmapped) {
             return Some(first);
         }
-        if !expandable {
+        if !expandable.enabled {
             return std::iter::successors(list.next_after(&first), |f| list.next_after(f))
                 .find(|f| blocks[f.id].segment.is_none());
         }
@@ -196,9 +197,10 @@ impl Pools {
         // the candidate could grow to less. Only a best that can grow (an unmapped range
         // follows it, so it is expandable) goes on: every later candidate is at least the
         // size of one that cannot.
-        let growable = |i: usize| blocks[i].size + blocks.growth(i);
+        let tail_only = expandable.reclaim;
+        let growable = |i: usize| blocks[i].size + blocks.growth(i, tail_only);
         let mut best = first;
-        while blocks[best.id].before_unmapped {
+        while blocks.growth(best.id, tail_only) > 0 {
             match list.next_after(&best) {
                 Some(next) if growable(next.id) < growable(best.id) => best = next,
                 _ => break,
@@ -219,7 +221,7 @@ impl Pools {
         count_search: bool,
     ) -> Option<usize> {
         self.gc_clock += u64::from(count_search);
-        let best = self.best_fit(blocks, at, size, config.expandable.enabled)?;
+        let best = self.best_fit(blocks, at, size, &config.expandable)?;
         if oversize_refuses(size, key_size(best.key), config) {
             return None;
         }

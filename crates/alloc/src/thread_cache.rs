@@ -554,9 +554,11 @@ fn credit(st: &State, id: usize, req: &Request) -> Option<Credit> {
             .find(|(k, _)| Some(*k) != next_key)
     });
     // (What follows the merged block is what follows its last piece.)
-    let growable = merged + st.blocks.growth(next.unwrap_or(id));
+    let tail_only = c.expandable.reclaim;
+    let growable = merged + st.blocks.growth(next.unwrap_or(id), tail_only);
     if rival.is_some_and(|(k, r)| {
-        k < key(merged, b.ptr) || (expandable && st.blocks[r].size + st.blocks.growth(r) < growable)
+        k < key(merged, b.ptr)
+            || (expandable && st.blocks[r].size + st.blocks.growth(r, tail_only) < growable)
     }) {
         return None;
     }

@@ -394,3 +394,48 @@ fn a_steady_state_keeps_few_marks_and_events() -> TestResult {
     a.check_invariants()?;
     Ok(())
 }
+
+/// Best fit with a hole between mapped blocks (here `empty_cache`'s; page reclaim cuts the
+/// same kind): PyTorch's rule counts the hole as room the block before it can grow into,
+/// and passes that block over for the next candidate, which could grow to less; with page
+/// reclaim only a segment's unmapped tail counts, so the block before the hole is an
+/// ordinary best fit.
+///
+/// 2 MiB pages. A 4 MiB, B 6 MiB, C 4 MiB, X 5 MiB, Y 2 MiB in a row; B freed and its three
+/// pages unmapped (C stays: the hole is between mapped blocks); A and X freed. A 4 MiB
+/// request: X under PyTorch's expandable segments (A could grow to 10 MiB, X to 5), A with
+/// reclaim.
+#[test]
+fn with_reclaim_a_hole_between_mapped_blocks_is_no_room_to_grow() -> TestResult {
+    for (conf, takes_a) in [
+        (
+            "expandable_segments:True,expandable_segments_page_mb:2",
+            false,
+        ),
+        (RECLAIM, true),
+    ] {
+        let (_, a) = setup(80 * GIB, conf, Completion::Eager);
+        let [x_a, x_b, _c, x_x, _y] = [4, 6, 4, 5, 2].map(|m| a.allocate(m * MIB, LEGACY));
+        let (x_a, x_b, x_x) = (x_a?, x_b?, x_x?);
+        assert_eq!(
+            (x_b.ptr.0 - x_a.ptr.0, x_x.ptr.0 - x_a.ptr.0),
+            (4 * MIB, 14 * MIB),
+            "{conf}: one range, in order"
+        );
+        a.free(x_b.ptr)?;
+        a.empty_cache();
+        assert!(
+            a.blocks()
+                .iter()
+                .any(|b| !b.mapped && b.ptr == x_b.ptr && b.size == 6 * MIB),
+            "{conf}: B's pages are unmapped"
+        );
+        a.free(x_a.ptr)?;
+        a.free(x_x.ptr)?;
+        let got = a.allocate(4 * MIB, LEGACY)?;
+        let want = if takes_a { x_a.ptr } else { x_x.ptr };
+        assert_eq!(got.ptr, want, "{conf}");
+        a.check_invariants()?;
+    }
+    Ok(())
+}

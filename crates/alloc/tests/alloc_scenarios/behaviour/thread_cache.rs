@@ -334,3 +334,68 @@ fn many_threads_keep_exact_books() -> TestResult {
     a.check_invariants()?;
     Ok(())
 }
+
+/// Random single-threaded programs under expandable segments, with and without page
+/// reclaim (whose best fit counts only a segment's unmapped tail as room to grow), and an
+/// occasional `empty_cache` that leaves holes between mapped blocks: the thread cache's
+/// credits hand out the pointer the single-lock path hands out at every allocation, and
+/// the statistics and blocks end the same.
+#[test]
+fn expandable_programs_match_the_single_lock_path() -> TestResult {
+    const SIZES: [u64; 8] = [512, 4096, 700_000, MIB, 3 * MIB, 4 * MIB, 6 * MIB, 10 * MIB];
+    for conf in [
+        "expandable_segments:True,expandable_segments_page_mb:2",
+        "expandable_segments:True,expandable_segments_page_mb:2,expandable_segments_reclaim:True",
+        "ferrocuda_recommended:True",
+    ] {
+        for seed in 1..=20u64 {
+            let (_, ours) = setup(80 * GIB, conf, Completion::Eager);
+            let (_, single) = setup(
+                80 * GIB,
+                &format!("{conf},thread_cache:False"),
+                Completion::Eager,
+            );
+            let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+            let mut next = || {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                state
+            };
+            let mut live: Vec<Option<(DevicePtr, u64)>> = vec![None; 12];
+            // Half the allocations after a free ask for the freed size (a credit's case).
+            let mut freed = None;
+            for step in 0..2_000 {
+                let r = next();
+                let slot = (r % 12) as usize;
+                if r % 97 == 0 {
+                    ours.empty_cache();
+                    single.empty_cache();
+                }
+                match live[slot].take() {
+                    Some((p, bytes)) => {
+                        ours.free(p)?;
+                        single.free(p)?;
+                        freed = Some(bytes);
+                    }
+                    None => {
+                        let bytes = match freed.take() {
+                            Some(bytes) if r & (1 << 20) != 0 => bytes,
+                            _ => SIZES[((r >> 32) % SIZES.len() as u64) as usize],
+                        };
+                        let (a, b) = (
+                            ours.allocate(bytes, LEGACY)?,
+                            single.allocate(bytes, LEGACY)?,
+                        );
+                        assert_eq!(a.ptr, b.ptr, "{conf}, seed {seed}, step {step}");
+                        live[slot] = Some((a.ptr, bytes));
+                    }
+                }
+            }
+            assert_eq!(ours.stats(), single.stats(), "{conf}, seed {seed}");
+            assert_eq!(ours.blocks(), single.blocks(), "{conf}, seed {seed}");
+            ours.check_invariants()?;
+        }
+    }
+    Ok(())
+}
