@@ -163,6 +163,9 @@ impl CachingAllocator {
             return Err(AllocError::WrongBackend);
         }
         self.engine.cache.enable(next.reuse.thread_cache);
+        if next.expandable.reclaim && !st.config.expandable.reclaim {
+            st.expandable.stamp_all();
+        }
         st.config = next;
         st.stats.max_split_size = st.config.sizes.max_split_size.map_or(-1, |m| m as i64);
         Ok(())

@@ -169,9 +169,9 @@ impl Expandable {
     }
 
     /// Stamps the pages that a freed block covers (`size` bytes at `ptr` in `segment`),
-    /// partial ones too, with the reclaim clock's epoch (whatever the configuration:
-    /// reclaim may be switched on later), and counts the free towards the segment's next
-    /// mark.
+    /// partial ones too, with the reclaim clock's epoch, and counts the free towards the
+    /// segment's next mark (`expandable_segments_reclaim` only: switched on later, it
+    /// begins with [`stamp_all`](Self::stamp_all)).
     ///
     /// Every free of an expandable block comes here, so the usual case is short: the first
     /// and last page are two stores, the same page or not; a block over more than two pages
@@ -202,6 +202,17 @@ impl Expandable {
         if segment.frees_since_mark >= frees_per_mark {
             segment.frees_since_mark = 0;
             self.mark_due = Some(segment.stream);
+        }
+    }
+
+    /// Stamps every page of every segment with the reclaim clock's epoch, when
+    /// `expandable_segments_reclaim` is switched on: frees made without it stamped nothing,
+    /// so no page is known safe before a mark recorded from now on has completed (or its
+    /// stream is found idle).
+    pub(crate) fn stamp_all(&mut self) {
+        let stamp = self.clock.epoch();
+        for segment in self.segments.iter_mut().flatten() {
+            segment.freed.fill(stamp);
         }
     }
 

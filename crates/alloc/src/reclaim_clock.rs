@@ -9,6 +9,9 @@
 //! stream has completed a mark started after `e`, which an event query tells without
 //! blocking; marks complete in order on their stream, so each stream needs only the newest
 //! completed one. Pages never freed since they were mapped carry stamp 0 and are always safe.
+//! Only frees made with reclaim on stamp (the others skip the work): switching it on stamps
+//! every page with the current epoch, so none is taken as safe before a mark recorded after
+//! the switch has completed or its stream is found idle.
 //!
 //! Marks fall due every few frees of a segment (so that a step's late frees are covered by
 //! a mark the device reaches soon) and at every reclaim. A stream found idle (a query, not

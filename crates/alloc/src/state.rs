@@ -302,14 +302,18 @@ impl State {
         let s = &mut self.stats;
         s.deactivate(kind, size as i64);
         s.requested_bytes.decrease(kind, requested as i64);
-        // Expandable blocks are never counted as inactive splits (PyTorch's rule); their
-        // pages are stamped for reclaim instead.
+        // Expandable blocks are never counted as inactive splits (PyTorch's rule); with
+        // page reclaim their pages are stamped instead (switching reclaim on stamps every
+        // page: `Expandable::stamp_all`).
         match segment.get() {
             None => {
                 s.inactive_split.change(kind, net_blocks);
                 s.inactive_split_bytes.change(kind, net_bytes);
             }
-            Some(segment) => self.expandable.stamp_free(segment, ptr, size),
+            Some(segment) if self.config.expandable.reclaim => {
+                self.expandable.stamp_free(segment, ptr, size);
+            }
+            Some(_) => {}
         }
     }
 

@@ -250,7 +250,9 @@ fn empty_cache_with_outstanding_marks_then_growth() -> TestResult {
     t.finish()
 }
 
-/// Reclaim off and on again: pages freed while off, after the last completed mark, stay.
+/// Reclaim off and on again: frees made while it is off stamp no page, so switching it on
+/// takes no page as safe (not even one known safe before) until a mark recorded after the
+/// switch has completed or the stream is found idle; then every free page may move.
 #[test]
 fn toggling_reclaim_off_and_on_between_frees() -> TestResult {
     let mut t = Scenario::new(80 * GIB, RECLAIM);
@@ -265,7 +267,19 @@ fn toggling_reclaim_off_and_on_between_frees() -> TestResult {
     smalls.iter().for_each(|y| t.free_late(y)); // marks fall due
     t.grow(30 * MIB, LEGACY, Some(30 * MIB), "off: nothing moves");
     t.a.update_config("expandable_segments_reclaim:True")?;
-    t.grow(40 * MIB, LEGACY, Some(30 * MIB), "on: only xs[0] moves");
+    t.grow(
+        40 * MIB,
+        LEGACY,
+        Some(40 * MIB),
+        "on: no page known safe yet",
+    );
+    t.fake.advance_all();
+    t.grow(
+        30 * MIB,
+        LEGACY,
+        Some(0),
+        "stream idle: xs[0], xs[2] and xs[4] move",
+    );
     [xs[1], xs[3], xs[5], xs[6], xs[7]]
         .into_iter()
         .for_each(|x| t.keep(x, 7));

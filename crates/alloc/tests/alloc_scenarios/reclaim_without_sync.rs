@@ -76,7 +76,7 @@ fn a_free_with_queued_work_keeps_its_pages_until_that_work_has_run() -> TestResu
 
 /// Reclaim switched on at run time (PyTorch's `_set_allocator_settings`) after a free made
 /// with it off: the page freed with work still queued does not move before that work has
-/// run (a free stamps its pages whatever the configuration).
+/// run (frees without reclaim stamp nothing; switching it on stamps every page).
 #[test]
 fn reclaim_switched_on_later_waits_for_work_queued_before_it() -> TestResult {
     hole_waits_for_its_queued_work(
