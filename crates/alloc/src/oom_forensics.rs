@@ -17,6 +17,7 @@ use ferrocuda_types::{
     FreeCache, LiveBlock, OomForensics, OutOfMemory, PoolId, PoolKind, StreamHandle,
 };
 use rustc_hash::FxHashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 /// Live blocks listed, at most.
 const LIVE_LISTED: usize = 5;
@@ -113,11 +114,21 @@ impl CachingAllocator {
         }
     }
 
-    /// Writes this device's snapshot to `path`: where it went, or why not.
+    /// Writes this device's snapshot to `path`: where it went, or why not. Written to a
+    /// file of its own beside `path` and renamed over it, so that errors on several
+    /// threads at once leave one whole snapshot there, never two interleaved.
     fn write_oom_snapshot(&self, path: &str) -> Result<String, String> {
+        static WRITES: AtomicU64 = AtomicU64::new(0);
         let snapshot = self.device_snapshot();
         let bytes = snapshot.to_pickle()?;
-        std::fs::write(path, bytes).map_err(|e| format!("{path}: {e}"))?;
+        let n = WRITES.fetch_add(1, Ordering::Relaxed);
+        let partial = format!("{path}.{}.{n}.partial", std::process::id());
+        std::fs::write(&partial, bytes)
+            .and_then(|()| std::fs::rename(&partial, path))
+            .map_err(|e| {
+                let _ = std::fs::remove_file(&partial);
+                format!("{path}: {e}")
+            })?;
         Ok(path.to_owned())
     }
 }
