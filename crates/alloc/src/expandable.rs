@@ -205,6 +205,25 @@ impl Expandable {
         }
     }
 
+    /// How many more frees `segment` takes before a reclaim mark falls due, not counting
+    /// the one that makes it due (see `thread_cache`'s credits).
+    pub(crate) fn frees_before_mark(&self, segment: usize) -> u32 {
+        let frees_per_mark = self.clock.frees_per_mark();
+        self.segments
+            .get(segment)
+            .and_then(Option::as_ref)
+            .map_or(0, |s| frees_per_mark.saturating_sub(s.frees_since_mark + 1))
+    }
+
+    /// Counts `n` frees of `segment` made without the lock (a credited block's, taken back
+    /// by its thread), fewer than [`frees_before_mark`](Self::frees_before_mark) said.
+    pub(crate) fn count_frees(&mut self, segment: usize, n: u64) {
+        if let Some(Some(s)) = self.segments.get_mut(segment) {
+            let n = u32::try_from(n).unwrap_or(u32::MAX);
+            s.frees_since_mark = s.frees_since_mark.saturating_add(n);
+        }
+    }
+
     /// Stamps every page of every segment with the reclaim clock's epoch, when
     /// `expandable_segments_reclaim` is switched on: frees made without it stamped nothing,
     /// so no page is known safe before a mark recorded from now on has completed (or its

@@ -13,7 +13,10 @@
 //! a time, the one whose locked operation came last, and its lock-free operations are a
 //! sequence that no other thread's operation interleaves: each of them is what the
 //! single-lock path would do at that point. Another thread's operation that comes later
-//! (a hand-over, or just a race lost) sees every free parked before it.
+//! (a hand-over, or just a race lost) sees every free parked before it. With page reclaim a
+//! free also counts toward its segment's next reclaim mark: a credit allows only the parks
+//! that make no mark due (the one that would takes the lock), and settling adds the reuses
+//! to the count, so marks are recorded where the single-lock path records them.
 use crate::block::Allocation;
 use crate::combining::{CHUNK, Publication};
 use crate::free_list::key;
@@ -104,6 +107,14 @@ pub(crate) struct Credit {
     pub inactive: bool,
     /// And `inactive_split_bytes` by this much (PyTorch applies each net change once).
     pub inactive_bytes: u64,
+    /// With `expandable_segments_reclaim`, the block's expandable segment, whose count of
+    /// frees toward the next reclaim mark the reuses join when folded.
+    pub reclaim_segment: Option<usize>,
+    /// How many times the block may be parked without the lock: with reclaim, one fewer
+    /// than the frees left before a mark falls due on its segment, so that the free that
+    /// makes it due takes the lock, as it does on the single-lock path (`u64::MAX`: no
+    /// limit).
+    pub parks: u64,
 }
 
 /// What an allocator and its threads' slots share.
@@ -149,6 +160,8 @@ pub(crate) struct Slot {
     pub size: AtomicU64,
     /// Reuses since the credit was granted or last folded into the statistics.
     pub reuses: AtomicU64,
+    /// Parks the credit still allows ([`Credit::parks`]; written by the owner only).
+    parks_left: AtomicU64,
     /// The whole credit, for folding reuses into the statistics (read and written under the
     /// allocator's lock; the fields a reuse needs are copied into the atomics above).
     credit: LockedCell<Option<Credit>>,
@@ -193,6 +206,7 @@ impl Slot {
             requested: AtomicU64::new(0),
             size: AtomicU64::new(0),
             reuses: AtomicU64::new(0),
+            parks_left: AtomicU64::new(0),
             credit: LockedCell::new(None),
             used: AtomicBool::new(false),
             orphaned: AtomicBool::new(false),
@@ -203,15 +217,15 @@ impl Slot {
     }
 
     /// Folds the reuses so far into `stats` (with the allocator's lock held and the slot
-    /// seized).
-    pub(crate) fn fold_into(&self, stats: &mut Tally) {
+    /// seized); returns the credit and how many reuses were folded.
+    pub(crate) fn fold_into(&self, stats: &mut Tally) -> Option<(Credit, u64)> {
         let reuses = self.reuses.swap(0, Ordering::Relaxed);
-        if reuses > 0
-            && let Some(credit) = self.credit.get()
-        {
+        let credit = self.credit.get()?;
+        if reuses > 0 {
             self.used.store(true, Ordering::Relaxed);
             credit.fold(stats, reuses);
         }
+        Some((credit, reuses))
     }
 
     /// Ends the credit (folded already; with the allocator's lock held, the slot seized),
@@ -238,6 +252,7 @@ impl Slot {
         self.stream.store(stream, Ordering::Relaxed);
         self.requested.store(credit.requested, Ordering::Relaxed);
         self.size.store(credit.size, Ordering::Relaxed);
+        self.parks_left.store(credit.parks, Ordering::Relaxed);
         self.credit.set(Some(credit));
         self.shared.credits.fetch_add(1, Ordering::Relaxed);
         self.state.store(HELD, Ordering::Release);
@@ -263,15 +278,19 @@ impl Slot {
         }
     }
 
-    /// The owner's lock-free free: parks `ptr` if it is the held block (else the caller
-    /// takes the lock, which settles the slot first).
+    /// The owner's lock-free free: parks `ptr` if it is the held block and the credit
+    /// allows another park (else the caller takes the lock, which settles the slot first).
     #[inline]
     pub(crate) fn park(&self, ptr: u64) -> bool {
-        self.ptr.load(Ordering::Relaxed) == ptr
-            && self
-                .state
-                .compare_exchange(HELD, PARKED, Ordering::AcqRel, Ordering::Relaxed)
-                .is_ok()
+        let left = self.parks_left.load(Ordering::Relaxed);
+        if left == 0 || self.ptr.load(Ordering::Relaxed) != ptr {
+            return false;
+        }
+        // (Only the owner parks; if the credit has just been ended, the count is moot.)
+        self.parks_left.store(left - 1, Ordering::Relaxed);
+        self.state
+            .compare_exchange(HELD, PARKED, Ordering::AcqRel, Ordering::Relaxed)
+            .is_ok()
     }
 
     /// The owner's lock-free allocation: the parked block's address and size, if the
@@ -503,7 +522,13 @@ fn settle(st: &mut State, slot: &Slot) {
     let Some(was) = slot.seize() else {
         return;
     };
-    slot.fold_into(&mut st.stats);
+    // Each reuse followed a free made without the lock: with reclaim, one toward the
+    // segment's next mark (never the one that makes it due: `Credit::parks`).
+    if let Some((credit, reuses)) = slot.fold_into(&mut st.stats)
+        && let Some(segment) = credit.reclaim_segment
+    {
+        st.expandable.count_frees(segment, reuses);
+    }
     slot.end_credit();
     if was == PARKED {
         let id = slot.block.load(Ordering::Relaxed);
@@ -530,6 +555,19 @@ fn credit(st: &State, id: usize, req: &Request) -> Option<Credit> {
     }
     let b = &st.blocks[id];
     let expandable = b.segment.is_some();
+    // With reclaim, a free counts toward the segment's next mark: the credit allows only
+    // the frees that make none due, and none while one is due already (every locked
+    // operation would try to record it).
+    let (reclaim_segment, parks) = match b.segment.get() {
+        Some(segment) if c.expandable.reclaim => {
+            let parks = st.expandable.frees_before_mark(segment);
+            if parks == 0 || st.expandable.mark_due.is_some() {
+                return None;
+            }
+            (Some(segment), u64::from(parks))
+        }
+        _ => (None, u64::MAX),
+    };
     // (With expandable segments switched off, the search skips expandable blocks.)
     if (expandable && !c.expandable.enabled)
         || b.size != req.size
@@ -590,6 +628,8 @@ fn credit(st: &State, id: usize, req: &Request) -> Option<Credit> {
         oversize: b.oversize,
         inactive,
         inactive_bytes,
+        reclaim_segment,
+        parks,
     })
 }
 
@@ -617,6 +657,8 @@ mod loom_model {
             oversize: false,
             inactive: false,
             inactive_bytes: 0,
+            reclaim_segment: None,
+            parks: u64::MAX,
         }
     }
 
