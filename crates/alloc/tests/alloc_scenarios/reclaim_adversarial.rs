@@ -15,7 +15,7 @@ const RECLAIM: &str =
     "expandable_segments:True,expandable_segments_page_mb:2,expandable_segments_reclaim:True";
 
 /// One byte in each 2 MiB page a block spans, and its last byte.
-fn probes(x: &Allocation) -> Vec<DevicePtr> {
+pub(crate) fn probes(x: &Allocation) -> Vec<DevicePtr> {
     (0..x.size.div_ceil(2 * MIB))
         .map(|k| DevicePtr(x.ptr.0 + k * 2 * MIB))
         .chain(std::iter::once(DevicePtr(x.ptr.0 + x.size - 1)))

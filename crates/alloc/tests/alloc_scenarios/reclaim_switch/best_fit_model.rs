@@ -127,10 +127,7 @@ fn run_model(conf: &str, completion: Completion, ops: &[BOp]) -> R<(u64, u64)> {
             }
             BOp::Free(p) if n > 0 => t.free_at(p % n, true),
             BOp::Write(p) if n > 0 => {
-                let tag = t.next_tag();
-                let x = t.live[p % n].0;
-                t.write(&x, tag, x.stream);
-                t.live[p % n].1 = tag;
+                t.retag(p % n);
                 Ok(())
             }
             BOp::Drain => {
@@ -164,11 +161,7 @@ fn model_seeds(
     toggles: bool,
     seeds: std::ops::Range<u64>,
 ) -> (u64, u64) {
-    let scale: u64 = std::env::var("PROBE_SCALE")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(1);
-    let seeds = seeds.start..seeds.start + (seeds.end - seeds.start) * scale;
+    let seeds = scaled(seeds);
     let (mut c, mut d) = (0, 0);
     for seed in seeds {
         let ops = gen_bops(seed, 160, toggles);

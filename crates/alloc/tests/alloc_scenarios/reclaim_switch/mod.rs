@@ -17,10 +17,11 @@
 #![allow(clippy::unwrap_used, clippy::panic)]
 use crate::Rng;
 use crate::common;
+use crate::reclaim_adversarial::probes;
 use common::{D0, GIB, LEGACY, MIB, new_stream, setup, stat};
 use ferrocuda_alloc::{AllocError, Allocation, BlockInfo, CachingAllocator};
 use ferrocuda_driver::{Call, Driver, FakeDriver, fake::Completion};
-use ferrocuda_types::{DevicePtr, MemsetValue, PoolId, PoolKind, StreamHandle};
+use ferrocuda_types::{MemsetValue, PoolId, PoolKind, StreamHandle};
 use std::sync::Arc;
 
 mod best_fit_model;
@@ -31,13 +32,6 @@ mod thread_cache_vs_single_lock;
 const PLAIN: &str = "expandable_segments:True,expandable_segments_page_mb:2";
 const RECLAIM: &str =
     "expandable_segments:True,expandable_segments_page_mb:2,expandable_segments_reclaim:True";
-
-fn probes(x: &Allocation) -> Vec<DevicePtr> {
-    (0..x.size.div_ceil(2 * MIB))
-        .map(|k| DevicePtr(x.ptr.0 + k * 2 * MIB))
-        .chain(std::iter::once(DevicePtr(x.ptr.0 + x.size - 1)))
-        .collect()
-}
 
 struct H {
     fake: Arc<FakeDriver>,
@@ -76,6 +70,19 @@ impl H {
                 .memset_async(p, MemsetValue::U8(tag), 1, s)
                 .unwrap();
         }
+    }
+    /// Writes a new tag into `x` on its own stream and keeps it as live.
+    fn keep(&mut self, x: Allocation) {
+        let tag = self.next_tag();
+        self.write(&x, tag, x.stream);
+        self.live.push((x, tag));
+    }
+    /// Writes a new tag into live block `i`.
+    fn retag(&mut self, i: usize) {
+        let tag = self.next_tag();
+        let x = self.live[i].0;
+        self.write(&x, tag, x.stream);
+        self.live[i].1 = tag;
     }
     fn next_tag(&mut self) -> u8 {
         self.tag = self.tag % 250 + 1;
@@ -200,4 +207,13 @@ fn shrink<T: Clone + std::fmt::Debug>(ops: &[T], fails: impl Fn(&[T]) -> bool) -
         }
     }
     cur
+}
+
+/// `seeds`, made `PROBE_SCALE` times as long.
+fn scaled(seeds: std::ops::Range<u64>) -> std::ops::Range<u64> {
+    let scale: u64 = std::env::var("PROBE_SCALE")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1);
+    seeds.start..seeds.start + (seeds.end - seeds.start) * scale
 }

@@ -65,10 +65,7 @@ fn run_toggle_counted(conf: &str, capacity: u64, nstreams: usize, ops: &[Op]) ->
             Op::FreeLate(p) if n > 0 => t.free_at(p % n, true),
             Op::FreeElsewhere(p) if n > 0 && t.streams.len() > 1 => t.free_elsewhere(p % n),
             Op::Write(p) if n > 0 => {
-                let tag = t.next_tag();
-                let x = t.live[p % n].0;
-                t.write(&x, tag, x.stream);
-                t.live[p % n].1 = tag;
+                t.retag(p % n);
                 Ok(())
             }
             Op::Advance(s, k) => t
@@ -113,11 +110,7 @@ fn toggle_seeds(
     seeds: std::ops::Range<u64>,
     len: usize,
 ) {
-    let scale: u64 = std::env::var("PROBE_SCALE")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(1);
-    let seeds = seeds.start..seeds.start + (seeds.end - seeds.start) * scale;
+    let seeds = scaled(seeds);
     let mut reclaims = 0;
     for seed in seeds {
         let ops = gen_ops(seed, len, nstreams, expandable);

@@ -84,9 +84,7 @@ fn toggle_many_times_with_work_queued() {
         // Every remaining block stays live with a tag.
         for pool in &mut pools {
             for x in pool.drain(..) {
-                let tag = t.next_tag();
-                t.write(&x, tag, x.stream);
-                t.live.push((x, tag));
+                t.keep(x);
             }
         }
         t.fake.advance_all();
@@ -128,9 +126,7 @@ fn merged_from_pieces_freed_on_and_off() {
             ));
         }
         for i in [2, 3] {
-            let tag = t.next_tag();
-            t.write(&xs[i], tag, s);
-            t.live.push((xs[i], tag));
+            t.keep(xs[i]);
         }
         t.inv()?;
         t.finish()
@@ -175,9 +171,7 @@ fn other_stream_idle_does_not_free_this_streams_pages() {
             ));
         }
         for x in [a1[1], a1[3], a2[1], a2[3]] {
-            let tag = t.next_tag();
-            t.write(&x, tag, x.stream);
-            t.live.push((x, tag));
+            t.keep(x);
         }
         t.inv()?;
         t.finish()
@@ -214,9 +208,7 @@ fn record_stream_free_while_off_then_on() {
             ));
         }
         for i in [0, 2, 3] {
-            let tag = t.next_tag();
-            t.write(&xs[i], tag, LEGACY);
-            t.live.push((xs[i], tag));
+            t.keep(xs[i]);
         }
         t.inv()?;
         t.finish()
@@ -262,9 +254,7 @@ fn switch_expandable_and_umbrella() {
             t.fake.advance_all();
             t.alloc(30 * MIB, s)?;
             for x in [xs[1], xs[3], xs[5], plain[0], plain[2]] {
-                let tag = t.next_tag();
-                t.write(&x, tag, s);
-                t.live.push((x, tag));
+                t.keep(x);
             }
             t.inv()?;
             t.finish()
@@ -305,9 +295,7 @@ fn empty_cache_and_oom_between() {
             .unwrap();
         t.alloc(14 * MIB, s)?;
         for i in [1, 4, 7] {
-            let tag = t.next_tag();
-            t.write(&xs[i], tag, s);
-            t.live.push((xs[i], tag));
+            t.keep(xs[i]);
         }
         t.inv()?;
         t.finish()
@@ -341,9 +329,7 @@ fn parked_block_at_switch() {
             ));
         }
         for k in [keep, guard] {
-            let tag = t.next_tag();
-            t.write(&k, tag, s);
-            t.live.push((k, tag));
+            t.keep(k);
         }
         t.inv()?;
         t.finish()

@@ -239,11 +239,7 @@ fn tc_seeds(
     seeds: std::ops::Range<u64>,
     len: usize,
 ) {
-    let scale: u64 = std::env::var("PROBE_SCALE")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(1);
-    let seeds = seeds.start..seeds.start + (seeds.end - seeds.start) * scale;
+    let seeds = scaled(seeds);
     let mut total = 0;
     for seed in seeds {
         let ops = gen_tops(seed, len, toggles);
@@ -412,11 +408,7 @@ fn thread_cache_matches_single_lock_frees_during_growth() {
         (RECLAIM, 4 * GIB),
     ] {
         let mut fired = 0;
-        let scale: u64 = std::env::var("PROBE_SCALE")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(1);
-        for seed in 0..50 * scale {
+        for seed in scaled(0..50) {
             let ops = gen_grow_tops(seed, 150);
             let run = |o: &[TOp]| run_tc_cap(cap, conf, Completion::Eager, o, true);
             if let Err(e) = run(&ops) {
