@@ -160,8 +160,9 @@ pub(crate) struct Slot {
     pub size: AtomicU64,
     /// Reuses since the credit was granted or last folded into the statistics.
     pub reuses: AtomicU64,
-    /// Parks the credit still allows ([`Credit::parks`]; written by the owner only).
-    parks_left: AtomicU64,
+    /// The parks the credit allows ([`Credit::parks`]): while the slot is held, the parks
+    /// made so far are its reuses.
+    park_limit: AtomicU64,
     /// The whole credit, for folding reuses into the statistics (read and written under the
     /// allocator's lock; the fields a reuse needs are copied into the atomics above).
     credit: LockedCell<Option<Credit>>,
@@ -206,7 +207,7 @@ impl Slot {
             requested: AtomicU64::new(0),
             size: AtomicU64::new(0),
             reuses: AtomicU64::new(0),
-            parks_left: AtomicU64::new(0),
+            park_limit: AtomicU64::new(0),
             credit: LockedCell::new(None),
             used: AtomicBool::new(false),
             orphaned: AtomicBool::new(false),
@@ -252,7 +253,7 @@ impl Slot {
         self.stream.store(stream, Ordering::Relaxed);
         self.requested.store(credit.requested, Ordering::Relaxed);
         self.size.store(credit.size, Ordering::Relaxed);
-        self.parks_left.store(credit.parks, Ordering::Relaxed);
+        self.park_limit.store(credit.parks, Ordering::Relaxed);
         self.credit.set(Some(credit));
         self.shared.credits.fetch_add(1, Ordering::Relaxed);
         self.state.store(HELD, Ordering::Release);
@@ -282,15 +283,12 @@ impl Slot {
     /// allows another park (else the caller takes the lock, which settles the slot first).
     #[inline]
     pub(crate) fn park(&self, ptr: u64) -> bool {
-        let left = self.parks_left.load(Ordering::Relaxed);
-        if left == 0 || self.ptr.load(Ordering::Relaxed) != ptr {
-            return false;
-        }
-        // (Only the owner parks; if the credit has just been ended, the count is moot.)
-        self.parks_left.store(left - 1, Ordering::Relaxed);
-        self.state
-            .compare_exchange(HELD, PARKED, Ordering::AcqRel, Ordering::Relaxed)
-            .is_ok()
+        self.ptr.load(Ordering::Relaxed) == ptr
+            && self.reuses.load(Ordering::Relaxed) < self.park_limit.load(Ordering::Relaxed)
+            && self
+                .state
+                .compare_exchange(HELD, PARKED, Ordering::AcqRel, Ordering::Relaxed)
+                .is_ok()
     }
 
     /// The owner's lock-free allocation: the parked block's address and size, if the
@@ -555,6 +553,13 @@ fn credit(st: &State, id: usize, req: &Request) -> Option<Credit> {
     }
     let b = &st.blocks[id];
     let expandable = b.segment.is_some();
+    // (With expandable segments switched off, the search skips expandable blocks.)
+    if (expandable && !c.expandable.enabled)
+        || b.size != req.size
+        || st.blocks.mergeable(b.prev).is_some()
+    {
+        return None;
+    }
     // With reclaim, a free counts toward the segment's next mark: the credit allows only
     // the frees that make none due, and none while one is due already (every locked
     // operation would try to record it).
@@ -568,13 +573,6 @@ fn credit(st: &State, id: usize, req: &Request) -> Option<Credit> {
         }
         _ => (None, u64::MAX),
     };
-    // (With expandable segments switched off, the search skips expandable blocks.)
-    if (expandable && !c.expandable.enabled)
-        || b.size != req.size
-        || st.blocks.mergeable(b.prev).is_some()
-    {
-        return None;
-    }
     // The free merges the free block after it, if any...
     let next = st.blocks.mergeable(b.next);
     let next_size = next.map_or(0, |n| st.blocks[n].size);
