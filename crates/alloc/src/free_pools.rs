@@ -27,6 +27,31 @@ pub(crate) fn oversize_refuses(size: u64, found: u64, config: &AllocatorConfig) 
         || (size >= max_split && found >= size.saturating_add(config.sizes.max_non_split_rounding))
 }
 
+/// PyTorch's walk past expandable candidates (`get_free_block` with expandable segments):
+/// from the `first` candidate (in key order), on to the `next` while the best so far can
+/// grow and the next could grow to less. `grows_to` gives a candidate's size with the
+/// growth best fit counts, and whether it can grow at all ([`Blocks::growth`]). Best fit
+/// walks the free list; the thread cache's credit check walks the list as a free would
+/// leave it.
+#[inline(always)]
+pub(crate) fn walk<T>(
+    first: T,
+    mut next: impl FnMut(&T) -> Option<T>,
+    grows_to: impl Fn(&T) -> (u64, bool),
+) -> T {
+    let mut best = first;
+    let (mut best_to, mut grows) = grows_to(&best);
+    while grows {
+        let Some(candidate) = next(&best) else { break };
+        let (to, candidate_grows) = grows_to(&candidate);
+        if to >= best_to {
+            break;
+        }
+        (best, best_to, grows) = (candidate, to, candidate_grows);
+    }
+    best
+}
+
 /// Free lists per stream, small and large pool. The last one used is looked at first; the
 /// others are found by a hash of (pool, stream), so a request costs the same with 10 or
 /// 100 000 streams.
@@ -198,15 +223,14 @@ impl Pools {
         // follows it, so it is expandable) goes on: every later candidate is at least the
         // size of one that cannot.
         let tail_only = expandable.reclaim;
-        let growable = |i: usize| blocks[i].size + blocks.growth(i, tail_only);
-        let mut best = first;
-        while blocks.growth(best.id, tail_only) > 0 {
-            match list.next_after(&best) {
-                Some(next) if growable(next.id) < growable(best.id) => best = next,
-                _ => break,
-            }
-        }
-        Some(best)
+        Some(walk(
+            first,
+            |f| list.next_after(f),
+            |f| {
+                let growth = blocks.growth(f.id, tail_only);
+                (blocks[f.id].size + growth, growth > 0)
+            },
+        ))
     }
 
     /// `get_free_block`: best fit on the request's stream under the oversize rule, taken

@@ -20,7 +20,7 @@
 use crate::block::Allocation;
 use crate::combining::{CHUNK, Publication};
 use crate::free_list::key;
-use crate::free_pools::oversize_refuses;
+use crate::free_pools::{oversize_refuses, walk};
 use crate::history::HistoryMode;
 use crate::state::{Request, State};
 use crate::tally::Tally;
@@ -580,22 +580,10 @@ fn credit(st: &State, id: usize, req: &Request) -> Option<Credit> {
     if oversize_refuses(b.size, merged, c) {
         return None;
     }
-    // ... the search must find the merged block first (an expandable one must also not
-    // be passed over for the next candidate, which could grow by less: spec §4.5). Best
-    // fit has just chosen this block, so only blocks freed by other threads while the
-    // slow path waited for the driver (lock released) can fail these checks...
-    let next_key = next.map(|n| key(next_size, st.blocks[n].ptr));
-    let rival = st.pools.list(b.pool_id, b.stream, b.pool).and_then(|l| {
-        l.range_from(key(b.size, 0))
-            .find(|(k, _)| Some(*k) != next_key)
-    });
-    // (What follows the merged block is what follows its last piece.)
-    let tail_only = c.expandable.reclaim;
-    let growable = merged + st.blocks.growth(next.unwrap_or(id), tail_only);
-    if rival.is_some_and(|(k, r)| {
-        k < key(merged, b.ptr)
-            || (expandable && st.blocks[r].size + st.blocks.growth(r, tail_only) < growable)
-    }) {
+    // ... best fit must choose the merged block, over the free list as the free leaves it
+    // (its free neighbour gone into it), PyTorch's walk past expandable candidates that
+    // could grow by more included ...
+    if !best_fit_after_free_is_merged(st, id, next, merged) {
         return None;
     }
     // ... and split the same remainder off again.
@@ -628,6 +616,44 @@ fn credit(st: &State, id: usize, req: &Request) -> Option<Credit> {
         inactive_bytes,
         reclaim_segment,
         parks,
+    })
+}
+
+/// Whether best fit, for a request of block `id`'s size, would choose the block its free
+/// makes (`merged` bytes at its address, `next` merged in) over the free list as the free
+/// leaves it (`free_pools::walk`; with expandable segments off only ordinary blocks serve).
+/// Best fit has just chosen block `id`, so an ordinary candidate before the merged block is
+/// one freed by another thread while the slow path waited for the driver (lock released);
+/// an expandable one is often the block before a segment's unmapped tail, which the walk
+/// passes over for the merged block when that could grow to less.
+fn best_fit_after_free_is_merged(st: &State, id: usize, next: Option<usize>, merged: u64) -> bool {
+    let (b, c) = (&st.blocks[id], &st.config);
+    let tail_only = c.expandable.reclaim;
+    let next_key = next.map(|n| key(st.blocks[n].size, st.blocks[n].ptr));
+    let mut others = st
+        .pools
+        .list(b.pool_id, b.stream, b.pool)
+        .into_iter()
+        .flat_map(|list| list.range_from(key(b.size, 0)))
+        .filter(|&(k, r)| {
+            Some(k) != next_key && (c.expandable.enabled || st.blocks[r].segment.is_none())
+        })
+        .map(|(k, r)| {
+            let growth = st.blocks.growth(r, tail_only);
+            (k, st.blocks[r].size + growth, growth > 0)
+        })
+        .peekable();
+    // (What follows the merged block is what follows its last piece.)
+    let merged_key = key(merged, b.ptr);
+    let merged_growth = st.blocks.growth(next.unwrap_or(id), tail_only);
+    let mut merged_entry = Some((merged_key, merged + merged_growth, merged_growth > 0));
+    let mut candidates = std::iter::from_fn(|| match merged_entry {
+        Some(m) if others.peek().is_none_or(|o| o.0 > m.0) => merged_entry.take(),
+        _ => others.next(),
+    });
+    candidates.next().is_some_and(|first| {
+        let (chosen, ..) = walk(first, |_| candidates.next(), |&(_, to, grows)| (to, grows));
+        chosen == merged_key
     })
 }
 
