@@ -222,6 +222,10 @@ impl Pools {
         // the candidate could grow to less. Only a best that can grow (an unmapped range
         // follows it, so it is expandable) goes on: every later candidate is at least the
         // size of one that cannot.
+        // Alone in its list, the block before the unmapped tail is the only candidate.
+        if list.len() == 1 {
+            return Some(first);
+        }
         let tail_only = expandable.reclaim;
         Some(walk(
             first,
