@@ -139,8 +139,6 @@ mod state;
 mod stream_order;
 mod tally;
 mod thread_cache;
-#[cfg(all(test, not(loom)))]
-mod thread_cache_credit_tests;
 
 pub use allocator::{Caching, CachingAllocator};
 pub use async_backend::{ASYNC_IGNORES_WARNING, AsyncAllocator};

@@ -19,15 +19,15 @@
 //! to the count, so marks are recorded where the single-lock path records them.
 use crate::block::Allocation;
 use crate::combining::{CHUNK, Publication};
-use crate::free_list::key;
-use crate::free_pools::{oversize_refuses, walk};
-use crate::history::HistoryMode;
 use crate::state::{Request, State};
 use crate::tally::Tally;
 use ferrocuda_types::PoolKind;
 use std::cell::RefCell;
 use std::sync::Arc;
 use sync::{AtomicBool, AtomicU8, AtomicU32, AtomicU64, AtomicUsize, LockedCell, Ordering};
+
+mod credit;
+use credit::credit;
 
 /// The atomics of the slot protocol: the standard ones, or `loom`'s under `--cfg loom`,
 /// where `tests::loom_model` checks the protocol under every interleaving loom explores.
@@ -535,126 +535,6 @@ fn settle(st: &mut State, slot: &Slot) {
         st.release_live(id, None, false);
         st.free_block(id);
     }
-}
-
-/// The credit of live block `id`, just handed out for `req`: due when
-/// PyTorch's free of it followed by the same request would hand out the same block and
-/// leave every other block and every current statistic as they were, with no peak
-/// passed on the way (see `thread_cache`).
-fn credit(st: &State, id: usize, req: &Request) -> Option<Credit> {
-    let c = &st.config;
-    if !c.reuse.thread_cache
-        || c.release.garbage_collection_threshold > 0.0
-        || st.history.options.mode != HistoryMode::Off
-        || st.private.routing()
-        || !st.order.is_quiet()
-    {
-        return None;
-    }
-    let b = &st.blocks[id];
-    let expandable = b.segment.is_some();
-    // (With expandable segments switched off, the search skips expandable blocks.)
-    if (expandable && !c.expandable.enabled)
-        || b.size != req.size
-        || st.blocks.mergeable(b.prev).is_some()
-    {
-        return None;
-    }
-    // With reclaim, a free counts toward the segment's next mark: the credit allows only
-    // the frees that make none due, and none while one is due already (every locked
-    // operation would try to record it).
-    let (reclaim_segment, parks) = match b.segment.get() {
-        Some(segment) if c.expandable.reclaim => {
-            let parks = st.expandable.frees_before_mark(segment);
-            if parks == 0 || st.expandable.mark_due.is_some() {
-                return None;
-            }
-            (Some(segment), u64::from(parks))
-        }
-        _ => (None, u64::MAX),
-    };
-    // The free merges the free block after it, if any...
-    let next = st.blocks.mergeable(b.next);
-    let next_size = next.map_or(0, |n| st.blocks[n].size);
-    let merged = b.size + next_size;
-    if oversize_refuses(b.size, merged, c) {
-        return None;
-    }
-    // ... best fit must choose the merged block, over the free list as the free leaves it
-    // (its free neighbour gone into it), PyTorch's walk past expandable candidates that
-    // could grow by more included ...
-    if !best_fit_after_free_is_merged(st, id, next, merged) {
-        return None;
-    }
-    // ... and split the same remainder off again.
-    if next.is_some() && !st.split_worthwhile(expandable, b.pool, b.size, next_size) {
-        return None;
-    }
-    // How `inactive_split` moves, by PyTorch's net changes: (the count moves, the bytes that
-    // move, rise of the count and of the bytes between the free and the search).
-    // Expandable blocks never count. Merging a free block behind and staying split is a net
-    // rise of the bytes only: the merge's decrease and the split's increase cancel out.
-    let (inactive, inactive_bytes, rise) = match next {
-        _ if expandable => (false, 0, (0, 0)),
-        None if b.is_split() => (true, b.size, (1, b.size)),
-        None => (false, 0, (0, 0)),
-        Some(n) if b.prev.is_some() || st.blocks[n].next.is_some() => (false, b.size, (0, b.size)),
-        Some(_) => (true, next_size, (0, 0)),
-    };
-    let s = &st.stats;
-    if s.inactive_split.would_peak(b.pool, rise.0 as i64)
-        || s.inactive_split_bytes.would_peak(b.pool, rise.1 as i64)
-    {
-        return None;
-    }
-    Some(Credit {
-        kind: b.pool,
-        size: b.size,
-        requested: b.requested,
-        oversize: b.oversize,
-        inactive,
-        inactive_bytes,
-        reclaim_segment,
-        parks,
-    })
-}
-
-/// Whether best fit, for a request of block `id`'s size, would choose the block its free
-/// makes (`merged` bytes at its address, `next` merged in) over the free list as the free
-/// leaves it (`free_pools::walk`; with expandable segments off only ordinary blocks serve).
-/// Best fit has just chosen block `id`, so an ordinary candidate before the merged block is
-/// one freed by another thread while the slow path waited for the driver (lock released);
-/// an expandable one is often the block before a segment's unmapped tail, which the walk
-/// passes over for the merged block when that could grow to less.
-fn best_fit_after_free_is_merged(st: &State, id: usize, next: Option<usize>, merged: u64) -> bool {
-    let (b, c) = (&st.blocks[id], &st.config);
-    let tail_only = c.expandable.reclaim;
-    let next_key = next.map(|n| key(st.blocks[n].size, st.blocks[n].ptr));
-    let mut others = st
-        .pools
-        .list(b.pool_id, b.stream, b.pool)
-        .into_iter()
-        .flat_map(|list| list.range_from(key(b.size, 0)))
-        .filter(|&(k, r)| {
-            Some(k) != next_key && (c.expandable.enabled || st.blocks[r].segment.is_none())
-        })
-        .map(|(k, r)| {
-            let growth = st.blocks.growth(r, tail_only);
-            (k, st.blocks[r].size + growth, growth > 0)
-        })
-        .peekable();
-    // (What follows the merged block is what follows its last piece.)
-    let merged_key = key(merged, b.ptr);
-    let merged_growth = st.blocks.growth(next.unwrap_or(id), tail_only);
-    let mut merged_entry = Some((merged_key, merged + merged_growth, merged_growth > 0));
-    let mut candidates = std::iter::from_fn(|| match merged_entry {
-        Some(m) if others.peek().is_none_or(|o| o.0 > m.0) => merged_entry.take(),
-        _ => others.next(),
-    });
-    candidates.next().is_some_and(|first| {
-        let (chosen, ..) = walk(first, |_| candidates.next(), |&(_, to, grows)| (to, grows));
-        chosen == merged_key
-    })
 }
 
 #[cfg(all(test, loom))]
