@@ -33,17 +33,4 @@ mod reclaim_without_sync;
 mod sleep;
 mod sleep_adv;
 
-/// A tiny deterministic generator.
-pub(crate) struct Rng(pub(crate) u64);
-
-impl Rng {
-    pub(crate) fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    pub(crate) fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-}
+pub(crate) use common::Rng;

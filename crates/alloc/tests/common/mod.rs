@@ -49,3 +49,41 @@ pub(crate) fn new_stream(fake: &FakeDriver) -> Result<StreamHandle, ferrocuda_dr
 pub(crate) fn stat(a: &CachingAllocator, key: &str) -> i64 {
     a.stats().to_map()[key]
 }
+
+/// A tiny deterministic generator (xorshift64).
+pub(crate) struct Rng(pub(crate) u64);
+
+impl Rng {
+    /// A generator whose state is `seed` spread over the word (never zero).
+    pub(crate) fn new(seed: u64) -> Rng {
+        Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
+    }
+    pub(crate) fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    /// Below `n` (0 for `n` of 0).
+    pub(crate) fn below(&mut self, n: u64) -> u64 {
+        self.next() % n.max(1)
+    }
+    /// True `p` times in a hundred.
+    pub(crate) fn pct(&mut self, p: u64) -> bool {
+        self.below(100) < p
+    }
+    pub(crate) fn pick<T: Copy>(&mut self, xs: &[T]) -> T {
+        xs[self.below(xs.len() as u64) as usize]
+    }
+}
+
+/// The statistics in which `a` (with the thread cache) and `b` (through the lock) differ.
+pub(crate) fn stats_diff(a: &CachingAllocator, b: &CachingAllocator) -> Option<String> {
+    let (x, y) = (a.stats().to_map(), b.stats().to_map());
+    let d: Vec<_> = x
+        .iter()
+        .filter(|(k, v)| y.get(*k) != Some(v))
+        .map(|(k, v)| format!("{k}: tc {v} vs lock {:?}", y.get(k)))
+        .collect();
+    (!d.is_empty()).then(|| d.join("; "))
+}

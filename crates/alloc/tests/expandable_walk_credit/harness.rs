@@ -8,29 +8,7 @@ use ferrocuda_types::{DevicePtr, MemsetValue, PoolId, StreamHandle};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-/// A tiny deterministic generator (xorshift64).
-pub(crate) struct Rng(pub(crate) u64);
-
-impl Rng {
-    pub(crate) fn new(seed: u64) -> Rng {
-        Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
-    }
-    pub(crate) fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    pub(crate) fn below(&mut self, n: u64) -> u64 {
-        self.next() % n.max(1)
-    }
-    pub(crate) fn pct(&mut self, p: u64) -> bool {
-        self.below(100) < p
-    }
-    pub(crate) fn pick<T: Copy>(&mut self, xs: &[T]) -> T {
-        xs[self.below(xs.len() as u64) as usize]
-    }
-}
+pub(crate) use crate::common::{Rng, stats_diff};
 
 /// `PROBE_SCALE` (default 1).
 pub(crate) fn scale() -> u64 {
@@ -209,6 +187,14 @@ pub(crate) struct Side {
 }
 
 impl Side {
+    /// The thread-cache side and the reference (`thread_cache:False`) of `case`, with the
+    /// same streams.
+    pub(crate) fn pair(case: &Case) -> (Side, Side) {
+        let (tc, rf) = (Side::new(case, true), Side::new(case, false));
+        assert_eq!(tc.streams, rf.streams, "the fake devices' streams differ");
+        (tc, rf)
+    }
+
     pub(crate) fn new(case: &Case, tc: bool) -> Side {
         let conf = if case.conf.is_empty() {
             format!("thread_cache:{}", py(tc))
@@ -619,17 +605,6 @@ pub(crate) fn run_conc(side: &Side, c: &Conc, mut credit_case: impl FnMut(&Alloc
     (got, kept)
 }
 
-/// The statistics that differ, if any.
-pub(crate) fn stats_diff(a: &CachingAllocator, b: &CachingAllocator) -> Option<String> {
-    let (x, y) = (a.stats().to_map(), b.stats().to_map());
-    let d: Vec<_> = x
-        .iter()
-        .filter(|(k, v)| y.get(*k) != Some(v))
-        .map(|(k, v)| format!("{k}: tc {v} vs lock {:?}", y.get(k)))
-        .collect();
-    (!d.is_empty()).then(|| d.join("; "))
-}
-
 /// `blocks()` by address (segments are listed in slab order, which may differ).
 pub(crate) fn sorted_blocks(a: &CachingAllocator) -> Vec<BlockInfo> {
     let mut b = a.blocks();
@@ -812,9 +787,7 @@ pub(crate) fn run_program(
     stats_every_step: bool,
     cov: &mut Coverage,
 ) -> Result<u64, String> {
-    let tc = Side::new(case, true);
-    let rf = Side::new(case, false);
-    assert_eq!(tc.streams, rf.streams, "the fake devices' streams differ");
+    let (tc, rf) = Side::pair(case);
     let mut live = Live::default();
     let mut allocations = 0;
     for (i, op) in ops.iter().enumerate() {

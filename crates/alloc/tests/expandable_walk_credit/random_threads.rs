@@ -82,9 +82,7 @@ fn run_threads(
     stats_every_step: bool,
     cov: &mut Coverage,
 ) -> Result<u64, String> {
-    let tc = Side::new(case, true);
-    let rf = Side::new(case, false);
-    assert_eq!(tc.streams, rf.streams, "the fake devices' streams differ");
+    let (tc, rf) = Side::pair(case);
     let mut live = Live::default();
     // The block each thread allocated last.
     let mut last = vec![None; threads];

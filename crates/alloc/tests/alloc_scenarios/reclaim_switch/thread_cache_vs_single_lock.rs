@@ -162,16 +162,6 @@ impl Side {
     }
 }
 
-fn stats_diff(a: &CachingAllocator, b: &CachingAllocator) -> Option<String> {
-    let (x, y) = (a.stats().to_map(), b.stats().to_map());
-    let d: Vec<_> = x
-        .iter()
-        .filter(|(k, v)| y.get(*k) != Some(v))
-        .map(|(k, v)| format!("{k}: tc {v} vs lock {:?}", y.get(k)))
-        .collect();
-    (!d.is_empty()).then(|| d.join("; "))
-}
-
 fn run_tc(conf: &str, completion: Completion, ops: &[TOp]) -> R<u64> {
     run_tc_with(conf, completion, ops, true)
 }
@@ -200,12 +190,12 @@ fn run_tc_cap(
         }
         if compare_stats
             && matches!(op, TOp::Stats)
-            && let Some(d) = stats_diff(&tc.a, &sl.a)
+            && let Some(d) = common::stats_diff(&tc.a, &sl.a)
         {
             return Err(format!("step {i}: stats differ: {d}"));
         }
     }
-    if compare_stats && let Some(d) = stats_diff(&tc.a, &sl.a) {
+    if compare_stats && let Some(d) = common::stats_diff(&tc.a, &sl.a) {
         return Err(format!("at the end: stats differ: {d}"));
     }
     // (blocks() lists segments in slab order, which may differ: compare by address.)
