@@ -29,25 +29,25 @@ pub(crate) fn oversize_refuses(size: u64, found: u64, config: &AllocatorConfig) 
 
 /// PyTorch's walk past expandable candidates (`get_free_block` with expandable segments):
 /// from the `first` candidate (in key order), on to the `next` while the best so far can
-/// grow and the next could grow to less. `grows_to` gives a candidate's size with the
-/// growth best fit counts, and whether it can grow at all ([`Blocks::growth`]). Best fit
-/// walks the free list; the thread cache's credit check walks the list as a free would
-/// leave it.
+/// grow and the next could grow to less. `size_and_growth` gives a candidate's size and
+/// the growth best fit counts ([`Blocks::growth`]). Best fit walks the free list; the
+/// thread cache's credit check walks the list as a free would leave it.
 #[inline(always)]
 pub(crate) fn walk<T>(
     first: T,
     mut next: impl FnMut(&T) -> Option<T>,
-    grows_to: impl Fn(&T) -> (u64, bool),
+    size_and_growth: impl Fn(&T) -> (u64, u64),
 ) -> T {
     let mut best = first;
-    let (mut best_to, mut grows) = grows_to(&best);
-    while grows {
+    let (size, mut growth) = size_and_growth(&best);
+    let mut best_to = size + growth;
+    while growth > 0 {
         let Some(candidate) = next(&best) else { break };
-        let (to, candidate_grows) = grows_to(&candidate);
-        if to >= best_to {
+        let (size, candidate_growth) = size_and_growth(&candidate);
+        if size + candidate_growth >= best_to {
             break;
         }
-        (best, best_to, grows) = (candidate, to, candidate_grows);
+        (best, best_to, growth) = (candidate, size + candidate_growth, candidate_growth);
     }
     best
 }
@@ -230,10 +230,7 @@ impl Pools {
         Some(walk(
             first,
             |f| list.next_after(f),
-            |f| {
-                let growth = blocks.growth(f.id, tail_only);
-                (blocks[f.id].size + growth, growth > 0)
-            },
+            |f| (blocks[f.id].size, blocks.growth(f.id, tail_only)),
         ))
     }
 

@@ -109,21 +109,22 @@ fn best_fit_after_free_is_merged(st: &State, id: usize, next: Option<usize>, mer
         .filter(|&(k, r)| {
             Some(k) != next_key && (c.expandable.enabled || st.blocks[r].segment.is_none())
         })
-        .map(|(k, r)| {
-            let growth = st.blocks.growth(r, tail_only);
-            (k, st.blocks[r].size + growth, growth > 0)
-        })
+        .map(|(k, r)| (k, st.blocks[r].size, st.blocks.growth(r, tail_only)))
         .peekable();
     // (What follows the merged block is what follows its last piece.)
     let merged_key = key(merged, b.ptr);
     let merged_growth = st.blocks.growth(next.unwrap_or(id), tail_only);
-    let mut merged_entry = Some((merged_key, merged + merged_growth, merged_growth > 0));
+    let mut merged_entry = Some((merged_key, merged, merged_growth));
     let mut candidates = std::iter::from_fn(|| match merged_entry {
         Some(m) if others.peek().is_none_or(|o| o.0 > m.0) => merged_entry.take(),
         _ => others.next(),
     });
     candidates.next().is_some_and(|first| {
-        let (chosen, ..) = walk(first, |_| candidates.next(), |&(_, to, grows)| (to, grows));
+        let (chosen, ..) = walk(
+            first,
+            |_| candidates.next(),
+            |&(_, size, growth)| (size, growth),
+        );
         chosen == merged_key
     })
 }
