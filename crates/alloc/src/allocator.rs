@@ -101,6 +101,7 @@ impl CachingAllocator {
         let stats = Tally::new(config.sizes.max_split_size.map_or(-1, |m| m as i64));
         let state = State {
             device,
+            plain_rounding: crate::rounding::rounds_plainly(&config),
             config,
             blocks: Blocks::default(),
             pools: Pools::default(),
@@ -166,6 +167,7 @@ impl CachingAllocator {
         if next.expandable.reclaim && !st.config.expandable.reclaim {
             st.expandable.stamp_all();
         }
+        st.plain_rounding = crate::rounding::rounds_plainly(&next);
         st.config = next;
         st.stats.max_split_size = st.config.sizes.max_split_size.map_or(-1, |m| m as i64);
         Ok(())

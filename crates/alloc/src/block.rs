@@ -243,15 +243,41 @@ impl Block {
     }
 }
 
+/// Entries of [`Blocks`]' table of recent allocations (a power of two).
+const RECENT: usize = 4096;
+
+/// The entry of [`Blocks`]' table of recent allocations for an address (a multiplicative
+/// hash: the table's bits from the top of the product).
+#[inline(always)]
+fn recent_entry(ptr: u64) -> usize {
+    (ptr.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> (64 - RECENT.trailing_zeros())) as usize
+}
+
 /// Every block, by index (a slab: indices stay valid while a block lives) and by address.
 /// Reads go through the slice (`blocks[id]`, `blocks.iter()`).
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct Blocks {
     slab: Vec<Block>,
     vacant: Vec<usize>,
     /// Every block by address (allocated or not): an allocation that takes a whole free
     /// block, or a free that merges nothing, changes nothing here.
     by_addr: AddressMap,
+    /// `free`'s first guess: per entry, the block last allocated at an address hashing to
+    /// it. A guess is taken only if that record is allocated at that very address, which
+    /// one block at most is; otherwise (overwritten, vacated, freed) the address map
+    /// answers. Written once per allocation; a hit saves the hash table's probe.
+    recent: Box<[u32; RECENT]>,
+}
+
+impl Default for Blocks {
+    fn default() -> Blocks {
+        Blocks {
+            slab: Vec::new(),
+            vacant: Vec::new(),
+            by_addr: AddressMap::default(),
+            recent: Box::new([u32::MAX; RECENT]),
+        }
+    }
 }
 
 impl std::ops::Deref for Blocks {
@@ -310,8 +336,23 @@ impl Blocks {
         self.by_addr.get(ptr, |i| self.slab[i].ptr)
     }
 
+    /// Notes that block `id` was just allocated, for [`allocated_at`](Self::allocated_at).
+    #[inline(always)]
+    pub(crate) fn note_allocated(&mut self, id: usize, ptr: u64) {
+        self.recent[recent_entry(ptr)] = id as u32;
+    }
+
     /// The allocated block at `ptr`, if any.
+    #[inline(always)]
     pub(crate) fn allocated_at(&self, ptr: u64) -> Option<usize> {
+        let guess = self.recent[recent_entry(ptr)] as usize;
+        if let Some(b) = self.slab.get(guess)
+            && b.ptr == ptr
+            && b.allocated
+            && !b.vacant
+        {
+            return Some(guess);
+        }
         self.by_addr
             .get(ptr, |i| self.slab[i].ptr)
             .filter(|&id| self.slab[id].allocated)
@@ -467,5 +508,86 @@ impl Blocks {
             ));
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn piece(ptr: u64) -> Piece {
+        Piece {
+            ptr,
+            size: 512,
+            stream: 0,
+            pool: PoolKind::Large,
+            mapped: true,
+            segment: Link::NONE,
+            pool_id: PoolId::DEFAULT,
+        }
+    }
+
+    /// `allocated_at` answers as a scan of the records does, whether the table of recent
+    /// allocations guesses right or its entry was overwritten by another address's
+    /// allocation, names a block freed since, or a slot vacated and reused.
+    #[test]
+    fn allocated_at_answers_as_a_scan_whatever_the_guess() {
+        let mut blocks = Blocks::default();
+        let mut seed = 11u64;
+        // Addresses in use (each by one record at most); more blocks than table entries.
+        let mut records: Vec<(u64, usize)> = Vec::new();
+        let mut retired: Vec<u64> = Vec::new();
+        for step in 0..40_000u64 {
+            seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            let pick = (seed >> 33) as usize;
+            match seed >> 61 {
+                // A new block, allocated at once (a retired address again, now and then).
+                0..=2 => {
+                    let ptr = match retired.pop() {
+                        Some(p) if seed & 1 == 0 => p,
+                        _ => (step + 1) * 1536,
+                    };
+                    let id = blocks.insert(Block::new(piece(ptr)));
+                    blocks[id].allocated = true;
+                    blocks.note_allocated(id, ptr);
+                    records.push((ptr, id));
+                }
+                // A block freed, or allocated again.
+                3..=5 if !records.is_empty() => {
+                    let (ptr, id) = records[pick % records.len()];
+                    let again = !blocks[id].allocated;
+                    blocks[id].allocated = again;
+                    if again {
+                        blocks.note_allocated(id, ptr);
+                    }
+                }
+                // A record vacated, free or (as when its segment goes) not; its slot is
+                // reused by the next insert.
+                _ if !records.is_empty() => {
+                    let at = pick % records.len();
+                    let (ptr, id) = records[at];
+                    if !blocks[id].allocated || seed & 4 == 0 {
+                        blocks.vacate(id);
+                        records.swap_remove(at);
+                        retired.push(ptr);
+                    }
+                }
+                _ => {}
+            }
+            let probe = match records.get(pick % records.len().max(1)) {
+                Some(&(ptr, _)) if seed & 2 == 0 => ptr,
+                _ => (pick as u64 % (step + 2)) * 1536,
+            };
+            let scan = blocks
+                .iter()
+                .position(|b| !b.vacant && b.allocated && b.ptr == probe);
+            assert_eq!(blocks.allocated_at(probe), scan, "step {step}, {probe:#x}");
+        }
+        assert!(
+            blocks.len() > RECENT,
+            "more blocks than the table has entries"
+        );
     }
 }

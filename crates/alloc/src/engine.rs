@@ -4,7 +4,7 @@
 //! shrink the cache are further `impl Engine` blocks, each in its own file, calling only
 //! downwards: `slow_path` → `release` → `expandable_mapping` → this file.
 use crate::error::{AllocError, OutOfMemory};
-use crate::rounding::{pool_kind, round_size};
+use crate::rounding::{pool_kind, round_plain, round_size};
 use crate::state::{ReleaseTo, Released, Request, State};
 use crate::thread_cache::{Registry, ThreadCache};
 use ferrocuda_driver::{Driver, DriverError};
@@ -137,7 +137,11 @@ impl Engine {
         capture: Option<u64>,
     ) -> Request {
         self.process_events(st);
-        let size = round_size(bytes, &st.config);
+        let size = if st.plain_rounding {
+            round_plain(bytes)
+        } else {
+            round_size(bytes, &st.config)
+        };
         Request {
             size,
             requested: bytes,

@@ -140,7 +140,10 @@ impl FreeList {
                 } else {
                     small.remove(i);
                 }
-                self.removed_from(f.bin);
+                // (A bin found with an index is a vector: its emptiness is the vector's.)
+                let emptied = small.is_empty();
+                self.len -= 1;
+                self.clear_if_emptied(f.bin, emptied);
             }
             None => {
                 self.remove(f.key);
@@ -151,9 +154,14 @@ impl FreeList {
     #[inline(always)]
     fn removed_from(&mut self, b: usize) {
         self.len -= 1;
-        // Clears the bin's bit if it emptied, without a branch (which bin empties is random).
-        let emptied = u64::from(self.bins[b].len() == 0);
-        self.occupied[b / 64] &= !(emptied << (b % 64));
+        let emptied = self.bins[b].len() == 0;
+        self.clear_if_emptied(b, emptied);
+    }
+
+    /// Clears bin `b`'s bit if it `emptied`, without a branch (which bin empties is random).
+    #[inline(always)]
+    fn clear_if_emptied(&mut self, b: usize, emptied: bool) {
+        self.occupied[b / 64] &= !(u64::from(emptied) << (b % 64));
     }
 
     /// The entry with the smallest key of at least `k`.

@@ -22,8 +22,25 @@ pub fn round_size(n: u64, config: &AllocatorConfig) -> u64 {
     if divisions > 1 && n > MIN_BLOCK_SIZE * divisions {
         return next_power2_division(n, divisions);
     }
-    // `n.div_ceil(512) * 512`, at least 512, by a mask (the same overflow above
-    // `u64::MAX - 511`; the allocators refuse such requests first).
+    round_plain(n)
+}
+
+/// Whether [`round_size`] under `config` is [`round_plain`] for every size: no
+/// `roundup_power2_divisions` entry above 1 (PyTorch's default). The allocator keeps the
+/// answer beside its configuration, and its hot path skips the table.
+pub fn rounds_plainly(config: &AllocatorConfig) -> bool {
+    config
+        .sizes
+        .roundup_power2_divisions
+        .iter()
+        .all(|&d| d <= 1)
+}
+
+/// `round_size` without `roundup_power2_divisions`: `n.div_ceil(512) * 512`, at least 512,
+/// by a mask (the same overflow above `u64::MAX - 511`; the allocators refuse such requests
+/// first).
+#[inline]
+pub fn round_plain(n: u64) -> u64 {
     (n.max(1) + (MIN_BLOCK_SIZE - 1)) & !(MIN_BLOCK_SIZE - 1)
 }
 
@@ -85,6 +102,7 @@ mod tests {
             ] {
                 let size = size.min(ONE_EXABYTE - 1);
                 assert_eq!(round_size(size, &c), size.div_ceil(512).max(1) * 512);
+                assert_eq!(round_plain(size), round_size(size, &c));
             }
         }
         assert_eq!(
@@ -147,5 +165,16 @@ mod tests {
         let c = parse("roundup_power2_divisions:4");
         assert_eq!((round_size(1200, &c), round_size(9000, &c)), (1536, 10240));
         assert_eq!(next_power2_division(1200, 4), 1280);
+    }
+
+    /// The allocator skips the table exactly when no entry rounds (0 and 1 do not).
+    #[test]
+    fn plain_configurations_are_the_ones_without_divisions() {
+        let plainly = |s: &str| rounds_plainly(&AllocatorConfig::parse(s).expect("valid"));
+        assert!(plainly(""));
+        assert!(plainly("roundup_power2_divisions:1"));
+        assert!(plainly("roundup_power2_divisions:[128:1,256:0,>:1]"));
+        assert!(!plainly("roundup_power2_divisions:4"));
+        assert!(!plainly("roundup_power2_divisions:[128:1,256:0,512:4]"));
     }
 }

@@ -58,6 +58,8 @@ pub(crate) enum ReleaseTo {
 pub(crate) struct State {
     pub(crate) device: DeviceIndex,
     pub(crate) config: AllocatorConfig,
+    /// `rounding::rounds_plainly(&config)`, kept wherever `config` is set.
+    pub(crate) plain_rounding: bool,
     pub(crate) blocks: Blocks,
     pub(crate) pools: Pools,
     /// Events holding freed blocks back for the streams that used them.
@@ -229,6 +231,7 @@ impl State {
             b.frames = req.frames.clone();
             b.has_frames = true;
         }
+        self.blocks.note_allocated(id, ptr);
         let s = &mut self.stats;
         s.allocate(kind, size as i64);
         s.requested_bytes.increase(kind, requested as i64);
