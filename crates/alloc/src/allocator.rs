@@ -338,7 +338,7 @@ impl CachingAllocator {
         } else {
             self.engine.lock()
         };
-        let Some(id) = st.blocks.allocated_at(ptr.0) else {
+        let Some(id) = st.blocks.allocated_at_to_free(ptr.0) else {
             return Err(AllocError::InvalidPointer(ptr));
         };
         // (The uses lie in the block's cold line: looked at only when there are some.)

@@ -293,7 +293,7 @@ impl Engine {
     /// A published free: `free` under the lock, for a live block no other stream used.
     #[inline(always)]
     fn serve_free(&self, st: &mut State, ptr: u64) -> (u8, u64, u64) {
-        match st.blocks.allocated_at(ptr) {
+        match st.blocks.allocated_at_to_free(ptr) {
             Some(id) if !st.blocks[id].has_uses => {
                 st.release_live(id, None, false);
                 st.free_block(id);

@@ -111,11 +111,10 @@ impl State {
             b.frames = Some(free_frames.clone());
             b.has_frames = true;
         }
-        let on_trace = (b.has_frames && self.history.entries_have_frames())
-            .then(|| b.frames.clone())
-            .flatten();
+        let on_trace = b.has_frames && self.history.entries_have_frames();
+        let frames = self.blocks[id].frames.as_ref().filter(|_| on_trace);
         self.history
-            .record("free_requested", ptr, requested, stream, on_trace.as_ref());
+            .record("free_requested", ptr, requested, stream, frames);
         if waits {
             self.history.mark_free_with_uses();
         }
@@ -231,7 +230,6 @@ impl State {
             b.frames = req.frames.clone();
             b.has_frames = true;
         }
-        self.blocks.note_allocated(id, ptr);
         let s = &mut self.stats;
         s.allocate(kind, size as i64);
         s.requested_bytes.increase(kind, requested as i64);
@@ -271,14 +269,17 @@ impl State {
         let b = &mut self.blocks[id];
         let (ptr, stream, kind) = (b.ptr, b.stream, b.pool);
         let (size, requested, segment) = (b.size, b.requested, b.segment);
-        let frames = if std::mem::take(&mut b.has_frames) {
-            let with_frames = self.history.entries_have_frames();
-            b.frames.take().filter(|_| with_frames)
-        } else {
-            None
-        };
+        let had_frames = std::mem::take(&mut b.has_frames);
         b.requested = 0;
         let (prev, next) = (b.prev, b.next);
+        // (Recorded before the merges, which record nothing; a free block has no frames.)
+        let on_trace = had_frames && self.history.entries_have_frames();
+        let frames = self.blocks[id].frames.as_ref().filter(|_| on_trace);
+        self.history
+            .record("free_completed", ptr, requested, stream, frames);
+        if had_frames {
+            self.blocks[id].frames = None;
+        }
         // The record that stays: a free block before this one absorbs it (its address is
         // already mapped to it), else this one absorbs a free block after it. Either way
         // one address leaves the map.
@@ -295,8 +296,6 @@ impl State {
             net_bytes -= self.absorb(keep, n) as i64;
             net_blocks -= 1;
         }
-        self.history
-            .record("free_completed", ptr, requested, stream, frames.as_ref());
         if self.blocks[keep].is_split() {
             net_blocks += 1;
             net_bytes += self.blocks[keep].size as i64;
