@@ -24,8 +24,8 @@ use crate::stream_order::StreamOrder;
 use crate::tally::Tally;
 use ferrocuda_driver::Driver;
 use ferrocuda_types::{
-    AllocatorBackend as Backend, AllocatorConfig, CaptureStatus, DeviceIndex, DevicePtr, PoolId,
-    StreamHandle,
+    AllocatorBackend as Backend, AllocatorConfig, CaptureStatus, DeviceIndex, DevicePtr, Frame,
+    PoolId, StreamHandle,
 };
 use parking_lot::Mutex;
 use rustc_hash::FxHashMap;
@@ -248,8 +248,32 @@ impl CachingAllocator {
             });
         }
         // Stacks are gathered before taking the lock: they are slow.
-        let context = self.context.load(Ordering::Relaxed);
-        let frames = (context >= HistoryContext::State as u8).then(capture_frames);
+        if self.context.load(Ordering::Relaxed) >= HistoryContext::State as u8 {
+            return self.allocate_recording(bytes, stream);
+        }
+        self.allocate_locked(bytes, stream, None)
+    }
+
+    /// `allocate` while history records stacks: out of line, so that the usual path has no
+    /// stack to carry (and drop).
+    #[cold]
+    #[inline(never)]
+    fn allocate_recording(
+        &self,
+        bytes: u64,
+        stream: StreamHandle,
+    ) -> Result<Allocation, AllocError> {
+        self.allocate_locked(bytes, stream, Some(capture_frames()))
+    }
+
+    /// `allocate` from the lock on, with the request's stack if history records stacks.
+    #[inline(always)]
+    fn allocate_locked(
+        &self,
+        bytes: u64,
+        stream: StreamHandle,
+        frames: Option<Arc<[Frame]>>,
+    ) -> Result<Allocation, AllocError> {
         // While a pool is being recorded to, ask the driver which capture this stream is in
         // (a cheap query, made before taking the lock).
         let routed = self.routing.load(Ordering::Acquire) > 0;
@@ -327,8 +351,27 @@ impl CachingAllocator {
         if self.engine.cache.park(ptr.0) {
             return Ok(());
         }
-        let context = self.context.load(Ordering::Relaxed);
-        let free_frames = (context >= HistoryContext::All as u8).then(capture_frames);
+        if self.context.load(Ordering::Relaxed) >= HistoryContext::All as u8 {
+            return self.free_recording(ptr);
+        }
+        self.free_locked(ptr, None)
+    }
+
+    /// `free` while history records the stacks of frees: out of line, as
+    /// [`allocate_recording`](Self::allocate_recording).
+    #[cold]
+    #[inline(never)]
+    fn free_recording(&self, ptr: DevicePtr) -> Result<(), AllocError> {
+        self.free_locked(ptr, Some(capture_frames()))
+    }
+
+    /// `free` from the lock on, with the free's stack if history records those.
+    #[inline(always)]
+    fn free_locked(
+        &self,
+        ptr: DevicePtr,
+        free_frames: Option<Arc<[Frame]>>,
+    ) -> Result<(), AllocError> {
         let combinable = self.routing.load(Ordering::Acquire) == 0 && self.engine.cache.enabled();
         let mut st = if free_frames.is_none() && combinable {
             match self.engine.lock_or_combine(Op::Free { ptr: ptr.0 }) {
