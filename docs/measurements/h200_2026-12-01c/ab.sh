@@ -3,7 +3,8 @@
 # recommended set), alternated over ROUNDS rounds (order flipped every other round) on
 # cores 2-10 as run.sh pins them; then the churn example (`crates/alloc/examples/churn.rs`,
 # real driver) alternated the same way on core 3 (CORES and CORE1 override the cores).
-# Stripped binaries in $P (carried): bench_alloc_$A, bench_alloc_$B, churn_$A, churn_$B.
+# Stripped binaries in $P (carried): bench_alloc_$A, bench_alloc_$B, churn_$A, churn_$B
+# (the churn example's part is skipped when either is missing).
 set -u
 P=${P:-target/probe23}
 A=${A:-base}
@@ -19,6 +20,7 @@ for r in $(seq 1 "${ROUNDS:-6}"); do
   done
 done | tee "$OUT/ab_$B.txt"
 for r in $(seq 1 "${ROUNDS:-6}"); do
+  [ -x "$P/churn_$A" ] && [ -x "$P/churn_$B" ] || break
   if [ $((r % 2)) = 1 ]; then order="$A $B"; else order="$B $A"; fi
   for b in $order; do
     for conf in "" "ferrocuda_recommended:True"; do
