@@ -18,7 +18,7 @@ for r in $(seq 1 "${ROUNDS:-6}"); do
         $1 ~ /^alloc\// { name = $1 }
         { for (i = 1; i <= NF; i++) if ($i == "time:") print "round", r, b, name, $(i + 3), $(i + 4) }'
   done
-done | tee "$OUT/ab_$B.txt"
+done | tee "$OUT/ab_${A}_$B.txt"
 for r in $(seq 1 "${ROUNDS:-6}"); do
   [ -x "$P/churn_$A" ] && [ -x "$P/churn_$B" ] || break
   if [ $((r % 2)) = 1 ]; then order="$A $B"; else order="$B $A"; fi
@@ -28,8 +28,8 @@ for r in $(seq 1 "${ROUNDS:-6}"); do
         | awk -v r=$r -v b=$b -v c="${conf:-default}" '{print "round", r, b, "example/" c, $(NF-2), $(NF-1), $NF}'
     done
   done
-done | tee "$OUT/ex_$B.txt"
-A=$A B=$B python3 - "$OUT/ab_$B.txt" "$OUT/ex_$B.txt" <<'PY'
+done | tee "$OUT/ex_${A}_$B.txt"
+A=$A B=$B python3 - "$OUT/ab_${A}_$B.txt" "$OUT/ex_${A}_$B.txt" <<'PY'
 import os, sys, statistics
 a, b = os.environ["A"], os.environ["B"]
 rows = {}
