@@ -243,11 +243,11 @@ impl Block {
     }
 }
 
-/// Entries of [`Blocks`]' table of recent allocations (a power of two).
+/// Entries of [`Blocks`]' table of recent frees (a power of two).
 const RECENT: usize = 4096;
 
-/// The entry of [`Blocks`]' table of recent allocations for an address (a multiplicative
-/// hash: the table's bits from the top of the product).
+/// The entry of [`Blocks`]' table of recent frees for an address (a multiplicative hash:
+/// the table's bits from the top of the product).
 #[inline(always)]
 fn recent_entry(ptr: u64) -> usize {
     (ptr.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> (64 - RECENT.trailing_zeros())) as usize
