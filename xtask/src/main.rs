@@ -72,9 +72,9 @@ tasks:
   graph-fuzz [--programs N] [--seed S]
                   the graph data-integrity fuzz in release (10 000 programs unless told)
   loom            the thread cache's slot protocol under loom (built in target/loom)
-  churn-profile   the allocator's mixed churn on the fake device under callgrind:
-                  instructions per operation, default and recommended configuration
-                  (needs valgrind)
+  churn-profile   the allocator's mixed churn, and 8 slots of 1 MiB, on the fake device
+                  under callgrind: instructions per operation, default and recommended
+                  configuration (needs valgrind)
   alloc-oracle [DIR]
                   PyTorch's allocator results against ours, step by step
                   (DIR: tests/data/oracle)

@@ -1,6 +1,6 @@
 //! The churn example (`examples/churn.rs`, what `cargo xtask churn-profile` counts) on the
-//! fake device: it runs its rounds and says where, and refuses a malformed configuration
-//! by its message.
+//! fake device: it runs its rounds and says where, in either shape, and refuses a malformed
+//! configuration, count or shape by its message.
 use ferrocuda_testkit::examples::run_example;
 use std::process::Output;
 
@@ -30,6 +30,19 @@ fn the_churn_runs_its_rounds_on_the_fake_device() -> Result<(), String> {
     Ok(())
 }
 
+/// The stand-in for the 8-thread pairs' locked path: 8 slots of 1 MiB, said by its line.
+#[test]
+fn the_pairs_shape_runs_eight_slots_of_one_mebibyte() -> Result<(), String> {
+    let out = churn(&["", "20000", "1", "pairs"])?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    assert!(
+        text.contains("churn of 8 slots of 1 MiB on the fake device, configuration \"\""),
+        "{text}"
+    );
+    Ok(())
+}
+
 #[test]
 fn a_malformed_configuration_is_refused_by_its_message() -> Result<(), String> {
     let out = churn(&["bogus:1"])?;
@@ -39,5 +52,8 @@ fn a_malformed_configuration_is_refused_by_its_message() -> Result<(), String> {
     let out = churn(&["", "many"])?;
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("`many` is not a count"));
+    let out = churn(&["", "100", "1", "triples"])?;
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("`triples` is not a shape"));
     Ok(())
 }
