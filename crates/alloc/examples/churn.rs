@@ -105,7 +105,7 @@ fn churn(args: &[String]) -> Result<(), String> {
     let conf = args.first().cloned().unwrap_or_default();
     let steps = number(args.get(1), 2_000_000)?;
     let rounds = number(args.get(2), 3)?;
-    let shape = args.get(3).map_or("mixed", String::as_str).to_string();
+    let shape = args.get(3).map_or("mixed", String::as_str);
     let config = AllocatorConfig::parse(&conf).map_err(|e| e.to_string())?;
     let fake = Arc::new(FakeDriver::default());
     let cuda = (std::env::var("FERROCUDA_BACKEND").as_deref() != Ok("fake"))
@@ -118,17 +118,15 @@ fn churn(args: &[String]) -> Result<(), String> {
     };
     let a = CachingAllocator::new(driver, DeviceIndex(0), config, Caching::On)
         .map_err(|e| e.to_string())?;
-    let (times, before) = match shape.as_str() {
-        "mixed" => Churn::<1024, 0>::timed(&a, &fake, steps, rounds)?,
-        "pairs" => Churn::<8, { 1 << 20 }>::timed(&a, &fake, steps, rounds)?,
+    let (label, (times, before)) = match shape {
+        "mixed" => ("", Churn::<1024, 0>::timed(&a, &fake, steps, rounds)?),
+        "pairs" => (
+            " of 8 slots of 1 MiB",
+            Churn::<8, { 1 << 20 }>::timed(&a, &fake, steps, rounds)?,
+        ),
         other => return Err(format!("`{other}` is not a shape (mixed or pairs)")),
     };
     let on = if on_gpu { "the GPU" } else { "the fake device" };
-    let label = if shape == "pairs" {
-        " of 8 slots of 1 MiB"
-    } else {
-        ""
-    };
     // (A reader that stops early, `| head -1`, is not an error: the lines are written
     // without `println!`, which panics on a closed pipe, and a failed write ends quietly.)
     let mut out = std::io::stdout().lock();

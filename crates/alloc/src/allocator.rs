@@ -167,9 +167,7 @@ impl CachingAllocator {
         if next.expandable.reclaim && !st.config.expandable.reclaim {
             st.expandable.stamp_all();
         }
-        st.plain_rounding = crate::rounding::rounds_plainly(&next);
-        st.config = next;
-        st.stats.max_split_size = st.config.sizes.max_split_size.map_or(-1, |m| m as i64);
+        st.set_config(next);
         Ok(())
     }
 

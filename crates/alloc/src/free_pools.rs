@@ -44,10 +44,11 @@ pub(crate) fn walk<T>(
     while growth > 0 {
         let Some(candidate) = next(&best) else { break };
         let (size, candidate_growth) = size_and_growth(&candidate);
-        if size + candidate_growth >= best_to {
+        let to = size + candidate_growth;
+        if to >= best_to {
             break;
         }
-        (best, best_to, growth) = (candidate, size + candidate_growth, candidate_growth);
+        (best, best_to, growth) = (candidate, to, candidate_growth);
     }
     best
 }

@@ -58,7 +58,7 @@ pub(crate) enum ReleaseTo {
 pub(crate) struct State {
     pub(crate) device: DeviceIndex,
     pub(crate) config: AllocatorConfig,
-    /// `rounding::rounds_plainly(&config)`, kept wherever `config` is set.
+    /// `rounding::rounds_plainly(&config)`, kept by [`State::set_config`].
     pub(crate) plain_rounding: bool,
     pub(crate) blocks: Blocks,
     pub(crate) pools: Pools,
@@ -80,6 +80,14 @@ pub(crate) struct State {
 }
 
 impl State {
+    /// Puts `config` in force with what is kept derived from it: plain rounding, and the
+    /// `max_split_size` the statistics report.
+    pub(crate) fn set_config(&mut self, config: AllocatorConfig) {
+        self.plain_rounding = crate::rounding::rounds_plainly(&config);
+        self.stats.max_split_size = config.sizes.max_split_size.map_or(-1, |m| m as i64);
+        self.config = config;
+    }
+
     /// The handle of this device's stream `raw`.
     pub(crate) fn stream_handle(&self, raw: u64) -> StreamHandle {
         StreamHandle {
