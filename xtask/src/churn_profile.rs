@@ -1,10 +1,9 @@
 //! `cargo xtask churn-profile`: instructions per operation of the allocator's mixed churn
 //! (`crates/alloc/examples/churn.rs`) and of its 8 slots of 1 MiB (the stand-in for the
 //! 8-thread pairs' locked path) on the fake device, counted by valgrind's callgrind, for
-//! PyTorch's default configuration and ferrocuda's recommended set, built as the benches
-//! are (`[profile.bench]`). Instruction counts do not move with the host's load, where
-//! times on a shared machine do: this is how a hot-path change is judged before it is
-//! timed on the GPU machine.
+//! PyTorch's default configuration and ferrocuda's recommended set. Instruction counts
+//! do not move with the host's load, where times on a shared machine do: this is how a
+//! hot-path change is judged before it is timed on the GPU machine.
 //!
 //! Each configuration runs twice, with one and with three timed rounds after the same
 //! warm-up; the difference of the two totals over the operations between them is the
@@ -22,13 +21,11 @@ const CONFIGURATIONS: [&str; 2] = ["", "ferrocuda_recommended:True"];
 /// stand-in for the locked operations of the bench's 8-thread pairs).
 const SHAPES: [&str; 2] = ["mixed", "pairs"];
 
-/// Builds the churn example as the benches are built (the `bench` profile: release with
-/// fat link-time optimization) and returns its executable.
+/// Builds the churn example in release and returns its executable.
 fn churn_example() -> Result<PathBuf, String> {
     let messages = cargo_messages(&[
         "build",
-        "--profile",
-        "bench",
+        "--release",
         "-p",
         "ferrocuda-alloc",
         "--example",
