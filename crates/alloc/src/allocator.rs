@@ -360,7 +360,7 @@ impl CachingAllocator {
     #[cold]
     #[inline(never)]
     fn free_recording(&self, ptr: DevicePtr) -> Result<(), AllocError> {
-        self.free_locked(ptr, Some(capture_frames()))
+        self.free_locked(ptr, Some(&capture_frames()))
     }
 
     /// `free` from the lock on, with the free's stack if history records those.
@@ -368,7 +368,7 @@ impl CachingAllocator {
     fn free_locked(
         &self,
         ptr: DevicePtr,
-        free_frames: Option<Arc<[Frame]>>,
+        free_frames: Option<&Arc<[Frame]>>,
     ) -> Result<(), AllocError> {
         let combinable = self.routing.load(Ordering::Acquire) == 0 && self.engine.cache.enabled();
         let mut st = if free_frames.is_none() && combinable {
@@ -385,10 +385,10 @@ impl CachingAllocator {
         // (The uses lie in the block's cold line: looked at only when there are some.)
         if st.blocks[id].has_uses {
             let uses = st.take_uses(id);
-            st.release_live(id, free_frames.as_ref(), true);
+            st.release_live(id, free_frames, true);
             return self.engine.hold_back(st, id, uses);
         }
-        st.release_live(id, free_frames.as_ref(), false);
+        st.release_live(id, free_frames, false);
         st.free_block(id);
         self.engine.record_due_mark(&mut st);
         Ok(())

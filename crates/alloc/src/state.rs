@@ -120,7 +120,7 @@ impl State {
             b.has_frames = true;
         }
         let on_trace = b.has_frames && self.history.entries_have_frames();
-        let frames = self.blocks[id].frames.as_ref().filter(|_| on_trace);
+        let frames = on_trace.then(|| self.blocks[id].frames.as_ref()).flatten();
         self.history
             .record("free_requested", ptr, requested, stream, frames);
         if waits {
@@ -282,7 +282,7 @@ impl State {
         let (prev, next) = (b.prev, b.next);
         // (Recorded before the merges, which record nothing; a free block has no frames.)
         let on_trace = had_frames && self.history.entries_have_frames();
-        let frames = self.blocks[id].frames.as_ref().filter(|_| on_trace);
+        let frames = on_trace.then(|| self.blocks[id].frames.as_ref()).flatten();
         self.history
             .record("free_completed", ptr, requested, stream, frames);
         if had_frames {
