@@ -388,8 +388,7 @@ impl CachingAllocator {
             st.release_live(id, free_frames, true);
             return self.engine.hold_back(st, id, uses);
         }
-        st.release_live(id, free_frames, false);
-        st.free_block(id);
+        st.free_now(id, free_frames);
         self.engine.record_due_mark(&mut st);
         Ok(())
     }

@@ -321,6 +321,5 @@ fn hand_out_segment(
 /// PyTorch's `free` of allocated block `id` (checked to have no other stream's uses, so
 /// it goes straight back to the pool).
 fn free(st: &mut State, id: usize, frames: Option<&Arc<[Frame]>>) {
-    st.release_live(id, frames, false);
-    st.free_block(id);
+    st.free_now(id, frames);
 }

@@ -10,7 +10,7 @@
 //!
 //! Why this is exact: a published request is served with the lock held, after it was
 //! published and before its thread returns, by the steps the thread would run itself
-//! (`Engine::request`, best fit, `use_block`; `release_live`, `free_block`). The results
+//! (`Engine::request`, best fit, `use_block`; `free_now`). The results
 //! are those of PyTorch's one mutex for the order in which the lock holder served them,
 //! which is a real-time order of the requests. Only requests with no part tied to their
 //! thread are published: no stack to record, no pool routed to (a route may depend on the
@@ -295,8 +295,7 @@ impl Engine {
     fn serve_free(&self, st: &mut State, ptr: u64) -> (u8, u64, u64) {
         match st.blocks.allocated_at_to_free(ptr) {
             Some(id) if !st.blocks[id].has_uses => {
-                st.release_live(id, None, false);
-                st.free_block(id);
+                st.free_now(id, None);
                 self.record_due_mark(st);
                 (SERVED, 0, 0)
             }

@@ -43,7 +43,9 @@ fn bin(size: u64) -> usize {
 /// Free blocks of one (pool, stream).
 #[derive(Debug)]
 pub(crate) struct FreeList {
-    bins: Box<[Bin]>,
+    /// A fixed-size array: bin indices are provably in range, so reaching one needs no
+    /// bounds check.
+    bins: Box<[Bin; BINS]>,
     /// Bit `i` set: bin `i` is not empty.
     occupied: [u64; BINS.div_ceil(64)],
     len: usize,
@@ -52,7 +54,7 @@ pub(crate) struct FreeList {
 impl Default for FreeList {
     fn default() -> Self {
         FreeList {
-            bins: (0..BINS).map(|_| Bin::default()).collect(),
+            bins: Box::new(std::array::from_fn(|_| Bin::default())),
             occupied: [0; BINS.div_ceil(64)],
             len: 0,
         }

@@ -60,7 +60,11 @@ pub(crate) fn walk<T>(
 /// what they inspect, however many streams hold nothing.
 #[derive(Debug, Default)]
 pub(crate) struct Pools {
-    streams: Vec<((PoolId, u64), [FreeList; 2])>,
+    /// The (pool, stream) of each index.
+    streams: Vec<(PoolId, u64)>,
+    /// The free lists, small and large, of index `i` at `2 i` and `2 i + 1`: one flat
+    /// vector, so that reaching a list is a shift and one bounds check.
+    lists: Vec<FreeList>,
     positions: FxHashMap<(PoolId, u64), usize>,
     /// Indices of the non-empty lists, per pool kind (iterated in creation order). A bit
     /// each: a list of a stream that allocates its one block and frees it again turns empty
@@ -113,6 +117,12 @@ impl ListBits {
     }
 }
 
+/// Where the `kind` list of index `i` sits in [`Pools::lists`].
+#[inline(always)]
+fn slot(i: usize, kind: PoolKind) -> usize {
+    2 * i + kind.index()
+}
+
 impl Pools {
     #[inline(always)]
     fn position(&self, pool: PoolId, stream: u64) -> Option<usize> {
@@ -128,7 +138,7 @@ impl Pools {
     #[inline(always)]
     pub(crate) fn list(&self, pool: PoolId, stream: u64, kind: PoolKind) -> Option<&FreeList> {
         let i = self.position(pool, stream)?;
-        Some(&self.streams[i].1[kind.index()])
+        self.lists.get(slot(i, kind))
     }
 
     /// The index of the lists of (pool, stream), made if new. Indices never change.
@@ -136,7 +146,9 @@ impl Pools {
         let i = match self.position(pool, stream) {
             Some(i) => i,
             None => {
-                self.streams.push(((pool, stream), Default::default()));
+                self.streams.push((pool, stream));
+                self.lists
+                    .resize_with(self.lists.len() + 2, FreeList::default);
                 let i = self.streams.len() - 1;
                 self.positions.insert((pool, stream), i);
                 self.occupied.iter_mut().for_each(|o| o.make_room(i));
@@ -150,7 +162,7 @@ impl Pools {
     }
 
     fn at(&mut self, index: u32, kind: PoolKind) -> &mut FreeList {
-        &mut self.streams[index as usize].1[kind.index()]
+        &mut self.lists[slot(index as usize, kind)]
     }
 
     /// Notes that list (`index`, `kind`), which a block just left, may have become empty.
@@ -265,11 +277,11 @@ impl Pools {
     pub(crate) fn keys_of(&self, kind: PoolKind) -> impl Iterator<Item = FreeKey> + '_ {
         self.occupied[kind.index()]
             .iter()
-            .map(|i| &self.streams[i])
-            .flat_map(move |((pool, stream), lists)| {
-                lists[kind.index()].iter().map(move |(k, id)| FreeKey {
-                    pool: *pool,
-                    stream: *stream,
+            .map(move |i| (self.streams[i], &self.lists[slot(i, kind)]))
+            .flat_map(move |((pool, stream), list)| {
+                list.iter().map(move |(k, id)| FreeKey {
+                    pool,
+                    stream,
                     size: key_size(k),
                     ptr: k as u64,
                     id,
@@ -285,10 +297,7 @@ impl Pools {
 
     /// How many free blocks the lists hold.
     pub(crate) fn len(&self) -> usize {
-        self.streams
-            .iter()
-            .map(|(_, l)| l[0].len() + l[1].len())
-            .sum()
+        self.lists.iter().map(FreeList::len).sum()
     }
 }
 

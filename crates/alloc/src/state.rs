@@ -54,6 +54,17 @@ pub(crate) enum ReleaseTo {
     Pages(PagedSegment),
 }
 
+/// What a free reads of the block it frees, once for [`State::release_live`] and
+/// [`State::free_block`] both.
+#[derive(Copy, Clone)]
+pub(crate) struct Freeing {
+    ptr: u64,
+    stream: u64,
+    kind: PoolKind,
+    size: u64,
+    requested: u64,
+}
+
 /// What the allocator's lock guards.
 pub(crate) struct State {
     pub(crate) device: DeviceIndex,
@@ -106,12 +117,25 @@ impl State {
 
     /// `free`'s bookkeeping for allocated block `id`, whose other streams' uses were taken
     /// (`waits`: there were some): no longer allocated, history and statistics told.
+    /// Returns what [`State::free_block`] reads of the block, for a free that goes on to it
+    /// at once ([`State::free_now`]).
     #[inline(always)]
-    pub(crate) fn release_live(&mut self, id: usize, frames: Option<&Arc<[Frame]>>, waits: bool) {
+    pub(crate) fn release_live(
+        &mut self,
+        id: usize,
+        frames: Option<&Arc<[Frame]>>,
+        waits: bool,
+    ) -> Freeing {
         let b = &mut self.blocks[id];
         b.allocated = false;
-        let (ptr, requested, stream) = (b.ptr, b.requested, b.stream);
-        let (kind, size, oversize) = (b.pool, b.size, b.oversize);
+        let freeing = Freeing {
+            ptr: b.ptr,
+            stream: b.stream,
+            kind: b.pool,
+            size: b.size,
+            requested: b.requested,
+        };
+        let oversize = b.oversize;
         // PyTorch's `free`: the free's own stack (context "all") takes the allocation's
         // place, and both entries of the free record it (`context ? context :
         // context_when_allocated`).
@@ -121,6 +145,13 @@ impl State {
         }
         let on_trace = b.has_frames && self.history.entries_have_frames();
         let frames = on_trace.then(|| self.blocks[id].frames.as_ref()).flatten();
+        let Freeing {
+            ptr,
+            stream,
+            kind,
+            size,
+            requested,
+        } = freeing;
         self.history
             .record("free_requested", ptr, requested, stream, frames);
         if waits {
@@ -130,6 +161,15 @@ impl State {
         if oversize {
             self.stats.oversize_allocations.decrease(1);
         }
+        freeing
+    }
+
+    /// `free` of allocated block `id` that waits for no other stream: [`State::release_live`]
+    /// and [`State::free_block`], the block's record read once.
+    #[inline(always)]
+    pub(crate) fn free_now(&mut self, id: usize, frames: Option<&Arc<[Frame]>>) {
+        let freeing = self.release_live(id, frames, false);
+        self.free_block_as(id, freeing);
     }
 
     #[inline(always)]
@@ -274,9 +314,29 @@ impl State {
     /// `free_block`: merges with free neighbours and returns the block to its pool.
     #[inline(always)]
     pub(crate) fn free_block(&mut self, id: usize) {
+        let b = &self.blocks[id];
+        let freeing = Freeing {
+            ptr: b.ptr,
+            stream: b.stream,
+            kind: b.pool,
+            size: b.size,
+            requested: b.requested,
+        };
+        self.free_block_as(id, freeing);
+    }
+
+    /// [`State::free_block`] with the block's fields it needs already read.
+    #[inline(always)]
+    fn free_block_as(&mut self, id: usize, freeing: Freeing) {
+        let Freeing {
+            ptr,
+            stream,
+            kind,
+            size,
+            requested,
+        } = freeing;
         let b = &mut self.blocks[id];
-        let (ptr, stream, kind) = (b.ptr, b.stream, b.pool);
-        let (size, requested, segment) = (b.size, b.requested, b.segment);
+        let segment = b.segment;
         let had_frames = std::mem::take(&mut b.has_frames);
         b.requested = 0;
         let (prev, next) = (b.prev, b.next);

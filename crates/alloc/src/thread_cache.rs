@@ -532,8 +532,7 @@ fn settle(st: &mut State, slot: &Slot) {
         let id = slot.block.load(Ordering::Relaxed);
         // A credited block has no other stream's uses: freeing it needs no event.
         debug_assert!(!st.blocks[id].has_uses);
-        st.release_live(id, None, false);
-        st.free_block(id);
+        st.free_now(id, None);
     }
 }
 
