@@ -102,6 +102,7 @@ impl CachingAllocator {
         let state = State {
             device,
             plain_rounding: crate::rounding::rounds_plainly(&config),
+            oversize: crate::free_pools::OversizeRule::of(&config),
             config,
             blocks: Blocks::default(),
             pools: Pools::default(),

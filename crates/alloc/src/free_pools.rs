@@ -19,12 +19,36 @@ pub(crate) struct FreeKey {
 
 /// PyTorch's oversize rule (`get_free_block`): a request below `max_split_size` never takes
 /// a block at or above it, and one above it takes a block at most
-/// `max_non_split_rounding` larger. Whether a free block of `found` bytes is refused to a
-/// request of rounded `size`.
-pub(crate) fn oversize_refuses(size: u64, found: u64, config: &AllocatorConfig) -> bool {
-    let max_split = config.sizes.max_split_size.unwrap_or(u64::MAX);
-    (size < max_split && found >= max_split)
-        || (size >= max_split && found >= size.saturating_add(config.sizes.max_non_split_rounding))
+/// `max_non_split_rounding` larger. Derived from the configuration when it is put in force
+/// (`State::set_config`), so the hot path reads two integers and no `Option`.
+#[derive(Copy, Clone, Debug)]
+pub(crate) struct OversizeRule {
+    /// `max_split_size`, or `u64::MAX` without one (no block is that large).
+    pub(crate) max_split: u64,
+    max_non_split_rounding: u64,
+}
+
+impl OversizeRule {
+    pub(crate) fn of(config: &AllocatorConfig) -> OversizeRule {
+        OversizeRule {
+            max_split: config.sizes.max_split_size.unwrap_or(u64::MAX),
+            max_non_split_rounding: config.sizes.max_non_split_rounding,
+        }
+    }
+
+    /// Whether a free block of `found` bytes is refused to a request of rounded `size`.
+    #[inline(always)]
+    pub(crate) fn refuses(&self, size: u64, found: u64) -> bool {
+        let max_split = self.max_split;
+        (size < max_split && found >= max_split)
+            || (size >= max_split && found >= size.saturating_add(self.max_non_split_rounding))
+    }
+
+    /// Whether a block of `size` bytes is oversize (at or above `max_split_size`).
+    #[inline(always)]
+    pub(crate) fn is_oversize(&self, size: u64) -> bool {
+        size >= self.max_split
+    }
 }
 
 /// PyTorch's walk past expandable candidates (`get_free_block` with expandable segments):
@@ -256,11 +280,12 @@ impl Pools {
         at: (PoolId, PoolKind, StreamHandle),
         size: u64,
         config: &AllocatorConfig,
+        oversize: &OversizeRule,
         count_search: bool,
     ) -> Option<usize> {
         self.gc_clock += u64::from(count_search);
         let best = self.best_fit(blocks, at, size, &config.expandable)?;
-        if oversize_refuses(size, key_size(best.key), config) {
+        if oversize.refuses(size, key_size(best.key)) {
             return None;
         }
         let b = &mut blocks[best.id];

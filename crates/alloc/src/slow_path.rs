@@ -6,7 +6,7 @@
 use crate::block::{Block, Link, NO_LIST, Piece};
 use crate::engine::{Engine, Guard};
 use crate::error::AllocError;
-use crate::free_pools::{FreeKey, oversize_refuses};
+use crate::free_pools::FreeKey;
 use crate::private_pools::{SegmentSource, Wakefulness};
 use crate::rounding::allocation_size;
 use crate::state::{Request, State};
@@ -185,7 +185,7 @@ impl Engine {
                     segment: Link::NONE,
                     pool_id: pool,
                 }));
-                let oversize = st.config.sizes.max_split_size.is_some_and(|m| bytes >= m);
+                let oversize = st.oversize.is_oversize(bytes);
                 if oversize {
                     st.oversize_segments.insert(ptr.0);
                     st.stats.oversize_segments.increase(1);
@@ -222,7 +222,7 @@ impl Engine {
         stream: StreamHandle,
         size: u64,
     ) -> Result<Option<usize>, AllocError> {
-        let fits = |k: &FreeKey| k.size >= size && !oversize_refuses(size, k.size, &st.config);
+        let fits = |k: &FreeKey| k.size >= size && !st.oversize.refuses(size, k.size);
         let best = st
             .pools
             .keys_of(kind)

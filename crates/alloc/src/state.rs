@@ -6,7 +6,7 @@
 //! private pools); this file composes them. Nothing here calls the driver.
 use crate::block::{Allocation, Blocks};
 use crate::expandable::{Expandable, Grow, UnmapJob};
-use crate::free_pools::Pools;
+use crate::free_pools::{OversizeRule, Pools};
 use crate::history::{History, HistoryContext};
 use crate::pluggable::PluggableAllocator;
 use crate::private_pools::{PrivatePools, SegmentSource};
@@ -71,6 +71,8 @@ pub(crate) struct State {
     pub(crate) config: AllocatorConfig,
     /// `rounding::rounds_plainly(&config)`, kept by [`State::set_config`].
     pub(crate) plain_rounding: bool,
+    /// `max_split_size_mb`'s rule, kept by [`State::set_config`].
+    pub(crate) oversize: OversizeRule,
     pub(crate) blocks: Blocks,
     pub(crate) pools: Pools,
     /// Events holding freed blocks back for the streams that used them.
@@ -95,6 +97,7 @@ impl State {
     /// `max_split_size` the statistics report.
     pub(crate) fn set_config(&mut self, config: AllocatorConfig) {
         self.plain_rounding = crate::rounding::rounds_plainly(&config);
+        self.oversize = OversizeRule::of(&config);
         self.stats.max_split_size = config.sizes.max_split_size.map_or(-1, |m| m as i64);
         self.config = config;
     }
@@ -199,6 +202,7 @@ impl State {
             (pool, kind, stream),
             size,
             &self.config,
+            &self.oversize,
             count,
         )
     }
@@ -221,8 +225,7 @@ impl State {
         // computed and one picked without a branch: which pool a request hits is random.
         let by_minimum = expandable | (kind == PoolKind::Small);
         let minimum = remaining >= crate::rounding::MIN_BLOCK_SIZE;
-        let large = (size < self.config.sizes.max_split_size.unwrap_or(u64::MAX))
-            & (remaining > SMALL_SIZE);
+        let large = (size < self.oversize.max_split) & (remaining > SMALL_SIZE);
         (by_minimum & minimum) | (!by_minimum & large)
     }
 
@@ -266,10 +269,10 @@ impl State {
                 .inactive_split_bytes
                 .decrease(kind, self.blocks[id].size as i64);
         }
-        let max_split = self.config.sizes.max_split_size;
+        let rule = self.oversize;
         let b = &mut self.blocks[id];
         let (ptr, size, stream) = (b.ptr, b.size, b.stream);
-        let oversize = max_split.is_some_and(|m| size >= m);
+        let oversize = rule.is_oversize(size);
         b.allocated = true;
         b.requested = requested;
         b.oversize = oversize;

@@ -4,7 +4,7 @@
 //! list as the free would leave it (`free_pools::walk`, the one best fit runs).
 use super::Credit;
 use crate::free_list::key;
-use crate::free_pools::{oversize_refuses, walk};
+use crate::free_pools::walk;
 use crate::history::HistoryMode;
 use crate::state::{Request, State};
 
@@ -48,7 +48,7 @@ pub(super) fn credit(st: &State, id: usize, req: &Request) -> Option<Credit> {
     let next = st.blocks.mergeable(b.next);
     let next_size = next.map_or(0, |n| st.blocks[n].size);
     let merged = b.size + next_size;
-    if oversize_refuses(b.size, merged, c) {
+    if st.oversize.refuses(b.size, merged) {
         return None;
     }
     // ... best fit must choose the merged block, over the free list as the free leaves it
