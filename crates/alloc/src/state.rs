@@ -4,7 +4,7 @@
 //! `inactive_split` books), taking a whole segment out of the books. Each part of the
 //! state is a type of its own (blocks, free pools, stream order, expandable address space,
 //! private pools); this file composes them. Nothing here calls the driver.
-use crate::block::{Allocation, Blocks};
+use crate::block::{Allocation, Block, Blocks};
 use crate::expandable::{Expandable, Grow, UnmapJob};
 use crate::free_pools::{OversizeRule, Pools};
 use crate::history::{History, HistoryContext};
@@ -63,6 +63,19 @@ pub(crate) struct Freeing {
     kind: PoolKind,
     size: u64,
     requested: u64,
+}
+
+impl Freeing {
+    #[inline(always)]
+    fn of(b: &Block) -> Freeing {
+        Freeing {
+            ptr: b.ptr,
+            stream: b.stream,
+            kind: b.pool,
+            size: b.size,
+            requested: b.requested,
+        }
+    }
 }
 
 /// What the allocator's lock guards.
@@ -131,13 +144,7 @@ impl State {
     ) -> Freeing {
         let b = &mut self.blocks[id];
         b.allocated = false;
-        let freeing = Freeing {
-            ptr: b.ptr,
-            stream: b.stream,
-            kind: b.pool,
-            size: b.size,
-            requested: b.requested,
-        };
+        let freeing = Freeing::of(b);
         let oversize = b.oversize;
         // PyTorch's `free`: the free's own stack (context "all") takes the allocation's
         // place, and both entries of the free record it (`context ? context :
@@ -151,9 +158,9 @@ impl State {
         let Freeing {
             ptr,
             stream,
+            requested,
             kind,
             size,
-            requested,
         } = freeing;
         self.history
             .record("free_requested", ptr, requested, stream, frames);
@@ -317,14 +324,7 @@ impl State {
     /// `free_block`: merges with free neighbours and returns the block to its pool.
     #[inline(always)]
     pub(crate) fn free_block(&mut self, id: usize) {
-        let b = &self.blocks[id];
-        let freeing = Freeing {
-            ptr: b.ptr,
-            stream: b.stream,
-            kind: b.pool,
-            size: b.size,
-            requested: b.requested,
-        };
+        let freeing = Freeing::of(&self.blocks[id]);
         self.free_block_as(id, freeing);
     }
 
