@@ -99,6 +99,8 @@ impl CachingAllocator {
         let (_, device_total) = driver.mem_get_info(device)?;
         let fraction = config.release.per_process_memory_fraction;
         let stats = Tally::new(config.sizes.max_split_size.map_or(-1, |m| m as i64));
+        let mut expandable = Expandable::default();
+        expandable.set_reclaim(config.expandable.reclaim);
         let state = State {
             device,
             plain_rounding: crate::rounding::rounds_plainly(&config),
@@ -111,7 +113,7 @@ impl CachingAllocator {
             total_reserved: 0,
             allowed_max: None,
             oversize_segments: Default::default(),
-            expandable: Expandable::default(),
+            expandable,
             history: History::default(),
             private: PrivatePools::default(),
             paged: Default::default(),
@@ -165,9 +167,6 @@ impl CachingAllocator {
             return Err(AllocError::WrongBackend);
         }
         self.engine.cache.enable(next.reuse.thread_cache);
-        if next.expandable.reclaim && !st.config.expandable.reclaim {
-            st.expandable.stamp_all();
-        }
         st.set_config(next);
         Ok(())
     }

@@ -4,7 +4,7 @@
 //! blocks that are not mapped) and the spare pages of `expandable_segments_reclaim`; the
 //! driver calls that map and unmap are the allocator's.
 use crate::block::Blocks;
-use crate::reclaim_clock::ReclaimClock;
+use crate::reclaim_clock::{DORMANT_AFTER, ReclaimClock};
 use ferrocuda_types::{PhysHandle, PoolKind, StreamHandle, VaRange};
 use rustc_hash::FxHashMap;
 use std::collections::BTreeMap;
@@ -115,6 +115,12 @@ pub(crate) struct Expandable {
     pub(crate) clock: ReclaimClock,
     /// A stream whose frees want a reclaim mark recorded (see [`ReclaimClock::frees_per_mark`]).
     pub(crate) mark_due: Option<StreamHandle>,
+    /// Whether frees stamp their pages and count toward marks: page reclaim is on and not
+    /// dormant (see `reclaim_clock`: after [`DORMANT_AFTER`] frees without a reclaim, until
+    /// the next one).
+    pub(crate) stamping: bool,
+    /// Frees counted toward marks since the last reclaim, at the marks that fell due.
+    quiet_frees: u64,
 }
 
 impl Expandable {
@@ -224,10 +230,38 @@ impl Expandable {
         }
     }
 
+    /// Puts `expandable_segments_reclaim` in force: switched on, every page is stamped
+    /// ([`stamp_all`](Self::stamp_all)) and frees stamp theirs from now on.
+    pub(crate) fn set_reclaim(&mut self, on: bool) {
+        if on && !self.stamping {
+            self.stamp_all();
+        }
+        self.stamping = on;
+        self.quiet_frees = 0;
+    }
+
+    /// A reclaim is about to read the stamps: a dormant allocator stamps every page first
+    /// (as switching reclaim on does) and frees stamp theirs again.
+    pub(crate) fn wake(&mut self) {
+        self.set_reclaim(true);
+    }
+
+    /// A mark fell due after `frees` frees of a segment: counts them toward dormancy.
+    /// Returns whether page reclaim has now fallen dormant (frees stop stamping and
+    /// counting; no mark is recorded).
+    pub(crate) fn fall_dormant(&mut self, frees: u32) -> bool {
+        self.quiet_frees += u64::from(frees);
+        if self.quiet_frees < DORMANT_AFTER {
+            return false;
+        }
+        self.stamping = false;
+        true
+    }
+
     /// Stamps every page of every segment with the reclaim clock's epoch, when
-    /// `expandable_segments_reclaim` is switched on: frees made without it stamped nothing,
-    /// so no page is known safe before a mark recorded from now on has completed (or its
-    /// stream is found idle).
+    /// `expandable_segments_reclaim` is switched on or wakes: frees made meanwhile stamped
+    /// nothing, so no page is known safe before a mark recorded from now on has completed
+    /// (or its stream is found idle).
     pub(crate) fn stamp_all(&mut self) {
         let stamp = self.clock.epoch();
         for segment in self.segments.iter_mut().flatten() {

@@ -111,6 +111,7 @@ impl Engine {
         let spare_now = st.expandable.spare_count(kind, page);
         // While a capture is underway no event may be queried: only new pages then.
         if st.config.expandable.reclaim && pages > spare_now && !st.capturing() {
+            st.expandable.wake();
             st = self.release_expandable(
                 st,
                 Unmap::Reclaim {
@@ -369,7 +370,7 @@ impl Engine {
     }
 
     /// [`Engine::record_due_mark`] with one due. A stream found idle needs none: every page
-    /// stamped so far is safe. A stream in a capture the allocator was not told of keeps
+    /// stamped so far is safe. Nor does an allocator whose reclaim falls dormant with it. A stream in a capture the allocator was not told of keeps
     /// its mark due: a query would invalidate the capture, an event would join its graph.
     #[cold]
     fn record_due_mark_now(&self, st: &mut State) {
@@ -381,6 +382,10 @@ impl Engine {
         {
             if self.any_capturing(&[stream]) {
                 st.expandable.mark_due = Some(stream);
+                return;
+            }
+            let frees = st.expandable.clock.frees_per_mark();
+            if st.expandable.fall_dormant(frees) {
                 return;
             }
             let idle = self.settle_if_idle(st, stream).is_some();

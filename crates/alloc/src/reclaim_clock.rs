@@ -25,6 +25,15 @@
 //! [`MAX_FREES_PER_MARK`] frees, back to every [`MIN_FREES_PER_MARK`] as soon as one finds
 //! the stream busy: a steady state that frees on an idle stream pays one query now and then.
 //!
+//! Page reclaim falls dormant after [`DORMANT_AFTER`] frees without a reclaim (a steady
+//! state whose segments no longer grow, where stamps are written and never read): frees
+//! then stamp nothing and count toward no mark, and the hot path costs what PyTorch's
+//! expandable segments cost. The next growth that would reclaim wakes it as switching it on
+//! does: every page is stamped with the current epoch, so none is safe before a mark
+//! recorded from then on has completed or its stream is found idle. That growth finds no
+//! page safe on a busy stream (it maps new memory, as PyTorch's expandable segments
+//! would), the ones after it do as before.
+//!
 //! Marks are settled at reclaims, and a stream that frees on a busy stream without ever
 //! needing a reclaim would gather marks, and an event each, without end. So a stream keeps
 //! at most [`MARKS_KEPT`] outstanding: at that many, its completed ones are settled first,
@@ -47,6 +56,11 @@ const MIN_FREES_PER_MARK: u32 = 16;
 
 /// The fewest marks: one per this many frees, reached while the device keeps up.
 const MAX_FREES_PER_MARK: u32 = 16 << 6;
+
+/// Frees (counted at the marks they make due) after which page reclaim, not needed by any
+/// growth meanwhile, falls dormant: a steady state that never grows stops paying for stamps
+/// it would never read (see the module's text).
+pub(crate) const DORMANT_AFTER: u64 = 1 << 16;
 
 /// The most outstanding marks a stream keeps: far more than a reclaim waits behind, and
 /// more than a lagging training step records (a GPT-2 step replayed with the device two

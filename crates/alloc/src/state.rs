@@ -106,12 +106,15 @@ pub(crate) struct State {
 }
 
 impl State {
-    /// Puts `config` in force with what is kept derived from it: plain rounding, and the
-    /// `max_split_size` the statistics report.
+    /// Puts `config` in force with what is kept derived from it: plain rounding, the
+    /// `max_split_size` the statistics report, and whether frees stamp pages for reclaim.
     pub(crate) fn set_config(&mut self, config: AllocatorConfig) {
         self.plain_rounding = crate::rounding::rounds_plainly(&config);
         self.oversize = OversizeRule::of(&config);
         self.stats.max_split_size = config.sizes.max_split_size.map_or(-1, |m| m as i64);
+        if config.expandable.reclaim != self.config.expandable.reclaim {
+            self.expandable.set_reclaim(config.expandable.reclaim);
+        }
         self.config = config;
     }
 
@@ -376,14 +379,14 @@ impl State {
         s.deactivate(kind, size as i64);
         s.requested_bytes.decrease(kind, requested as i64);
         // Expandable blocks are never counted as inactive splits (PyTorch's rule); with
-        // page reclaim their pages are stamped instead (switching reclaim on stamps every
-        // page: `Expandable::stamp_all`).
+        // page reclaim (not dormant) their pages are stamped instead (switching reclaim on
+        // or waking it stamps every page: `Expandable::stamp_all`).
         match segment.get() {
             None => {
                 s.inactive_split.change(kind, net_blocks);
                 s.inactive_split_bytes.change(kind, net_bytes);
             }
-            Some(segment) if self.config.expandable.reclaim => {
+            Some(segment) if self.expandable.stamping => {
                 self.expandable.stamp_free(segment, ptr, size);
             }
             Some(_) => {}

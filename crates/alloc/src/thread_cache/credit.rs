@@ -35,7 +35,7 @@ pub(super) fn credit(st: &State, id: usize, req: &Request) -> Option<Credit> {
     // the frees that make none due, and none while one is due already (every locked
     // operation would try to record it).
     let (reclaim_segment, parks) = match b.segment.get() {
-        Some(segment) if c.expandable.reclaim => {
+        Some(segment) if st.expandable.stamping => {
             let parks = st.expandable.frees_before_mark(segment);
             if parks == 0 || st.expandable.mark_due.is_some() {
                 return None;

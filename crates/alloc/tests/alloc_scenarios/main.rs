@@ -4,7 +4,7 @@
 //! `Route::NextCapture` ([`next_capture`]), the graph-memory planner ([`capture_plan`]), peers ([`peer_access`]), a pluggable library as
 //! the segment source ([`pluggable`]), the `backend:cudaMallocAsync` allocator
 //! ([`async_backend`]), checkpoints of a private pool ([`checkpoint`]), page reclaim
-//! ([`reclaim_without_sync`], [`reclaim_adversarial`], [`reclaim_switch`]), and the output formats against
+//! ([`reclaim_without_sync`], [`reclaim_adversarial`], [`reclaim_switch`], [`reclaim_dormancy`]), and the output formats against
 //! PyTorch's ([`formats`]).
 #![forbid(unsafe_code)]
 #[path = "../common/mod.rs"]
@@ -28,6 +28,7 @@ mod peer_access;
 mod pluggable;
 mod pytorch_rules;
 mod reclaim_adversarial;
+mod reclaim_dormancy;
 mod reclaim_switch;
 mod reclaim_without_sync;
 mod sleep;
