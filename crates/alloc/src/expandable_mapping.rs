@@ -109,8 +109,14 @@ impl Engine {
         // new memory.
         let pages = to_map / page;
         let spare_now = st.expandable.spare_count(kind, page);
-        // While a capture is underway no event may be queried: only new pages then.
-        if st.config.expandable.reclaim && pages > spare_now && !st.capturing() {
+        // While a capture is underway no event may be queried: only new pages then. That
+        // includes a capture of the growing stream the allocator was not told of (a query
+        // of the stream would invalidate it).
+        if st.config.expandable.reclaim
+            && pages > spare_now
+            && !st.capturing()
+            && !self.any_capturing(&[stream])
+        {
             st.expandable.wake();
             st = self.release_expandable(
                 st,

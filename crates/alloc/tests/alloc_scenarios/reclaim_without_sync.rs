@@ -143,6 +143,44 @@ fn growth_during_a_capture_queries_no_event() -> TestResult {
     Ok(())
 }
 
+/// A growth on a stream under a capture the allocator was not told of queries nothing (a
+/// query of the capturing stream would invalidate the capture): it maps new pages, as
+/// PyTorch's expandable segments would, and the capture stays active.
+#[test]
+fn growth_on_a_stream_in_an_unannounced_capture_keeps_it_valid() -> TestResult {
+    let (fake, a) = setup(
+        80 * GIB,
+        &format!("{RECLAIM},thread_cache:False"),
+        Completion::Eager,
+    );
+    let s = new_stream(&fake)?;
+    let xs = (0..4)
+        .map(|_| a.allocate(10 * MIB, s))
+        .collect::<Result<Vec<_>, _>>()?;
+    a.free(xs[1].ptr)?;
+    fake.stream_begin_capture(s, CaptureMode::Relaxed)?;
+    let queries = fake.calls(Call::StreamQuery) + fake.calls(Call::EventQuery);
+    let grown = a.allocate(30 * MIB, s)?;
+    assert_eq!(
+        fake.calls(Call::StreamQuery) + fake.calls(Call::EventQuery),
+        queries,
+        "no query during the capture"
+    );
+    assert_eq!(reserved(&a), 70 * MIB, "new pages only");
+    assert!(
+        matches!(
+            fake.stream_capture_status(s)?,
+            ferrocuda_types::CaptureStatus::Active { .. }
+        ),
+        "the capture is still valid"
+    );
+    let graph = fake.stream_end_capture(s)?;
+    fake.graph_destroy(graph)?;
+    a.free(grown.ptr)?;
+    a.check_invariants()?;
+    Ok(())
+}
+
 /// Frees during a capture the allocator was not told of (a block of the capturing stream,
 /// allocated before it began) make a reclaim mark due, which waits for the capture to end:
 /// no query would invalidate it, no event joins its graph.
