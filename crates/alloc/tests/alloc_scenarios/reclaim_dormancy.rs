@@ -120,25 +120,7 @@ fn after_waking_only_the_pages_whose_last_use_ran_move() -> TestResult {
     // A growth onto that free tail wakes reclaim; the stream is idle, nothing else is free.
     let _woke = a.allocate(6 * MIB, LEGACY)?;
     assert_eq!(reserved(&a), 46 * MIB);
-    for x in [&xs[0], &xs[2]] {
-        fake.memset_async(x.ptr, MemsetValue::U8(3), x.size, LEGACY)?;
-        a.free(x.ptr)?;
-    }
-    let _grown_first = a.allocate(12 * MIB, LEGACY)?;
-    assert_eq!(reserved(&a), 58 * MIB, "nothing was known to be safe");
-    fake.advance_all();
-    fake.memset_async(xs[1].ptr, MemsetValue::U8(1), xs[1].size, LEGACY)?;
-    a.free(xs[1].ptr)?;
-    let grown = a.allocate(34 * MIB, LEGACY)?;
-    assert_eq!(
-        reserved(&a),
-        72 * MIB,
-        "xs[0] and xs[2] gave 20 MiB; xs[1]'s 10 MiB still had queued work"
-    );
-    fake.memset_async(grown.ptr, MemsetValue::U8(2), grown.size, LEGACY)?;
-    fake.device_synchronize(D0)?;
-    a.check_invariants()?;
-    Ok(())
+    crate::reclaim_without_sync::pieces_freed_apart_move_as_their_work_runs(&fake, &a, &xs)
 }
 
 /// One long program, with and without the thread cache: reclaim falls dormant, wakes at a
