@@ -6,10 +6,10 @@
 //! an unmapped address is a sticky error that the final synchronization reports.
 #![allow(clippy::unwrap_used)]
 use crate::common;
-use common::{D0, GIB, LEGACY, MIB, Rng, TestResult, new_stream, setup, stat};
+use common::{GIB, LEGACY, MIB, Rng, TestResult, new_stream, setup, stat};
 use ferrocuda_alloc::CachingAllocator;
-use ferrocuda_driver::{Call, Driver, FakeDriver, fake::Completion};
-use ferrocuda_types::{MemsetValue, StreamHandle};
+use ferrocuda_driver::{Call, FakeDriver, fake::Completion};
+use ferrocuda_types::StreamHandle;
 
 const RECLAIM: &str =
     "expandable_segments:True,expandable_segments_reclaim:True,expandable_segments_page_mb:2";
@@ -78,30 +78,14 @@ fn a_growth_after_dormancy_waits_for_work_queued_before_it() -> TestResult {
     let dormant = mark_calls(&fake);
     pairs(&a, 1000, 2 * MIB, LEGACY)?;
     assert_eq!(mark_calls(&fake), dormant, "reclaim is dormant");
-    let base = reserved(&a);
-    fake.memset_async(xs[1].ptr, MemsetValue::U8(7), xs[1].size, LEGACY)?;
-    a.free(xs[1].ptr)?;
-    // The growth takes the churn's free 2 MiB at the end of the segment and maps 58 MiB.
-    let big = a.allocate(60 * MIB, LEGACY)?;
-    assert_eq!(
-        reserved(&a),
-        base + 58 * MIB,
-        "the hole's memset has not run: none of its pages moved"
-    );
-    fake.advance_all();
-    a.free(big.ptr)?;
-    let bigger = a.allocate(100 * MIB, LEGACY)?;
-    assert_eq!(
-        reserved(&a),
-        base + 58 * MIB,
-        "the stream ran the memset: the hole's and the freed block's pages moved"
-    );
-    fake.memset_async(bigger.ptr, MemsetValue::U8(9), bigger.size, LEGACY)?;
-    fake.device_synchronize(D0)?;
-    let (free, total) = fake.mem_get_info(D0)?;
-    assert_eq!(total - free, reserved(&a), "every physical page is counted");
-    a.check_invariants()?;
-    Ok(())
+    // The churn's 2 MiB block is free at the end of the segment: growth takes it first.
+    crate::reclaim_without_sync::hole_keeps_its_pages_until_its_work_ran(
+        &fake,
+        &a,
+        &xs,
+        None,
+        2 * MIB,
+    )
 }
 
 /// After waking, reclaim is as precise as before for the frees that follow (the same steps
