@@ -376,8 +376,9 @@ impl Engine {
     }
 
     /// [`Engine::record_due_mark`] with one due. A stream found idle needs none: every page
-    /// stamped so far is safe. Nor does an allocator whose reclaim falls dormant with it. A stream in a capture the allocator was not told of keeps
-    /// its mark due: a query would invalidate the capture, an event would join its graph.
+    /// stamped so far is safe; nor does an allocator whose reclaim falls dormant with it. A
+    /// stream in a capture the allocator was not told of keeps its mark due: a query would
+    /// invalidate the capture, an event would join its graph.
     #[cold]
     fn record_due_mark_now(&self, st: &mut State) {
         if st.capturing() {
