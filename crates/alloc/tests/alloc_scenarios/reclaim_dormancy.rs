@@ -6,13 +6,14 @@
 //! an unmapped address is a sticky error that the final synchronization reports.
 #![allow(clippy::unwrap_used)]
 use crate::common;
-use common::{GIB, LEGACY, MIB, Rng, TestResult, new_stream, setup, stat};
+use crate::reclaim_without_sync::{
+    RECLAIM, allocate_n, hole_keeps_its_pages_until_its_work_ran,
+    pieces_freed_apart_move_as_their_work_runs, reserved,
+};
+use common::{GIB, LEGACY, MIB, Rng, TestResult, new_stream, setup};
 use ferrocuda_alloc::CachingAllocator;
 use ferrocuda_driver::{Call, FakeDriver, fake::Completion};
 use ferrocuda_types::StreamHandle;
-
-const RECLAIM: &str =
-    "expandable_segments:True,expandable_segments_reclaim:True,expandable_segments_page_mb:2";
 
 /// More frees than reclaim takes to fall dormant (65 536), with room for the marks that
 /// count them.
@@ -21,10 +22,6 @@ const PAST_DORMANCY: usize = 70_000;
 /// The driver calls reclaim's marks make: events recorded and queried, streams queried.
 fn mark_calls(fake: &FakeDriver) -> u64 {
     fake.calls(Call::EventRecord) + fake.calls(Call::EventQuery) + fake.calls(Call::StreamQuery)
-}
-
-fn reserved(a: &CachingAllocator) -> u64 {
-    stat(a, "reserved_bytes.all.current") as u64
 }
 
 /// `n` cached pairs of `bytes` on `stream` (a steady state: no growth after the first).
@@ -70,22 +67,14 @@ fn a_steady_state_falls_dormant_and_stops_marking() -> TestResult {
 #[test]
 fn a_growth_after_dormancy_waits_for_work_queued_before_it() -> TestResult {
     let (fake, a) = setup(80 * GIB, RECLAIM, Completion::Manual);
-    let xs: Vec<_> = (0..3)
-        .map(|_| a.allocate(40 * MIB, LEGACY))
-        .collect::<Result<_, _>>()?;
+    let xs = allocate_n(&a, 3, 40 * MIB)?;
     pairs(&a, PAST_DORMANCY, 2 * MIB, LEGACY)?;
     fake.advance_all();
     let dormant = mark_calls(&fake);
     pairs(&a, 1000, 2 * MIB, LEGACY)?;
     assert_eq!(mark_calls(&fake), dormant, "reclaim is dormant");
     // The churn's 2 MiB block is free at the end of the segment: growth takes it first.
-    crate::reclaim_without_sync::hole_keeps_its_pages_until_its_work_ran(
-        &fake,
-        &a,
-        &xs,
-        None,
-        2 * MIB,
-    )
+    hole_keeps_its_pages_until_its_work_ran(&fake, &a, &xs, None, 2 * MIB)
 }
 
 /// After waking, reclaim is as precise as before for the frees that follow (the same steps
@@ -95,16 +84,14 @@ fn a_growth_after_dormancy_waits_for_work_queued_before_it() -> TestResult {
 #[test]
 fn after_waking_only_the_pages_whose_last_use_ran_move() -> TestResult {
     let (fake, a) = setup(80 * GIB, RECLAIM, Completion::Manual);
-    let xs: Vec<_> = (0..4)
-        .map(|_| a.allocate(10 * MIB, LEGACY))
-        .collect::<Result<_, _>>()?;
+    let xs = allocate_n(&a, 4, 10 * MIB)?;
     // The first pair maps 2 MiB after the four blocks; the steady churn reuses it.
     pairs(&a, PAST_DORMANCY, 2 * MIB, LEGACY)?;
     fake.advance_all();
     // A growth onto that free tail wakes reclaim; the stream is idle, nothing else is free.
     let _woke = a.allocate(6 * MIB, LEGACY)?;
     assert_eq!(reserved(&a), 46 * MIB);
-    crate::reclaim_without_sync::pieces_freed_apart_move_as_their_work_runs(&fake, &a, &xs)
+    pieces_freed_apart_move_as_their_work_runs(&fake, &a, &xs)
 }
 
 /// One long program, with and without the thread cache: reclaim falls dormant, wakes at a

@@ -11,11 +11,11 @@ use ferrocuda_driver::{Call, Driver, FakeDriver, fake::Completion};
 use ferrocuda_types::{CaptureMode, DevicePtr, MemsetValue, PoolId, StreamHandle};
 use proptest::prelude::*;
 
-const RECLAIM: &str =
+pub(crate) const RECLAIM: &str =
     "expandable_segments:True,expandable_segments_reclaim:True,expandable_segments_page_mb:2";
 
 /// `n` allocations of `bytes` on the legacy stream.
-fn allocate_n(
+pub(crate) fn allocate_n(
     a: &ferrocuda_alloc::CachingAllocator,
     n: usize,
     bytes: u64,
@@ -23,7 +23,7 @@ fn allocate_n(
     (0..n).map(|_| a.allocate(bytes, LEGACY)).collect()
 }
 
-fn reserved(a: &ferrocuda_alloc::CachingAllocator) -> u64 {
+pub(crate) fn reserved(a: &ferrocuda_alloc::CachingAllocator) -> u64 {
     stat(a, "reserved_bytes.all.current") as u64
 }
 
