@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Runs the bundled tests and benches against the real CUDA driver. A skipped (ignored) test,
 # a missing GPU, or a failed bench counts as a failure. Last line: "N passed, N failed".
-# ONLY=<regex> runs just the binaries whose names match (and skips the PyTorch checks);
-# the step "sanitize" (compute-sanitizer on the conformance binaries) is one such name;
+# ONLY=<regex> runs just the binaries and steps whose names match (skipping the PyTorch checks
+# it does not name); the step "sanitize" (compute-sanitizer on the conformance binaries) and
+# PyTorch's anchors "torch_anchor" and "torch_pinned" are such names;
 # ONLY=replay runs just the replay comparison (replay.sh: ferrocuda on the fake device and the
 # GPU, and PyTorch's allocator, on the same traces).
 # MULTI_GPU=1 also runs the multi_* tests and multibench_* benches, which need two GPUs (they
@@ -24,12 +25,42 @@ passed=0; failed=0
 want() { [ -z "${ONLY:-}" ] || [[ "$1" =~ $ONLY ]]; }
 # Benches and PyTorch's anchors run on the same nine cores (2-10) where the machine has them:
 # left to roam a shared host's vCPUs, the allocator's churn ran 30-60% slower on the H200
-# (docs/measurements/h200_2026-11-30b). PIN_BENCHES=0 runs them unpinned.
-pinned() {
+# (docs/measurements/h200_2026-11-30b). Single-threaded figures, ours and PyTorch's, come
+# from one core (2): spread over 2-10 the churn ran at 88-112 ns in five runs of six where
+# one pinned core gave 60-66 ns in most (docs/measurements/h200_2026-12-01g).
+# PIN_BENCHES=0 runs them unpinned.
+pinned_to() {
+  local cpus=$1; shift
   if [ "${PIN_BENCHES:-1}" = 1 ] && command -v taskset >/dev/null && [ "$(nproc)" -ge 11 ]; then
-    taskset -c 2-10 "$@"
+    taskset -c "$cpus" "$@"
   else
     "$@"
+  fi
+}
+pinned() { pinned_to 2-10 "$@"; }
+one_core() { pinned_to 2 "$@"; }
+# bench_alloc's single-threaded benches (run on one core) and its many-threaded ones (on
+# 2-10); every bench it lists must match exactly one of the two.
+ALLOC_ONE_THREAD='^alloc/(pair_(512B|1MiB|100MiB)(_locked|_expandable|_recommended)?|lock_floor(_spin)?|churn_.*)$'
+ALLOC_THREADS='^alloc/.*_8threads.*$'
+alloc_benches_split() {
+  local name listed=0 sets
+  while read -r name; do
+    listed=$((listed + 1)); sets=0
+    [[ "$name" =~ $ALLOC_ONE_THREAD ]] && sets=$((sets + 1))
+    [[ "$name" =~ $ALLOC_THREADS ]] && sets=$((sets + 1))
+    [ "$sets" = 1 ] || { echo "bench_alloc: $name is in $sets of the two core sets"; return 1; }
+  done < <(./bench_alloc --bench --list 2>/dev/null | sed -n 's/: benchmark$//p')
+  [ "$listed" -gt 0 ] || { echo "bench_alloc --list named no bench"; return 1; }
+}
+# A bench binary with its arguments, bench_alloc split over the two core sets.
+run_bench() {
+  local b=$1; shift
+  if [ "$b" = bench_alloc ]; then
+    alloc_benches_split || return 1
+    one_core ./bench_alloc "$@" "$ALLOC_ONE_THREAD" && pinned ./bench_alloc "$@" "$ALLOC_THREADS"
+  else
+    pinned ./"$b" "$@"
   fi
 }
 # The tests of a binary to run, when not all of them (a test filtered out is no skip).
@@ -93,7 +124,7 @@ fi
 for b in bench_* ${MULTI_GPU:+multibench_*}; do
   want "$b" || continue
   echo "=== $b"
-  if pinned ./"$b" --bench 2>&1 | tee "$OUT/$b.log"; then passed=$((passed + 1)); else echo "$b failed"; failed=$((failed + 1)); fi
+  if run_bench "$b" --bench 2>&1 | tee "$OUT/$b.log"; then passed=$((passed + 1)); else echo "$b failed"; failed=$((failed + 1)); fi
 done
 if want replay; then
   echo "=== replay: ferrocuda on the fake device and on the GPU, PyTorch's allocator, same traces"
@@ -138,9 +169,13 @@ if [ -f plugin_bench.py ] && [ -f libferrocuda_torch.so ]; then
   # shellcheck disable=SC2086
   plugin plugin_paired python3 plugin_bench.py paired ${PLUGIN_PAIRED_ARGS:-}
 fi
-if [ -f torch_anchor.py ] && [ -z "${ONLY:-}" ]; then
+# Twice: on cores 2-10 (its many-threaded pairs), then on one core into $OUT/one_core (its
+# single-threaded figures, measured as ours are). ONLY=torch_anchor runs just this.
+if [ -f torch_anchor.py ] && want torch_anchor; then
   echo "=== torch_anchor.py (PyTorch, same machine, same run)"
-  if PYTHONUNBUFFERED=1 pinned python3 torch_anchor.py 2>&1 | tee "$OUT/torch_anchor.log"; then
+  if PYTHONUNBUFFERED=1 pinned python3 torch_anchor.py 2>&1 | tee "$OUT/torch_anchor.log" \
+    && mkdir -p "$OUT/one_core" \
+    && OUT="$OUT/one_core" PYTHONUNBUFFERED=1 one_core python3 torch_anchor.py > "$OUT/one_core/torch_anchor.log" 2>&1; then
     passed=$((passed + 1))
   else
     echo "torch_anchor.py failed"; failed=$((failed + 1))
@@ -153,6 +188,11 @@ if [ -f "$OUT/torch_anchor.json" ]; then
 import json, os, sys
 out = sys.argv[1]
 torch = json.load(open(os.path.join(out, "torch_anchor.json")))
+# PyTorch's single-threaded figures from its run on one core, as ours are measured.
+one_core = os.path.join(out, "one_core", "torch_anchor.json")
+if os.path.exists(one_core):
+    single = json.load(open(one_core))
+    torch.update({k: v for k, v in single.items() if "threads" not in k})
 def ours(name):
     p = os.path.join(out, "criterion", "alloc", name, "new", "estimates.json")
     return json.load(open(p))["median"]["point_estimate"] if os.path.exists(p) else None
@@ -178,7 +218,7 @@ for label, mine, theirs, target in rows:
     print(f"{label:28} {a:13.1f} {b:11.1f} {a / b:7.3f} {target or '-':>10}")
 PY
 fi
-if [ -f torch_pinned.py ] && [ -z "${ONLY:-}" ]; then
+if [ -f torch_pinned.py ] && want torch_pinned; then
   echo "=== torch_pinned.py (PyTorch's pinned host allocator, same machine, same run)"
   if PYTHONUNBUFFERED=1 pinned python3 torch_pinned.py 2>&1 | tee "$OUT/torch_pinned.log"; then
     passed=$((passed + 1))
@@ -248,7 +288,7 @@ paired() {
   fi
 }
 # Criterion's median estimate of each bench named (GROUP/NAME) that the last paired_bench
-# ran, on one line.
+# runs wrote, on one line.
 criterion_medians() {
   python3 - "$OUT/paired_criterion" "$@" <<'PY'
 import json, os, sys
@@ -256,14 +296,15 @@ print(" ".join("%.3f" % json.load(open(os.path.join(sys.argv[1], bench, "new", "
                for bench in sys.argv[2:]))
 PY
 }
+# paired_bench PIN BINARY FILTER: PIN is pinned (cores 2-10) or one_core.
 paired_bench() {
-  CRITERION_HOME="$OUT/paired_criterion" pinned ./"$1" --bench "$2" --warm-up-time 0.5 --measurement-time 1.5 \
+  CRITERION_HOME="$OUT/paired_criterion" "$1" ./"$2" --bench "$3" --warm-up-time 0.5 --measurement-time 1.5 \
     > "$OUT/paired_bench.log" 2>&1
 }
 # The 64 MiB pageable copies, ours (criterion's h2d/ and d2h/pageable_64MiB) against
 # PyTorch's (torch_copies.py, GB/s). ONLY=paired_copies runs just this.
 paired_copies_ours() {
-  paired_bench bench_pinned '^(h2d|d2h)/pageable_64MiB$' || return 1
+  paired_bench pinned bench_pinned '^(h2d|d2h)/pageable_64MiB$' || return 1
   criterion_medians h2d/pageable_64MiB d2h/pageable_64MiB \
     | python3 -c "import sys; print(' '.join('%.3f' % ((64 << 20) / float(ns)) for ns in sys.stdin.read().split()))"
 }
@@ -274,7 +315,8 @@ fi
 # The churn and the 8-thread pairs of one configuration (the benches' name suffix: "",
 # _expandable or _recommended), in ns per operation.
 alloc_medians() {
-  paired_bench bench_alloc "^alloc/(churn_1024_live|pair_1MiB_8threads)$1\$" || return 1
+  paired_bench one_core bench_alloc "^alloc/churn_1024_live$1\$" || return 1
+  paired_bench pinned bench_alloc "^alloc/pair_1MiB_8threads$1\$" || return 1
   criterion_medians "alloc/churn_1024_live$1" "alloc/pair_1MiB_8threads$1"
 }
 # The recommended set against the default configuration: issue 30 asks the recommended
