@@ -15,5 +15,6 @@ for t in 1 2; do
   cp /tmp/t$t/run.log "$OUT/t$t.run.log"; cp /tmp/t$t/bench_alloc.log "$OUT/t$t.bench_alloc.log"
 done
 mkdir -p /tmp/p
-OUT=/tmp/p PAIRED_ROUNDS=6 ONLY='^paired_alloc$' bash run.sh 2>&1 | grep -E "^(paired|===|[0-9]+ passed)|\[|/"
+OUT=/tmp/p PAIRED_ROUNDS=6 ONLY='^paired_alloc$' bash run.sh > /tmp/p/run.log 2>&1
+echo "=== paired_alloc"; cat /tmp/p/paired_alloc.log; tail -1 /tmp/p/run.log
 cp /tmp/p/paired_alloc.txt /tmp/p/paired_alloc.log "$OUT/" 2>/dev/null
