@@ -343,13 +343,17 @@ impl Engine {
 
     /// Whether one of `streams` takes part in a stream capture now (active, or invalidated
     /// and not yet ended), as the driver says: a non-blocking query
-    /// (`cudaStreamGetCaptureInfo`), legal during any capture. A stream the driver cannot
-    /// answer for counts as not capturing (recording its event fails and it is waited for).
+    /// (`cudaStreamGetCaptureInfo`), legal during any capture. The legacy stream counts as
+    /// capturing while a blocking stream of its device captures (the query fails with
+    /// `CUDA_ERROR_STREAM_CAPTURE_IMPLICIT` then): its work would join that capture and
+    /// a query of it would invalidate it. A stream the driver cannot answer for otherwise
+    /// counts as not capturing (recording its event fails and it is waited for).
     pub(crate) fn any_capturing(&self, streams: &[StreamHandle]) -> bool {
         streams.iter().any(|s| {
             matches!(
                 self.driver.stream_capture_status(*s),
                 Ok(CaptureStatus::Active { .. } | CaptureStatus::Invalidated)
+                    | Err(DriverError::STREAM_CAPTURE_IMPLICIT)
             )
         })
     }

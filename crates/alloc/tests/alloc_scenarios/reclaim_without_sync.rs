@@ -180,27 +180,59 @@ fn growth_on_a_stream_in_an_unannounced_capture_keeps_it_valid() -> TestResult {
         Completion::Eager,
     );
     let s = new_stream(&fake)?;
+    growth_leaves_a_capture_valid(&fake, &a, s, s)
+}
+
+/// The same on the legacy stream while a blocking stream captures: the legacy stream cannot
+/// be asked (the driver answers `CUDA_ERROR_STREAM_CAPTURE_IMPLICIT`, and a query of it
+/// would invalidate that capture), so growth there maps new pages too.
+#[test]
+fn growth_on_the_legacy_stream_while_a_blocking_stream_captures_keeps_it_valid() -> TestResult {
+    let (fake, a) = setup(
+        80 * GIB,
+        &format!("{RECLAIM},thread_cache:False"),
+        Completion::Eager,
+    );
+    let blocking = fake.stream_create(
+        D0,
+        ferrocuda_types::StreamFlags {
+            non_blocking: false,
+            priority: 0,
+        },
+    )?;
+    growth_leaves_a_capture_valid(&fake, &a, LEGACY, blocking)
+}
+
+/// Four 10 MiB blocks on `grows`, the second freed (a hole reclaim could move), then a
+/// capture the allocator is not told of begun on `captures`: a 30 MiB growth on `grows`
+/// asks no stream or event anything, maps new pages, and leaves the capture valid.
+fn growth_leaves_a_capture_valid(
+    fake: &FakeDriver,
+    a: &ferrocuda_alloc::CachingAllocator,
+    grows: StreamHandle,
+    captures: StreamHandle,
+) -> TestResult {
     let xs = (0..4)
-        .map(|_| a.allocate(10 * MIB, s))
+        .map(|_| a.allocate(10 * MIB, grows))
         .collect::<Result<Vec<_>, _>>()?;
     a.free(xs[1].ptr)?;
-    fake.stream_begin_capture(s, CaptureMode::Relaxed)?;
+    fake.stream_begin_capture(captures, CaptureMode::Relaxed)?;
     let queries = fake.calls(Call::StreamQuery) + fake.calls(Call::EventQuery);
-    let grown = a.allocate(30 * MIB, s)?;
+    let grown = a.allocate(30 * MIB, grows)?;
     assert_eq!(
         fake.calls(Call::StreamQuery) + fake.calls(Call::EventQuery),
         queries,
         "no query during the capture"
     );
-    assert_eq!(reserved(&a), 70 * MIB, "new pages only");
+    assert_eq!(reserved(a), 70 * MIB, "new pages only");
     assert!(
         matches!(
-            fake.stream_capture_status(s)?,
+            fake.stream_capture_status(captures)?,
             ferrocuda_types::CaptureStatus::Active { .. }
         ),
         "the capture is still valid"
     );
-    let graph = fake.stream_end_capture(s)?;
+    let graph = fake.stream_end_capture(captures)?;
     fake.graph_destroy(graph)?;
     a.free(grown.ptr)?;
     a.check_invariants()?;
@@ -215,10 +247,37 @@ fn a_mark_due_during_an_unannounced_capture_waits_for_it() -> TestResult {
     let config = format!("{RECLAIM},thread_cache:False");
     let (fake, a) = setup(80 * GIB, &config, Completion::Eager);
     let s = new_stream(&fake)?;
+    a_mark_waits_for_the_capture(&fake, &a, s, s)
+}
+
+/// The same with the frees on the legacy stream while a blocking stream captures (the
+/// legacy stream's query or event would break that capture).
+#[test]
+fn a_mark_due_on_the_legacy_stream_while_a_blocking_stream_captures_waits_for_it() -> TestResult {
+    let config = format!("{RECLAIM},thread_cache:False");
+    let (fake, a) = setup(80 * GIB, &config, Completion::Eager);
+    let blocking = fake.stream_create(
+        D0,
+        ferrocuda_types::StreamFlags {
+            non_blocking: false,
+            priority: 0,
+        },
+    )?;
+    a_mark_waits_for_the_capture(&fake, &a, LEGACY, blocking)
+}
+
+/// 64 blocks of 1 MiB on `frees_on`, freed while `captures` is in a global capture the
+/// allocator was not told of: no query or event until it ends, then the due mark is taken.
+fn a_mark_waits_for_the_capture(
+    fake: &FakeDriver,
+    a: &ferrocuda_alloc::CachingAllocator,
+    frees_on: StreamHandle,
+    captures: StreamHandle,
+) -> TestResult {
     let xs: Vec<_> = (0..64)
-        .map(|_| a.allocate(MIB, s))
+        .map(|_| a.allocate(MIB, frees_on))
         .collect::<Result<_, _>>()?;
-    fake.stream_begin_capture(s, CaptureMode::Global)?;
+    fake.stream_begin_capture(captures, CaptureMode::Global)?;
     let (queries, records) = (fake.calls(Call::StreamQuery), fake.calls(Call::EventRecord));
     for x in &xs {
         a.free(x.ptr)?;
@@ -226,16 +285,16 @@ fn a_mark_due_during_an_unannounced_capture_waits_for_it() -> TestResult {
     assert_eq!(
         (fake.calls(Call::StreamQuery), fake.calls(Call::EventRecord)),
         (queries, records),
-        "nothing asked of the capturing stream"
+        "nothing asked of the stream while the capture runs"
     );
-    let graph = fake.stream_end_capture(s)?;
+    let graph = fake.stream_end_capture(captures)?;
     assert_eq!(
         fake.graph_node_count(graph)?,
         0,
         "no event joined the graph"
     );
     fake.graph_destroy(graph)?;
-    let y = a.allocate(MIB, s)?;
+    let y = a.allocate(MIB, frees_on)?;
     assert!(
         fake.calls(Call::StreamQuery) > queries,
         "the due mark is taken once the capture ended"

@@ -77,8 +77,13 @@ pub(super) fn stream_capture_status(
     driver: &FakeDriver,
     stream: StreamHandle,
 ) -> Result<CaptureStatus, DriverError> {
-    let st = driver.enter(Call::CaptureStatus)?;
+    let mut st = driver.enter(Call::CaptureStatus)?;
     let key = st.stream_key(stream)?;
+    // As cuStreamGetCaptureInfo: asked of the legacy stream while a blocking stream of its
+    // device captures, it fails with 906, and that capture stays valid.
+    if key.1 == 0 && !st.blocking_captures_on(stream.device).is_empty() {
+        return Err(DriverError::STREAM_CAPTURE_IMPLICIT);
+    }
     let link = st.streams.get(&key).and_then(|s| s.capture.as_ref());
     Ok(
         match link.and_then(|l| st.captures.get(&l.id).map(|c| (l.id, c))) {

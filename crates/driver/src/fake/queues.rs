@@ -81,14 +81,7 @@ impl State {
             return Ok(Vec::new());
         }
         if is_legacy {
-            let capturing = self.busy.capturing_on(device.0);
-            self.busy.visited(capturing.len());
-            let broken: Vec<u64> = capturing
-                .into_iter()
-                .filter_map(|k| self.streams.get(&k).map(|s| (k, s)))
-                .filter(|(k, s)| k.0 == device.0 && !s.flags.non_blocking && k.1 != 0)
-                .filter_map(|(_, s)| s.capture.as_ref().map(|l| l.id))
-                .collect();
+            let broken = self.blocking_captures_on(device);
             if !broken.is_empty() {
                 for id in broken {
                     if let Some(c) = self.captures.get_mut(&id) {
@@ -124,6 +117,19 @@ impl State {
                 seq: s.enqueued,
             })
             .collect())
+    }
+
+    /// The captures that blocking streams of `device` are recording: the legacy stream
+    /// cannot be used (nor asked whether it captures) while there is one.
+    pub(super) fn blocking_captures_on(&mut self, device: DeviceIndex) -> Vec<u64> {
+        let capturing = self.busy.capturing_on(device.0);
+        self.busy.visited(capturing.len());
+        capturing
+            .into_iter()
+            .filter_map(|k| self.streams.get(&k).map(|s| (k, s)))
+            .filter(|(k, s)| k.0 == device.0 && !s.flags.non_blocking && k.1 != 0)
+            .filter_map(|(_, s)| s.capture.as_ref().map(|l| l.id))
+            .collect()
     }
 
     pub(super) fn is_done(&self, stream: StreamKey, seq: u64) -> bool {

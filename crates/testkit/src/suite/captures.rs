@@ -61,6 +61,8 @@ pub fn capture_refuses_legacy_stream_and_nesting(h: &Harness) -> TestResult {
         "end without begin"
     );
     d.stream_begin_capture(s.handle(), CaptureMode::ThreadLocal)?;
+    // A non-blocking stream's capture leaves the legacy stream alone.
+    assert_eq!(d.stream_capture_status(legacy)?, CaptureStatus::None);
     assert_eq!(
         driver_err(d.stream_begin_capture(s.handle(), CaptureMode::ThreadLocal)),
         Some(DriverError::ILLEGAL_STATE)
@@ -72,6 +74,28 @@ pub fn capture_refuses_legacy_stream_and_nesting(h: &Harness) -> TestResult {
         "an empty capture is an empty graph"
     );
     d.graph_destroy(g)?;
+    // Asked of the legacy stream while a blocking stream captures, even in global mode, the
+    // driver answers 906 and the capture stays valid (cuStreamGetCaptureInfo's
+    // documentation); once it ends the legacy stream answers again.
+    let blocking = d.stream_create(
+        DEV,
+        StreamFlags {
+            non_blocking: false,
+            priority: 0,
+        },
+    )?;
+    d.stream_begin_capture(blocking, CaptureMode::Global)?;
+    assert_eq!(
+        driver_err(d.stream_capture_status(legacy)),
+        Some(DriverError::STREAM_CAPTURE_IMPLICIT)
+    );
+    assert!(matches!(
+        d.stream_capture_status(blocking)?,
+        CaptureStatus::Active { .. }
+    ));
+    d.graph_destroy(d.stream_end_capture(blocking)?)?;
+    assert_eq!(d.stream_capture_status(legacy)?, CaptureStatus::None);
+    d.stream_destroy(blocking)?;
     Ok(())
 }
 
