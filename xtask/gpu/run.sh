@@ -26,8 +26,8 @@ want() { [ -z "${ONLY:-}" ] || [[ "$1" =~ $ONLY ]]; }
 # Benches and PyTorch's anchors run on the same nine cores (2-10) where the machine has them:
 # left to roam a shared host's vCPUs, the allocator's churn ran 30-60% slower on the H200
 # (docs/measurements/h200_2026-11-30b). Single-threaded figures, ours and PyTorch's, come
-# from one core (2): spread over 2-10 the churn ran at 88-112 ns in five runs of six where
-# one pinned core gave 60-66 ns in most (docs/measurements/h200_2026-12-01g).
+# from one core (2): spread over 2-10 the churn ran at 88-112 ns in nine runs of ten, on one
+# core under 67 ns in half its runs (docs/measurements/h200_2026-12-01g).
 # PIN_BENCHES=0 runs them unpinned.
 pinned_to() {
   local cpus=$1; shift
