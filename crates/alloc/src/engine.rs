@@ -8,7 +8,9 @@ use crate::rounding::{pool_kind, round_plain, round_size};
 use crate::state::{ReleaseTo, Released, Request, State};
 use crate::thread_cache::{Registry, ThreadCache};
 use ferrocuda_driver::{Driver, DriverError};
-use ferrocuda_types::{CaptureStatus, DeviceIndex, DevicePtr, Frame, ProcessMemory, StreamHandle};
+use ferrocuda_types::{
+    CaptureMode, CaptureStatus, DeviceIndex, DevicePtr, Frame, ProcessMemory, StreamHandle,
+};
 use parking_lot::Mutex;
 use rustc_hash::FxHashMap;
 use std::sync::Arc;
@@ -358,6 +360,16 @@ impl Engine {
         })
     }
 
+    /// This thread's capture mode set to relaxed until the guard drops (what
+    /// `cudaMallocMaybeCapturing` and `CUDAStreamCaptureModeGuard` do): calls the driver
+    /// counts as unsafe during a global capture, or this thread's own, are legal then.
+    pub(crate) fn relaxed_capture(&self) -> RelaxedCapture<'_> {
+        RelaxedCapture {
+            driver: &*self.driver,
+            previous: self.driver.exchange_capture_mode(CaptureMode::Relaxed).ok(),
+        }
+    }
+
     /// `synchronize_and_free_events`: waits (outside the lock) for every outstanding event
     /// and frees their blocks; counted in `num_sync_all_streams` whether or not any was
     /// outstanding, as PyTorch counts it.
@@ -407,5 +419,20 @@ impl Engine {
             };
         }
         self.lock()
+    }
+}
+
+/// This thread's capture mode, relaxed by [`Engine::relaxed_capture`] and given back when
+/// dropped.
+pub(crate) struct RelaxedCapture<'a> {
+    driver: &'a dyn Driver,
+    previous: Option<CaptureMode>,
+}
+
+impl Drop for RelaxedCapture<'_> {
+    fn drop(&mut self) {
+        if let Some(mode) = self.previous {
+            let _ = self.driver.exchange_capture_mode(mode);
+        }
     }
 }

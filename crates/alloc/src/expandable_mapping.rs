@@ -247,6 +247,10 @@ impl Engine {
         match scope {
             Unmap::All => cut_free_pages(&mut st, scope, None, &mut wanted, &mut jobs),
             Unmap::Reclaim { stream, .. } => {
+                // Reclaim's own queries, marks and waits, which PyTorch never makes, break
+                // no capture elsewhere: a global capture on any thread, or this thread's
+                // own on another stream, would count them as unsafe calls.
+                let _relaxed = self.relaxed_capture();
                 let safe_before = self.known_safe_epoch(&mut st, stream);
                 cut_free_pages(&mut st, scope, Some(safe_before), &mut wanted, &mut jobs);
                 if wanted > 0
@@ -395,6 +399,8 @@ impl Engine {
             if st.expandable.fall_dormant(frees) {
                 return;
             }
+            // As a reclaim's (`release_expandable`): no capture elsewhere is broken.
+            let _relaxed = self.relaxed_capture();
             let idle = self.settle_if_idle(st, stream).is_some();
             st.expandable.clock.adapt(idle);
             if !idle {

@@ -11,7 +11,7 @@ use crate::private_pools::{SegmentSource, Wakefulness};
 use crate::rounding::allocation_size;
 use crate::state::{Request, State};
 use ferrocuda_driver::DriverError;
-use ferrocuda_types::{CaptureMode, DevicePtr, PoolId, PoolKind, StreamHandle};
+use ferrocuda_types::{DevicePtr, PoolId, PoolKind, StreamHandle};
 
 impl Engine {
     /// What `DeviceCachingAllocator::malloc` (c10/cuda/CUDACachingAllocator.cpp) does when
@@ -138,11 +138,7 @@ impl Engine {
         // `allocPrimitive`: a pool made with an allocator takes its segments from it.
         let source = st.private.source(pool);
         drop(st);
-        let previous = if relax {
-            self.driver.exchange_capture_mode(CaptureMode::Relaxed).ok()
-        } else {
-            None
-        };
+        let relaxed = relax.then(|| self.relaxed_capture());
         let mut paged = None;
         let result = match &source {
             // A null segment is `cudaErrorMemoryAllocation` there: out of memory.
@@ -159,9 +155,7 @@ impl Engine {
                 })
             }
         };
-        if let Some(mode) = previous {
-            let _ = self.driver.exchange_capture_mode(mode);
-        }
+        drop(relaxed);
         let mut st = self.lock();
         match result {
             Ok(ptr) => {

@@ -20,6 +20,7 @@ mod checkpoint;
 mod formats;
 mod ipc;
 mod ipc_adv;
+mod legacy_stream_captures;
 mod memory_pressure;
 mod next_capture;
 mod oom_forensics;
