@@ -81,15 +81,7 @@ impl State {
             return Ok(Vec::new());
         }
         if is_legacy {
-            let broken = self.blocking_captures_on(device);
-            if !broken.is_empty() {
-                for id in broken {
-                    if let Some(c) = self.captures.get_mut(&id) {
-                        c.invalidated = true;
-                    }
-                }
-                return Err(DriverError::STREAM_CAPTURE_IMPLICIT);
-            }
+            self.refuse_legacy_beside_blocking_captures(device)?;
         }
         // Only a stream with work queued can be waited for: the legacy stream waits for the
         // device's busy streams, a blocking stream for the legacy stream.
@@ -130,6 +122,25 @@ impl State {
             .filter(|(k, s)| k.0 == device.0 && !s.flags.non_blocking && k.1 != 0)
             .filter_map(|(_, s)| s.capture.as_ref().map(|l| l.id))
             .collect()
+    }
+
+    /// Work, a query or a synchronization of the legacy stream while blocking streams of
+    /// its device capture: refused with 906, and those captures are invalidated (seen on an
+    /// H200 in every capture mode: docs/measurements/h200_2026-12-01g/legacy_probe.py).
+    pub(super) fn refuse_legacy_beside_blocking_captures(
+        &mut self,
+        device: DeviceIndex,
+    ) -> Result<(), DriverError> {
+        let broken = self.blocking_captures_on(device);
+        if broken.is_empty() {
+            return Ok(());
+        }
+        for id in broken {
+            if let Some(c) = self.captures.get_mut(&id) {
+                c.invalidated = true;
+            }
+        }
+        Err(DriverError::STREAM_CAPTURE_IMPLICIT)
     }
 
     pub(super) fn is_done(&self, stream: StreamKey, seq: u64) -> bool {

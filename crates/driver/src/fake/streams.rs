@@ -38,6 +38,9 @@ pub(super) fn stream_destroy(driver: &FakeDriver, stream: StreamHandle) -> Resul
 pub(super) fn stream_query(driver: &FakeDriver, stream: StreamHandle) -> Result<bool, DriverError> {
     let mut st = driver.enter(Call::StreamQuery)?;
     let key = st.stream_key(stream)?;
+    if stream.is_legacy() {
+        st.refuse_legacy_beside_blocking_captures(stream.device)?;
+    }
     st.refuse_if_capturing(key)?;
     st.check_unsafe_call()?;
     if let Some(e) = st.sticky.get(stream.device.as_usize()).copied().flatten() {
@@ -52,6 +55,9 @@ pub(super) fn stream_synchronize(
 ) -> Result<(), DriverError> {
     let mut st = driver.enter(Call::StreamSynchronize)?;
     let key = st.stream_key(stream)?;
+    if stream.is_legacy() {
+        st.refuse_legacy_beside_blocking_captures(stream.device)?;
+    }
     st.refuse_if_capturing(key)?;
     st.check_unsafe_call()?;
     st.drain(key)

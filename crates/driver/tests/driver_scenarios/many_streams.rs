@@ -193,3 +193,60 @@ fn legacy_work_breaks_a_blocking_streams_capture_only_while_it_captures() -> Tes
     assert_eq!(byte_at(&fake, ptr)?, 3);
     Ok(())
 }
+
+/// As an H200 answers (`docs/measurements/h200_2026-12-01g/legacy_probe.py`, every capture
+/// mode): while a blocking stream captures, a query or a synchronization of the legacy
+/// stream is refused with 906 and invalidates the capture, and asking the legacy stream's
+/// capture status answers 906 and invalidates nothing. A non-blocking stream's capture
+/// leaves the legacy stream usable.
+#[test]
+fn the_legacy_stream_and_the_device_beside_a_capture() -> TestResult {
+    type Call = fn(&FakeDriver) -> Result<(), DriverError>;
+    let fake = FakeDriver::default();
+    let blocking = streams(&fake, D0, 1, false)?[0];
+    let non_blocking = streams(&fake, D0, 1, true)?[0];
+    let calls: [(&str, Call, DriverError, bool); 3] = [
+        (
+            "query the legacy stream",
+            |d| d.stream_query(LEGACY).map(|_| ()),
+            DriverError::STREAM_CAPTURE_IMPLICIT,
+            true,
+        ),
+        (
+            "synchronize the legacy stream",
+            |d| d.stream_synchronize(LEGACY),
+            DriverError::STREAM_CAPTURE_IMPLICIT,
+            true,
+        ),
+        (
+            "ask the legacy stream's capture status",
+            |d| d.stream_capture_status(LEGACY).map(|_| ()),
+            DriverError::STREAM_CAPTURE_IMPLICIT,
+            false,
+        ),
+    ];
+    for mode in [
+        CaptureMode::Global,
+        CaptureMode::ThreadLocal,
+        CaptureMode::Relaxed,
+    ] {
+        for (what, call, code, invalidates) in calls {
+            fake.stream_begin_capture(blocking, mode)?;
+            assert_eq!(call(&fake), Err(code), "{mode:?}: {what}");
+            let ended = fake.stream_end_capture(blocking);
+            assert_eq!(
+                ended.as_ref().err(),
+                invalidates.then_some(&DriverError::STREAM_CAPTURE_INVALIDATED),
+                "{mode:?}: {what}"
+            );
+            if let Ok(graph) = ended {
+                fake.graph_destroy(graph)?;
+            }
+        }
+    }
+    fake.stream_begin_capture(non_blocking, CaptureMode::Relaxed)?;
+    assert_eq!(fake.stream_query(LEGACY), Ok(true));
+    fake.stream_synchronize(LEGACY)?;
+    fake.graph_destroy(fake.stream_end_capture(non_blocking)?)?;
+    Ok(())
+}
