@@ -7,9 +7,10 @@
 use crate::common;
 use common::{D0, GIB, LEGACY, MIB, TestResult, new_stream, setup, stat};
 use ferrocuda_alloc::{Allocation, Route};
-use ferrocuda_driver::{Call, Driver, FakeDriver, fake::Completion};
+use ferrocuda_driver::{Call, Driver, DriverError, FakeDriver, fake::Completion};
 use ferrocuda_types::{CaptureMode, DevicePtr, MemsetValue, PoolId, StreamHandle};
 use proptest::prelude::*;
+use std::sync::Arc;
 
 pub(crate) const RECLAIM: &str =
     "expandable_segments:True,expandable_segments_reclaim:True,expandable_segments_page_mb:2";
@@ -188,19 +189,30 @@ fn growth_on_a_stream_in_an_unannounced_capture_keeps_it_valid() -> TestResult {
 /// would invalidate that capture), so growth there maps new pages too.
 #[test]
 fn growth_on_the_legacy_stream_while_a_blocking_stream_captures_keeps_it_valid() -> TestResult {
+    let (fake, a, blocking) = reclaim_beside_a_blocking_stream()?;
+    growth_leaves_a_capture_valid(&fake, &a, LEGACY, blocking)
+}
+
+/// Reclaim without the thread cache on an eager fake device, and a blocking stream there.
+fn reclaim_beside_a_blocking_stream() -> Result<
+    (
+        Arc<FakeDriver>,
+        ferrocuda_alloc::CachingAllocator,
+        StreamHandle,
+    ),
+    DriverError,
+> {
     let (fake, a) = setup(
         80 * GIB,
         &format!("{RECLAIM},thread_cache:False"),
         Completion::Eager,
     );
-    let blocking = fake.stream_create(
-        D0,
-        ferrocuda_types::StreamFlags {
-            non_blocking: false,
-            priority: 0,
-        },
-    )?;
-    growth_leaves_a_capture_valid(&fake, &a, LEGACY, blocking)
+    let flags = ferrocuda_types::StreamFlags {
+        non_blocking: false,
+        priority: 0,
+    };
+    let blocking = fake.stream_create(D0, flags)?;
+    Ok((fake, a, blocking))
 }
 
 /// Four 10 MiB blocks on `grows`, the second freed (a hole reclaim could move), then a
@@ -254,15 +266,7 @@ fn a_mark_due_during_an_unannounced_capture_waits_for_it() -> TestResult {
 /// legacy stream's query or event would break that capture).
 #[test]
 fn a_mark_due_on_the_legacy_stream_while_a_blocking_stream_captures_waits_for_it() -> TestResult {
-    let config = format!("{RECLAIM},thread_cache:False");
-    let (fake, a) = setup(80 * GIB, &config, Completion::Eager);
-    let blocking = fake.stream_create(
-        D0,
-        ferrocuda_types::StreamFlags {
-            non_blocking: false,
-            priority: 0,
-        },
-    )?;
+    let (fake, a, blocking) = reclaim_beside_a_blocking_stream()?;
     a_mark_waits_for_the_capture(&fake, &a, LEGACY, blocking)
 }
 
