@@ -81,7 +81,7 @@ pub(super) fn stream_capture_status(
     let key = st.stream_key(stream)?;
     // As cuStreamGetCaptureInfo: asked of the legacy stream while a blocking stream of its
     // device captures, it fails with 906, and that capture stays valid.
-    if key.1 == 0 && !st.blocking_captures_on(stream.device).is_empty() {
+    if stream.is_legacy() && !st.blocking_captures_on(stream.device).is_empty() {
         return Err(DriverError::STREAM_CAPTURE_IMPLICIT);
     }
     let link = st.streams.get(&key).and_then(|s| s.capture.as_ref());
