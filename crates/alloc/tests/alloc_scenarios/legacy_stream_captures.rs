@@ -7,12 +7,12 @@
 #![allow(clippy::unwrap_used, clippy::panic)]
 use crate::common;
 use crate::reclaim_without_sync::{RECLAIM, reserved};
-use common::{D0, GIB, LEGACY, MIB, Rng, new_stream, setup, stat};
+use common::{D0, GIB, LEGACY, MIB, Rng, new_stream, setup, stat, stream_on};
 use ferrocuda_alloc::{Allocation, Caching, CachingAllocator, Route};
 use ferrocuda_driver::{Call, Driver, DriverError, FakeDriver, fake::Completion};
 use ferrocuda_types::{
     AllocatorConfig, CaptureMode, CaptureStatus, DeviceIndex, DevicePtr, EventFlags, MemsetValue,
-    PoolId, StreamFlags, StreamHandle,
+    PoolId, StreamHandle,
 };
 use std::sync::Arc;
 
@@ -24,28 +24,6 @@ fn conf(thread_cache: bool) -> String {
     } else {
         format!("{RECLAIM},thread_cache:False")
     }
-}
-
-fn blocking(fake: &FakeDriver, dev: DeviceIndex) -> StreamHandle {
-    fake.stream_create(
-        dev,
-        StreamFlags {
-            non_blocking: false,
-            priority: 0,
-        },
-    )
-    .unwrap()
-}
-
-fn non_blocking(fake: &FakeDriver, dev: DeviceIndex) -> StreamHandle {
-    fake.stream_create(
-        dev,
-        StreamFlags {
-            non_blocking: true,
-            priority: 0,
-        },
-    )
-    .unwrap()
 }
 
 /// Every call that asks a stream or event something, records on one, or waits.
@@ -108,8 +86,8 @@ fn growth_program(who: Who, mode: CaptureMode, tc: bool, pending: bool) -> Grown
     let (fake, a) = setup(80 * GIB, &conf(tc), Completion::Manual);
     let cap = match who {
         Who::Nobody => None,
-        Who::Blocking => Some(blocking(&fake, D0)),
-        Who::NonBlocking => Some(non_blocking(&fake, D0)),
+        Who::Blocking => Some(stream_on(&fake, D0, false).unwrap()),
+        Who::NonBlocking => Some(new_stream(&fake).unwrap()),
     };
     let xs: Vec<_> = (0..4)
         .map(|_| a.allocate(10 * MIB, LEGACY).unwrap())
@@ -264,8 +242,8 @@ type DueMarkRun = (
 fn due_mark_program(who: Who, mode: CaptureMode, tc: bool) -> DueMarkRun {
     let (fake, a) = setup(80 * GIB, &conf(tc), Completion::Manual);
     let s = match who {
-        Who::Blocking => blocking(&fake, D0),
-        _ => non_blocking(&fake, D0),
+        Who::Blocking => stream_on(&fake, D0, false).unwrap(),
+        _ => new_stream(&fake).unwrap(),
     };
     let xs: Vec<_> = (0..64).map(|_| a.allocate(MIB, LEGACY).unwrap()).collect();
     for x in &xs {
@@ -360,8 +338,8 @@ fn due_mark_on_legacy_while_non_blocking_captures_relaxed() {
 fn record_stream_on_legacy(mode: CaptureMode) {
     for tc in [true, false] {
         let (fake, a) = setup(80 * GIB, &conf(tc), Completion::Manual);
-        let s = non_blocking(&fake, D0);
-        let b = blocking(&fake, D0);
+        let s = new_stream(&fake).unwrap();
+        let b = stream_on(&fake, D0, false).unwrap();
         let x = a.allocate(8 * MIB, s).unwrap();
         let t = a.allocate(20 * MIB, s).unwrap();
         fill(&fake, &x, 1, s);
@@ -424,8 +402,8 @@ fn fork_into_a_blocking_stream_counts() {
         CaptureMode::Relaxed,
     ] {
         let (fake, a) = setup(80 * GIB, &conf(false), Completion::Eager);
-        let s = non_blocking(&fake, D0);
-        let b = blocking(&fake, D0);
+        let s = new_stream(&fake).unwrap();
+        let b = stream_on(&fake, D0, false).unwrap();
         let xs: Vec<_> = (0..4)
             .map(|_| a.allocate(10 * MIB, LEGACY).unwrap())
             .collect();
@@ -463,7 +441,7 @@ fn blocking_capture_on_another_thread() {
         CaptureMode::Relaxed,
     ] {
         let (fake, a) = setup(80 * GIB, &conf(false), Completion::Eager);
-        let b = blocking(&fake, D0);
+        let b = stream_on(&fake, D0, false).unwrap();
         let xs: Vec<_> = (0..4)
             .map(|_| a.allocate(10 * MIB, LEGACY).unwrap())
             .collect();
@@ -522,7 +500,7 @@ fn two_devices(mode: CaptureMode) {
     };
     let (a0, a1) = (make(D0), make(D1));
     let (l0, l1) = (StreamHandle::legacy(D0), StreamHandle::legacy(D1));
-    let b1 = blocking(&fake, D1);
+    let b1 = stream_on(&fake, D1, false).unwrap();
     for (a, l) in [(&a0, l0), (&a1, l1)] {
         let xs: Vec<_> = (0..4).map(|_| a.allocate(10 * MIB, l).unwrap()).collect();
         a.free(xs[1].ptr).unwrap();
@@ -575,7 +553,7 @@ fn announced_blocking_capture_with_legacy_traffic() {
         CaptureMode::Relaxed,
     ] {
         let (fake, a) = setup(80 * GIB, &conf(false), Completion::Eager);
-        let b = blocking(&fake, D0);
+        let b = stream_on(&fake, D0, false).unwrap();
         let xs: Vec<_> = (0..64).map(|_| a.allocate(MIB, LEGACY).unwrap()).collect();
         fake.stream_begin_capture(b, mode).unwrap();
         let id = match fake.stream_capture_status(b).unwrap() {
@@ -612,7 +590,7 @@ fn announced_blocking_capture_with_legacy_traffic() {
 fn growth_on_uninvolved_stream(mode: CaptureMode) {
     let (fake, a) = setup(80 * GIB, &conf(false), Completion::Eager);
     let other = new_stream(&fake).unwrap();
-    let b = blocking(&fake, D0);
+    let b = stream_on(&fake, D0, false).unwrap();
     let xs: Vec<_> = (0..4)
         .map(|_| a.allocate(10 * MIB, other).unwrap())
         .collect();
@@ -640,7 +618,7 @@ fn growth_on_an_uninvolved_stream_while_blocking_captures_relaxed() {
 #[test]
 fn fake_legacy_event_record_while_blocking_captures_relaxed() {
     let (fake, _a) = setup(80 * GIB, &conf(false), Completion::Eager);
-    let b = blocking(&fake, D0);
+    let b = stream_on(&fake, D0, false).unwrap();
     let e = fake.event_create(D0, EventFlags::default()).unwrap();
     fake.stream_begin_capture(b, CaptureMode::Relaxed).unwrap();
     assert_eq!(
@@ -689,7 +667,7 @@ fn random_program(
     let mut rng = Rng::new(seed);
     let tc = seed.is_multiple_of(2);
     let (fake, a) = setup(4 * GIB, &conf(tc), Completion::Manual);
-    let b = blocking(&fake, D0);
+    let b = stream_on(&fake, D0, false).unwrap();
     let streams = [LEGACY, b];
     let mut live: Vec<(Allocation, u8)> = Vec::new();
     let mut tag = 0u8;

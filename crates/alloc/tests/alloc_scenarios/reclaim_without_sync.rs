@@ -5,7 +5,7 @@
 //! sticky error that the final synchronization reports.
 #![allow(clippy::unwrap_used)]
 use crate::common;
-use common::{D0, GIB, LEGACY, MIB, TestResult, new_stream, setup, stat};
+use common::{D0, GIB, LEGACY, MIB, TestResult, new_stream, setup, stat, stream_on};
 use ferrocuda_alloc::{Allocation, Route};
 use ferrocuda_driver::{Call, Driver, DriverError, FakeDriver, fake::Completion};
 use ferrocuda_types::{CaptureMode, DevicePtr, MemsetValue, PoolId, StreamHandle};
@@ -207,11 +207,7 @@ fn reclaim_beside_a_blocking_stream() -> Result<
         &format!("{RECLAIM},thread_cache:False"),
         Completion::Eager,
     );
-    let flags = ferrocuda_types::StreamFlags {
-        non_blocking: false,
-        priority: 0,
-    };
-    let blocking = fake.stream_create(D0, flags)?;
+    let blocking = stream_on(&fake, D0, false)?;
     Ok((fake, a, blocking))
 }
 

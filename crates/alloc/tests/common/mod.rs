@@ -36,10 +36,20 @@ pub(crate) fn setup(
 
 /// A non-blocking stream on the fake device.
 pub(crate) fn new_stream(fake: &FakeDriver) -> Result<StreamHandle, ferrocuda_driver::DriverError> {
+    stream_on(fake, D0, true)
+}
+
+/// A stream on device `dev` of the fake device: non-blocking, or blocking (as
+/// `cudaStreamCreate` makes it: it waits for the legacy stream, and the legacy stream for it).
+pub(crate) fn stream_on(
+    fake: &FakeDriver,
+    dev: DeviceIndex,
+    non_blocking: bool,
+) -> Result<StreamHandle, ferrocuda_driver::DriverError> {
     fake.stream_create(
-        D0,
+        dev,
         StreamFlags {
-            non_blocking: true,
+            non_blocking,
             priority: 0,
         },
     )
