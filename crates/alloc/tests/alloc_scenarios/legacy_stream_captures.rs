@@ -17,6 +17,33 @@ use ferrocuda_types::{
 use std::sync::Arc;
 
 const D1: DeviceIndex = DeviceIndex(1);
+/// Every capture mode.
+const MODES: [CaptureMode; 3] = [
+    CaptureMode::Global,
+    CaptureMode::ThreadLocal,
+    CaptureMode::Relaxed,
+];
+
+/// Three tests of `$name` (a module), one per capture mode, each calling `$steps(mode)`.
+macro_rules! in_every_mode {
+    ($name:ident, $steps:ident) => {
+        mod $name {
+            use ferrocuda_types::CaptureMode;
+            #[test]
+            fn global() {
+                super::$steps(CaptureMode::Global);
+            }
+            #[test]
+            fn thread_local() {
+                super::$steps(CaptureMode::ThreadLocal);
+            }
+            #[test]
+            fn relaxed() {
+                super::$steps(CaptureMode::Relaxed);
+            }
+        }
+    };
+}
 
 fn conf(thread_cache: bool) -> String {
     if thread_cache {
@@ -161,18 +188,10 @@ fn growth_while_blocking_captures(mode: CaptureMode) {
     }
 }
 
-#[test]
-fn growth_on_legacy_while_blocking_captures_global() {
-    growth_while_blocking_captures(CaptureMode::Global);
-}
-#[test]
-fn growth_on_legacy_while_blocking_captures_thread_local() {
-    growth_while_blocking_captures(CaptureMode::ThreadLocal);
-}
-#[test]
-fn growth_on_legacy_while_blocking_captures_relaxed() {
-    growth_while_blocking_captures(CaptureMode::Relaxed);
-}
+in_every_mode!(
+    growth_on_legacy_while_blocking_captures,
+    growth_while_blocking_captures
+);
 
 /// A non-blocking stream's capture leaves the legacy stream's reclaim alone: the same pages
 /// as the program without any capture, and the capture ends valid.
@@ -195,18 +214,10 @@ fn growth_while_non_blocking_captures(mode: CaptureMode) {
     }
 }
 
-#[test]
-fn growth_on_legacy_while_non_blocking_captures_global() {
-    growth_while_non_blocking_captures(CaptureMode::Global);
-}
-#[test]
-fn growth_on_legacy_while_non_blocking_captures_thread_local() {
-    growth_while_non_blocking_captures(CaptureMode::ThreadLocal);
-}
-#[test]
-fn growth_on_legacy_while_non_blocking_captures_relaxed() {
-    growth_while_non_blocking_captures(CaptureMode::Relaxed);
-}
+in_every_mode!(
+    growth_on_legacy_while_non_blocking_captures,
+    growth_while_non_blocking_captures
+);
 
 /// The control: without any capture the hole's pages move at once (60 MiB), and the later
 /// 20 MiB are new (80 MiB); with the hole's work queued, 70 then 90.
@@ -287,18 +298,10 @@ fn due_mark_while_blocking_captures(mode: CaptureMode) {
     }
 }
 
-#[test]
-fn due_mark_on_legacy_while_blocking_captures_global() {
-    due_mark_while_blocking_captures(CaptureMode::Global);
-}
-#[test]
-fn due_mark_on_legacy_while_blocking_captures_thread_local() {
-    due_mark_while_blocking_captures(CaptureMode::ThreadLocal);
-}
-#[test]
-fn due_mark_on_legacy_while_blocking_captures_relaxed() {
-    due_mark_while_blocking_captures(CaptureMode::Relaxed);
-}
+in_every_mode!(
+    due_mark_on_legacy_while_blocking_captures,
+    due_mark_while_blocking_captures
+);
 
 /// A non-blocking stream's capture: the due mark on the legacy stream is taken during it
 /// (reclaim works as usual there), and the capture ends valid.
@@ -316,18 +319,10 @@ fn due_mark_while_non_blocking_captures(mode: CaptureMode) {
     }
 }
 
-#[test]
-fn due_mark_on_legacy_while_non_blocking_captures_global() {
-    due_mark_while_non_blocking_captures(CaptureMode::Global);
-}
-#[test]
-fn due_mark_on_legacy_while_non_blocking_captures_thread_local() {
-    due_mark_while_non_blocking_captures(CaptureMode::ThreadLocal);
-}
-#[test]
-fn due_mark_on_legacy_while_non_blocking_captures_relaxed() {
-    due_mark_while_non_blocking_captures(CaptureMode::Relaxed);
-}
+in_every_mode!(
+    due_mark_on_legacy_while_non_blocking_captures,
+    due_mark_while_non_blocking_captures
+);
 
 /// A block `x` of a non-blocking stream `s` used on the legacy stream (`record_stream`, a
 /// memset still queued there) and freed while a blocking stream captures; a free 20 MiB
@@ -378,29 +373,17 @@ fn record_stream_on_legacy(mode: CaptureMode) {
     }
 }
 
-#[test]
-fn record_stream_on_legacy_freed_while_blocking_captures_global() {
-    record_stream_on_legacy(CaptureMode::Global);
-}
-#[test]
-fn record_stream_on_legacy_freed_while_blocking_captures_thread_local() {
-    record_stream_on_legacy(CaptureMode::ThreadLocal);
-}
-#[test]
-fn record_stream_on_legacy_freed_while_blocking_captures_relaxed() {
-    record_stream_on_legacy(CaptureMode::Relaxed);
-}
+in_every_mode!(
+    record_stream_on_legacy_freed_while_blocking_captures,
+    record_stream_on_legacy
+);
 
 /// A capture begun on a non-blocking stream and forked into a blocking one (the blocking
 /// stream waits on an event of the capture): the legacy stream counts as capturing then;
 /// growth on it asks nothing, and the joined capture ends valid.
 #[test]
 fn fork_into_a_blocking_stream_counts() {
-    for mode in [
-        CaptureMode::Global,
-        CaptureMode::ThreadLocal,
-        CaptureMode::Relaxed,
-    ] {
+    for mode in MODES {
         let (fake, a) = setup(80 * GIB, &conf(false), Completion::Eager);
         let s = new_stream(&fake).unwrap();
         let b = stream_on(&fake, D0, false).unwrap();
@@ -529,29 +512,14 @@ fn two_devices(mode: CaptureMode) {
     a1.check_invariants().unwrap();
 }
 
-#[test]
-fn two_devices_blocking_capture_on_device_1_relaxed() {
-    two_devices(CaptureMode::Relaxed);
-}
-#[test]
-fn two_devices_blocking_capture_on_device_1_thread_local() {
-    two_devices(CaptureMode::ThreadLocal);
-}
-#[test]
-fn two_devices_blocking_capture_on_device_1_global() {
-    two_devices(CaptureMode::Global);
-}
+in_every_mode!(two_devices_blocking_capture_on_device_1, two_devices);
 
 /// An announced capture (begin_allocate_to_pool) on a blocking stream: frees and growth on
 /// the legacy stream during it leave it valid (an allocation on the legacy stream may be
 /// refused, as PyTorch's capture filter throws on 906; reported, not asserted).
 #[test]
 fn announced_blocking_capture_with_legacy_traffic() {
-    for mode in [
-        CaptureMode::Global,
-        CaptureMode::ThreadLocal,
-        CaptureMode::Relaxed,
-    ] {
+    for mode in MODES {
         let (fake, a) = setup(80 * GIB, &conf(false), Completion::Eager);
         let b = stream_on(&fake, D0, false).unwrap();
         let xs: Vec<_> = (0..64).map(|_| a.allocate(MIB, LEGACY).unwrap()).collect();
@@ -805,13 +773,8 @@ fn seeds() -> u64 {
 #[test]
 fn random_programs_with_blocking_captures_strict() {
     for seed in 0..seeds() {
-        let all = [
-            CaptureMode::Global,
-            CaptureMode::ThreadLocal,
-            CaptureMode::Relaxed,
-        ];
-        let with = random_program(seed, true, false, true, &all);
-        let without = random_program(seed, false, false, true, &all);
+        let with = random_program(seed, true, false, true, &MODES);
+        let without = random_program(seed, false, false, true, &MODES);
         assert_eq!(with, without, "seed {seed}: captures changed the outcome");
     }
 }
