@@ -645,6 +645,13 @@ impl CudaGraph {
     /// reuse each other's blocks (blocks are tagged by stream). Ferrocuda keeps one default
     /// capture stream per device ([`Runtime::default_capture_stream`]); while another
     /// capture holds it, a pool stream is used instead (PyTorch would fail).
+    ///
+    /// That first synchronize is why a second capture begun this way while another is
+    /// underway on the device (from another thread) fails with the driver's
+    /// `CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED` and breaks the first capture, whose end then
+    /// reports [`GraphError::Invalidated`]: the driver refuses a device synchronize during any
+    /// capture and invalidates it, as it does under PyTorch. [`CudaGraph::capture_begin`]
+    /// does not synchronize, and refuses the second capture with PyTorch's text instead.
     pub fn capture<'a>(
         &'a self,
         stream: Option<&Stream>,

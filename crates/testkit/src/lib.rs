@@ -268,7 +268,7 @@ macro_rules! conformance_tests {
             virtual_memory_map_and_access,
             capture_records_and_replays, capture_refuses_legacy_stream_and_nesting,
             capture_refuses_sync_and_captured_event_query, capture_modes_and_other_threads,
-            capture_fork_join_and_unjoined
+            device_synchronize_breaks_every_capture, capture_fork_join_and_unjoined
         );
     };
     (@each $harness:path, $attrs:tt, $($name:ident),* $(,)?) => {

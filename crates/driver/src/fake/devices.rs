@@ -27,7 +27,7 @@ pub(super) fn device_properties(
 pub(super) fn device_synchronize(driver: &FakeDriver, dev: DeviceIndex) -> Result<(), DriverError> {
     let mut st = driver.enter(Call::DeviceSynchronize)?;
     st.check_device(dev)?;
-    st.check_unsafe_call()?;
+    st.refuse_device_sync_during_captures(dev)?;
     st.drain_device(dev)
 }
 

@@ -11,7 +11,7 @@ use super::{Recorded, State, StreamKey};
 use crate::DriverError;
 use ferrocuda_types::EventHandle;
 use ferrocuda_types::{
-    CaptureMode, CaptureStatus, GraphExecHandle, GraphHandle, GraphNode, StreamHandle,
+    CaptureMode, CaptureStatus, DeviceIndex, GraphExecHandle, GraphHandle, GraphNode, StreamHandle,
 };
 use std::cell::Cell;
 use std::path::Path;
@@ -301,6 +301,27 @@ impl State {
             }
         }
         if blocked {
+            Err(DriverError::STREAM_CAPTURE_UNSUPPORTED)
+        } else {
+            Ok(())
+        }
+    }
+
+    /// Synchronizing the device while any of its streams captures: refused with 900, and
+    /// every capture on the device invalidated, whatever the capture's mode, the calling
+    /// thread's mode, or which thread calls (seen on an H200 for blocking and non-blocking
+    /// capturing streams: docs/measurements/h200_2026-12-01g/legacy_probe.py for the
+    /// capturing thread, docs/measurements/h200_2026-12-01h/ctx_sync_probe.py for another).
+    pub(super) fn refuse_device_sync_during_captures(
+        &mut self,
+        device: DeviceIndex,
+    ) -> Result<(), DriverError> {
+        let mut refused = false;
+        for c in self.captures.values_mut().filter(|c| c.device == device) {
+            c.invalidated = true;
+            refused = true;
+        }
+        if refused {
             Err(DriverError::STREAM_CAPTURE_UNSUPPORTED)
         } else {
             Ok(())

@@ -214,6 +214,65 @@ pub fn capture_modes_and_other_threads(h: &Harness) -> TestResult {
     Ok(())
 }
 
+/// Synchronizing the device while any stream of it captures, from the capturing thread or
+/// another, in any capture mode and with the caller switched to relaxed mode or not: the
+/// driver refuses (900) and invalidates the capture, of a blocking or a non-blocking stream.
+/// (PyTorch's `torch.cuda.graph` synchronizes before it captures, so a second capture begun
+/// that way breaks the first.)
+pub fn device_synchronize_breaks_every_capture(h: &Harness) -> TestResult {
+    let d = h.rt.driver();
+    let sync_from = |other_thread: bool, relaxed: bool| {
+        let call = || {
+            let previous = relaxed
+                .then(|| d.exchange_capture_mode(CaptureMode::Relaxed))
+                .transpose()?;
+            let r = d.device_synchronize(DEV);
+            if let Some(previous) = previous {
+                d.exchange_capture_mode(previous)?;
+            }
+            r
+        };
+        if other_thread {
+            std::thread::scope(|sc| sc.spawn(call).join().expect("thread"))
+        } else {
+            call()
+        }
+    };
+    for non_blocking in [false, true] {
+        let s = d.stream_create(
+            DEV,
+            StreamFlags {
+                non_blocking,
+                priority: 0,
+            },
+        )?;
+        for mode in [
+            CaptureMode::Global,
+            CaptureMode::ThreadLocal,
+            CaptureMode::Relaxed,
+        ] {
+            for (other_thread, relaxed) in [(false, false), (true, false), (true, true)] {
+                step!(
+                    "{mode:?} capture, non-blocking {non_blocking}, other thread {other_thread}, caller relaxed {relaxed}"
+                );
+                d.stream_begin_capture(s, mode)?;
+                assert_eq!(
+                    sync_from(other_thread, relaxed),
+                    Err(DriverError::STREAM_CAPTURE_UNSUPPORTED)
+                );
+                assert_eq!(d.stream_capture_status(s)?, CaptureStatus::Invalidated);
+                assert_eq!(
+                    driver_err(d.stream_end_capture(s)),
+                    Some(DriverError::STREAM_CAPTURE_INVALIDATED)
+                );
+            }
+        }
+        d.stream_destroy(s)?;
+    }
+    d.device_synchronize(DEV)?;
+    Ok(())
+}
+
 pub fn capture_fork_join_and_unjoined(h: &Harness) -> TestResult {
     let (rt, d) = (&h.rt, h.rt.driver());
     let m = module(h)?;
