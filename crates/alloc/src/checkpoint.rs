@@ -176,7 +176,7 @@ fn check_restore(st: &State, cp: &PoolCheckpoint) -> Result<(), AllocError> {
             if b.allocated && (b.event_count > 0 || b.has_uses) {
                 return Err(AllocError::RestoreEventsPending(DevicePtr(b.ptr)));
             }
-            let free = b.allocated || b.in_pool;
+            let free = b.allocated || st.blocks.in_pool(id);
             match pieces.last_mut() {
                 Some(last) if last.free && free => last.size += b.size,
                 _ => pieces.push(Piece {

@@ -349,11 +349,11 @@ impl Expandable {
         let set = self.unmapped.get(&(stream.raw, kind.index() as u8))?;
         for &u in set.values() {
             let start = match blocks[u].prev.get() {
-                Some(p) if blocks[p].in_pool => p,
+                Some(p) if blocks.in_pool(p) => p,
                 _ => u,
             };
             let (mut covered, mut cur) = (0, Some(start));
-            while let Some(id) = cur.filter(|&i| blocks[i].growable()) {
+            while let Some(id) = cur.filter(|&i| blocks.growable(i)) {
                 covered += blocks[id].size;
                 if covered >= size {
                     return Some(start);

@@ -468,7 +468,7 @@ fn cut_free_pages(
         // A block may hold several runs of safe pages; after a cut, `id` is the tail left
         // in the pool, or the cut itself when no tail was left.
         while *wanted > 0
-            && st.blocks[id].in_pool
+            && st.blocks.in_pool(id)
             && let Some(job) = st.cut_pages(id, *wanted, safe_before)
         {
             *wanted -= job.bytes / job.page;

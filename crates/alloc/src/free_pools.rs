@@ -201,9 +201,9 @@ impl Pools {
     /// age.
     #[inline(always)]
     pub(crate) fn add(&mut self, blocks: &mut Blocks, id: usize) {
+        blocks.set_in_pool(id, true);
         let b = &mut blocks[id];
         b.gc_base = self.gc_clock;
-        b.in_pool = true;
         if b.list == NO_LIST {
             b.list = self.index(b.pool_id, b.stream);
         }
@@ -218,8 +218,8 @@ impl Pools {
     /// Takes block `id` out of its list.
     #[inline(always)]
     pub(crate) fn remove(&mut self, blocks: &mut Blocks, id: usize) {
-        let b = &mut blocks[id];
-        b.in_pool = false;
+        blocks.set_in_pool(id, false);
+        let b = &blocks[id];
         let (list, kind) = (b.list, b.pool);
         let list_of = self.at(list, kind);
         list_of.remove(key(b.size, b.ptr));
@@ -288,8 +288,8 @@ impl Pools {
         if oversize.refuses(size, key_size(best.key)) {
             return None;
         }
-        let b = &mut blocks[best.id];
-        b.in_pool = false;
+        blocks.set_in_pool(best.id, false);
+        let b = &blocks[best.id];
         let (list, kind) = (b.list, b.pool);
         let list_of = self.at(list, kind);
         list_of.remove_found(best);

@@ -230,7 +230,7 @@ impl CachingAllocator {
             .blocks
             .iter()
             .enumerate()
-            .filter(|(_, b)| b.in_pool && !b.vacant)
+            .filter(|&(id, b)| st.blocks.in_pool(id) && !b.vacant)
             .count();
         if free != in_pool {
             return Err(format!(

@@ -398,7 +398,7 @@ impl State {
     /// the size of the free one.
     #[inline(always)]
     fn absorb(&mut self, id: usize, next: usize) -> u64 {
-        let free = if self.blocks[id].in_pool { id } else { next };
+        let free = if self.blocks.in_pool(id) { id } else { next };
         self.pool_remove(free);
         let subsumed = self.blocks[free].size;
         self.blocks.absorb_next(id, next);
@@ -471,9 +471,9 @@ impl State {
         let mut plan = Vec::new();
         let (mut covered, mut to_map, mut cur) = (0, 0, Some(start));
         while covered < size {
-            let id = cur.filter(|&i| self.blocks[i].growable())?;
+            let id = cur.filter(|&i| self.blocks.growable(i))?;
             let b = &self.blocks[id];
-            if b.in_pool {
+            if self.blocks.in_pool(id) {
                 plan.push(Grow::Take(id));
                 covered += b.size;
             } else {
