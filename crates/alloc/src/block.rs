@@ -261,8 +261,10 @@ pub(crate) struct Blocks {
     /// Written on a miss only (four frees in five hit in the mixed churn), not on every
     /// allocation (19 in 20): with threads contending, an entry written per allocation
     /// moves its cache line to each lock holder's core (8-thread pairs ran 4-8% slower on
-    /// an H200 host in one A/B).
-    recent: Box<[u32; RECENT]>,
+    /// an H200 host in one A/B). Entries hold the low 16 bits of a block's index: half the
+    /// table's cache footprint, and a truncated index past 65 535 is only a wrong guess,
+    /// which the check turns away.
+    recent: Box<[u16; RECENT]>,
     /// Per slab slot, whether the block is in a free list, kept beside the records rather
     /// than in them: a free asks it of both neighbours ([`Blocks::mergeable`]), and a dense
     /// byte per block stays in the nearest cache where the neighbours' records (a line
@@ -278,7 +280,7 @@ impl Default for Blocks {
             slab: Vec::new(),
             vacant: Vec::new(),
             by_addr: AddressMap::default(),
-            recent: Box::new([u32::MAX; RECENT]),
+            recent: Box::new([u16::MAX; RECENT]),
             in_pool: Vec::new(),
         }
     }
@@ -363,7 +365,8 @@ impl Blocks {
             return Some(guess);
         }
         let id = self.allocated_at(ptr)?;
-        self.recent[entry] = id as u32;
+        // (Truncated past 65 535: see `recent`.)
+        self.recent[entry] = id as u16;
         Some(id)
     }
 
@@ -554,6 +557,27 @@ mod tests {
             mapped: true,
             segment: Link::NONE,
             pool_id: PoolId::DEFAULT,
+        }
+    }
+
+    /// Blocks whose indices do not fit the table's 16 bits are found all the same, on the
+    /// first lookup (the address map) and on later ones (a truncated guess turned away).
+    #[test]
+    fn indices_past_the_tables_width_are_found() {
+        let mut blocks = Blocks::default();
+        let ptr = |i: usize| (i as u64 + 1) * 512;
+        let ids: Vec<usize> = (0..70_000)
+            .map(|i| {
+                let id = blocks.insert(Block::new(piece(ptr(i))));
+                blocks[id].allocated = true;
+                id
+            })
+            .collect();
+        assert!(ids.iter().any(|&id| id > usize::from(u16::MAX)));
+        for _ in 0..2 {
+            for (i, &id) in ids.iter().enumerate().step_by(3) {
+                assert_eq!(blocks.allocated_at_to_free(ptr(i)), Some(id));
+            }
         }
     }
 
