@@ -281,30 +281,38 @@ pub(super) fn graph_exec_update(
 }
 
 impl State {
+    /// Invalidates every capture `breaks` picks (by id) and refuses the call with `code`;
+    /// lets the call through when it picks none. The refusals of calls a capture forbids
+    /// elsewhere than on its own stream are this with their own rule.
+    pub(super) fn refuse_breaking(
+        &mut self,
+        code: DriverError,
+        breaks: impl Fn(u64, &Capture) -> bool,
+    ) -> Result<(), DriverError> {
+        let mut refused = false;
+        for (&id, c) in self.captures.iter_mut() {
+            if breaks(id, c) {
+                c.invalidated = true;
+                refused = true;
+            }
+        }
+        if refused { Err(code) } else { Ok(()) }
+    }
+
     /// A "potentially unsafe" call (graphs spec §8.2): refused with 900, and the captures
     /// that refuse it invalidated, depending on this thread's mode and open captures.
     pub(super) fn check_unsafe_call(&mut self) -> Result<(), DriverError> {
         let me = std::thread::current().id();
         let my_mode = THREAD_CAPTURE_MODE.with(Cell::get);
-        let mut blocked = false;
-        for c in self.captures.values_mut() {
+        self.refuse_breaking(DriverError::STREAM_CAPTURE_UNSUPPORTED, |_, c| {
             let own = c.thread == me && c.mode != CaptureMode::Relaxed;
             let other_global = c.thread != me && c.mode == CaptureMode::Global;
-            let blocks = match my_mode {
+            match my_mode {
                 CaptureMode::Relaxed => false,
                 CaptureMode::ThreadLocal => own,
                 CaptureMode::Global => own || other_global,
-            };
-            if blocks {
-                c.invalidated = true;
-                blocked = true;
             }
-        }
-        if blocked {
-            Err(DriverError::STREAM_CAPTURE_UNSUPPORTED)
-        } else {
-            Ok(())
-        }
+        })
     }
 
     /// Synchronizing the device while any of its streams captures: refused with 900, and
@@ -316,16 +324,9 @@ impl State {
         &mut self,
         device: DeviceIndex,
     ) -> Result<(), DriverError> {
-        let mut refused = false;
-        for c in self.captures.values_mut().filter(|c| c.device == device) {
-            c.invalidated = true;
-            refused = true;
-        }
-        if refused {
-            Err(DriverError::STREAM_CAPTURE_UNSUPPORTED)
-        } else {
-            Ok(())
-        }
+        self.refuse_breaking(DriverError::STREAM_CAPTURE_UNSUPPORTED, |_, c| {
+            c.device == device
+        })
     }
 
     /// Synchronizing or querying a capturing stream is always refused and breaks the capture.

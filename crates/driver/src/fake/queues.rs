@@ -135,12 +135,9 @@ impl State {
         if broken.is_empty() {
             return Ok(());
         }
-        for id in broken {
-            if let Some(c) = self.captures.get_mut(&id) {
-                c.invalidated = true;
-            }
-        }
-        Err(DriverError::STREAM_CAPTURE_IMPLICIT)
+        self.refuse_breaking(DriverError::STREAM_CAPTURE_IMPLICIT, |id, _| {
+            broken.contains(&id)
+        })
     }
 
     pub(super) fn is_done(&self, stream: StreamKey, seq: u64) -> bool {
