@@ -402,7 +402,7 @@ impl Blocks {
             return Some(guess);
         }
         let id = self.allocated_at(ptr)?;
-        // (Truncated past 65 535: see `recent`.)
+        // (Truncated past 65 535: see `Blocks::hints`.)
         self.hints.recent[entry].store(id as u16, Ordering::Relaxed);
         Some(id)
     }
