@@ -370,9 +370,6 @@ impl CachingAllocator {
         ptr: DevicePtr,
         free_frames: Option<&Arc<[Frame]>>,
     ) -> Result<(), AllocError> {
-        // The lookup's loads start before the lock's atomic operation, which holds back the
-        // loads after it (a parked free, above, needs neither).
-        self.engine.free_hints.warm(ptr.0);
         let combinable = self.routing.load(Ordering::Acquire) == 0 && self.engine.cache.enabled();
         let mut st = if free_frames.is_none() && combinable {
             match self.engine.lock_or_combine(Op::Free { ptr: ptr.0 }) {

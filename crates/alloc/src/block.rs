@@ -4,7 +4,6 @@
 use crate::address_map::AddressMap;
 use ferrocuda_types::{DevicePtr, Frame, PoolId, PoolKind, StreamHandle};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU16, AtomicUsize, Ordering};
 
 /// A live allocation handed out by [`CachingAllocator::allocate`](crate::CachingAllocator::allocate).
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -245,30 +244,6 @@ fn recent_entry(ptr: u64) -> usize {
     (ptr.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> (64 - RECENT.trailing_zeros())) as usize
 }
 
-/// What `free` reads before it takes the allocator's lock ([`FreeHints::warm`]): the table
-/// of recent frees (see [`Blocks`]) and where the slab's records lie, both written under
-/// the lock only. Atomics, so that reading them unlocked is a plain load; what they say is
-/// a guess either way, which the locked lookup checks.
-#[derive(Debug)]
-pub(crate) struct FreeHints {
-    recent: [AtomicU16; RECENT],
-    /// The slab's first record's address (0: no slab yet).
-    slab_base: AtomicUsize,
-}
-
-impl FreeHints {
-    /// Starts the loads `free`'s lookup of `ptr` will make (its entry of the table of recent
-    /// frees, and the record that entry guesses), so that they overlap the lock's atomic
-    /// operation rather than wait behind it. Changes nothing: a stale guess or a slab moved
-    /// since only makes a prefetch useless.
-    #[inline(always)]
-    pub(crate) fn warm(&self, ptr: u64) {
-        let guess = self.recent[recent_entry(ptr)].load(Ordering::Relaxed) as usize;
-        let base = self.slab_base.load(Ordering::Relaxed);
-        ferrocuda_driver::prefetch(base.wrapping_add(guess * std::mem::size_of::<Block>()));
-    }
-}
-
 /// Every block, by index (a slab: indices stay valid while a block lives) and by address.
 /// Reads go through the slice (`blocks[id]`, `blocks.iter()`).
 #[derive(Debug)]
@@ -288,8 +263,8 @@ pub(crate) struct Blocks {
     /// moves its cache line to each lock holder's core (8-thread pairs ran 4-8% slower on
     /// an H200 host in one A/B). Entries hold the low 16 bits of a block's index: half the
     /// table's cache footprint, and a truncated index past 65 535 is only a wrong guess,
-    /// which the check turns away. Shared with `free`'s front ([`FreeHints::warm`]).
-    hints: Arc<FreeHints>,
+    /// which the check turns away.
+    recent: Box<[u16; RECENT]>,
     /// Per slab slot, whether the block is in a free list, kept beside the records rather
     /// than in them: a free asks it of both neighbours ([`Blocks::mergeable`]), and a dense
     /// byte per block stays in the nearest cache where the neighbours' records (a line
@@ -305,10 +280,7 @@ impl Default for Blocks {
             slab: Vec::new(),
             vacant: Vec::new(),
             by_addr: AddressMap::default(),
-            hints: Arc::new(FreeHints {
-                recent: std::array::from_fn(|_| AtomicU16::new(u16::MAX)),
-                slab_base: AtomicUsize::new(0),
-            }),
+            recent: Box::new([u16::MAX; RECENT]),
             in_pool: Vec::new(),
         }
     }
@@ -338,11 +310,6 @@ impl Blocks {
         id
     }
 
-    /// What `free` may read before taking the lock.
-    pub(crate) fn free_hints(&self) -> Arc<FreeHints> {
-        self.hints.clone()
-    }
-
     /// A vacant slot's index (the slab grows when none is left).
     #[inline(always)]
     fn vacant_slot(&mut self) -> usize {
@@ -353,10 +320,6 @@ impl Blocks {
                 // splits do is random to the branch predictor).
                 let first = self.slab.len();
                 self.slab.resize_with(first + SLAB_CHUNK, Block::vacant);
-                // (An address as a number: a hint, never dereferenced.)
-                self.hints
-                    .slab_base
-                    .store(self.slab.as_ptr() as usize, Ordering::Relaxed);
                 self.in_pool.resize(first + SLAB_CHUNK, false);
                 self.vacant.extend((first + 1..first + SLAB_CHUNK).rev());
                 first
@@ -393,7 +356,7 @@ impl Blocks {
     #[inline(always)]
     pub(crate) fn allocated_at_to_free(&mut self, ptr: u64) -> Option<usize> {
         let entry = recent_entry(ptr);
-        let guess = self.hints.recent[entry].load(Ordering::Relaxed) as usize;
+        let guess = self.recent[entry] as usize;
         if let Some(b) = self.slab.get(guess)
             && b.ptr == ptr
             && b.allocated
@@ -402,8 +365,8 @@ impl Blocks {
             return Some(guess);
         }
         let id = self.allocated_at(ptr)?;
-        // (Truncated past 65 535: see `Blocks::hints`.)
-        self.hints.recent[entry].store(id as u16, Ordering::Relaxed);
+        // (Truncated past 65 535: see `recent`.)
+        self.recent[entry] = id as u16;
         Some(id)
     }
 
@@ -615,34 +578,6 @@ mod tests {
             for (i, &id) in ids.iter().enumerate().step_by(3) {
                 assert_eq!(blocks.allocated_at_to_free(ptr(i)), Some(id));
             }
-        }
-    }
-
-    /// `free`'s unlocked warm-up reads hints only: before any record exists, for addresses
-    /// never allocated, and with a slab that has moved since, it changes no answer, and the
-    /// slab's address it reads follows the slab as it grows.
-    #[test]
-    fn warming_a_lookup_changes_no_answer() {
-        let mut blocks = Blocks::default();
-        let hints = blocks.free_hints();
-        hints.warm(512);
-        let ptr = |i: usize| (i as u64 + 1) * 512;
-        let mut ids = Vec::new();
-        for i in 0..3 * SLAB_CHUNK {
-            let id = blocks.insert(Block::new(piece(ptr(i))));
-            blocks[id].allocated = true;
-            ids.push(id);
-            assert_eq!(
-                hints.slab_base.load(Ordering::Relaxed),
-                blocks.slab.as_ptr() as usize,
-                "the hint follows the slab"
-            );
-        }
-        for (i, &id) in ids.iter().enumerate() {
-            hints.warm(ptr(i));
-            hints.warm(ptr(i) + 7);
-            assert_eq!(blocks.allocated_at_to_free(ptr(i)), Some(id));
-            assert_eq!(blocks.allocated_at_to_free(ptr(i) + 7), None);
         }
     }
 

@@ -69,8 +69,6 @@ pub(crate) struct Engine {
     /// This allocator's side of the per-thread front end.
     pub(crate) cache: ThreadCache,
     pub(crate) state: StateLock,
-    /// The block records' lookup hints, read by `free` before it takes `state`.
-    pub(crate) free_hints: Arc<crate::block::FreeHints>,
     /// Devices given access to this device's expandable segments (PyTorch's
     /// `devices_with_peer_access_`). Read-held from mapping pages until they are recorded in
     /// the segment, write-held while a new peer is opened to every mapped page: so no page
@@ -92,7 +90,6 @@ impl Engine {
             oom_observers: Mutex::new(Vec::new()),
             granularity: std::sync::OnceLock::new(),
             cache: ThreadCache::new(state.config.reuse.thread_cache),
-            free_hints: state.blocks.free_hints(),
             state: StateLock::new(Locked {
                 state,
                 slots: Registry::default(),

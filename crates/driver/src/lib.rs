@@ -78,7 +78,6 @@ pub mod interop;
 mod malloc_log;
 pub mod nvml;
 pub mod pluggable;
-mod prefetch;
 pub mod shared_counters;
 
 pub use cuda::libraries::LIBRARY_PATH_VAR;
@@ -88,7 +87,6 @@ pub use fake::{Completion, FakeDriver, FakeDriverBuilder, KernelContext, PeerCop
 pub use interop::ForeignStream;
 pub use nvml::{GpuProcess, NvmlError};
 pub use pluggable::{Hook, PluggableError, PluggableLibrary};
-pub use prefetch::prefetch;
 
 use ferrocuda_types::{
     CaptureMode, CaptureStatus, DeviceIndex, DeviceProperties, DevicePtr, EventFlags, EventHandle,
