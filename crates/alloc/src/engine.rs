@@ -108,6 +108,13 @@ impl Engine {
         self.settled(self.state.lock())
     }
 
+    /// Whether some thread holds the lock now (a plain load: the lock word's line is
+    /// shared, not taken from its holder).
+    #[inline(always)]
+    pub(crate) fn is_locked(&self) -> bool {
+        self.state.is_locked()
+    }
+
     /// [`Engine::lock`] if the lock is free now.
     #[inline(always)]
     pub(crate) fn try_lock(&self) -> Option<Guard<'_>> {
