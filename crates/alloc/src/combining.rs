@@ -131,12 +131,7 @@ impl Engine {
     /// yet takes the lock the blocking way and gets one.
     #[inline(always)]
     pub(crate) fn lock_or_combine(&self, op: Op) -> Combined<'_> {
-        // (The lock word is read before `try_lock`'s compare-and-swap, which would take the
-        // word's line from its holder even when it fails: 8 threads of 1 MiB pairs ran
-        // 5-7% faster on an H200 host, docs/measurements/h200_2026-12-02b.)
-        if !self.is_locked()
-            && let Some(mut g) = self.try_lock()
-        {
+        if let Some(mut g) = self.try_lock() {
             // (Before the caller's own request, which may earn a credit: a credit's
             // operation must be the last one under the lock.)
             self.serve_published(&mut g);
