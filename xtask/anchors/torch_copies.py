@@ -21,12 +21,18 @@ def rate(copy, n):
     return n * 30 / (time.perf_counter() - start) / 1e9
 
 
-def main():
-    n = 64 << 20
+def pageable_source(n):
+    """`n` pageable bytes of 7, written by one thread as the bench's `vec![7u8; n]` is."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     host = torch.full((n,), 7, dtype=torch.uint8)
     torch.set_num_threads(threads)
+    return host
+
+
+def main():
+    n = 64 << 20
+    host = pageable_source(n)
     dev = torch.empty(n, dtype=torch.uint8, device="cuda")
     stream = torch.cuda.current_stream()
     to_device = rate(lambda: (dev.copy_(host), stream.synchronize()), n)

@@ -10,6 +10,12 @@ import statistics
 import sys
 
 
+def median_interval(ratios, rng):
+    """The median of `ratios` and its 95% bootstrap interval (10 000 resamples by `rng`)."""
+    boot = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(10000))
+    return statistics.median(ratios), boot[250], boot[9750]
+
+
 def main(path, numerator, denominator, unit, labels):
     values = {}
     for line in open(path):
@@ -20,12 +26,10 @@ def main(path, numerator, denominator, unit, labels):
     for i, label in enumerate(labels):
         num = [values[(r, numerator)][i] for r in rounds]
         den = [values[(r, denominator)][i] for r in rounds]
-        ratios = [a / b for a, b in zip(num, den)]
-        boot = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(10000))
+        ratio, low, high = median_interval([a / b for a, b in zip(num, den)], rng)
         print(f"paired {label}: {numerator} {statistics.median(num):.2f} {unit}, "
               f"{denominator} {statistics.median(den):.2f} {unit} (medians of {len(rounds)} rounds), "
-              f"{numerator}/{denominator} {statistics.median(ratios):.3f} "
-              f"[95% bootstrap {boot[250]:.3f}, {boot[9750]:.3f}]")
+              f"{numerator}/{denominator} {ratio:.3f} [95% bootstrap {low:.3f}, {high:.3f}]")
 
 
 if __name__ == "__main__":

@@ -29,9 +29,10 @@ want() { [ -z "${ONLY:-}" ] || [[ "$1" =~ $ONLY ]]; }
 # from one core (2): spread over 2-10 the churn ran at 88-112 ns in nine runs of ten, on one
 # core under 67 ns in half its runs (docs/measurements/h200_2026-12-01g).
 # PIN_BENCHES=0 runs them unpinned.
+can_pin() { [ "${PIN_BENCHES:-1}" = 1 ] && command -v taskset >/dev/null && [ "$(nproc)" -ge 11 ]; }
 pinned_to() {
   local cpus=$1; shift
-  if [ "${PIN_BENCHES:-1}" = 1 ] && command -v taskset >/dev/null && [ "$(nproc)" -ge 11 ]; then
+  if can_pin; then
     taskset -c "$cpus" "$@"
   else
     "$@"
@@ -333,6 +334,60 @@ if [ -x bench_alloc ]; then
   paired paired_alloc recommended default ns "churn, 1024 live" "1 MiB pairs, 8 threads"
   paired paired_rules expandable default ns "churn, 1024 live" "1 MiB pairs, 8 threads"
   paired paired_reclaim recommended expandable ns "churn, 1024 live" "1 MiB pairs, 8 threads"
+fi
+# Issue 30's table in rounds (ONLY=issue_table; TABLE_ROUNDS rounds, 7): ours (criterion's
+# medians) and PyTorch's (torch_table.py) alternated, the order flipped every other round;
+# the single-threaded figures of a round on one core, the same for both sides, the next
+# round on the next core (2 to 10, then 2 again). A shared host's slow spells belong to one
+# core for seconds (docs/measurements/h200_2026-12-02b): a table measured once hangs on
+# the spells it met, where the medians of rounds spread over cores and minutes do not.
+# AB_ALLOC=FILE (a bench_alloc built at another revision, in this folder) adds its churn and
+# 8-thread pairs to every round. issue_table.py prints the table.
+table_core() { pinned_to "$TABLE_CORE" "$@"; }
+# bench_alloc on PIN with the filters A and B, A first in odd rounds and B first in even:
+# the default configuration and the recommended set take turns at going first.
+table_alternated() {
+  local pin=$1 a=$2 b=$3
+  (( TABLE_ROUND % 2 )) || { a=$3; b=$2; }
+  paired_bench "$pin" bench_alloc "$a" && paired_bench "$pin" bench_alloc "$b"
+}
+issue_table_ours() {
+  table_alternated table_core '^alloc/(pair_1MiB|churn_1024_live)$' '^alloc/churn_1024_live_recommended$' || return 1
+  table_alternated pinned '^alloc/pair_1MiB_8threads$' '^alloc/pair_1MiB_8threads_recommended$' || return 1
+  paired_bench pinned bench_pinned '^(pinned/pair_1MiB_8threads|h2d/pageable_64MiB)$' || return 1
+  criterion_medians alloc/pair_1MiB alloc/churn_1024_live alloc/churn_1024_live_recommended \
+    alloc/pair_1MiB_8threads alloc/pair_1MiB_8threads_recommended pinned/pair_1MiB_8threads h2d/pageable_64MiB
+}
+issue_table_torch() {
+  local core=-
+  can_pin && core=$TABLE_CORE
+  pinned python3 torch_table.py "$core" 2>> "$OUT/torch_table.log"
+}
+issue_table_reference() {
+  paired_bench table_core "$AB_ALLOC" '^alloc/churn_1024_live$' || return 1
+  paired_bench pinned "$AB_ALLOC" '^alloc/pair_1MiB_8threads$' || return 1
+  criterion_medians alloc/churn_1024_live alloc/pair_1MiB_8threads
+}
+if [ -x bench_alloc ] && [ -x bench_pinned ] && [ -f torch_table.py ] && [ -f torch_anchor.py ] && want issue_table; then
+  echo "=== issue_table"
+  table_rounds() {
+    local r way ways values
+    for r in $(seq 1 "${TABLE_ROUNDS:-7}"); do
+      TABLE_ROUND=$r TABLE_CORE=$((2 + (r - 1) % 9))
+      ways="ours torch${AB_ALLOC:+ reference}"
+      (( r % 2 )) || ways=$(printf '%s\n' $ways | tac)
+      for way in $ways; do
+        values=$("issue_table_$way") || return 1
+        echo "$r $way $values"
+      done
+    done
+  }
+  if table_rounds > "$OUT/issue_table.txt" \
+    && python3 issue_table.py "$OUT/issue_table.txt" 2>&1 | tee "$OUT/issue_table.log"; then
+    passed=$((passed + 1))
+  else
+    echo "issue_table failed"; failed=$((failed + 1))
+  fi
 fi
 if [ -f torch_mathlib.py ] && want torch_mathlib; then
   echo "=== torch_mathlib.py (PyTorch's torch.matmul and torch.fft.fft, same machine, same run)"

@@ -170,6 +170,10 @@ pub(crate) fn gpu_bundle() -> Result<(), String> {
     // with `torch_copies.py`'s `rate`).
     std::fs::write(dir.join("torch_copies.py"), TORCH_COPIES_PY).map_err(|e| e.to_string())?;
     std::fs::write(dir.join("paired_summary.py"), PAIRED_SUMMARY_PY).map_err(|e| e.to_string())?;
+    // Issue 30's table in rounds: PyTorch's side of a round (from the anchors above) and the
+    // table's summary.
+    std::fs::write(dir.join("torch_table.py"), TORCH_TABLE_PY).map_err(|e| e.to_string())?;
+    std::fs::write(dir.join("issue_table.py"), ISSUE_TABLE_PY).map_err(|e| e.to_string())?;
     // And cuBLAS's and cuFFT's (PyTorch's side of crates/mathlib/benches).
     std::fs::write(dir.join("torch_mathlib.py"), TORCH_MATHLIB_PY).map_err(|e| e.to_string())?;
     // And the graph-memory planner's (PyTorch's capture pools against `ferrocuda plan`).
@@ -309,6 +313,8 @@ fn pack_if_large(dir: &Path) -> Result<(), String> {
 const TORCH_PINNED_PY: &str = include_str!("../anchors/torch_pinned.py");
 /// PyTorch's 64 MiB pageable copies, one round (`run.sh`'s paired copies).
 const TORCH_COPIES_PY: &str = include_str!("../anchors/torch_copies.py");
+/// PyTorch's side of one round of `run.sh`'s `issue_table` step.
+const TORCH_TABLE_PY: &str = include_str!("../anchors/torch_table.py");
 const TORCH_MATHLIB_PY: &str = include_str!("../anchors/torch_mathlib.py");
 /// PyTorch's CUDA graph pools against `ferrocuda plan` (run by `run.sh` as `torch_plan`).
 const TORCH_PLAN_PY: &str = include_str!("../anchors/torch_plan.py");
@@ -324,6 +330,8 @@ const TORCH_DIST_PY: &str = include_str!("../anchors/torch_dist.py");
 const RUN_SH: &str = include_str!("../gpu/run.sh");
 /// The summary of `run.sh`'s paired steps (`xtask/gpu/paired_summary.py`).
 const PAIRED_SUMMARY_PY: &str = include_str!("../gpu/paired_summary.py");
+/// Issue 30's table from `run.sh`'s `issue_table` rounds (`xtask/gpu/issue_table.py`).
+const ISSUE_TABLE_PY: &str = include_str!("../gpu/issue_table.py");
 /// compute-sanitizer over the conformance binaries (`xtask/gpu/sanitize.sh`), run by `run.sh`.
 const SANITIZE_SH: &str = include_str!("../gpu/sanitize.sh");
 /// The line of [`RUN_SH`] that [`run_sh`] replaces with a `case` arm for each test of
