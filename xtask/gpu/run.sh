@@ -267,21 +267,25 @@ fi
 # are, cannot decide a ratio near 1; these can. PAIRED_ROUNDS rounds (8).
 # paired NAME WAY_A WAY_B UNIT LABEL...: runs `NAME_WAY` (printing one value per LABEL)
 # for each way each round into $OUT/NAME.txt, then summarizes WAY_A over WAY_B.
+# rounds PREFIX COUNT WAY...: COUNT rounds, each running `PREFIX_WAY` (which prints one
+# line of values) for every WAY, printed as "ROUND WAY VALUES"; the ways' order is reversed
+# every other round, and ROUND holds the round's number while they run.
+rounds() {
+  local prefix=$1 count=$2 r way order values; shift 2
+  for r in $(seq 1 "$count"); do
+    ROUND=$r order=$*
+    (( r % 2 )) || order=$(printf '%s\n' "$@" | tac)
+    for way in $order; do
+      values=$("${prefix}_$way") || return 1
+      echo "$r $way $values"
+    done
+  done
+}
 paired() {
   local name=$1 a=$2 b=$3 unit=$4; shift 4
   want "$name" || return 0
   echo "=== $name"
-  paired_rounds() {
-    local r way order values
-    for r in $(seq 1 "${PAIRED_ROUNDS:-8}"); do
-      if (( r % 2 )); then order="$a $b"; else order="$b $a"; fi
-      for way in $order; do
-        values=$("${name}_$way") || return 1
-        echo "$r $way $values"
-      done
-    done
-  }
-  if paired_rounds > "$OUT/$name.txt" \
+  if rounds "$name" "${PAIRED_ROUNDS:-8}" "$a" "$b" > "$OUT/$name.txt" \
     && python3 paired_summary.py "$OUT/$name.txt" "$a" "$b" "$unit" "$@" 2>&1 | tee "$OUT/$name.log"; then
     passed=$((passed + 1))
   else
@@ -343,12 +347,13 @@ fi
 # the spells it met, where the medians of rounds spread over cores and minutes do not.
 # AB_ALLOC=FILE (a bench_alloc built at another revision, in this folder) adds its churn and
 # 8-thread pairs to every round. issue_table.py prints the table.
-table_core() { pinned_to "$TABLE_CORE" "$@"; }
+table_core_number() { echo $((2 + (ROUND - 1) % 9)); }
+table_core() { pinned_to "$(table_core_number)" "$@"; }
 # bench_alloc on PIN with the filters A and B, A first in odd rounds and B first in even:
 # the default configuration and the recommended set take turns at going first.
 table_alternated() {
   local pin=$1 a=$2 b=$3
-  (( TABLE_ROUND % 2 )) || { a=$3; b=$2; }
+  (( ROUND % 2 )) || { a=$3; b=$2; }
   paired_bench "$pin" bench_alloc "$a" && paired_bench "$pin" bench_alloc "$b"
 }
 issue_table_ours() {
@@ -360,7 +365,7 @@ issue_table_ours() {
 }
 issue_table_torch() {
   local core=-
-  can_pin && core=$TABLE_CORE
+  can_pin && core=$(table_core_number)
   pinned python3 torch_table.py "$core" 2>> "$OUT/torch_table.log"
 }
 issue_table_reference() {
@@ -370,19 +375,9 @@ issue_table_reference() {
 }
 if [ -x bench_alloc ] && [ -x bench_pinned ] && [ -f torch_table.py ] && [ -f torch_anchor.py ] && want issue_table; then
   echo "=== issue_table"
-  table_rounds() {
-    local r way ways values
-    for r in $(seq 1 "${TABLE_ROUNDS:-7}"); do
-      TABLE_ROUND=$r TABLE_CORE=$((2 + (r - 1) % 9))
-      ways="ours torch${AB_ALLOC:+ reference}"
-      (( r % 2 )) || ways=$(printf '%s\n' $ways | tac)
-      for way in $ways; do
-        values=$("issue_table_$way") || return 1
-        echo "$r $way $values"
-      done
-    done
-  }
-  if table_rounds > "$OUT/issue_table.txt" \
+  # shellcheck disable=SC2046
+  if rounds issue_table "${TABLE_ROUNDS:-7}" ours torch $([ -n "${AB_ALLOC:-}" ] && echo reference) \
+    > "$OUT/issue_table.txt" \
     && python3 issue_table.py "$OUT/issue_table.txt" 2>&1 | tee "$OUT/issue_table.log"; then
     passed=$((passed + 1))
   else
