@@ -7,8 +7,8 @@ measure it: the device allocator with torch_anchor.py's own C++ (its `cpp` sourc
 from that file, so the two cannot drift), the pinned pair with torch_pinned.py's, the copy
 with torch_copies.py's.
 
-usage: torch_table.py CORE: the core for the single-threaded figures ("-": leave the
-affinity alone); the others run on the cores the process started with."""
+usage: torch_table.py CORE: the core the whole process runs on for the single-threaded
+figures ("-": leave the affinity alone); the others run on the cores it started with."""
 import ast
 import os
 import sys
@@ -31,16 +31,25 @@ def allocator_extension():
                        with_cuda=True, extra_cflags=["-O2"], verbose=False)
 
 
+def pin_process(cpus):
+    """Every thread of this process (the driver's and torch's included) onto `cpus`, as
+    `taskset` pins our bench; threads started later (the anchors' C++ ones) inherit it."""
+    for task in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(task), cpus)
+        except ProcessLookupError:  # a thread that ended meanwhile
+            pass
+
+
 def main(core):
     torch.zeros(1, device="cuda")
     alloc, pinned = allocator_extension(), torch_pinned.extension()
     started_on = os.sched_getaffinity(0)
-    # The calling thread's affinity; the anchors' C++ threads inherit it.
     if core != "-":
-        os.sched_setaffinity(0, {int(core)})
+        pin_process({int(core)})
     pair = alloc.pair_ns(1 << 20, 200000, 1)
     churn = alloc.mixed_ns(1024, 1000000)
-    os.sched_setaffinity(0, started_on)
+    pin_process(started_on)
     pairs_8 = alloc.pair_ns(1 << 20, 100000, 8)
     pinned_8 = pinned.pair_ns(1 << 20, 100000, 8)
     n = 64 << 20

@@ -33,6 +33,8 @@ def rounds_of(path):
         if len(values) != len(names[way]):
             sys.exit(f"{path}: round {r} {way}: {len(values)} values, {len(names[way])} expected")
         lines.setdefault(way, {})[int(r)] = dict(zip(names[way], map(float, values)))
+    if "ours" not in lines or "torch" not in lines:
+        sys.exit(f"{path}: no complete round (ways found: {sorted(lines) or 'none'})")
     rounds = sorted(lines["ours"])
     for way, by_round in lines.items():
         if sorted(by_round) != rounds:

@@ -269,13 +269,16 @@ fi
 # for each way each round into $OUT/NAME.txt, then summarizes WAY_A over WAY_B.
 # rounds PREFIX COUNT WAY...: COUNT rounds, each running `PREFIX_WAY` (which prints one
 # line of values) for every WAY, printed as "ROUND WAY VALUES"; the ways' order is reversed
-# every other round, and ROUND holds the round's number while they run.
+# every other round, and ROUND holds the round's number while they run. Each way starts
+# with no criterion results, so a bench that did not run is missing, never an older
+# figure (another way's, or an earlier round's) read again.
 rounds() {
   local prefix=$1 count=$2 r way order values; shift 2
   for r in $(seq 1 "$count"); do
     ROUND=$r order=$*
     (( r % 2 )) || order=$(printf '%s\n' "$@" | tac)
     for way in $order; do
+      rm -rf "$OUT/paired_criterion"
       values=$("${prefix}_$way") || return 1
       echo "$r $way $values"
     done
@@ -292,8 +295,8 @@ paired() {
     echo "$name failed"; failed=$((failed + 1))
   fi
 }
-# Criterion's median estimate of each bench named (GROUP/NAME) that the last paired_bench
-# runs wrote, on one line.
+# Criterion's median estimate of each bench named (GROUP/NAME) that the paired_bench runs
+# of this way wrote, on one line.
 criterion_medians() {
   python3 - "$OUT/paired_criterion" "$@" <<'PY'
 import json, os, sys
@@ -339,7 +342,7 @@ if [ -x bench_alloc ]; then
   paired paired_rules expandable default ns "churn, 1024 live" "1 MiB pairs, 8 threads"
   paired paired_reclaim recommended expandable ns "churn, 1024 live" "1 MiB pairs, 8 threads"
 fi
-# Issue 30's table in rounds (ONLY=issue_table; TABLE_ROUNDS rounds, 7): ours (criterion's
+# Issue 30's table in rounds (ONLY=issue_table; TABLE_ROUNDS rounds, 8): ours (criterion's
 # medians) and PyTorch's (torch_table.py) alternated, the order flipped every other round;
 # the single-threaded figures of a round on one core, the same for both sides, the next
 # round on the next core (2 to 10, then 2 again). A shared host's slow spells belong to one
@@ -376,7 +379,7 @@ issue_table_reference() {
 if [ -x bench_alloc ] && [ -x bench_pinned ] && [ -f torch_table.py ] && [ -f torch_anchor.py ] && want issue_table; then
   echo "=== issue_table"
   # shellcheck disable=SC2046
-  if rounds issue_table "${TABLE_ROUNDS:-7}" ours torch $([ -n "${AB_ALLOC:-}" ] && echo reference) \
+  if rounds issue_table "${TABLE_ROUNDS:-8}" ours torch $([ -n "${AB_ALLOC:-}" ] && echo reference) \
     > "$OUT/issue_table.txt" \
     && python3 issue_table.py "$OUT/issue_table.txt" 2>&1 | tee "$OUT/issue_table.log"; then
     passed=$((passed + 1))
