@@ -53,18 +53,24 @@ def main(path):
           "ratios: the median over rounds of each round's ratio [95% bootstrap]")
     print(f"{'row':40} {'ferrocuda':>10} {'other':>10} {'ratio [95% bootstrap]':>25} {'target':>8}  met")
 
-    def row(label, num, den, measure, target, unit="ns"):
-        """`measure` is "abs" (ours' median against `target`), "le" or "ge" (the ratio's)."""
+    def row(label, num, den, measure=None, target=None, unit="ns"):
+        """`measure` is "abs" (ours' median against `target`), "le" or "ge" (the ratio's),
+        or None: figures only, no target."""
         a, b = statistics.median(num), statistics.median(den)
         ratio, low, high = median_interval([x / y for x, y in zip(num, den)], rng)
+        figures = f"{label:40} {a:10.2f} {b:10.2f} {ratio:9.3f} [{low:.3f}, {high:.3f}]"
+        if measure is None:
+            print(figures)
+            return
         judged = a if measure == "abs" else ratio
         met = judged <= target if measure in ("abs", "le") else judged >= target
         sign = "≥" if measure == "ge" else "≤"
-        print(f"{label:40} {a:10.2f} {b:10.2f} {ratio:9.3f} [{low:.3f}, {high:.3f}]"
-              f" {sign + ' ' + str(target) + (' ' + unit if measure == 'abs' else ''):>10}  "
+        print(f"{figures} {sign + ' ' + str(target) + (' ' + unit if measure == 'abs' else ''):>10}  "
               f"{'yes' if met else 'NO'}")
 
-    col = lambda rows, name: [r[name] for r in rows]  # noqa: E731
+    def col(rows, name):
+        return [r[name] for r in rows]
+
     row("cached pair 1 MiB, ns (PyTorch)", col(ours, "pair"), col(torch, "pair"), "abs", 35)
     row("churn, 1024 live, ns (PyTorch)", col(ours, "churn"), col(torch, "churn"), "abs", 60)
     row("1 MiB pairs, 8 threads, ns (PyTorch)", col(ours, "pairs8"), col(torch, "pairs8"), "abs", 150)
@@ -73,12 +79,8 @@ def main(path):
     row("pinned pair 1 MiB, 8 threads (PyTorch)", col(ours, "pinned8"), col(torch, "pinned8"), "le", 0.8)
     row("H2D 64 MiB pageable, GB/s (PyTorch)", col(ours, "h2d"), col(torch, "h2d"), "ge", 1.0)
     if reference:
-        for label, name in (("A/B: churn (reference)", "churn"),
-                            ("A/B: 8-thread pairs (reference)", "pairs8")):
-            ratio, low, high = median_interval(
-                [x / y for x, y in zip(col(ours, name), col(reference, name))], rng)
-            print(f"{label:40} {statistics.median(col(ours, name)):10.2f} "
-                  f"{statistics.median(col(reference, name)):10.2f} {ratio:9.3f} [{low:.3f}, {high:.3f}]")
+        row("A/B: churn (reference)", col(ours, "churn"), col(reference, "churn"))
+        row("A/B: 8-thread pairs (reference)", col(ours, "pairs8"), col(reference, "pairs8"))
     print("rounds: ours " + " ".join(OURS[:-1]) + " h2d_GBps | torch " + " ".join(TORCH)
           + (" | reference " + " ".join(REFERENCE) if reference else ""))
     for i, values in enumerate(ours):

@@ -265,8 +265,6 @@ fi
 # (paired_summary.py). A shared host drifts by a third from one minute to the next
 # (docs/measurements/h200_2026-11-30i), so figures taken minutes apart, as the tables above
 # are, cannot decide a ratio near 1; these can. PAIRED_ROUNDS rounds (8).
-# paired NAME WAY_A WAY_B UNIT LABEL...: runs `NAME_WAY` (printing one value per LABEL)
-# for each way each round into $OUT/NAME.txt, then summarizes WAY_A over WAY_B.
 # rounds PREFIX COUNT WAY...: COUNT rounds, each running `PREFIX_WAY` (which prints one
 # line of values) for every WAY, printed as "ROUND WAY VALUES"; the ways' order is reversed
 # every other round, and ROUND holds the round's number while they run. Each way starts
@@ -284,6 +282,8 @@ rounds() {
     done
   done
 }
+# paired NAME WAY_A WAY_B UNIT LABEL...: runs `NAME_WAY` (printing one value per LABEL)
+# for each way each round into $OUT/NAME.txt, then summarizes WAY_A over WAY_B.
 paired() {
   local name=$1 a=$2 b=$3 unit=$4; shift 4
   want "$name" || return 0
