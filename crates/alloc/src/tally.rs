@@ -96,14 +96,16 @@ impl PoolCounters {
     }
 
     /// Moves `pool` by the signed `delta`: one increase or one decrease (none at 0), as
-    /// PyTorch applies a net change.
+    /// PyTorch applies a net change. Without a branch on the sign, which is random to the
+    /// branch predictor where a free merges: a decrease leaves `allocated` (its `freed` is
+    /// derived) and both peaks (`current` fell) as they were.
     #[inline(always)]
     pub(crate) fn change(&mut self, pool: PoolKind, delta: i64) {
-        if delta > 0 {
-            self.increase(pool, delta);
-        } else if delta < 0 {
-            self.decrease(pool, -delta);
-        }
+        let p = &mut self.pools[pool.index()];
+        p.current += delta;
+        p.allocated += delta.max(0);
+        p.peak = p.peak.max(p.current);
+        self.all_peak = self.all_peak.max(self.current());
     }
 
     /// Counts `n` that rose and fell again in `pool` (and so in `all`).
