@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# First call: the churn's hardware counters on the GPU machine (perf is not installed:
-# xtask/gpu/counters.py opens the kernel's counters itself). Ours (the churn example built
-# at 7303548, target/ab/churn_base; and a variant whose short-bin insert finds its place by
-# binary search, target/ab/churn_bsearch) against PyTorch's (torch_anchor.py's `mixed_ns`),
-# each on one core, twice on two cores.
+# First call: the churn's hardware counters on the GPU machine. perf is not installed, so
+# counters.py (in this folder) opens the kernel's counters itself. Ours (the churn example
+# built at 7303548, target/ab/churn_base; and a variant whose short-bin insert finds its
+# place by binary search, target/ab/churn_bsearch) against PyTorch's (torch_anchor.py's
+# `mixed_ns`), each on one core, twice on two cores.
 # From the repository root with target/ab carried (target/ab/anchor: this folder's
 # counters.py beside torch_table.py, torch_pinned.py, torch_copies.py and torch_anchor.py).
 set -u
