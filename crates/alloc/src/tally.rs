@@ -103,6 +103,7 @@ impl PoolCounters {
     pub(crate) fn change(&mut self, pool: PoolKind, delta: i64) {
         let p = &mut self.pools[pool.index()];
         p.current += delta;
+        debug_assert!(p.current >= 0, "stat went negative");
         p.allocated += delta.max(0);
         p.peak = p.peak.max(p.current);
         self.all_peak = self.all_peak.max(self.current());
