@@ -42,6 +42,17 @@ impl Counter {
         debug_assert!(self.current >= 0, "stat went negative");
     }
 
+    /// Moves by the signed `delta` without a branch on its sign: a decrease leaves
+    /// `allocated` (its `freed` is derived) and `peak` (`current` fell) as they were, so
+    /// this is [`increase`](Self::increase) or [`decrease`](Self::decrease) (neither at 0).
+    #[inline]
+    pub(crate) fn change(&mut self, delta: i64) {
+        self.current += delta;
+        debug_assert!(self.current >= 0, "stat went negative");
+        self.allocated += delta.max(0);
+        self.peak = self.peak.max(self.current);
+    }
+
     /// Counts `n` that rose and fell again (current and peak unchanged).
     #[inline]
     pub(crate) fn cycle(&mut self, n: i64) {
@@ -96,16 +107,11 @@ impl PoolCounters {
     }
 
     /// Moves `pool` by the signed `delta`: one increase or one decrease (none at 0), as
-    /// PyTorch applies a net change. Without a branch on the sign, which is random to the
-    /// branch predictor where a free merges: a decrease leaves `allocated` (its `freed` is
-    /// derived) and both peaks (`current` fell) as they were.
+    /// PyTorch applies a net change, without a branch on the sign ([`Counter::change`]),
+    /// which is random to the branch predictor where a free merges.
     #[inline(always)]
     pub(crate) fn change(&mut self, pool: PoolKind, delta: i64) {
-        let p = &mut self.pools[pool.index()];
-        p.current += delta;
-        debug_assert!(p.current >= 0, "stat went negative");
-        p.allocated += delta.max(0);
-        p.peak = p.peak.max(p.current);
+        self.pools[pool.index()].change(delta);
         self.all_peak = self.all_peak.max(self.current());
     }
 
