@@ -141,6 +141,15 @@ impl Expandable {
         self.segments.get_mut(seg)?.as_mut()
     }
 
+    /// Whether `addr`, inside segment `segment`, is where one of its pages starts.
+    #[inline(always)]
+    pub(crate) fn starts_page(&self, segment: usize, addr: u64) -> bool {
+        self.segments
+            .get(segment)
+            .and_then(Option::as_ref)
+            .is_some_and(|s| (addr - s.va.base.0).is_multiple_of(s.page))
+    }
+
     /// Every mapped run of pages, as `(address, bytes)`, across all segments.
     pub(crate) fn mapped_runs(&self) -> Vec<(u64, u64)> {
         let mut runs: Vec<(u64, u64)> = Vec::new();
@@ -338,18 +347,19 @@ impl Expandable {
 
     /// `find_expandable_block`: the first place, in address order, from which free and
     /// unmapped blocks of this stream's segments cover `size`: an unmapped range, or the
-    /// free block just before it.
+    /// free block just before it (unless `page_bound`: then growth starts at a page of its
+    /// own, `expandable_segments_small_page_bound`).
     pub(crate) fn find(
         &self,
         blocks: &Blocks,
-        stream: StreamHandle,
-        kind: PoolKind,
+        (stream, kind): (StreamHandle, PoolKind),
         size: u64,
+        page_bound: bool,
     ) -> Option<usize> {
         let set = self.unmapped.get(&(stream.raw, kind.index() as u8))?;
         for &u in set.values() {
             let start = match blocks[u].prev.get() {
-                Some(p) if blocks.in_pool(p) => p,
+                Some(p) if blocks.in_pool(p) && !page_bound => p,
                 _ => u,
             };
             let (mut covered, mut cur) = (0, Some(start));

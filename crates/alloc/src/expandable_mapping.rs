@@ -85,12 +85,19 @@ impl Engine {
         kind: PoolKind,
         stream: StreamHandle,
     ) -> Result<(Guard<'a>, Option<usize>), AllocError> {
-        let start = match st.expandable.find(&st.blocks, stream, kind, size) {
+        let page_bound = st.small_page_bound(kind);
+        let start = match st
+            .expandable
+            .find(&st.blocks, (stream, kind), size, page_bound)
+        {
             Some(s) => s,
             None => {
                 let page = self.page_size(&st, kind)?;
                 st = self.new_segment(st, kind, stream, page)?;
-                match st.expandable.find(&st.blocks, stream, kind, size) {
+                match st
+                    .expandable
+                    .find(&st.blocks, (stream, kind), size, page_bound)
+                {
                     Some(s) => s,
                     None => return Ok((st, None)),
                 }

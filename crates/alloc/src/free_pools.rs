@@ -245,10 +245,11 @@ impl Pools {
         let list = self.list(pool, stream.raw, kind)?;
         let first = list.first_from(key(size, 0))?;
         // An ordinary block, or with expandable segments on an expandable one that cannot
-        // grow (a mapped block follows it): every later candidate is at least as large, so
-        // none can be preferred.
+        // grow (a mapped block follows it, or its pool's blocks stay inside their pages):
+        // every later candidate is at least as large, so none can be preferred.
         let b = &blocks[first.id];
-        if b.segment.is_none() || (expandable.enabled && !b.before_unmapped) {
+        let page_bound = expandable.small_page_bound && kind == PoolKind::Small;
+        if b.segment.is_none() || (expandable.enabled && (!b.before_unmapped || page_bound)) {
             return Some(first);
         }
         if !expandable.enabled {

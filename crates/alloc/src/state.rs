@@ -4,7 +4,7 @@
 //! `inactive_split` books), taking a whole segment out of the books. Each part of the
 //! state is a type of its own (blocks, free pools, stream order, expandable address space,
 //! private pools); this file composes them. Nothing here calls the driver.
-use crate::block::{Allocation, Block, Blocks};
+use crate::block::{Allocation, Block, Blocks, Link};
 use crate::expandable::{Expandable, Grow, UnmapJob};
 use crate::free_pools::{OversizeRule, Pools};
 use crate::history::{History, HistoryContext};
@@ -361,12 +361,13 @@ impl State {
         // its `allocated` and `freed` counters see one increase or one decrease.
         let (mut net_blocks, mut net_bytes) = (0i64, 0i64);
         let mut keep = id;
-        if let Some(p) = self.blocks.mergeable(prev) {
+        let (merge_prev, merge_next) = self.merge_partners((prev, next), ptr, kind, segment);
+        if let Some(p) = merge_prev {
             net_bytes -= self.absorb(p, id) as i64;
             net_blocks -= 1;
             keep = p;
         }
-        if let Some(n) = self.blocks.mergeable(next) {
+        if let Some(n) = merge_next {
             net_bytes -= self.absorb(keep, n) as i64;
             net_blocks -= 1;
         }
@@ -391,6 +392,39 @@ impl State {
             }
             Some(_) => {}
         }
+    }
+
+    /// The free neighbours (of `links`, a block's `prev` and `next`) that the free of the
+    /// block at `ptr` merges with (`free_block`'s `try_merge_blocks`): both, except that
+    /// with `expandable_segments_small_page_bound` a small expandable block merges only
+    /// inside its own page, as if each page were one of the default's 2 MiB segments.
+    #[inline(always)]
+    pub(crate) fn merge_partners(
+        &self,
+        links: (Link, Link),
+        ptr: u64,
+        kind: PoolKind,
+        segment: Link,
+    ) -> (Option<usize>, Option<usize>) {
+        let (prev, next) = (
+            self.blocks.mergeable(links.0),
+            self.blocks.mergeable(links.1),
+        );
+        match segment.get() {
+            Some(segment) if self.small_page_bound(kind) => (
+                prev.filter(|_| !self.expandable.starts_page(segment, ptr)),
+                next.filter(|&n| !self.expandable.starts_page(segment, self.blocks[n].ptr)),
+            ),
+            _ => (prev, next),
+        }
+    }
+
+    /// Whether expandable blocks of pool `kind` stay inside their pages
+    /// (`expandable_segments_small_page_bound`, small pool only): they merge only inside
+    /// a page, cannot grow, and the pool grows by pages of their own.
+    #[inline(always)]
+    pub(crate) fn small_page_bound(&self, kind: PoolKind) -> bool {
+        kind == PoolKind::Small && self.config.expandable.small_page_bound
     }
 
     /// `free_block`'s merge (`try_merge_blocks`): block `id` takes in `next`, the block
@@ -537,7 +571,9 @@ impl State {
         }
         // PyTorch's `map_block` merges what it mapped with both free neighbours: a free
         // block right after a range mapped to its end joins too.
-        if let Some(n) = self.blocks.mergeable(self.blocks[first].next) {
+        // (A page-bound small pool's growth ends at a page boundary: nothing merges there.)
+        let after = self.blocks.mergeable(self.blocks[first].next);
+        if let Some(n) = after.filter(|_| !self.small_page_bound(kind)) {
             self.pool_remove(n);
             self.blocks.absorb_next(first, n);
         }

@@ -25,10 +25,9 @@ pub(super) fn credit(st: &State, id: usize, req: &Request) -> Option<Credit> {
     let b = &st.blocks[id];
     let expandable = b.segment.is_some();
     // (With expandable segments switched off, the search skips expandable blocks.)
-    if (expandable && !c.expandable.enabled)
-        || b.size != req.size
-        || st.blocks.mergeable(b.prev).is_some()
-    {
+    // The free must merge no free block before it...
+    let (merged_before, next) = st.merge_partners((b.prev, b.next), b.ptr, b.pool, b.segment);
+    if (expandable && !c.expandable.enabled) || b.size != req.size || merged_before.is_some() {
         return None;
     }
     // With reclaim, a free counts toward the segment's next mark: the credit allows only
@@ -44,8 +43,7 @@ pub(super) fn credit(st: &State, id: usize, req: &Request) -> Option<Credit> {
         }
         _ => (None, u64::MAX),
     };
-    // The free merges the free block after it, if any...
-    let next = st.blocks.mergeable(b.next);
+    // ... and merges the free block after it, if any...
     let next_size = next.map_or(0, |n| st.blocks[n].size);
     let merged = b.size + next_size;
     if st.oversize.refuses(b.size, merged) {
@@ -100,6 +98,15 @@ pub(super) fn credit(st: &State, id: usize, req: &Request) -> Option<Credit> {
 fn best_fit_after_free_is_merged(st: &State, id: usize, next: Option<usize>, merged: u64) -> bool {
     let (b, c) = (&st.blocks[id], &st.config);
     let tail_only = c.expandable.reclaim;
+    // (Best fit counts no growth for blocks that stay inside their pages.)
+    let page_bound = st.small_page_bound(b.pool);
+    let growth = |r: usize| {
+        if page_bound {
+            0
+        } else {
+            st.blocks.growth(r, tail_only)
+        }
+    };
     let next_key = next.map(|n| key(st.blocks[n].size, st.blocks[n].ptr));
     let mut others = st
         .pools
@@ -109,11 +116,11 @@ fn best_fit_after_free_is_merged(st: &State, id: usize, next: Option<usize>, mer
         .filter(|&(k, r)| {
             Some(k) != next_key && (c.expandable.enabled || st.blocks[r].segment.is_none())
         })
-        .map(|(k, r)| (k, st.blocks[r].size, st.blocks.growth(r, tail_only)))
+        .map(|(k, r)| (k, st.blocks[r].size, growth(r)))
         .peekable();
     // (What follows the merged block is what follows its last piece.)
     let merged_key = key(merged, b.ptr);
-    let merged_growth = st.blocks.growth(next.unwrap_or(id), tail_only);
+    let merged_growth = growth(next.unwrap_or(id));
     let mut merged_entry = Some((merged_key, merged, merged_growth));
     let mut candidates = std::iter::from_fn(|| match merged_entry {
         Some(m) if others.peek().is_none_or(|o| o.0 > m.0) => merged_entry.take(),

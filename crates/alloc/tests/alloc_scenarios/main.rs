@@ -34,5 +34,6 @@ mod reclaim_switch;
 mod reclaim_without_sync;
 mod sleep;
 mod sleep_adv;
+mod small_page_bound;
 
 pub(crate) use common::Rng;

@@ -168,6 +168,8 @@ const RECLAIM2: &str =
     "expandable_segments:True,expandable_segments_page_mb:2,expandable_segments_reclaim:True";
 const RECLAIM20: &str = "expandable_segments:True,expandable_segments_reclaim:True";
 const RECOMMENDED: &str = "ferrocuda_recommended:True";
+const BOUND2: &str = "expandable_segments:True,expandable_segments_page_mb:2,expandable_segments_small_page_bound:True";
+const BOUND_RECLAIM2: &str = "expandable_segments:True,expandable_segments_reclaim:True,expandable_segments_small_page_bound:True";
 
 #[test]
 fn small_pool_even_sizes_small_device() {
@@ -181,6 +183,25 @@ fn small_pool_even_sizes_small_device() {
         Gen::new(Sizes::Even, 250),
     );
     assert!(hit > 0, "no pair met the walk past a candidate");
+}
+
+/// Small blocks kept inside their pages (`expandable_segments_small_page_bound`), with and
+/// without reclaim, the device keeping up and lagging: no walk happens in the small pool,
+/// so only the results are compared.
+#[test]
+fn small_blocks_inside_their_pages() {
+    for (conf, completion, base) in [
+        (BOUND2, Completion::Eager, 1100),
+        (BOUND_RECLAIM2, Completion::Manual, 1150),
+    ] {
+        check(
+            "small_page_bound",
+            Case::new(conf, 64 * MIB, completion, 2),
+            base,
+            25,
+            Gen::new(Sizes::Even, 250),
+        );
+    }
 }
 
 #[test]
@@ -324,6 +345,8 @@ fn run_time_toggles() {
             "expandable_segments_reclaim:False",
             "expandable_segments_page_mb:2",
             "expandable_segments_page_mb:20",
+            "expandable_segments_small_page_bound:True",
+            "expandable_segments_small_page_bound:False",
             "max_split_size_mb:20",
             "max_split_size_mb:100",
             "roundup_power2_divisions:4",

@@ -229,6 +229,8 @@ fn threads_with_toggles_and_small_reservations() {
             "expandable_segments:True",
             "expandable_segments_reclaim:True",
             "expandable_segments_reclaim:False",
+            "expandable_segments_small_page_bound:True",
+            "expandable_segments_small_page_bound:False",
             "max_split_size_mb:20",
             "max_split_size_mb:100",
         ],

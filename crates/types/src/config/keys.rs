@@ -261,6 +261,9 @@ impl AllocatorConfig {
             "expandable_segments_reclaim" => {
                 self.expandable.reclaim = bool_value(single(p, key, value)?)?;
             }
+            "expandable_segments_small_page_bound" => {
+                self.expandable.small_page_bound = bool_value(single(p, key, value)?)?;
+            }
             "expandable_segments_page_mb" => {
                 let v = single(p, key, value)?;
                 let mb = uint_value(v)?;
@@ -342,10 +345,11 @@ impl AllocatorConfig {
 
     /// What `ferrocuda_recommended:True` turns on: expandable segments whose free pages
     /// move to where memory grows (`expandable_segments_reclaim`) in 2 MiB large-pool pages,
+    /// small blocks kept inside their 2 MiB pages (`expandable_segments_small_page_bound`),
     /// and the out-of-memory path that searches again after waiting for events and frees
     /// only what a request needs. Measured against PyTorch's expandable segments on eight
     /// recorded traces in `docs/measurements/traces_2026-11-23.md`.
-    pub const RECOMMENDED: &'static str = "expandable_segments:True,expandable_segments_reclaim:True,expandable_segments_page_mb:2,oom_search_after_sync:True,oom_release_partial:True";
+    pub const RECOMMENDED: &'static str = "expandable_segments:True,expandable_segments_reclaim:True,expandable_segments_small_page_bound:True,expandable_segments_page_mb:2,oom_search_after_sync:True,oom_release_partial:True";
 
     /// The variables the configuration is read from, the first one set winning.
     pub const SOURCES: [&'static str; 3] = [
@@ -477,6 +481,10 @@ impl AllocatorConfig {
             (
                 "expandable_segments_reclaim",
                 self.expandable.reclaim != d.expandable.reclaim,
+            ),
+            (
+                "expandable_segments_small_page_bound",
+                self.expandable.small_page_bound != d.expandable.small_page_bound,
             ),
             (
                 "thread_cache",

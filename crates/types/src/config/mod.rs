@@ -112,6 +112,13 @@ pub struct ExpandableConfig {
     /// strand less of it at the ends of free ranges, at the price of more map calls.
     #[serde(rename = "expandable_segments_page")]
     pub page: Option<u64>,
+    /// `expandable_segments_small_page_bound` (ferrocuda's own): a free small block of an
+    /// expandable segment merges only with free neighbours inside its own 2 MiB page, and
+    /// the small pool grows by a page of its own, as the default's 2 MiB small segments
+    /// keep blocks apart. Fewer splits and merges when many threads churn small blocks;
+    /// pages are still reclaimed and moved. Off by default.
+    #[serde(rename = "expandable_segments_small_page_bound", default)]
+    pub small_page_bound: bool,
 }
 
 /// Memory limits, garbage collection and what happens when the device is full: read by

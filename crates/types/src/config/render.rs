@@ -64,6 +64,11 @@ impl fmt::Display for AllocatorConfig {
                 default.expandable.reclaim,
             ),
             (
+                "expandable_segments_small_page_bound",
+                self.expandable.small_page_bound,
+                default.expandable.small_page_bound,
+            ),
+            (
                 "thread_cache",
                 self.reuse.thread_cache,
                 default.reuse.thread_cache,

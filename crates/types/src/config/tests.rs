@@ -44,7 +44,14 @@ fn the_recommended_set_applies_first_and_named_keys_override_it() {
     assert!(
         c.expandable.reclaim && c.release.oom_search_after_sync && c.release.oom_release_partial
     );
+    assert!(c.expandable.small_page_bound);
     assert_eq!(c.expandable.page, Some(2 * MIB));
+    let c = AllocatorConfig::parse(
+        "ferrocuda_recommended:True,expandable_segments_small_page_bound:False",
+    )
+    .unwrap_or_default();
+    assert!(!c.expandable.small_page_bound && c.expandable.reclaim);
+    assert!(AllocatorConfig::parse("expandable_segments_small_page_bound:1").is_err());
     // Named keys win wherever they stand.
     for s in [
         "expandable_segments_page_mb:4,ferrocuda_recommended:True",
@@ -325,6 +332,7 @@ fn keys_beside_the_async_backend() {
             "thread_cache",
             "ferrocuda_recommended",
             "expandable_segments_reclaim",
+            "expandable_segments_small_page_bound",
             "oom_release_partial",
             "oom_search_after_sync",
             "expandable_segments_page_mb"
@@ -623,6 +631,7 @@ fn serialized_configuration_is_flat_and_round_trips() -> Result<(), Box<dyn std:
         "expandable_segments_reclaim",
         "expandable_segments_reserve",
         "expandable_segments_reserve_by_class",
+        "expandable_segments_small_page_bound",
         "ferrocuda_recommended",
         "garbage_collection_threshold",
         "garbage_collection_without_fraction",
