@@ -5,12 +5,13 @@
 //! every sample from an empty live set instead); and the 1 MiB pair with `thread_cache:False`
 //! (every request through the allocator's lock); and the 1 MiB pair, 8 threads and churn again
 //! with `expandable_segments:True` (`_expandable`: PyTorch's expandable rules alone) and with
-//! `ferrocuda_recommended:True` (`_recommended`: those rules and page reclaim), so the
-//! recommended set's cost splits into PyTorch's rules and ferrocuda's own. Beside them, the floor any exact path
-//! pays: one uncontended lock and unlock of a parking mutex and of the allocator's own spin
-//! lock, and a lock-and-unlock pair (the two locked operations of an alloc+free pair) on 8
-//! threads contending for one mutex, as PyTorch's allocator's calls contend for its one
-//! mutex per device.
+//! `ferrocuda_recommended:True` (`_recommended`: ferrocuda's set, with page reclaim and
+//! small blocks kept inside their pages), so the recommended set's cost splits into
+//! PyTorch's rules and ferrocuda's own. Beside them, the floor any exact path pays: one
+//! uncontended lock and unlock of a parking mutex and of the allocator's own spin lock, and
+//! a lock-and-unlock pair (the two locked operations of an alloc+free pair) on 8 threads
+//! contending for one mutex, as PyTorch's allocator's calls contend for its one mutex per
+//! device.
 //!
 //! On the GPU bundle it runs over the real driver (required there); elsewhere over the fake
 //! device, where the hot path is the same code (it makes no driver call once cached).
