@@ -2,7 +2,8 @@
 //! (manual completion) in CI, the real driver in the GPU bundle (`#[ignore]`d without a
 //! GPU: skipped, with the reason). Exact statistics, OOM text and retry, memory fraction,
 //! `test_allocator_settings` sizes, record_stream reuse timing, a 10 000-op fuzz with data
-//! integrity (run through the `backend:cudaMallocAsync` allocator too).
+//! integrity (run through the recommended set and the `backend:cudaMallocAsync` allocator
+//! too), expandable segments, page reclaim and small blocks inside their pages.
 #![forbid(unsafe_code)]
 use ferrocuda_alloc::{AllocError, AsyncAllocator, Caching, CachingAllocator};
 use ferrocuda_stream::Module;
@@ -250,6 +251,12 @@ fn fuzz_with_data_integrity(h: &Harness) -> TestResult {
     fuzz_over(h, &allocator(h, "")?)
 }
 
+/// The fuzz through the recommended set: page reclaim and small blocks kept inside their
+/// pages over the real virtual-memory API.
+fn recommended_fuzz_with_data_integrity(h: &Harness) -> TestResult {
+    fuzz_over(h, &allocator(h, "ferrocuda_recommended:True")?)
+}
+
 /// The fuzz through the `backend:cudaMallocAsync` allocator.
 fn async_fuzz_with_data_integrity(h: &Harness) -> TestResult {
     fuzz_over(h, &*AsyncAllocator::new(h.rt.driver().clone()))
@@ -375,6 +382,44 @@ fn expandable_reclaim(h: &Harness) -> TestResult {
     Ok(())
 }
 
+/// `expandable_segments_small_page_bound` (in the recommended set) over the real
+/// virtual-memory API: a small request that fits no free block takes a page of its own
+/// (not the free rest of the page before it), a free at a page boundary does not merge
+/// across it, and the data of live blocks on both sides stays as written.
+fn small_blocks_inside_their_pages(h: &Harness) -> TestResult {
+    let d = h.rt.driver();
+    let a = allocator(h, "ferrocuda_recommended:True")?;
+    let first = a.allocate(MIB, LEGACY)?;
+    let second = a.allocate(MIB / 2, LEGACY)?;
+    let own_page = a.allocate(MIB, LEGACY)?;
+    assert_eq!(own_page.ptr, first.ptr.offset(2 * MIB), "a page of its own");
+    let after = a.allocate(MIB, LEGACY)?;
+    assert_eq!(after.ptr, own_page.ptr.offset(MIB));
+    for (i, x) in [&first, &second, &own_page, &after].iter().enumerate() {
+        d.memset_async(x.ptr, MemsetValue::U8(i as u8 + 1), x.size, LEGACY)?;
+    }
+    // The 512 KiB left at the first page's end and the second page's first block, freed
+    // side by side, stay two blocks: a 1 MiB request takes the freed block back whole.
+    a.free(own_page.ptr)?;
+    assert_eq!(a.allocate(MIB, LEGACY)?.ptr, own_page.ptr);
+    let mut probe = [0u8; 16];
+    for (x, tag) in [(&second, 2u8), (&after, 4u8)] {
+        d.memcpy_dtoh(&mut probe, x.ptr.offset(x.size - 16), LEGACY)?;
+        assert_eq!(probe, [tag; 16], "live data beside the page boundary");
+    }
+    assert_eq!(
+        stat(&a, "reserved_bytes.small_pool.current"),
+        4 * MIB as i64
+    );
+    for x in [first.ptr, second.ptr, own_page.ptr, after.ptr] {
+        a.free(x)?;
+    }
+    a.empty_cache();
+    assert_eq!(stat(&a, "reserved_bytes.all.current"), 0);
+    a.check_invariants()?;
+    Ok(())
+}
+
 ferrocuda_testkit::both_backends!(
     exact_stats,
     out_of_memory_text_and_retry,
@@ -384,5 +429,7 @@ ferrocuda_testkit::both_backends!(
     fuzz_with_data_integrity,
     async_fuzz_with_data_integrity,
     expandable_segments,
-    expandable_reclaim
+    expandable_reclaim,
+    recommended_fuzz_with_data_integrity,
+    small_blocks_inside_their_pages
 );
