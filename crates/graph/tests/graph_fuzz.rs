@@ -61,6 +61,7 @@ const KEYS: &[&[&str]] = &[
     &["release_lock_on_cudamalloc:True"],
     &["throw_on_cudamalloc_oom:True"],
     &["expandable_segments_reclaim:True"],
+    &["expandable_segments_small_page_bound:True"],
     &[
         "expandable_segments_page_mb:2",
         "expandable_segments_page_mb:6",

@@ -182,6 +182,7 @@ pub(super) fn conf(r: &mut Rng) -> String {
         "roundup_power2_divisions:[64:8,>:1]",
         "large_segment_size_mb:12",
         "expandable_segments_reclaim:True",
+        "expandable_segments_small_page_bound:True",
         "cross_stream_reuse:True",
         "thread_cache:False",
     ];

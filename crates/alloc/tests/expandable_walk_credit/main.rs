@@ -11,11 +11,11 @@
 //! at its end.
 //!
 //! - `random_single`: random single-threaded programs over many configurations (expandable
-//!   segments with 2 and 20 MiB pages, reclaim, `ferrocuda_recommended`, small reservations
-//!   that make several segments per stream, `max_split_size_mb`, `roundup_power2_divisions`,
-//!   `garbage_collection_threshold`, small devices that run out of memory, lagging devices,
-//!   run-time `update_config` toggles), biased toward free+allocate of the same bytes (a
-//!   credit's case). A failure is shrunk to a short program and printed with its seed.
+//!   segments with 2 and 20 MiB pages, reclaim, small blocks kept inside their pages,
+//!   `ferrocuda_recommended`, small reservations that make several segments per stream,
+//!   `max_split_size_mb`, `roundup_power2_divisions`, `garbage_collection_threshold`, small
+//!   devices that run out of memory, lagging devices, run-time `update_config` toggles),
+//!   biased toward free+allocate of the same bytes (a credit's case). A failure is shrunk to a short program and printed with its seed.
 //! - `random_threads`: the same kind of programs run by 2-4 worker threads, one step at a
 //!   time handed over through channels (so the order is determined), each thread's own
 //!   free+allocate pairs in between; the reference replays the steps in that order.
