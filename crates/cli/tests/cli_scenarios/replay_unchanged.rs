@@ -7,7 +7,8 @@
 //!   `ferrocuda replay --json` printed before the change (`tests/data/replay-before.json`,
 //!   made by the command at the commit before it; 200 replays, 79 with out-of-memory errors;
 //!   the `ferrocuda_recommended:True` rows made again when page reclaim's best-fit rule
-//!   changed, see `tests/data/README.md`).
+//!   changed and when the set came to keep small blocks inside their pages, see
+//!   `tests/data/README.md`).
 //! - Random traces with what the real ones lack (several streams, addresses reused without
 //!   a free, frees of addresses never allocated, out-of-memory errors on a small device) give
 //!   the figures of the loop as it was before, kept here as the reference.
