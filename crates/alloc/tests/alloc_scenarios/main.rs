@@ -35,5 +35,6 @@ mod reclaim_without_sync;
 mod sleep;
 mod sleep_adv;
 mod small_page_bound;
+mod small_page_bound_adv;
 
 pub(crate) use common::Rng;

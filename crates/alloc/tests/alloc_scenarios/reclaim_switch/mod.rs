@@ -189,7 +189,10 @@ fn py(on: bool) -> &'static str {
 }
 
 /// Greedy shrink: drop ops one at a time while the program still fails.
-fn shrink<T: Clone + std::fmt::Debug>(ops: &[T], fails: impl Fn(&[T]) -> bool) -> Vec<T> {
+pub(crate) fn shrink<T: Clone + std::fmt::Debug>(
+    ops: &[T],
+    fails: impl Fn(&[T]) -> bool,
+) -> Vec<T> {
     let mut cur = ops.to_vec();
     let mut changed = true;
     while changed {
@@ -210,7 +213,7 @@ fn shrink<T: Clone + std::fmt::Debug>(ops: &[T], fails: impl Fn(&[T]) -> bool) -
 }
 
 /// `seeds`, made `PROBE_SCALE` times as long.
-fn scaled(seeds: std::ops::Range<u64>) -> std::ops::Range<u64> {
+pub(crate) fn scaled(seeds: std::ops::Range<u64>) -> std::ops::Range<u64> {
     let scale: u64 = std::env::var("PROBE_SCALE")
         .ok()
         .and_then(|v| v.parse().ok())
